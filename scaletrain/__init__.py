@@ -1,0 +1,1 @@
+"""scaletrain: DeepSpeed training for Hugging Face causal LMs."""

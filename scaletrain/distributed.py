@@ -1,0 +1,106 @@
+"""One DistInfo for every launcher (deepspeed, torchrun, srun, plain python), gathered once and passed down.
+
+`read_launch_env` reads the environment only (no torch), so a bad flag can be reported once, by rank 0,
+before any process group exists. `init_distributed` then builds the process group through DeepSpeed.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import socket
+from dataclasses import dataclass
+from typing import Mapping, Optional
+
+
+@dataclass(frozen=True)
+class DistInfo:
+    rank: int
+    local_rank: int
+    world_size: int
+    launcher: str  # "torchrun/deepspeed", "srun" or "single"
+    accelerator: str = "cpu"  # DeepSpeed's accelerator name, known after init
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def dp_world_size(self) -> int:
+        # Data parallelism is the only parallelism so far: every rank is a data-parallel replica.
+        return self.world_size
+
+
+def read_launch_env(environ: Optional[Mapping[str, str]] = None) -> DistInfo:
+    """Rank facts from whichever launcher started us. Launcher variables win over Slurm's.
+
+    torchrun and the deepspeed launcher set RANK/WORLD_SIZE/LOCAL_RANK. `srun python train.py` sets only
+    SLURM_PROCID/SLURM_NTASKS/SLURM_LOCALID, which torch.distributed does not read, so they are mapped here.
+    A Slurm batch step with one task (srun running a launcher per node) is not itself a rank: SLURM_NTASKS=1.
+    """
+    env = os.environ if environ is None else environ
+    if "RANK" in env and "WORLD_SIZE" in env:
+        return DistInfo(
+            rank=int(env["RANK"]),
+            local_rank=int(env.get("LOCAL_RANK", 0)),
+            world_size=int(env["WORLD_SIZE"]),
+            launcher="torchrun/deepspeed",
+        )
+    if int(env.get("SLURM_NTASKS", "1")) > 1 and "SLURM_PROCID" in env:
+        return DistInfo(
+            rank=int(env["SLURM_PROCID"]),
+            local_rank=int(env.get("SLURM_LOCALID", 0)),
+            world_size=int(env["SLURM_NTASKS"]),
+            launcher="srun",
+        )
+    return DistInfo(rank=0, local_rank=0, world_size=1, launcher="single")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _export_rendezvous_env(dist: DistInfo) -> None:
+    """torch.distributed's env:// init needs these; launchers set them, srun and plain python do not."""
+    os.environ.setdefault("RANK", str(dist.rank))
+    os.environ.setdefault("LOCAL_RANK", str(dist.local_rank))
+    os.environ.setdefault("WORLD_SIZE", str(dist.world_size))
+    if dist.launcher == "single":
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", str(_free_port()))
+    elif dist.launcher == "srun" and "MASTER_ADDR" not in os.environ:
+        raise RuntimeError("srun launch: set MASTER_ADDR (the first node of the job) and MASTER_PORT")
+
+
+def init_distributed(dist: DistInfo) -> DistInfo:
+    """Create the process group (gloo on CPU, nccl on CUDA) and bind this rank to its device."""
+    import deepspeed
+    from deepspeed.accelerator import get_accelerator
+
+    _export_rendezvous_env(dist)
+    accelerator = get_accelerator().device_name()
+    if accelerator == "cpu" and dist.world_size == 1:
+        # DeepSpeed JIT-builds its shared-memory all-reduce op on every CPU start (tens of seconds to minutes
+        # on a fresh machine). A single rank never communicates, so skip the build.
+        # (importlib: `import deepspeed.comm.torch` would resolve to the torch package re-exported there.)
+        importlib.import_module("deepspeed.comm.torch").build_shm_op = lambda: None
+    backend = "gloo" if accelerator == "cpu" else get_accelerator().communication_backend_name()
+    if accelerator != "cpu":
+        get_accelerator().set_device(dist.local_rank)
+    deepspeed.init_distributed(dist_backend=backend, auto_mpi_discovery=False)
+    return DistInfo(dist.rank, dist.local_rank, dist.world_size, dist.launcher, accelerator)
+
+
+def barrier() -> None:
+    import deepspeed.comm as ds_comm
+
+    ds_comm.barrier()
+
+
+def teardown_distributed() -> None:
+    import torch.distributed as torch_dist
+
+    if torch_dist.is_available() and torch_dist.is_initialized():
+        torch_dist.destroy_process_group()

@@ -1,0 +1,223 @@
+"""Load a DeepSpeed JSON and fill every "auto" from the run's flags, the model and the hardware.
+
+The JSON is data: the numbers the run decides (batch sizes, learning rate, clipping, precision, bucket sizes)
+are computed here, once, and each resolved value remembers where it came from so that the printed and saved
+config explains itself. Imports no torch: the caller passes in the facts about hardware and model.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Optional
+
+from scaletrain.config import NVME_PATH_ENV, RunConfig, UsageError
+
+AUTO = "auto"
+DEFAULT_OPTIMIZER = {
+    "type": "AdamW",
+    "params": {"lr": AUTO, "betas": AUTO, "eps": AUTO, "weight_decay": AUTO},
+}
+ADAM_TYPES = {"adam", "adamw"}
+
+
+@dataclass(frozen=True)
+class HardwareFacts:
+    """What the resolver needs to know about the machine (gathered by the caller, which may import torch)."""
+
+    accelerator: str  # "cuda" or "cpu" (DeepSpeed's accelerator name)
+    bf16_fast: bool  # bf16 matrix products run at full speed here (CUDA with bf16 support)
+
+
+@dataclass(frozen=True)
+class ResolvedDSConfig:
+    config: dict
+    sources: dict  # dotted key -> where its value came from
+    precision: str  # "bf16", "fp16" or "fp32"
+    precision_reason: str
+
+    @property
+    def zero_stage(self) -> int:
+        return int(self.config.get("zero_optimization", {}).get("stage", 0))
+
+    @property
+    def offloads_optimizer(self) -> bool:
+        device = self.config.get("zero_optimization", {}).get("offload_optimizer", {}).get("device", "none")
+        return device not in (None, "none")
+
+    @property
+    def offloads_params(self) -> bool:
+        device = self.config.get("zero_optimization", {}).get("offload_param", {}).get("device", "none")
+        return device not in (None, "none")
+
+    def explained(self) -> str:
+        """The resolved JSON followed by one line per value the pipeline decided."""
+        lines = [json.dumps(self.config, indent=2, sort_keys=True), "where the decided values came from:"]
+        lines += [f"  {key} = {json.dumps(_get(self.config, key))}  <- {src}" for key, src in sorted(self.sources.items())]
+        return "\n".join(lines)
+
+
+def load_ds_config(path: str) -> dict:
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except OSError as exc:
+        raise UsageError(f"--config {path}: cannot read it ({exc.strerror})", "check the path and its permissions")
+    try:
+        raw = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise UsageError(f"--config {path}: not valid JSON (line {exc.lineno}, column {exc.colno}: {exc.msg})")
+    if not isinstance(raw, dict):
+        raise UsageError(f"--config {path}: the top level must be a JSON object")
+    return raw
+
+
+def _get(tree: dict, dotted: str) -> Any:
+    node: Any = tree
+    for part in dotted.split("."):
+        node = node[part]
+    return node
+
+
+class _Resolver:
+    def __init__(self, raw: dict, path: str):
+        self.config = copy.deepcopy(raw)
+        self.path = path
+        self.sources: dict = {}
+
+    def fill(self, dotted: str, value: Any, source: str) -> None:
+        """Set `dotted` to value where it is "auto" or absent; an explicit JSON value is kept."""
+        *parents, leaf = dotted.split(".")
+        node = self.config
+        for part in parents:
+            node = node.setdefault(part, {})
+        if node.get(leaf, AUTO) != AUTO:
+            return
+        node[leaf] = value
+        self.sources[dotted] = source
+
+    def explicit(self, dotted: str) -> Optional[Any]:
+        try:
+            value = _get(self.config, dotted)
+        except (KeyError, TypeError):
+            return None
+        return None if value == AUTO else value
+
+
+def _resolve_precision(r: _Resolver, cfg: RunConfig, hw: HardwareFacts) -> tuple:
+    json_bf16 = r.explicit("bf16.enabled")
+    json_fp16 = r.explicit("fp16.enabled")
+    if json_bf16 is True and json_fp16 is True:
+        raise UsageError(f"--config {r.path}: bf16.enabled and fp16.enabled are both true", "enable one precision")
+    if cfg.bf16 and json_fp16 is True:
+        raise UsageError(f"--bf16 contradicts fp16.enabled=true in {r.path}", "drop the flag or set it to \"auto\"")
+    if cfg.fp16 and json_bf16 is True:
+        raise UsageError(f"--fp16 contradicts bf16.enabled=true in {r.path}", "drop the flag or set it to \"auto\"")
+    if cfg.bf16:
+        precision, reason, source = "bf16", "--bf16 given", "--bf16"
+    elif cfg.fp16:
+        precision, reason, source = "fp16", "--fp16 given (dynamic loss scaling)", "--fp16"
+    elif json_bf16 is True:
+        precision, reason, source = "bf16", f"bf16.enabled=true in {r.path}", "json"
+    elif json_fp16 is True:
+        precision, reason, source = "fp16", f"fp16.enabled=true in {r.path}", "json"
+    elif hw.bf16_fast:
+        precision, reason, source = "bf16", "auto: CUDA device with bf16 support", "auto: hardware"
+    else:
+        precision, reason, source = "fp32", f"auto: no fast bf16 on this {hw.accelerator} (bf16 would be slower)", \
+            "auto: hardware"
+    for name, explicit in (("bf16", json_bf16), ("fp16", json_fp16)):
+        r.config.setdefault(name, {})["enabled"] = precision == name
+        if explicit is None:
+            r.sources[f"{name}.enabled"] = source
+    if precision == "fp16":
+        r.fill("fp16.loss_scale", 0, "fp16 default: dynamic loss scaling")
+    return precision, reason
+
+
+def _resolve_nvme(r: _Resolver, cfg: RunConfig) -> None:
+    zero = r.config.get("zero_optimization", {})
+    for section in ("offload_optimizer", "offload_param"):
+        offload = zero.get(section)
+        if not isinstance(offload, dict) or offload.get("device") != "nvme":
+            continue
+        if offload.get("nvme_path", AUTO) == AUTO:
+            path = cfg.resolved_nvme_path
+            if not path:
+                raise UsageError(
+                    f"zero_optimization.{section}.nvme_path in {r.path} is \"auto\" and no NVMe folder was given",
+                    f"pass --nvme_path /local/nvme/folder or set ${NVME_PATH_ENV}",
+                )
+            source = "--nvme_path" if cfg.nvme_path else f"${NVME_PATH_ENV}"
+            r.fill(f"zero_optimization.{section}.nvme_path", path, source)
+
+
+def _leftover_autos(tree: Any, prefix: str = "") -> list:
+    if isinstance(tree, dict):
+        return [k for key, v in tree.items() for k in _leftover_autos(v, f"{prefix}{key}.")]
+    return [prefix.rstrip(".")] if tree == AUTO else []
+
+
+def resolve_ds_config(
+    raw: dict, cfg: RunConfig, dp_world_size: int, hidden_size: int, hw: HardwareFacts
+) -> ResolvedDSConfig:
+    """Fill every "auto" of a DeepSpeed JSON. Raises UsageError naming the key when something cannot be decided."""
+    r = _Resolver(raw, cfg.config)
+    if "scheduler" in r.config:
+        raise UsageError(
+            f"--config {cfg.config}: has a \"scheduler\" section; this pipeline owns the LR schedule",
+            "remove the section and use --lr_scheduler_type, --warmup_steps/--warmup_ratio, --min_lr_ratio",
+        )
+
+    micro = cfg.per_device_train_batch_size
+    gas = cfg.gradient_accumulation_steps
+    r.fill("train_micro_batch_size_per_gpu", micro, "--per_device_train_batch_size")
+    r.fill("gradient_accumulation_steps", gas, "--gradient_accumulation_steps")
+    micro = r.config["train_micro_batch_size_per_gpu"]
+    gas = r.config["gradient_accumulation_steps"]
+    r.fill("train_batch_size", micro * gas * dp_world_size,
+           f"micro batch {micro} x accumulation {gas} x data-parallel size {dp_world_size}")
+    global_batch = r.config["train_batch_size"]
+    if global_batch != micro * gas * dp_world_size:
+        raise UsageError(
+            f"train_batch_size {global_batch} in {cfg.config} != micro batch {micro} x accumulation {gas} "
+            f"x data-parallel size {dp_world_size} = {micro * gas * dp_world_size}",
+            "set train_batch_size to \"auto\" or change the batch flags",
+        )
+    r.fill("gradient_clipping", cfg.max_grad_norm, "--max_grad_norm")
+
+    if "optimizer" not in r.config:
+        r.config["optimizer"] = copy.deepcopy(DEFAULT_OPTIMIZER)
+        r.sources["optimizer.type"] = "default: AdamW"
+    r.fill("optimizer.params.lr", cfg.learning_rate, "--learning_rate")
+    r.fill("optimizer.params.betas", [cfg.adam_beta1, cfg.adam_beta2], "--adam_beta1/--adam_beta2")
+    r.fill("optimizer.params.eps", cfg.adam_epsilon, "--adam_epsilon")
+    r.fill("optimizer.params.weight_decay", cfg.weight_decay, "--weight_decay")
+
+    precision, reason = _resolve_precision(r, cfg, hw)
+
+    zero = r.config.setdefault("zero_optimization", {"stage": 0})
+    if zero.get("stage", 0) == AUTO:
+        raise UsageError(f"zero_optimization.stage in {cfg.config} cannot be \"auto\"", "set 0, 1, 2 or 3")
+    r.fill("zero_optimization.reduce_bucket_size", hidden_size * hidden_size, f"hidden_size^2 ({hidden_size}^2)")
+    r.fill("zero_optimization.stage3_prefetch_bucket_size", int(0.9 * hidden_size * hidden_size),
+           f"0.9 x hidden_size^2 ({hidden_size}^2)")
+    r.fill("zero_optimization.stage3_param_persistence_threshold", 10 * hidden_size, f"10 x hidden_size ({hidden_size})")
+    _resolve_nvme(r, cfg)
+
+    resolved = ResolvedDSConfig(r.config, r.sources, precision, reason)
+    optimizer_type = str(r.config["optimizer"].get("type", "")).lower()
+    if hw.accelerator == "cpu" and optimizer_type in ADAM_TYPES and not resolved.offloads_optimizer:
+        # DeepSpeed's default Adam is FusedAdam, a JIT-built GPU kernel; on a CPU torch's AdamW does the same
+        # update without a multi-minute build. Offload keeps DeepSpeedCPUAdam, the optimizer offload is made for.
+        r.fill("optimizer.params.torch_adam", True, "cpu without offload: torch AdamW, no FusedAdam build")
+    r.fill("steps_per_print", 2**31 - 1, "default: the pipeline logs its own metrics")
+
+    leftover = _leftover_autos(r.config)
+    if leftover:
+        raise UsageError(
+            f"{leftover[0]} in {cfg.config} is \"auto\" but the pipeline does not decide it",
+            "set an explicit value there",
+        )
+    return resolved

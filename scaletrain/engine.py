@@ -1,0 +1,39 @@
+"""deepspeed.initialize with the resolved config, AdamW parameter groups and the run's LR schedule."""
+
+from __future__ import annotations
+
+import logging
+
+from scaletrain.schedules import LRSchedule
+
+log = logging.getLogger(__name__)
+
+
+def parameter_groups(model, weight_decay: float) -> list:
+    """Decay matrices only: biases and norm weights (1-D tensors) keep weight_decay 0, as is standard for LMs."""
+    decay, no_decay = [], []
+    for _, param in model.named_parameters():
+        if not param.requires_grad:
+            continue
+        shape = getattr(param, "ds_shape", param.shape)  # ZeRO-3 partitions report their full shape here
+        (decay if len(shape) >= 2 else no_decay).append(param)
+    return [
+        {"params": decay, "weight_decay": weight_decay},
+        {"params": no_decay, "weight_decay": 0.0},
+    ]
+
+
+def build_engine(model, ds_config: dict, weight_decay: float, schedule: LRSchedule):
+    import deepspeed
+    from torch.optim.lr_scheduler import LambdaLR
+
+    engine, _, _, _ = deepspeed.initialize(
+        model=model,
+        model_parameters=parameter_groups(model, weight_decay),
+        config=ds_config,
+        lr_scheduler=lambda optimizer: LambdaLR(optimizer, schedule.multiplier),
+    )
+    log.info("engine: ZeRO stage %d, optimizer %s, schedule %s (warmup %d of %d steps)",
+             engine.zero_optimization_stage(), type(engine.optimizer).__name__, schedule.kind,
+             schedule.warmup_steps, schedule.total_steps)
+    return engine

@@ -1,0 +1,59 @@
+"""Rank-aware logging: INFO from rank 0 only, WARNING and above from every rank, the rank in every line.
+
+Call sites just use `logging.getLogger(__name__)`; they never test the rank themselves.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+import warnings
+
+
+class _RankFilter(logging.Filter):
+    def __init__(self, rank: int):
+        super().__init__()
+        self.rank = rank
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        record.rank = self.rank
+        return self.rank == 0 or record.levelno >= logging.WARNING
+
+
+def setup_logging(rank: int, level: int = logging.INFO) -> None:
+    handler = logging.StreamHandler(sys.stdout)
+    handler.addFilter(_RankFilter(rank))
+    handler.setFormatter(logging.Formatter("%(asctime)s [rank%(rank)d] %(levelname)s %(message)s", "%H:%M:%S"))
+    root = logging.getLogger()
+    root.handlers[:] = [handler]
+    root.setLevel(level)
+    # The libraries' own INFO chatter (DeepSpeed prints per-rank config dumps) drowns the run's log.
+    for noisy in ("DeepSpeed", "deepspeed", "transformers", "datasets", "torch"):
+        logging.getLogger(noisy).setLevel(logging.WARNING)
+    # DeepSpeed still calls torch.distributed's old collective names; the warning is not ours to act on.
+    warnings.filterwarnings("ignore", message=r".*torch\.distributed\.\w+` is deprecated", category=FutureWarning)
+    if rank != 0:
+        warnings.filterwarnings("ignore")  # library warnings are identical on every rank: show them once
+
+
+def silence_library_logs() -> None:
+    """Quiet the libraries' INFO output after their import (they install their own handlers)."""
+    try:
+        from deepspeed.utils import logger as ds_logger
+
+        ds_logger.setLevel(logging.WARNING)
+    except ImportError:
+        pass
+    try:
+        import transformers
+
+        transformers.logging.set_verbosity_warning()
+    except ImportError:
+        pass
+    try:
+        import datasets
+
+        datasets.logging.set_verbosity_warning()
+        datasets.disable_progress_bars()
+    except ImportError:
+        pass

@@ -1,0 +1,119 @@
+"""The training loop: the only place that calls engine.backward and engine.step.
+
+Loss normalisation: the loss of a step is the mean over every real (non-padding) target token of the global
+batch. Each micro-batch contributes its *sum* of token losses divided by the global target count, so neither
+gradient accumulation nor the number of ranks changes the gradient (the Hugging Face accumulation bug is
+averaging per micro-batch means instead). DeepSpeed averages gradients over data-parallel ranks, so each rank
+multiplies by the data-parallel size to turn that average back into the global sum; `scale_wrt_gas=False`
+stops DeepSpeed dividing by the accumulation steps a second time.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from dataclasses import dataclass
+from typing import Callable, Optional
+
+from scaletrain.data import IGNORE_INDEX, StepBatches
+from scaletrain.metrics import LogWindow, MetricsLogger
+from scaletrain.state import TrainState
+
+log = logging.getLogger(__name__)
+
+
+def token_loss_sum(engine, batch: dict):
+    """Summed cross-entropy over the batch's real targets (labels shifted by one inside the block)."""
+    import torch.nn.functional as F
+
+    input_ids = batch["input_ids"].to(engine.device, non_blocking=True)
+    labels = batch["labels"].to(engine.device, non_blocking=True)
+    # Padding sits only at the end of a block (right padding) and causal attention never looks ahead, so no
+    # attention mask is needed: real tokens never see padding, and padded positions carry no loss.
+    logits = engine(input_ids=input_ids, use_cache=False).logits
+    return F.cross_entropy(
+        logits[:, :-1, :].reshape(-1, logits.size(-1)).float(),
+        labels[:, 1:].reshape(-1),
+        ignore_index=IGNORE_INDEX,
+        reduction="sum",
+    )
+
+
+@dataclass(frozen=True)
+class LoopSettings:
+    max_steps: int
+    logging_steps: int
+    eval_steps: int
+    save_steps: int
+    dp_world_size: int
+    show_progress: bool
+
+
+def evaluate(engine, batches: list) -> dict:
+    """Mean loss over a fixed set of validation blocks, across ranks, and its perplexity."""
+    import torch
+    import deepspeed.comm as ds_comm
+
+    engine.eval()
+    sums = torch.zeros(2, dtype=torch.float64, device=engine.device)
+    with torch.no_grad():
+        for batch in batches:
+            sums[0] += token_loss_sum(engine, batch).double()
+            sums[1] += int((batch["labels"][:, 1:] != IGNORE_INDEX).sum())
+    engine.train()
+    ds_comm.all_reduce(sums)
+    loss = (sums[0] / sums[1].clamp(min=1)).item()
+    return {"eval_loss": loss, "eval_perplexity": math.exp(min(loss, 50.0))}
+
+
+def train_loop(
+    engine,
+    batches: StepBatches,
+    state: TrainState,
+    settings: LoopSettings,
+    metrics: MetricsLogger,
+    eval_batches: Optional[list],
+    save: Callable[[], None],
+) -> None:
+    from tqdm.auto import tqdm
+    from tqdm.contrib.logging import logging_redirect_tqdm
+
+    engine.train()
+    window = LogWindow()
+    bar = tqdm(total=settings.max_steps, initial=state.step, disable=not settings.show_progress,
+               desc="training", unit="step", dynamic_ncols=True)
+    with logging_redirect_tqdm():
+        while state.step < settings.max_steps:
+            started = time.perf_counter()
+            micro_batches, global_targets, n_blocks = batches.for_step(state.step)
+            data_seconds = time.perf_counter() - started
+            scale = settings.dp_world_size / max(global_targets, 1)
+            loss_sum = 0.0
+            for batch in micro_batches:
+                summed = token_loss_sum(engine, batch)
+                engine.backward(summed * scale, scale_wrt_gas=False)
+                engine.step()  # an optimizer update only at the accumulation boundary
+                loss_sum = loss_sum + summed.detach()
+            if not engine.was_step_applied():
+                state.skipped_steps += 1
+            state.step += 1
+            state.samples_seen += n_blocks
+            state.tokens_seen += global_targets
+            window.add(loss_sum, global_targets, time.perf_counter() - started, data_seconds,
+                       engine.get_global_grad_norm())
+            bar.update(1)
+
+            last = state.step == settings.max_steps
+            if state.step % settings.logging_steps == 0 or last:
+                summary = window.summarize(engine.device)
+                bar.set_postfix(loss=f"{summary['loss']:.3f}")
+                metrics.log({"step": state.step, "epoch": round(state.samples_seen / len(batches.blocks), 4),
+                             **summary, "lr": engine.get_lr()[0], "tokens_seen": state.tokens_seen,
+                             "skipped_steps": state.skipped_steps})
+                window = LogWindow()
+            if eval_batches and settings.eval_steps and state.step % settings.eval_steps == 0 and not last:
+                metrics.log({"step": state.step, **evaluate(engine, eval_batches)})
+            if settings.save_steps and state.step % settings.save_steps == 0 and not last:
+                save()
+    bar.close()

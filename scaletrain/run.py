@@ -1,0 +1,128 @@
+"""One run, phase by phase. Each method delegates to the module that owns the concern; this class only holds
+what one phase hands to the next, so train.py can read as a table of contents."""
+
+from __future__ import annotations
+
+import logging
+import math
+import random
+from typing import Any, Optional, Sequence
+
+from scaletrain import checkpoint, data, distributed, engine as engine_lib, model as model_lib
+from scaletrain.distributed import DistInfo
+from scaletrain.logs import silence_library_logs
+from scaletrain.loop import LoopSettings, evaluate, train_loop
+from scaletrain.metrics import MetricsLogger
+from scaletrain.plan import RunPlan, describe_plan, plan_run, write_run_folder
+from scaletrain.schedules import LRSchedule, warmup_steps_for
+from scaletrain.state import TrainState
+
+log = logging.getLogger(__name__)
+
+
+def seed_everything(seed: int) -> None:
+    import numpy as np
+    import torch
+
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+
+
+class Run:
+    def __init__(self, plan: RunPlan, dist: DistInfo):
+        self.plan = plan
+        self.cfg = plan.cfg
+        self.dist = dist
+        self.model: Any = None
+        self._zero3_keepalive: Any = None
+        self.train_blocks: Optional[data.PackedBlocks] = None
+        self.eval_batches: Optional[list] = None
+        self.order: Optional[data.GlobalOrder] = None
+        self.schedule: Optional[LRSchedule] = None
+        self.engine: Any = None
+        self.metrics: Optional[MetricsLogger] = None
+        self.state = TrainState()
+
+    @classmethod
+    def plan(cls, argv: Optional[Sequence[str]], dist: DistInfo) -> "Run":
+        plan = plan_run(argv, dist)
+        silence_library_logs()
+        return cls(plan, dist)
+
+    def init_distributed(self) -> None:
+        self.dist = distributed.init_distributed(self.dist)
+        describe_plan(self.plan, self.dist)
+        seed_everything(self.cfg.seed)
+
+    def build_model(self) -> None:
+        self.model, self._zero3_keepalive = model_lib.build_model(
+            self.cfg, self.plan.model_config, self.plan.ds.config, self.plan.ds.zero_stage)
+
+    def build_data(self) -> None:
+        cfg, dist = self.cfg, self.dist
+        # Rank 0 tokenizes first and fills the datasets cache; the other ranks then read it instead of racing.
+        if not dist.is_main:
+            distributed.barrier()
+        train_raw, val_raw = data.load_raw_datasets(cfg)
+        pack = lambda ds, name: data.tokenize_and_pack(  # noqa: E731
+            ds, self.plan.tokenizer, cfg.text_column, self.plan.block_size, cfg.preprocessing_num_workers, name)
+        self.train_blocks = pack(train_raw, cfg.train_data_file or cfg.dataset_name)
+        val_blocks = pack(val_raw, cfg.validation_data_file or f"{cfg.dataset_name} validation") if val_raw else None
+        if dist.is_main:
+            distributed.barrier()
+
+        self.order = data.GlobalOrder(len(self.train_blocks), cfg.per_device_train_batch_size,
+                                      cfg.gradient_accumulation_steps, dist.dp_world_size, cfg.seed)
+        total = cfg.max_steps if cfg.max_steps > 0 else math.ceil(cfg.num_train_epochs * self.order.steps_per_epoch)
+        self.schedule = LRSchedule(cfg.lr_scheduler_type, total,
+                                   warmup_steps_for(total, cfg.warmup_steps, cfg.warmup_ratio),
+                                   cfg.min_lr_ratio, cfg.decay_ratio)
+        if val_blocks is not None:
+            self.eval_batches = data.eval_batches(val_blocks, cfg.per_device_eval_batch_size, dist.rank,
+                                                  dist.dp_world_size, cfg.max_eval_samples)
+        b = self.train_blocks
+        log.info("data: %d documents, %d tokens -> %d blocks of %d (last block %d real tokens, padded; none "
+                 "dropped); global batch %d blocks = %d micro x %d accumulation x %d ranks; %d steps/epoch, "
+                 "%d steps", b.n_documents, b.n_tokens, len(b), b.block_size, int(b.lengths[-1]),
+                 self.order.global_batch, cfg.per_device_train_batch_size, cfg.gradient_accumulation_steps,
+                 dist.dp_world_size, self.order.steps_per_epoch, total)
+
+    def write_run_folder(self) -> None:
+        write_run_folder(self.plan, {"total_steps": self.schedule.total_steps,
+                                     "warmup_steps": self.schedule.warmup_steps,
+                                     "world_size": self.dist.world_size, "precision": self.plan.ds.precision},
+                         self.dist.is_main)
+        distributed.barrier()  # the folder exists before any rank writes into it
+
+    def build_engine(self) -> None:
+        self.engine = engine_lib.build_engine(self.model, self.plan.ds.config, self.cfg.weight_decay, self.schedule)
+        self.metrics = MetricsLogger(self.cfg.output_dir, self.dist.is_main, self.cfg.report_to,
+                                     self.cfg.run_name or self.cfg.output_dir.rstrip("/").split("/")[-1],
+                                     self.cfg.to_dict())
+
+    def train(self) -> None:
+        settings = LoopSettings(
+            max_steps=self.schedule.total_steps,
+            logging_steps=self.cfg.logging_steps,
+            eval_steps=self.cfg.eval_steps,
+            save_steps=self.cfg.save_steps,
+            dp_world_size=self.dist.dp_world_size,
+            show_progress=self.dist.is_main and not self.cfg.disable_tqdm,
+        )
+        batches = data.StepBatches(self.train_blocks, self.order, self.dist.rank)
+        train_loop(self.engine, batches, self.state, settings, self.metrics, self.eval_batches,
+                   save=lambda: checkpoint.save_checkpoint(self.engine, self.cfg.output_dir, self.state))
+
+    def finish(self) -> None:
+        if self.eval_batches:
+            self.metrics.log({"step": self.state.step, **evaluate(self.engine, self.eval_batches)})
+        checkpoint.save_checkpoint(self.engine, self.cfg.output_dir, self.state)
+        checkpoint.export_hf_model(self.engine, self.plan.tokenizer, self.cfg.output_dir, self.dist.is_main)
+        log.info("done: %d steps, %d tokens trained; outputs in %s", self.state.step, self.state.tokens_seen,
+                 self.cfg.output_dir)
+
+    def close(self) -> None:
+        if self.metrics is not None:
+            self.metrics.close()
+        distributed.teardown_distributed()

@@ -58,6 +58,7 @@ class PackedBlocks:
         rows[present] = self.tokens[indices[present]]
         lengths[present] = self.lengths[indices[present]]
         mask = np.arange(self.block_size)[None, :] < lengths[:, None]
+        rows = np.where(mask, rows, self.pad_id)
         labels = np.where(mask, rows, IGNORE_INDEX)
         return {
             "input_ids": torch.from_numpy(rows),

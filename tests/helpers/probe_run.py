@@ -1,0 +1,48 @@
+"""Test helper: run the real pipeline phases (as train.py does), then save the trained engine's logits on a
+fixed probe input, so a test can compare them with the exported Hugging Face model's logits.
+
+Launched like train.py (deepspeed / torchrun / python) with train.py's flags.
+"""
+
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+from scaletrain.distributed import read_launch_env  # noqa: E402
+from scaletrain.logs import setup_logging  # noqa: E402
+from scaletrain.run import Run  # noqa: E402
+
+PROBE_FILE = "probe_logits.pt"
+
+
+def probe_input(vocab_size: int) -> torch.Tensor:
+    return (torch.arange(2 * 24).reshape(2, 24) * 37 + 5) % vocab_size
+
+
+def main() -> None:
+    dist = read_launch_env()
+    setup_logging(dist.rank)
+    run = Run.plan(sys.argv[1:], dist)
+    try:
+        run.init_distributed()
+        run.build_model()
+        run.build_data()
+        run.write_run_folder()
+        run.build_engine()
+        run.train()
+        run.finish()
+        run.engine.eval()
+        with torch.no_grad():
+            probe = probe_input(run.plan.model_config.vocab_size).to(run.engine.device)
+            logits = run.engine(input_ids=probe).logits.float().cpu()
+        if dist.is_main:
+            torch.save({"input_ids": probe.cpu(), "logits": logits}, Path(run.cfg.output_dir) / PROBE_FILE)
+    finally:
+        run.close()
+
+
+if __name__ == "__main__":
+    main()

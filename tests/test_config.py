@@ -1,0 +1,55 @@
+"""Flags: defaults, HF spellings, and one clear UsageError per bad value (no torch needed)."""
+
+import pytest
+
+from scaletrain.config import DEFAULT_MODEL_DIR, DEFAULT_TRAIN_FILE, UsageError, parse_run_config
+
+ZERO3 = ["--config", "ds_configs/zero3.json"]
+
+
+@pytest.fixture(autouse=True)
+def in_repo(monkeypatch):
+    from tests.conftest import REPO
+
+    monkeypatch.chdir(REPO)
+
+
+def test_defaults_point_at_the_builtin_model_and_sample_data(tmp_path):
+    cfg = parse_run_config(ZERO3 + ["--output_dir", str(tmp_path / "run")])
+    assert cfg.model_source == str(DEFAULT_MODEL_DIR)
+    assert cfg.tokenizer_source == str(DEFAULT_MODEL_DIR)
+    assert cfg.train_data_file == str(DEFAULT_TRAIN_FILE)
+    assert cfg.uses_default_data
+    assert not cfg.trust_remote_code
+
+
+def test_deepspeed_alias_and_launcher_local_rank(tmp_path):
+    cfg = parse_run_config(["--deepspeed", "ds_configs/zero2.json", "--local_rank=1", "--output_dir", str(tmp_path)])
+    assert cfg.config == "ds_configs/zero2.json"
+    assert cfg.local_rank == 1
+
+
+@pytest.mark.parametrize("argv, culprit", [
+    (["--learning_rat", "1e-3"], "--learning_rate"),  # did-you-mean
+    (["--config", "ds_configs/nope.json"], "--config ds_configs/nope.json"),
+    (["--model_name_or_path", "./missing-model"], "--model_name_or_path ./missing-model"),
+    (["--config_name", "/no/such/config"], "--config_name /no/such/config"),
+    (["--train_file", "missing.jsonl"], "--train_file missing.jsonl"),
+    (["--train_file", "README.md"], "--train_file README.md"),
+    (["--per_device_train_batch_size", "0"], "--per_device_train_batch_size"),
+    (["--bf16", "--fp16"], "--bf16 and --fp16"),
+    (["--warmup_ratio", "1.5"], "--warmup_ratio"),
+    (["--lr_scheduler_type", "exotic"], "--lr_scheduler_type"),
+    (["--model_name_or_path", "gpt2", "--config_name", "data/tiny-llama"], "--model_name_or_path and --config_name"),
+])
+def test_bad_flags_name_the_culprit(argv, culprit, tmp_path):
+    with pytest.raises(UsageError) as err:
+        parse_run_config(ZERO3 + ["--output_dir", str(tmp_path / "run")] + argv)
+    assert culprit in str(err.value)
+
+
+def test_output_dir_with_a_previous_run_is_refused_unless_overwrite(tmp_path):
+    (tmp_path / "run_config.json").write_text("{}")
+    with pytest.raises(UsageError, match="--output_dir .* holds a previous run"):
+        parse_run_config(ZERO3 + ["--output_dir", str(tmp_path)])
+    assert parse_run_config(ZERO3 + ["--output_dir", str(tmp_path), "--overwrite_output_dir"]).overwrite_output_dir

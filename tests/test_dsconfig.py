@@ -1,0 +1,98 @@
+"""DeepSpeed JSON resolution: every "auto" filled, with its source; precision; contradictions."""
+
+import json
+
+import pytest
+
+from scaletrain.config import UsageError, parse_run_config
+from scaletrain.dsconfig import HardwareFacts, load_ds_config, resolve_ds_config
+from tests.conftest import REPO
+
+CPU = HardwareFacts("cpu", bf16_fast=False)
+H100 = HardwareFacts("cuda", bf16_fast=True)
+CONFIGS = ["zero1", "zero2", "zero3", "zero2_offload", "zero3_offload", "zero3_nvme"]
+
+
+def cfg_for(tmp_path, *flags):
+    return parse_run_config(["--config", str(REPO / "ds_configs/zero3.json"), "--output_dir", str(tmp_path / "o"),
+                             *flags])
+
+
+def contains_auto(tree) -> bool:
+    if isinstance(tree, dict):
+        return any(contains_auto(v) for v in tree.values())
+    return tree == "auto"
+
+
+@pytest.mark.parametrize("name", CONFIGS)
+def test_every_shipped_config_resolves_completely(name, tmp_path):
+    raw = load_ds_config(str(REPO / "ds_configs" / f"{name}.json"))
+    cfg = cfg_for(tmp_path, "--per_device_train_batch_size", "3", "--gradient_accumulation_steps", "5",
+                  "--learning_rate", "2e-4", "--nvme_path", str(tmp_path))
+    resolved = resolve_ds_config(raw, cfg, dp_world_size=4, hidden_size=64, hw=CPU)
+    c = resolved.config
+    assert not contains_auto(c)
+    assert c["train_batch_size"] == 3 * 5 * 4
+    assert c["optimizer"]["params"]["lr"] == 2e-4
+    assert c["zero_optimization"]["reduce_bucket_size"] == 64 * 64
+    assert resolved.sources["train_batch_size"] == "micro batch 3 x accumulation 5 x data-parallel size 4"
+    assert "--learning_rate" in resolved.explained()
+    assert resolved.precision == "fp32" and not c["bf16"]["enabled"] and not c["fp16"]["enabled"]
+    # torch AdamW on CPU only where no optimizer offload needs DeepSpeedCPUAdam
+    assert c["optimizer"]["params"].get("torch_adam", False) == (not resolved.offloads_optimizer)
+
+
+def test_precision_auto_is_bf16_on_a_bf16_gpu_and_flags_win(tmp_path):
+    raw = load_ds_config(str(REPO / "ds_configs/zero2.json"))
+    assert resolve_ds_config(raw, cfg_for(tmp_path), 1, 64, H100).precision == "bf16"
+    fp16 = resolve_ds_config(raw, cfg_for(tmp_path, "--fp16"), 1, 64, H100)
+    assert fp16.precision == "fp16" and fp16.config["fp16"]["loss_scale"] == 0  # dynamic loss scaling
+    assert not fp16.config["bf16"]["enabled"]
+    assert "optimizer.params.torch_adam" not in fp16.sources  # GPUs keep DeepSpeed's fused Adam
+
+
+def test_explicit_json_value_is_kept_and_contradiction_is_explained(tmp_path):
+    raw = load_ds_config(str(REPO / "ds_configs/zero2.json"))
+    raw["train_batch_size"] = 100
+    with pytest.raises(UsageError, match=r"train_batch_size 100 .* micro batch 8 x accumulation 1 x data-parallel size 2 = 16"):
+        resolve_ds_config(raw, cfg_for(tmp_path), 2, 64, CPU)
+    raw = load_ds_config(str(REPO / "ds_configs/zero2.json"))
+    raw["bf16"]["enabled"] = True
+    with pytest.raises(UsageError, match="--fp16 contradicts bf16.enabled=true"):
+        resolve_ds_config(raw, cfg_for(tmp_path, "--fp16"), 1, 64, CPU)
+    raw["fp16"]["enabled"] = True
+    with pytest.raises(UsageError, match="both true"):
+        resolve_ds_config(raw, cfg_for(tmp_path), 1, 64, CPU)
+
+
+def test_nvme_path_comes_from_flag_or_env_or_fails_clearly(tmp_path, monkeypatch):
+    raw = load_ds_config(str(REPO / "ds_configs/zero3_nvme.json"))
+    monkeypatch.delenv("SCALETRAIN_NVME_PATH", raising=False)
+    with pytest.raises(UsageError, match="nvme_path .* no NVMe folder was given") as err:
+        resolve_ds_config(raw, cfg_for(tmp_path), 1, 64, CPU)
+    assert "--nvme_path" in err.value.hint
+    monkeypatch.setenv("SCALETRAIN_NVME_PATH", "/fast/disk")
+    resolved = resolve_ds_config(raw, cfg_for(tmp_path), 1, 64, CPU)
+    assert resolved.config["zero_optimization"]["offload_param"]["nvme_path"] == "/fast/disk"
+    assert resolved.sources["zero_optimization.offload_param.nvme_path"] == "$SCALETRAIN_NVME_PATH"
+
+
+def test_unresolvable_auto_and_scheduler_section_are_refused(tmp_path):
+    raw = load_ds_config(str(REPO / "ds_configs/zero2.json"))
+    raw["zero_optimization"]["allgather_bucket_size"] = "auto"
+    with pytest.raises(UsageError, match="zero_optimization.allgather_bucket_size"):
+        resolve_ds_config(raw, cfg_for(tmp_path), 1, 64, CPU)
+    raw = load_ds_config(str(REPO / "ds_configs/zero2.json"))
+    raw["scheduler"] = {"type": "WarmupLR"}
+    with pytest.raises(UsageError, match="scheduler"):
+        resolve_ds_config(raw, cfg_for(tmp_path), 1, 64, CPU)
+
+
+def test_unreadable_or_invalid_json_names_the_file(tmp_path):
+    bad = tmp_path / "bad.json"
+    bad.write_text('{"train_batch_size": ')
+    with pytest.raises(UsageError, match=f"--config {bad}: not valid JSON"):
+        load_ds_config(str(bad))
+    bad.write_text(json.dumps([1, 2]))
+    with pytest.raises(UsageError, match="JSON object"):
+        load_ds_config(str(bad))

@@ -26,10 +26,10 @@ def setup_logging(rank: int, level: int = logging.INFO) -> None:
     handler.setFormatter(logging.Formatter("%(asctime)s [rank%(rank)d] %(levelname)s %(message)s", "%H:%M:%S"))
     root = logging.getLogger()
     root.handlers[:] = [handler]
-    root.setLevel(level)
-    # The libraries' own INFO chatter (DeepSpeed prints per-rank config dumps) drowns the run's log.
-    for noisy in ("DeepSpeed", "deepspeed", "transformers", "datasets", "torch"):
-        logging.getLogger(noisy).setLevel(logging.WARNING)
+    # INFO is ours only: libraries that log through the root logger (distutils echoing DeepSpeed's compiler
+    # probes, for one) are held to warnings, which still reach the same handler.
+    root.setLevel(logging.WARNING)
+    logging.getLogger("scaletrain").setLevel(level)
     # DeepSpeed still calls torch.distributed's old collective names; the warning is not ours to act on.
     warnings.filterwarnings("ignore", message=r".*torch\.distributed\.\w+` is deprecated", category=FutureWarning)
     if rank != 0:

@@ -109,7 +109,7 @@ def train_loop(
                 summary = window.summarize(engine.device)
                 bar.set_postfix(loss=f"{summary['loss']:.3f}")
                 metrics.log({"step": state.step, "epoch": round(state.samples_seen / len(batches.blocks), 4),
-                             **summary, "lr": engine.get_lr()[0], "tokens_seen": state.tokens_seen,
+                             "time": round(time.time(), 3), **summary, "lr": engine.get_lr()[0], "tokens_seen": state.tokens_seen,
                              "skipped_steps": state.skipped_steps})
                 window = LogWindow()
             if eval_batches and settings.eval_steps and state.step % settings.eval_steps == 0 and not last:

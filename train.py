@@ -24,6 +24,9 @@ def main(argv=None) -> int:
         if dist.is_main:
             print(f"train.py: error: {err}", file=sys.stderr)
         return 2
+    if run.cfg.print_config:
+        run.print_config()  # every "auto" filled, with where each value came from
+        return 0
     try:
         run.init_distributed()  # process group for whichever launcher started us
         run.build_model()  # ZeRO-3: built sharded, never whole on one rank

@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import difflib
+import json
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -99,7 +100,10 @@ class RunConfig:
     report_to: str = _flag("none", "Extra metrics sink (JSONL and console are always on).", choices=REPORT_SINKS)
     run_name: Optional[str] = _flag(None, "Run name for wandb. Default: the output folder's name.")
     disable_tqdm: bool = _flag(False, "No progress bar.")
+    print_config: bool = _flag(False, "Print the resolved run and DeepSpeed configs, with sources, and exit.")
     local_rank: int = _flag(-1, "Set by the deepspeed launcher; leave it alone.")
+    # Not a flag: the flags the user typed, so an explicit flag can be told apart from a default.
+    explicit_flags: tuple = field(default=(), metadata={"internal": True})
 
     # --- derived views (no state of their own)
     @property
@@ -146,13 +150,19 @@ class _Parser(argparse.ArgumentParser):
         raise UsageError(message, "see python train.py --help")
 
 
-def build_parser() -> argparse.ArgumentParser:
+def flag_fields() -> list:
+    return [f for f in dataclasses.fields(RunConfig) if not f.metadata.get("internal")]
+
+
+def build_parser(suppress_defaults: bool = False) -> argparse.ArgumentParser:
+    """The CLI, generated from RunConfig. With suppress_defaults, only typed flags appear in the namespace."""
     parser = _Parser(
         prog="train.py",
         description="Train a Hugging Face causal LM with DeepSpeed. Flags follow Hugging Face's spelling.",
         allow_abbrev=False,
+        argument_default=argparse.SUPPRESS if suppress_defaults else None,
     )
-    for f in dataclasses.fields(RunConfig):
+    for f in flag_fields():
         opt = f"--{f.name}"
         meta = dict(f.metadata)
         help_text = meta.pop("help")
@@ -161,7 +171,8 @@ def build_parser() -> argparse.ArgumentParser:
             continue
         kind = {"int": int, "float": float, "Optional[int]": int}.get(f.type, str)
         default_text = "" if f.default is None else f" (default: {f.default})"
-        parser.add_argument(opt, type=kind, default=f.default, help=help_text + default_text, **meta)
+        default = argparse.SUPPRESS if suppress_defaults else f.default
+        parser.add_argument(opt, type=kind, default=default, help=help_text + default_text, **meta)
     parser.add_argument(
         "--deepspeed", dest="config", default=argparse.SUPPRESS, help="Alias of --config (Hugging Face spelling).")
     return parser
@@ -170,9 +181,26 @@ def build_parser() -> argparse.ArgumentParser:
 def parse_run_config(argv: Optional[Sequence[str]] = None) -> RunConfig:
     """Parse flags into a RunConfig and check every value that can be checked without torch."""
     namespace = build_parser().parse_args(argv)
-    cfg = RunConfig(**{f.name: getattr(namespace, f.name) for f in dataclasses.fields(RunConfig)})
+    typed = build_parser(suppress_defaults=True).parse_args(argv)
+    explicit = tuple(sorted(name for name in vars(typed) if name != "local_rank"))
+    cfg = RunConfig(**{f.name: getattr(namespace, f.name) for f in flag_fields()}, explicit_flags=explicit)
     validate_run_config(cfg)
     return cfg
+
+
+def run_identity(cfg_dict: dict) -> dict:
+    """What makes two runs the same run: the model and the training data (not batch sizes or step counts)."""
+    keys = ("model_name_or_path", "config_name", "dataset_name", "dataset_config_name", "train_file")
+    return {k: cfg_dict.get(k) for k in keys}
+
+
+def explain_run_config(cfg: RunConfig) -> str:
+    """Every flag with its value and where it came from (typed on the command line, or the default)."""
+    lines = []
+    for f in flag_fields():
+        source = f"--{f.name}" if f.name in cfg.explicit_flags else "default"
+        lines.append(f"  {f.name} = {getattr(cfg, f.name)!r}  <- {source}")
+    return "\n".join(lines)
 
 
 def _looks_local(path: str) -> bool:
@@ -256,8 +284,20 @@ def validate_run_config(cfg: RunConfig) -> None:
     output = Path(cfg.output_dir)
     if output.exists() and not output.is_dir():
         raise UsageError(f"--output_dir {cfg.output_dir}: exists and is not a folder")
-    if (output / "run_config.json").exists() and not cfg.overwrite_output_dir:
+    previous = output / "run_config.json"
+    if previous.exists() and not cfg.overwrite_output_dir and not cfg.print_config:
+        try:
+            before = run_identity(json.loads(previous.read_text()))
+        except (OSError, ValueError):
+            before = None
+        now = run_identity(cfg.to_dict())
+        if before is not None and before != now:
+            changed = ", ".join(f"{k}: {before[k]} -> {now[k]}" for k in now if before[k] != now[k])
+            raise UsageError(
+                f"--output_dir {cfg.output_dir}: holds a different run ({changed})",
+                "choose another --output_dir, or pass --overwrite_output_dir to replace that run",
+            )
         raise UsageError(
-            f"--output_dir {cfg.output_dir}: holds a previous run",
+            f"--output_dir {cfg.output_dir}: holds a previous run of this model and data",
             "pass --overwrite_output_dir to start again there, or choose another --output_dir",
         )

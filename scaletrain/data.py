@@ -99,6 +99,42 @@ def load_raw_datasets(cfg: RunConfig):
     return train, validation
 
 
+def check_data_files(cfg: RunConfig) -> None:
+    """Before anything is built: each local file has documents, and its --text_column exists and holds text.
+
+    Reads only the first record, streaming (no Arrow cache is written). Hub datasets are checked when loaded.
+    """
+    import datasets
+
+    if cfg.dataset_name:
+        return
+    for flag, path in (("train_file", cfg.train_data_file), ("validation_file", cfg.validation_data_file)):
+        if path is None:
+            continue
+        builder = _local_builder([path], flag)
+        extra = {"sample_by": "paragraph"} if builder == "text" else {}
+        with open(path, "rb") as f:
+            head = f.read(1 << 16)
+        if not head.strip() and Path(path).stat().st_size <= len(head):
+            raise UsageError(f"--{flag} {path}: the file holds no documents", "give a file with at least one")
+        try:
+            stream = datasets.load_dataset(builder, data_files={"train": path}, split="train", streaming=True,
+                                           **extra)
+            first = next(iter(stream), None)
+        except Exception as exc:  # the readers raise many types; the user needs the file and the reason
+            raise UsageError(f"--{flag} {path}: cannot read it as {builder} ({type(exc).__name__}: "
+                             f"{str(exc).splitlines()[0][:200] if str(exc) else 'no detail'})",
+                             "check the file's format and contents") from exc
+        if first is None:
+            raise UsageError(f"--{flag} {path}: the file holds no documents", "give a file with at least one")
+        if cfg.text_column not in first:
+            raise UsageError(f"--text_column {cfg.text_column}: not a column of {path}",
+                             f"columns there: {', '.join(first)}")
+        if not isinstance(first[cfg.text_column], str):
+            raise UsageError(f"--text_column {cfg.text_column}: holds {type(first[cfg.text_column]).__name__} in "
+                             f"{path}, not text", "pick a column of strings")
+
+
 def _check_text_column(ds, column: str, source: str) -> None:
     if len(ds) == 0:
         raise UsageError(f"{source}: the dataset is empty", "give a file or dataset with at least one document")

@@ -9,11 +9,13 @@ from __future__ import annotations
 
 import copy
 import json
+import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
 
 from scaletrain.config import NVME_PATH_ENV, RunConfig, UsageError
+from scaletrain.dsschema import check_ds_keys
 
 AUTO = "auto"
 DEFAULT_OPTIMIZER = {
@@ -136,6 +138,74 @@ def _resolve_precision(r: _Resolver, cfg: RunConfig, hw: HardwareFacts) -> tuple
     return precision, reason
 
 
+# JSON key -> (flag, the flag's value as it would appear in the JSON)
+_FLAG_FOR_KEY = {
+    "train_micro_batch_size_per_gpu": ("per_device_train_batch_size", lambda c: c.per_device_train_batch_size),
+    "gradient_accumulation_steps": ("gradient_accumulation_steps", lambda c: c.gradient_accumulation_steps),
+    "gradient_clipping": ("max_grad_norm", lambda c: c.max_grad_norm),
+    "optimizer.params.lr": ("learning_rate", lambda c: c.learning_rate),
+    "optimizer.params.eps": ("adam_epsilon", lambda c: c.adam_epsilon),
+    "optimizer.params.weight_decay": ("weight_decay", lambda c: c.weight_decay),
+}
+
+
+def _check_flag_contradictions(r: _Resolver, cfg: RunConfig) -> None:
+    """A value set both in the JSON and by a typed flag must agree: silently preferring one hides a mistake."""
+    for key, (flag, value_of) in _FLAG_FOR_KEY.items():
+        json_value = r.explicit(key)
+        if json_value is None or flag not in cfg.explicit_flags:
+            continue
+        if float(json_value) != float(value_of(cfg)):
+            raise UsageError(
+                f"--{flag} {value_of(cfg)} contradicts {key}={json_value} in {r.path}",
+                f"set {key} to \"auto\" in the JSON, or drop --{flag}",
+            )
+
+
+_OFFLOAD_DEVICES = ("none", "cpu", "nvme")
+
+
+def _check_zero_and_offload(r: _Resolver, cfg: RunConfig) -> None:
+    zero = r.config.get("zero_optimization", {})
+    stage = zero.get("stage", 0)
+    if stage == AUTO:
+        raise UsageError(f"zero_optimization.stage in {r.path} cannot be \"auto\"", "set 0, 1, 2 or 3")
+    if stage not in (0, 1, 2, 3):
+        raise UsageError(f"zero_optimization.stage {stage!r} in {r.path} is not a ZeRO stage", "use 0, 1, 2 or 3")
+    for section, min_stage in (("offload_optimizer", 1), ("offload_param", 3)):
+        offload = zero.get(section)
+        if not isinstance(offload, dict):
+            continue
+        device = offload.get("device", "none")
+        if device not in _OFFLOAD_DEVICES:
+            raise UsageError(f"zero_optimization.{section}.device \"{device}\" in {r.path}",
+                             f"use one of {', '.join(_OFFLOAD_DEVICES)}")
+        if device != "none" and stage < min_stage:
+            what = "parameter offload" if section == "offload_param" else "optimizer offload"
+            raise UsageError(
+                f"zero_optimization.{section} in {r.path}: {what} needs ZeRO stage {min_stage}"
+                f"{' or higher' if min_stage < 3 else ''}, this config has stage {stage}",
+                "raise zero_optimization.stage or remove the offload section",
+            )
+    checkpointing = r.config.get("activation_checkpointing", {})
+    for key in ("partition_activations", "cpu_checkpointing", "contiguous_memory_optimization"):
+        if checkpointing.get(key):
+            raise UsageError(
+                f"activation_checkpointing.{key} in {r.path} only acts on models that call deepspeed.checkpointing, "
+                "which Hugging Face models do not",
+                "remove the section and pass --gradient_checkpointing",
+            )
+
+
+def _check_nvme_folder(section: str, path: str, source: str) -> None:
+    if not os.path.isdir(path):
+        raise UsageError(f"NVMe folder {path} (zero_optimization.{section}.nvme_path, from {source}) does not exist",
+                         "create it on a local NVMe disk or point --nvme_path at one")
+    if not os.access(path, os.W_OK | os.X_OK):
+        raise UsageError(f"NVMe folder {path} (zero_optimization.{section}.nvme_path, from {source}) is not writable",
+                         "fix its permissions or point --nvme_path at a writable folder")
+
+
 def _resolve_nvme(r: _Resolver, cfg: RunConfig) -> None:
     zero = r.config.get("zero_optimization", {})
     for section in ("offload_optimizer", "offload_param"):
@@ -151,6 +221,8 @@ def _resolve_nvme(r: _Resolver, cfg: RunConfig) -> None:
                 )
             source = "--nvme_path" if cfg.nvme_path else f"${NVME_PATH_ENV}"
             r.fill(f"zero_optimization.{section}.nvme_path", path, source)
+        _check_nvme_folder(section, offload["nvme_path"], r.sources.get(f"zero_optimization.{section}.nvme_path",
+                                                                         r.path))
 
 
 def _leftover_autos(tree: Any, prefix: str = "") -> list:
@@ -163,7 +235,10 @@ def resolve_ds_config(
     raw: dict, cfg: RunConfig, dp_world_size: int, hidden_size: int, hw: HardwareFacts
 ) -> ResolvedDSConfig:
     """Fill every "auto" of a DeepSpeed JSON. Raises UsageError naming the key when something cannot be decided."""
+    check_ds_keys(raw, cfg.config)
     r = _Resolver(raw, cfg.config)
+    _check_zero_and_offload(r, cfg)
+    _check_flag_contradictions(r, cfg)
     if "scheduler" in r.config:
         raise UsageError(
             f"--config {cfg.config}: has a \"scheduler\" section; this pipeline owns the LR schedule",
@@ -197,9 +272,7 @@ def resolve_ds_config(
 
     precision, reason = _resolve_precision(r, cfg, hw)
 
-    zero = r.config.setdefault("zero_optimization", {"stage": 0})
-    if zero.get("stage", 0) == AUTO:
-        raise UsageError(f"zero_optimization.stage in {cfg.config} cannot be \"auto\"", "set 0, 1, 2 or 3")
+    r.config.setdefault("zero_optimization", {"stage": 0})
     r.fill("zero_optimization.reduce_bucket_size", hidden_size * hidden_size, f"hidden_size^2 ({hidden_size}^2)")
     r.fill("zero_optimization.stage3_prefetch_bucket_size", int(0.9 * hidden_size * hidden_size),
            f"0.9 x hidden_size^2 ({hidden_size}^2)")

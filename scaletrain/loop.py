@@ -32,11 +32,10 @@ def token_loss_sum(engine, batch: dict):
     # Padding sits only at the end of a block (right padding) and causal attention never looks ahead, so no
     # attention mask is needed: real tokens never see padding, and padded positions carry no loss.
     logits = engine(input_ids=input_ids, use_cache=False).logits
+    # Shift the labels, not the logits: slicing logits[:, :-1] would copy the largest activation of the step.
+    targets = F.pad(labels[:, 1:], (0, 1), value=IGNORE_INDEX)
     return F.cross_entropy(
-        logits[:, :-1, :].reshape(-1, logits.size(-1)).float(),
-        labels[:, 1:].reshape(-1),
-        ignore_index=IGNORE_INDEX,
-        reduction="sum",
+        logits.reshape(-1, logits.size(-1)).float(), targets.reshape(-1), ignore_index=IGNORE_INDEX, reduction="sum"
     )
 
 

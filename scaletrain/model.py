@@ -10,27 +10,47 @@ from scaletrain.config import RunConfig, UsageError
 log = logging.getLogger(__name__)
 
 
+def _model_flag(cfg: RunConfig) -> str:
+    if cfg.model_name_or_path:
+        return f"--model_name_or_path {cfg.model_name_or_path}"
+    return f"--config_name {cfg.config_name}" if cfg.config_name else f"default model {cfg.model_source}"
+
+
+def _first_line(exc: Exception) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[0][:240] if text else type(exc).__name__
+
+
 def load_model_config(cfg: RunConfig):
     from transformers import AutoConfig
 
     try:
         return AutoConfig.from_pretrained(cfg.model_source, trust_remote_code=cfg.trust_remote_code)
-    except ValueError as exc:
+    except (OSError, ValueError, KeyError) as exc:
         if "trust_remote_code" in str(exc):
             raise UsageError(
-                f"{cfg.model_source}: the model needs custom code from its repository",
+                f"{_model_flag(cfg)}: the model needs custom code from its repository",
                 "pass --trust_remote_code if you trust that code",
             ) from exc
-        raise
+        raise UsageError(f"{_model_flag(cfg)}: cannot load its config ({_first_line(exc)})",
+                         "give a folder with a config.json, or a hub id") from exc
 
 
 def load_tokenizer(cfg: RunConfig):
     from transformers import AutoTokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(cfg.tokenizer_source, trust_remote_code=cfg.trust_remote_code)
+    flag = f"--tokenizer_name {cfg.tokenizer_name}" if cfg.tokenizer_name else _model_flag(cfg)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(cfg.tokenizer_source, trust_remote_code=cfg.trust_remote_code)
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        if "trust_remote_code" in str(exc):
+            raise UsageError(f"{flag}: the tokenizer needs custom code from its repository",
+                             "pass --trust_remote_code if you trust that code") from exc
+        raise UsageError(f"{flag}: cannot load a tokenizer from it ({_first_line(exc)})",
+                         "pass --tokenizer_name with a folder or hub id that holds one") from exc
     if tokenizer.eos_token_id is None:
         raise UsageError(
-            f"--tokenizer_name {cfg.tokenizer_source}: the tokenizer has no EOS token",
+            f"{flag}: the tokenizer has no EOS token",
             "documents are joined with EOS; use a tokenizer that defines one",
         )
     if tokenizer.pad_token_id is None:
@@ -68,6 +88,15 @@ def build_model(cfg: RunConfig, model_config, ds_config: dict, zero_stage: int) 
     log.info("model: %s (%s), %.2fM parameters%s", type(model).__name__, cfg.model_source, n_params / 1e6,
              ", built sharded (ZeRO-3)" if zero_stage == 3 else "")
     return model, keepalive
+
+
+def meta_model(model_config, trust_remote_code: bool):
+    """The model's structure without weights (meta device): parameter count and class facts, in seconds."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        return AutoModelForCausalLM.from_config(model_config, trust_remote_code=trust_remote_code)
 
 
 def max_positions(model_config) -> int:

@@ -8,18 +8,21 @@ from __future__ import annotations
 
 import json
 import logging
+import shutil
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
-from scaletrain.config import RunConfig, UsageError, parse_run_config
+from scaletrain.config import RunConfig, UsageError, explain_run_config, parse_run_config
+from scaletrain.data import check_data_files
 from scaletrain.distributed import DistInfo
 from scaletrain.dsconfig import HardwareFacts, ResolvedDSConfig, load_ds_config, resolve_ds_config
-from scaletrain.model import load_model_config, load_tokenizer, max_positions
+from scaletrain.model import load_model_config, load_tokenizer, max_positions, meta_model
 
 log = logging.getLogger(__name__)
 RUN_CONFIG_FILE = "run_config.json"
 DS_CONFIG_FILE = "ds_config.json"
+EXPLAINED_FILE = "config_sources.txt"  # the same text --print_config prints
 
 
 @dataclass(frozen=True)
@@ -29,6 +32,7 @@ class RunPlan:
     model_config: Any
     tokenizer: Any
     block_size: int
+    n_params: int
 
 
 def hardware_facts() -> HardwareFacts:
@@ -60,11 +64,34 @@ def _block_size(cfg: RunConfig, model_config) -> int:
     return cfg.block_size
 
 
+def checkpoint_bytes(n_params: int, precision: str) -> tuple:
+    """(bytes of one checkpoint plus the HF export, the arithmetic in words) for AdamW under DeepSpeed."""
+    # fp32 weights (the master copy under bf16/fp16) + Adam's two fp32 moments, plus 16-bit module weights
+    # under bf16/fp16; the Hugging Face export adds the weights once more in the training dtype.
+    per_param = 12 + (2 if precision != "fp32" else 0) + (4 if precision == "fp32" else 2)
+    return n_params * per_param, f"{n_params / 1e9:.2f}B parameters x {per_param} bytes"
+
+
+def _check_disk_space(cfg: RunConfig, n_params: int, precision: str) -> None:
+    folder = Path(cfg.output_dir).resolve()
+    while not folder.exists():
+        folder = folder.parent
+    free = shutil.disk_usage(folder).free
+    needed, how = checkpoint_bytes(n_params, precision)
+    if free < needed:
+        raise UsageError(
+            f"--output_dir {cfg.output_dir}: {free / 1e9:.1f} GB free on its disk, one checkpoint and the export "
+            f"need about {needed / 1e9:.1f} GB ({how})",
+            "free space or point --output_dir at a larger disk",
+        )
+
+
 def plan_run(argv: Optional[Sequence[str]], dist: DistInfo) -> RunPlan:
     cfg = parse_run_config(argv)
     raw_ds_config = load_ds_config(cfg.config)
     model_config = load_model_config(cfg)
     tokenizer = load_tokenizer(cfg)
+    check_data_files(cfg)
     vocab = getattr(model_config.get_text_config(), "vocab_size", None)
     if vocab is not None and len(tokenizer) > vocab:
         raise UsageError(
@@ -73,7 +100,31 @@ def plan_run(argv: Optional[Sequence[str]], dist: DistInfo) -> RunPlan:
         )
     block_size = _block_size(cfg, model_config)
     ds = resolve_ds_config(raw_ds_config, cfg, dist.dp_world_size, _hidden_size(model_config), hardware_facts())
-    return RunPlan(cfg, ds, model_config, tokenizer, block_size)
+    skeleton = meta_model(model_config, cfg.trust_remote_code)
+    if cfg.gradient_checkpointing and not getattr(skeleton, "supports_gradient_checkpointing", False):
+        raise UsageError(f"--gradient_checkpointing: {type(skeleton).__name__} does not support it",
+                         "drop the flag, or use ZeRO-3 / offload to save memory instead")
+    n_params = sum(p.numel() for p in skeleton.parameters())
+    if not cfg.print_config:
+        _check_disk_space(cfg, n_params, ds.precision)
+    return RunPlan(cfg, ds, model_config, tokenizer, block_size, n_params)
+
+
+def explain_plan(plan: RunPlan, dp_world_size: int) -> str:
+    """The resolved run and DeepSpeed configs with the source of every value."""
+    return "\n".join([
+        f"run config (block_size = {plan.block_size}, model {plan.n_params / 1e6:.2f}M parameters):",
+        explain_run_config(plan.cfg),
+        f"DeepSpeed config {plan.cfg.config}, resolved for {dp_world_size} data-parallel rank(s); "
+        f"precision {plan.ds.precision} ({plan.ds.precision_reason}):",
+        plan.ds.explained(),
+    ])
+
+
+def print_config(plan: RunPlan, dist: DistInfo) -> None:
+    """--print_config: everything resolved, printed by rank 0; nothing is built or written."""
+    if dist.is_main:
+        print(explain_plan(plan, dist.dp_world_size))
 
 
 def describe_plan(plan: RunPlan, dist: DistInfo) -> None:
@@ -82,12 +133,13 @@ def describe_plan(plan: RunPlan, dist: DistInfo) -> None:
     log.info("resolved DeepSpeed config (%s):\n%s", plan.cfg.config, plan.ds.explained())
 
 
-def write_run_folder(plan: RunPlan, extra: dict, is_main: bool) -> None:
+def write_run_folder(plan: RunPlan, extra: dict, dist: DistInfo) -> None:
     """Save the resolved configs beside the run's outputs, so the run can be read back and repeated."""
-    if not is_main:
+    if not dist.is_main:
         return
     out = Path(plan.cfg.output_dir)
     out.mkdir(parents=True, exist_ok=True)
     run_config = {**plan.cfg.to_dict(), "block_size": plan.block_size, **extra}
     (out / RUN_CONFIG_FILE).write_text(json.dumps(run_config, indent=2) + "\n")
     (out / DS_CONFIG_FILE).write_text(json.dumps(plan.ds.config, indent=2) + "\n")
+    (out / EXPLAINED_FILE).write_text(explain_plan(plan, dist.dp_world_size) + "\n")

@@ -13,7 +13,7 @@ from scaletrain.distributed import DistInfo
 from scaletrain.logs import silence_library_logs
 from scaletrain.loop import LoopSettings, evaluate, train_loop
 from scaletrain.metrics import MetricsLogger
-from scaletrain.plan import RunPlan, describe_plan, plan_run, write_run_folder
+from scaletrain.plan import RunPlan, describe_plan, plan_run, print_config, write_run_folder
 from scaletrain.schedules import LRSchedule, warmup_steps_for
 from scaletrain.state import TrainState
 
@@ -50,6 +50,9 @@ class Run:
         silence_library_logs()
         return cls(plan, dist)
 
+    def print_config(self) -> None:
+        print_config(self.plan, self.dist)
+
     def init_distributed(self) -> None:
         self.dist = distributed.init_distributed(self.dist)
         describe_plan(self.plan, self.dist)
@@ -72,8 +75,10 @@ class Run:
         if dist.is_main:
             distributed.barrier()
 
-        self.order = data.GlobalOrder(len(self.train_blocks), cfg.per_device_train_batch_size,
-                                      cfg.gradient_accumulation_steps, dist.dp_world_size, cfg.seed)
+        # Batch sizes as DeepSpeed will use them: an explicit JSON value stands where the flag was not typed.
+        micro = self.plan.ds.config["train_micro_batch_size_per_gpu"]
+        accumulation = self.plan.ds.config["gradient_accumulation_steps"]
+        self.order = data.GlobalOrder(len(self.train_blocks), micro, accumulation, dist.dp_world_size, cfg.seed)
         total = cfg.max_steps if cfg.max_steps > 0 else math.ceil(cfg.num_train_epochs * self.order.steps_per_epoch)
         self.schedule = LRSchedule(cfg.lr_scheduler_type, total,
                                    warmup_steps_for(total, cfg.warmup_steps, cfg.warmup_ratio),
@@ -85,14 +90,14 @@ class Run:
         log.info("data: %d documents, %d tokens -> %d blocks of %d (last block %d real tokens, padded; none "
                  "dropped); global batch %d blocks = %d micro x %d accumulation x %d ranks; %d steps/epoch, "
                  "%d steps", b.n_documents, b.n_tokens, len(b), b.block_size, int(b.lengths[-1]),
-                 self.order.global_batch, cfg.per_device_train_batch_size, cfg.gradient_accumulation_steps,
+                 self.order.global_batch, micro, accumulation,
                  dist.dp_world_size, self.order.steps_per_epoch, total)
 
     def write_run_folder(self) -> None:
         write_run_folder(self.plan, {"total_steps": self.schedule.total_steps,
                                      "warmup_steps": self.schedule.warmup_steps,
                                      "world_size": self.dist.world_size, "precision": self.plan.ds.precision},
-                         self.dist.is_main)
+                         self.dist)
         distributed.barrier()  # the folder exists before any rank writes into it
 
     def build_engine(self) -> None:

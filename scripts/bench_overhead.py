@@ -2,7 +2,7 @@
 
 Runs both (alternating, --rounds times each) with 2 ranks, ZeRO-2, fp32 on CPU (or the GPUs there are), and
 reports steady-state tokens/s: tokens between the end of step --warmup and the last step, over wall-clock time.
-The pipeline's times come from its metrics.jsonl (logging every step: the worst case for its overhead).
+The pipeline's times come from the wall-clock stamps in its metrics.jsonl (default --logging_steps 10).
 
     python scripts/bench_overhead.py               # prints a Markdown row for BENCHMARKS.md and a JSON line
 """
@@ -43,8 +43,10 @@ def launch(script: str, args: list, nprocs: int) -> str:
     return proc.stdout
 
 
-def steady_rate(times: list, tokens: list, warmup: int) -> float:
-    return (tokens[-1] - tokens[warmup - 1]) / (times[-1] - times[warmup - 1])
+def steady_rate(steps: list, times: list, tokens_per_step: int, warmup: int) -> float:
+    """Tokens per second from the end of step `warmup` to the end of the last step."""
+    first = steps.index(warmup)
+    return (steps[-1] - steps[first]) * tokens_per_step / (times[-1] - times[first])
 
 
 def main() -> None:
@@ -63,20 +65,21 @@ def main() -> None:
         for round_ in range(args.rounds):
             run_dir = Path(tmp) / f"pipeline{round_}"
             launch("train.py", ["--config", "ds_configs/zero2.json", "--config_name", str(model_dir),
-                                "--output_dir", str(run_dir), "--max_steps", str(args.steps), "--logging_steps", "1",
+                                "--output_dir", str(run_dir), "--max_steps", str(args.steps),
                                 "--block_size", str(args.block_size), "--per_device_train_batch_size",
                                 str(args.batch), "--validation_split_percentage", "0", "--disable_tqdm"],
                    args.nprocs)
             records = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
             records = [r for r in records if "loss" in r]
             # Same token definition as the baseline: whole blocks per step (padding only in the epoch's last block).
-            tokens = [r["step"] * args.batch * args.nprocs * args.block_size for r in records]
-            pipeline_rates.append(steady_rate([r["time"] for r in records], tokens, args.warmup))
+            tokens_per_step = args.batch * args.nprocs * args.block_size
+            pipeline_rates.append(steady_rate([r["step"] for r in records], [r["time"] for r in records],
+                                              tokens_per_step, args.warmup))
 
             out = launch("scripts/bench/minimal_ds_loop.py", [str(run_dir), str(args.steps)], args.nprocs)
             result = json.loads(next(x for x in out.splitlines() if x.startswith("MINIMAL ")).split(" ", 1)[1])
-            tokens = [(i + 1) * result["tokens_per_step"] for i in range(len(result["times"]))]
-            minimal_rates.append(steady_rate(result["times"], tokens, args.warmup))
+            steps = list(range(1, len(result["times"]) + 1))
+            minimal_rates.append(steady_rate(steps, result["times"], result["tokens_per_step"], args.warmup))
             print(f"round {round_}: pipeline {pipeline_rates[-1]:.0f} tok/s, minimal {minimal_rates[-1]:.0f} tok/s",
                   flush=True)
 

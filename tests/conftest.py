@@ -22,7 +22,7 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def test_env(tmp_cache: Path) -> dict:
+def subprocess_env(tmp_cache: Path) -> dict:
     env = dict(os.environ)
     env.update({
         "HF_HUB_OFFLINE": "1",  # nothing may be downloaded at run time
@@ -54,7 +54,7 @@ def launch(script: Path, args: list, launcher: str, cache: Path, nprocs: int = 1
     else:
         assert nprocs == 1
         cmd = [sys.executable, str(script), *args]
-    return subprocess.run(cmd, cwd=cwd, env=test_env(cache), capture_output=True, text=True, timeout=timeout)
+    return subprocess.run(cmd, cwd=cwd, env=subprocess_env(cache), capture_output=True, text=True, timeout=timeout)
 
 
 def check_ok(proc: subprocess.CompletedProcess) -> None:

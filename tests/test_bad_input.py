@@ -1,14 +1,24 @@
-"""Bad input ends in one clear line (and at most one hint), exit code 2, no traceback, nothing written."""
+"""Bad input ends in one clear line (and at most one hint), exit code 2, no traceback, nothing written.
+
+The table runs train.py's real `main` in-process (every check happens before a process group, model or dataset is
+built, so nothing heavier than reading files runs); the last tests run real processes, one under a 2-rank launch.
+"""
 
 from __future__ import annotations
 
 import hashlib
 import json
+import os
+import shutil
+import traceback
 from pathlib import Path
 
 import pytest
 
-from tests.conftest import REPO, launch
+from tests.conftest import REPO, launch, subprocess_env
+
+ZERO2 = REPO / "ds_configs" / "zero2.json"
+TINY = REPO / "data" / "tiny-llama"
 
 
 def tree_digest(root: Path) -> str:
@@ -21,62 +31,184 @@ def tree_digest(root: Path) -> str:
     return h.hexdigest()
 
 
-def previous_run(out: Path) -> Path:
-    out.mkdir()
-    (out / "run_config.json").write_text("{}")
-    (out / "metrics.jsonl").write_text('{"step": 1, "loss": 3.0}\n')
-    return out
+# --- builders of bad inputs: each gets the test's tmp folder and returns extra flags -----------------------------
 
-
-def bad_json(tmp: Path) -> str:
-    path = tmp / "broken.json"
-    path.write_text('{"train_batch_size": "auto",')
-    return str(path)
-
-
-def scheduler_json(tmp: Path) -> str:
-    raw = json.loads((REPO / "ds_configs/zero2.json").read_text())
-    raw["scheduler"] = {"type": "WarmupLR", "params": {}}
-    path = tmp / "with_scheduler.json"
+def ds_json(tmp: Path, edit) -> list:
+    raw = json.loads(ZERO2.read_text())
+    edit(raw)
+    path = tmp / "edited.json"
     path.write_text(json.dumps(raw))
-    return str(path)
+    return ["--config", str(path)]
 
 
-def csv_without_text(tmp: Path) -> str:
-    path = tmp / "numbers.csv"
-    path.write_text("body,n\nhello world,1\nmore words,2\n")
-    return str(path)
+def text_file(tmp: Path, name: str, content: str) -> Path:
+    path = tmp / name
+    path.write_text(content)
+    return path
+
+
+def tokenizer_without_eos(tmp: Path) -> list:
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(TINY)
+    tok.eos_token = None
+    tok.save_pretrained(tmp / "no_eos")
+    return ["--tokenizer_name", str(tmp / "no_eos")]
+
+
+def remote_code_model(tmp: Path) -> list:
+    folder = tmp / "custom_model"
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps({
+        "model_type": "my_custom_lm", "auto_map": {"AutoConfig": "configuration_custom.CustomConfig"}}))
+    return ["--config_name", str(folder)]
+
+
+def huge_model(tmp: Path) -> list:
+    """A Llama config whose checkpoint needs twice the free disk: the disk check must stop it."""
+    free = shutil.disk_usage(tmp).free
+    per_layer = 4 * 8192 * 8192 + 3 * 8192 * 28672
+    layers = max(1, int(2 * free / 16 / per_layer) + 1)
+    config = json.loads((TINY / "config.json").read_text())
+    config.update(hidden_size=8192, intermediate_size=28672, num_hidden_layers=layers, num_attention_heads=64,
+                  num_key_value_heads=64, head_dim=128)
+    folder = tmp / "huge"
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps(config))
+    return ["--config_name", str(folder), "--tokenizer_name", str(TINY)]
+
+
+def small_vocab_model(tmp: Path) -> list:
+    config = json.loads((TINY / "config.json").read_text())
+    config["vocab_size"] = 100
+    folder = tmp / "small_vocab"
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps(config))
+    return ["--config_name", str(folder), "--tokenizer_name", str(TINY)]
+
+
+def previous_run(tmp: Path, identity: dict) -> None:
+    out = tmp / "out"
+    out.mkdir()
+    (out / "run_config.json").write_text(json.dumps(identity))
+    (out / "metrics.jsonl").write_text('{"step": 1, "loss": 3.0}\n')
+
+
+def set_in(raw: dict, dotted: str, value) -> None:
+    *parents, leaf = dotted.split(".")
+    for part in parents:
+        raw = raw.setdefault(part, {})
+    raw[leaf] = value
+
+
+def json_edit(dotted: str, value):
+    return lambda tmp: ds_json(tmp, lambda raw: set_in(raw, dotted, value))
 
 
 CASES = {
-    # name: (extra flags, builder of extra flags needing tmp, text the error must contain)
-    "missing config": (["--config", "ds_configs/zero9.json"], None, "--config ds_configs/zero9.json: no such file"),
-    "invalid json": ([], lambda t: ["--config", bad_json(t)], "not valid JSON"),
-    "unknown flag": (["--per_device_batch_size", "4"], None, "unknown flag --per_device_batch_size"),
-    "missing model": (["--model_name_or_path", "./models/none"], None, "--model_name_or_path ./models/none"),
-    "missing train file": (["--train_file", "data/none.jsonl"], None, "--train_file data/none.jsonl: no such file"),
-    "block size too large": (["--block_size", "4096"], None, "--block_size 4096: above the model's maximum"),
-    "scheduler section": ([], lambda t: ["--config", scheduler_json(t)], "\"scheduler\" section"),
-    "missing text column": ([], lambda t: ["--train_file", csv_without_text(t)], "--text_column text: not a column"),
-    "previous run": ([], None, "holds a previous run"),
+    # name: (builder of extra flags given the tmp folder, text the error's first line must contain)
+    "missing config": (lambda t: ["--config", "ds_configs/zero9.json"], "--config ds_configs/zero9.json: no such file"),
+    "invalid json": (lambda t: ["--config", str(text_file(t, "b.json", '{"train_batch_size": '))], "not valid JSON"),
+    "json not an object": (lambda t: ["--config", str(text_file(t, "l.json", "[1, 2]"))], "must be a JSON object"),
+    "misspelled top-level key": (json_edit("gradient_clipp1ng", 1.0), 'unknown key "gradient_clipp1ng"'),
+    "misspelled zero key": (json_edit("zero_optimization.overlap_com", True),
+                            'unknown key "zero_optimization.overlap_com"'),
+    "misspelled offload key": (json_edit("zero_optimization.offload_optimizer.pin_memmory", True),
+                               'unknown key "zero_optimization.offload_optimizer.pin_memmory"'),
+    "misspelled adam param": (json_edit("optimizer.params.betas1", 0.9), 'unknown key "optimizer.params.betas1"'),
+    "unknown optimizer type": (json_edit("optimizer.type", "AdamWW"), 'optimizer.type "AdamWW"'),
+    "unknown flag": (lambda t: ["--learning_rat", "1e-3"], "unknown flag --learning_rat"),
+    "global batch arithmetic": (json_edit("train_batch_size", 100),
+                                "train_batch_size 100 in "),
+    "bf16 and fp16 in json": (lambda t: ds_json(t, lambda r: (set_in(r, "bf16.enabled", True),
+                                                              set_in(r, "fp16.enabled", True))),
+                              "bf16.enabled and fp16.enabled are both true"),
+    "bf16 and fp16 flags": (lambda t: ["--bf16", "--fp16"], "--bf16 and --fp16"),
+    "flag contradicts json precision": (lambda t: json_edit("fp16.enabled", True)(t) + ["--bf16"],
+                                        "--bf16 contradicts fp16.enabled=true"),
+    "param offload below stage 3": (json_edit("zero_optimization.offload_param", {"device": "cpu"}),
+                                    "parameter offload needs ZeRO stage 3"),
+    "optimizer offload at stage 0": (lambda t: ds_json(t, lambda r: (
+        set_in(r, "zero_optimization.stage", 0), set_in(r, "zero_optimization.offload_optimizer", {"device": "cpu"}))),
+        "optimizer offload needs ZeRO stage 1 or higher"),
+    "bad offload device": (json_edit("zero_optimization.offload_optimizer", {"device": "gpu"}),
+                           'zero_optimization.offload_optimizer.device "gpu"'),
+    "bad zero stage": (json_edit("zero_optimization.stage", 5), "zero_optimization.stage 5"),
+    "nvme folder missing": (lambda t: ["--config", str(REPO / "ds_configs/zero3_nvme.json"), "--nvme_path",
+                                       str(t / "no_nvme")], "does not exist"),
+    "micro batch contradicts flag": (lambda t: json_edit("train_micro_batch_size_per_gpu", 4)(t) +
+                                     ["--per_device_train_batch_size", "8"],
+                                     "--per_device_train_batch_size 8 contradicts train_micro_batch_size_per_gpu=4"),
+    "lr contradicts flag": (lambda t: json_edit("optimizer.params.lr", 1e-4)(t) + ["--learning_rate", "3e-4"],
+                            "--learning_rate 0.0003 contradicts optimizer.params.lr=0.0001"),
+    "unresolvable auto": (json_edit("zero_optimization.allgather_bucket_size", "auto"),
+                          "zero_optimization.allgather_bucket_size"),
+    "scheduler section": (json_edit("scheduler", {"type": "WarmupLR", "params": {}}), '"scheduler" section'),
+    "deepspeed activation checkpointing": (json_edit("activation_checkpointing", {"cpu_checkpointing": True}),
+                                           "activation_checkpointing.cpu_checkpointing"),
+    "block size above max positions": (lambda t: ["--block_size", "4096"], "--block_size 4096: above the model's"),
+    "tokenizer without eos": (tokenizer_without_eos, "the tokenizer has no EOS token"),
+    "tokenizer larger than vocab": (small_vocab_model, "4096 tokens, but the model's vocabulary has 100"),
+    "model needs remote code": (remote_code_model, "needs custom code"),
+    "missing model folder": (lambda t: ["--model_name_or_path", "./models/none"], "--model_name_or_path ./models/none"),
+    "missing train file": (lambda t: ["--train_file", "data/none.jsonl"], "--train_file data/none.jsonl: no such file"),
+    "unsupported data format": (lambda t: ["--train_file", str(text_file(t, "notes.md", "# hi"))],
+                                "unsupported file type .md"),
+    "empty train file": (lambda t: ["--train_file", str(text_file(t, "empty.jsonl", ""))], "holds no documents"),
+    "missing text column": (lambda t: ["--train_file", str(text_file(t, "c.csv", "body,n\nhello,1\n"))],
+                            "--text_column text: not a column"),
+    "non-text column": (lambda t: ["--train_file", str(text_file(t, "n.jsonl", '{"text": 5}\n'))],
+                        "--text_column text: holds int"),
+    "output holds a different run": (lambda t: previous_run(t, {"config_name": "other/model"}) or [],
+                                     "holds a different run (config_name: other/model -> None)"),
+    "output holds the same run": (lambda t: previous_run(t, {}) or [], "holds a previous run of this model and data"),
+    "disk smaller than a checkpoint": (huge_model, "GB free on its disk, one checkpoint"),
 }
 
 
+@pytest.fixture
+def offline(monkeypatch, tmp_path):
+    monkeypatch.chdir(REPO)
+    for key, value in subprocess_env(tmp_path / "cache").items():
+        if key.startswith(("HF_", "WANDB_")):
+            monkeypatch.setenv(key, value)
+
+
 @pytest.mark.parametrize("name", list(CASES))
-def test_bad_input_is_one_line_exit_2_and_touches_nothing(name, tmp_path, cache_dir):
-    flags, make_flags, expected = CASES[name]
-    out = previous_run(tmp_path / "out") if name == "previous run" else tmp_path / "out"
+def test_bad_input_is_one_line_exit_2_and_touches_nothing(name, tmp_path, offline, capsys):
+    from train import main
+
+    make_flags, expected = CASES[name]
+    extra = make_flags(tmp_path)
+    out = tmp_path / "out"
     before = tree_digest(out)
-    args = ["--config", "ds_configs/zero2.json", "--output_dir", str(out), *flags]
-    if make_flags:
-        args += make_flags(tmp_path)
-    proc = launch(REPO / "train.py", args, "python", cache_dir, timeout=300)
-    assert proc.returncode == 2, proc.stdout + proc.stderr
-    assert "Traceback" not in proc.stderr + proc.stdout
-    lines = proc.stderr.strip().splitlines()
-    assert 1 <= len(lines) <= 2 and lines[0].startswith("train.py: error: "), proc.stderr
+    try:
+        code = main(["--config", str(ZERO2), "--output_dir", str(out), *extra])
+    except BaseException:  # a traceback is a failure of this test, whatever the exit code would have been
+        pytest.fail(f"{name}: raised instead of a clean error:\n{traceback.format_exc()}")
+    captured = capsys.readouterr()
+    assert code == 2, captured.out + captured.err
+    lines = captured.err.strip().splitlines()
+    assert 1 <= len(lines) <= 2 and lines[0].startswith("train.py: error: "), captured.err
     assert expected in lines[0], lines
+    if len(lines) == 2:
+        assert lines[1].startswith("  hint: ")
     assert tree_digest(out) == before
+
+
+def test_table_covers_at_least_25_distinct_bad_inputs():
+    assert len(CASES) >= 25 and len({expected for _, expected in CASES.values()}) == len(CASES)
+
+
+def test_real_process_exits_2_without_traceback(tmp_path, cache_dir):
+    proc = launch(REPO / "train.py", ["--config", str(ZERO2), "--output_dir", str(tmp_path / "out"),
+                                      "--train_file", str(text_file(tmp_path, "c.csv", "body\nhello\n"))],
+                  "python", cache_dir, timeout=300)
+    assert proc.returncode == 2
+    assert "Traceback" not in proc.stdout + proc.stderr
+    assert proc.stderr.strip().splitlines()[0] == "train.py: error: --text_column text: not a column of " + \
+        str(tmp_path / "c.csv")
+    assert not (tmp_path / "out").exists()
 
 
 def test_error_is_printed_once_under_a_two_rank_launch(tmp_path, cache_dir):
@@ -86,4 +218,27 @@ def test_error_is_printed_once_under_a_two_rank_launch(tmp_path, cache_dir):
     assert proc.returncode == 2
     text = proc.stdout + proc.stderr
     assert text.count("train.py: error: --config ds_configs/missing.json: no such file") == 1
+    assert "Traceback" not in text
     assert not out.exists()
+
+
+def test_secrets_never_reach_logs_configs_or_metrics(tmp_path, cache_dir, monkeypatch):
+    """A run with credentials in its environment: none of them appears in its output or its run folder."""
+    secrets = {"WANDB_API_KEY": "wandb-secret-3f9a1c", "HF_TOKEN": "hf_secret_77d2e0"}
+    monkeypatch.setattr("tests.conftest.subprocess_env", lambda cache: {**subprocess_env(cache), **secrets})
+    run_dir = tmp_path / "run"
+    from tests.conftest import FAST_FLAGS
+
+    proc = launch(REPO / "train.py", ["--config", str(ZERO2), "--output_dir", str(run_dir), "--max_steps", "2",
+                                      "--report_to", "wandb", "--print_config"], "python", cache_dir)
+    assert proc.returncode == 0
+    proc2 = launch(REPO / "train.py", ["--config", str(ZERO2), "--output_dir", str(run_dir), "--max_steps", "2",
+                                       "--report_to", "wandb", *FAST_FLAGS], "python", cache_dir)
+    assert proc2.returncode == 0, proc2.stderr[-3000:]
+    for output in (proc.stdout, proc.stderr, proc2.stdout, proc2.stderr):
+        assert not any(s in output for s in secrets.values())
+    for path in run_dir.rglob("*"):
+        if path.is_file():
+            data = path.read_bytes()
+            assert not any(s.encode() in data for s in secrets.values()), path
+    assert os.environ.get("WANDB_API_KEY") != secrets["WANDB_API_KEY"]

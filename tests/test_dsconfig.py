@@ -71,9 +71,12 @@ def test_nvme_path_comes_from_flag_or_env_or_fails_clearly(tmp_path, monkeypatch
     with pytest.raises(UsageError, match="nvme_path .* no NVMe folder was given") as err:
         resolve_ds_config(raw, cfg_for(tmp_path), 1, 64, CPU)
     assert "--nvme_path" in err.value.hint
-    monkeypatch.setenv("SCALETRAIN_NVME_PATH", "/fast/disk")
+    monkeypatch.setenv("SCALETRAIN_NVME_PATH", "/no/such/nvme")
+    with pytest.raises(UsageError, match="NVMe folder /no/such/nvme .* does not exist"):
+        resolve_ds_config(raw, cfg_for(tmp_path), 1, 64, CPU)
+    monkeypatch.setenv("SCALETRAIN_NVME_PATH", str(tmp_path))
     resolved = resolve_ds_config(raw, cfg_for(tmp_path), 1, 64, CPU)
-    assert resolved.config["zero_optimization"]["offload_param"]["nvme_path"] == "/fast/disk"
+    assert resolved.config["zero_optimization"]["offload_param"]["nvme_path"] == str(tmp_path)
     assert resolved.sources["zero_optimization.offload_param.nvme_path"] == "$SCALETRAIN_NVME_PATH"
 
 

@@ -172,11 +172,11 @@ def test_readme_main_command_trains_the_default_and_loss_falls(tmp_path, cache_d
     """Exactly `deepspeed train.py --config ds_configs/zero3.json`, run in a copy-free view of the repo."""
     for name in ("train.py", "ds_configs", "data", "scaletrain"):
         (tmp_path / name).symlink_to(REPO / name)
-    from tests.conftest import VENV_BIN, test_env
+    from tests.conftest import VENV_BIN, subprocess_env
     import subprocess
 
     proc = subprocess.run([str(VENV_BIN / "deepspeed"), "train.py", "--config", "ds_configs/zero3.json"],
-                          cwd=tmp_path, env=test_env(cache_dir), capture_output=True, text=True, timeout=900)
+                          cwd=tmp_path, env=subprocess_env(cache_dir), capture_output=True, text=True, timeout=900)
     check_ok(proc)
     run_dir = tmp_path / "runs" / "default"
     losses = train_losses(run_dir)

@@ -23,7 +23,8 @@ from scaletrain.config import parse_run_config  # noqa: E402
 
 
 def main() -> None:
-    run_dir, steps = Path(sys.argv[1]), int(sys.argv[2])
+    args = [a for a in sys.argv[1:] if not a.startswith("--local_rank")]  # the deepspeed launcher adds it
+    run_dir, steps = Path(args[0]), int(args[1])
     run_config = json.loads((run_dir / "run_config.json").read_text())
     ds_config = json.loads((run_dir / "ds_config.json").read_text())
     deepspeed.init_distributed(dist_backend="gloo")

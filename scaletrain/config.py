@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import difflib
+import glob
 import json
 import os
 from dataclasses import dataclass, field
@@ -60,14 +61,18 @@ class RunConfig:
     dataset_name: Optional[str] = _flag(None, "Hugging Face dataset name (hub or a local dataset script/folder).")
     dataset_config_name: Optional[str] = _flag(None, "Configuration of --dataset_name.")
     train_file: Optional[str] = _flag(
-        None, "Local training file (json, jsonl, csv, txt, parquet). Default: data/sample/train.jsonl.")
-    validation_file: Optional[str] = _flag(None, "Local validation file, same formats as --train_file.")
+        None, "Local training file(s): json, jsonl, csv, txt, parquet; a glob or a comma-separated list. "
+        "Default: data/sample/train.jsonl.")
+    validation_file: Optional[str] = _flag(None, "Local validation file(s), same formats as --train_file.")
+    data_path: Optional[str] = _flag(None, "A token store made by data/prepare.py (instead of raw data).")
+    attention_isolation: bool = _flag(
+        False, "No token attends across a document boundary (position ids restart per document).")
     validation_split_percentage: int = _flag(
         5, "When there is no validation file or split, hold out this percent of the training documents.")
     text_column: str = _flag("text", "Column that holds the text.")
     block_size: Optional[int] = _flag(
         None, "Tokens per training sequence. Default: min(1024, model's max positions).")
-    preprocessing_num_workers: Optional[int] = _flag(None, "Processes for tokenization.")
+    preprocessing_num_workers: Optional[int] = _flag(None, "Processes for tokenization (default: the CPU count).")
     # --- batch and optimisation
     per_device_train_batch_size: int = _flag(8, "Sequences per rank per micro-batch.")
     per_device_eval_batch_size: int = _flag(8, "Sequences per rank per evaluation batch.")
@@ -117,7 +122,7 @@ class RunConfig:
 
     @property
     def uses_default_data(self) -> bool:
-        return self.dataset_name is None and self.train_file is None
+        return self.dataset_name is None and self.train_file is None and self.data_path is None
 
     @property
     def train_data_file(self) -> Optional[str]:
@@ -190,7 +195,7 @@ def parse_run_config(argv: Optional[Sequence[str]] = None) -> RunConfig:
 
 def run_identity(cfg_dict: dict) -> dict:
     """What makes two runs the same run: the model and the training data (not batch sizes or step counts)."""
-    keys = ("model_name_or_path", "config_name", "dataset_name", "dataset_config_name", "train_file")
+    keys = ("model_name_or_path", "config_name", "dataset_name", "dataset_config_name", "train_file", "data_path")
     return {k: cfg_dict.get(k) for k in keys}
 
 
@@ -218,19 +223,49 @@ def _check_model_path(flag: str, value: Optional[str]) -> None:
         raise UsageError(f"--{flag} {value}: no such file or folder", "give a local model folder or a hub id")
 
 
+def expand_data_files(value: Optional[str]) -> list:
+    """A --train_file/--validation_file value: one path, a glob, or several of either separated by commas."""
+    if not value:
+        return []
+    files = []
+    for part in (p.strip() for p in value.split(",") if p.strip()):
+        expanded = os.path.expanduser(part)
+        matches = sorted(glob.glob(expanded)) if glob.has_magic(expanded) else [expanded]
+        files += matches or [part]
+    return files
+
+
 def _check_data_file(flag: str, value: Optional[str]) -> None:
-    if value is None:
-        return
-    path = Path(value).expanduser()
-    if not path.is_file():
-        raise UsageError(f"--{flag} {value}: no such file", "give a local json, jsonl, csv, txt or parquet file")
-    if path.suffix.lower() not in LOCAL_DATA_FORMATS:
-        raise UsageError(
-            f"--{flag} {value}: unsupported file type {path.suffix or '(none)'}",
-            f"use one of {', '.join(sorted(LOCAL_DATA_FORMATS))}",
-        )
-    if not os.access(path, os.R_OK):
-        raise UsageError(f"--{flag} {value}: file is not readable", "check its permissions")
+    for file in expand_data_files(value):
+        path = Path(file)
+        if glob.has_magic(file):
+            raise UsageError(f"--{flag} {file}: the pattern matches no file", "check the glob")
+        if not path.is_file():
+            raise UsageError(f"--{flag} {file}: no such file", "give a local json, jsonl, csv, txt or parquet file")
+        if path.suffix.lower() not in LOCAL_DATA_FORMATS:
+            raise UsageError(
+                f"--{flag} {file}: unsupported file type {path.suffix or '(none)'}",
+                f"use one of {', '.join(sorted(LOCAL_DATA_FORMATS))}",
+            )
+        if not os.access(path, os.R_OK):
+            raise UsageError(f"--{flag} {file}: file is not readable", "check its permissions")
+
+
+def validate_data_flags(cfg: RunConfig) -> None:
+    """The data-source checks train.py and data/prepare.py share."""
+    if cfg.dataset_name and cfg.train_file:
+        raise UsageError("--dataset_name and --train_file: choose one data source")
+    if cfg.validation_file and not (cfg.train_file or cfg.dataset_name):
+        raise UsageError("--validation_file needs --train_file (or --dataset_name) too")
+    _check_data_file("train_file", cfg.train_file)
+    _check_data_file("validation_file", cfg.validation_file)
+    if cfg.dataset_name and _looks_local(cfg.dataset_name) and not Path(cfg.dataset_name).expanduser().exists():
+        raise UsageError(f"--dataset_name {cfg.dataset_name}: no such folder", "give a hub dataset name or a folder")
+    if cfg.data_path and (cfg.train_file or cfg.dataset_name):
+        raise UsageError("--data_path and --train_file/--dataset_name: choose one data source",
+                         "--data_path is a store that data/prepare.py made; the others are raw data")
+    if cfg.data_path and not Path(cfg.data_path).is_dir():
+        raise UsageError(f"--data_path {cfg.data_path}: no such folder", "prepare it with python data/prepare.py")
 
 
 def validate_run_config(cfg: RunConfig) -> None:
@@ -265,10 +300,6 @@ def validate_run_config(cfg: RunConfig) -> None:
             "--model_name_or_path and --config_name: choose one",
             "--model_name_or_path loads pretrained weights; --config_name trains from scratch",
         )
-    if cfg.dataset_name and cfg.train_file:
-        raise UsageError("--dataset_name and --train_file: choose one data source")
-    if cfg.validation_file and not (cfg.train_file or cfg.dataset_name):
-        raise UsageError("--validation_file needs --train_file (or --dataset_name) too")
     config_path = Path(cfg.config)
     if not config_path.is_file():
         raise UsageError(f"--config {cfg.config}: no such file", "pick one of ds_configs/*.json")
@@ -277,10 +308,7 @@ def validate_run_config(cfg: RunConfig) -> None:
     _check_model_path("model_name_or_path", cfg.model_name_or_path)
     _check_model_path("config_name", cfg.config_name)
     _check_model_path("tokenizer_name", cfg.tokenizer_name)
-    _check_data_file("train_file", cfg.train_file)
-    _check_data_file("validation_file", cfg.validation_file)
-    if cfg.dataset_name and _looks_local(cfg.dataset_name) and not Path(cfg.dataset_name).expanduser().exists():
-        raise UsageError(f"--dataset_name {cfg.dataset_name}: no such folder", "give a hub dataset name or a folder")
+    validate_data_flags(cfg)
     output = Path(cfg.output_dir)
     if output.exists() and not output.is_dir():
         raise UsageError(f"--output_dir {cfg.output_dir}: exists and is not a folder")

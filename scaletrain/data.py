@@ -1,22 +1,27 @@
-"""Raw text -> tokens -> packed blocks -> a global, seeded order read by data-parallel rank.
+"""Raw documents -> token store (scaletrain.tokenstore) -> packed blocks -> a global order read by rank.
 
 Packing joins every document with EOS and cuts the stream into `block_size` blocks; the last, partial block is
 padded and masked instead of dropped, so every token of the corpus is trained on each epoch. The order of
 blocks is a permutation drawn from (seed, epoch) over the whole corpus, independent of the world size; a global
-batch is a contiguous run of that order, split into micro-batches by accumulation step and rank.
+batch is a contiguous run of that order, split into micro-batches by accumulation step and rank. Seeking to any
+step is O(1): the batch of step s is computed from s, never by replaying the steps before it.
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
 import logging
 import math
+import os
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
 import numpy as np
 
-from scaletrain.config import LOCAL_DATA_FORMATS, RunConfig, UsageError
+from scaletrain.config import LOCAL_DATA_FORMATS, RunConfig, UsageError, expand_data_files
 
 log = logging.getLogger(__name__)
 IGNORE_INDEX = -100  # label value the loss skips (padding), as in Hugging Face
@@ -25,46 +30,67 @@ EMPTY_SLOT = -1  # a micro-batch row with no block: the epoch's last global batc
 
 @dataclass
 class PackedBlocks:
-    """A corpus cut into equal blocks. Only `lengths[i]` leading tokens of block i are real."""
+    """A token stream (documents joined with EOS) cut into `block_size` blocks; nothing is copied or dropped.
 
-    tokens: np.ndarray  # (n_blocks, block_size) int64
-    lengths: np.ndarray  # (n_blocks,) real tokens per block
-    n_documents: int
+    Every block is full except the last, whose tail is padding that carries no loss. With isolate_documents,
+    each row also gets position ids that restart at every document start (and at the block start), which
+    transformers turns into a block-diagonal causal mask: no token attends across a document boundary.
+    """
+
+    stream: np.ndarray  # flat token ids, usually a read-only memmap of a token store
+    doc_starts: np.ndarray  # offset of each document's first token in the stream
+    block_size: int
     pad_id: int
+    isolate_documents: bool = False
 
     def __len__(self) -> int:
-        return len(self.lengths)
-
-    @property
-    def block_size(self) -> int:
-        return self.tokens.shape[1]
+        return math.ceil(len(self.stream) / self.block_size)
 
     @property
     def n_tokens(self) -> int:
-        return int(self.lengths.sum())
+        return len(self.stream)
+
+    @property
+    def n_documents(self) -> int:
+        return len(self.doc_starts)
+
+    @property
+    def last_block_length(self) -> int:
+        return len(self.stream) - (len(self) - 1) * self.block_size
+
+    def lengths_of(self, indices: np.ndarray) -> np.ndarray:
+        return np.where(indices == len(self) - 1, self.last_block_length, self.block_size)
 
     def targets_in(self, indices: np.ndarray) -> int:
         """Tokens the loss is computed on: every real token but the first of its block (it has no prefix)."""
         real = indices[indices != EMPTY_SLOT]
-        return int(np.maximum(self.lengths[real] - 1, 0).sum())
+        return int(np.maximum(self.lengths_of(real) - 1, 0).sum())
+
+    def _position_ids(self, start: int) -> np.ndarray:
+        positions = np.arange(start, start + self.block_size)
+        owner = np.searchsorted(self.doc_starts, positions, side="right") - 1
+        return positions - np.maximum(self.doc_starts[np.maximum(owner, 0)], start)
 
     def batch(self, indices: np.ndarray) -> dict:
         """Tensors for the given block indices; EMPTY_SLOT rows are all padding and carry no loss."""
         import torch
 
-        rows = np.full((len(indices), self.block_size), self.pad_id, dtype=np.int64)
-        lengths = np.zeros(len(indices), dtype=np.int64)
-        present = indices != EMPTY_SLOT
-        rows[present] = self.tokens[indices[present]]
-        lengths[present] = self.lengths[indices[present]]
-        mask = np.arange(self.block_size)[None, :] < lengths[:, None]
-        rows = np.where(mask, rows, self.pad_id)
-        labels = np.where(mask, rows, IGNORE_INDEX)
-        return {
-            "input_ids": torch.from_numpy(rows),
-            "attention_mask": torch.from_numpy(mask.astype(np.int64)),
-            "labels": torch.from_numpy(labels),
-        }
+        b = self.block_size
+        rows = np.full((len(indices), b), self.pad_id, dtype=np.int64)
+        labels = np.full((len(indices), b), IGNORE_INDEX, dtype=np.int64)
+        positions = np.tile(np.arange(b), (len(indices), 1))
+        for row, index in enumerate(indices):
+            if index == EMPTY_SLOT:
+                continue
+            chunk = self.stream[index * b: (index + 1) * b]
+            rows[row, : len(chunk)] = chunk
+            labels[row, : len(chunk)] = chunk
+            if self.isolate_documents:
+                positions[row] = self._position_ids(int(index) * b)
+        batch = {"input_ids": torch.from_numpy(rows), "labels": torch.from_numpy(labels)}
+        if self.isolate_documents:
+            batch["position_ids"] = torch.from_numpy(positions)
+        return batch
 
 
 def _local_builder(files: list, flag: str) -> str:
@@ -74,24 +100,37 @@ def _local_builder(files: list, flag: str) -> str:
     return kinds.pop()
 
 
+def local_data_files(cfg: RunConfig) -> dict:
+    """{split: [files]} of the run's local data (the built-in sample when no data flag is given)."""
+    files = {"train": expand_data_files(cfg.train_data_file)}
+    if cfg.validation_data_file:
+        files["validation"] = expand_data_files(cfg.validation_data_file)
+    return files
+
+
+def _is_saved_dataset(path: str) -> bool:
+    folder = Path(path)
+    return folder.is_dir() and ((folder / "dataset_dict.json").exists() or (folder / "dataset_info.json").exists())
+
+
 def load_raw_datasets(cfg: RunConfig):
     """Return (train, validation or None) as `datasets.Dataset`s of documents."""
     import datasets
 
-    if cfg.dataset_name:
+    if cfg.dataset_name and _is_saved_dataset(cfg.dataset_name):
+        raw = datasets.load_from_disk(cfg.dataset_name)
+        raw = raw if isinstance(raw, datasets.DatasetDict) else datasets.DatasetDict({"train": raw})
+    elif cfg.dataset_name:
         raw = datasets.load_dataset(cfg.dataset_name, cfg.dataset_config_name)
-        if "train" not in raw:
-            raise UsageError(f"--dataset_name {cfg.dataset_name}: no train split (splits: {', '.join(raw)})")
-        train, validation = raw["train"], raw.get("validation")
     else:
-        files = {"train": cfg.train_data_file}
-        if cfg.validation_data_file:
-            files["validation"] = cfg.validation_data_file
-        builder = _local_builder(list(files.values()), "train_file/--validation_file")
+        files = local_data_files(cfg)
+        builder = _local_builder([f for split in files.values() for f in split], "train_file/--validation_file")
         # Plain text: a blank line separates documents (one file may hold many; a paragraph is a document).
         extra = {"sample_by": "paragraph"} if builder == "text" else {}
         raw = datasets.load_dataset(builder, data_files=files, **extra)
-        train, validation = raw["train"], raw.get("validation")
+    if "train" not in raw:
+        raise UsageError(f"--dataset_name {cfg.dataset_name}: no train split (splits: {', '.join(raw)})")
+    train, validation = raw["train"], raw.get("validation")
     if validation is None and cfg.validation_split_percentage > 0 and len(train) > 1:
         n_val = max(1, len(train) * cfg.validation_split_percentage // 100)
         validation = train.select(range(n_val))
@@ -106,33 +145,33 @@ def check_data_files(cfg: RunConfig) -> None:
     """
     import datasets
 
-    if cfg.dataset_name:
+    if cfg.dataset_name or cfg.data_path:
         return
-    for flag, path in (("train_file", cfg.train_data_file), ("validation_file", cfg.validation_data_file)):
-        if path is None:
-            continue
-        builder = _local_builder([path], flag)
-        extra = {"sample_by": "paragraph"} if builder == "text" else {}
-        with open(path, "rb") as f:
-            head = f.read(1 << 16)
-        if not head.strip() and Path(path).stat().st_size <= len(head):
-            raise UsageError(f"--{flag} {path}: the file holds no documents", "give a file with at least one")
-        try:
-            stream = datasets.load_dataset(builder, data_files={"train": path}, split="train", streaming=True,
-                                           **extra)
-            first = next(iter(stream), None)
-        except Exception as exc:  # the readers raise many types; the user needs the file and the reason
-            raise UsageError(f"--{flag} {path}: cannot read it as {builder} ({type(exc).__name__}: "
-                             f"{str(exc).splitlines()[0][:200] if str(exc) else 'no detail'})",
-                             "check the file's format and contents") from exc
-        if first is None:
-            raise UsageError(f"--{flag} {path}: the file holds no documents", "give a file with at least one")
-        if cfg.text_column not in first:
-            raise UsageError(f"--text_column {cfg.text_column}: not a column of {path}",
-                             f"columns there: {', '.join(first)}")
-        if not isinstance(first[cfg.text_column], str):
-            raise UsageError(f"--text_column {cfg.text_column}: holds {type(first[cfg.text_column]).__name__} in "
-                             f"{path}, not text", "pick a column of strings")
+    for flag, split_files in local_data_files(cfg).items():
+        flag = "train_file" if flag == "train" else "validation_file"
+        for path in split_files:
+            builder = _local_builder([path], flag)
+            extra = {"sample_by": "paragraph"} if builder == "text" else {}
+            with open(path, "rb") as f:
+                head = f.read(1 << 16)
+            if not head.strip() and Path(path).stat().st_size <= len(head):
+                raise UsageError(f"--{flag} {path}: the file holds no documents", "give a file with at least one")
+            try:
+                stream = datasets.load_dataset(builder, data_files={"train": path}, split="train", streaming=True,
+                                               **extra)
+                first = next(iter(stream), None)
+            except Exception as exc:  # the readers raise many types; the user needs the file and the reason
+                detail = str(exc).splitlines()[0][:200] if str(exc) else "no detail"
+                raise UsageError(f"--{flag} {path}: cannot read it as {builder} ({type(exc).__name__}: {detail})",
+                                 "check the file's format and contents") from exc
+            if first is None:
+                raise UsageError(f"--{flag} {path}: the file holds no documents", "give a file with at least one")
+            if cfg.text_column not in first:
+                raise UsageError(f"--text_column {cfg.text_column}: not a column of {path}",
+                                 f"columns there: {', '.join(first)}")
+            if not isinstance(first[cfg.text_column], str):
+                raise UsageError(f"--text_column {cfg.text_column}: holds {type(first[cfg.text_column]).__name__} "
+                                 f"in {path}, not text", "pick a column of strings")
 
 
 def _check_text_column(ds, column: str, source: str) -> None:
@@ -146,29 +185,6 @@ def _check_text_column(ds, column: str, source: str) -> None:
     feature = ds.features[column]
     if getattr(feature, "dtype", None) not in ("string", "large_string"):
         raise UsageError(f"--text_column {column}: holds {feature}, not text", "pick a column of strings")
-
-
-def tokenize_and_pack(ds, tokenizer, text_column: str, block_size: int, num_proc: Optional[int], source: str):
-    """Tokenize every document, join them with EOS and cut into blocks; nothing is dropped."""
-    _check_text_column(ds, text_column, source)
-    eos = tokenizer.eos_token_id
-
-    def tokenize(batch):
-        # verbose=False: documents longer than the model's context are expected; packing cuts them.
-        ids = tokenizer([t or "" for t in batch[text_column]], add_special_tokens=True, verbose=False)["input_ids"]
-        return {"input_ids": [x if (x and x[-1] == eos) else x + [eos] for x in ids]}
-
-    tokenized = ds.map(tokenize, batched=True, num_proc=num_proc, remove_columns=ds.column_names,
-                       desc=f"tokenizing {source}")
-    stream = np.fromiter(
-        (t for doc in tokenized["input_ids"] for t in doc), dtype=np.int64
-    )
-    n_blocks = math.ceil(len(stream) / block_size)
-    tokens = np.full(n_blocks * block_size, tokenizer.pad_token_id, dtype=np.int64)
-    tokens[: len(stream)] = stream
-    lengths = np.full(n_blocks, block_size, dtype=np.int64)
-    lengths[-1] = len(stream) - (n_blocks - 1) * block_size
-    return PackedBlocks(tokens.reshape(n_blocks, block_size), lengths, len(ds), tokenizer.pad_token_id)
 
 
 @dataclass(frozen=True)
@@ -246,3 +262,88 @@ def eval_batches(blocks: PackedBlocks, batch_size: int, rank: int, world: int, l
     owned = np.arange(rank, n, world)
     mine[: len(owned)] = owned
     return [blocks.batch(mine[i: i + batch_size]) for i in range(0, len(mine), batch_size)]
+
+
+# --- token stores: prepare once, reuse, open ------------------------------------------------------------------
+
+STORE_CACHE_ENV = "SCALETRAIN_CACHE"
+
+
+def store_fingerprint(cfg: RunConfig, tokenizer, block_size: int):
+    from scaletrain.tokenstore import Fingerprint, source_identity, tokenizer_hash
+
+    files = None if cfg.dataset_name else local_data_files(cfg)
+    return Fingerprint(
+        source=source_identity(files, cfg.dataset_name, cfg.dataset_config_name),
+        tokenizer_sha256=tokenizer_hash(tokenizer),
+        block_size=block_size,
+        text_column=cfg.text_column,
+        validation_split_percentage=cfg.validation_split_percentage,
+    )
+
+
+def default_store_path(fingerprint) -> Path:
+    """Where raw data given to train.py is prepared: a cache keyed by the fingerprint, shared by runs."""
+    root = Path(os.environ.get(STORE_CACHE_ENV, Path.home() / ".cache" / "scaletrain")) / "token_stores"
+    key = hashlib.sha256(json.dumps(fingerprint.as_dict(), sort_keys=True).encode()).hexdigest()[:16]
+    return root / key
+
+
+def prepare_token_store(cfg: RunConfig, tokenizer, tokenizer_dir: str, block_size: int, store: Path,
+                        num_proc: Optional[int], show_progress: bool = True) -> Path:
+    """Tokenize the run's raw data into `store`, or reuse the store there when it was made from the same input."""
+    from scaletrain.tokenstore import MANIFEST, read_manifest, write_store
+
+    fingerprint = store_fingerprint(cfg, tokenizer, block_size)
+    if (store / MANIFEST).exists():
+        differs = fingerprint.differences(read_manifest(store)["fingerprint"])
+        if not differs:
+            log.info("token store %s: reusing it (same input, tokenizer and block size)", store)
+            return store
+        raise UsageError(f"{store}: holds a token store made from different input ({', '.join(differs)} differ)",
+                         "choose another --output_dir, or delete that store")
+    train, validation = load_raw_datasets(cfg)
+    source = cfg.dataset_name or ", ".join(local_data_files(cfg)["train"])
+    _check_text_column(train, cfg.text_column, source)
+    if validation is not None:
+        _check_text_column(validation, cfg.text_column, f"{source} (validation)")
+    # Worker processes cost seconds to start; below ~20k documents one process finishes first.
+    workers = num_proc or (1 if len(train) < 20_000 else min(os.cpu_count() or 1, 8))
+    started = time.perf_counter()
+    write_store({"train": train, "validation": validation}, tokenizer, tokenizer_dir, fingerprint, store,
+                num_proc=workers, show_progress=show_progress)
+    log.info("token store %s: prepared in %.1fs with %d process(es)", store, time.perf_counter() - started, workers)
+    return store
+
+
+def ensure_token_store(cfg: RunConfig, tokenizer, tokenizer_dir: str, block_size: int, local_rank: int,
+                       show_progress: bool) -> Path:
+    """Raw data given to train.py: local rank 0 of each node prepares the store (under a file lock, so nodes
+    sharing a file system prepare it once); the other ranks wait for its manifest by polling the file system,
+    with no collective and so no timeout however long preparation takes. Runs before any process group exists.
+    """
+    import fcntl
+
+    from scaletrain.tokenstore import MANIFEST
+
+    store = default_store_path(store_fingerprint(cfg, tokenizer, block_size))
+    store.parent.mkdir(parents=True, exist_ok=True)
+    if local_rank == 0:
+        with open(store.parent / f"{store.name}.lock", "w") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            return prepare_token_store(cfg, tokenizer, tokenizer_dir, block_size, store,
+                                       cfg.preprocessing_num_workers, show_progress)
+    waited = 0.0
+    while not (store / MANIFEST).exists():
+        time.sleep(1.0)
+        waited += 1.0
+        if waited % 300 == 0:
+            log.warning("still waiting for local rank 0 to prepare the token store %s (%.0f min)", store, waited / 60)
+    return store
+
+
+def blocks_from_store(opened: dict, split: str, block_size: int, isolate_documents: bool) -> Optional[PackedBlocks]:
+    part = opened["splits"].get(split)
+    if part is None or part.n_tokens == 0:
+        return None
+    return PackedBlocks(part.tokens, part.doc_starts, block_size, opened["manifest"]["pad_id"], isolate_documents)

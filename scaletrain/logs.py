@@ -38,12 +38,10 @@ def setup_logging(rank: int, level: int = logging.INFO) -> None:
 
 def silence_library_logs() -> None:
     """Quiet the libraries' INFO output after their import (they install their own handlers)."""
-    try:
+    if "deepspeed" in sys.modules:  # never import DeepSpeed just to quiet it (data/prepare.py does not need it)
         from deepspeed.utils import logger as ds_logger
 
         ds_logger.setLevel(logging.WARNING)
-    except ImportError:
-        pass
     try:
         import transformers
 

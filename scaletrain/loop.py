@@ -31,7 +31,10 @@ def token_loss_sum(engine, batch: dict):
     labels = batch["labels"].to(engine.device, non_blocking=True)
     # Padding sits only at the end of a block (right padding) and causal attention never looks ahead, so no
     # attention mask is needed: real tokens never see padding, and padded positions carry no loss.
-    logits = engine(input_ids=input_ids, use_cache=False).logits
+    extra = {}
+    if "position_ids" in batch:  # attention isolation: transformers masks attention per document from these
+        extra["position_ids"] = batch["position_ids"].to(engine.device, non_blocking=True)
+    logits = engine(input_ids=input_ids, use_cache=False, **extra).logits
     # Shift the labels, not the logits: slicing logits[:, :-1] would copy the largest activation of the step.
     targets = F.pad(labels[:, 1:], (0, 1), value=IGNORE_INDEX)
     return F.cross_entropy(

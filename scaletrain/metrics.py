@@ -85,7 +85,7 @@ class MetricsLogger:
         self._file.flush()
         if self._wandb is not None:
             self._wandb.log({k: v for k, v in record.items() if k != "step"}, step=record["step"])
-        log.info("  ".join(_fmt(k, v) for k, v in record.items()))
+        log.info("  ".join(_fmt(k, v) for k, v in record.items() if k != "time"))
 
     def close(self) -> None:
         if self._file is not None:

@@ -52,8 +52,27 @@ def _hidden_size(model_config) -> int:
     raise UsageError(f"{type(model_config).__name__}: cannot find the model's hidden size")
 
 
-def _block_size(cfg: RunConfig, model_config) -> int:
+def _check_store(cfg: RunConfig, tokenizer) -> int:
+    """--data_path: the store must have been made with this run's tokenizer. Returns its block size."""
+    from scaletrain.tokenstore import read_manifest, tokenizer_hash
+
+    fingerprint = read_manifest(Path(cfg.data_path))["fingerprint"]
+    if fingerprint["tokenizer_sha256"] != tokenizer_hash(tokenizer):
+        raise UsageError(f"--data_path {cfg.data_path}: prepared with a different tokenizer than {cfg.tokenizer_source}",
+                         "prepare the store with this run's --tokenizer_name")
+    if cfg.block_size is not None and cfg.block_size != fingerprint["block_size"]:
+        raise UsageError(f"--block_size {cfg.block_size}: the store {cfg.data_path} was prepared for block size "
+                         f"{fingerprint['block_size']}", "drop --block_size, or prepare a store for this block size")
+    return fingerprint["block_size"]
+
+
+def _block_size(cfg: RunConfig, model_config, store_block_size: Optional[int]) -> int:
     limit = max_positions(model_config)
+    if store_block_size is not None:
+        if store_block_size > limit:
+            raise UsageError(f"--data_path {cfg.data_path}: block size {store_block_size} is above the model's "
+                             f"maximum positions ({limit})", f"prepare a store with --block_size {limit} or less")
+        return store_block_size
     if cfg.block_size is None:
         return min(1024, limit)
     if cfg.block_size > limit:
@@ -98,7 +117,8 @@ def plan_run(argv: Optional[Sequence[str]], dist: DistInfo) -> RunPlan:
             f"--tokenizer_name {cfg.tokenizer_source}: {len(tokenizer)} tokens, but the model's vocabulary has {vocab}",
             "use the model's own tokenizer, or a config whose vocab_size covers the tokenizer",
         )
-    block_size = _block_size(cfg, model_config)
+    store_block_size = _check_store(cfg, tokenizer) if cfg.data_path else None
+    block_size = _block_size(cfg, model_config, store_block_size)
     ds = resolve_ds_config(raw_ds_config, cfg, dist.dp_world_size, _hidden_size(model_config), hardware_facts())
     skeleton = meta_model(model_config, cfg.trust_remote_code)
     if cfg.gradient_checkpointing and not getattr(skeleton, "supports_gradient_checkpointing", False):

@@ -6,9 +6,11 @@ from __future__ import annotations
 import logging
 import math
 import random
+from pathlib import Path
 from typing import Any, Optional, Sequence
 
-from scaletrain import checkpoint, data, distributed, engine as engine_lib, model as model_lib
+from scaletrain import checkpoint, data, distributed, engine as engine_lib, model as model_lib, tokenstore
+from scaletrain.config import UsageError
 from scaletrain.distributed import DistInfo
 from scaletrain.logs import silence_library_logs
 from scaletrain.loop import LoopSettings, evaluate, train_loop
@@ -36,6 +38,7 @@ class Run:
         self.dist = dist
         self.model: Any = None
         self._zero3_keepalive: Any = None
+        self.store: Optional[dict] = None
         self.train_blocks: Optional[data.PackedBlocks] = None
         self.eval_batches: Optional[list] = None
         self.order: Optional[data.GlobalOrder] = None
@@ -62,19 +65,24 @@ class Run:
         self.model, self._zero3_keepalive = model_lib.build_model(
             self.cfg, self.plan.model_config, self.plan.ds.config, self.plan.ds.zero_stage)
 
+    def prepare_data(self) -> None:
+        """The token store: --data_path as given, or raw data prepared once (local rank 0; the others wait)."""
+        cfg = self.cfg
+        if cfg.data_path:
+            store = Path(cfg.data_path)
+        else:
+            store = data.ensure_token_store(cfg, self.plan.tokenizer, cfg.tokenizer_source, self.plan.block_size,
+                                            self.dist.local_rank, show_progress=self.dist.is_main)
+        self.store = tokenstore.open_store(store)
+        log.info("token store: %s", store)
+
     def build_data(self) -> None:
         cfg, dist = self.cfg, self.dist
-        # Rank 0 tokenizes first and fills the datasets cache; the other ranks then read it instead of racing.
-        if not dist.is_main:
-            distributed.barrier()
-        train_raw, val_raw = data.load_raw_datasets(cfg)
-        pack = lambda ds, name: data.tokenize_and_pack(  # noqa: E731
-            ds, self.plan.tokenizer, cfg.text_column, self.plan.block_size, cfg.preprocessing_num_workers, name)
-        self.train_blocks = pack(train_raw, cfg.train_data_file or cfg.dataset_name)
-        val_blocks = pack(val_raw, cfg.validation_data_file or f"{cfg.dataset_name} validation") if val_raw else None
-        if dist.is_main:
-            distributed.barrier()
-
+        self.train_blocks = data.blocks_from_store(self.store, "train", self.plan.block_size, cfg.attention_isolation)
+        if self.train_blocks is None:
+            raise UsageError(f"{cfg.data_path or cfg.train_data_file or cfg.dataset_name}: no training tokens",
+                             "give data with at least one non-empty document")
+        val_blocks = data.blocks_from_store(self.store, "validation", self.plan.block_size, cfg.attention_isolation)
         # Batch sizes as DeepSpeed will use them: an explicit JSON value stands where the flag was not typed.
         micro = self.plan.ds.config["train_micro_batch_size_per_gpu"]
         accumulation = self.plan.ds.config["gradient_accumulation_steps"]
@@ -89,7 +97,7 @@ class Run:
         b = self.train_blocks
         log.info("data: %d documents, %d tokens -> %d blocks of %d (last block %d real tokens, padded; none "
                  "dropped); global batch %d blocks = %d micro x %d accumulation x %d ranks; %d steps/epoch, "
-                 "%d steps", b.n_documents, b.n_tokens, len(b), b.block_size, int(b.lengths[-1]),
+                 "%d steps", b.n_documents, b.n_tokens, len(b), b.block_size, b.last_block_length,
                  self.order.global_batch, micro, accumulation,
                  dist.dp_world_size, self.order.steps_per_epoch, total)
 

@@ -28,6 +28,7 @@ def subprocess_env(tmp_cache: Path) -> dict:
         "HF_HUB_OFFLINE": "1",  # nothing may be downloaded at run time
         "HF_DATASETS_OFFLINE": "1",
         "HF_DATASETS_CACHE": str(tmp_cache / "datasets"),
+        "SCALETRAIN_CACHE": str(tmp_cache / "scaletrain"),  # token stores the runs prepare
         "WANDB_MODE": "offline",
         "TOKENIZERS_PARALLELISM": "false",
         "PYTHONPATH": str(REPO),

@@ -6,15 +6,18 @@ import numpy as np
 import pytest
 from transformers import AutoTokenizer
 
-from scaletrain.config import parse_run_config
-from scaletrain.data import EMPTY_SLOT, IGNORE_INDEX, GlobalOrder, PackedBlocks, eval_batches, load_raw_datasets, \
-    tokenize_and_pack
+from scaletrain.config import UsageError, parse_run_config
+from scaletrain.data import EMPTY_SLOT, IGNORE_INDEX, GlobalOrder, PackedBlocks, StepBatches, blocks_from_store, \
+    eval_batches, prepare_token_store, store_fingerprint
+from scaletrain.tokenstore import open_store
 from tests.conftest import REPO
+
+TINY = REPO / "data" / "tiny-llama"
 
 
 @pytest.fixture(scope="module")
 def tokenizer():
-    return AutoTokenizer.from_pretrained(REPO / "data" / "tiny-llama")
+    return AutoTokenizer.from_pretrained(TINY)
 
 
 def write_docs(path, docs, fmt):
@@ -39,30 +42,142 @@ def write_docs(path, docs, fmt):
 DOCS = [("word " * n).strip() + f" end{n}." for n in (3, 40, 7, 90, 1, 15, 60)]
 
 
+def raw_cfg(tmp_path, *flags):
+    return parse_run_config(["--config", str(REPO / "ds_configs/zero2.json"), "--output_dir", str(tmp_path / "o"),
+                             "--validation_split_percentage", "0", *flags])
+
+
+def prepare(tmp_path, tokenizer, cfg, name="store", num_proc=1, block_size=16):
+    return prepare_token_store(cfg, tokenizer, str(TINY), block_size, tmp_path / name, num_proc, show_progress=False)
+
+
 @pytest.mark.parametrize("fmt", ["jsonl", "csv", "txt", "parquet"])
-def test_every_token_of_every_document_is_packed_once(fmt, tmp_path, tokenizer, monkeypatch):
+def test_every_token_of_every_document_is_stored_once(fmt, tmp_path, tokenizer, monkeypatch):
     monkeypatch.setenv("HF_DATASETS_CACHE", str(tmp_path / "cache"))
     path = tmp_path / f"docs.{fmt}"
     write_docs(path, DOCS, fmt)
-    cfg = parse_run_config(["--config", str(REPO / "ds_configs/zero2.json"), "--train_file", str(path),
-                            "--validation_split_percentage", "0", "--output_dir", str(tmp_path / "o")])
-    train, val = load_raw_datasets(cfg)
-    assert val is None and len(train) == len(DOCS)
-    blocks = tokenize_and_pack(train, tokenizer, "text", 16, None, str(path))
+    store = prepare(tmp_path, tokenizer, raw_cfg(tmp_path, "--train_file", str(path)))
+    opened = open_store(store)
     expected = [t for d in DOCS for t in tokenizer(d)["input_ids"] + [tokenizer.eos_token_id]]
-    stream = np.concatenate([blocks.tokens[i, : blocks.lengths[i]] for i in range(len(blocks))])
-    assert stream.tolist() == expected  # nothing dropped, nothing reordered, EOS between documents
-    assert blocks.lengths[:-1].tolist() == [16] * (len(blocks) - 1)
-    assert blocks.n_documents == len(DOCS)
+    assert opened["splits"]["train"].tokens.tolist() == expected  # nothing dropped or reordered, EOS after each
+    assert opened["splits"]["train"].n_documents == len(DOCS)
+    blocks = blocks_from_store(opened, "train", 16, isolate_documents=False)
+    rows = blocks.batch(np.arange(len(blocks)))
+    real = rows["labels"][rows["labels"] != IGNORE_INDEX]
+    assert real.tolist() == expected  # every stored token reaches a training block exactly once per epoch
+
+
+def test_globs_several_files_and_save_to_disk_folders(tmp_path, tokenizer, monkeypatch):
+    import datasets
+
+    monkeypatch.setenv("HF_DATASETS_CACHE", str(tmp_path / "cache"))
+    write_docs(tmp_path / "a.jsonl", DOCS[:3], "jsonl")
+    write_docs(tmp_path / "b.jsonl", DOCS[3:], "jsonl")
+    from_glob = open_store(prepare(tmp_path, tokenizer, raw_cfg(tmp_path, "--train_file", str(tmp_path / "*.jsonl")),
+                                   "glob"))
+    from_list = open_store(prepare(tmp_path, tokenizer, raw_cfg(
+        tmp_path, "--train_file", f"{tmp_path / 'a.jsonl'},{tmp_path / 'b.jsonl'}"), "list"))
+    datasets.Dataset.from_dict({"text": DOCS}).save_to_disk(str(tmp_path / "saved"))
+    from_disk = open_store(prepare(tmp_path, tokenizer, raw_cfg(tmp_path, "--dataset_name", str(tmp_path / "saved")),
+                                   "disk"))
+    expected = [t for d in DOCS for t in tokenizer(d)["input_ids"] + [tokenizer.eos_token_id]]
+    for opened in (from_glob, from_list, from_disk):
+        assert opened["splits"]["train"].tokens.tolist() == expected
+
+
+def test_store_is_the_same_for_any_number_of_processes(tmp_path, tokenizer, monkeypatch):
+    monkeypatch.setenv("HF_DATASETS_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setenv("PYTHONPATH", str(REPO))  # spawned tokenizer workers import scaletrain
+    cfg = raw_cfg(tmp_path, "--train_file", str(REPO / "data/sample/validation.jsonl"))
+    one = open_store(prepare(tmp_path, tokenizer, cfg, "one", num_proc=1))
+    two = open_store(prepare(tmp_path, tokenizer, cfg, "two", num_proc=2))
+    assert one["splits"]["train"].tokens.tolist() == two["splits"]["train"].tokens.tolist()
+    assert one["splits"]["train"].doc_starts.tolist() == two["splits"]["train"].doc_starts.tolist()
+
+
+def test_fingerprint_reuse_mismatch_and_corruption(tmp_path, tokenizer, monkeypatch, caplog):
+    monkeypatch.setenv("HF_DATASETS_CACHE", str(tmp_path / "cache"))
+    path = tmp_path / "docs.jsonl"
+    write_docs(path, DOCS, "jsonl")
+    cfg = raw_cfg(tmp_path, "--train_file", str(path))
+    store = prepare(tmp_path, tokenizer, cfg)
+    stamp = (store / "train.tokens.bin").stat().st_mtime_ns
+    with caplog.at_level("INFO", logger="scaletrain"):
+        prepare(tmp_path, tokenizer, cfg)  # same input: reused, not rewritten
+    assert "reusing it" in caplog.text and (store / "train.tokens.bin").stat().st_mtime_ns == stamp
+    with pytest.raises(UsageError, match="made from different input \\(block_size differ\\)"):
+        prepare(tmp_path, tokenizer, cfg, block_size=32)
+    write_docs(path, DOCS[:-1], "jsonl")  # the source changed: its hash no longer matches
+    with pytest.raises(UsageError, match="source differ"):
+        prepare(tmp_path, tokenizer, cfg)
+    expected = store_fingerprint(cfg, tokenizer, 16)
+    with pytest.raises(UsageError, match="prepared from different input"):
+        open_store(store, expected)
+    data = (store / "train.tokens.bin").read_bytes()
+    (store / "train.tokens.bin").write_bytes(data[:-2])
+    with pytest.raises(UsageError, match="truncated or corrupt"):
+        open_store(store)
+    manifest = json.loads((store / "manifest.json").read_text())
+    manifest["format_version"] = 99
+    (store / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(UsageError, match="format version 99"):
+        open_store(store)
+    assert not list(tmp_path.glob(".store.tmp-*"))  # no half-written store left behind
 
 
 def test_last_partial_block_is_padded_and_masked():
-    tokens = np.arange(3 * 4).reshape(3, 4)
-    blocks = PackedBlocks(tokens, np.array([4, 4, 2]), n_documents=1, pad_id=99)
+    blocks = PackedBlocks(np.arange(10), np.array([0]), block_size=4, pad_id=99)
+    assert len(blocks) == 3 and blocks.last_block_length == 2
     batch = blocks.batch(np.array([2, EMPTY_SLOT]))
     assert batch["input_ids"].tolist() == [[8, 9, 99, 99], [99, 99, 99, 99]]
     assert batch["labels"].tolist() == [[8, 9, IGNORE_INDEX, IGNORE_INDEX], [IGNORE_INDEX] * 4]
     assert blocks.targets_in(np.array([0, 2, EMPTY_SLOT])) == 3 + 1
+
+
+def test_isolation_position_ids_restart_at_documents_and_blocks():
+    blocks = PackedBlocks(np.arange(12), np.array([0, 3, 9]), block_size=6, pad_id=0, isolate_documents=True)
+    batch = blocks.batch(np.array([0, 1]))
+    assert batch["position_ids"].tolist() == [[0, 1, 2, 0, 1, 2], [0, 1, 2, 0, 1, 2]]
+
+
+def test_attention_isolation_matches_each_document_run_alone(tokenizer):
+    """Logits of a packed block with isolation equal each document's logits computed on its own."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(TINY)).eval()
+    docs = [tokenizer(d)["input_ids"] + [tokenizer.eos_token_id] for d in ("A short one.", "Then a longer "
+            "document follows here, with more words.", "End.")]
+    stream = np.array([t for d in docs for t in d])
+    starts = np.cumsum([0] + [len(d) for d in docs[:-1]])
+    isolated = PackedBlocks(stream, starts, block_size=len(stream), pad_id=0, isolate_documents=True)
+    batch = isolated.batch(np.array([0]))
+    with torch.no_grad():
+        # use_cache=False as in training: transformers builds the per-document mask only without a KV cache
+        packed = model(input_ids=batch["input_ids"], position_ids=batch["position_ids"], use_cache=False).logits[0]
+        plain = model(input_ids=batch["input_ids"], use_cache=False).logits[0]
+        for doc, start in zip(docs, starts):
+            alone = model(input_ids=torch.tensor([doc])).logits[0]
+            torch.testing.assert_close(packed[start: start + len(doc)], alone, rtol=1e-4, atol=1e-4)
+    later = slice(starts[1], starts[1] + len(docs[1]))
+    assert not torch.allclose(plain[later], packed[later], atol=1e-3)  # without isolation, documents do mix
+
+
+def test_seeking_to_any_step_costs_the_same(monkeypatch):
+    """O(1) seek: the batch of step s comes from s alone; no earlier step is replayed, whatever s is."""
+    blocks = PackedBlocks(np.arange(64 * 1000), np.array([0]), block_size=64, pad_id=0)
+    order = GlobalOrder(len(blocks), micro_batch=4, accumulation=2, dp_world_size=2, seed=1)
+    calls = []
+    original = GlobalOrder.epoch_permutation
+    monkeypatch.setattr(GlobalOrder, "epoch_permutation", lambda self, e: calls.append(e) or original(self, e))
+    for step in (10, 10_000_000):
+        calls.clear()
+        micro, targets, n_blocks = StepBatches(blocks, order, rank=1).for_step(step)
+        assert calls == [step // order.steps_per_epoch]  # one permutation, of that step's epoch only
+        assert n_blocks == 16 and targets == 16 * 63
+        expected = order.micro_batches(order.global_batch_indices(step), 1)
+        assert [m["input_ids"][:, 0].tolist() for m in micro] == [(e * 64).tolist() for e in expected]
 
 
 @pytest.mark.parametrize("micro, accumulation, world", [(4, 1, 2), (2, 2, 2), (1, 8, 1), (8, 1, 1)])
@@ -89,7 +204,7 @@ def test_order_depends_on_seed_and_epoch():
 
 
 def test_eval_batches_give_every_rank_the_same_count():
-    blocks = PackedBlocks(np.zeros((5, 4), dtype=np.int64), np.array([4, 4, 4, 4, 3]), 1, 0)
+    blocks = PackedBlocks(np.zeros(19, dtype=np.int64), np.array([0]), block_size=4, pad_id=0)
     per_rank = [eval_batches(blocks, batch_size=2, rank=r, world=2, limit=None) for r in range(2)]
     assert len(per_rank[0]) == len(per_rank[1]) == 2
     real = sum(int((b["labels"] != IGNORE_INDEX).sum()) for batches in per_rank for b in batches)

@@ -75,7 +75,8 @@ def test_single_process_python_with_wandb_offline(tmp_path, cache_dir):
 def test_torchrun_two_ranks_zero3_with_gradient_checkpointing(tmp_path, cache_dir):
     run_dir = tmp_path / "run"
     proc = launch(PROBE, ["--config", "ds_configs/zero3.json", "--output_dir", str(run_dir), "--max_steps", "8",
-                          "--gradient_checkpointing", "--learning_rate", "3e-3", "--eval_steps", "4", *FAST_FLAGS],
+                          "--gradient_checkpointing", "--attention_isolation", "--learning_rate", "3e-3", "--eval_steps",
+                          "4", *FAST_FLAGS],
                   "torchrun", cache_dir, nprocs=2)
     check_ok(proc)
     losses = train_losses(run_dir)
@@ -84,6 +85,31 @@ def test_torchrun_two_ranks_zero3_with_gradient_checkpointing(tmp_path, cache_di
     assert [r["step"] for r in evals] == [4, 8]
     assert all(r["eval_perplexity"] == pytest.approx(math.exp(r["eval_loss"])) for r in evals)
     assert_export_matches_engine(run_dir)
+
+
+def test_prepared_store_and_raw_files_train_on_identical_batches(tmp_path, cache_dir):
+    """data/prepare.py + --data_path, and raw files given to train.py, give the same losses step by step."""
+    import subprocess
+    import sys
+
+    from tests.conftest import subprocess_env
+
+    files = ["--train_file", str(REPO / "data/sample/validation.jsonl"), "--validation_split_percentage", "0"]
+    env = {**subprocess_env(cache_dir), "SCALETRAIN_CACHE": str(tmp_path / "cache")}
+    prep = subprocess.run([sys.executable, str(REPO / "data/prepare.py"), *files, "--tokenizer_name",
+                           str(REPO / "data/tiny-llama"), "--block_size", "64", "--output_dir", str(tmp_path / "store"),
+                           "--num_proc", "2"], env=env, capture_output=True, text=True, timeout=600)
+    check_ok(prep)
+    common = ["--config", "ds_configs/zero2.json", "--max_steps", "6", "--logging_steps", "1", "--disable_tqdm",
+              "--per_device_train_batch_size", "2"]
+    from_store = launch(REPO / "train.py", [*common, "--data_path", str(tmp_path / "store"), "--output_dir",
+                                            str(tmp_path / "a")], "deepspeed", cache_dir, nprocs=2)
+    check_ok(from_store)
+    from_raw = launch(REPO / "train.py", [*common, *files, "--block_size", "64", "--output_dir", str(tmp_path / "b")],
+                      "deepspeed", cache_dir, nprocs=2)
+    check_ok(from_raw)
+    assert train_losses(tmp_path / "a") == train_losses(tmp_path / "b")
+    assert len(train_losses(tmp_path / "a")) == 6
 
 
 def test_zero3_never_holds_the_whole_model_on_a_rank(tmp_path, cache_dir):

@@ -18,8 +18,9 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-from scaletrain.data import load_raw_datasets, tokenize_and_pack  # noqa: E402
 from scaletrain.config import parse_run_config  # noqa: E402
+from scaletrain.data import blocks_from_store, ensure_token_store  # noqa: E402
+from scaletrain.tokenstore import open_store  # noqa: E402
 
 
 def main() -> None:
@@ -34,8 +35,9 @@ def main() -> None:
     cfg = parse_run_config(["--config", run_config["config"], "--config_name", run_config["config_name"],
                             "--output_dir", str(run_dir / "minimal"), "--validation_split_percentage", "0"])
     tokenizer = AutoTokenizer.from_pretrained(run_config["config_name"])
-    train, _ = load_raw_datasets(cfg)
-    blocks = tokenize_and_pack(train, tokenizer, "text", run_config["block_size"], None, "train")
+    # The same token store the pipeline run prepared (found by its fingerprint, so nothing is re-tokenized).
+    store = ensure_token_store(cfg, tokenizer, run_config["config_name"], run_config["block_size"], 1, False)
+    blocks = blocks_from_store(open_store(store), "train", run_config["block_size"], False)
     model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(run_config["config_name"]))
     engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=ds_config)
 
@@ -47,7 +49,7 @@ def main() -> None:
         for _ in range(gas):
             idx = order[np.arange(cursor, cursor + micro) % len(order)]
             cursor += micro * world
-            ids = torch.from_numpy(blocks.tokens[idx])
+            ids = blocks.batch(idx)["input_ids"]
             loss = engine(input_ids=ids, labels=ids).loss
             engine.backward(loss)
             engine.step()

@@ -1,0 +1,247 @@
+"""The token store: a corpus tokenized once into memory-mapped files, with a fingerprinted manifest.
+
+Layout of a store folder:
+    manifest.json            format version, fingerprint (what it was made from), per-split token/document counts
+    <split>.tokens.bin       every document's tokens followed by EOS, concatenated (uint16 or uint32)
+    <split>.docs.npy         the offset where each document starts (int64), for attention isolation
+
+A store is written under a temporary name and renamed into place when complete, so a half-written store never
+looks like a store. Preparing the same input again finds the matching manifest and reuses it; a store whose
+fingerprint differs from what the run asks for is refused.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import shutil
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterator, Optional
+
+import numpy as np
+
+from scaletrain.config import UsageError
+
+log = logging.getLogger(__name__)
+FORMAT_VERSION = 1
+MANIFEST = "manifest.json"
+PACKING = "concat_eos"  # documents joined with EOS, cut into blocks; the last partial block padded, never dropped
+HASH_CHUNK = 1 << 20
+
+
+def file_sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(HASH_CHUNK), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def tokenizer_hash(tokenizer) -> str:
+    """Identity of a tokenizer: its full serialized vocabulary and rules plus the special tokens."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    body = backend.to_str() if backend is not None else json.dumps(tokenizer.get_vocab(), sort_keys=True)
+    special = json.dumps({"eos": tokenizer.eos_token_id, "bos": tokenizer.bos_token_id}, sort_keys=True)
+    return hashlib.sha256((body + special).encode()).hexdigest()
+
+
+def source_identity(files: Optional[dict], dataset_name: Optional[str], dataset_config: Optional[str],
+                    revision: Optional[str] = None) -> dict:
+    """Local files by path, size and content hash; a hub or on-disk dataset by name, config and revision."""
+    if files:
+        return {"kind": "files", "splits": {
+            # Content, not location: the same files moved or mounted elsewhere are the same input.
+            split: [{"name": Path(p).name, "size": Path(p).stat().st_size, "sha256": file_sha256(Path(p))}
+                    for p in paths]
+            for split, paths in files.items()}}
+    path = Path(dataset_name)
+    if path.is_dir() and ((path / "dataset_dict.json").exists() or (path / "dataset_info.json").exists()):
+        state = sorted(p for p in path.rglob("*.arrow"))
+        return {"kind": "save_to_disk", "path": str(path.resolve()),
+                "arrow": [{"path": str(p.relative_to(path)), "size": p.stat().st_size} for p in state]}
+    return {"kind": "hub", "name": dataset_name, "config": dataset_config, "revision": revision}
+
+
+@dataclass(frozen=True)
+class Fingerprint:
+    source: dict
+    tokenizer_sha256: str
+    block_size: int
+    text_column: str
+    validation_split_percentage: int
+    packing: str = PACKING
+    format_version: int = FORMAT_VERSION
+
+    def as_dict(self) -> dict:
+        return {"source": self.source, "tokenizer_sha256": self.tokenizer_sha256, "block_size": self.block_size,
+                "text_column": self.text_column, "validation_split_percentage": self.validation_split_percentage,
+                "packing": self.packing, "format_version": self.format_version}
+
+    def differences(self, other: dict) -> list:
+        mine = self.as_dict()
+        return [key for key in mine if mine[key] != other.get(key)]
+
+
+@dataclass
+class StoreSplit:
+    tokens: np.ndarray  # flat memmap of token ids
+    doc_starts: np.ndarray  # offset of each document's first token
+
+    @property
+    def n_tokens(self) -> int:
+        return len(self.tokens)
+
+    @property
+    def n_documents(self) -> int:
+        return len(self.doc_starts)
+
+
+def _dtype_for(vocab_size: int) -> np.dtype:
+    return np.dtype(np.uint16) if vocab_size <= np.iinfo(np.uint16).max + 1 else np.dtype(np.uint32)
+
+
+def read_manifest(store: Path) -> dict:
+    path = store / MANIFEST
+    try:
+        manifest = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise UsageError(f"--data_path {store}: not a token store (no {MANIFEST})",
+                         "prepare one with python data/prepare.py --output_dir ...")
+    except (OSError, ValueError) as exc:
+        raise UsageError(f"--data_path {store}: unreadable {MANIFEST} ({exc})", "prepare the store again")
+    if manifest.get("format_version") != FORMAT_VERSION:
+        raise UsageError(f"--data_path {store}: store format version {manifest.get('format_version')}, this code "
+                         f"reads version {FORMAT_VERSION}", "prepare the store again with this version")
+    return manifest
+
+
+def open_store(store: Path, expected: Optional[Fingerprint] = None) -> dict:
+    """Open every split of a store as memmaps, after checking its manifest and file sizes."""
+    manifest = read_manifest(store)
+    if expected is not None:
+        differs = expected.differences(manifest["fingerprint"])
+        if differs:
+            raise UsageError(f"--data_path {store}: prepared from different input ({', '.join(differs)} differ)",
+                             "prepare a new store for this input, or point --data_path at the matching one")
+    dtype = np.dtype(manifest["dtype"])
+    splits = {}
+    for split, info in manifest["splits"].items():
+        tokens_path, docs_path = store / f"{split}.tokens.bin", store / f"{split}.docs.npy"
+        expected_bytes = info["n_tokens"] * dtype.itemsize
+        actual = tokens_path.stat().st_size if tokens_path.exists() else -1
+        if actual != expected_bytes:
+            raise UsageError(f"--data_path {store}: {tokens_path.name} holds {actual} bytes, the manifest says "
+                             f"{expected_bytes} (truncated or corrupt)", "prepare the store again")
+        try:
+            doc_starts = np.load(docs_path, mmap_mode="r")
+        except (OSError, ValueError) as exc:
+            raise UsageError(f"--data_path {store}: {docs_path.name} is unreadable ({exc})", "prepare the store again")
+        if len(doc_starts) != info["n_documents"]:
+            raise UsageError(f"--data_path {store}: {docs_path.name} holds {len(doc_starts)} documents, the "
+                             f"manifest says {info['n_documents']}", "prepare the store again")
+        tokens = np.memmap(tokens_path, dtype=dtype, mode="r") if info["n_tokens"] else np.zeros(0, dtype)
+        splits[split] = StoreSplit(tokens, doc_starts)
+    return {"manifest": manifest, "splits": splits}
+
+
+# --- writing ---------------------------------------------------------------------------------------------------
+
+_WORKER: dict = {}
+
+
+def _init_worker(tokenizer_json: str, eos: int, dtype: str, add_special: bool, single_thread: bool) -> None:
+    # The Rust tokenizer alone, rebuilt from its JSON: no transformers import in each worker (seconds saved).
+    from tokenizers import Tokenizer
+
+    if single_thread:
+        os.environ["TOKENIZERS_PARALLELISM"] = "false"  # one thread per worker process: no oversubscription
+    _WORKER.update(tokenizer=Tokenizer.from_str(tokenizer_json), eos=eos, dtype=np.dtype(dtype),
+                   add_special=add_special)
+
+
+def _encode_texts(texts: list) -> tuple:
+    """Tokens of a batch of documents, each followed by EOS, and each document's length."""
+    w = _WORKER
+    encodings = w["tokenizer"].encode_batch([t or "" for t in texts], add_special_tokens=w["add_special"])
+    ids = [e.ids for e in encodings]
+    lengths = np.fromiter((len(x) + 1 for x in ids), dtype=np.int64, count=len(ids))
+    flat = np.empty(int(lengths.sum()), dtype=w["dtype"])
+    ends = np.cumsum(lengths)
+    flat[ends - 1] = w["eos"]
+    starts = ends - lengths
+    for i, x in enumerate(ids):
+        flat[starts[i]: ends[i] - 1] = x
+    return flat, lengths
+
+
+def _batches(ds, column: str, batch_size: int) -> Iterator[list]:
+    for batch in ds.select_columns([column]).iter(batch_size=batch_size):
+        yield batch[column]
+
+
+def _write_split(ds, out: Path, split: str, column: str, batch_size: int, encode, show_progress: bool) -> dict:
+    from tqdm.auto import tqdm
+
+    doc_lengths = []
+    n_tokens = 0
+    bar = tqdm(total=len(ds), desc=f"tokenizing {split}", unit="doc", disable=not show_progress)
+    with open(out / f"{split}.tokens.bin", "wb") as f:
+        for flat, lengths in encode(_batches(ds, column, batch_size)):
+            f.write(flat.tobytes())
+            doc_lengths.append(lengths)
+            n_tokens += len(flat)
+            bar.update(len(lengths))
+    bar.close()
+    lengths = np.concatenate(doc_lengths) if doc_lengths else np.zeros(0, np.int64)
+    starts = np.concatenate([[0], np.cumsum(lengths)[:-1]]) if len(lengths) else lengths
+    np.save(out / f"{split}.docs.npy", starts.astype(np.int64))
+    return {"n_tokens": n_tokens, "n_documents": int(len(lengths))}
+
+
+def write_store(splits: dict, tokenizer, tokenizer_dir: str, fingerprint: Fingerprint, store: Path,
+                num_proc: int, show_progress: bool = True, batch_size: int = 1000) -> Path:
+    """Tokenize every split into `store`, atomically: a temporary folder renamed into place when complete."""
+    store = Path(store)
+    tmp = store.parent / f".{store.name}.tmp-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    if not getattr(tokenizer, "is_fast", False):
+        raise UsageError(f"tokenizer {tokenizer_dir}: the token store needs a fast (Rust) tokenizer",
+                         "use a tokenizer with a tokenizer.json")
+    dtype = _dtype_for(len(tokenizer))
+    # A tokenizer that appends EOS itself would double it; the store adds exactly one after each document.
+    probe = tokenizer("x", add_special_tokens=True)["input_ids"]
+    add_special = not (probe and probe[-1] == tokenizer.eos_token_id)
+    tokenizer_json = tokenizer.backend_tokenizer.to_str()
+    init_args = (tokenizer_json, tokenizer.eos_token_id, dtype.str, add_special, num_proc > 1)
+    started = time.perf_counter()
+    if num_proc > 1:
+        import multiprocessing as mp
+
+        # Ordered imap: batches come back in document order, so the store is the same for any --num_proc.
+        pool = mp.get_context("spawn").Pool(num_proc, _init_worker, init_args)
+        encode = lambda batches: pool.imap(_encode_texts, batches)  # noqa: E731
+    else:
+        pool = None
+        # One process: the Rust tokenizer spreads each batch over every core itself.
+        _init_worker(*init_args)
+        encode = lambda batches: map(_encode_texts, batches)  # noqa: E731
+    try:
+        counts = {name: _write_split(ds, tmp, name, fingerprint.text_column, batch_size, encode, show_progress)
+                  for name, ds in splits.items() if ds is not None}
+    finally:
+        if pool is not None:
+            pool.close()
+            pool.join()
+    manifest = {"format_version": FORMAT_VERSION, "fingerprint": fingerprint.as_dict(), "dtype": dtype.str,
+                "eos_id": tokenizer.eos_token_id, "pad_id": tokenizer.pad_token_id, "splits": counts,
+                "prepared_seconds": round(time.perf_counter() - started, 2)}
+    (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
+    if store.exists():
+        shutil.rmtree(store)
+    os.replace(tmp, store)
+    return store

@@ -1,0 +1,145 @@
+"""Preparation benchmark: data/prepare.py's token store against the Hugging Face run_clm.py recipe and against the
+tokenizer alone, on the same corpus, tokenizer and process count, in one command.
+
+Corpus: the Python standard library's source files, one document per file (real, varied-length text, offline),
+tokenized with an 8k byte-level BPE trained on it here. Three measurements, each end to end from the JSONL file:
+  recipe     datasets.load_dataset + .map(tokenize, num_proc) + .map(group_texts, num_proc)   (run_clm.py)
+  store      prepare_token_store (read, tokenize, pack, write the memory-mapped store)         (data/prepare.py)
+  tokenizer  tokenizers' encode_batch over the same documents, already in memory               (the ceiling)
+and the share of corpus tokens each packing keeps for training.
+
+    python scripts/bench_prepare.py --num_proc 2
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import sys
+import sysconfig
+import tempfile
+import time
+from itertools import chain
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+
+def build_corpus(folder: Path) -> Path:
+    stdlib = Path(sysconfig.get_paths()["stdlib"])
+    path = folder / "stdlib_sources.jsonl"
+    with open(path, "w", encoding="utf-8") as f:
+        for source in sorted(stdlib.glob("**/*.py")):
+            if "site-packages" in source.parts or "test" in source.parts:
+                continue
+            try:
+                text = source.read_text(encoding="utf-8")
+            except (UnicodeDecodeError, OSError):
+                continue
+            f.write(json.dumps({"text": text}) + "\n")
+    return path
+
+
+def build_tokenizer(corpus: Path, folder: Path) -> Path:
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    texts = [json.loads(line)["text"] for line in corpus.open()]
+    tok = Tokenizer(models.BPE(unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.train_from_iterator(texts, trainers.BpeTrainer(vocab_size=8192, special_tokens=["<s>", "</s>", "<pad>",
+                                                                                      "<unk>"], show_progress=False))
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", pad_token="<pad>",
+                                   unk_token="<unk>", model_max_length=1 << 30)
+    fast.save_pretrained(folder)
+    return folder
+
+
+def run_recipe(corpus: Path, tokenizer_dir: Path, block_size: int, num_proc: int, cache: Path) -> tuple:
+    """run_clm.py's tokenize_function and group_texts, as written there (the remainder of each map batch dropped)."""
+    import datasets
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
+    started = time.perf_counter()
+    raw = datasets.load_dataset("json", data_files={"train": str(corpus)}, cache_dir=str(cache))["train"]
+    tokenized = raw.map(lambda b: tokenizer(b["text"]), batched=True, num_proc=num_proc, remove_columns=["text"])
+
+    def group_texts(examples):
+        concatenated = {k: list(chain(*examples[k])) for k in examples.keys()}
+        total_length = len(concatenated[list(examples.keys())[0]])
+        total_length = (total_length // block_size) * block_size
+        result = {k: [t[i: i + block_size] for i in range(0, total_length, block_size)]
+                  for k, t in concatenated.items()}
+        result["labels"] = result["input_ids"].copy()
+        return result
+
+    grouped = tokenized.map(group_texts, batched=True, num_proc=num_proc)
+    seconds = time.perf_counter() - started
+    tokens = sum(len(x) for x in tokenized["input_ids"])
+    return seconds, tokens, len(grouped) * block_size
+
+
+def run_store(corpus: Path, tokenizer_dir: Path, block_size: int, num_proc: int, out: Path) -> tuple:
+    from scaletrain.config import RunConfig
+    from scaletrain.data import prepare_token_store
+    from scaletrain.tokenstore import open_store
+    from transformers import AutoTokenizer
+
+    os.environ["HF_DATASETS_CACHE"] = str(out / "hf_cache")
+    cfg = RunConfig(train_file=str(corpus), validation_split_percentage=0, tokenizer_name=str(tokenizer_dir))
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
+    started = time.perf_counter()
+    store = prepare_token_store(cfg, tokenizer, str(tokenizer_dir), block_size, out / "store", num_proc,
+                                show_progress=False)
+    seconds = time.perf_counter() - started
+    split = open_store(store)["splits"]["train"]
+    return seconds, split.n_tokens, split.n_tokens  # every token is in a block (the last one padded)
+
+
+def run_tokenizer_alone(corpus: Path, tokenizer_dir: Path) -> tuple:
+    from transformers import AutoTokenizer
+
+    texts = [json.loads(line)["text"] for line in corpus.open()]
+    backend = AutoTokenizer.from_pretrained(tokenizer_dir).backend_tokenizer
+    started = time.perf_counter()
+    encodings = backend.encode_batch(texts)
+    seconds = time.perf_counter() - started
+    return seconds, sum(len(e.ids) for e in encodings)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--num_proc", type=int, default=2)
+    parser.add_argument("--block_size", type=int, default=1024)
+    args = parser.parse_args()
+    with tempfile.TemporaryDirectory() as tmp:
+        tmp = Path(tmp)
+        corpus = build_corpus(tmp)
+        tokenizer_dir = build_tokenizer(corpus, tmp / "tokenizer")
+        alone_s, alone_tokens = run_tokenizer_alone(corpus, tokenizer_dir)
+        recipe_s, recipe_tokens, recipe_kept = run_recipe(corpus, tokenizer_dir, args.block_size, args.num_proc,
+                                                         tmp / "recipe_cache")
+        store_s, store_tokens, store_kept = run_store(corpus, tokenizer_dir, args.block_size, args.num_proc,
+                                                      tmp / "ours")
+        shutil.rmtree(tmp / "recipe_cache", ignore_errors=True)
+    result = {
+        "corpus_tokens": alone_tokens,
+        "tokenizer_alone_tokens_per_s": round(alone_tokens / alone_s),
+        "recipe_tokens_per_s": round(recipe_tokens / recipe_s),
+        "store_tokens_per_s": round(store_tokens / store_s),
+        "store_vs_recipe": round(recipe_s / store_s, 2),
+        "store_vs_tokenizer_alone": round(alone_s / store_s * store_tokens / alone_tokens, 3),
+        "recipe_tokens_kept": round(recipe_kept / recipe_tokens, 4),
+        "store_tokens_kept": round(store_kept / store_tokens, 4),
+        "num_proc": args.num_proc,
+    }
+    print(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()

@@ -65,6 +65,8 @@ class RunConfig:
         "Default: data/sample/train.jsonl.")
     validation_file: Optional[str] = _flag(None, "Local validation file(s), same formats as --train_file.")
     data_path: Optional[str] = _flag(None, "A token store made by data/prepare.py (instead of raw data).")
+    dataset_mix: Optional[str] = _flag(
+        None, "Several token stores mixed by weight: store_a:0.7,store_b:0.3 (deterministic, by --seed).")
     attention_isolation: bool = _flag(
         False, "No token attends across a document boundary (position ids restart per document).")
     validation_split_percentage: int = _flag(
@@ -122,7 +124,8 @@ class RunConfig:
 
     @property
     def uses_default_data(self) -> bool:
-        return self.dataset_name is None and self.train_file is None and self.data_path is None
+        return (self.dataset_name is None and self.train_file is None and self.data_path is None
+                and self.dataset_mix is None)
 
     @property
     def train_data_file(self) -> Optional[str]:
@@ -195,7 +198,8 @@ def parse_run_config(argv: Optional[Sequence[str]] = None) -> RunConfig:
 
 def run_identity(cfg_dict: dict) -> dict:
     """What makes two runs the same run: the model and the training data (not batch sizes or step counts)."""
-    keys = ("model_name_or_path", "config_name", "dataset_name", "dataset_config_name", "train_file", "data_path")
+    keys = ("model_name_or_path", "config_name", "dataset_name", "dataset_config_name", "train_file", "data_path",
+            "dataset_mix")
     return {k: cfg_dict.get(k) for k in keys}
 
 
@@ -264,6 +268,15 @@ def validate_data_flags(cfg: RunConfig) -> None:
     if cfg.data_path and (cfg.train_file or cfg.dataset_name):
         raise UsageError("--data_path and --train_file/--dataset_name: choose one data source",
                          "--data_path is a store that data/prepare.py made; the others are raw data")
+    if cfg.dataset_mix and (cfg.data_path or cfg.train_file or cfg.dataset_name):
+        raise UsageError("--dataset_mix and another data source: choose one",
+                         "--dataset_mix already names every store the run reads")
+    if cfg.dataset_mix:
+        from scaletrain.data import parse_dataset_mix
+
+        for path, _ in parse_dataset_mix(cfg.dataset_mix):
+            if not Path(path).is_dir():
+                raise UsageError(f"--dataset_mix: {path} is not a folder", "give stores made by data/prepare.py")
     if cfg.data_path and not Path(cfg.data_path).is_dir():
         raise UsageError(f"--data_path {cfg.data_path}: no such folder", "prepare it with python data/prepare.py")
 

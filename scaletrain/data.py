@@ -347,3 +347,106 @@ def blocks_from_store(opened: dict, split: str, block_size: int, isolate_documen
     if part is None or part.n_tokens == 0:
         return None
     return PackedBlocks(part.tokens, part.doc_starts, block_size, opened["manifest"]["pad_id"], isolate_documents)
+
+
+# --- mixing several stores ------------------------------------------------------------------------------------
+
+def parse_dataset_mix(value: str) -> list:
+    """`path_a:0.7,path_b:0.3` -> [(path, weight)], weights normalised to sum to 1."""
+    pairs = []
+    for part in (p.strip() for p in value.split(",") if p.strip()):
+        path, sep, weight = part.rpartition(":")
+        try:
+            w = float(weight)
+        except ValueError:
+            w = -1.0
+        if not sep or not path or w <= 0:
+            raise UsageError(f"--dataset_mix {value}: \"{part}\" is not path:weight with a positive weight",
+                             "write it as store_a:0.7,store_b:0.3")
+        pairs.append((path, w))
+    if len(pairs) < 2:
+        raise UsageError(f"--dataset_mix {value}: give at least two stores", "or use --data_path for one")
+    total = sum(w for _, w in pairs)
+    return [(path, w / total) for path, w in pairs]
+
+
+def smooth_schedule(weights: list, period: int) -> np.ndarray:
+    """Source of each slot in a period, interleaved as evenly as the weights allow (smooth weighted round robin)."""
+    credit = np.zeros(len(weights))
+    slots = np.empty(period, dtype=np.int64)
+    for slot in range(period):
+        credit += weights
+        k = int(np.argmax(credit))
+        slots[slot] = k
+        credit[k] -= 1.0
+    return slots
+
+
+@dataclass
+class MixedBlocks:
+    """Blocks of several stores in one index space, drawn in fixed proportions, deterministically.
+
+    Index j falls in period j // P; the slot j % P names the source (a fixed smooth schedule of P slots), and
+    the slot's rank among that source's slots gives the source-local sample number. A source read past its end
+    starts a new cycle in a fresh permutation of its blocks (seeded by seed, source and cycle), so a small
+    source is upsampled without repeating itself in a fixed order. Every lookup is O(1) in j.
+    """
+
+    sources: list
+    weights: list
+    seed: int
+    period: int = 1000
+
+    def __post_init__(self):
+        self.schedule = smooth_schedule(self.weights, self.period)
+        self.per_period = np.bincount(self.schedule, minlength=len(self.sources))
+        self.rank_in_period = np.zeros(self.period, dtype=np.int64)
+        seen = np.zeros(len(self.sources), dtype=np.int64)
+        for slot, k in enumerate(self.schedule):
+            self.rank_in_period[slot] = seen[k]
+            seen[k] += 1
+        self._cycles: dict = {}
+        self.block_size = self.sources[0].block_size
+        self.isolate_documents = self.sources[0].isolate_documents
+
+    def __len__(self) -> int:
+        return sum(len(s) for s in self.sources)  # an epoch draws as many blocks as the sources hold
+
+    @property
+    def n_tokens(self) -> int:
+        return sum(s.n_tokens for s in self.sources)
+
+    @property
+    def n_documents(self) -> int:
+        return sum(s.n_documents for s in self.sources)
+
+    @property
+    def last_block_length(self) -> int:
+        return self.sources[-1].last_block_length
+
+    def locate(self, j: int) -> tuple:
+        """(source, block index in that source) of mixed sample j."""
+        period, slot = divmod(int(j), self.period)
+        k = int(self.schedule[slot])
+        local = period * int(self.per_period[k]) + int(self.rank_in_period[slot])
+        cycle, position = divmod(local, len(self.sources[k]))
+        key = (k, cycle)
+        if key not in self._cycles:
+            if len(self._cycles) > 64:
+                self._cycles.clear()
+            self._cycles[key] = np.random.default_rng([self.seed, k, cycle]).permutation(len(self.sources[k]))
+        return k, int(self._cycles[key][position])
+
+    def _split(self, indices: np.ndarray) -> list:
+        return [(row, *self.locate(j)) for row, j in enumerate(indices) if j != EMPTY_SLOT]
+
+    def targets_in(self, indices: np.ndarray) -> int:
+        return sum(self.sources[k].targets_in(np.array([b])) for _, k, b in self._split(indices))
+
+    def batch(self, indices: np.ndarray) -> dict:
+        out = self.sources[0].batch(np.full(len(indices), EMPTY_SLOT))
+        for row, k, block in self._split(indices):
+            one = self.sources[k].batch(np.array([block]))
+            for key in out:
+                out[key][row] = one[key][0]
+        return out

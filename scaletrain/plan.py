@@ -52,25 +52,41 @@ def _hidden_size(model_config) -> int:
     raise UsageError(f"{type(model_config).__name__}: cannot find the model's hidden size")
 
 
-def _check_store(cfg: RunConfig, tokenizer) -> int:
-    """--data_path: the store must have been made with this run's tokenizer. Returns its block size."""
+def store_paths(cfg: RunConfig) -> list:
+    """The prepared stores a run reads: --data_path, or every store of --dataset_mix."""
+    if cfg.dataset_mix:
+        from scaletrain.data import parse_dataset_mix
+
+        return [path for path, _ in parse_dataset_mix(cfg.dataset_mix)]
+    return [cfg.data_path] if cfg.data_path else []
+
+
+def _check_stores(cfg: RunConfig, tokenizer) -> Optional[int]:
+    """Prepared stores must have been made with this run's tokenizer and one block size. Returns that size."""
     from scaletrain.tokenstore import read_manifest, tokenizer_hash
 
-    fingerprint = read_manifest(Path(cfg.data_path))["fingerprint"]
-    if fingerprint["tokenizer_sha256"] != tokenizer_hash(tokenizer):
-        raise UsageError(f"--data_path {cfg.data_path}: prepared with a different tokenizer than {cfg.tokenizer_source}",
-                         "prepare the store with this run's --tokenizer_name")
-    if cfg.block_size is not None and cfg.block_size != fingerprint["block_size"]:
-        raise UsageError(f"--block_size {cfg.block_size}: the store {cfg.data_path} was prepared for block size "
-                         f"{fingerprint['block_size']}", "drop --block_size, or prepare a store for this block size")
-    return fingerprint["block_size"]
+    sizes = set()
+    for path in store_paths(cfg):
+        flag = "--dataset_mix" if cfg.dataset_mix else "--data_path"
+        fingerprint = read_manifest(Path(path))["fingerprint"]
+        if fingerprint["tokenizer_sha256"] != tokenizer_hash(tokenizer):
+            raise UsageError(f"{flag} {path}: prepared with a different tokenizer than {cfg.tokenizer_source}",
+                             "prepare the store with this run's --tokenizer_name")
+        if cfg.block_size is not None and cfg.block_size != fingerprint["block_size"]:
+            raise UsageError(f"--block_size {cfg.block_size}: the store {path} was prepared for block size "
+                             f"{fingerprint['block_size']}", "drop --block_size, or prepare a store for this size")
+        sizes.add(fingerprint["block_size"])
+    if len(sizes) > 1:
+        raise UsageError(f"--dataset_mix: the stores have different block sizes ({sorted(sizes)})",
+                         "prepare every store with the same --block_size")
+    return sizes.pop() if sizes else None
 
 
 def _block_size(cfg: RunConfig, model_config, store_block_size: Optional[int]) -> int:
     limit = max_positions(model_config)
     if store_block_size is not None:
         if store_block_size > limit:
-            raise UsageError(f"--data_path {cfg.data_path}: block size {store_block_size} is above the model's "
+            raise UsageError(f"{', '.join(store_paths(cfg))}: block size {store_block_size} is above the model's "
                              f"maximum positions ({limit})", f"prepare a store with --block_size {limit} or less")
         return store_block_size
     if cfg.block_size is None:
@@ -117,7 +133,7 @@ def plan_run(argv: Optional[Sequence[str]], dist: DistInfo) -> RunPlan:
             f"--tokenizer_name {cfg.tokenizer_source}: {len(tokenizer)} tokens, but the model's vocabulary has {vocab}",
             "use the model's own tokenizer, or a config whose vocab_size covers the tokenizer",
         )
-    store_block_size = _check_store(cfg, tokenizer) if cfg.data_path else None
+    store_block_size = _check_stores(cfg, tokenizer)
     block_size = _block_size(cfg, model_config, store_block_size)
     ds = resolve_ds_config(raw_ds_config, cfg, dist.dp_world_size, _hidden_size(model_config), hardware_facts())
     skeleton = meta_model(model_config, cfg.trust_remote_code)

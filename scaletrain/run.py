@@ -15,7 +15,7 @@ from scaletrain.distributed import DistInfo
 from scaletrain.logs import silence_library_logs
 from scaletrain.loop import LoopSettings, evaluate, train_loop
 from scaletrain.metrics import MetricsLogger
-from scaletrain.plan import RunPlan, describe_plan, plan_run, print_config, write_run_folder
+from scaletrain.plan import RunPlan, describe_plan, plan_run, print_config, store_paths, write_run_folder
 from scaletrain.schedules import LRSchedule, warmup_steps_for
 from scaletrain.state import TrainState
 
@@ -38,7 +38,7 @@ class Run:
         self.dist = dist
         self.model: Any = None
         self._zero3_keepalive: Any = None
-        self.store: Optional[dict] = None
+        self.stores: list = []
         self.train_blocks: Optional[data.PackedBlocks] = None
         self.eval_batches: Optional[list] = None
         self.order: Optional[data.GlobalOrder] = None
@@ -66,23 +66,28 @@ class Run:
             self.cfg, self.plan.model_config, self.plan.ds.config, self.plan.ds.zero_stage)
 
     def prepare_data(self) -> None:
-        """The token store: --data_path as given, or raw data prepared once (local rank 0; the others wait)."""
+        """Token stores: --data_path or --dataset_mix as given, or raw data prepared once (local rank 0 of each
+        node prepares; the others wait on the file system)."""
         cfg = self.cfg
-        if cfg.data_path:
-            store = Path(cfg.data_path)
-        else:
-            store = data.ensure_token_store(cfg, self.plan.tokenizer, cfg.tokenizer_source, self.plan.block_size,
-                                            self.dist.local_rank, show_progress=self.dist.is_main)
-        self.store = tokenstore.open_store(store)
-        log.info("token store: %s", store)
+        paths = [Path(p) for p in store_paths(cfg)]
+        if not paths:
+            paths = [data.ensure_token_store(cfg, self.plan.tokenizer, cfg.tokenizer_source, self.plan.block_size,
+                                             self.dist.local_rank, show_progress=self.dist.is_main)]
+        self.stores = [tokenstore.open_store(p) for p in paths]
+        log.info("token store(s): %s", ", ".join(map(str, paths)))
 
     def build_data(self) -> None:
-        cfg, dist = self.cfg, self.dist
-        self.train_blocks = data.blocks_from_store(self.store, "train", self.plan.block_size, cfg.attention_isolation)
-        if self.train_blocks is None:
-            raise UsageError(f"{cfg.data_path or cfg.train_data_file or cfg.dataset_name}: no training tokens",
-                             "give data with at least one non-empty document")
-        val_blocks = data.blocks_from_store(self.store, "validation", self.plan.block_size, cfg.attention_isolation)
+        cfg, dist, size = self.cfg, self.dist, self.plan.block_size
+        train = [data.blocks_from_store(s, "train", size, cfg.attention_isolation) for s in self.stores]
+        if any(t is None for t in train):
+            raise UsageError(f"{cfg.data_path or cfg.dataset_mix or cfg.train_data_file or cfg.dataset_name}: "
+                             "no training tokens", "give data with at least one non-empty document")
+        if cfg.dataset_mix:
+            weights = [w for _, w in data.parse_dataset_mix(cfg.dataset_mix)]
+            self.train_blocks = data.MixedBlocks(train, weights, cfg.seed)
+        else:
+            self.train_blocks = train[0]
+        validation = [data.blocks_from_store(s, "validation", size, cfg.attention_isolation) for s in self.stores]
         # Batch sizes as DeepSpeed will use them: an explicit JSON value stands where the flag was not typed.
         micro = self.plan.ds.config["train_micro_batch_size_per_gpu"]
         accumulation = self.plan.ds.config["gradient_accumulation_steps"]
@@ -91,9 +96,10 @@ class Run:
         self.schedule = LRSchedule(cfg.lr_scheduler_type, total,
                                    warmup_steps_for(total, cfg.warmup_steps, cfg.warmup_ratio),
                                    cfg.min_lr_ratio, cfg.decay_ratio)
-        if val_blocks is not None:
-            self.eval_batches = data.eval_batches(val_blocks, cfg.per_device_eval_batch_size, dist.rank,
-                                                  dist.dp_world_size, cfg.max_eval_samples)
+        # Every store's validation blocks, the same fixed set on every run (each rank the same number of batches).
+        self.eval_batches = [batch for blocks in validation if blocks is not None
+                             for batch in data.eval_batches(blocks, cfg.per_device_eval_batch_size, dist.rank,
+                                                            dist.dp_world_size, cfg.max_eval_samples)] or None
         b = self.train_blocks
         log.info("data: %d documents, %d tokens -> %d blocks of %d (last block %d real tokens, padded; none "
                  "dropped); global batch %d blocks = %d micro x %d accumulation x %d ranks; %d steps/epoch, "

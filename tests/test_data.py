@@ -7,7 +7,8 @@ import pytest
 from transformers import AutoTokenizer
 
 from scaletrain.config import UsageError, parse_run_config
-from scaletrain.data import EMPTY_SLOT, IGNORE_INDEX, GlobalOrder, PackedBlocks, StepBatches, blocks_from_store, \
+from scaletrain.data import EMPTY_SLOT, IGNORE_INDEX, GlobalOrder, MixedBlocks, PackedBlocks, StepBatches, \
+    blocks_from_store, parse_dataset_mix, \
     eval_batches, prepare_token_store, store_fingerprint
 from scaletrain.tokenstore import open_store
 from tests.conftest import REPO
@@ -209,3 +210,33 @@ def test_eval_batches_give_every_rank_the_same_count():
     assert len(per_rank[0]) == len(per_rank[1]) == 2
     real = sum(int((b["labels"] != IGNORE_INDEX).sum()) for batches in per_rank for b in batches)
     assert real == 19
+
+
+def test_dataset_mix_proportions_are_exact_deterministic_and_world_size_free():
+    a = PackedBlocks(np.arange(100 * 8), np.array([0]), block_size=8, pad_id=0)
+    b = PackedBlocks(10_000 + np.arange(30 * 8), np.array([0]), block_size=8, pad_id=0)
+    mixed = MixedBlocks([a, b], [0.7, 0.3], seed=5, period=100)
+    order = GlobalOrder(len(mixed), micro_batch=2, accumulation=1, dp_world_size=2, seed=5)
+    sources = []
+    for step in range(order.steps_per_epoch):
+        for j in order.global_batch_indices(step):
+            if j != EMPTY_SLOT:
+                sources.append(mixed.locate(j)[0])
+    assert len(sources) == 130
+    assert abs(sources.count(0) / 130 - 0.7) <= 0.01  # exact up to one period's rounding
+    # b (30 blocks) is drawn 39 times: one full cycle over its blocks, then a fresh permutation
+    drawn_b = [mixed.locate(j)[1] for j in range(130) if mixed.locate(j)[0] == 1]
+    assert sorted(drawn_b[:30]) == list(range(30))
+    again = MixedBlocks([a, b], [0.7, 0.3], seed=5, period=100)
+    assert [again.locate(j) for j in range(130)] == [mixed.locate(j) for j in range(130)]
+    row = mixed.batch(np.array([0, EMPTY_SLOT]))
+    k, block = mixed.locate(0)
+    assert row["input_ids"][0].tolist() == [a, b][k].batch(np.array([block]))["input_ids"][0].tolist()
+    assert row["labels"][1].tolist() == [IGNORE_INDEX] * 8
+
+
+def test_parse_dataset_mix_normalises_and_rejects_bad_weights():
+    assert parse_dataset_mix("x:3,y:1") == [("x", 0.75), ("y", 0.25)]
+    for bad in ("x:0.5", "x:abc,y:1", "x:-1,y:1", "x,y"):
+        with pytest.raises(UsageError, match="--dataset_mix"):
+            parse_dataset_mix(bad)

@@ -38,7 +38,9 @@ def parse(argv) -> tuple:
             kind = {"int": int, "Optional[int]": int}.get(f.type, str)
             parser.add_argument(f"--{name}", type=kind, default=f.default, help=f.metadata["help"])
     parser.add_argument("--output_dir", required=True, help="Folder of the token store to write (or reuse).")
-    parser.add_argument("--num_proc", type=int, default=None, help="Tokenizer processes (default: the CPU count).")
+    parser.add_argument("--num_proc", type=int, default=None,
+                        help="Tokenizer parallelism (default: the CPU count): up to 8 as Rust threads in one process, "
+                             "more as worker processes.")
     args = parser.parse_args(argv)
     cfg = RunConfig(**{name: getattr(args, name) for name in FLAGS})
     validate_data_flags(cfg)

@@ -307,12 +307,12 @@ def prepare_token_store(cfg: RunConfig, tokenizer, tokenizer_dir: str, block_siz
     _check_text_column(train, cfg.text_column, source)
     if validation is not None:
         _check_text_column(validation, cfg.text_column, f"{source} (validation)")
-    # Worker processes cost seconds to start; below ~20k documents one process finishes first.
-    workers = num_proc or (1 if len(train) < 20_000 else min(os.cpu_count() or 1, 8))
+    workers = num_proc or os.cpu_count() or 1
     started = time.perf_counter()
     write_store({"train": train, "validation": validation}, tokenizer, tokenizer_dir, fingerprint, store,
                 num_proc=workers, show_progress=show_progress)
-    log.info("token store %s: prepared in %.1fs with %d process(es)", store, time.perf_counter() - started, workers)
+    log.info("token store %s: prepared in %.1fs, tokenizer parallelism %d", store, time.perf_counter() - started,
+             workers)
     return store
 
 

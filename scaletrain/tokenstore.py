@@ -31,6 +31,9 @@ FORMAT_VERSION = 1
 MANIFEST = "manifest.json"
 PACKING = "concat_eos"  # documents joined with EOS, cut into blocks; the last partial block padded, never dropped
 HASH_CHUNK = 1 << 20
+# Up to this many --num_proc, one process tokenizes with that many Rust threads; above it, worker processes
+# (one thread each) also parallelise the Python side. Measured on 2 cores: threads 1.36M tokens/s, 2 processes 0.94M.
+MAX_TOKENIZER_THREADS = 8
 
 
 def file_sha256(path: Path) -> str:
@@ -166,7 +169,8 @@ def _init_worker(tokenizer_json: str, eos: int, dtype: str, add_special: bool, s
 def _encode_texts(texts: list) -> tuple:
     """Tokens of a batch of documents, each followed by EOS, and each document's length."""
     w = _WORKER
-    encodings = w["tokenizer"].encode_batch([t or "" for t in texts], add_special_tokens=w["add_special"])
+    # encode_batch_fast skips the character offsets that training never uses (a good part of the work).
+    encodings = w["tokenizer"].encode_batch_fast([t or "" for t in texts], add_special_tokens=w["add_special"])
     ids = [e.ids for e in encodings]
     lengths = np.fromiter((len(x) + 1 for x in ids), dtype=np.int64, count=len(ids))
     flat = np.empty(int(lengths.sum()), dtype=w["dtype"])
@@ -217,9 +221,9 @@ def write_store(splits: dict, tokenizer, tokenizer_dir: str, fingerprint: Finger
     probe = tokenizer("x", add_special_tokens=True)["input_ids"]
     add_special = not (probe and probe[-1] == tokenizer.eos_token_id)
     tokenizer_json = tokenizer.backend_tokenizer.to_str()
-    init_args = (tokenizer_json, tokenizer.eos_token_id, dtype.str, add_special, num_proc > 1)
+    init_args = (tokenizer_json, tokenizer.eos_token_id, dtype.str, add_special, num_proc > MAX_TOKENIZER_THREADS)
     started = time.perf_counter()
-    if num_proc > 1:
+    if num_proc > MAX_TOKENIZER_THREADS:
         import multiprocessing as mp
 
         # Ordered imap: batches come back in document order, so the store is the same for any --num_proc.
@@ -227,7 +231,9 @@ def write_store(splits: dict, tokenizer, tokenizer_dir: str, fingerprint: Finger
         encode = lambda batches: pool.imap(_encode_texts, batches)  # noqa: E731
     else:
         pool = None
-        # One process: the Rust tokenizer spreads each batch over every core itself.
+        # One process: the Rust tokenizer spreads each batch over num_proc threads itself, which beats worker
+        # processes (no start-up, no pickling) until the serial Python part (ids -> array) is the bottleneck.
+        os.environ.setdefault("RAYON_NUM_THREADS", str(num_proc))
         _init_worker(*init_args)
         encode = lambda batches: map(_encode_texts, batches)  # noqa: E731
     try:

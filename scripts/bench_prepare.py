@@ -16,7 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shutil
+import subprocess
 import sys
 import sysconfig
 import tempfile
@@ -112,33 +112,55 @@ def run_tokenizer_alone(corpus: Path, tokenizer_dir: Path) -> tuple:
     return seconds, sum(len(e.ids) for e in encodings)
 
 
+def measure(which: str, corpus: Path, tokenizer_dir: Path, block_size: int, num_proc: int, work: Path) -> dict:
+    if which == "tokenizer":
+        seconds, tokens = run_tokenizer_alone(corpus, tokenizer_dir)
+        kept = tokens
+    elif which == "recipe":
+        seconds, tokens, kept = run_recipe(corpus, tokenizer_dir, block_size, num_proc, work / "recipe_cache")
+    else:
+        seconds, tokens, kept = run_store(corpus, tokenizer_dir, block_size, num_proc, work / "store_run")
+    return {"seconds": seconds, "tokens": tokens, "kept": kept}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--num_proc", type=int, default=2)
     parser.add_argument("--block_size", type=int, default=1024)
+    parser.add_argument("--only", choices=["tokenizer", "recipe", "store"], help=argparse.SUPPRESS)
+    parser.add_argument("--work", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.only:  # one measurement in a fresh process (see below)
+        work = Path(args.work)
+        print("RESULT " + json.dumps(measure(args.only, work / "stdlib_sources.jsonl", work / "tokenizer",
+                                             args.block_size, args.num_proc, work)))
+        return
     with tempfile.TemporaryDirectory() as tmp:
-        tmp = Path(tmp)
-        corpus = build_corpus(tmp)
-        tokenizer_dir = build_tokenizer(corpus, tmp / "tokenizer")
-        alone_s, alone_tokens = run_tokenizer_alone(corpus, tokenizer_dir)
-        recipe_s, recipe_tokens, recipe_kept = run_recipe(corpus, tokenizer_dir, args.block_size, args.num_proc,
-                                                         tmp / "recipe_cache")
-        store_s, store_tokens, store_kept = run_store(corpus, tokenizer_dir, args.block_size, args.num_proc,
-                                                      tmp / "ours")
-        shutil.rmtree(tmp / "recipe_cache", ignore_errors=True)
-    result = {
-        "corpus_tokens": alone_tokens,
-        "tokenizer_alone_tokens_per_s": round(alone_tokens / alone_s),
-        "recipe_tokens_per_s": round(recipe_tokens / recipe_s),
-        "store_tokens_per_s": round(store_tokens / store_s),
-        "store_vs_recipe": round(recipe_s / store_s, 2),
-        "store_vs_tokenizer_alone": round(alone_s / store_s * store_tokens / alone_tokens, 3),
-        "recipe_tokens_kept": round(recipe_kept / recipe_tokens, 4),
-        "store_tokens_kept": round(store_kept / store_tokens, 4),
+        work = Path(tmp)
+        corpus = build_corpus(work)
+        build_tokenizer(corpus, work / "tokenizer")
+        results = {}
+        # Each in its own process: a fork inside datasets.map turns the Rust tokenizer's threads off for the rest
+        # of the process that forked, which would handicap whatever ran after the recipe.
+        for which in ("tokenizer", "recipe", "store"):
+            proc = subprocess.run([sys.executable, __file__, "--only", which, "--work", str(work), "--num_proc",
+                                   str(args.num_proc), "--block_size", str(args.block_size)],
+                                  capture_output=True, text=True, check=True)
+            line = next(x for x in proc.stdout.splitlines() if x.startswith("RESULT "))
+            results[which] = json.loads(line.split(" ", 1)[1])
+    alone, recipe, store = results["tokenizer"], results["recipe"], results["store"]
+    rate = {k: v["tokens"] / v["seconds"] for k, v in results.items()}
+    print(json.dumps({
+        "corpus_tokens": alone["tokens"],
+        "tokenizer_alone_tokens_per_s": round(rate["tokenizer"]),
+        "recipe_tokens_per_s": round(rate["recipe"]),
+        "store_tokens_per_s": round(rate["store"]),
+        "store_vs_recipe": round(rate["store"] / rate["recipe"], 2),
+        "store_vs_tokenizer_alone": round(rate["store"] / rate["tokenizer"], 3),
+        "recipe_tokens_kept": round(recipe["kept"] / recipe["tokens"], 4),
+        "store_tokens_kept": round(store["kept"] / store["tokens"], 4),
         "num_proc": args.num_proc,
-    }
-    print(json.dumps(result))
+    }))
 
 
 if __name__ == "__main__":

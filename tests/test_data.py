@@ -91,6 +91,7 @@ def test_store_is_the_same_for_any_number_of_processes(tmp_path, tokenizer, monk
     monkeypatch.setenv("PYTHONPATH", str(REPO))  # spawned tokenizer workers import scaletrain
     cfg = raw_cfg(tmp_path, "--train_file", str(REPO / "data/sample/validation.jsonl"))
     one = open_store(prepare(tmp_path, tokenizer, cfg, "one", num_proc=1))
+    monkeypatch.setattr("scaletrain.tokenstore.MAX_TOKENIZER_THREADS", 1)  # num_proc 2 -> two worker processes
     two = open_store(prepare(tmp_path, tokenizer, cfg, "two", num_proc=2))
     assert one["splits"]["train"].tokens.tolist() == two["splits"]["train"].tokens.tolist()
     assert one["splits"]["train"].doc_starts.tolist() == two["splits"]["train"].doc_starts.tolist()

@@ -10,7 +10,14 @@ import sys
 
 from scaletrain.config import UsageError
 from scaletrain.distributed import read_launch_env
+from scaletrain.faults import SAVED_REQUEUE_EXIT_CODE, Preempted
 from scaletrain.logs import setup_logging
+
+
+def report_usage_error(err: UsageError, dist) -> int:
+    if dist.is_main:  # the same mistake is found on every rank; say it once
+        print(f"train.py: error: {err}", file=sys.stderr)
+    return 2
 
 
 def main(argv=None) -> int:
@@ -21,9 +28,7 @@ def main(argv=None) -> int:
 
         run = Run.plan(argv, dist)  # flags, DeepSpeed JSON, model config, tokenizer: exit 2 on a mistake
     except UsageError as err:
-        if dist.is_main:
-            print(f"train.py: error: {err}", file=sys.stderr)
-        return 2
+        return report_usage_error(err, dist)
     if run.cfg.print_config:
         run.print_config()  # every "auto" filled, with where each value came from
         return 0
@@ -31,15 +36,16 @@ def main(argv=None) -> int:
         run.prepare_data()  # token store: --data_path, or raw data tokenized once (no collective while waiting)
         run.init_distributed()  # process group for whichever launcher started us
         run.build_model()  # ZeRO-3: built sharded, never whole on one rank
-        run.build_data()  # tokenize, pack, global order sharded by rank
+        run.build_data()  # packed blocks from the store, the global order read by this rank
         run.write_run_folder()  # resolved configs saved only after everything above succeeded
         run.build_engine()  # deepspeed.initialize with the resolved config and LR schedule
-        run.train()  # the loop: forward, backward, step, metrics, eval, periodic saves
+        run.resume()  # newest committed checkpoint (or none): weights, optimizer, schedule, RNG, data position
+        run.train()  # the loop: forward, backward, step, metrics, eval, periodic and preemption saves
         run.finish()  # final eval, DeepSpeed checkpoint, Hugging Face export
     except UsageError as err:
-        if dist.is_main:
-            print(f"train.py: error: {err}", file=sys.stderr)
-        return 2
+        return report_usage_error(err, dist)
+    except Preempted:
+        return SAVED_REQUEUE_EXIT_CODE  # checkpoint committed: "saved, please requeue"
     finally:
         run.close()  # metrics sinks and the process group, on the error path too
     return 0

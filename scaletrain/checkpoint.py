@@ -1,26 +1,221 @@
-"""DeepSpeed checkpoints of the engine and the train state, and the Hugging Face export of the weights."""
+"""Crash-safe checkpoints: a commit protocol over DeepSpeed's sharded save, resume, pruning, and HF export.
+
+Commit protocol (DeepSpeed alone writes its `latest` before its last barrier, so a kill can leave it naming a
+half-written checkpoint):
+  1. every rank writes its shards, its RNG state and (rank 0) the train state into checkpoints/.tmp-stepN;
+  2. after a barrier, rank 0 writes commit.json (every file with its size), fsyncs, renames the folder to
+     checkpoints/stepN, then replaces checkpoints/latest atomically (temporary file, fsync, rename);
+  3. only then are checkpoints beyond --save_total_limit deleted (never the newest).
+Loading trusts only committed checkpoints whose files match their commit.json; anything else is skipped with a
+warning that names it, and the newest good one is used.
+"""
 
 from __future__ import annotations
 
+import json
 import logging
+import os
+import random
+import shutil
+import time
 from pathlib import Path
+from typing import Optional
 
+from scaletrain.config import UsageError
 from scaletrain.state import TrainState
 
 log = logging.getLogger(__name__)
 CHECKPOINT_DIR = "checkpoints"
+LATEST = "latest"
+COMMIT = "commit.json"
+PREFIX = "step"
+TMP_PREFIX = ".tmp-"
 
 
-def save_checkpoint(engine, output_dir: str, state: TrainState) -> Path:
-    """Every rank writes its shard of model and optimizer states; the train state rides along as client state."""
-    import time
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _write_atomically(path: Path, text: str) -> None:
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    with open(tmp, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    _fsync_dir(path.parent)
+
+
+def _rng_state() -> dict:
+    import numpy as np
+    import torch
+
+    state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state()
+    return state
+
+
+def _set_rng_state(state: dict) -> None:
+    import numpy as np
+    import torch
+
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])
+
+
+def committed_step(path: Path) -> Optional[int]:
+    name = path.name
+    return int(name[len(PREFIX):]) if name.startswith(PREFIX) and name[len(PREFIX):].isdigit() else None
+
+
+def verify(ckpt: Path) -> Optional[str]:
+    """None when `ckpt` is a complete committed checkpoint, else the reason it is not."""
+    try:
+        commit = json.loads((ckpt / COMMIT).read_text())
+    except FileNotFoundError:
+        return f"no {COMMIT} (never committed)"
+    except (OSError, ValueError) as exc:
+        return f"unreadable {COMMIT} ({exc})"
+    for rel, size in commit["files"].items():
+        path = ckpt / rel
+        if not path.is_file():
+            return f"missing {rel}"
+        if path.stat().st_size != size:
+            return f"{rel} has {path.stat().st_size} bytes, {COMMIT} says {size}"
+    return None
+
+
+def newest_committed(output_dir: str) -> Optional[Path]:
+    """The newest checkpoint that verifies; newer broken ones are skipped with a warning naming them."""
+    root = Path(output_dir) / CHECKPOINT_DIR
+    if not root.is_dir():
+        return None
+    candidates = sorted((p for p in root.iterdir() if p.is_dir() and committed_step(p) is not None),
+                        key=committed_step, reverse=True)
+    for ckpt in candidates:
+        problem = verify(ckpt)
+        if problem is None:
+            return ckpt
+        log.warning("skipping checkpoint %s: %s", ckpt, problem)
+    return None
+
+
+def resolve_resume(value: str, output_dir: str) -> Optional[Path]:
+    """--resume_from_checkpoint: auto (newest committed in --output_dir, if any), none, or a checkpoint path."""
+    if value == "none":
+        return None
+    if value == "auto":
+        return newest_committed(output_dir)
+    ckpt = Path(value)
+    if not ckpt.is_dir():
+        raise UsageError(f"--resume_from_checkpoint {value}: no such folder",
+                         "give a checkpoint folder (checkpoints/stepN), auto or none")
+    problem = verify(ckpt)
+    if problem:
+        raise UsageError(f"--resume_from_checkpoint {value}: not a committed checkpoint ({problem})",
+                         "use another checkpoint, or auto to take the newest good one")
+    return ckpt
+
+
+def read_train_state(ckpt: Path) -> dict:
+    return json.loads((ckpt / "train_state.json").read_text())
+
+
+def save_checkpoint(engine, output_dir: str, state: TrainState, rank: int, save_total_limit: int,
+                    model_facts: Optional[dict] = None) -> Path:
+    """Save and commit checkpoint stepN on every rank; returns its path. See the module docstring."""
+    import torch
+
+    from scaletrain.distributed import barrier
 
     root = Path(output_dir) / CHECKPOINT_DIR
-    tag = f"step{state.step}"
+    tag = f"{PREFIX}{state.step}"
+    tmp = root / f"{TMP_PREFIX}{tag}"
     started = time.perf_counter()
-    engine.save_checkpoint(str(root), tag=tag, client_state={"train_state": state.state_dict()})
-    log.info("saved checkpoint %s in %.1fs", root / tag, time.perf_counter() - started)
-    return root / tag
+    if rank == 0:
+        root.mkdir(parents=True, exist_ok=True)
+        shutil.rmtree(tmp, ignore_errors=True)  # leftovers of a save that was killed
+    barrier()
+    engine.save_checkpoint(str(root), tag=tmp.name, client_state={"train_state": state.state_dict()},
+                           save_latest=False)
+    torch.save(_rng_state(), tmp / f"rng_state_rank{rank}.pt")
+    if rank == 0:
+        info = {**state.state_dict(), "model": model_facts or {}}
+        (tmp / "train_state.json").write_text(json.dumps(info, indent=2) + "\n")
+    barrier()  # every rank's files are on disk
+    final = root / tag
+    if rank == 0:
+        files = {str(p.relative_to(tmp)): p.stat().st_size for p in sorted(tmp.rglob("*")) if p.is_file()}
+        _write_atomically(tmp / COMMIT, json.dumps({"step": state.step, "files": files}, indent=1) + "\n")
+        if final.exists():
+            shutil.rmtree(final)
+        os.replace(tmp, final)
+        _fsync_dir(root)
+        _write_atomically(root / LATEST, tag + "\n")
+        prune_checkpoints(root, save_total_limit, keep=final)
+    barrier()
+    log.info("saved checkpoint %s in %.1fs", final, time.perf_counter() - started)
+    return final
+
+
+def clear_previous_run(output_dir: str) -> None:
+    """--overwrite_output_dir without resuming: the old checkpoints and metrics go, so nothing stale resumes."""
+    out = Path(output_dir)
+    shutil.rmtree(out / CHECKPOINT_DIR, ignore_errors=True)
+    (out / "metrics.jsonl").unlink(missing_ok=True)
+
+
+def check_resumable(ckpt: Path, world_size: int, model_facts: dict) -> None:
+    """Before anything is built: the checkpoint fits this run's model and rank count."""
+    saved = read_train_state(ckpt)
+    if saved.get("world_size") not in (None, 0, world_size):
+        raise UsageError(
+            f"checkpoint {ckpt} was saved with {saved['world_size']} data-parallel ranks, this run has {world_size}",
+            "resume with the same number of ranks (conversion to another count is not supported yet)",
+        )
+    before = saved.get("model") or {}
+    differs = [k for k in model_facts if k in before and before[k] != model_facts[k]]
+    if differs:
+        detail = ", ".join(f"{k} {before[k]} -> {model_facts[k]}" for k in differs)
+        raise UsageError(f"checkpoint {ckpt} is from a different model ({detail})",
+                         "resume with the model it was trained with, or start fresh with --resume_from_checkpoint none")
+
+
+def prune_checkpoints(root: Path, limit: int, keep: Path) -> None:
+    """Keep the newest `limit` committed checkpoints (0: keep all); `keep` (the one just committed) always stays."""
+    if limit <= 0:
+        return
+    committed = sorted((p for p in root.iterdir() if p.is_dir() and committed_step(p) is not None),
+                       key=committed_step, reverse=True)
+    for old in committed[limit:]:
+        if old != keep:
+            shutil.rmtree(old, ignore_errors=True)
+            log.info("deleted checkpoint %s (--save_total_limit %d)", old, limit)
+
+
+def load_checkpoint(engine, ckpt: Path, state: TrainState, rank: int, world_size: int) -> None:
+    """Restore model, optimizer, LR schedule, loss scaler, the train state and this rank's RNG."""
+    import torch
+
+    started = time.perf_counter()
+    path, client = engine.load_checkpoint(str(ckpt.parent), tag=ckpt.name, load_optimizer_states=True,
+                                          load_lr_scheduler_states=True)
+    if path is None:
+        raise RuntimeError(f"DeepSpeed could not load checkpoint {ckpt}")
+    state.load_state_dict(client["train_state"])
+    rng = ckpt / f"rng_state_rank{rank}.pt"
+    if rng.exists():
+        _set_rng_state(torch.load(rng, weights_only=False))
+    log.info("resumed from %s (step %d, %d samples seen) in %.1fs", ckpt, state.step, state.samples_seen,
+             time.perf_counter() - started)
 
 
 def _full_state_dict_on_rank0(engine, is_main: bool) -> dict:

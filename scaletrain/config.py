@@ -103,7 +103,13 @@ class RunConfig:
     logging_steps: int = _flag(10, "Log metrics every N optimizer steps.")
     eval_steps: int = _flag(0, "Evaluate every N optimizer steps (0: only at the end).")
     max_eval_samples: Optional[int] = _flag(None, "Cap on validation blocks per evaluation.")
-    save_steps: int = _flag(0, "Save a DeepSpeed checkpoint every N steps (0: only at the end).")
+    save_steps: int = _flag(0, "Save (and commit) a checkpoint every N steps (0: only at the end).")
+    save_interval_minutes: float = _flag(0.0, "Also save when this many minutes passed since the last save (0: off).")
+    save_total_limit: int = _flag(0, "Keep only the newest K committed checkpoints (0: keep all).")
+    resume_from_checkpoint: str = _flag(
+        "auto", "auto: newest committed checkpoint in --output_dir if any; none: start fresh; or a checkpoint path.")
+    preemption_grace_seconds: float = _flag(
+        120.0, "Seconds a scheduler allows between its signal and the kill; a slower save is warned about.")
     report_to: str = _flag("none", "Extra metrics sink (JSONL and console are always on).", choices=REPORT_SINKS)
     run_name: Optional[str] = _flag(None, "Run name for wandb. Default: the output folder's name.")
     disable_tqdm: bool = _flag(False, "No progress bar.")
@@ -292,7 +298,8 @@ def validate_run_config(cfg: RunConfig) -> None:
     for name, value in positive.items():
         if value < 1:
             raise UsageError(f"--{name} {value}: must be at least 1")
-    for name in ("eval_steps", "save_steps", "warmup_steps", "validation_split_percentage"):
+    for name in ("eval_steps", "save_steps", "warmup_steps", "validation_split_percentage", "save_total_limit",
+                 "save_interval_minutes", "preemption_grace_seconds"):
         if getattr(cfg, name) < 0:
             raise UsageError(f"--{name} {getattr(cfg, name)}: must not be negative")
     if cfg.block_size is not None and cfg.block_size < 2:
@@ -338,7 +345,8 @@ def validate_run_config(cfg: RunConfig) -> None:
                 f"--output_dir {cfg.output_dir}: holds a different run ({changed})",
                 "choose another --output_dir, or pass --overwrite_output_dir to replace that run",
             )
-        raise UsageError(
-            f"--output_dir {cfg.output_dir}: holds a previous run of this model and data",
-            "pass --overwrite_output_dir to start again there, or choose another --output_dir",
-        )
+        if cfg.resume_from_checkpoint == "none":
+            raise UsageError(
+                f"--output_dir {cfg.output_dir}: holds a previous run of this model and data",
+                "drop --resume_from_checkpoint none to continue it, or pass --overwrite_output_dir to start again",
+            )

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from typing import Callable, Optional
 
 from scaletrain.data import IGNORE_INDEX, StepBatches
+from scaletrain.faults import Preempted, PreemptionFlag, agree_any
 from scaletrain.metrics import LogWindow, MetricsLogger
 from scaletrain.state import TrainState
 
@@ -48,6 +49,8 @@ class LoopSettings:
     logging_steps: int
     eval_steps: int
     save_steps: int
+    save_interval_minutes: float
+    preemption_grace_seconds: float
     dp_world_size: int
     show_progress: bool
 
@@ -77,11 +80,14 @@ def train_loop(
     metrics: MetricsLogger,
     eval_batches: Optional[list],
     save: Callable[[], None],
+    preemption: PreemptionFlag,
 ) -> None:
+    """Train until max_steps. Raises Preempted after committing a checkpoint when any rank was signalled."""
     from tqdm.auto import tqdm
     from tqdm.contrib.logging import logging_redirect_tqdm
 
     engine.train()
+    last_save = time.monotonic()
     window = LogWindow()
     bar = tqdm(total=settings.max_steps, initial=state.step, disable=not settings.show_progress,
                desc="training", unit="step", dynamic_ncols=True)
@@ -111,11 +117,25 @@ def train_loop(
                 summary = window.summarize(engine.device)
                 bar.set_postfix(loss=f"{summary['loss']:.3f}")
                 metrics.log({"step": state.step, "epoch": round(state.samples_seen / len(batches.blocks), 4),
-                             "time": round(time.time(), 3), **summary, "lr": engine.get_lr()[0], "tokens_seen": state.tokens_seen,
-                             "skipped_steps": state.skipped_steps})
+                             "time": round(time.time(), 3), **summary, "lr": engine.get_lr()[0],
+                             "tokens_seen": state.tokens_seen, "skipped_steps": state.skipped_steps})
                 window = LogWindow()
             if eval_batches and settings.eval_steps and state.step % settings.eval_steps == 0 and not last:
                 metrics.log({"step": state.step, **evaluate(engine, eval_batches)})
-            if settings.save_steps and state.step % settings.save_steps == 0 and not last:
+            interval_due = bool(settings.save_interval_minutes) and \
+                time.monotonic() - last_save >= 60 * settings.save_interval_minutes
+            preempted, interval_due = agree_any(engine.device, preemption.signal_name is not None, interval_due)
+            if preempted:
+                started = time.perf_counter()
                 save()
+                seconds = time.perf_counter() - started
+                log.info("preemption (%s): checkpoint committed at step %d in %.1fs", preemption.signal_name or
+                         "signal on another rank", state.step, seconds)
+                if seconds > settings.preemption_grace_seconds:
+                    log.warning("the preemption save took %.1fs, more than --preemption_grace_seconds %.0f: ask the "
+                                "scheduler for an earlier signal", seconds, settings.preemption_grace_seconds)
+                raise Preempted(state.step)
+            if not last and (interval_due or (settings.save_steps and state.step % settings.save_steps == 0)):
+                save()
+                last_save = time.monotonic()
     bar.close()

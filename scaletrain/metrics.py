@@ -12,7 +12,7 @@ import math
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
 
 log = logging.getLogger(__name__)
 METRICS_FILE = "metrics.jsonl"
@@ -60,21 +60,41 @@ def _secret_free(config: dict) -> dict:
     return {k: v for k, v in config.items() if not any(m in k.lower() for m in markers)}
 
 
+def _keep_records_up_to(path: Path, step: int) -> None:
+    """A resumed run repeats the steps after its checkpoint: drop their old records so each step appears once."""
+    if not path.exists():
+        return
+    kept = [line for line in path.read_text().splitlines() if line.strip() and json.loads(line)["step"] <= step]
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text("".join(line + "\n" for line in kept))
+    os.replace(tmp, path)
+
+
 class MetricsLogger:
-    def __init__(self, output_dir: str, is_main: bool, report_to: str, run_name: str, run_config: dict):
+    def __init__(self, output_dir: str, is_main: bool, report_to: str, run_name: str, run_config: dict,
+                 resume_step: int = 0, wandb_run_id: Optional[str] = None):
         self.is_main = is_main
         self.path = Path(output_dir) / METRICS_FILE
-        self._file = open(self.path, "a", encoding="utf-8") if is_main else None
+        self._file = None
         self._wandb = None
-        if is_main and report_to == "wandb":
+        self.wandb_run_id = wandb_run_id
+        if not is_main:
+            return
+        _keep_records_up_to(self.path, resume_step)
+        self._file = open(self.path, "a", encoding="utf-8")
+        if report_to == "wandb":
             import wandb
 
+            # resume="allow" with the saved id: a resumed run continues the same wandb run.
             self._wandb = wandb.init(
                 project=os.environ.get("WANDB_PROJECT", "scaletrain"),
                 name=run_name,
                 dir=output_dir,
                 config=_secret_free(run_config),
+                id=wandb_run_id,
+                resume="allow" if wandb_run_id else None,
             )
+            self.wandb_run_id = self._wandb.id
 
     def log(self, record: dict) -> None:
         """Write one record (rank 0 only; other ranks return at once)."""

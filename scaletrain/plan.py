@@ -6,6 +6,7 @@ the run with exit code 2 and leaves the output folder as it was.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import shutil
@@ -13,6 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
+from scaletrain.checkpoint import check_resumable, resolve_resume
 from scaletrain.config import RunConfig, UsageError, explain_run_config, parse_run_config
 from scaletrain.data import check_data_files
 from scaletrain.distributed import DistInfo
@@ -33,6 +35,8 @@ class RunPlan:
     tokenizer: Any
     block_size: int
     n_params: int
+    resume_from: Optional[Path] = None  # the committed checkpoint this run continues, if any
+    model_facts: Optional[dict] = None  # what a checkpoint must match to be resumed by this model
 
 
 def hardware_facts() -> HardwareFacts:
@@ -141,9 +145,15 @@ def plan_run(argv: Optional[Sequence[str]], dist: DistInfo) -> RunPlan:
         raise UsageError(f"--gradient_checkpointing: {type(skeleton).__name__} does not support it",
                          "drop the flag, or use ZeRO-3 / offload to save memory instead")
     n_params = sum(p.numel() for p in skeleton.parameters())
+    model_facts = {"model_type": getattr(model_config, "model_type", None), "n_params": n_params,
+                   "parameter_names": hashlib.sha256(",".join(
+                       f"{n}:{tuple(p.shape)}" for n, p in skeleton.named_parameters()).encode()).hexdigest()[:16]}
+    resume_from = resolve_resume(cfg.resume_from_checkpoint, cfg.output_dir)
+    if resume_from is not None:
+        check_resumable(resume_from, dist.dp_world_size, model_facts)
     if not cfg.print_config:
         _check_disk_space(cfg, n_params, ds.precision)
-    return RunPlan(cfg, ds, model_config, tokenizer, block_size, n_params)
+    return RunPlan(cfg, ds, model_config, tokenizer, block_size, n_params, resume_from, model_facts)
 
 
 def explain_plan(plan: RunPlan, dp_world_size: int) -> str:

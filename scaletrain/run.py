@@ -17,6 +17,7 @@ from scaletrain.loop import LoopSettings, evaluate, train_loop
 from scaletrain.metrics import MetricsLogger
 from scaletrain.plan import RunPlan, describe_plan, plan_run, print_config, store_paths, write_run_folder
 from scaletrain.schedules import LRSchedule, warmup_steps_for
+from scaletrain.faults import PreemptionFlag
 from scaletrain.state import TrainState
 
 log = logging.getLogger(__name__)
@@ -45,7 +46,8 @@ class Run:
         self.schedule: Optional[LRSchedule] = None
         self.engine: Any = None
         self.metrics: Optional[MetricsLogger] = None
-        self.state = TrainState()
+        self.state = TrainState(world_size=dist.dp_world_size)
+        self.preemption = PreemptionFlag()
 
     @classmethod
     def plan(cls, argv: Optional[Sequence[str]], dist: DistInfo) -> "Run":
@@ -108,6 +110,8 @@ class Run:
                  dist.dp_world_size, self.order.steps_per_epoch, total)
 
     def write_run_folder(self) -> None:
+        if self.plan.resume_from is None and self.cfg.overwrite_output_dir and self.dist.is_main:
+            checkpoint.clear_previous_run(self.cfg.output_dir)  # an explicit fresh start in a used folder
         write_run_folder(self.plan, {"total_steps": self.schedule.total_steps,
                                      "warmup_steps": self.schedule.warmup_steps,
                                      "world_size": self.dist.world_size, "precision": self.plan.ds.precision},
@@ -116,9 +120,23 @@ class Run:
 
     def build_engine(self) -> None:
         self.engine = engine_lib.build_engine(self.model, self.plan.ds.config, self.cfg.weight_decay, self.schedule)
+        # From here a SIGUSR1/SIGTERM becomes a checkpoint at the next step boundary instead of a lost run.
+        self.preemption.install()
+
+    def resume(self) -> None:
+        """Restore the newest committed checkpoint (or the one asked for); every rank loads its own shards."""
+        if self.plan.resume_from is not None:
+            checkpoint.load_checkpoint(self.engine, self.plan.resume_from, self.state, self.dist.rank,
+                                       self.dist.dp_world_size)
         self.metrics = MetricsLogger(self.cfg.output_dir, self.dist.is_main, self.cfg.report_to,
-                                     self.cfg.run_name or self.cfg.output_dir.rstrip("/").split("/")[-1],
-                                     self.cfg.to_dict())
+                                     self.cfg.run_name or Path(self.cfg.output_dir).resolve().name,
+                                     self.cfg.to_dict(), resume_step=self.state.step,
+                                     wandb_run_id=self.state.wandb_run_id)
+        self.state.wandb_run_id = self.metrics.wandb_run_id
+
+    def save(self) -> Path:
+        return checkpoint.save_checkpoint(self.engine, self.cfg.output_dir, self.state, self.dist.rank,
+                                          self.cfg.save_total_limit, model_facts=self.plan.model_facts)
 
     def train(self) -> None:
         settings = LoopSettings(
@@ -126,22 +144,27 @@ class Run:
             logging_steps=self.cfg.logging_steps,
             eval_steps=self.cfg.eval_steps,
             save_steps=self.cfg.save_steps,
+            save_interval_minutes=self.cfg.save_interval_minutes,
+            preemption_grace_seconds=self.cfg.preemption_grace_seconds,
             dp_world_size=self.dist.dp_world_size,
             show_progress=self.dist.is_main and not self.cfg.disable_tqdm,
         )
         batches = data.StepBatches(self.train_blocks, self.order, self.dist.rank)
-        train_loop(self.engine, batches, self.state, settings, self.metrics, self.eval_batches,
-                   save=lambda: checkpoint.save_checkpoint(self.engine, self.cfg.output_dir, self.state))
+        train_loop(self.engine, batches, self.state, settings, self.metrics, self.eval_batches, save=self.save,
+                   preemption=self.preemption)
 
     def finish(self) -> None:
         if self.eval_batches:
             self.metrics.log({"step": self.state.step, **evaluate(self.engine, self.eval_batches)})
-        checkpoint.save_checkpoint(self.engine, self.cfg.output_dir, self.state)
+        newest = checkpoint.newest_committed(self.cfg.output_dir)
+        if newest is None or checkpoint.committed_step(newest) != self.state.step:
+            self.save()
         checkpoint.export_hf_model(self.engine, self.plan.tokenizer, self.cfg.output_dir, self.dist.is_main)
         log.info("done: %d steps, %d tokens trained; outputs in %s", self.state.step, self.state.tokens_seen,
                  self.cfg.output_dir)
 
     def close(self) -> None:
+        self.preemption.uninstall()
         if self.metrics is not None:
             self.metrics.close()
         distributed.teardown_distributed()

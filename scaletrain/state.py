@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
+from typing import Optional
 
 
 @dataclass
@@ -11,6 +12,8 @@ class TrainState:
     samples_seen: int = 0  # training blocks consumed, counted globally (the data position)
     tokens_seen: int = 0  # loss targets trained on, globally (padding excluded)
     skipped_steps: int = 0  # updates the engine skipped (fp16 overflow)
+    world_size: int = 0  # data-parallel ranks that produced this state (a resume must match it)
+    wandb_run_id: Optional[str] = None  # so a resumed run continues the same wandb run
 
     def state_dict(self) -> dict:
         return asdict(self)

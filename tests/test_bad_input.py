@@ -161,7 +161,10 @@ CASES = {
                         "--text_column text: holds int"),
     "output holds a different run": (lambda t: previous_run(t, {"config_name": "other/model"}) or [],
                                      "holds a different run (config_name: other/model -> None)"),
-    "output holds the same run": (lambda t: previous_run(t, {}) or [], "holds a previous run of this model and data"),
+    "output holds the same run": (lambda t: previous_run(t, {}) or ["--resume_from_checkpoint", "none"],
+                                  "holds a previous run of this model and data"),
+    "resume from a missing checkpoint": (lambda t: ["--resume_from_checkpoint", str(t / "nope")],
+                                         "--resume_from_checkpoint"),
     "disk smaller than a checkpoint": (huge_model, "GB free on its disk, one checkpoint"),
 }
 

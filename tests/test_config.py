@@ -1,5 +1,7 @@
 """Flags: defaults, HF spellings, and one clear UsageError per bad value (no torch needed)."""
 
+import json
+
 import pytest
 
 from scaletrain.config import DEFAULT_MODEL_DIR, DEFAULT_TRAIN_FILE, UsageError, parse_run_config
@@ -48,8 +50,14 @@ def test_bad_flags_name_the_culprit(argv, culprit, tmp_path):
     assert culprit in str(err.value)
 
 
-def test_output_dir_with_a_previous_run_is_refused_unless_overwrite(tmp_path):
+def test_output_dir_with_a_previous_run_resumes_or_is_refused(tmp_path):
     (tmp_path / "run_config.json").write_text("{}")
+    # the default --resume_from_checkpoint auto continues the same run in its folder
+    assert parse_run_config(ZERO3 + ["--output_dir", str(tmp_path)]).resume_from_checkpoint == "auto"
     with pytest.raises(UsageError, match="--output_dir .* holds a previous run"):
+        parse_run_config(ZERO3 + ["--output_dir", str(tmp_path), "--resume_from_checkpoint", "none"])
+    assert parse_run_config(ZERO3 + ["--output_dir", str(tmp_path), "--resume_from_checkpoint", "none",
+                                     "--overwrite_output_dir"]).overwrite_output_dir
+    (tmp_path / "run_config.json").write_text(json.dumps({"config_name": "elsewhere"}))
+    with pytest.raises(UsageError, match="holds a different run"):
         parse_run_config(ZERO3 + ["--output_dir", str(tmp_path)])
-    assert parse_run_config(ZERO3 + ["--output_dir", str(tmp_path), "--overwrite_output_dir"]).overwrite_output_dir

@@ -32,8 +32,10 @@ def assert_export_matches_engine(run_dir: Path) -> None:
 
 
 def assert_checkpoint_written(run_dir: Path, step: int) -> None:
+    from scaletrain.checkpoint import verify
+
     ckpt = run_dir / "checkpoints" / f"step{step}"
-    assert ckpt.is_dir() and any(ckpt.iterdir()), f"no DeepSpeed checkpoint in {ckpt}"
+    assert ckpt.is_dir() and verify(ckpt) is None, f"no committed checkpoint in {ckpt}"
     assert (run_dir / "checkpoints" / "latest").read_text().strip() == f"step{step}"
 
 
@@ -49,6 +51,19 @@ def test_two_ranks_train_checkpoint_and_export(ds_config, tmp_path, cache_dir):
     assert losses[-1] < losses[0] - 0.5, losses
     assert_checkpoint_written(run_dir, 12)
     assert_export_matches_engine(run_dir)
+    # scripts/export_hf.py from the sharded checkpoint (fp32 master weights) gives the same model
+    import subprocess
+    import sys
+
+    exported = run_dir.parent / "exported"
+    check_ok(subprocess.run([sys.executable, str(REPO / "scripts/export_hf.py"), str(run_dir / "checkpoints/step12"),
+                             str(exported)], capture_output=True, text=True, timeout=300))
+    probe = torch.load(run_dir / "probe_logits.pt")
+    from transformers import AutoModelForCausalLM
+
+    with torch.no_grad():
+        logits = AutoModelForCausalLM.from_pretrained(exported).eval()(input_ids=probe["input_ids"]).logits
+    torch.testing.assert_close(logits, probe["logits"], rtol=1e-4, atol=1e-4)
     saved = json.loads((run_dir / "ds_config.json").read_text())
     assert saved["train_batch_size"] == 4 * 1 * 2 and "auto" not in json.dumps(saved)
     assert json.loads((run_dir / "run_config.json").read_text())["world_size"] == 2

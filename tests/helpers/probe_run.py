@@ -33,6 +33,7 @@ def main() -> None:
         run.build_data()
         run.write_run_folder()
         run.build_engine()
+        run.resume()
         run.train()
         run.finish()
         run.engine.eval()

@@ -1,0 +1,64 @@
+"""Export a committed checkpoint (ZeRO-1/2/3, offloaded or not) as a Hugging Face model folder.
+
+    python scripts/export_hf.py runs/default/checkpoints/step300 exported/ [--dtype bfloat16]
+
+Writes safetensors shards (with an index when sharded), config.json and the tokenizer. The fp32 master weights are
+read from the ZeRO shards lazily and written shard by shard (DeepSpeed's converter in lazy mode), so the whole
+model is never held twice in memory. The model and tokenizer come from the run's run_config.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from scaletrain.checkpoint import verify  # noqa: E402
+from scaletrain.config import DEFAULT_MODEL_DIR, UsageError  # noqa: E402
+
+
+def export(ckpt: Path, out: Path, dtype: str, max_shard_size: str) -> None:
+    import torch
+    from deepspeed.utils.zero_to_fp32 import convert_zero_checkpoint_to_state_dict
+    from transformers import AutoConfig, AutoTokenizer
+
+    if not ckpt.is_dir():
+        raise UsageError(f"{ckpt}: no such checkpoint folder", "give a folder like runs/x/checkpoints/step100")
+    problem = verify(ckpt)
+    if problem:
+        raise UsageError(f"{ckpt}: not a committed checkpoint ({problem})", "export another checkpoint")
+    run_config_path = ckpt.parent.parent / "run_config.json"
+    try:
+        run_config = json.loads(run_config_path.read_text())
+    except (OSError, ValueError):
+        raise UsageError(f"{run_config_path}: cannot read the run's config", "export from a checkpoint in its run folder")
+    model_source = run_config.get("model_name_or_path") or run_config.get("config_name") or str(DEFAULT_MODEL_DIR)
+    tokenizer_source = run_config.get("tokenizer_name") or model_source
+    trust = bool(run_config.get("trust_remote_code"))
+    convert_zero_checkpoint_to_state_dict(str(ckpt.parent), str(out), dtype=getattr(torch, dtype),
+                                          max_shard_size=max_shard_size, safe_serialization=True, tag=ckpt.name)
+    AutoConfig.from_pretrained(model_source, trust_remote_code=trust).save_pretrained(out)
+    AutoTokenizer.from_pretrained(tokenizer_source, trust_remote_code=trust).save_pretrained(out)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("checkpoint", type=Path)
+    parser.add_argument("out_dir", type=Path)
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    parser.add_argument("--max_shard_size", default="5GB")
+    args = parser.parse_args(argv)
+    try:
+        export(args.checkpoint, args.out_dir, args.dtype, args.max_shard_size)
+    except UsageError as err:
+        print(f"export_hf.py: error: {err}", file=sys.stderr)
+        return 2
+    print(f"exported {args.checkpoint} -> {args.out_dir}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

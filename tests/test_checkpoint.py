@@ -1,0 +1,170 @@
+"""Crash-safe checkpoints, for real: 2 gloo ranks under the deepspeed launcher, killed and restarted.
+
+Each scenario is compared with the same run uninterrupted: the per-step losses after a resume must equal the
+uninterrupted run's, and the metrics must hold every step exactly once.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+from tests.conftest import REPO, VENV_BIN, check_ok, free_port, launch, read_metrics, subprocess_env
+
+pytestmark = pytest.mark.slow
+STEPS, SAVE_EVERY = 32, 8
+
+
+def flags(ds_config: str, run_dir: Path, max_steps: int = STEPS) -> list:
+    return ["--config", f"ds_configs/{ds_config}.json", "--output_dir", str(run_dir), "--max_steps", str(max_steps),
+            "--save_steps", str(SAVE_EVERY), "--logging_steps", "1", "--block_size", "64",
+            "--per_device_train_batch_size", "2", "--learning_rate", "3e-3", "--max_eval_samples", "8",
+            "--disable_tqdm"]
+
+
+def start(args: list, cache: Path) -> subprocess.Popen:
+    cmd = [str(VENV_BIN / "deepspeed"), "--num_gpus", "2", "--master_port", str(free_port()), "train.py", *args]
+    return subprocess.Popen(cmd, cwd=REPO, env=subprocess_env(cache), stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+
+
+def rank_process(launcher: subprocess.Popen, rank: int) -> psutil.Process:
+    for _ in range(600):
+        for child in psutil.Process(launcher.pid).children(recursive=True):
+            try:
+                if f"--local_rank={rank}" in child.cmdline():
+                    return child
+            except psutil.NoSuchProcess:
+                continue
+        time.sleep(0.1)
+    raise AssertionError("rank process not found")
+
+
+def wait_for(predicate, proc: subprocess.Popen, timeout: float = 600) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert proc.poll() is None, f"run ended early:\n{proc.stdout.read()[-4000:]}"
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.02)
+
+
+def step_losses(run_dir: Path) -> dict:
+    records = [r for r in read_metrics(run_dir) if "loss" in r]
+    steps = [r["step"] for r in records]
+    assert steps == sorted(set(steps)), f"a step is repeated or out of order: {steps}"
+    return {r["step"]: r["loss"] for r in records}
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory, cache_dir):
+    """The reference runs, one per ZeRO stage, made on first use."""
+    made = {}
+
+    def get(ds_config: str) -> dict:
+        if ds_config not in made:
+            run_dir = tmp_path_factory.mktemp(f"ref_{ds_config}")
+            check_ok(launch(REPO / "train.py", flags(ds_config, run_dir), "deepspeed", cache_dir, nprocs=2))
+            made[ds_config] = step_losses(run_dir)
+            assert sorted(made[ds_config]) == list(range(1, STEPS + 1))
+        return made[ds_config]
+
+    return get
+
+
+@pytest.mark.parametrize("ds_config", ["zero1", "zero2", "zero3"])
+def test_sigkill_one_rank_then_restart_resumes_exactly(ds_config, tmp_path, cache_dir, uninterrupted):
+    run_dir = tmp_path / "run"
+    proc = start(flags(ds_config, run_dir), cache_dir)
+    wait_for(lambda: (run_dir / "checkpoints" / "step8" / "commit.json").exists(), proc)
+    rank_process(proc, 1).kill()  # SIGKILL: no handler, no save
+    proc.wait(timeout=120)
+    assert proc.returncode != 0
+    assert not (run_dir / "checkpoints" / f"step{STEPS}").exists(), "the kill came too late to test anything"
+
+    check_ok(launch(REPO / "train.py", flags(ds_config, run_dir), "deepspeed", cache_dir, nprocs=2))
+    losses = step_losses(run_dir)
+    assert sorted(losses) == list(range(1, STEPS + 1))  # every step exactly once
+    reference = uninterrupted(ds_config)
+    for step in range(1, STEPS + 1):
+        assert losses[step] == pytest.approx(reference[step], rel=1e-6, abs=1e-7), step
+
+
+def test_sigusr1_saves_exits_for_requeue_and_continues_exactly(tmp_path, cache_dir, uninterrupted):
+    run_dir = tmp_path / "run"
+    proc = start(flags("zero2", run_dir), cache_dir)
+    wait_for(lambda: (run_dir / "metrics.jsonl").exists() and len(read_metrics(run_dir)) >= 3, proc)
+    rank_process(proc, 1).send_signal(signal.SIGUSR1)  # one rank signalled: all ranks must agree and save
+    output, _ = proc.communicate(timeout=300)
+    assert proc.returncode == 85, output[-3000:]
+    latest = (run_dir / "checkpoints" / "latest").read_text().strip()
+    saved_step = int(latest.removeprefix("step"))
+    assert 3 <= saved_step < STEPS
+    assert f"checkpoint committed at step {saved_step}" in output
+
+    check_ok(launch(REPO / "train.py", flags("zero2", run_dir), "deepspeed", cache_dir, nprocs=2))
+    losses, reference = step_losses(run_dir), uninterrupted("zero2")
+    assert sorted(losses) == list(range(1, STEPS + 1))
+    for step in range(1, STEPS + 1):
+        assert losses[step] == pytest.approx(reference[step], rel=1e-6, abs=1e-7), step
+
+
+def test_broken_newest_checkpoint_is_skipped_and_the_previous_one_used(tmp_path, cache_dir, uninterrupted):
+    """The states a kill during a save leaves behind: a truncated shard in the newest checkpoint, a temporary
+    folder never committed, and a committed-looking folder without commit.json. Only verified ones load."""
+    run_dir = tmp_path / "run"
+    check_ok(launch(REPO / "train.py", flags("zero2", run_dir), "deepspeed", cache_dir, nprocs=2))
+    ckpts = run_dir / "checkpoints"
+    shard = next(p for p in (ckpts / f"step{STEPS}").iterdir() if p.name.endswith("optim_states.pt"))
+    shard.write_bytes(shard.read_bytes()[: shard.stat().st_size // 2])  # truncated while being written
+    (ckpts / "step24" / "commit.json").unlink()  # renamed but never committed
+    (ckpts / ".tmp-step40").mkdir()  # a save killed before its commit
+    (ckpts / ".tmp-step40" / "partial.pt").write_bytes(b"\0" * 10)
+    with open(run_dir / "metrics.jsonl") as f:
+        assert len([line for line in f if '"loss"' in line]) == STEPS
+
+    proc = launch(REPO / "train.py", flags("zero2", run_dir), "deepspeed", cache_dir, nprocs=2)
+    check_ok(proc)
+    assert f"skipping checkpoint {ckpts / f'step{STEPS}'}" in proc.stdout
+    assert f"skipping checkpoint {ckpts / 'step24'}: no commit.json" in proc.stdout
+    assert f"resumed from {ckpts / 'step16'}" in proc.stdout
+    losses, reference = step_losses(run_dir), uninterrupted("zero2")
+    assert sorted(losses) == list(range(1, STEPS + 1))
+    for step in range(17, STEPS + 1):
+        assert losses[step] == pytest.approx(reference[step], rel=1e-6, abs=1e-7), step
+
+
+def test_save_total_limit_keeps_the_newest(tmp_path, cache_dir):
+    run_dir = tmp_path / "run"
+    check_ok(launch(REPO / "train.py", flags("zero2", run_dir, max_steps=24) + ["--save_total_limit", "2"],
+                    "deepspeed", cache_dir, nprocs=2))
+    names = sorted(p.name for p in (run_dir / "checkpoints").iterdir() if p.name.startswith("step"))
+    assert names == ["step16", "step24"]
+    assert (run_dir / "checkpoints" / "latest").read_text().strip() == "step24"
+
+
+def test_resume_refuses_other_rank_count_and_bad_paths(tmp_path, cache_dir):
+    run_dir = tmp_path / "run"
+    check_ok(launch(REPO / "train.py", flags("zero2", run_dir, max_steps=8), "deepspeed", cache_dir, nprocs=2))
+    one_rank = launch(REPO / "train.py", flags("zero2", run_dir, max_steps=16), "python", cache_dir)
+    assert one_rank.returncode == 2
+    assert "was saved with 2 data-parallel ranks, this run has 1" in one_rank.stderr
+    missing = launch(REPO / "train.py", flags("zero2", tmp_path / "other") + ["--resume_from_checkpoint",
+                                                                             str(tmp_path / "nope")],
+                     "python", cache_dir)
+    assert missing.returncode == 2 and "--resume_from_checkpoint" in missing.stderr
+    other_model = json.loads((REPO / "data/tiny-llama/config.json").read_text())
+    other_model["num_hidden_layers"] = 2
+    (tmp_path / "m").mkdir()
+    (tmp_path / "m" / "config.json").write_text(json.dumps(other_model))
+    wrong = launch(REPO / "train.py", flags("zero2", tmp_path / "third") + [
+        "--config_name", str(tmp_path / "m"), "--tokenizer_name", str(REPO / "data/tiny-llama"),
+        "--resume_from_checkpoint", str(run_dir / "checkpoints" / "step8")], "deepspeed", cache_dir, nprocs=2)
+    assert wrong.returncode == 2 and "is from a different model" in wrong.stderr + wrong.stdout
+    assert not os.path.exists(tmp_path / "third")

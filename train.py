@@ -33,6 +33,7 @@ def main(argv=None) -> int:
         run.print_config()  # every "auto" filled, with where each value came from
         return 0
     try:
+        run.prepare_resume()  # a checkpoint from another rank count: converted to DeepSpeed's universal format
         run.prepare_data()  # token store: --data_path, or raw data tokenized once (no collective while waiting)
         run.init_distributed()  # process group for whichever launcher started us
         run.build_model()  # ZeRO-3: built sharded, never whole on one rank

@@ -144,8 +144,10 @@ def save_checkpoint(engine, output_dir: str, state: TrainState, rank: int, save_
         root.mkdir(parents=True, exist_ok=True)
         shutil.rmtree(tmp, ignore_errors=True)  # leftovers of a save that was killed
     barrier()
-    engine.save_checkpoint(str(root), tag=tmp.name, client_state={"train_state": state.state_dict()},
-                           save_latest=False)
+    # universal_checkpoint_info lets DeepSpeed's ds_to_universal convert this checkpoint for another rank count.
+    client_state = {"train_state": state.state_dict(),
+                    "universal_checkpoint_info": {"universal_checkpoint_version": 0.4}}
+    engine.save_checkpoint(str(root), tag=tmp.name, client_state=client_state, save_latest=False)
     torch.save(_rng_state(), tmp / f"rng_state_rank{rank}.pt")
     if rank == 0:
         info = {**state.state_dict(), "model": model_facts or {}}
@@ -173,13 +175,15 @@ def clear_previous_run(output_dir: str) -> None:
     (out / "metrics.jsonl").unlink(missing_ok=True)
 
 
-def check_resumable(ckpt: Path, world_size: int, model_facts: dict) -> None:
-    """Before anything is built: the checkpoint fits this run's model and rank count."""
+def check_resumable(ckpt: Path, world_size: int, zero_stage: int, model_facts: dict) -> bool:
+    """Before anything is built: the checkpoint fits this run's model. Returns whether it must be resharded
+    (saved with another number of data-parallel ranks, which ZeRO-1/2/3 handle through a universal checkpoint)."""
     saved = read_train_state(ckpt)
-    if saved.get("world_size") not in (None, 0, world_size):
+    reshard = saved.get("world_size") not in (None, 0, world_size)
+    if reshard and zero_stage == 0:
         raise UsageError(
             f"checkpoint {ckpt} was saved with {saved['world_size']} data-parallel ranks, this run has {world_size}",
-            "resume with the same number of ranks (conversion to another count is not supported yet)",
+            "resume with the same number of ranks, or use a ZeRO config (stage 1-3 checkpoints are resharded)",
         )
     before = saved.get("model") or {}
     differs = [k for k in model_facts if k in before and before[k] != model_facts[k]]
@@ -187,6 +191,39 @@ def check_resumable(ckpt: Path, world_size: int, model_facts: dict) -> None:
         detail = ", ".join(f"{k} {before[k]} -> {model_facts[k]}" for k in differs)
         raise UsageError(f"checkpoint {ckpt} is from a different model ({detail})",
                          "resume with the model it was trained with, or start fresh with --resume_from_checkpoint none")
+    return reshard
+
+
+UNIVERSAL_DIR = ".universal"
+
+
+def universal_path(ckpt: Path) -> Path:
+    return ckpt.parent / UNIVERSAL_DIR / ckpt.name
+
+
+def ensure_universal(ckpt: Path, rank: int) -> Path:
+    """Convert `ckpt` with DeepSpeed's ds_to_universal once (rank 0; the others wait for its done-marker)."""
+    import subprocess
+    import sys
+
+    out = universal_path(ckpt)
+    done = out.parent / f"{ckpt.name}.done"
+    if rank == 0 and not done.exists():
+        started = time.perf_counter()
+        shutil.rmtree(out, ignore_errors=True)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        proc = subprocess.run([sys.executable, "-m", "deepspeed.checkpoint.ds_to_universal", "--input_folder",
+                               str(ckpt), "--output_folder", str(out), "--inject_missing_state"],
+                              capture_output=True, text=True)
+        if proc.returncode != 0:
+            raise RuntimeError(f"converting {ckpt} to a universal checkpoint failed:\n{proc.stdout[-3000:]}"
+                               f"\n{proc.stderr[-3000:]}")
+        _write_atomically(done, "ok\n")
+        log.info("converted %s to a universal checkpoint for the new rank count in %.1fs", ckpt,
+                 time.perf_counter() - started)
+    while not done.exists():
+        time.sleep(1.0)
+    return out
 
 
 def prune_checkpoints(root: Path, limit: int, keep: Path) -> None:
@@ -201,18 +238,25 @@ def prune_checkpoints(root: Path, limit: int, keep: Path) -> None:
             log.info("deleted checkpoint %s (--save_total_limit %d)", old, limit)
 
 
-def load_checkpoint(engine, ckpt: Path, state: TrainState, rank: int, world_size: int) -> None:
-    """Restore model, optimizer, LR schedule, loss scaler, the train state and this rank's RNG."""
+def load_checkpoint(engine, ckpt: Path, state: TrainState, rank: int, universal: bool = False) -> None:
+    """Restore model, optimizer, LR schedule, loss scaler, the train state and this rank's RNG.
+
+    universal: the checkpoint came from another number of ranks and is read from its universal conversion
+    (the engine was configured with checkpoint.load_universal); RNG states do not map across rank counts.
+    """
     import torch
 
     started = time.perf_counter()
-    path, client = engine.load_checkpoint(str(ckpt.parent), tag=ckpt.name, load_optimizer_states=True,
+    source = universal_path(ckpt) if universal else ckpt
+    path, client = engine.load_checkpoint(str(source.parent), tag=source.name, load_optimizer_states=True,
                                           load_lr_scheduler_states=True)
     if path is None:
         raise RuntimeError(f"DeepSpeed could not load checkpoint {ckpt}")
     state.load_state_dict(client["train_state"])
     rng = ckpt / f"rng_state_rank{rank}.pt"
-    if rng.exists():
+    if universal:
+        log.info("resharded resume: RNG states start fresh (they do not map to another rank count)")
+    elif rng.exists():
         _set_rng_state(torch.load(rng, weights_only=False))
     log.info("resumed from %s (step %d, %d samples seen) in %.1fs", ckpt, state.step, state.samples_seen,
              time.perf_counter() - started)

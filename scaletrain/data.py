@@ -201,6 +201,11 @@ class GlobalOrder:
     accumulation: int
     dp_world_size: int
     seed: int
+    # Where a resumed run picks up: its first step and the blocks consumed before it (the data position). With
+    # the same global batch this gives the very batches of an uninterrupted run; with another one (a resume on a
+    # different number of ranks) the current epoch's order continues from that position.
+    start_step: int = 0
+    start_samples: int = 0
 
     @property
     def global_batch(self) -> int:
@@ -213,11 +218,38 @@ class GlobalOrder:
     def epoch_permutation(self, epoch: int) -> np.ndarray:
         return np.random.default_rng([self.seed, epoch]).permutation(self.n_blocks)
 
+    def position(self, step: int) -> tuple:
+        """(epoch, first position in that epoch's order) of optimizer step `step`; O(1)."""
+        g = self.global_batch
+        epoch0, offset0 = divmod(self.start_samples, self.n_blocks)
+        k = step - self.start_step
+        if offset0:
+            first = math.ceil((self.n_blocks - offset0) / g)  # steps that finish the interrupted epoch
+            if k < first:
+                return epoch0, offset0 + k * g
+            k, epoch0 = k - first, epoch0 + 1
+        return epoch0 + k // self.steps_per_epoch, (k % self.steps_per_epoch) * g
+
+    def total_steps(self, epochs: float) -> int:
+        """The step at which `epochs` epochs of blocks have been trained."""
+        epoch0, offset0 = divmod(self.start_samples, self.n_blocks)
+        remaining = epochs - epoch0 - offset0 / self.n_blocks
+        if remaining <= 0:
+            return self.start_step
+        steps = self.start_step
+        if offset0:
+            part = (self.n_blocks - offset0) / self.n_blocks
+            if remaining <= part:
+                return steps + math.ceil(remaining * self.n_blocks / self.global_batch)
+            steps += math.ceil((self.n_blocks - offset0) / self.global_batch)
+            remaining -= part
+        return steps + math.ceil(round(remaining * self.steps_per_epoch, 9))
+
     def global_batch_indices(self, step: int, permutation: Optional[np.ndarray] = None) -> np.ndarray:
         """Block indices of optimizer step `step` (0-based), padded with EMPTY_SLOT to the global batch size."""
-        epoch, within = divmod(step, self.steps_per_epoch)
+        epoch, lo = self.position(step)
         perm = self.epoch_permutation(epoch) if permutation is None else permutation
-        chosen = perm[within * self.global_batch: (within + 1) * self.global_batch]
+        chosen = perm[lo: lo + self.global_batch]
         padded = np.full(self.global_batch, EMPTY_SLOT, dtype=np.int64)
         padded[: len(chosen)] = chosen
         return padded
@@ -239,7 +271,7 @@ class StepBatches:
         self._permutation: Optional[np.ndarray] = None
 
     def for_step(self, step: int) -> tuple:
-        epoch = step // self.order.steps_per_epoch
+        epoch, _ = self.order.position(step)
         if epoch != self._epoch:
             self._epoch, self._permutation = epoch, self.order.epoch_permutation(epoch)
         global_indices = self.order.global_batch_indices(step, self._permutation)

@@ -57,7 +57,8 @@ class ResolvedDSConfig:
     def explained(self) -> str:
         """The resolved JSON followed by one line per value the pipeline decided."""
         lines = [json.dumps(self.config, indent=2, sort_keys=True), "where the decided values came from:"]
-        lines += [f"  {key} = {json.dumps(_get(self.config, key))}  <- {src}" for key, src in sorted(self.sources.items())]
+        lines += [f"  {key} = {json.dumps(_get(self.config, key))}  <- {src}"
+                  for key, src in sorted(self.sources.items())]
         return "\n".join(lines)
 
 
@@ -276,7 +277,8 @@ def resolve_ds_config(
     r.fill("zero_optimization.reduce_bucket_size", hidden_size * hidden_size, f"hidden_size^2 ({hidden_size}^2)")
     r.fill("zero_optimization.stage3_prefetch_bucket_size", int(0.9 * hidden_size * hidden_size),
            f"0.9 x hidden_size^2 ({hidden_size}^2)")
-    r.fill("zero_optimization.stage3_param_persistence_threshold", 10 * hidden_size, f"10 x hidden_size ({hidden_size})")
+    r.fill("zero_optimization.stage3_param_persistence_threshold", 10 * hidden_size,
+           f"10 x hidden_size ({hidden_size})")
     _resolve_nvme(r, cfg)
 
     resolved = ResolvedDSConfig(r.config, r.sources, precision, reason)

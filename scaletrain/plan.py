@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
-from scaletrain.checkpoint import check_resumable, resolve_resume
+from scaletrain.checkpoint import check_resumable, read_train_state, resolve_resume
 from scaletrain.config import RunConfig, UsageError, explain_run_config, parse_run_config
 from scaletrain.data import check_data_files
 from scaletrain.distributed import DistInfo
@@ -37,6 +37,8 @@ class RunPlan:
     n_params: int
     resume_from: Optional[Path] = None  # the committed checkpoint this run continues, if any
     model_facts: Optional[dict] = None  # what a checkpoint must match to be resumed by this model
+    resume_state: Optional[dict] = None  # the checkpoint's train state (step, data position)
+    reshard: bool = False  # the checkpoint came from another number of data-parallel ranks
 
 
 def hardware_facts() -> HardwareFacts:
@@ -149,11 +151,18 @@ def plan_run(argv: Optional[Sequence[str]], dist: DistInfo) -> RunPlan:
                    "parameter_names": hashlib.sha256(",".join(
                        f"{n}:{tuple(p.shape)}" for n, p in skeleton.named_parameters()).encode()).hexdigest()[:16]}
     resume_from = resolve_resume(cfg.resume_from_checkpoint, cfg.output_dir)
+    resume_state, reshard = None, False
     if resume_from is not None:
-        check_resumable(resume_from, dist.dp_world_size, model_facts)
+        reshard = check_resumable(resume_from, dist.dp_world_size, ds.zero_stage, model_facts)
+        resume_state = read_train_state(resume_from)
+        if reshard:
+            ds.config.setdefault("checkpoint", {})["load_universal"] = True
+            ds.sources["checkpoint.load_universal"] = (f"resume of a checkpoint from {resume_state['world_size']} "
+                                                       f"ranks on {dist.dp_world_size}")
     if not cfg.print_config:
         _check_disk_space(cfg, n_params, ds.precision)
-    return RunPlan(cfg, ds, model_config, tokenizer, block_size, n_params, resume_from, model_facts)
+    return RunPlan(cfg, ds, model_config, tokenizer, block_size, n_params, resume_from, model_facts, resume_state,
+                   reshard)
 
 
 def explain_plan(plan: RunPlan, dp_world_size: int) -> str:

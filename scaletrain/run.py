@@ -4,7 +4,6 @@ what one phase hands to the next, so train.py can read as a table of contents.""
 from __future__ import annotations
 
 import logging
-import math
 import random
 from pathlib import Path
 from typing import Any, Optional, Sequence
@@ -67,6 +66,12 @@ class Run:
         self.model, self._zero3_keepalive = model_lib.build_model(
             self.cfg, self.plan.model_config, self.plan.ds.config, self.plan.ds.zero_stage)
 
+    def prepare_resume(self) -> None:
+        """A checkpoint from another number of ranks is converted to DeepSpeed's universal format first (global
+        rank 0 converts; the others wait on the file system, before any process group exists)."""
+        if self.plan.resume_from is not None and self.plan.reshard:
+            checkpoint.ensure_universal(self.plan.resume_from, self.dist.rank)
+
     def prepare_data(self) -> None:
         """Token stores: --data_path or --dataset_mix as given, or raw data prepared once (local rank 0 of each
         node prepares; the others wait on the file system)."""
@@ -93,8 +98,10 @@ class Run:
         # Batch sizes as DeepSpeed will use them: an explicit JSON value stands where the flag was not typed.
         micro = self.plan.ds.config["train_micro_batch_size_per_gpu"]
         accumulation = self.plan.ds.config["gradient_accumulation_steps"]
-        self.order = data.GlobalOrder(len(self.train_blocks), micro, accumulation, dist.dp_world_size, cfg.seed)
-        total = cfg.max_steps if cfg.max_steps > 0 else math.ceil(cfg.num_train_epochs * self.order.steps_per_epoch)
+        resumed = self.plan.resume_state or {}
+        self.order = data.GlobalOrder(len(self.train_blocks), micro, accumulation, dist.dp_world_size, cfg.seed,
+                                      start_step=resumed.get("step", 0), start_samples=resumed.get("samples_seen", 0))
+        total = cfg.max_steps if cfg.max_steps > 0 else self.order.total_steps(cfg.num_train_epochs)
         self.schedule = LRSchedule(cfg.lr_scheduler_type, total,
                                    warmup_steps_for(total, cfg.warmup_steps, cfg.warmup_ratio),
                                    cfg.min_lr_ratio, cfg.decay_ratio)
@@ -127,7 +134,8 @@ class Run:
         """Restore the newest committed checkpoint (or the one asked for); every rank loads its own shards."""
         if self.plan.resume_from is not None:
             checkpoint.load_checkpoint(self.engine, self.plan.resume_from, self.state, self.dist.rank,
-                                       self.dist.dp_world_size)
+                                       universal=self.plan.reshard)
+            self.state.world_size = self.dist.dp_world_size
         self.metrics = MetricsLogger(self.cfg.output_dir, self.dist.is_main, self.cfg.report_to,
                                      self.cfg.run_name or Path(self.cfg.output_dir).resolve().name,
                                      self.cfg.to_dict(), resume_step=self.state.step,

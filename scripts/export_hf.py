@@ -34,7 +34,8 @@ def export(ckpt: Path, out: Path, dtype: str, max_shard_size: str) -> None:
     try:
         run_config = json.loads(run_config_path.read_text())
     except (OSError, ValueError):
-        raise UsageError(f"{run_config_path}: cannot read the run's config", "export from a checkpoint in its run folder")
+        raise UsageError(f"{run_config_path}: cannot read the run's config",
+                         "export from a checkpoint inside its run folder")
     model_source = run_config.get("model_name_or_path") or run_config.get("config_name") or str(DEFAULT_MODEL_DIR)
     tokenizer_source = run_config.get("tokenizer_name") or model_source
     trust = bool(run_config.get("trust_remote_code"))

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import time
@@ -168,3 +169,42 @@ def test_resume_refuses_other_rank_count_and_bad_paths(tmp_path, cache_dir):
         "--resume_from_checkpoint", str(run_dir / "checkpoints" / "step8")], "deepspeed", cache_dir, nprocs=2)
     assert wrong.returncode == 2 and "is from a different model" in wrong.stderr + wrong.stdout
     assert not os.path.exists(tmp_path / "third")
+
+
+@pytest.mark.parametrize("ds_config", ["zero1", "zero2", "zero3"])
+@pytest.mark.parametrize("saved_on, resumed_on", [(2, 1), (1, 2)])
+def test_resume_on_another_rank_count_converts_and_continues(ds_config, saved_on, resumed_on, tmp_path, cache_dir,
+                                                            uninterrupted):
+    """Same global batch (4 blocks) on 1 or 2 ranks: the resumed run's losses follow the uninterrupted 2-rank run."""
+    def per_rank(ranks: int, run_dir: Path, max_steps: int) -> list:
+        args = flags(ds_config, run_dir, max_steps)
+        args[args.index("--per_device_train_batch_size") + 1] = str(4 // ranks)
+        return args
+
+    run_dir = tmp_path / "run"
+    # train to step 16 with the full 32-step schedule, as if the job had been stopped there
+    proc = start(per_rank(saved_on, run_dir, STEPS), cache_dir) if saved_on == 2 else None
+    if proc is not None:
+        wait_for(lambda: (run_dir / "checkpoints" / "step16" / "commit.json").exists(), proc)
+        rank_process(proc, 0).kill()
+        proc.wait(timeout=120)
+    else:
+        single = subprocess.Popen([str(VENV_BIN / "python"), "train.py", *per_rank(1, run_dir, STEPS)], cwd=REPO,
+                                  env=subprocess_env(cache_dir), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                  text=True, start_new_session=True)
+        wait_for(lambda: (run_dir / "checkpoints" / "step16" / "commit.json").exists(), single)
+        single.kill()
+        single.wait(timeout=120)
+    for newer in (run_dir / "checkpoints").glob("step*"):
+        if int(newer.name[4:]) > 16:
+            shutil.rmtree(newer)
+
+    resumed = launch(REPO / "train.py", per_rank(resumed_on, run_dir, STEPS), "deepspeed", cache_dir,
+                     nprocs=resumed_on)
+    check_ok(resumed)
+    assert "converted" in resumed.stdout and "universal checkpoint" in resumed.stdout
+    assert f"resumed from {run_dir / 'checkpoints' / 'step16'}" in resumed.stdout
+    losses, reference = step_losses(run_dir), uninterrupted(ds_config)
+    assert sorted(losses) == list(range(1, STEPS + 1))
+    for step in range(17, STEPS + 1):
+        assert losses[step] == pytest.approx(reference[step], rel=1e-4), step

@@ -241,3 +241,18 @@ def test_parse_dataset_mix_normalises_and_rejects_bad_weights():
     for bad in ("x:0.5", "x:abc,y:1", "x:-1,y:1", "x,y"):
         with pytest.raises(UsageError, match="--dataset_mix"):
             parse_dataset_mix(bad)
+
+
+def test_resumed_order_reproduces_the_batches_or_continues_the_epoch_with_a_new_batch_size():
+    full = GlobalOrder(n_blocks=37, micro_batch=2, accumulation=2, dp_world_size=2, seed=4)  # global batch 8
+    consumed = 3 * 8  # three steps into epoch 0
+    same = GlobalOrder(37, 2, 2, 2, seed=4, start_step=3, start_samples=consumed)
+    for step in range(3, 15):
+        assert same.global_batch_indices(step).tolist() == full.global_batch_indices(step).tolist()
+    assert same.total_steps(3.0) == full.total_steps(3.0) == 15
+    # on one rank with global batch 4: the rest of epoch 0 in the same order, then epoch 1 from its start
+    resharded = GlobalOrder(37, 2, 2, 1, seed=4, start_step=3, start_samples=consumed)
+    rest = [i for step in range(3, 7) for i in resharded.global_batch_indices(step).tolist() if i != EMPTY_SLOT]
+    assert rest == full.epoch_permutation(0)[consumed:].tolist()
+    assert resharded.position(7) == (1, 0)
+    assert resharded.total_steps(1.0) == 7 and resharded.total_steps(2.0) == 7 + 10

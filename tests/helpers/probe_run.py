@@ -27,6 +27,7 @@ def main() -> None:
     setup_logging(dist.rank)
     run = Run.plan(sys.argv[1:], dist)
     try:
+        run.prepare_resume()
         run.prepare_data()
         run.init_distributed()
         run.build_model()

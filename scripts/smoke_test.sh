@@ -35,6 +35,8 @@ assert losses and all(math.isfinite(x) for x in losses), f"non-finite loss {loss
 assert losses[-1] < losses[0], f"loss did not fall: {losses[0]:.3f} -> {losses[-1]:.3f}"
 assert (run / "checkpoints" / "latest").is_file(), "no checkpoint"
 from transformers import AutoModelForCausalLM
+from transformers.utils import logging as hf_logging
+hf_logging.disable_progress_bar()
 AutoModelForCausalLM.from_pretrained(run)
 print(f"loss {losses[0]:.3f} -> {losses[-1]:.3f}")
 PY

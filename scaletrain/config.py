@@ -25,7 +25,7 @@ DEFAULT_DS_CONFIG = "ds_configs/zero3.json"
 NVME_PATH_ENV = "SCALETRAIN_NVME_PATH"
 
 LR_SCHEDULES = ("cosine", "linear", "constant_with_warmup", "wsd")
-REPORT_SINKS = ("none", "wandb")
+REPORT_SINKS = ("none", "wandb", "tensorboard")
 LOCAL_DATA_FORMATS = {".json": "json", ".jsonl": "json", ".csv": "csv", ".txt": "text", ".parquet": "parquet"}
 
 
@@ -110,7 +110,13 @@ class RunConfig:
         "auto", "auto: newest committed checkpoint in --output_dir if any; none: start fresh; or a checkpoint path.")
     preemption_grace_seconds: float = _flag(
         120.0, "Seconds a scheduler allows between its signal and the kill; a slower save is warned about.")
-    report_to: str = _flag("none", "Extra metrics sink (JSONL and console are always on).", choices=REPORT_SINKS)
+    peak_tflops: Optional[float] = _flag(
+        None, "Peak TFLOP/s of one device for MFU (default: a table for A100/H100/H200, a calibration on CPU).")
+    report_to: str = _flag("none", "Extra metrics sinks, comma-separated: wandb, tensorboard (JSONL and console are "
+                           "always on).")
+    dry_run: bool = _flag(False, "Build everything, run one full step, report memory and step time, exit; "
+                                 "nothing is saved.")
+    profile_steps: Optional[str] = _flag(None, "A torch profiler trace of these steps (e.g. 5-7) in <output_dir>/profile.")
     run_name: Optional[str] = _flag(None, "Run name for wandb. Default: the output folder's name.")
     disable_tqdm: bool = _flag(False, "No progress bar.")
     print_config: bool = _flag(False, "Print the resolved run and DeepSpeed configs, with sources, and exit.")
@@ -140,6 +146,17 @@ class RunConfig:
     @property
     def validation_data_file(self) -> Optional[str]:
         return str(DEFAULT_VALIDATION_FILE) if self.uses_default_data else self.validation_file
+
+    @property
+    def report_sinks(self) -> tuple:
+        return tuple(s.strip() for s in self.report_to.split(",") if s.strip() and s.strip() != "none")
+
+    @property
+    def profile_range(self) -> Optional[tuple]:
+        if not self.profile_steps:
+            return None
+        first, _, last = self.profile_steps.partition("-")
+        return int(first), int(last or first)
 
     @property
     def resolved_nvme_path(self) -> Optional[str]:
@@ -183,7 +200,7 @@ def build_parser(suppress_defaults: bool = False) -> argparse.ArgumentParser:
         if f.type in ("bool", bool):
             parser.add_argument(opt, action="store_true", help=help_text)
             continue
-        kind = {"int": int, "float": float, "Optional[int]": int}.get(f.type, str)
+        kind = {"int": int, "float": float, "Optional[int]": int, "Optional[float]": float}.get(f.type, str)
         default_text = "" if f.default is None else f" (default: {f.default})"
         default = argparse.SUPPRESS if suppress_defaults else f.default
         parser.add_argument(opt, type=kind, default=default, help=help_text + default_text, **meta)
@@ -311,6 +328,17 @@ def validate_run_config(cfg: RunConfig) -> None:
             raise UsageError(f"--{name} {getattr(cfg, name)}: must be between 0 and 1")
     if cfg.validation_split_percentage >= 100:
         raise UsageError(f"--validation_split_percentage {cfg.validation_split_percentage}: must be below 100")
+    for sink in cfg.report_sinks:
+        if sink not in REPORT_SINKS:
+            close = difflib.get_close_matches(sink, REPORT_SINKS, n=1)
+            raise UsageError(f"--report_to {cfg.report_to}: unknown sink \"{sink}\"",
+                             f"did you mean {close[0]}?" if close else f"use {', '.join(REPORT_SINKS)}")
+    if cfg.profile_steps is not None:
+        first, sep, last = cfg.profile_steps.partition("-")
+        if not (first.isdigit() and (not sep or last.isdigit())) or int(first) < 1 or \
+                (sep and int(last) < int(first)):
+            raise UsageError(f"--profile_steps {cfg.profile_steps}: give a step or a range of steps like 5-7",
+                             "steps count from 1")
     if cfg.max_steps <= 0 and cfg.num_train_epochs <= 0:
         raise UsageError("--max_steps and --num_train_epochs: set one of them to a positive number")
     if cfg.bf16 and cfg.fp16:

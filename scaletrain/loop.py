@@ -18,7 +18,7 @@ from typing import Callable, Optional
 
 from scaletrain.data import IGNORE_INDEX, StepBatches
 from scaletrain.faults import Preempted, PreemptionFlag, agree_any
-from scaletrain.metrics import LogWindow, MetricsLogger
+from scaletrain.metrics import LogWindow, MetricsLogger, PhaseClock, StepProfiler, ThroughputModel
 from scaletrain.state import TrainState
 
 log = logging.getLogger(__name__)
@@ -53,6 +53,7 @@ class LoopSettings:
     preemption_grace_seconds: float
     dp_world_size: int
     show_progress: bool
+    throughput: Optional[ThroughputModel] = None
 
 
 def evaluate(engine, batches: list) -> dict:
@@ -81,6 +82,7 @@ def train_loop(
     eval_batches: Optional[list],
     save: Callable[[], None],
     preemption: PreemptionFlag,
+    profiler: Optional[StepProfiler] = None,
 ) -> None:
     """Train until max_steps. Raises Preempted after committing a checkpoint when any rank was signalled."""
     from tqdm.auto import tqdm
@@ -89,46 +91,42 @@ def train_loop(
     engine.train()
     last_save = time.monotonic()
     window = LogWindow()
+    clock = PhaseClock(engine.device)
     bar = tqdm(total=settings.max_steps, initial=state.step, disable=not settings.show_progress,
                desc="training", unit="step", dynamic_ncols=True)
     with logging_redirect_tqdm():
         while state.step < settings.max_steps:
+            if profiler:
+                profiler.before_step(state.step + 1)
             started = time.perf_counter()
+            clock.start()
             micro_batches, global_targets, n_blocks = batches.for_step(state.step)
-            data_seconds = time.perf_counter() - started
+            clock.lap("data")
             scale = settings.dp_world_size / max(global_targets, 1)
             loss_sum = 0.0
             for batch in micro_batches:
                 summed = token_loss_sum(engine, batch)
+                clock.lap("forward")
                 engine.backward(summed * scale, scale_wrt_gas=False)
+                clock.lap("backward")
                 engine.step()  # an optimizer update only at the accumulation boundary
+                clock.lap("optimizer")
                 loss_sum = loss_sum + summed.detach()
             if not engine.was_step_applied():
                 state.skipped_steps += 1
             state.step += 1
             state.samples_seen += n_blocks
             state.tokens_seen += global_targets
-            window.add(loss_sum, global_targets, time.perf_counter() - started, data_seconds,
-                       engine.get_global_grad_norm())
-            bar.update(1)
-
             last = state.step == settings.max_steps
-            if state.step % settings.logging_steps == 0 or last:
-                summary = window.summarize(engine.device)
-                bar.set_postfix(loss=f"{summary['loss']:.3f}")
-                metrics.log({"step": state.step, "epoch": round(state.samples_seen / len(batches.blocks), 4),
-                             "time": round(time.time(), 3), **summary, "lr": engine.get_lr()[0],
-                             "tokens_seen": state.tokens_seen, "skipped_steps": state.skipped_steps})
-                window = LogWindow()
-            if eval_batches and settings.eval_steps and state.step % settings.eval_steps == 0 and not last:
-                metrics.log({"step": state.step, **evaluate(engine, eval_batches)})
+
             interval_due = bool(settings.save_interval_minutes) and \
                 time.monotonic() - last_save >= 60 * settings.save_interval_minutes
             preempted, interval_due = agree_any(engine.device, preemption.signal_name is not None, interval_due)
+            clock.lap("sync")
             if preempted:
-                started = time.perf_counter()
+                save_started = time.perf_counter()
                 save()
-                seconds = time.perf_counter() - started
+                seconds = time.perf_counter() - save_started
                 log.info("preemption (%s): checkpoint committed at step %d in %.1fs", preemption.signal_name or
                          "signal on another rank", state.step, seconds)
                 if seconds > settings.preemption_grace_seconds:
@@ -138,4 +136,20 @@ def train_loop(
             if not last and (interval_due or (settings.save_steps and state.step % settings.save_steps == 0)):
                 save()
                 last_save = time.monotonic()
+                clock.lap("checkpoint")
+            window.add(loss_sum, global_targets, n_blocks, time.perf_counter() - started, clock.phases,
+                       engine.get_global_grad_norm())
+            if profiler:
+                profiler.after_step(state.step)
+            bar.update(1)
+
+            if state.step % settings.logging_steps == 0 or last:
+                summary = window.summarize(engine.device, settings.throughput)
+                bar.set_postfix(loss=f"{summary['loss']:.3f}")
+                metrics.log({"step": state.step, "epoch": round(state.samples_seen / len(batches.blocks), 4),
+                             "time": round(time.time(), 3), **summary, "lr": engine.get_lr()[0],
+                             "tokens_seen": state.tokens_seen, "skipped_steps": state.skipped_steps})
+                window = LogWindow()
+            if eval_batches and settings.eval_steps and state.step % settings.eval_steps == 0 and not last:
+                metrics.log({"step": state.step, **evaluate(engine, eval_batches)})
     bar.close()

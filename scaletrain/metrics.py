@@ -10,12 +10,51 @@ import json
 import logging
 import math
 import os
-from dataclasses import dataclass
+import time
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
 
 log = logging.getLogger(__name__)
 METRICS_FILE = "metrics.jsonl"
+
+
+PHASES = ("data", "forward", "backward", "optimizer", "sync", "checkpoint")
+
+
+class PhaseClock:
+    """Splits a step into phases by laps. On a GPU each lap synchronizes first, so a phase's time is its own
+    work, not the previous phase's kernels finishing; on a CPU the work is already done when the call returns."""
+
+    def __init__(self, device):
+        self._sync = lambda: None
+        if device.type == "cuda":
+            import torch
+
+            self._sync = lambda: torch.cuda.synchronize(device)
+        self.phases = dict.fromkeys(PHASES, 0.0)
+        self._last = 0.0
+
+    def start(self) -> None:
+        self._sync()
+        self.phases = dict.fromkeys(PHASES, 0.0)
+        self._last = time.perf_counter()
+
+    def lap(self, phase: str) -> None:
+        self._sync()
+        now = time.perf_counter()
+        self.phases[phase] += now - self._last
+        self._last = now
+
+
+@dataclass(frozen=True)
+class ThroughputModel:
+    """What turns tokens/s into TFLOP/s, MFU and HFU (scaletrain.flops)."""
+
+    flops_per_token: float
+    hardware_flops_per_token: float
+    peak_tflops: Optional[float]  # per device; None when unknown (then no MFU)
+    world_size: int
 
 
 @dataclass
@@ -24,34 +63,70 @@ class LogWindow:
 
     loss_sum: Any = 0.0  # this rank's summed token losses (a device tensor: no host sync per step)
     targets: int = 0  # global loss targets (identical on every rank)
+    samples: int = 0  # global blocks trained
     steps: int = 0
-    seconds: float = 0.0
-    data_seconds: float = 0.0
+    seconds: float = 0.0  # wall-clock of the steps, measured start to end independently of the phases
+    phases: dict = field(default_factory=lambda: dict.fromkeys(PHASES, 0.0))
     grad_norm: Any = None  # the last step's, read only when the window is summarized
 
-    def add(self, loss_sum, targets: int, seconds: float, data_seconds: float, grad_norm) -> None:
+    def add(self, loss_sum, targets: int, samples: int, seconds: float, phases: dict, grad_norm) -> None:
         self.loss_sum = self.loss_sum + loss_sum
         self.targets += targets
+        self.samples += samples
         self.steps += 1
         self.seconds += seconds
-        self.data_seconds += data_seconds
+        for name, value in phases.items():
+            self.phases[name] += value
         self.grad_norm = grad_norm
 
-    def summarize(self, device) -> dict:
+    def summarize(self, device, throughput: Optional[ThroughputModel] = None) -> dict:
         """Reduce across ranks (a collective: every rank must call it at the same step)."""
         import torch
+        import torch.distributed as torch_dist
         import deepspeed.comm as ds_comm
 
         total = torch.as_tensor(self.loss_sum, dtype=torch.float64, device=device).reshape(1).clone()
         ds_comm.all_reduce(total)
-        loss = total.item() / max(self.targets, 1)
-        return {
-            "loss": loss,
+        step_time = self.seconds / max(self.steps, 1)
+        # Straggler signal: every rank's mean step time; the slowest against the median.
+        mine = torch.tensor([step_time], dtype=torch.float64, device=device)
+        times = [torch.zeros_like(mine) for _ in range(torch_dist.get_world_size())]
+        torch_dist.all_gather(times, mine)
+        times = sorted(float(t.item()) for t in times)
+        tokens_per_s = self.targets / self.seconds if self.seconds else 0.0
+        record = {
+            "loss": total.item() / max(self.targets, 1),
             "grad_norm": None if self.grad_norm is None else float(self.grad_norm),
-            "tokens_per_s": self.targets / self.seconds if self.seconds else 0.0,
-            "step_time_s": self.seconds / max(self.steps, 1),
-            "data_wait_s": self.data_seconds / max(self.steps, 1),
+            "tokens_per_s": tokens_per_s,
+            "samples_per_s": self.samples / self.seconds if self.seconds else 0.0,
+            "step_time_s": step_time,
+            **{f"{name}_s": value / max(self.steps, 1) for name, value in self.phases.items()},
+            "data_wait_s": self.phases["data"] / max(self.steps, 1),
+            "slowest_rank_step_time_s": times[-1],
+            "straggler_ratio": times[-1] / times[len(times) // 2] if times[len(times) // 2] else None,
+            **memory_stats(device),
         }
+        record.pop("data_s")
+        if throughput is not None:
+            tflops = tokens_per_s * throughput.flops_per_token / throughput.world_size / 1e12
+            record["tflops_per_device"] = tflops
+            if throughput.peak_tflops:
+                record["mfu"] = tflops / throughput.peak_tflops
+                record["hfu"] = (tokens_per_s * throughput.hardware_flops_per_token / throughput.world_size
+                                 / 1e12 / throughput.peak_tflops)
+        return record
+
+
+def memory_stats(device) -> dict:
+    import psutil
+
+    stats = {"cpu_rss_gb": psutil.Process().memory_info().rss / 2**30}
+    if device.type == "cuda":
+        import torch
+
+        stats["gpu_allocated_gb"] = torch.cuda.memory_allocated(device) / 2**30
+        stats["gpu_peak_gb"] = torch.cuda.max_memory_allocated(device) / 2**30
+    return stats
 
 
 def _secret_free(config: dict) -> dict:
@@ -71,18 +146,25 @@ def _keep_records_up_to(path: Path, step: int) -> None:
 
 
 class MetricsLogger:
-    def __init__(self, output_dir: str, is_main: bool, report_to: str, run_name: str, run_config: dict,
-                 resume_step: int = 0, wandb_run_id: Optional[str] = None):
+    def __init__(self, output_dir: str, is_main: bool, sinks: tuple, run_name: str, run_config: dict,
+                 resume_step: int = 0, wandb_run_id: Optional[str] = None, write_files: bool = True):
         self.is_main = is_main
         self.path = Path(output_dir) / METRICS_FILE
         self._file = None
         self._wandb = None
+        self._tensorboard = None
+        self.last_record: Optional[dict] = None
         self.wandb_run_id = wandb_run_id
-        if not is_main:
+        if not is_main or not write_files:  # --dry_run writes nothing: console only
             return
         _keep_records_up_to(self.path, resume_step)
         self._file = open(self.path, "a", encoding="utf-8")
-        if report_to == "wandb":
+        if "tensorboard" in sinks:
+            from torch.utils.tensorboard import SummaryWriter
+
+            # purge_step: a resumed run replaces the events of the steps it trains again.
+            self._tensorboard = SummaryWriter(str(Path(output_dir) / "tensorboard"), purge_step=resume_step + 1)
+        if "wandb" in sinks:
             import wandb
 
             # resume="allow" with the saved id: a resumed run continues the same wandb run.
@@ -101,10 +183,16 @@ class MetricsLogger:
         if not self.is_main:
             return
         record = {k: v for k, v in record.items() if v is not None}
-        self._file.write(json.dumps(record) + "\n")
-        self._file.flush()
+        self.last_record = record
+        if self._file is not None:
+            self._file.write(json.dumps(record) + "\n")
+            self._file.flush()
         if self._wandb is not None:
             self._wandb.log({k: v for k, v in record.items() if k != "step"}, step=record["step"])
+        if self._tensorboard is not None:
+            for key, value in record.items():
+                if key not in ("step", "time") and isinstance(value, (int, float)):
+                    self._tensorboard.add_scalar(key, value, record["step"])
         log.info("  ".join(_fmt(k, v) for k, v in record.items() if k != "time"))
 
     def close(self) -> None:
@@ -114,6 +202,9 @@ class MetricsLogger:
         if self._wandb is not None:
             self._wandb.finish()
             self._wandb = None
+        if self._tensorboard is not None:
+            self._tensorboard.close()
+            self._tensorboard = None
 
 
 def _fmt(key: str, value) -> str:
@@ -122,3 +213,31 @@ def _fmt(key: str, value) -> str:
             return f"{key}={value:.3e}"
         return f"{key}={value:.4g}" if math.isfinite(value) else f"{key}={value}"
     return f"{key}={value}"
+
+
+class StepProfiler:
+    """--profile_steps A-B: a torch profiler trace of steps A..B (1-based), one Chrome trace per rank."""
+
+    def __init__(self, steps: Optional[tuple], out_dir: str, rank: int):
+        self.steps = steps
+        self.out = Path(out_dir) / "profile"
+        self.rank = rank
+        self._prof = None
+
+    def before_step(self, step: int) -> None:
+        if self.steps and step == self.steps[0]:
+            import torch
+            from torch.profiler import ProfilerActivity, profile
+
+            activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+            self._prof = profile(activities=activities)
+            self._prof.start()
+
+    def after_step(self, step: int) -> None:
+        if self._prof is not None and step == self.steps[1]:
+            self._prof.stop()
+            self.out.mkdir(parents=True, exist_ok=True)
+            path = self.out / f"trace_rank{self.rank}_steps{self.steps[0]}-{self.steps[1]}.json"
+            self._prof.export_chrome_trace(str(path))
+            self._prof = None
+            log.info("profiler trace of steps %d-%d: %s", self.steps[0], self.steps[1], path)

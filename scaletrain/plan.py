@@ -19,6 +19,7 @@ from scaletrain.config import RunConfig, UsageError, explain_run_config, parse_r
 from scaletrain.data import check_data_files
 from scaletrain.distributed import DistInfo
 from scaletrain.dsconfig import HardwareFacts, ResolvedDSConfig, load_ds_config, resolve_ds_config
+from scaletrain.flops import ModelFlops, model_flops
 from scaletrain.model import load_model_config, load_tokenizer, max_positions, meta_model
 
 log = logging.getLogger(__name__)
@@ -38,6 +39,7 @@ class RunPlan:
     resume_from: Optional[Path] = None  # the committed checkpoint this run continues, if any
     model_facts: Optional[dict] = None  # what a checkpoint must match to be resumed by this model
     resume_state: Optional[dict] = None  # the checkpoint's train state (step, data position)
+    flops: Optional[ModelFlops] = None  # FLOPs per token of this model at this block size
     reshard: bool = False  # the checkpoint came from another number of data-parallel ranks
 
 
@@ -161,8 +163,9 @@ def plan_run(argv: Optional[Sequence[str]], dist: DistInfo) -> RunPlan:
                                                        f"ranks on {dist.dp_world_size}")
     if not cfg.print_config:
         _check_disk_space(cfg, n_params, ds.precision)
-    return RunPlan(cfg, ds, model_config, tokenizer, block_size, n_params, resume_from, model_facts, resume_state,
-                   reshard)
+    return RunPlan(cfg, ds, model_config, tokenizer, block_size, n_params, resume_from=resume_from,
+                   model_facts=model_facts, resume_state=resume_state, reshard=reshard,
+                   flops=model_flops(skeleton, model_config, block_size))
 
 
 def explain_plan(plan: RunPlan, dp_world_size: int) -> str:

@@ -13,7 +13,8 @@ from scaletrain.config import UsageError
 from scaletrain.distributed import DistInfo
 from scaletrain.logs import silence_library_logs
 from scaletrain.loop import LoopSettings, evaluate, train_loop
-from scaletrain.metrics import MetricsLogger
+from scaletrain.flops import peak_tflops
+from scaletrain.metrics import MetricsLogger, StepProfiler, ThroughputModel
 from scaletrain.plan import RunPlan, describe_plan, plan_run, print_config, store_paths, write_run_folder
 from scaletrain.schedules import LRSchedule, warmup_steps_for
 from scaletrain.faults import PreemptionFlag
@@ -117,6 +118,8 @@ class Run:
                  dist.dp_world_size, self.order.steps_per_epoch, total)
 
     def write_run_folder(self) -> None:
+        if self.cfg.dry_run:
+            return  # a dry run leaves the output folder as it was
         if self.plan.resume_from is None and self.cfg.overwrite_output_dir and self.dist.is_main:
             checkpoint.clear_previous_run(self.cfg.output_dir)  # an explicit fresh start in a used folder
         write_run_folder(self.plan, {"total_steps": self.schedule.total_steps,
@@ -136,32 +139,55 @@ class Run:
             checkpoint.load_checkpoint(self.engine, self.plan.resume_from, self.state, self.dist.rank,
                                        universal=self.plan.reshard)
             self.state.world_size = self.dist.dp_world_size
-        self.metrics = MetricsLogger(self.cfg.output_dir, self.dist.is_main, self.cfg.report_to,
+        self.metrics = MetricsLogger(self.cfg.output_dir, self.dist.is_main, self.cfg.report_sinks,
                                      self.cfg.run_name or Path(self.cfg.output_dir).resolve().name,
                                      self.cfg.to_dict(), resume_step=self.state.step,
-                                     wandb_run_id=self.state.wandb_run_id)
+                                     wandb_run_id=self.state.wandb_run_id, write_files=not self.cfg.dry_run)
         self.state.wandb_run_id = self.metrics.wandb_run_id
 
     def save(self) -> Path:
         return checkpoint.save_checkpoint(self.engine, self.cfg.output_dir, self.state, self.dist.rank,
                                           self.cfg.save_total_limit, model_facts=self.plan.model_facts)
 
+    def throughput_model(self) -> ThroughputModel:
+        """FLOPs per token and the device peak, for TFLOP/s, MFU and HFU (the peak is calibrated on rank 0 only:
+        the figures are reported from there, and calibrating on every rank at once would share the cores)."""
+        peak, source = (None, "not measured on this rank")
+        if self.dist.is_main:
+            peak, source = peak_tflops(self.dist.accelerator, self.plan.ds.precision, self.cfg.peak_tflops)
+            log.info("peak %s TFLOP/s per device (%s); %.3g model FLOPs per token", "unknown" if peak is None
+                     else f"{peak:.3g}", source, self.plan.flops.per_token())
+        recompute = self.cfg.gradient_checkpointing
+        return ThroughputModel(self.plan.flops.per_token(), self.plan.flops.per_token(recompute=recompute), peak,
+                               self.dist.dp_world_size)
+
     def train(self) -> None:
+        dry = self.cfg.dry_run  # one full step, logged, nothing saved
         settings = LoopSettings(
-            max_steps=self.schedule.total_steps,
-            logging_steps=self.cfg.logging_steps,
-            eval_steps=self.cfg.eval_steps,
-            save_steps=self.cfg.save_steps,
-            save_interval_minutes=self.cfg.save_interval_minutes,
+            max_steps=min(self.state.step + 1, self.schedule.total_steps) if dry else self.schedule.total_steps,
+            logging_steps=1 if dry else self.cfg.logging_steps,
+            eval_steps=0 if dry else self.cfg.eval_steps,
+            save_steps=0 if dry else self.cfg.save_steps,
+            save_interval_minutes=0 if dry else self.cfg.save_interval_minutes,
             preemption_grace_seconds=self.cfg.preemption_grace_seconds,
             dp_world_size=self.dist.dp_world_size,
             show_progress=self.dist.is_main and not self.cfg.disable_tqdm,
+            throughput=self.throughput_model(),
         )
         batches = data.StepBatches(self.train_blocks, self.order, self.dist.rank)
         train_loop(self.engine, batches, self.state, settings, self.metrics, self.eval_batches, save=self.save,
-                   preemption=self.preemption)
+                   preemption=self.preemption,
+                   profiler=StepProfiler(self.cfg.profile_range, self.cfg.output_dir, self.dist.rank))
 
     def finish(self) -> None:
+        if self.cfg.dry_run:
+            record = self.metrics.last_record or {}
+            log.info("dry run OK: one step in %.2fs (forward %.2fs, backward %.2fs, optimizer %.2fs); memory: %s; "
+                     "nothing was saved", record.get("step_time_s", 0), record.get("forward_s", 0),
+                     record.get("backward_s", 0), record.get("optimizer_s", 0),
+                     ", ".join(f"{k} {record[k]:.2f}" for k in ("gpu_peak_gb", "gpu_allocated_gb", "cpu_rss_gb")
+                               if k in record))
+            return
         if self.eval_batches:
             self.metrics.log({"step": self.state.step, **evaluate(self.engine, self.eval_batches)})
         newest = checkpoint.newest_committed(self.cfg.output_dir)

@@ -73,12 +73,20 @@ def test_two_ranks_train_checkpoint_and_export(ds_config, tmp_path, cache_dir):
 def test_single_process_python_with_wandb_offline(tmp_path, cache_dir):
     run_dir = tmp_path / "run"
     proc = launch(REPO / "train.py", ["--config", "ds_configs/zero2.json", "--output_dir", str(run_dir),
-                                      "--max_steps", "6", "--report_to", "wandb", *FAST_FLAGS], "python", cache_dir)
+                                      "--max_steps", "6", "--report_to", "wandb", "--save_steps", "2", *FAST_FLAGS],
+                  "python", cache_dir)
     check_ok(proc)
     assert "launch: single, world size 1" in proc.stdout
     assert "shm_comm" not in proc.stdout  # a single rank needs no shared-memory all-reduce build
     assert len(train_losses(run_dir)) == 3
     assert_checkpoint_written(run_dir, 6)
+    # where the time goes: the phases add up to the step time, and MFU comes from a measured CPU peak
+    for record in (r for r in read_metrics(run_dir) if "loss" in r):
+        phases = sum(record[f"{p}_s"] for p in ("forward", "backward", "optimizer", "sync", "checkpoint")) + \
+            record["data_wait_s"]
+        assert phases == pytest.approx(record["step_time_s"], rel=0.05)
+        assert 0 < record["mfu"] < 1 and record["tflops_per_device"] > 0 and record["cpu_rss_gb"] > 0
+    assert "fp32 matrix-product calibration on this CPU" in proc.stdout
     # real wandb in offline mode: a run folder whose record file holds the logged metrics
     records = list((run_dir / "wandb").glob("offline-run-*/run-*.wandb"))
     assert len(records) == 1
@@ -226,3 +234,41 @@ def test_readme_main_command_trains_the_default_and_loss_falls(tmp_path, cache_d
     assert losses[-1] <= 0.75 * losses[0], f"loss fell only from {losses[0]:.3f} to {losses[-1]:.3f}"
     assert (run_dir / "model.safetensors").is_file() and (run_dir / "tokenizer.json").is_file()
     assert "precision: fp32" in proc.stdout
+
+
+def test_observability_sinks_profile_plot_and_dry_run(tmp_path, cache_dir):
+    """TensorBoard events, a profiler trace, the PNG dashboard, and --dry_run, from real runs."""
+    import subprocess
+    import sys
+
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    run_dir = tmp_path / "run"
+    proc = launch(REPO / "train.py", ["--config", "ds_configs/zero2.json", "--output_dir", str(run_dir),
+                                      "--max_steps", "5", "--report_to", "tensorboard,wandb", "--profile_steps", "2-3",
+                                      "--eval_steps", "2", *FAST_FLAGS, "--logging_steps", "1"], "python", cache_dir)
+    check_ok(proc)
+    events = EventAccumulator(str(run_dir / "tensorboard"))
+    events.Reload()
+    assert [e.step for e in events.Scalars("loss")] == [1, 2, 3, 4, 5]
+    assert {"mfu", "forward_s", "eval_loss"} <= set(events.Tags()["scalars"])
+    trace = json.loads((run_dir / "profile" / "trace_rank0_steps2-3.json").read_text())
+    assert len(trace["traceEvents"]) > 100
+    plot = subprocess.run([sys.executable, str(REPO / "scripts/plot_metrics.py"), str(run_dir)],
+                          capture_output=True, text=True, timeout=300)
+    check_ok(plot)
+    png = (run_dir / "metrics.png").read_bytes()
+    assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 20_000
+
+    # a resumed run continues the same wandb run
+    first_id = next((run_dir / "wandb").glob("offline-run-*")).name.rsplit("-", 1)[1]
+    check_ok(launch(REPO / "train.py", ["--config", "ds_configs/zero2.json", "--output_dir", str(run_dir),
+                                        "--max_steps", "7", "--report_to", "wandb", *FAST_FLAGS], "python", cache_dir))
+    ids = {p.name.rsplit("-", 1)[1] for p in (run_dir / "wandb").glob("offline-run-*")}
+    assert ids == {first_id}
+
+    dry = launch(REPO / "train.py", ["--config", "ds_configs/zero3.json", "--output_dir", str(tmp_path / "dry"),
+                                     "--dry_run", *FAST_FLAGS], "python", cache_dir)
+    check_ok(dry)
+    assert "dry run OK: one step in" in dry.stdout
+    assert not (tmp_path / "dry").exists()

@@ -1,0 +1,94 @@
+"""Model FLOPs per token, the device's peak, and from them MFU and HFU.
+
+Training FLOPs per token (PaLM, appendix B, the formula most MFU figures use):
+    model FLOPs    = 6 * N + 12 * L * H * Q * T      (forward + backward = 3 x forward)
+    hardware FLOPs = 8 * N + 16 * L * H * Q * T      (activation checkpointing recomputes the forward once more)
+N: parameters of the matrix multiplications (every nn.Linear, the output head included; embedding lookups and
+norms do no matmul), L layers, H attention heads, Q head dimension, T sequence length (the block size). The
+attention term counts QK^T and attention x V over the full T x T square, as PaLM does.
+
+Peak: a table of dense (no sparsity) tensor-core figures by device name and dtype; --peak_tflops overrides it; on
+a CPU a short fp32 matrix-product calibration measures it (and the log says so); an unknown accelerator gives a
+warning and no MFU rather than an invented one.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from typing import Optional
+
+log = logging.getLogger(__name__)
+
+# Dense peak TFLOP/s per device (vendor datasheets, SXM parts). fp32 means plain fp32 matmuls (no TF32).
+PEAK_TFLOPS = {
+    "A100": {"bf16": 312.0, "fp16": 312.0, "fp32": 19.5},
+    "H100": {"bf16": 989.0, "fp16": 989.0, "fp32": 67.0},
+    "H200": {"bf16": 989.0, "fp16": 989.0, "fp32": 67.0},
+}
+
+
+@dataclass(frozen=True)
+class ModelFlops:
+    matmul_params: int
+    layers: int
+    heads: int
+    head_dim: int
+    seq_len: int
+
+    def per_token(self, recompute: bool = False) -> float:
+        """Training FLOPs per token: model FLOPs (recompute=False) or hardware FLOPs (recompute=True)."""
+        attention = self.layers * self.heads * self.head_dim * self.seq_len
+        return (8 * self.matmul_params + 16 * attention) if recompute else (6 * self.matmul_params + 12 * attention)
+
+
+def model_flops(meta_model, model_config, seq_len: int) -> ModelFlops:
+    import torch
+
+    matmul = sum(m.weight.numel() for m in meta_model.modules() if isinstance(m, torch.nn.Linear))
+    text = model_config.get_text_config() if hasattr(model_config, "get_text_config") else model_config
+    heads = getattr(text, "num_attention_heads", None) or getattr(text, "n_head", 0)
+    hidden = getattr(text, "hidden_size", None) or getattr(text, "n_embd", 0)
+    head_dim = getattr(text, "head_dim", None) or (hidden // heads if heads else 0)
+    layers = getattr(text, "num_hidden_layers", None) or getattr(text, "n_layer", 0)
+    return ModelFlops(matmul, layers, heads, head_dim, seq_len)
+
+
+def calibrate_cpu_tflops(seconds: float = 0.5, size: int = 1024) -> float:
+    """Measured fp32 matrix-product rate of this CPU (all its threads), in TFLOP/s."""
+    import torch
+
+    a, b = torch.randn(size, size), torch.randn(size, size)
+    torch.mm(a, b)  # warm up
+    runs, started = 0, time.perf_counter()
+    while time.perf_counter() - started < seconds:
+        torch.mm(a, b)
+        runs += 1
+    return 2 * size ** 3 * runs / (time.perf_counter() - started) / 1e12
+
+
+def peak_from_name(device_name: str, precision: str) -> Optional[float]:
+    for key, table in PEAK_TFLOPS.items():
+        if key in device_name:
+            return table[precision]
+    return None
+
+
+def peak_tflops(accelerator: str, precision: str, override: Optional[float]) -> tuple:
+    """(peak TFLOP/s per device or None, where it came from)."""
+    if override:
+        return override, "--peak_tflops"
+    if accelerator == "cpu":
+        return calibrate_cpu_tflops(), "measured: fp32 matrix-product calibration on this CPU"
+    if accelerator == "cuda":
+        import torch
+
+        name = torch.cuda.get_device_name()
+        peak = peak_from_name(name, precision)
+        if peak is not None:
+            return peak, f"table: {name} {precision}"
+        log.warning("no peak FLOPs known for %s: MFU is not reported (pass --peak_tflops to set it)", name)
+        return None, f"unknown device {name}"
+    log.warning("no peak FLOPs known for accelerator %s: MFU is not reported (pass --peak_tflops)", accelerator)
+    return None, f"unknown accelerator {accelerator}"

@@ -1,0 +1,92 @@
+"""A PNG dashboard of a run from its metrics.jsonl: loss and eval loss, learning rate, gradient norm, throughput
+(tokens/s and MFU), memory, and where each step's time went.
+
+    python scripts/plot_metrics.py runs/default            # writes runs/default/metrics.png
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+PHASES = ("data_wait", "forward", "backward", "optimizer", "sync", "checkpoint")
+
+
+def load(run_dir: Path) -> tuple:
+    path = run_dir / "metrics.jsonl"
+    if not path.is_file():
+        sys.exit(f"plot_metrics.py: error: {path}: no such file (is {run_dir} a run folder?)")
+    records = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    train = [r for r in records if "loss" in r]
+    evals = [r for r in records if "eval_loss" in r]
+    if not train:
+        sys.exit(f"plot_metrics.py: error: {path} holds no training records yet")
+    return train, evals
+
+
+def plot(run_dir: Path, out: Path) -> Path:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    train, evals = load(run_dir)
+    steps = [r["step"] for r in train]
+
+    def series(key):
+        return [r.get(key, float("nan")) for r in train]
+
+    fig, axes = plt.subplots(3, 2, figsize=(13, 11))
+    ax = axes[0, 0]
+    ax.plot(steps, series("loss"), label="train loss")
+    if evals:
+        ax.plot([r["step"] for r in evals], [r["eval_loss"] for r in evals], "o-", label="eval loss")
+    ax.set_title("loss")
+    ax.legend()
+    axes[0, 1].plot(steps, series("lr"))
+    axes[0, 1].set_title("learning rate")
+    axes[1, 0].plot(steps, series("grad_norm"))
+    axes[1, 0].set_title("gradient norm")
+    ax = axes[1, 1]
+    ax.plot(steps, series("tokens_per_s"), label="tokens/s")
+    ax.set_title("throughput")
+    if any("mfu" in r for r in train):
+        twin = ax.twinx()
+        twin.plot(steps, [100 * m for m in series("mfu")], color="tab:red", label="MFU %")
+        twin.set_ylabel("MFU %")
+    ax.legend(loc="lower right")
+    ax = axes[2, 0]
+    for key in ("gpu_peak_gb", "gpu_allocated_gb", "cpu_rss_gb"):
+        if any(key in r for r in train):
+            ax.plot(steps, series(key), label=key)
+    ax.set_title("memory (GiB)")
+    ax.legend()
+    ax = axes[2, 1]
+    present = [p for p in PHASES if any(f"{p}_s" in r for r in train)]
+    ax.stackplot(steps, *[series(f"{p}_s") for p in present], labels=present)
+    ax.plot(steps, series("step_time_s"), "k--", label="step time")
+    ax.set_title("step time by phase (s)")
+    ax.legend(loc="upper right", fontsize="small")
+    for a in axes.flat:
+        a.set_xlabel("step")
+    fig.suptitle(str(run_dir))
+    fig.tight_layout()
+    fig.savefig(out, dpi=90)
+    plt.close(fig)
+    return out
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("run_dir", type=Path)
+    parser.add_argument("--out", type=Path, help="PNG to write (default: <run_dir>/metrics.png)")
+    args = parser.parse_args(argv)
+    out = plot(args.run_dir, args.out or args.run_dir / "metrics.png")
+    print(f"wrote {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

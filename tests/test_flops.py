@@ -1,0 +1,34 @@
+"""FLOPs per token against a hand count, the peak table, and the CPU calibration."""
+
+from transformers import AutoConfig
+
+from scaletrain.flops import calibrate_cpu_tflops, model_flops, peak_from_name, peak_tflops
+from scaletrain.model import meta_model
+from tests.conftest import REPO
+
+
+def test_flops_per_token_match_a_hand_count_of_the_tiny_llama():
+    config = AutoConfig.from_pretrained(REPO / "data" / "tiny-llama")
+    flops = model_flops(meta_model(config, False), config, seq_len=256)
+    d, ff, layers, heads, kv_heads, head_dim, vocab = 128, 352, 4, 4, 2, 32, 4096
+    per_layer = d * heads * head_dim + 2 * d * kv_heads * head_dim + heads * head_dim * d + 3 * d * ff
+    matmul = layers * per_layer + vocab * d  # q, k, v, o, gate, up, down per layer; the output head
+    assert flops.matmul_params == matmul
+    attention = layers * heads * head_dim * 256
+    assert flops.per_token() == 6 * matmul + 12 * attention
+    assert flops.per_token(recompute=True) == 8 * matmul + 16 * attention
+
+
+def test_peak_table_override_and_unknown_devices():
+    assert peak_from_name("NVIDIA H200", "bf16") == 989.0
+    assert peak_from_name("NVIDIA A100-SXM4-80GB", "fp32") == 19.5
+    assert peak_from_name("Tesla K80", "bf16") is None
+    assert peak_tflops("cuda", "bf16", override=123.0) == (123.0, "--peak_tflops")
+    assert peak_tflops("xpu", "bf16", override=None)[0] is None  # unknown: no MFU, never an invented one
+
+
+def test_cpu_calibration_measures_a_positive_rate():
+    rate = calibrate_cpu_tflops(seconds=0.2, size=256)
+    assert 1e-4 < rate < 100
+    peak, source = peak_tflops("cpu", "fp32", override=None)
+    assert peak > 0 and source.startswith("measured")

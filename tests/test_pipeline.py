@@ -272,3 +272,22 @@ def test_observability_sinks_profile_plot_and_dry_run(tmp_path, cache_dir):
     check_ok(dry)
     assert "dry run OK: one step in" in dry.stdout
     assert not (tmp_path / "dry").exists()
+
+
+def test_scaling_report_runs_at_world_sizes_1_and_2(tmp_path, cache_dir):
+    import subprocess
+    import sys
+
+    from tests.conftest import subprocess_env
+
+    proc = subprocess.run([sys.executable, str(REPO / "scripts/scaling_report.py"), "--world_sizes", "1,2",
+                           "--steps", "8", "--out", str(tmp_path), "--", "--block_size", "64",
+                           "--per_device_train_batch_size", "2", "--max_eval_samples", "8"],
+                          env=subprocess_env(cache_dir), capture_output=True, text=True, timeout=900)
+    check_ok(proc)
+    table = (tmp_path / "scaling.md").read_text().splitlines()
+    assert table[2].startswith("| 1 |") and table[3].startswith("| 2 |")
+    efficiency = float(table[3].split("|")[4])
+    assert 0 < efficiency < 2
+    assert "(+" in table[3]  # the phase that grew most is named
+    assert (tmp_path / "scaling.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

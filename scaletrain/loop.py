@@ -90,6 +90,7 @@ def train_loop(
 
     engine.train()
     last_save = time.monotonic()
+    pending_checkpoint = 0.0
     window = LogWindow()
     clock = PhaseClock(engine.device)
     bar = tqdm(total=settings.max_steps, initial=state.step, disable=not settings.show_progress,
@@ -123,6 +124,23 @@ def train_loop(
                 time.monotonic() - last_save >= 60 * settings.save_interval_minutes
             preempted, interval_due = agree_any(engine.device, preemption.signal_name is not None, interval_due)
             clock.lap("sync")
+            # A save's time joins the next step's (a step's record is written before its checkpoint, so a crash
+            # right after a commit never loses the record of the step the run resumes from).
+            clock.phases["checkpoint"] += pending_checkpoint
+            window.add(loss_sum, global_targets, n_blocks, time.perf_counter() - started + pending_checkpoint,
+                       clock.phases, engine.get_global_grad_norm())
+            pending_checkpoint = 0.0
+            if profiler:
+                profiler.after_step(state.step)
+            bar.update(1)
+
+            if state.step % settings.logging_steps == 0 or last or preempted:
+                summary = window.summarize(engine.device, settings.throughput)
+                bar.set_postfix(loss=f"{summary['loss']:.3f}")
+                metrics.log({"step": state.step, "epoch": round(state.samples_seen / len(batches.blocks), 4),
+                             "time": round(time.time(), 3), **summary, "lr": engine.get_lr()[0],
+                             "tokens_seen": state.tokens_seen, "skipped_steps": state.skipped_steps})
+                window = LogWindow()
             if preempted:
                 save_started = time.perf_counter()
                 save()
@@ -133,23 +151,11 @@ def train_loop(
                     log.warning("the preemption save took %.1fs, more than --preemption_grace_seconds %.0f: ask the "
                                 "scheduler for an earlier signal", seconds, settings.preemption_grace_seconds)
                 raise Preempted(state.step)
-            if not last and (interval_due or (settings.save_steps and state.step % settings.save_steps == 0)):
-                save()
-                last_save = time.monotonic()
-                clock.lap("checkpoint")
-            window.add(loss_sum, global_targets, n_blocks, time.perf_counter() - started, clock.phases,
-                       engine.get_global_grad_norm())
-            if profiler:
-                profiler.after_step(state.step)
-            bar.update(1)
-
-            if state.step % settings.logging_steps == 0 or last:
-                summary = window.summarize(engine.device, settings.throughput)
-                bar.set_postfix(loss=f"{summary['loss']:.3f}")
-                metrics.log({"step": state.step, "epoch": round(state.samples_seen / len(batches.blocks), 4),
-                             "time": round(time.time(), 3), **summary, "lr": engine.get_lr()[0],
-                             "tokens_seen": state.tokens_seen, "skipped_steps": state.skipped_steps})
-                window = LogWindow()
             if eval_batches and settings.eval_steps and state.step % settings.eval_steps == 0 and not last:
                 metrics.log({"step": state.step, **evaluate(engine, eval_batches)})
+            if not last and (interval_due or (settings.save_steps and state.step % settings.save_steps == 0)):
+                save_started = time.perf_counter()
+                save()
+                pending_checkpoint = time.perf_counter() - save_started
+                last_save = time.monotonic()
     bar.close()

@@ -100,7 +100,9 @@ def test_sigkill_one_rank_then_restart_resumes_exactly(ds_config, tmp_path, cach
 def test_sigusr1_saves_exits_for_requeue_and_continues_exactly(tmp_path, cache_dir, uninterrupted):
     run_dir = tmp_path / "run"
     proc = start(flags("zero2", run_dir), cache_dir)
-    wait_for(lambda: (run_dir / "metrics.jsonl").exists() and len(read_metrics(run_dir)) >= 3, proc)
+    # complete lines only: the file may be read while rank 0 writes a record
+    wait_for(lambda: (run_dir / "metrics.jsonl").exists() and
+             (run_dir / "metrics.jsonl").read_text().count("\n") >= 3, proc)
     rank_process(proc, 1).send_signal(signal.SIGUSR1)  # one rank signalled: all ranks must agree and save
     output, _ = proc.communicate(timeout=300)
     assert proc.returncode == 85, output[-3000:]
@@ -150,12 +152,9 @@ def test_save_total_limit_keeps_the_newest(tmp_path, cache_dir):
     assert (run_dir / "checkpoints" / "latest").read_text().strip() == "step24"
 
 
-def test_resume_refuses_other_rank_count_and_bad_paths(tmp_path, cache_dir):
+def test_resume_refuses_a_missing_checkpoint_and_another_model(tmp_path, cache_dir):
     run_dir = tmp_path / "run"
     check_ok(launch(REPO / "train.py", flags("zero2", run_dir, max_steps=8), "deepspeed", cache_dir, nprocs=2))
-    one_rank = launch(REPO / "train.py", flags("zero2", run_dir, max_steps=16), "python", cache_dir)
-    assert one_rank.returncode == 2
-    assert "was saved with 2 data-parallel ranks, this run has 1" in one_rank.stderr
     missing = launch(REPO / "train.py", flags("zero2", tmp_path / "other") + ["--resume_from_checkpoint",
                                                                              str(tmp_path / "nope")],
                      "python", cache_dir)

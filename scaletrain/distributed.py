@@ -99,8 +99,29 @@ def barrier() -> None:
     ds_comm.barrier()
 
 
-def teardown_distributed() -> None:
+def teardown_distributed(rank: int = 0) -> None:
     import torch.distributed as torch_dist
 
     if torch_dist.is_available() and torch_dist.is_initialized():
         torch_dist.destroy_process_group()
+    remove_shm_buffer(rank)
+
+
+def remove_shm_buffer(rank: int) -> None:
+    """Unlink this rank's DeepSpeed shared-memory all-reduce buffer (CPU ranks).
+
+    DeepSpeed's shm comm op creates /dev/shm/deepspeed_allreduce_buffer_<...>_<addr>_<port>_<rank> (69 MB) and
+    never unlinks it: every CPU run with several ranks would leave its buffers in RAM-backed /dev/shm until the
+    machine runs out of memory. The peers mapped it at start-up, so removing the name at the end is safe.
+    (A rank killed with SIGKILL cannot clean up; .ci/run clears leftovers before the tests.)
+    """
+    import glob
+
+    addr, port = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT")
+    if not addr or not port:
+        return
+    for path in glob.glob(f"/dev/shm/deepspeed_allreduce_buffer_*_{addr}_{port}_{rank}"):
+        try:
+            os.unlink(path)
+        except OSError:
+            pass

@@ -201,4 +201,4 @@ class Run:
         self.preemption.uninstall()
         if self.metrics is not None:
             self.metrics.close()
-        distributed.teardown_distributed()
+        distributed.teardown_distributed(self.dist.rank)

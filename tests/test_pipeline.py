@@ -41,6 +41,9 @@ def assert_checkpoint_written(run_dir: Path, step: int) -> None:
 
 @pytest.mark.parametrize("ds_config", ["zero1", "zero2", "zero3", "zero2_offload", "zero3_offload"])
 def test_two_ranks_train_checkpoint_and_export(ds_config, tmp_path, cache_dir):
+    import glob
+
+    shm_before = set(glob.glob("/dev/shm/deepspeed_allreduce_buffer_*"))
     run_dir = tmp_path / "run"
     proc = launch(PROBE, ["--config", f"ds_configs/{ds_config}.json", "--output_dir", str(run_dir),
                           "--max_steps", "12", "--learning_rate", "3e-3", *FAST_FLAGS],
@@ -68,6 +71,8 @@ def test_two_ranks_train_checkpoint_and_export(ds_config, tmp_path, cache_dir):
     assert saved["train_batch_size"] == 4 * 1 * 2 and "auto" not in json.dumps(saved)
     assert json.loads((run_dir / "run_config.json").read_text())["world_size"] == 2
     assert proc.stdout.count("resolved DeepSpeed config") == 1  # printed once, by rank 0
+    # DeepSpeed's CPU all-reduce buffers (69 MB each in RAM-backed /dev/shm) are unlinked at the end
+    assert set(glob.glob("/dev/shm/deepspeed_allreduce_buffer_*")) <= shm_before
 
 
 def test_single_process_python_with_wandb_offline(tmp_path, cache_dir):

@@ -86,6 +86,10 @@ def init_distributed(dist: DistInfo) -> DistInfo:
         # on a fresh machine). A single rank never communicates, so skip the build.
         # (importlib: `import deepspeed.comm.torch` would resolve to the torch package re-exported there.)
         importlib.import_module("deepspeed.comm.torch").build_shm_op = lambda: None
+    elif accelerator == "cpu":
+        from scaletrain import ops
+
+        ops.load_ops(ops.comm_ops(accelerator, dist.world_size))  # under our lock; DeepSpeed then finds it loaded
     backend = "gloo" if accelerator == "cpu" else get_accelerator().communication_backend_name()
     if accelerator != "cpu":
         get_accelerator().set_device(dist.local_rank)

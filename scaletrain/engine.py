@@ -25,8 +25,13 @@ def parameter_groups(model, weight_decay: float) -> list:
 
 def build_engine(model, ds_config: dict, weight_decay: float, schedule: LRSchedule):
     import deepspeed
+    from deepspeed.accelerator import get_accelerator
     from torch.optim.lr_scheduler import LambdaLR
 
+    from scaletrain import ops
+
+    # The optimizer's compiled ops, built or loaded under our lock (a stale torch build lock cannot hang us).
+    ops.load_ops(ops.engine_ops(ds_config, get_accelerator().device_name()))
     engine, _, _, _ = deepspeed.initialize(
         model=model,
         model_parameters=parameter_groups(model, weight_decay),

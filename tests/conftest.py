@@ -8,6 +8,7 @@ import socket
 import subprocess
 import sys
 from pathlib import Path
+from typing import Optional
 
 import pytest
 
@@ -38,13 +39,21 @@ def subprocess_env(tmp_cache: Path) -> dict:
     return env
 
 
+def pytest_sessionstart(session) -> None:
+    """Build DeepSpeed's CPU ops once, up front (minutes on a fresh machine), so no test's time limit pays it."""
+    proc = subprocess.run([sys.executable, str(REPO / "scripts" / "build_ops.py")], cwd=REPO, capture_output=True,
+                          text=True, timeout=1800)
+    if proc.returncode != 0:
+        raise pytest.UsageError(f"scripts/build_ops.py failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
+
+
 @pytest.fixture(scope="session")
 def cache_dir(tmp_path_factory) -> Path:
     return tmp_path_factory.mktemp("hf_cache")
 
 
 def launch(script: Path, args: list, launcher: str, cache: Path, nprocs: int = 1, cwd: Path = REPO,
-           timeout: int = 900) -> subprocess.CompletedProcess:
+           timeout: int = 900, env: Optional[dict] = None) -> subprocess.CompletedProcess:
     """Run `script` with `args` under 'deepspeed', 'torchrun' or 'python'; return the finished process."""
     if launcher == "deepspeed":
         cmd = [str(VENV_BIN / "deepspeed"), "--num_gpus", str(nprocs), "--master_port", str(free_port()),
@@ -55,7 +64,8 @@ def launch(script: Path, args: list, launcher: str, cache: Path, nprocs: int = 1
     else:
         assert nprocs == 1
         cmd = [sys.executable, str(script), *args]
-    return subprocess.run(cmd, cwd=cwd, env=subprocess_env(cache), capture_output=True, text=True, timeout=timeout)
+    return subprocess.run(cmd, cwd=cwd, env={**subprocess_env(cache), **(env or {})}, capture_output=True, text=True,
+                          timeout=timeout)
 
 
 def check_ok(proc: subprocess.CompletedProcess) -> None:

@@ -12,6 +12,7 @@ from scaletrain.config import UsageError
 from scaletrain.distributed import read_launch_env
 from scaletrain.faults import SAVED_REQUEUE_EXIT_CODE, Preempted
 from scaletrain.logs import setup_logging
+from scaletrain.nonfinite import NONFINITE_EXIT_CODE, NonFiniteStop
 
 
 def report_usage_error(err: UsageError, dist) -> int:
@@ -47,6 +48,10 @@ def main(argv=None) -> int:
         return report_usage_error(err, dist)
     except Preempted:
         return SAVED_REQUEUE_EXIT_CODE  # checkpoint committed: "saved, please requeue"
+    except NonFiniteStop as err:
+        if dist.is_main:
+            print(f"train.py: stopped: {err}", file=sys.stderr)
+        return NONFINITE_EXIT_CODE  # not a requeue: the same data would fail again
     finally:
         run.close()  # metrics sinks and the process group, on the error path too
     return 0

@@ -110,6 +110,18 @@ class RunConfig:
         "auto", "auto: newest committed checkpoint in --output_dir if any; none: start fresh; or a checkpoint path.")
     preemption_grace_seconds: float = _flag(
         120.0, "Seconds a scheduler allows between its signal and the kill; a slower save is warned about.")
+    on_nonfinite: str = _flag(
+        "skip", "A non-finite loss or gradient norm, or a loss spike: skip the update on every rank (and roll back "
+        "after --max_consecutive_skips), or stop with a message.", choices=("skip", "stop"))
+    max_consecutive_skips: int = _flag(
+        5, "After this many skipped updates in a row, roll back to the last committed checkpoint and continue "
+        "past the offending samples (0: never roll back).")
+    loss_spike_factor: float = _flag(
+        0.0, "Treat a step whose loss exceeds this multiple of the running mean loss like a non-finite one "
+        "(0: off; e.g. 3).")
+    export_hf_at_end: bool = _flag(
+        True, "Write the Hugging Face model (safetensors, config, tokenizer) to --output_dir at the end; "
+        "--no-export_hf_at_end skips it (scripts/export_hf.py can export any checkpoint later).")
     peak_tflops: Optional[float] = _flag(
         None, "Peak TFLOP/s of one device for MFU (default: a table for A100/H100/H200, a calibration on CPU).")
     report_to: str = _flag("none", "Extra metrics sinks, comma-separated: wandb, tensorboard (JSONL and console are "
@@ -198,7 +210,11 @@ def build_parser(suppress_defaults: bool = False) -> argparse.ArgumentParser:
         meta = dict(f.metadata)
         help_text = meta.pop("help")
         if f.type in ("bool", bool):
-            parser.add_argument(opt, action="store_true", help=help_text)
+            if f.default:  # on by default: --name / --no-name
+                parser.add_argument(opt, action=argparse.BooleanOptionalAction, help=help_text,
+                                    default=argparse.SUPPRESS if suppress_defaults else True)
+            else:
+                parser.add_argument(opt, action="store_true", help=help_text)
             continue
         kind = {"int": int, "float": float, "Optional[int]": int, "Optional[float]": float}.get(f.type, str)
         default_text = "" if f.default is None else f" (default: {f.default})"
@@ -316,9 +332,12 @@ def validate_run_config(cfg: RunConfig) -> None:
         if value < 1:
             raise UsageError(f"--{name} {value}: must be at least 1")
     for name in ("eval_steps", "save_steps", "warmup_steps", "validation_split_percentage", "save_total_limit",
-                 "save_interval_minutes", "preemption_grace_seconds"):
+                 "save_interval_minutes", "preemption_grace_seconds", "max_consecutive_skips"):
         if getattr(cfg, name) < 0:
             raise UsageError(f"--{name} {getattr(cfg, name)}: must not be negative")
+    if cfg.loss_spike_factor != 0 and cfg.loss_spike_factor <= 1:
+        raise UsageError(f"--loss_spike_factor {cfg.loss_spike_factor}: must be above 1 (or 0 to turn it off)",
+                         "e.g. 3: a step with three times the running mean loss is skipped")
     if cfg.block_size is not None and cfg.block_size < 2:
         raise UsageError(f"--block_size {cfg.block_size}: must be at least 2 (one input and one target token)")
     if cfg.learning_rate <= 0:

@@ -281,6 +281,12 @@ class StepBatches:
         n_blocks = int((global_indices != EMPTY_SLOT).sum())
         return micro, global_targets, n_blocks
 
+    def sample_ids(self, step: int) -> list:
+        """The global sample ids (block indices of the training order) of one step's whole global batch."""
+        epoch, _ = self.order.position(step)
+        indices = self.order.global_batch_indices(step, self.order.epoch_permutation(epoch))
+        return [int(i) for i in indices if i != EMPTY_SLOT]
+
 
 def eval_batches(blocks: PackedBlocks, batch_size: int, rank: int, world: int, limit: Optional[int]) -> list:
     """A fixed set of validation blocks (the first `limit`, in order), split across ranks; same on every run.

@@ -2,14 +2,17 @@
 
 SIGUSR1 (Slurm's --signal) or SIGTERM (most schedulers, and the deepspeed launcher relaying one) only sets a flag
 in the handler: a save started inside a signal handler would interleave with the step in flight. At the next step
-boundary the ranks all-reduce the flag (MAX), so they all save the same step even when one rank got the signal.
+boundary the ranks all-reduce the flag (loop.agree_step), so they all save the same step even when one rank got
+the signal.
 The run then exits with SAVED_REQUEUE_EXIT_CODE, which a job script reads as "saved, please requeue".
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import signal
+from typing import Optional
 
 log = logging.getLogger(__name__)
 SAVED_REQUEUE_EXIT_CODE = 85
@@ -39,15 +42,21 @@ class PreemptionFlag:
 
 
 
-def agree_any(device, *flags: bool) -> list:
-    """Each flag becomes True on every rank when it is True on any rank: one small all-reduce (MAX).
+TEST_INJECT_ENV = "SCALETRAIN_TEST_INJECT_NONFINITE"
 
-    A collective: every rank calls it at the same step boundary. Decisions that depend on a rank's own view
-    (a signal it received, its clock) must pass through here, or ranks would save at different steps and hang.
-    """
-    import torch
-    import deepspeed.comm as ds_comm
 
-    tensor = torch.tensor([1.0 if f else 0.0 for f in flags], device=device)
-    ds_comm.all_reduce(tensor, op=ds_comm.ReduceOp.MAX)
-    return [bool(v) for v in tensor.tolist()]
+def injected_loss_factor(data_step: int, rank: int) -> Optional[float]:
+    """TEST-ONLY fault injection, inert unless SCALETRAIN_TEST_INJECT_NONFINITE is set: "RANK:STEP,STEPxF,..."
+    multiplies that rank's loss at those data steps (1-based) by NaN, or by F when given (a loss spike). The
+    backward then sees the same bad loss, as it would with a real bad batch."""
+    spec = os.environ.get(TEST_INJECT_ENV)
+    if not spec:
+        return None
+    target, _, steps = spec.partition(":")
+    if int(target) != rank:
+        return None
+    for item in steps.split(","):
+        step, _, factor = item.partition("x")
+        if int(step) == data_step:
+            return float(factor) if factor else float("nan")
+    return None

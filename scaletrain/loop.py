@@ -17,7 +17,8 @@ from dataclasses import dataclass
 from typing import Callable, Optional
 
 from scaletrain.data import IGNORE_INDEX, StepBatches
-from scaletrain.faults import Preempted, PreemptionFlag, agree_any
+from scaletrain.faults import Preempted, PreemptionFlag, injected_loss_factor
+from scaletrain.nonfinite import NonFiniteGuard, SkipSwitch
 from scaletrain.metrics import LogWindow, MetricsLogger, PhaseClock, StepProfiler, ThroughputModel
 from scaletrain.state import TrainState
 
@@ -43,6 +44,23 @@ def token_loss_sum(engine, batch: dict):
     )
 
 
+def agree_step(device, loss_sum, *flags: bool) -> tuple:
+    """(global summed loss, *flags true on any rank): one all-reduce (SUM) at the step boundary, every rank.
+
+    A collective: decisions that depend on a rank's own view (a signal it received, its clock, its batch's loss)
+    pass through here, or ranks would decide differently and hang in the next collective.
+    """
+    import torch
+    import deepspeed.comm as ds_comm
+
+    values = torch.zeros(1 + len(flags), dtype=torch.float64, device=device)
+    values[0] = loss_sum if torch.is_tensor(loss_sum) else float(loss_sum)
+    values[1:] = torch.tensor([1.0 if f else 0.0 for f in flags], dtype=torch.float64)
+    ds_comm.all_reduce(values)
+    total, *rest = values.tolist()
+    return (total, *[v > 0 for v in rest])
+
+
 @dataclass(frozen=True)
 class LoopSettings:
     max_steps: int
@@ -53,6 +71,7 @@ class LoopSettings:
     preemption_grace_seconds: float
     dp_world_size: int
     show_progress: bool
+    rank: int = 0
     throughput: Optional[ThroughputModel] = None
 
 
@@ -83,6 +102,9 @@ def train_loop(
     save: Callable[[], None],
     preemption: PreemptionFlag,
     profiler: Optional[StepProfiler] = None,
+    guard: Optional[NonFiniteGuard] = None,
+    switch: Optional[SkipSwitch] = None,
+    rollback: Optional[Callable[[], None]] = None,
 ) -> None:
     """Train until max_steps. Raises Preempted after committing a checkpoint when any rank was signalled."""
     from tqdm.auto import tqdm
@@ -101,34 +123,59 @@ def train_loop(
                 profiler.before_step(state.step + 1)
             started = time.perf_counter()
             clock.start()
-            micro_batches, global_targets, n_blocks = batches.for_step(state.step)
+            data_step = state.step + state.data_offset  # rollbacks jump the data past offending batches
+            micro_batches, global_targets, n_blocks = batches.for_step(data_step)
             clock.lap("data")
             scale = settings.dp_world_size / max(global_targets, 1)
             loss_sum = 0.0
-            for batch in micro_batches:
+            forced = None
+            for i, batch in enumerate(micro_batches):
                 summed = token_loss_sum(engine, batch)
+                factor = injected_loss_factor(data_step + 1, settings.rank)  # TEST-ONLY hook, inert in use
+                if factor is not None:
+                    summed = summed * factor
                 clock.lap("forward")
                 engine.backward(summed * scale, scale_wrt_gas=False)
                 clock.lap("backward")
+                loss_sum = loss_sum + summed.detach()
+                if i == len(micro_batches) - 1:
+                    # One small all-reduce before the update: the global loss (for the non-finite and spike
+                    # checks) and the flags every rank must agree on at this step boundary.
+                    interval_due = bool(settings.save_interval_minutes) and \
+                        time.monotonic() - last_save >= 60 * settings.save_interval_minutes
+                    global_loss_sum, preempted, interval_due = agree_step(
+                        engine.device, loss_sum, preemption.signal_name is not None, interval_due)
+                    global_loss = global_loss_sum / max(global_targets, 1)
+                    forced = guard.judge(global_loss) if guard else None
+                    if switch:
+                        switch.skip = forced is not None
+                    clock.lap("sync")
                 engine.step()  # an optimizer update only at the accumulation boundary
                 clock.lap("optimizer")
-                loss_sum = loss_sum + summed.detach()
-            if not engine.was_step_applied():
-                state.skipped_steps += 1
+            if switch:
+                switch.skip = False
+            applied = engine.was_step_applied()
             state.step += 1
             state.samples_seen += n_blocks
-            state.tokens_seen += global_targets
+            verdict = "ok" if guard is None else guard.after_step(
+                state.step, global_loss, forced, applied,
+                lambda: batches.sample_ids(data_step))
+            if not applied:
+                state.skipped_steps += 1
+            else:
+                state.tokens_seen += global_targets
             last = state.step == settings.max_steps
-
-            interval_due = bool(settings.save_interval_minutes) and \
-                time.monotonic() - last_save >= 60 * settings.save_interval_minutes
-            preempted, interval_due = agree_any(engine.device, preemption.signal_name is not None, interval_due)
-            clock.lap("sync")
+            if verdict == "rollback":
+                rollback()  # restores the last committed checkpoint and moves the data past this streak
+                window = LogWindow()
+                bar.reset(total=settings.max_steps)
+                bar.update(state.step)
+                continue
             # A save's time joins the next step's (a step's record is written before its checkpoint, so a crash
             # right after a commit never loses the record of the step the run resumes from).
             clock.phases["checkpoint"] += pending_checkpoint
             window.add(loss_sum, global_targets, n_blocks, time.perf_counter() - started + pending_checkpoint,
-                       clock.phases, engine.get_global_grad_norm())
+                       clock.phases, engine.get_global_grad_norm(), skipped=not applied)
             pending_checkpoint = 0.0
             if profiler:
                 profiler.after_step(state.step)
@@ -136,7 +183,8 @@ def train_loop(
 
             if state.step % settings.logging_steps == 0 or last or preempted:
                 summary = window.summarize(engine.device, settings.throughput)
-                bar.set_postfix(loss=f"{summary['loss']:.3f}")
+                if summary["loss"] is not None:
+                    bar.set_postfix(loss=f"{summary['loss']:.3f}")
                 metrics.log({"step": state.step, "epoch": round(state.samples_seen / len(batches.blocks), 4),
                              "time": round(time.time(), 3), **summary, "lr": engine.get_lr()[0],
                              "tokens_seen": state.tokens_seen, "skipped_steps": state.skipped_steps})

@@ -67,17 +67,24 @@ class LogWindow:
     steps: int = 0
     seconds: float = 0.0  # wall-clock of the steps, measured start to end independently of the phases
     phases: dict = field(default_factory=lambda: dict.fromkeys(PHASES, 0.0))
-    grad_norm: Any = None  # the last step's, read only when the window is summarized
+    grad_norm: Any = None  # the last applied step's, read only when the window is summarized
+    loss_targets: int = 0  # targets of the applied steps (a skipped step's loss stays out of the mean)
+    skipped: int = 0  # steps whose update was not applied
 
-    def add(self, loss_sum, targets: int, samples: int, seconds: float, phases: dict, grad_norm) -> None:
-        self.loss_sum = self.loss_sum + loss_sum
+    def add(self, loss_sum, targets: int, samples: int, seconds: float, phases: dict, grad_norm,
+            skipped: bool = False) -> None:
+        if skipped:
+            self.skipped += 1
+        else:
+            self.loss_sum = self.loss_sum + loss_sum
+            self.loss_targets += targets
+            self.grad_norm = grad_norm
         self.targets += targets
         self.samples += samples
         self.steps += 1
         self.seconds += seconds
         for name, value in phases.items():
             self.phases[name] += value
-        self.grad_norm = grad_norm
 
     def summarize(self, device, throughput: Optional[ThroughputModel] = None) -> dict:
         """Reduce across ranks (a collective: every rank must call it at the same step)."""
@@ -95,7 +102,8 @@ class LogWindow:
         times = sorted(float(t.item()) for t in times)
         tokens_per_s = self.targets / self.seconds if self.seconds else 0.0
         record = {
-            "loss": total.item() / max(self.targets, 1),
+            "loss": total.item() / self.loss_targets if self.loss_targets else None,  # None: all skipped
+            "skipped": self.skipped,
             "grad_norm": None if self.grad_norm is None else float(self.grad_norm),
             "tokens_per_s": tokens_per_s,
             "samples_per_s": self.samples / self.seconds if self.seconds else 0.0,
@@ -194,6 +202,15 @@ class MetricsLogger:
                 if key not in ("step", "time") and isinstance(value, (int, float)):
                     self._tensorboard.add_scalar(key, value, record["step"])
         log.info("  ".join(_fmt(k, v) for k, v in record.items() if k != "time"))
+
+    def rewind(self, step: int) -> None:
+        """A rollback: the records after `step` are of steps that will be trained again (rank 0 rewrites the file;
+        wandb and TensorBoard keep their points, the new ones are logged over them)."""
+        if self._file is None:
+            return
+        self._file.close()
+        _keep_records_up_to(self.path, step)
+        self._file = open(self.path, "a", encoding="utf-8")
 
     def close(self) -> None:
         if self._file is not None:

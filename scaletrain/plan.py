@@ -144,6 +144,9 @@ def plan_run(argv: Optional[Sequence[str]], dist: DistInfo) -> RunPlan:
     store_block_size = _check_stores(cfg, tokenizer)
     block_size = _block_size(cfg, model_config, store_block_size)
     ds = resolve_ds_config(raw_ds_config, cfg, dist.dp_world_size, _hidden_size(model_config), hardware_facts())
+    if cfg.on_nonfinite == "skip" and ds.zero_stage == 0 and ds.precision != "fp32":
+        raise UsageError(f"--on_nonfinite skip: updates of ZeRO stage 0 in {ds.precision} cannot be skipped",
+                         "use a ZeRO stage 1-3 config, or --on_nonfinite stop")
     skeleton = meta_model(model_config, cfg.trust_remote_code)
     if cfg.gradient_checkpointing and not getattr(skeleton, "supports_gradient_checkpointing", False):
         raise UsageError(f"--gradient_checkpointing: {type(skeleton).__name__} does not support it",

@@ -18,6 +18,7 @@ from scaletrain.metrics import MetricsLogger, StepProfiler, ThroughputModel
 from scaletrain.plan import RunPlan, describe_plan, plan_run, print_config, store_paths, write_run_folder
 from scaletrain.schedules import LRSchedule, warmup_steps_for
 from scaletrain.faults import PreemptionFlag
+from scaletrain.nonfinite import NonFiniteGuard, NonFinitePolicy, NonFiniteStop, SkipSwitch
 from scaletrain.state import TrainState
 
 log = logging.getLogger(__name__)
@@ -48,6 +49,7 @@ class Run:
         self.metrics: Optional[MetricsLogger] = None
         self.state = TrainState(world_size=dist.dp_world_size)
         self.preemption = PreemptionFlag()
+        self.guard: Optional[NonFiniteGuard] = None
 
     @classmethod
     def plan(cls, argv: Optional[Sequence[str]], dist: DistInfo) -> "Run":
@@ -101,7 +103,8 @@ class Run:
         accumulation = self.plan.ds.config["gradient_accumulation_steps"]
         resumed = self.plan.resume_state or {}
         self.order = data.GlobalOrder(len(self.train_blocks), micro, accumulation, dist.dp_world_size, cfg.seed,
-                                      start_step=resumed.get("step", 0), start_samples=resumed.get("samples_seen", 0))
+                                      start_step=resumed.get("step", 0) + resumed.get("data_offset", 0),
+                                      start_samples=resumed.get("samples_seen", 0))
         total = cfg.max_steps if cfg.max_steps > 0 else self.order.total_steps(cfg.num_train_epochs)
         self.schedule = LRSchedule(cfg.lr_scheduler_type, total,
                                    warmup_steps_for(total, cfg.warmup_steps, cfg.warmup_ratio),
@@ -173,11 +176,41 @@ class Run:
             dp_world_size=self.dist.dp_world_size,
             show_progress=self.dist.is_main and not self.cfg.disable_tqdm,
             throughput=self.throughput_model(),
+            rank=self.dist.rank,
         )
         batches = data.StepBatches(self.train_blocks, self.order, self.dist.rank)
+        policy = NonFinitePolicy(self.cfg.on_nonfinite, self.cfg.max_consecutive_skips, self.cfg.loss_spike_factor,
+                                 fp16=self.plan.ds.precision == "fp16")
+        self.guard = NonFiniteGuard(policy, self.state, self.cfg.output_dir, self.dist.is_main,
+                                    write_files=not dry)
+        switch = SkipSwitch(self.engine.optimizer) if policy.action == "skip" else None
         train_loop(self.engine, batches, self.state, settings, self.metrics, self.eval_batches, save=self.save,
                    preemption=self.preemption,
-                   profiler=StepProfiler(self.cfg.profile_range, self.cfg.output_dir, self.dist.rank))
+                   profiler=StepProfiler(self.cfg.profile_range, self.cfg.output_dir, self.dist.rank),
+                   guard=self.guard, switch=switch, rollback=self.rollback)
+
+    def rollback(self) -> None:
+        """--max_consecutive_skips reached: back to the newest committed checkpoint, the data past the streak."""
+        state = self.state
+        newest = checkpoint.newest_committed(self.cfg.output_dir)
+        if newest is None:
+            raise NonFiniteStop(f"step {state.step}: {state.consecutive_skips} updates skipped in a row and no "
+                                "committed checkpoint to roll back to; lower the learning rate or check the data "
+                                f"(the samples are in {self.cfg.output_dir}/nonfinite_ledger.jsonl), and use "
+                                "--save_steps so a rollback has a checkpoint")
+        data_step, position, from_step = state.step + state.data_offset, state.samples_seen, state.step
+        # A checkpoint from another rank count (this run's resharded start) loads through its universal form.
+        universal = self.plan.reshard and newest == self.plan.resume_from
+        checkpoint.load_checkpoint(self.engine, newest, state, self.dist.rank, universal=universal)
+        state.world_size = self.dist.dp_world_size
+        state.data_offset = data_step - state.step  # the next step trains on the batch after the streak
+        state.samples_seen = position  # the data position keeps moving forward: nothing is replayed
+        state.consecutive_skips = 0
+        self.metrics.rewind(state.step)
+        self.guard.record({"step": from_step, "event": "rollback", "to_checkpoint": newest.name,
+                           "to_step": state.step, "data_offset": state.data_offset})
+        log.warning("rolled back to %s (step %d) after %d skipped updates in a row; training continues with the "
+                    "data after step %d", newest, state.step, self.cfg.max_consecutive_skips, from_step)
 
     def finish(self) -> None:
         if self.cfg.dry_run:
@@ -193,7 +226,8 @@ class Run:
         newest = checkpoint.newest_committed(self.cfg.output_dir)
         if newest is None or checkpoint.committed_step(newest) != self.state.step:
             self.save()
-        checkpoint.export_hf_model(self.engine, self.plan.tokenizer, self.cfg.output_dir, self.dist.is_main)
+        if self.cfg.export_hf_at_end:
+            checkpoint.export_hf_model(self.engine, self.plan.tokenizer, self.cfg.output_dir, self.dist.is_main)
         log.info("done: %d steps, %d tokens trained; outputs in %s", self.state.step, self.state.tokens_seen,
                  self.cfg.output_dir)
 

@@ -11,7 +11,11 @@ class TrainState:
     step: int = 0  # optimizer updates done
     samples_seen: int = 0  # training blocks consumed, counted globally (the data position)
     tokens_seen: int = 0  # loss targets trained on, globally (padding excluded)
-    skipped_steps: int = 0  # updates the engine skipped (fp16 overflow)
+    skipped_steps: int = 0  # updates not applied: non-finite loss or gradient norm, loss spike, fp16 overflow
+    consecutive_skips: int = 0  # skips in a row, for --max_consecutive_skips
+    loss_mean: Optional[float] = None  # running mean of the applied steps' losses, for --loss_spike_factor
+    loss_mean_steps: int = 0  # how many applied steps the running mean has seen
+    data_offset: int = 0  # data steps jumped over by rollbacks: step s trains on the batch of data step s + offset
     world_size: int = 0  # data-parallel ranks that produced this state (a resume must match it)
     wandb_run_id: Optional[str] = None  # so a resumed run continues the same wandb run
 

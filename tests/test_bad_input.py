@@ -166,6 +166,11 @@ CASES = {
     "resume from a missing checkpoint": (lambda t: ["--resume_from_checkpoint", str(t / "nope")],
                                          "--resume_from_checkpoint"),
     "disk smaller than a checkpoint": (huge_model, "GB free on its disk, one checkpoint"),
+    "loss spike factor below 1": (lambda t: ["--loss_spike_factor", "0.5"], "--loss_spike_factor 0.5: must be above 1"),
+    "unknown non-finite action": (lambda t: ["--on_nonfinite", "ignore"], "--on_nonfinite"),
+    "negative skip limit": (lambda t: ["--max_consecutive_skips", "-1"], "--max_consecutive_skips -1: must not be"),
+    "skip at stage 0 in bf16": (lambda t: ds_json(t, lambda r: set_in(r, "zero_optimization.stage", 0)) + ["--bf16"],
+                                "--on_nonfinite skip: updates of ZeRO stage 0 in bf16 cannot be skipped"),
 }
 
 

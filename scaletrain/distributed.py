@@ -70,8 +70,27 @@ def _export_rendezvous_env(dist: DistInfo) -> None:
     if dist.launcher == "single":
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
         os.environ.setdefault("MASTER_PORT", str(_free_port()))
-    elif dist.launcher == "srun" and "MASTER_ADDR" not in os.environ:
-        raise RuntimeError("srun launch: set MASTER_ADDR (the first node of the job) and MASTER_PORT")
+    elif dist.launcher == "srun":
+        # `srun python train.py`: every task derives the same address (the job's first node) and port (from the
+        # job id), so no script has to export them; values already in the environment win.
+        if "MASTER_ADDR" not in os.environ:
+            os.environ["MASTER_ADDR"] = first_node(os.environ.get("SLURM_JOB_NODELIST", ""))
+        os.environ.setdefault("MASTER_PORT", str(20000 + int(os.environ.get("SLURM_JOB_ID", "0")) % 20000))
+
+
+def first_node(nodelist: str) -> str:
+    """The first host name of a Slurm node list ("n[1-4],gpu7" -> "n1"), expanded by Slurm's own scontrol."""
+    import subprocess
+
+    if not nodelist:
+        raise RuntimeError("srun launch: no SLURM_JOB_NODELIST; set MASTER_ADDR to the first node of the job")
+    try:
+        out = subprocess.run(["scontrol", "show", "hostnames", nodelist], capture_output=True, text=True,
+                             check=True, timeout=60).stdout.split()
+    except (OSError, subprocess.SubprocessError) as err:
+        raise RuntimeError(f"srun launch: cannot expand SLURM_JOB_NODELIST={nodelist} with scontrol ({err}); "
+                           "set MASTER_ADDR to the first node of the job") from err
+    return out[0]
 
 
 def init_distributed(dist: DistInfo) -> DistInfo:
@@ -95,6 +114,19 @@ def init_distributed(dist: DistInfo) -> DistInfo:
         get_accelerator().set_device(dist.local_rank)
     deepspeed.init_distributed(dist_backend=backend, auto_mpi_discovery=False)
     return DistInfo(dist.rank, dist.local_rank, dist.world_size, dist.launcher, accelerator)
+
+
+def rank_hosts() -> list:
+    """Every rank's host name, in rank order (a collective): where the ranks actually landed."""
+    import socket
+
+    import torch.distributed as torch_dist
+
+    if not (torch_dist.is_available() and torch_dist.is_initialized()):
+        return [socket.gethostname()]
+    hosts = [None] * torch_dist.get_world_size()
+    torch_dist.all_gather_object(hosts, socket.gethostname())
+    return hosts
 
 
 def barrier() -> None:

@@ -17,6 +17,7 @@ from typing import Any, Optional, Sequence
 from scaletrain.checkpoint import check_resumable, read_train_state, resolve_resume
 from scaletrain.config import RunConfig, UsageError, explain_run_config, parse_run_config
 from scaletrain.data import check_data_files
+from scaletrain import distributed
 from scaletrain.distributed import DistInfo
 from scaletrain.dsconfig import HardwareFacts, ResolvedDSConfig, load_ds_config, resolve_ds_config
 from scaletrain.flops import ModelFlops, model_flops
@@ -188,8 +189,17 @@ def print_config(plan: RunPlan, dist: DistInfo) -> None:
         print(explain_plan(plan, dist.dp_world_size))
 
 
+def _ranges(ranks: list) -> str:
+    return f"{ranks[0]}-{ranks[-1]}" if len(ranks) > 1 and ranks[-1] - ranks[0] == len(ranks) - 1 else \
+        ",".join(map(str, ranks))
+
+
 def describe_plan(plan: RunPlan, dist: DistInfo) -> None:
-    log.info("launch: %s, world size %d", dist.launcher, dist.world_size)
+    hosts = distributed.rank_hosts()
+    placement = ", ".join(f"{host} (ranks {_ranges([r for r, h in enumerate(hosts) if h == host])})"
+                          for host in dict.fromkeys(hosts))
+    log.info("launch: %s, world size %d on %d host(s): %s", dist.launcher, dist.world_size, len(set(hosts)),
+             placement)
     log.info("precision: %s (%s)", plan.ds.precision, plan.ds.precision_reason)
     log.info("resolved DeepSpeed config (%s):\n%s", plan.cfg.config, plan.ds.explained())
 

@@ -13,6 +13,9 @@ from typing import Optional
 import pytest
 
 REPO = Path(__file__).resolve().parent.parent
+# DeepSpeed's compiled ops are cached per virtual environment under test: two checkouts (a CI clone and a working
+# copy) sharing ~/.cache/torch_extensions would rebuild each other's ops, under each other's running processes.
+os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(Path(sys.prefix) / "torch_extensions"))
 VENV_BIN = Path(sys.executable).parent
 PROBE = REPO / "tests" / "helpers" / "probe_run.py"
 

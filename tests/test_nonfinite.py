@@ -92,7 +92,7 @@ def test_fp16_overflow_is_the_loss_scalers_business_and_stop_raises(tmp_path):
 # --- real runs: 2 ranks, real DeepSpeed engines ----------------------------------------------------------------
 
 @pytest.mark.slow
-@pytest.mark.parametrize("ds_config", ["zero1", "zero2", "zero3", "zero2_offload", "zero3_offload"])
+@pytest.mark.parametrize("ds_config", ["zero1", "zero3", "zero2_offload", "zero3_offload"])  # zero2: the rollback test
 def test_a_nan_on_one_rank_skips_the_update_on_every_rank(ds_config, tmp_path, cache_dir):
     run_dir = tmp_path / "run"
     proc = launch(TRAIN, ["--config", f"ds_configs/{ds_config}.json", "--output_dir", str(run_dir),

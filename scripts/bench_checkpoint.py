@@ -1,0 +1,111 @@
+"""Checkpoint benchmark: save and load seconds against checkpoint size; start-to-first-step after a resume at an
+early and at a late data position (equal within noise: a resume seeks to its position, it replays no data).
+
+    python scripts/bench_checkpoint.py            # prints Markdown rows for BENCHMARKS.md and JSON lines
+
+Sizes: the tiny Llama widened (hidden 128 / 512 / 1024), ZeRO-2, 2 ranks, fp32, one committed checkpoint each;
+the save and load seconds are the ones train.py logs (DeepSpeed save + commit; DeepSpeed load + train state).
+Resume position: one 2-rank run of the tiny Llama saves at step 2 (early) and at step --late (late, late in the
+first epoch); each is resumed in a fresh process timed from Popen to the wall-clock stamp of its first step.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+BIN = Path(sys.executable).parent
+COMMON = ["--config", "ds_configs/zero2.json", "--block_size", "64", "--logging_steps", "1", "--disable_tqdm",
+          "--no-export_hf_at_end", "--max_eval_samples", "8"]
+
+
+def model(folder: Path, hidden: int, layers: int) -> Path:
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(REPO / "data" / "tiny-llama")
+    config.hidden_size, config.intermediate_size, config.num_hidden_layers = hidden, int(hidden * 2.75), layers
+    config.head_dim = hidden // config.num_attention_heads
+    config.save_pretrained(folder)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(REPO / "data" / "tiny-llama" / name, folder / name)
+    return folder
+
+
+def train(args: list, nprocs: int = 2) -> tuple:
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "PYTHONPATH": str(REPO)}
+    cmd = [str(BIN / "deepspeed"), "--num_gpus", str(nprocs), "train.py", *COMMON, *args]
+    started = time.time()
+    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True)
+    if proc.returncode != 0:
+        sys.exit(f"{' '.join(cmd)} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
+    return started, proc.stdout
+
+
+def seconds(pattern: str, text: str) -> list:
+    return [float(x) for x in re.findall(pattern, text)]
+
+
+def dir_bytes(folder: Path) -> int:
+    return sum(p.stat().st_size for p in folder.rglob("*") if p.is_file())
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--late", type=int, default=400, help="the late save step (the first epoch has 435)")
+    parser.add_argument("--rounds", type=int, default=3)
+    args = parser.parse_args()
+    tmp = Path(tempfile.mkdtemp(prefix="bench_ckpt_"))
+    rows = []
+    for hidden, layers in ((128, 4), (512, 8), (1024, 8)):
+        folder = model(tmp / f"m{hidden}", hidden, layers)
+        out = tmp / f"run{hidden}"
+        _, log = train(["--config_name", str(folder), "--tokenizer_name", str(folder), "--output_dir", str(out),
+                        "--max_steps", "2", "--per_device_train_batch_size", "2"])
+        size = dir_bytes(out / "checkpoints" / "step2")
+        save = seconds(r"saved checkpoint \S+ in ([\d.]+)s", log)[-1]
+        loads = []
+        for _ in range(args.rounds):
+            _, log = train(["--config_name", str(folder), "--tokenizer_name", str(folder), "--output_dir", str(out),
+                            "--max_steps", "2", "--per_device_train_batch_size", "2",
+                            "--resume_from_checkpoint", str(out / "checkpoints" / "step2")])
+            loads += seconds(r"resumed from \S+ \(step \d+, \d+ samples seen\) in ([\d.]+)s", log)[:1]
+        rows.append({"hidden": hidden, "layers": layers, "checkpoint_mb": size / 2**20, "save_s": save,
+                     "load_s": statistics.median(loads)})
+        print(json.dumps(rows[-1]), flush=True)
+        shutil.rmtree(out)
+
+    # Start-to-first-step after resume, early against late data position (the tiny Llama, 4 blocks x 2 ranks).
+    saved = {}
+    for label, step in (("early", 2), ("late", args.late)):
+        saved[label] = tmp / f"saved_{label}"
+        train(["--output_dir", str(saved[label]), "--max_steps", str(step), "--per_device_train_batch_size", "4",
+               "--logging_steps", "50"])
+    first_step = {"early": [], "late": []}
+    for _ in range(args.rounds):
+        for label, step in (("early", 2), ("late", args.late)):
+            resumed = tmp / "resumed"
+            shutil.rmtree(resumed, ignore_errors=True)
+            shutil.copytree(saved[label], resumed)
+            started, _ = train(["--output_dir", str(resumed), "--max_steps", str(step + 1),
+                                "--per_device_train_batch_size", "4"])  # --resume_from_checkpoint auto
+            records = [json.loads(line) for line in (resumed / "metrics.jsonl").read_text().splitlines()]
+            [first] = [r for r in records if r["step"] == step + 1 and "tokens_per_s" in r]
+            first_step[label].append(round(first["time"] - started, 2))
+    first_step["ratio_late_over_early"] = statistics.median(first_step["late"]) / statistics.median(
+        first_step["early"])
+    print(json.dumps(first_step))
+    shutil.rmtree(tmp)
+
+
+if __name__ == "__main__":
+    main()

@@ -33,6 +33,9 @@ def main(argv=None) -> int:
     if run.cfg.print_config:
         run.print_config()  # every "auto" filled, with where each value came from
         return 0
+    if run.cfg.plan:
+        run.print_memory_plan()  # per-GPU memory of each ZeRO stage and offload option, from the meta model
+        return 0
     try:
         run.prepare_resume()  # a checkpoint from another rank count: converted to DeepSpeed's universal format
         run.prepare_data()  # token store: --data_path, or raw data tokenized once (no collective while waiting)

@@ -164,7 +164,7 @@ def save_checkpoint(engine, output_dir: str, state: TrainState, rank: int, save_
         _write_atomically(root / LATEST, tag + "\n")
         prune_checkpoints(root, save_total_limit, keep=final)
     barrier()
-    log.info("saved checkpoint %s in %.1fs", final, time.perf_counter() - started)
+    log.info("saved checkpoint %s in %.2fs", final, time.perf_counter() - started)
     return final
 
 
@@ -258,7 +258,7 @@ def load_checkpoint(engine, ckpt: Path, state: TrainState, rank: int, universal:
         log.info("resharded resume: RNG states start fresh (they do not map to another rank count)")
     elif rng.exists():
         _set_rng_state(torch.load(rng, weights_only=False))
-    log.info("resumed from %s (step %d, %d samples seen) in %.1fs", ckpt, state.step, state.samples_seen,
+    log.info("resumed from %s (step %d, %d samples seen) in %.2fs", ckpt, state.step, state.samples_seen,
              time.perf_counter() - started)
 
 

@@ -132,6 +132,13 @@ class RunConfig:
     run_name: Optional[str] = _flag(None, "Run name for wandb. Default: the output folder's name.")
     disable_tqdm: bool = _flag(False, "No progress bar.")
     print_config: bool = _flag(False, "Print the resolved run and DeepSpeed configs, with sources, and exit.")
+    plan: bool = _flag(False, "Memory planner: per-GPU memory of each ZeRO stage and offload option for the model "
+                              "(built on the meta device) on --num_nodes x --num_gpus GPUs, a recommendation, exit.")
+    num_gpus: int = _flag(1, "--plan: GPUs per node.")
+    num_nodes: int = _flag(1, "--plan: nodes.")
+    gpu_memory_gb: float = _flag(80.0, "--plan: memory of one GPU, GB.")
+    host_memory_gb: Optional[float] = _flag(None, "--plan: host memory per node for offload, GB (default: unchecked).")
+    plan_precision: str = _flag("bf16", "--plan: training precision to plan for.", choices=("bf16", "fp16", "fp32"))
     local_rank: int = _flag(-1, "Set by the deepspeed launcher; leave it alone.")
     # Not a flag: the flags the user typed, so an explicit flag can be told apart from a default.
     explicit_flags: tuple = field(default=(), metadata={"internal": True})
@@ -338,6 +345,13 @@ def validate_run_config(cfg: RunConfig) -> None:
     if cfg.loss_spike_factor != 0 and cfg.loss_spike_factor <= 1:
         raise UsageError(f"--loss_spike_factor {cfg.loss_spike_factor}: must be above 1 (or 0 to turn it off)",
                          "e.g. 3: a step with three times the running mean loss is skipped")
+    if cfg.plan:
+        for name in ("num_gpus", "num_nodes"):
+            if getattr(cfg, name) < 1:
+                raise UsageError(f"--{name} {getattr(cfg, name)}: must be at least 1")
+        for name in ("gpu_memory_gb", "host_memory_gb"):
+            if getattr(cfg, name) is not None and getattr(cfg, name) <= 0:
+                raise UsageError(f"--{name} {getattr(cfg, name)}: must be positive")
     if cfg.block_size is not None and cfg.block_size < 2:
         raise UsageError(f"--block_size {cfg.block_size}: must be at least 2 (one input and one target token)")
     if cfg.learning_rate <= 0:
@@ -380,7 +394,7 @@ def validate_run_config(cfg: RunConfig) -> None:
     if output.exists() and not output.is_dir():
         raise UsageError(f"--output_dir {cfg.output_dir}: exists and is not a folder")
     previous = output / "run_config.json"
-    if previous.exists() and not cfg.overwrite_output_dir and not cfg.print_config:
+    if previous.exists() and not cfg.overwrite_output_dir and not (cfg.print_config or cfg.plan):
         try:
             before = run_identity(json.loads(previous.read_text()))
         except (OSError, ValueError):

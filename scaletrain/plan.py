@@ -156,7 +156,7 @@ def plan_run(argv: Optional[Sequence[str]], dist: DistInfo) -> RunPlan:
     model_facts = {"model_type": getattr(model_config, "model_type", None), "n_params": n_params,
                    "parameter_names": hashlib.sha256(",".join(
                        f"{n}:{tuple(p.shape)}" for n, p in skeleton.named_parameters()).encode()).hexdigest()[:16]}
-    resume_from = resolve_resume(cfg.resume_from_checkpoint, cfg.output_dir)
+    resume_from = None if cfg.plan else resolve_resume(cfg.resume_from_checkpoint, cfg.output_dir)
     resume_state, reshard = None, False
     if resume_from is not None:
         reshard = check_resumable(resume_from, dist.dp_world_size, ds.zero_stage, model_facts)
@@ -165,7 +165,7 @@ def plan_run(argv: Optional[Sequence[str]], dist: DistInfo) -> RunPlan:
             ds.config.setdefault("checkpoint", {})["load_universal"] = True
             ds.sources["checkpoint.load_universal"] = (f"resume of a checkpoint from {resume_state['world_size']} "
                                                        f"ranks on {dist.dp_world_size}")
-    if not cfg.print_config:
+    if not (cfg.print_config or cfg.plan):
         _check_disk_space(cfg, n_params, ds.precision)
     return RunPlan(cfg, ds, model_config, tokenizer, block_size, n_params, resume_from=resume_from,
                    model_facts=model_facts, resume_state=resume_state, reshard=reshard,
@@ -214,3 +214,16 @@ def write_run_folder(plan: RunPlan, extra: dict, dist: DistInfo) -> None:
     (out / RUN_CONFIG_FILE).write_text(json.dumps(run_config, indent=2) + "\n")
     (out / DS_CONFIG_FILE).write_text(json.dumps(plan.ds.config, indent=2) + "\n")
     (out / EXPLAINED_FILE).write_text(explain_plan(plan, dist.dp_world_size) + "\n")
+
+
+def print_memory_plan(plan: RunPlan) -> None:
+    """--plan: the memory table for each ZeRO stage and offload option, and the recommended config."""
+    from scaletrain import memplan
+
+    cfg = plan.cfg
+    shape = memplan.ModelShape.from_meta_model(meta_model(plan.model_config, cfg.trust_remote_code), plan.model_config)
+    precision = "bf16" if cfg.bf16 else "fp16" if cfg.fp16 else cfg.plan_precision
+    estimates = memplan.plan_memory(shape, cfg.num_gpus, cfg.num_nodes, cfg.per_device_train_batch_size,
+                                    plan.block_size, precision)
+    print(memplan.render(estimates, shape, cfg.num_gpus, cfg.num_nodes, cfg.gpu_memory_gb, cfg.host_memory_gb,
+                         cfg.per_device_train_batch_size, plan.block_size, precision))

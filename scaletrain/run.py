@@ -15,7 +15,8 @@ from scaletrain.logs import silence_library_logs
 from scaletrain.loop import LoopSettings, evaluate, train_loop
 from scaletrain.flops import peak_tflops
 from scaletrain.metrics import MetricsLogger, StepProfiler, ThroughputModel
-from scaletrain.plan import RunPlan, describe_plan, plan_run, print_config, store_paths, write_run_folder
+from scaletrain.plan import (RunPlan, describe_plan, plan_run, print_config, print_memory_plan, store_paths,
+                             write_run_folder)
 from scaletrain.schedules import LRSchedule, warmup_steps_for
 from scaletrain.faults import PreemptionFlag
 from scaletrain.nonfinite import NonFiniteGuard, NonFinitePolicy, NonFiniteStop, SkipSwitch
@@ -59,6 +60,9 @@ class Run:
 
     def print_config(self) -> None:
         print_config(self.plan, self.dist)
+
+    def print_memory_plan(self) -> None:
+        print_memory_plan(self.plan)
 
     def init_distributed(self) -> None:
         self.dist = distributed.init_distributed(self.dist)

@@ -11,9 +11,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from scaletrain.distributed import read_launch_env  # noqa: E402
-from scaletrain.logs import setup_logging  # noqa: E402
-from scaletrain.run import Run  # noqa: E402
+from phases import trained_run  # noqa: E402
 
 PROBE_FILE = "probe_logits.pt"
 
@@ -23,28 +21,13 @@ def probe_input(vocab_size: int) -> torch.Tensor:
 
 
 def main() -> None:
-    dist = read_launch_env()
-    setup_logging(dist.rank)
-    run = Run.plan(sys.argv[1:], dist)
-    try:
-        run.prepare_resume()
-        run.prepare_data()
-        run.init_distributed()
-        run.build_model()
-        run.build_data()
-        run.write_run_folder()
-        run.build_engine()
-        run.resume()
-        run.train()
-        run.finish()
+    with trained_run(sys.argv[1:]) as run:
         run.engine.eval()
         with torch.no_grad():
             probe = probe_input(run.plan.model_config.vocab_size).to(run.engine.device)
             logits = run.engine(input_ids=probe).logits.float().cpu()
-        if dist.is_main:
+        if run.dist.is_main:
             torch.save({"input_ids": probe.cpu(), "logits": logits}, Path(run.cfg.output_dir) / PROBE_FILE)
-    finally:
-        run.close()
 
 
 if __name__ == "__main__":

@@ -1,0 +1,200 @@
+"""Memory planner: what each ZeRO stage and offload option needs per GPU and per node, before any GPU is touched.
+
+    python train.py --plan --model_name_or_path X --num_gpus 8 --num_nodes 4 --gpu_memory_gb 80 \\
+        --per_device_train_batch_size 4 --block_size 4096 [--gradient_checkpointing]
+
+The model is built on the meta device (structure only). Model states are counted as DeepSpeed 0.19 holds them at
+the optimizer update (their peak), per rank, with N parameters, d = num_gpus x num_nodes data-parallel ranks and
+p = bytes of a weight (2 in bf16/fp16, 4 in fp32):
+
+    ZeRO-1, ZeRO-2    weights p N      + gradients G N / d + optimizer 12 N / d
+    ZeRO-3            weights p N / d  + gradients G N / d + optimizer 12 N / d
+    + optimizer offload: gradients and optimizer go to host memory (16 N / d, pinned); GPU keeps bucket buffers
+    + parameter offload (ZeRO-3): the weights' partition too (p N / d)
+
+"optimizer" is ZeRO's fp32 partition: master weights (4) and Adam's two moments (8), kept also in fp32 training.
+G is the reduced gradient partition: 4 (fp32) in fp32 training; in bf16/fp16, ZeRO-1/2 hold the 16-bit partition
+and its fp32 copy at the update (p + 4), ZeRO-3 the 16-bit partition (p; it converts one sub-group at a time).
+Measured on DeepSpeed 0.19 (tests/test_memplan.py): ZeRO-1 reduces gradients into partitions during the backward
+just as ZeRO-2 does, so between steps they hold the same states. NVMe offload puts the offloaded states on disk.
+
+Working memory per micro-batch of b sequences of s tokens (hidden h, MLP width f, L layers, vocabulary V;
+16-bit, x2 in fp32), attention through SDPA (no s x s score matrix):
+
+    per layer     s b (18 h + 8 f) bytes: inputs of the norms, Q/K/V, attention output and projection, gated MLP
+    logits        s b V x 10 bytes: the 16-bit logits, their fp32 copy for the loss and its gradient (x1.5 in fp32)
+    checkpointing keeps each layer's input (2 s b h) and recomputes one layer at a time
+    ZeRO-3        plus the largest layer gathered whole (weights and gradients, 2 p x its parameters)
+
+The working memory is an estimate (kernels and the allocator decide), the model states a count: the test checks
+them against a real 2-rank CPU run within 10%.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import List, Optional
+
+GIB = 2**30
+HEADROOM = 0.90  # plan to use at most 90% of a GPU: allocator fragmentation, NCCL buffers, the CUDA context
+OPTIMIZER_BYTES = 12  # fp32 master weights + Adam m and v
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    n_params: int
+    largest_layer_params: int
+    layers: int
+    hidden: int
+    intermediate: int
+    vocab: int
+
+    @classmethod
+    def from_meta_model(cls, model, model_config) -> "ModelShape":
+        text = model_config.get_text_config()
+        leaves = [m for m in model.modules() if not list(m.children())]
+        hidden = getattr(text, "hidden_size", None) or getattr(text, "n_embd")
+        return cls(
+            n_params=sum(p.numel() for p in model.parameters()),
+            largest_layer_params=max(sum(p.numel() for p in m.parameters(recurse=False)) for m in leaves),
+            layers=getattr(text, "num_hidden_layers", None) or getattr(text, "n_layer"),
+            hidden=hidden,
+            intermediate=getattr(text, "intermediate_size", None) or 4 * hidden,
+            vocab=text.vocab_size,
+        )
+
+
+@dataclass(frozen=True)
+class Option:
+    name: str
+    ds_config: str  # the file in ds_configs/ that sets it up
+    stage: int
+    offload_optimizer: str = "none"  # "none", "cpu", "nvme"
+    offload_params: str = "none"
+
+
+OPTIONS = [
+    Option("ZeRO-1", "zero1.json", 1),
+    Option("ZeRO-2", "zero2.json", 2),
+    Option("ZeRO-2 + optimizer offload (CPU)", "zero2_offload.json", 2, "cpu"),
+    Option("ZeRO-3", "zero3.json", 3),
+    Option("ZeRO-3 + optimizer and parameter offload (CPU)", "zero3_offload.json", 3, "cpu", "cpu"),
+    Option("ZeRO-3 + optimizer and parameter offload (NVMe)", "zero3_nvme.json", 3, "nvme", "nvme"),
+]
+
+
+@dataclass(frozen=True)
+class Estimate:
+    option: Option
+    params: float  # bytes per GPU
+    grads: float
+    optimizer: float
+    activations: float
+    activations_checkpointed: float
+    host_per_node: float  # bytes of host memory per node for offloaded states
+    nvme_per_node: float
+
+    @property
+    def model_states(self) -> float:
+        return self.params + self.grads + self.optimizer
+
+    def total(self, checkpointing: bool) -> float:
+        return self.model_states + (self.activations_checkpointed if checkpointing else self.activations)
+
+
+def weight_bytes(precision: str) -> int:
+    return 4 if precision == "fp32" else 2
+
+
+def model_state_bytes(option: Option, shape: ModelShape, dp: int, precision: str) -> tuple:
+    """(params, grads, optimizer) bytes on one GPU, and (host, nvme) bytes per rank, for one option."""
+    p, n = weight_bytes(precision), shape.n_params
+    grad_bytes = 4 if precision == "fp32" else (p if option.stage == 3 else p + 4)
+    params = p * n / dp if option.stage == 3 else p * n
+    grads, optimizer = grad_bytes * n / dp, OPTIMIZER_BYTES * n / dp
+    host = nvme = 0.0
+    if option.offload_optimizer != "none":
+        moved = (4 + OPTIMIZER_BYTES) * n / dp  # the fp32 gradient partition and the optimizer states
+        grads = optimizer = 0.0
+        host, nvme = (moved, 0.0) if option.offload_optimizer == "cpu" else (0.0, moved)
+    if option.offload_params != "none":
+        moved, params = params, 0.0
+        if option.offload_params == "cpu":
+            host += moved
+        else:
+            nvme += moved
+    return params, grads, optimizer, host, nvme
+
+
+def activation_bytes(shape: ModelShape, micro_batch: int, block_size: int, precision: str, stage: int = 1) -> tuple:
+    """Working memory (without, with) activation checkpointing, bytes per GPU for one micro-batch."""
+    scale = 2 if precision == "fp32" else 1
+    tokens = micro_batch * block_size
+    per_layer = tokens * (18 * shape.hidden + 8 * shape.intermediate) * scale
+    logits = tokens * shape.vocab * 10 * (1.5 if precision == "fp32" else 1)
+    without = shape.layers * per_layer + logits
+    with_checkpointing = shape.layers * 2 * tokens * shape.hidden * scale + per_layer + logits
+    gathered = 2 * weight_bytes(precision) * shape.largest_layer_params if stage == 3 else 0
+    return without + gathered, with_checkpointing + gathered
+
+
+def plan_memory(shape: ModelShape, gpus_per_node: int, nodes: int, micro_batch: int, block_size: int,
+                precision: str) -> List[Estimate]:
+    dp = gpus_per_node * nodes
+    estimates = []
+    for option in OPTIONS:
+        act, act_ckpt = activation_bytes(shape, micro_batch, block_size, precision, option.stage)
+        params, grads, optimizer, host, nvme = model_state_bytes(option, shape, dp, precision)
+        estimates.append(Estimate(option, params, grads, optimizer, act, act_ckpt, host * gpus_per_node,
+                                  nvme * gpus_per_node))
+    return estimates
+
+
+def recommend(estimates: List[Estimate], gpu_bytes: float, host_bytes: Optional[float],
+              checkpointing_allowed: bool = True) -> Optional[tuple]:
+    """The first option (fastest first: less communication, no offload) that fits: (estimate, checkpointing)."""
+    for checkpointing in ((False, True) if checkpointing_allowed else (False,)):
+        for est in estimates:
+            if est.total(checkpointing) <= HEADROOM * gpu_bytes and \
+                    (host_bytes is None or est.host_per_node <= HEADROOM * host_bytes):
+                return est, checkpointing
+    return None
+
+
+def render(estimates: List[Estimate], shape: ModelShape, gpus_per_node: int, nodes: int, gpu_memory_gb: float,
+           host_memory_gb: Optional[float], micro_batch: int, block_size: int, precision: str) -> str:
+    gb = lambda b: f"{b / GIB:.2f}"  # noqa: E731
+    gpu_bytes, host_bytes = gpu_memory_gb * GIB, None if host_memory_gb is None else host_memory_gb * GIB
+    lines = [
+        f"memory plan: {shape.n_params / 1e6:.1f}M parameters, {nodes} node(s) x {gpus_per_node} GPU(s) = "
+        f"{nodes * gpus_per_node} data-parallel ranks, {precision}, micro-batch {micro_batch} x {block_size} tokens, "
+        f"{gpu_memory_gb:g} GB per GPU" + ("" if host_memory_gb is None else f", {host_memory_gb:g} GB host per node"),
+        "GB per GPU unless marked; 'fits' leaves 10% of the GPU free (fragmentation, communication buffers)",
+        "",
+        "| option | params | grads | optimizer | model states | working (no ckpt / ckpt) | total (no ckpt / "
+        "ckpt) | host per node | NVMe per node | fits (no ckpt / ckpt) | config |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for est in estimates:
+        fits = []
+        for ckpt in (False, True):
+            ok = est.total(ckpt) <= HEADROOM * gpu_bytes and \
+                (host_bytes is None or est.host_per_node <= HEADROOM * host_bytes)
+            fits.append("yes" if ok else "no")
+        lines.append(
+            f"| {est.option.name} | {gb(est.params)} | {gb(est.grads)} | {gb(est.optimizer)} | {gb(est.model_states)} "
+            f"| {gb(est.activations)} / {gb(est.activations_checkpointed)} | {gb(est.total(False))} / "
+            f"{gb(est.total(True))} | {gb(est.host_per_node)} | {gb(est.nvme_per_node)} | {' / '.join(fits)} | "
+            f"ds_configs/{est.option.ds_config} |")
+    choice = recommend(estimates, gpu_bytes, host_bytes)
+    lines.append("")
+    if choice is None:
+        lines.append("recommended: nothing fits; lower --per_device_train_batch_size or --block_size, add GPUs or "
+                     "nodes (ZeRO-3 divides the model states by the rank count), or use GPUs with more memory")
+    else:
+        est, ckpt = choice
+        lines.append(f"recommended: --config ds_configs/{est.option.ds_config}" +
+                     (" --gradient_checkpointing" if ckpt else "") +
+                     f" ({est.option.name}{', activation checkpointing' if ckpt else ''}: "
+                     f"{gb(est.total(ckpt))} of {gpu_memory_gb:g} GB per GPU)")
+    return "\n".join(lines)

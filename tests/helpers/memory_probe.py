@@ -1,0 +1,66 @@
+"""Test helper: train through the real pipeline phases and measure this rank's model-state memory just before each
+optimizer update (the peak of model states: weights, reduced gradients, optimizer states and ZeRO's flat buffers
+and partitions; the backward has freed the activations): the bytes of every distinct tensor storage alive in the
+process. Writes memory_rank<R>.json (a list, one figure per step) into --output_dir.
+
+Launched like train.py (deepspeed / torchrun / python) with train.py's flags.
+"""
+
+import gc
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from phases import trained_run  # noqa: E402
+
+
+def live_tensor_bytes() -> int:
+    gc.collect()
+    seen, total = set(), 0
+    for obj in gc.get_objects():
+        try:
+            if not isinstance(obj, torch.Tensor) or obj.device.type == "meta":
+                continue
+            storage = obj.untyped_storage()
+        except Exception:  # noqa: BLE001 - objects that merely look like tensors
+            continue
+        if storage.data_ptr() in seen or storage.nbytes() == 0:
+            continue
+        seen.add(storage.data_ptr())
+        total += storage.nbytes()
+    return total
+
+
+def main() -> None:
+    before_update, before_reduce = [], []
+
+    def measure(engine):
+        original_step = engine.step
+
+        def step(*args, **kwargs):
+            if engine.is_gradient_accumulation_boundary():
+                before_update.append(live_tensor_bytes())  # reduced gradients, optimizer states of earlier steps
+            return original_step(*args, **kwargs)
+
+        engine.step = step
+        reduce = getattr(engine.optimizer, "reduce_gradients", None)
+        if reduce is not None:  # ZeRO-1/2: the end of backward, before gradients are reduced into partitions
+
+            def reduce_gradients(*args, **kwargs):
+                before_reduce.append(live_tensor_bytes())
+                return reduce(*args, **kwargs)
+
+            engine.optimizer.reduce_gradients = reduce_gradients
+
+    with trained_run(sys.argv[1:], finish=False, before_train=measure) as run:
+        record = {"before_update": before_update, "before_reduce": before_reduce,
+                  "after_training": live_tensor_bytes()}
+        (Path(run.cfg.output_dir) / f"memory_rank{run.dist.rank}.json").write_text(json.dumps(record))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,37 @@
+"""Test helpers' shared start: plan a run from argv and take it through training, as train.py does."""
+
+import sys
+from contextlib import contextmanager
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+from scaletrain.distributed import read_launch_env  # noqa: E402
+from scaletrain.logs import setup_logging  # noqa: E402
+from scaletrain.run import Run  # noqa: E402
+
+
+@contextmanager
+def trained_run(argv, finish: bool = True, before_train=None):
+    """The Run after train() (and finish(), unless finish=False); closed on exit. before_train(engine) runs
+    after the engine is built, before training."""
+    dist = read_launch_env()
+    setup_logging(dist.rank)
+    run = Run.plan(argv, dist)
+    try:
+        run.prepare_resume()
+        run.prepare_data()
+        run.init_distributed()
+        run.build_model()
+        run.build_data()
+        run.write_run_folder()
+        run.build_engine()
+        run.resume()
+        if before_train:
+            before_train(run.engine)
+        run.train()
+        if finish:
+            run.finish()
+        yield run
+    finally:
+        run.close()

@@ -8,6 +8,7 @@ The phases of a run, in order; each lives in its own module of scaletrain/.
 
 import sys
 
+from scaletrain.checkpoint import CheckpointWriteError
 from scaletrain.config import UsageError
 from scaletrain.distributed import read_launch_env
 from scaletrain.faults import SAVED_REQUEUE_EXIT_CODE, Preempted
@@ -51,6 +52,10 @@ def main(argv=None) -> int:
         return report_usage_error(err, dist)
     except Preempted:
         return SAVED_REQUEUE_EXIT_CODE  # checkpoint committed: "saved, please requeue"
+    except CheckpointWriteError as err:
+        if dist.is_main or not err.every_rank:
+            print(f"train.py: error: {err}", file=sys.stderr)
+        return 1
     except NonFiniteStop as err:
         if dist.is_main:
             print(f"train.py: stopped: {err}", file=sys.stderr)

@@ -129,12 +129,43 @@ def read_train_state(ckpt: Path) -> dict:
     return json.loads((ckpt / "train_state.json").read_text())
 
 
+class CheckpointWriteError(Exception):
+    """A save could not be written (a full disk, most often). The previous committed checkpoint is untouched.
+    `every_rank`: all ranks raised it together (the space check), so one of them reports it."""
+
+    def __init__(self, message: str, every_rank: bool):
+        super().__init__(message)
+        self.every_rank = every_rank
+
+
+def _last_committed_size(root: Path) -> tuple:
+    """(newest checkpoint with a commit record, its bytes): the size the next save will need again."""
+    if not root.is_dir():
+        return None, 0
+    for ckpt in sorted((p for p in root.iterdir() if committed_step(p) is not None), key=committed_step,
+                       reverse=True):
+        try:
+            return ckpt, sum(json.loads((ckpt / COMMIT).read_text())["files"].values())
+        except (OSError, ValueError, KeyError):
+            continue
+    return None, 0
+
+
+def _intact(previous: Optional[Path]) -> str:
+    return (f"the previous committed checkpoint {previous} is intact and a restart resumes from it" if previous
+            else "no checkpoint of this run was committed yet")
+
+
 def save_checkpoint(engine, output_dir: str, state: TrainState, rank: int, save_total_limit: int,
                     model_facts: Optional[dict] = None) -> Path:
-    """Save and commit checkpoint stepN on every rank; returns its path. See the module docstring."""
+    """Save and commit checkpoint stepN on every rank; returns its path. See the module docstring.
+
+    Before writing, every rank checks that the file system has room for another checkpoint of the size of the
+    last one, and the ranks agree: a full disk stops the run with a clear error before anything is written.
+    """
     import torch
 
-    from scaletrain.distributed import barrier
+    from scaletrain.distributed import any_rank, barrier
 
     root = Path(output_dir) / CHECKPOINT_DIR
     tag = f"{PREFIX}{state.step}"
@@ -144,14 +175,26 @@ def save_checkpoint(engine, output_dir: str, state: TrainState, rank: int, save_
         root.mkdir(parents=True, exist_ok=True)
         shutil.rmtree(tmp, ignore_errors=True)  # leftovers of a save that was killed
     barrier()
+    previous, needed = _last_committed_size(root)
+    free = shutil.disk_usage(root).free
+    if any_rank(free < needed):
+        raise CheckpointWriteError(
+            f"checkpoint {tag}: not enough disk space in {root} ({free / 1e9:.2f} GB free, the last checkpoint "
+            f"took {needed / 1e9:.2f} GB); nothing was written, {_intact(previous)}. Free space or lower "
+            "--save_total_limit, then restart", every_rank=True)
     # universal_checkpoint_info lets DeepSpeed's ds_to_universal convert this checkpoint for another rank count.
     client_state = {"train_state": state.state_dict(),
                     "universal_checkpoint_info": {"universal_checkpoint_version": 0.4}}
-    engine.save_checkpoint(str(root), tag=tmp.name, client_state=client_state, save_latest=False)
-    torch.save(_rng_state(), tmp / f"rng_state_rank{rank}.pt")
-    if rank == 0:
-        info = {**state.state_dict(), "model": model_facts or {}}
-        (tmp / "train_state.json").write_text(json.dumps(info, indent=2) + "\n")
+    try:
+        engine.save_checkpoint(str(root), tag=tmp.name, client_state=client_state, save_latest=False)
+        torch.save(_rng_state(), tmp / f"rng_state_rank{rank}.pt")
+        if rank == 0:
+            info = {**state.state_dict(), "model": model_facts or {}}
+            (tmp / "train_state.json").write_text(json.dumps(info, indent=2) + "\n")
+    except OSError as err:  # the disk filled up during the write (the launcher then stops the other ranks)
+        raise CheckpointWriteError(
+            f"checkpoint {tag}: writing {tmp} failed ({err.strerror or err}); it was not committed, "
+            f"{_intact(previous)}", every_rank=False) from err
     barrier()  # every rank's files are on disk
     final = root / tag
     if rank == 0:

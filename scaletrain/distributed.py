@@ -129,6 +129,20 @@ def rank_hosts() -> list:
     return hosts
 
 
+def any_rank(flag: bool) -> bool:
+    """True on every rank when `flag` is True on any (a collective; without a process group, the flag)."""
+    import torch
+    import torch.distributed as torch_dist
+
+    if not (torch_dist.is_available() and torch_dist.is_initialized()):
+        return flag
+    from deepspeed.accelerator import get_accelerator
+
+    tensor = torch.tensor([1.0 if flag else 0.0], device=get_accelerator().current_device_name())
+    torch_dist.all_reduce(tensor, op=torch_dist.ReduceOp.MAX)
+    return bool(tensor.item())
+
+
 def barrier() -> None:
     import deepspeed.comm as ds_comm
 

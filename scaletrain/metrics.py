@@ -90,16 +90,18 @@ class LogWindow:
         """Reduce across ranks (a collective: every rank must call it at the same step)."""
         import torch
         import torch.distributed as torch_dist
-        import deepspeed.comm as ds_comm
 
-        total = torch.as_tensor(self.loss_sum, dtype=torch.float64, device=device).reshape(1).clone()
-        ds_comm.all_reduce(total)
         step_time = self.seconds / max(self.steps, 1)
-        # Straggler signal: every rank's mean step time; the slowest against the median.
-        mine = torch.tensor([step_time], dtype=torch.float64, device=device)
-        times = [torch.zeros_like(mine) for _ in range(torch_dist.get_world_size())]
-        torch_dist.all_gather(times, mine)
-        times = sorted(float(t.item()) for t in times)
+        # One collective: every rank's summed loss (added up) and mean step time (the straggler signal: the
+        # slowest against the median).
+        mine = torch.zeros(2, dtype=torch.float64, device=device)
+        mine[0] = torch.as_tensor(self.loss_sum, dtype=torch.float64, device=device).reshape(())
+        mine[1] = step_time
+        gathered = [torch.zeros_like(mine) for _ in range(torch_dist.get_world_size())]
+        torch_dist.all_gather(gathered, mine)
+        rows = torch.stack(gathered).cpu()
+        total = rows[:, 0].sum()
+        times = sorted(rows[:, 1].tolist())
         tokens_per_s = self.targets / self.seconds if self.seconds else 0.0
         record = {
             "loss": total.item() / self.loss_targets if self.loss_targets else None,  # None: all skipped

@@ -152,6 +152,35 @@ def test_save_total_limit_keeps_the_newest(tmp_path, cache_dir):
     assert (run_dir / "checkpoints" / "latest").read_text().strip() == "step24"
 
 
+@pytest.fixture
+def small_disk(tmp_path):
+    """A real 50 MB file system (tmpfs): room for the start-up check and one checkpoint, not for two."""
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    if os.geteuid() != 0 or subprocess.run(["mount", "-t", "tmpfs", "-o", "size=50m", "tmpfs", str(disk)]).returncode:
+        pytest.skip("mounting a small file system needs root")
+    try:
+        yield disk
+    finally:
+        subprocess.run(["umount", "-l", str(disk)])
+
+
+def test_a_full_disk_stops_the_save_cleanly_and_keeps_the_previous_checkpoint(small_disk, cache_dir):
+    from scaletrain.checkpoint import verify
+
+    run_dir = small_disk / "run"
+    proc = launch(REPO / "train.py", flags("zero2", run_dir, max_steps=12)[:-5] + ["--save_steps", "2",
+                  "--max_eval_samples", "8", "--disable_tqdm"], "deepspeed", cache_dir, nprocs=2)
+    assert proc.returncode != 0
+    ckpts = run_dir / "checkpoints"
+    message = (f"train.py: error: checkpoint step4: not enough disk space in {ckpts} (")
+    assert proc.stderr.count(message) == 1, proc.stdout[-3000:] + proc.stderr[-3000:]  # once, not per rank
+    assert f"nothing was written, the previous committed checkpoint {ckpts / 'step2'} is intact" in proc.stderr
+    assert "Traceback" not in proc.stderr
+    assert verify(ckpts / "step2") is None and (ckpts / "latest").read_text().strip() == "step2"
+    assert sorted(p.name for p in ckpts.iterdir() if p.is_dir()) == ["step2"]  # no half-written step4
+
+
 def test_resume_refuses_a_missing_checkpoint_and_another_model(tmp_path, cache_dir):
     run_dir = tmp_path / "run"
     check_ok(launch(REPO / "train.py", flags("zero2", run_dir, max_steps=8), "deepspeed", cache_dir, nprocs=2))

@@ -97,6 +97,44 @@ def test_sigkill_one_rank_then_restart_resumes_exactly(ds_config, tmp_path, cach
         assert losses[step] == pytest.approx(reference[step], rel=1e-6, abs=1e-7), step
 
 
+def test_sigkill_during_a_save_resumes_from_the_previous_checkpoint(tmp_path, cache_dir):
+    from transformers import AutoConfig
+
+    from scaletrain.checkpoint import verify
+
+    # A wider model (17M parameters, 270 MB of checkpoint) so that a save lasts long enough to be killed inside.
+    model = tmp_path / "model"
+    config = AutoConfig.from_pretrained(REPO / "data" / "tiny-llama")
+    config.hidden_size, config.intermediate_size, config.head_dim = 512, 1408, 128
+    config.save_pretrained(model)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(REPO / "data" / "tiny-llama" / name, model / name)
+
+    def args(run_dir: Path) -> list:
+        return flags("zero2", run_dir, max_steps=6) + ["--save_steps", "2", "--config_name", str(model),
+                                                      "--tokenizer_name", str(model)]
+
+    run_dir = tmp_path / "run"
+    ckpts = run_dir / "checkpoints"
+    proc = start(args(run_dir), cache_dir)
+    wait_for(lambda: (ckpts / ".tmp-step4").exists(), proc, timeout=900)  # the step-4 save has begun
+    os.killpg(proc.pid, signal.SIGKILL)  # the launcher and every rank, in the middle of writing
+    proc.wait(timeout=120)
+    assert (ckpts / ".tmp-step4").exists() and not (ckpts / "step4").exists(), "the kill came after the commit"
+    assert verify(ckpts / "step2") is None and (ckpts / "latest").read_text().strip() == "step2"
+
+    restarted = launch(REPO / "train.py", args(run_dir), "deepspeed", cache_dir, nprocs=2)
+    check_ok(restarted)
+    assert f"resumed from {ckpts / 'step2'} (step 2," in restarted.stdout
+    reference = tmp_path / "reference"
+    check_ok(launch(REPO / "train.py", args(reference), "deepspeed", cache_dir, nprocs=2))
+    losses, expected = step_losses(run_dir), step_losses(reference)
+    assert sorted(losses) == sorted(expected) == list(range(1, 7))  # every step exactly once
+    for step in range(1, 7):
+        assert losses[step] == pytest.approx(expected[step], rel=1e-6, abs=1e-7), step
+    assert verify(ckpts / "step6") is None
+
+
 def test_sigusr1_saves_exits_for_requeue_and_continues_exactly(tmp_path, cache_dir, uninterrupted):
     run_dir = tmp_path / "run"
     proc = start(flags("zero2", run_dir), cache_dir)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shutil
 from pathlib import Path
 
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
@@ -18,6 +19,18 @@ from transformers import LlamaConfig, PreTrainedTokenizerFast
 
 HERE = Path(__file__).parent
 SPECIAL_TOKENS = {"bos_token": "<s>", "eos_token": "</s>", "pad_token": "<pad>", "unk_token": "<unk>"}
+
+
+def tiny_llama_variant(folder: Path, **config_overrides) -> Path:
+    """data/tiny-llama with some config values changed (a wider model for a benchmark or a test), written to
+    `folder` with the same tokenizer; returns `folder`."""
+    config = LlamaConfig.from_pretrained(HERE / "tiny-llama")
+    for key, value in config_overrides.items():
+        setattr(config, key, value)
+    config.save_pretrained(folder)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(HERE / "tiny-llama" / name, Path(folder) / name)
+    return Path(folder)
 
 
 def train_tokenizer(train_file: Path, vocab_size: int) -> PreTrainedTokenizerFast:

@@ -270,11 +270,14 @@ class StepBatches:
         self._epoch = -1
         self._permutation: Optional[np.ndarray] = None
 
-    def for_step(self, step: int) -> tuple:
+    def _global_indices(self, step: int) -> np.ndarray:
         epoch, _ = self.order.position(step)
         if epoch != self._epoch:
             self._epoch, self._permutation = epoch, self.order.epoch_permutation(epoch)
-        global_indices = self.order.global_batch_indices(step, self._permutation)
+        return self.order.global_batch_indices(step, self._permutation)
+
+    def for_step(self, step: int) -> tuple:
+        global_indices = self._global_indices(step)
         # Every rank knows the whole global batch, so the loss normaliser needs no communication.
         global_targets = self.blocks.targets_in(global_indices)
         micro = [self.blocks.batch(idx) for idx in self.order.micro_batches(global_indices, self.rank)]
@@ -283,9 +286,7 @@ class StepBatches:
 
     def sample_ids(self, step: int) -> list:
         """The global sample ids (block indices of the training order) of one step's whole global batch."""
-        epoch, _ = self.order.position(step)
-        indices = self.order.global_batch_indices(step, self.order.epoch_permutation(epoch))
-        return [int(i) for i in indices if i != EMPTY_SLOT]
+        return [int(i) for i in self._global_indices(step) if i != EMPTY_SLOT]
 
 
 def eval_batches(blocks: PackedBlocks, batch_size: int, rank: int, world: int, limit: Optional[int]) -> list:

@@ -58,8 +58,6 @@ class SkipSwitch:
 
     def __init__(self, optimizer):
         self.skip = False
-        self.optimizer = optimizer
-        kind = type(optimizer).__name__
         if hasattr(optimizer, "_overflow_check_and_loss_scale_update"):  # ZeRO-3
             original = optimizer._overflow_check_and_loss_scale_update
 
@@ -95,7 +93,7 @@ class SkipSwitch:
 
             optimizer.step = step
         else:
-            raise RuntimeError(f"--on_nonfinite skip: cannot skip updates of a {kind} optimizer "
+            raise RuntimeError(f"--on_nonfinite skip: cannot skip updates of a {type(optimizer).__name__} optimizer "
                                "(use ZeRO stage 1-3, or --on_nonfinite stop)")
 
 

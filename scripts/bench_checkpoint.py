@@ -24,21 +24,17 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from data.build_tiny_llama import tiny_llama_variant  # noqa: E402
 BIN = Path(sys.executable).parent
 COMMON = ["--config", "ds_configs/zero2.json", "--block_size", "64", "--logging_steps", "1", "--disable_tqdm",
           "--no-export_hf_at_end", "--max_eval_samples", "8"]
 
 
 def model(folder: Path, hidden: int, layers: int) -> Path:
-    from transformers import AutoConfig
-
-    config = AutoConfig.from_pretrained(REPO / "data" / "tiny-llama")
-    config.hidden_size, config.intermediate_size, config.num_hidden_layers = hidden, int(hidden * 2.75), layers
-    config.head_dim = hidden // config.num_attention_heads
-    config.save_pretrained(folder)
-    for name in ("tokenizer.json", "tokenizer_config.json"):
-        shutil.copy(REPO / "data" / "tiny-llama" / name, folder / name)
-    return folder
+    return tiny_llama_variant(folder, hidden_size=hidden, intermediate_size=int(hidden * 2.75),
+                              num_hidden_layers=layers, head_dim=hidden // 4)  # the tiny Llama's 4 heads
 
 
 def train(args: list, nprocs: int = 2) -> tuple:

@@ -19,19 +19,15 @@ import tempfile
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from data.build_tiny_llama import tiny_llama_variant  # noqa: E402
 BIN = Path(sys.executable).parent
 
 
 def bench_model(folder: Path) -> Path:
     """The tiny Llama widened to ~5M parameters ("a model of a few million parameters")."""
-    from transformers import AutoConfig
-
-    config = AutoConfig.from_pretrained(REPO / "data" / "tiny-llama")
-    config.hidden_size, config.intermediate_size, config.head_dim = 256, 688, 64
-    config.save_pretrained(folder)
-    for name in ("tokenizer.json", "tokenizer_config.json"):
-        (folder / name).write_bytes((REPO / "data" / "tiny-llama" / name).read_bytes())
-    return folder
+    return tiny_llama_variant(folder, hidden_size=256, intermediate_size=688, head_dim=64)
 
 
 def launch(script: str, args: list, nprocs: int) -> str:

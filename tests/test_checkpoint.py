@@ -98,17 +98,11 @@ def test_sigkill_one_rank_then_restart_resumes_exactly(ds_config, tmp_path, cach
 
 
 def test_sigkill_during_a_save_resumes_from_the_previous_checkpoint(tmp_path, cache_dir):
-    from transformers import AutoConfig
-
+    from data.build_tiny_llama import tiny_llama_variant
     from scaletrain.checkpoint import verify
 
     # A wider model (17M parameters, 270 MB of checkpoint) so that a save lasts long enough to be killed inside.
-    model = tmp_path / "model"
-    config = AutoConfig.from_pretrained(REPO / "data" / "tiny-llama")
-    config.hidden_size, config.intermediate_size, config.head_dim = 512, 1408, 128
-    config.save_pretrained(model)
-    for name in ("tokenizer.json", "tokenizer_config.json"):
-        shutil.copy(REPO / "data" / "tiny-llama" / name, model / name)
+    model = tiny_llama_variant(tmp_path / "model", hidden_size=512, intermediate_size=1408, head_dim=128)
 
     def args(run_dir: Path) -> list:
         return flags("zero2", run_dir, max_steps=6) + ["--save_steps", "2", "--config_name", str(model),

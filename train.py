@@ -10,10 +10,12 @@ import sys
 
 from scaletrain.checkpoint import CheckpointWriteError
 from scaletrain.config import UsageError
+from scaletrain.data import TokenStoreFailed
 from scaletrain.distributed import read_launch_env
 from scaletrain.faults import SAVED_REQUEUE_EXIT_CODE, Preempted
 from scaletrain.logs import setup_logging
 from scaletrain.nonfinite import NONFINITE_EXIT_CODE, NonFiniteStop
+from scaletrain.tokenstore import PrepareError
 
 
 def report_usage_error(err: UsageError, dist) -> int:
@@ -56,6 +58,11 @@ def main(argv=None) -> int:
         if dist.is_main or not err.every_rank:
             print(f"train.py: error: {err}", file=sys.stderr)
         return 1
+    except PrepareError as err:
+        print(f"train.py: error: {err}", file=sys.stderr)
+        return 1
+    except TokenStoreFailed:
+        return 1  # a rank that waited for the store: the preparing rank has printed why
     except NonFiniteStop as err:
         if dist.is_main:
             print(f"train.py: stopped: {err}", file=sys.stderr)

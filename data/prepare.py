@@ -21,6 +21,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from scaletrain.config import RunConfig, UsageError, _Parser, validate_data_flags  # noqa: E402
 from scaletrain.logs import setup_logging, silence_library_logs  # noqa: E402
+from scaletrain.tokenstore import PrepareError  # noqa: E402
 
 FLAGS = ("dataset_name", "dataset_config_name", "train_file", "validation_file", "validation_split_percentage",
          "text_column", "tokenizer_name", "block_size", "trust_remote_code")
@@ -69,6 +70,9 @@ def main(argv=None) -> int:
     except UsageError as err:
         print(f"prepare.py: error: {err}", file=sys.stderr)
         return 2
+    except PrepareError as err:
+        print(f"prepare.py: error: {err}", file=sys.stderr)
+        return 1
     logging.getLogger("scaletrain").info("token store ready: %s", store)
     return 0
 

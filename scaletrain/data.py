@@ -341,6 +341,9 @@ def prepare_token_store(cfg: RunConfig, tokenizer, tokenizer_dir: str, block_siz
             return store
         raise UsageError(f"{store}: holds a token store made from different input ({', '.join(differs)} differ)",
                          "choose another --output_dir, or delete that store")
+    if store.exists() and (not store.is_dir() or any(store.iterdir())):
+        raise UsageError(f"{store}: exists and is not a token store (no {MANIFEST}); nothing there was changed",
+                         "choose a new or empty folder for the store")
     train, validation = load_raw_datasets(cfg)
     source = cfg.dataset_name or ", ".join(local_data_files(cfg)["train"])
     _check_text_column(train, cfg.text_column, source)
@@ -355,6 +358,25 @@ def prepare_token_store(cfg: RunConfig, tokenizer, tokenizer_dir: str, block_siz
     return store
 
 
+def launch_identity() -> str:
+    """The same for every local rank of one launch on a node, different for the next launch: the launcher process
+    (deepspeed's launch.py, torchrun's agent, or srun's step daemon) and the restart counts of torchrun and Slurm."""
+    env = os.environ
+    return ":".join([str(os.getppid()), env.get("TORCHELASTIC_RESTART_COUNT", ""), env.get("SLURM_JOB_ID", ""),
+                     env.get("SLURM_STEP_ID", ""), env.get("SLURM_RESTART_COUNT", "")])
+
+
+def _read_failure(path: Path) -> Optional[dict]:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):  # none, or caught half-written: look again at the next poll
+        return None
+
+
+class TokenStoreFailed(RuntimeError):
+    """Raised on a rank that waited for local rank 0 to prepare the token store, when that preparation failed."""
+
+
 def ensure_token_store(cfg: RunConfig, tokenizer, tokenizer_dir: str, block_size: int, local_rank: int,
                        show_progress: bool) -> Path:
     """Raw data given to train.py: local rank 0 of each node prepares the store (under a file lock, so nodes
@@ -367,13 +389,27 @@ def ensure_token_store(cfg: RunConfig, tokenizer, tokenizer_dir: str, block_size
 
     store = default_store_path(store_fingerprint(cfg, tokenizer, block_size))
     store.parent.mkdir(parents=True, exist_ok=True)
+    failed = store.parent / f"{store.name}.failed"
     if local_rank == 0:
         with open(store.parent / f"{store.name}.lock", "w") as lock:
             fcntl.flock(lock, fcntl.LOCK_EX)
-            return prepare_token_store(cfg, tokenizer, tokenizer_dir, block_size, store,
-                                       cfg.preprocessing_num_workers, show_progress)
+            failed.unlink(missing_ok=True)
+            try:
+                return prepare_token_store(cfg, tokenizer, tokenizer_dir, block_size, store,
+                                           cfg.preprocessing_num_workers, show_progress)
+            except BaseException as err:
+                # Tell the waiting ranks, which no launcher is bound to kill (srun without --kill-on-bad-exit).
+                kind = "usage" if isinstance(err, UsageError) else "failed"
+                failed.write_text(json.dumps({"launch": launch_identity(), "kind": kind,
+                                              "error": str(err) or type(err).__name__}) + "\n")
+                raise
     waited = 0.0
     while not (store / MANIFEST).exists():
+        report = _read_failure(failed)
+        if report is not None and report.get("launch") == launch_identity():  # not an earlier launch's failure
+            if report["kind"] == "usage":
+                raise UsageError(report["error"])
+            raise TokenStoreFailed(f"local rank 0 could not prepare the token store {store}: {report['error']}")
         time.sleep(1.0)
         waited += 1.0
         if waited % 300 == 0:

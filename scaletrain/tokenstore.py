@@ -12,11 +12,15 @@ fingerprint differs from what the run asks for is refused.
 
 from __future__ import annotations
 
+import errno
 import hashlib
+import itertools
 import json
 import logging
 import os
 import shutil
+import signal
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -156,14 +160,33 @@ def open_store(store: Path, expected: Optional[Fingerprint] = None) -> dict:
 _WORKER: dict = {}
 
 
-def _init_worker(tokenizer_json: str, eos: int, dtype: str, add_special: bool, single_thread: bool) -> None:
-    # The Rust tokenizer alone, rebuilt from its JSON: no transformers import in each worker (seconds saved).
+class PrepareError(RuntimeError):
+    """Preparing a store failed for a reason outside the flags (a killed worker process, a full disk): one line,
+    exit code 1, and nothing half-written left behind."""
+
+
+def _init_worker(tokenizer_file: str, eos: int, dtype: str, add_special: bool, parent_pid: Optional[int]) -> None:
+    """Load the Rust tokenizer alone, from its JSON (no transformers import per worker: seconds saved). In a worker
+    process (`parent_pid` given): one tokenizer thread, and the worker dies with the process that started it."""
     from tokenizers import Tokenizer
 
-    if single_thread:
+    if parent_pid is not None:
         os.environ["TOKENIZERS_PARALLELISM"] = "false"  # one thread per worker process: no oversubscription
-    _WORKER.update(tokenizer=Tokenizer.from_str(tokenizer_json), eos=eos, dtype=np.dtype(dtype),
+        _die_with_parent(parent_pid)
+    _WORKER.update(tokenizer=Tokenizer.from_file(tokenizer_file), eos=eos, dtype=np.dtype(dtype),
                    add_special=add_special)
+
+
+def _die_with_parent(parent_pid: int) -> None:
+    """Linux: SIGKILL this worker when its parent exits, however it exits (a SIGKILL too): no orphan is left
+    tokenizing for nobody, holding the terminal's or a pipe's output open."""
+    if not sys.platform.startswith("linux"):
+        return
+    import ctypes
+
+    ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # 1 = PR_SET_PDEATHSIG
+    if os.getppid() != parent_pid:  # the parent was already gone before the line above
+        os._exit(1)
 
 
 def _encode_texts(texts: list) -> tuple:
@@ -187,19 +210,103 @@ def _batches(ds, column: str, batch_size: int) -> Iterator[list]:
         yield batch[column]
 
 
+class WorkerDied(Exception):
+    """A tokenizer worker process ended without returning its batch."""
+
+
+def _worker_main(conn, init_args: tuple, parent_pid: int) -> None:
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to handle: it stops the workers
+    _init_worker(*init_args, parent_pid)
+    while True:
+        try:
+            batch = conn.recv()
+        except EOFError:
+            return
+        if batch is None:
+            return
+        conn.send(_encode_texts(batch))
+
+
+class _WorkerPool:
+    """Tokenizer worker processes fed round robin: batch k goes to worker k % n and results are read back in that
+    order, so the store is the same for any --num_proc. Each worker holds one batch at a time, so no pipe can fill
+    up both ways. A worker that dies (the out-of-memory killer) shows at once as a closed pipe, never waited on:
+    multiprocessing.Pool.imap waits forever for such a batch, and concurrent.futures' pool races its own
+    bookkeeping when a worker dies while others start (CPython 3.11). Workers die with this process."""
+
+    def __init__(self, n: int, init_args: tuple):
+        import multiprocessing as mp
+
+        ctx = mp.get_context("spawn")
+        self.conns, self.procs = [], []
+        for _ in range(n):
+            ours, theirs = ctx.Pipe()
+            proc = ctx.Process(target=_worker_main, args=(theirs, init_args, os.getpid()), daemon=True)
+            proc.start()
+            theirs.close()  # only the worker holds its end: its death closes the pipe for us
+            self.conns.append(ours)
+            self.procs.append(proc)
+
+    def _exchange(self, k: int, send=None, recv: bool = False):
+        worker = k % len(self.conns)
+        try:
+            if recv:
+                return self.conns[worker].recv()
+            self.conns[worker].send(send)
+        except (EOFError, OSError):  # a closed pipe, or one closed in the middle of a message
+            proc = self.procs[worker]
+            proc.join(timeout=5)
+            code = proc.exitcode
+            how = f"killed by {signal.Signals(-code).name}" if code is not None and code < 0 else f"exit code {code}"
+            raise WorkerDied(f"worker {worker} of {len(self.procs)}, {how}") from None
+
+    def map(self, batches: Iterator[list]) -> Iterator[tuple]:
+        batches = iter(batches)
+        sent = 0
+        for _ in self.conns:  # one batch to each worker
+            batch = next(batches, None)
+            if batch is None:
+                break
+            self._exchange(sent, send=batch)
+            sent += 1
+        for k in itertools.count():
+            if k == sent:
+                return
+            result = self._exchange(k, recv=True)
+            batch = next(batches, None)
+            if batch is not None:  # batch `sent` goes to the worker just freed: sent % n == k % n
+                self._exchange(sent, send=batch)
+                sent += 1
+            yield result
+
+    def close(self, finished: bool) -> None:
+        """Finished: let each idle worker exit. Otherwise (an error, Ctrl-C): kill them, their work is unwanted."""
+        for conn in self.conns if finished else ():
+            try:
+                conn.send(None)
+            except OSError:
+                pass
+        for proc in self.procs:
+            proc.join(timeout=10 if finished else 0)
+            if proc.is_alive():
+                proc.kill()
+                proc.join()
+        for conn in self.conns:
+            conn.close()
+
+
 def _write_split(ds, out: Path, split: str, column: str, batch_size: int, encode, show_progress: bool) -> dict:
     from tqdm.auto import tqdm
 
     doc_lengths = []
     n_tokens = 0
-    bar = tqdm(total=len(ds), desc=f"tokenizing {split}", unit="doc", disable=not show_progress)
-    with open(out / f"{split}.tokens.bin", "wb") as f:
+    with tqdm(total=len(ds), desc=f"tokenizing {split}", unit="doc", disable=not show_progress) as bar, \
+            open(out / f"{split}.tokens.bin", "wb") as f:  # the bar ends its line even on an error
         for flat, lengths in encode(_batches(ds, column, batch_size)):
             f.write(flat.tobytes())
             doc_lengths.append(lengths)
             n_tokens += len(flat)
             bar.update(len(lengths))
-    bar.close()
     lengths = np.concatenate(doc_lengths) if doc_lengths else np.zeros(0, np.int64)
     starts = np.concatenate([[0], np.cumsum(lengths)[:-1]]) if len(lengths) else lengths
     np.save(out / f"{split}.docs.npy", starts.astype(np.int64))
@@ -210,44 +317,55 @@ def write_store(splits: dict, tokenizer, tokenizer_dir: str, fingerprint: Finger
                 num_proc: int, show_progress: bool = True, batch_size: int = 1000) -> Path:
     """Tokenize every split into `store`, atomically: a temporary folder renamed into place when complete."""
     store = Path(store)
-    tmp = store.parent / f".{store.name}.tmp-{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
     if not getattr(tokenizer, "is_fast", False):
         raise UsageError(f"tokenizer {tokenizer_dir}: the token store needs a fast (Rust) tokenizer",
                          "use a tokenizer with a tokenizer.json")
     dtype = _dtype_for(len(tokenizer))
     # A tokenizer that appends EOS itself would double it; the store adds exactly one after each document.
-    probe = tokenizer("x", add_special_tokens=True)["input_ids"]
+    # The backend's single encode: a batch call here would start the Rust thread pool at its default size before
+    # RAYON_NUM_THREADS below is set, and --num_proc 1 would then still tokenize on every core.
+    probe = tokenizer.backend_tokenizer.encode("x", add_special_tokens=True).ids
     add_special = not (probe and probe[-1] == tokenizer.eos_token_id)
-    tokenizer_json = tokenizer.backend_tokenizer.to_str()
-    init_args = (tokenizer_json, tokenizer.eos_token_id, dtype.str, add_special, num_proc > MAX_TOKENIZER_THREADS)
+    tmp = store.parent / f".{store.name}.tmp-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    # Workers read the tokenizer from a file: passed inline (megabytes for a large vocabulary), it would be written
+    # into each new worker's start-up pipe, and that write never returns if the worker is killed while starting.
+    tokenizer_file = tmp / "worker_tokenizer.json"
+    tokenizer.backend_tokenizer.save(str(tokenizer_file))
+    init_args = (str(tokenizer_file), tokenizer.eos_token_id, dtype.str, add_special)
     started = time.perf_counter()
     if num_proc > MAX_TOKENIZER_THREADS:
-        import multiprocessing as mp
-
-        # Ordered imap: batches come back in document order, so the store is the same for any --num_proc.
-        pool = mp.get_context("spawn").Pool(num_proc, _init_worker, init_args)
-        encode = lambda batches: pool.imap(_encode_texts, batches)  # noqa: E731
+        pool = _WorkerPool(num_proc, init_args)
+        encode = pool.map
     else:
         pool = None
         # One process: the Rust tokenizer spreads each batch over num_proc threads itself, which beats worker
         # processes (no start-up, no pickling) until the serial Python part (ids -> array) is the bottleneck.
         os.environ.setdefault("RAYON_NUM_THREADS", str(num_proc))
-        _init_worker(*init_args)
+        _init_worker(*init_args, None)
         encode = lambda batches: map(_encode_texts, batches)  # noqa: E731
+    finished = False
     try:
         counts = {name: _write_split(ds, tmp, name, fingerprint.text_column, batch_size, encode, show_progress)
                   for name, ds in splits.items() if ds is not None}
+        tokenizer_file.unlink()
+        manifest = {"format_version": FORMAT_VERSION, "fingerprint": fingerprint.as_dict(), "dtype": dtype.str,
+                    "eos_id": tokenizer.eos_token_id, "pad_id": tokenizer.pad_token_id, "splits": counts,
+                    "prepared_seconds": round(time.perf_counter() - started, 2)}
+        (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
+        os.replace(tmp, store)  # onto nothing, or an empty folder (prepare_token_store refuses any other)
+        finished = True
+    except WorkerDied as err:
+        raise PrepareError(f"token store {store}: a tokenizer worker process died ({err}); nothing was kept. "
+                           "The usual cause is the out-of-memory killer: retry with a smaller --num_proc") from None
+    except OSError as err:
+        if err.errno != errno.ENOSPC:
+            raise
+        raise PrepareError(f"token store {store}: the disk holding {store.parent} is full; nothing was kept. "
+                           "Free space there or write the store on another disk") from None
     finally:
         if pool is not None:
-            pool.close()
-            pool.join()
-    manifest = {"format_version": FORMAT_VERSION, "fingerprint": fingerprint.as_dict(), "dtype": dtype.str,
-                "eos_id": tokenizer.eos_token_id, "pad_id": tokenizer.pad_token_id, "splits": counts,
-                "prepared_seconds": round(time.perf_counter() - started, 2)}
-    (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
-    if store.exists():
-        shutil.rmtree(store)
-    os.replace(tmp, store)
+            pool.close(finished)
+        shutil.rmtree(tmp, ignore_errors=True)  # the partial store after a failure (renamed away after a success)
     return store

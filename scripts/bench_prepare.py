@@ -6,6 +6,7 @@ tokenized with an 8k byte-level BPE trained on it here. Three measurements, each
   recipe     datasets.load_dataset + .map(tokenize, num_proc) + .map(group_texts, num_proc)   (run_clm.py)
   store      prepare_token_store (read, tokenize, pack, write the memory-mapped store)         (data/prepare.py)
   tokenizer  tokenizers' encode_batch over the same documents, already in memory               (the ceiling)
+             and encode_batch_fast (no character offsets, what the store calls): the tokenizing alone, nothing else
 and the share of corpus tokens each packing keeps for training.
 
     python scripts/bench_prepare.py --num_proc 2
@@ -101,20 +102,21 @@ def run_store(corpus: Path, tokenizer_dir: Path, block_size: int, num_proc: int,
     return seconds, split.n_tokens, split.n_tokens  # every token is in a block (the last one padded)
 
 
-def run_tokenizer_alone(corpus: Path, tokenizer_dir: Path) -> tuple:
+def run_tokenizer_alone(corpus: Path, tokenizer_dir: Path, method: str) -> tuple:
     from transformers import AutoTokenizer
 
     texts = [json.loads(line)["text"] for line in corpus.open()]
     backend = AutoTokenizer.from_pretrained(tokenizer_dir).backend_tokenizer
     started = time.perf_counter()
-    encodings = backend.encode_batch(texts)
+    encodings = getattr(backend, method)(texts)
     seconds = time.perf_counter() - started
     return seconds, sum(len(e.ids) for e in encodings)
 
 
 def measure(which: str, corpus: Path, tokenizer_dir: Path, block_size: int, num_proc: int, work: Path) -> dict:
-    if which == "tokenizer":
-        seconds, tokens = run_tokenizer_alone(corpus, tokenizer_dir)
+    if which in ("tokenizer", "tokenizer_fast"):
+        seconds, tokens = run_tokenizer_alone(corpus, tokenizer_dir,
+                                              "encode_batch" if which == "tokenizer" else "encode_batch_fast")
         kept = tokens
     elif which == "recipe":
         seconds, tokens, kept = run_recipe(corpus, tokenizer_dir, block_size, num_proc, work / "recipe_cache")
@@ -127,7 +129,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--num_proc", type=int, default=2)
     parser.add_argument("--block_size", type=int, default=1024)
-    parser.add_argument("--only", choices=["tokenizer", "recipe", "store"], help=argparse.SUPPRESS)
+    parser.add_argument("--only", choices=["tokenizer", "tokenizer_fast", "recipe", "store"], help=argparse.SUPPRESS)
     parser.add_argument("--work", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.only:  # one measurement in a fresh process (see below)
@@ -142,7 +144,7 @@ def main() -> None:
         results = {}
         # Each in its own process: a fork inside datasets.map turns the Rust tokenizer's threads off for the rest
         # of the process that forked, which would handicap whatever ran after the recipe.
-        for which in ("tokenizer", "recipe", "store"):
+        for which in ("tokenizer", "tokenizer_fast", "recipe", "store"):
             proc = subprocess.run([sys.executable, __file__, "--only", which, "--work", str(work), "--num_proc",
                                    str(args.num_proc), "--block_size", str(args.block_size)],
                                   capture_output=True, text=True, check=True)
@@ -153,10 +155,12 @@ def main() -> None:
     print(json.dumps({
         "corpus_tokens": alone["tokens"],
         "tokenizer_alone_tokens_per_s": round(rate["tokenizer"]),
+        "tokenizer_alone_fast_tokens_per_s": round(rate["tokenizer_fast"]),
         "recipe_tokens_per_s": round(rate["recipe"]),
         "store_tokens_per_s": round(rate["store"]),
         "store_vs_recipe": round(rate["store"] / rate["recipe"], 2),
         "store_vs_tokenizer_alone": round(rate["store"] / rate["tokenizer"], 3),
+        "recipe_x2_5_vs_tokenizer_alone_fast": round(2.5 * rate["recipe"] / rate["tokenizer_fast"], 3),
         "recipe_tokens_kept": round(recipe["kept"] / recipe["tokens"], 4),
         "store_tokens_kept": round(store["kept"] / store["tokens"], 4),
         "num_proc": args.num_proc,

@@ -125,7 +125,7 @@ def train_loop(
             clock.start()
             data_step = state.step + state.data_offset  # rollbacks jump the data past offending batches
             micro_batches, global_targets, n_blocks = batches.for_step(data_step)
-            clock.lap("data")
+            clock.lap("data_wait")
             scale = settings.dp_world_size / max(global_targets, 1)
             loss_sum = 0.0
             forced = None

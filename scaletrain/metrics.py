@@ -19,7 +19,7 @@ log = logging.getLogger(__name__)
 METRICS_FILE = "metrics.jsonl"
 
 
-PHASES = ("data", "forward", "backward", "optimizer", "sync", "checkpoint")
+PHASES = ("data_wait", "forward", "backward", "optimizer", "sync", "checkpoint")
 
 
 class PhaseClock:
@@ -111,12 +111,10 @@ class LogWindow:
             "samples_per_s": self.samples / self.seconds if self.seconds else 0.0,
             "step_time_s": step_time,
             **{f"{name}_s": value / max(self.steps, 1) for name, value in self.phases.items()},
-            "data_wait_s": self.phases["data"] / max(self.steps, 1),
             "slowest_rank_step_time_s": times[-1],
             "straggler_ratio": times[-1] / times[len(times) // 2] if times[len(times) // 2] else None,
             **memory_stats(device),
         }
-        record.pop("data_s")
         if throughput is not None:
             tflops = tokens_per_s * throughput.flops_per_token / throughput.world_size / 1e12
             record["tflops_per_device"] = tflops

@@ -42,6 +42,7 @@ class RunPlan:
     resume_state: Optional[dict] = None  # the checkpoint's train state (step, data position)
     flops: Optional[ModelFlops] = None  # FLOPs per token of this model at this block size
     reshard: bool = False  # the checkpoint came from another number of data-parallel ranks
+    model_shape: Any = None  # --plan: the memory planner's view of the model (memplan.ModelShape)
 
 
 def hardware_facts() -> HardwareFacts:
@@ -167,9 +168,14 @@ def plan_run(argv: Optional[Sequence[str]], dist: DistInfo) -> RunPlan:
                                                        f"ranks on {dist.dp_world_size}")
     if not (cfg.print_config or cfg.plan):
         _check_disk_space(cfg, n_params, ds.precision)
+    model_shape = None
+    if cfg.plan:
+        from scaletrain import memplan
+
+        model_shape = memplan.ModelShape.from_meta_model(skeleton, model_config)
     return RunPlan(cfg, ds, model_config, tokenizer, block_size, n_params, resume_from=resume_from,
                    model_facts=model_facts, resume_state=resume_state, reshard=reshard,
-                   flops=model_flops(skeleton, model_config, block_size))
+                   flops=model_flops(skeleton, model_config, block_size), model_shape=model_shape)
 
 
 def explain_plan(plan: RunPlan, dp_world_size: int) -> str:
@@ -221,7 +227,7 @@ def print_memory_plan(plan: RunPlan) -> None:
     from scaletrain import memplan
 
     cfg = plan.cfg
-    shape = memplan.ModelShape.from_meta_model(meta_model(plan.model_config, cfg.trust_remote_code), plan.model_config)
+    shape = plan.model_shape  # from the meta model plan_run built
     precision = "bf16" if cfg.bf16 else "fp16" if cfg.fp16 else cfg.plan_precision
     estimates = memplan.plan_memory(shape, cfg.num_gpus, cfg.num_nodes, cfg.per_device_train_batch_size,
                                     plan.block_size, precision)

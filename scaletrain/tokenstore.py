@@ -211,7 +211,7 @@ def _batches(ds, column: str, batch_size: int) -> Iterator[list]:
 
 
 class WorkerDied(Exception):
-    """A tokenizer worker process ended without returning its batch."""
+    """A tokenizer worker process ended without returning its batch: (what happened, whether SIGKILL ended it)."""
 
 
 def _worker_main(conn, init_args: tuple, parent_pid: int) -> None:
@@ -247,18 +247,24 @@ class _WorkerPool:
             self.conns.append(ours)
             self.procs.append(proc)
 
-    def _exchange(self, k: int, send=None, recv: bool = False):
-        worker = k % len(self.conns)
+    def _send(self, k: int, batch: list) -> None:
         try:
-            if recv:
-                return self.conns[worker].recv()
-            self.conns[worker].send(send)
-        except (EOFError, OSError):  # a closed pipe, or one closed in the middle of a message
-            proc = self.procs[worker]
-            proc.join(timeout=5)
-            code = proc.exitcode
-            how = f"killed by {signal.Signals(-code).name}" if code is not None and code < 0 else f"exit code {code}"
-            raise WorkerDied(f"worker {worker} of {len(self.procs)}, {how}") from None
+            self.conns[k % len(self.conns)].send(batch)
+        except OSError:  # the worker's end is closed: it died
+            self._died(k % len(self.conns))
+
+    def _recv(self, k: int) -> tuple:
+        try:
+            return self.conns[k % len(self.conns)].recv()
+        except (EOFError, OSError):  # closed before or in the middle of a message: it died
+            self._died(k % len(self.conns))
+
+    def _died(self, worker: int):
+        proc = self.procs[worker]
+        proc.join(timeout=5)
+        code = proc.exitcode
+        how = f"killed by {signal.Signals(-code).name}" if code is not None and code < 0 else f"exit code {code}"
+        raise WorkerDied(f"worker {worker} of {len(self.procs)}, {how}", code == -signal.SIGKILL)
 
     def map(self, batches: Iterator[list]) -> Iterator[tuple]:
         batches = iter(batches)
@@ -267,15 +273,15 @@ class _WorkerPool:
             batch = next(batches, None)
             if batch is None:
                 break
-            self._exchange(sent, send=batch)
+            self._send(sent, batch)
             sent += 1
         for k in itertools.count():
             if k == sent:
                 return
-            result = self._exchange(k, recv=True)
+            result = self._recv(k)
             batch = next(batches, None)
             if batch is not None:  # batch `sent` goes to the worker just freed: sent % n == k % n
-                self._exchange(sent, send=batch)
+                self._send(sent, batch)
                 sent += 1
             yield result
 
@@ -329,24 +335,23 @@ def write_store(splits: dict, tokenizer, tokenizer_dir: str, fingerprint: Finger
     tmp = store.parent / f".{store.name}.tmp-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
-    # Workers read the tokenizer from a file: passed inline (megabytes for a large vocabulary), it would be written
-    # into each new worker's start-up pipe, and that write never returns if the worker is killed while starting.
     tokenizer_file = tmp / "worker_tokenizer.json"
-    tokenizer.backend_tokenizer.save(str(tokenizer_file))
-    init_args = (str(tokenizer_file), tokenizer.eos_token_id, dtype.str, add_special)
-    started = time.perf_counter()
-    if num_proc > MAX_TOKENIZER_THREADS:
-        pool = _WorkerPool(num_proc, init_args)
-        encode = pool.map
-    else:
-        pool = None
-        # One process: the Rust tokenizer spreads each batch over num_proc threads itself, which beats worker
-        # processes (no start-up, no pickling) until the serial Python part (ids -> array) is the bottleneck.
-        os.environ.setdefault("RAYON_NUM_THREADS", str(num_proc))
-        _init_worker(*init_args, None)
-        encode = lambda batches: map(_encode_texts, batches)  # noqa: E731
-    finished = False
+    pool, finished = None, False
     try:
+        # Workers read the tokenizer from a file: passed inline (megabytes for a large vocabulary), it would be
+        # written into each new worker's start-up pipe, a write that never returns if the worker is killed starting.
+        tokenizer.backend_tokenizer.save(str(tokenizer_file))
+        init_args = (str(tokenizer_file), tokenizer.eos_token_id, dtype.str, add_special)
+        started = time.perf_counter()
+        if num_proc > MAX_TOKENIZER_THREADS:
+            pool = _WorkerPool(num_proc, init_args)
+            encode = pool.map
+        else:
+            # One process: the Rust tokenizer spreads each batch over num_proc threads itself, which beats worker
+            # processes (no start-up, no pickling) until the serial Python part (ids -> array) is the bottleneck.
+            os.environ.setdefault("RAYON_NUM_THREADS", str(num_proc))
+            _init_worker(*init_args, None)
+            encode = lambda batches: map(_encode_texts, batches)  # noqa: E731
         counts = {name: _write_split(ds, tmp, name, fingerprint.text_column, batch_size, encode, show_progress)
                   for name, ds in splits.items() if ds is not None}
         tokenizer_file.unlink()
@@ -357,8 +362,11 @@ def write_store(splits: dict, tokenizer, tokenizer_dir: str, fingerprint: Finger
         os.replace(tmp, store)  # onto nothing, or an empty folder (prepare_token_store refuses any other)
         finished = True
     except WorkerDied as err:
-        raise PrepareError(f"token store {store}: a tokenizer worker process died ({err}); nothing was kept. "
-                           "The usual cause is the out-of-memory killer: retry with a smaller --num_proc") from None
+        what, sigkill = err.args
+        hint = ("The usual cause is the out-of-memory killer: retry with a smaller --num_proc" if sigkill else
+                "Its own error is printed above")
+        raise PrepareError(f"token store {store}: a tokenizer worker process died ({what}); nothing was kept. "
+                           + hint) from None
     except OSError as err:
         if err.errno != errno.ENOSPC:
             raise

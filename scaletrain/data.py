@@ -384,12 +384,14 @@ def ensure_token_store(cfg: RunConfig, tokenizer, tokenizer_dir: str, block_size
     with no collective and so no timeout however long preparation takes. Runs before any process group exists.
     """
     import fcntl
+    import socket
 
     from scaletrain.tokenstore import MANIFEST
 
     store = default_store_path(store_fingerprint(cfg, tokenizer, block_size))
     store.parent.mkdir(parents=True, exist_ok=True)
-    failed = store.parent / f"{store.name}.failed"
+    # One marker per node: on a shared file system each node's local rank 0 reports to its own node's ranks.
+    failed = store.parent / f"{store.name}.{socket.gethostname()}.failed"
     if local_rank == 0:
         with open(store.parent / f"{store.name}.lock", "w") as lock:
             fcntl.flock(lock, fcntl.LOCK_EX)

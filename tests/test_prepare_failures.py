@@ -64,6 +64,14 @@ def spawned_children(pid: int) -> list:
     return found
 
 
+def running(pid: int) -> bool:
+    """Alive and not a zombie (an orphan's zombie waits for whatever reaps at pid 1 here)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
 @pytest.mark.parametrize("when", ["starting", "working"])
 def test_a_killed_tokenizer_worker_fails_the_prepare_in_one_line_and_keeps_nothing(when, tmp_path):
     """The OOM killer takes a worker: multiprocessing.Pool.imap would wait forever for its batch (and
@@ -81,6 +89,7 @@ def test_a_killed_tokenizer_worker_fails_the_prepare_in_one_line_and_keeps_nothi
         if workers and (when == "starting" or written > 0):  # working: the first batches are already stored
             killed = workers[-1]
             os.kill(killed, signal.SIGKILL)
+            seen = workers
         time.sleep(0.02)
     assert killed is not None, "no tokenizer worker process was seen"
     try:
@@ -98,6 +107,8 @@ def test_a_killed_tokenizer_worker_fails_the_prepare_in_one_line_and_keeps_nothi
     assert "retry with a smaller --num_proc" in errors[0]
     assert "Traceback" not in stderr, stderr[-5000:]
     assert not out.exists() and not list(tmp_path.glob(".store.tmp-*"))  # nothing half-written left
+    time.sleep(1.0)
+    assert not [pid for pid in seen if running(pid)], "worker processes outlived the prepare"
 
 
 def test_a_full_disk_fails_the_prepare_in_one_line_and_keeps_nothing(tmp_path, tiny_disk):

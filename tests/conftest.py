@@ -7,8 +7,9 @@ import os
 import socket
 import subprocess
 import sys
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Optional
+from typing import Iterator, Optional
 
 import pytest
 
@@ -86,3 +87,16 @@ def train_losses(run_dir: Path) -> list:
 # Small and fast: blocks of 64 tokens, 4 per micro-batch, no progress bar.
 FAST_FLAGS = ["--block_size", "64", "--per_device_train_batch_size", "4", "--per_device_eval_batch_size", "8",
               "--max_eval_samples", "32", "--logging_steps", "2", "--disable_tqdm"]
+
+
+@contextmanager
+def small_tmpfs(folder: Path, size: str) -> Iterator[Path]:
+    """A real file system of `size` (tmpfs, e.g. "50m") mounted at `folder`, for full-disk tests; skips without root."""
+    folder.mkdir()
+    if os.geteuid() != 0 or subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs",
+                                            str(folder)]).returncode:
+        pytest.skip("mounting a small file system needs root")
+    try:
+        yield folder
+    finally:
+        subprocess.run(["umount", "-l", str(folder)])

@@ -17,7 +17,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from tests.conftest import REPO, VENV_BIN, check_ok, free_port, launch, read_metrics, subprocess_env
+from tests.conftest import REPO, VENV_BIN, check_ok, free_port, launch, read_metrics, small_tmpfs, subprocess_env
 
 pytestmark = pytest.mark.slow
 STEPS, SAVE_EVERY = 32, 8
@@ -187,14 +187,8 @@ def test_save_total_limit_keeps_the_newest(tmp_path, cache_dir):
 @pytest.fixture
 def small_disk(tmp_path):
     """A real 50 MB file system (tmpfs): room for the start-up check and one checkpoint, not for two."""
-    disk = tmp_path / "disk"
-    disk.mkdir()
-    if os.geteuid() != 0 or subprocess.run(["mount", "-t", "tmpfs", "-o", "size=50m", "tmpfs", str(disk)]).returncode:
-        pytest.skip("mounting a small file system needs root")
-    try:
+    with small_tmpfs(tmp_path / "disk", "50m") as disk:
         yield disk
-    finally:
-        subprocess.run(["umount", "-l", str(disk)])
 
 
 def test_a_full_disk_stops_the_save_cleanly_and_keeps_the_previous_checkpoint(small_disk, cache_dir):

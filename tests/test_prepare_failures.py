@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import REPO, subprocess_env
+from tests.conftest import REPO, small_tmpfs, subprocess_env
 
 TINY = REPO / "data" / "tiny-llama"
 PREPARE = REPO / "data" / "prepare.py"
@@ -38,14 +38,8 @@ def prepare_argv(corpus: Path, out: Path, *extra: str) -> list:
 @pytest.fixture
 def tiny_disk(tmp_path):
     """A real 1 MB file system (tmpfs): too small for the store of the corpus the test writes."""
-    disk = tmp_path / "disk"
-    disk.mkdir()
-    if os.geteuid() != 0 or subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(disk)]).returncode:
-        pytest.skip("mounting a small file system needs root")
-    try:
+    with small_tmpfs(tmp_path / "disk", "1m") as disk:
         yield disk
-    finally:
-        subprocess.run(["umount", "-l", str(disk)])
 
 
 def spawned_children(pid: int) -> list:

@@ -6,6 +6,8 @@ before any process group exists. `init_distributed` then builds the process grou
 
 from __future__ import annotations
 
+import gc
+import glob
 import importlib
 import os
 import socket
@@ -153,8 +155,25 @@ def teardown_distributed(rank: int = 0) -> None:
     import torch.distributed as torch_dist
 
     if torch_dist.is_available() and torch_dist.is_initialized():
-        torch_dist.destroy_process_group()
+        import deepspeed.comm as ds_comm
+
+        # DeepSpeed's own destroy also drops the groups it caches (deepspeed.utils.groups); torch's alone would
+        # leave them, and their gloo threads, to be torn down while the interpreter exits.
+        ds_comm.destroy_process_group()
+        gc.collect()  # groups held only through reference cycles end here, not at exit
     remove_shm_buffer(rank)
+
+
+def communication_threads() -> int:
+    """How many gloo threads this process runs (a live gloo process group keeps some); 0 where /proc is absent."""
+    names = []
+    for task in glob.glob("/proc/self/task/*/comm"):
+        try:
+            with open(task) as f:
+                names.append(f.read().strip())
+        except OSError:  # the thread ended while we looked
+            pass
+    return sum(name.startswith(("pt_gloo", "gloo_")) for name in names)
 
 
 def remove_shm_buffer(rank: int) -> None:
@@ -165,8 +184,6 @@ def remove_shm_buffer(rank: int) -> None:
     machine runs out of memory. The peers mapped it at start-up, so removing the name at the end is safe.
     (A rank killed with SIGKILL cannot clean up; .ci/run clears leftovers before the tests.)
     """
-    import glob
-
     addr, port = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT")
     if not addr or not port:
         return

@@ -239,4 +239,17 @@ class Run:
         self.preemption.uninstall()
         if self.metrics is not None:
             self.metrics.close()
+        # The engine, optimizer and ZeRO-3 parameters hold process groups, so destroy_process_group alone left
+        # gloo's threads running until the interpreter tore the objects down at exit, which now and then aborted
+        # a finished run (SIGABRT, "terminate called without an active exception"). Free them here instead.
+        if self.engine is not None:
+            try:
+                engine_lib.release_engine(self.engine)
+            except Exception as err:  # never hide the error that brought us here, nor skip the teardown
+                log.warning("could not release the DeepSpeed engine cleanly: %s", err)
+        self.engine = self.model = self._zero3_keepalive = self.guard = None
         distributed.teardown_distributed(self.dist.rank)
+        lingering = distributed.communication_threads()
+        if lingering:
+            log.warning("%d communication threads outlive the process group: something still holds it, and the "
+                        "interpreter will tear it down at exit", lingering)

@@ -146,20 +146,23 @@ def test_zero3_never_holds_the_whole_model_on_a_rank(tmp_path, cache_dir):
     script.write_text(f"""
 import sys, json
 sys.path.insert(0, {str(REPO)!r})
-from scaletrain.distributed import read_launch_env
+from scaletrain.distributed import communication_threads, read_launch_env
 from scaletrain.run import Run
+
+def shard_sizes(run):
+    params = list(run.model.parameters())
+    return {{"local": sum(p.ds_tensor.numel() for p in params), "full": sum(p.ds_numel for p in params),
+             "empty": all(p.numel() == 0 for p in params)}}  # the module's own tensors are placeholders
+
 dist = read_launch_env()
 run = Run.plan(["--config", "ds_configs/zero3.json", "--output_dir", {str(tmp_path / 'o')!r}], dist)
 run.init_distributed()
 run.build_model()
-params = list(run.model.parameters())
-local = sum(p.ds_tensor.numel() for p in params)
-full = sum(p.ds_numel for p in params)
-empty = all(p.numel() == 0 for p in params)  # the module's own tensors are placeholders
-# one file per rank: two ranks printing to one pipe can interleave their lines
-open({str(tmp_path)!r} + f"/shard{{dist.rank}}.json", "w").write(
-    json.dumps({{"rank": dist.rank, "local": local, "full": full, "empty": empty}}))
+report = {{"rank": dist.rank, **shard_sizes(run)}}
 run.close()
+report["threads_after_close"] = communication_threads()  # the parameters held the process group
+# one file per rank: two ranks printing to one pipe can interleave their lines
+open({str(tmp_path)!r} + f"/shard{{dist.rank}}.json", "w").write(json.dumps(report))
 """)
     proc = launch(script, [], "deepspeed", cache_dir, nprocs=2)
     check_ok(proc)
@@ -167,8 +170,37 @@ run.close()
     assert len(reports) == 2
     for r in reports:
         assert r["empty"]
+        assert r["threads_after_close"] == 0
         assert r["local"] <= r["full"] / 2 + 10_000  # its half of every parameter (plus partition padding)
     assert sum(r["local"] for r in reports) >= reports[0]["full"]
+
+
+@pytest.mark.parametrize("stage", ["zero2", "zero3"])
+def test_a_finished_run_frees_its_process_groups_before_exit(tmp_path, cache_dir, stage):
+    """After train.py's main returns, no gloo thread is left for the interpreter to tear down at exit.
+
+    DeepSpeed keeps process groups on the engine, on ZeRO-3's parameters and in module-level caches; left
+    there, they were destroyed during interpreter shutdown, which now and then aborted a finished rank
+    (SIGABRT, "terminate called without an active exception").
+    """
+    script = tmp_path / "train_then_count.py"
+    script.write_text(f"""
+import json, sys
+sys.path.insert(0, {str(REPO)!r})
+import train
+from scaletrain.distributed import communication_threads, read_launch_env
+code = train.main(sys.argv[1:])
+report = {{"code": code, "threads": communication_threads()}}
+open({str(tmp_path)!r} + f"/threads{{read_launch_env().rank}}.json", "w").write(json.dumps(report))
+sys.exit(code)
+""")
+    proc = launch(script, ["--config", f"ds_configs/{stage}.json", "--output_dir", str(tmp_path / "run"),
+                           "--max_steps", "2", *FAST_FLAGS], "deepspeed", cache_dir, nprocs=2)
+    check_ok(proc)
+    assert "outlive the process group" not in proc.stderr + proc.stdout
+    reports = [json.loads(p.read_text()) for p in sorted(tmp_path.glob("threads*.json"))]
+    assert [r["code"] for r in reports] == [0, 0]
+    assert [r["threads"] for r in reports] == [0, 0]
 
 
 def _corpus_of_blocks(path: Path, block_size: int, n_blocks: int) -> None:

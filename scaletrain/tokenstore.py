@@ -319,6 +319,15 @@ def _write_split(ds, out: Path, split: str, column: str, batch_size: int, encode
     return {"n_tokens": n_tokens, "n_documents": int(len(lengths))}
 
 
+def _save_tokenizer(tokenizer, path: Path) -> None:
+    try:
+        tokenizer.backend_tokenizer.save(str(path))
+    except Exception as err:  # the Rust library raises a plain Exception that names the OS error
+        if f"os error {errno.ENOSPC})" in str(err):
+            raise OSError(errno.ENOSPC, str(err), str(path)) from None
+        raise
+
+
 def write_store(splits: dict, tokenizer, tokenizer_dir: str, fingerprint: Fingerprint, store: Path,
                 num_proc: int, show_progress: bool = True, batch_size: int = 1000) -> Path:
     """Tokenize every split into `store`, atomically: a temporary folder renamed into place when complete."""
@@ -340,7 +349,7 @@ def write_store(splits: dict, tokenizer, tokenizer_dir: str, fingerprint: Finger
     try:
         # Workers read the tokenizer from a file: passed inline (megabytes for a large vocabulary), it would be
         # written into each new worker's start-up pipe, a write that never returns if the worker is killed starting.
-        tokenizer.backend_tokenizer.save(str(tokenizer_file))
+        _save_tokenizer(tokenizer, tokenizer_file)
         init_args = (str(tokenizer_file), tokenizer.eos_token_id, dtype.str, add_special)
         started = time.perf_counter()
         if num_proc > MAX_TOKENIZER_THREADS:

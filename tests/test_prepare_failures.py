@@ -105,16 +105,21 @@ def test_a_killed_tokenizer_worker_fails_the_prepare_in_one_line_and_keeps_nothi
     assert not [pid for pid in seen if running(pid)], "worker processes outlived the prepare"
 
 
-def test_a_full_disk_fails_the_prepare_in_one_line_and_keeps_nothing(tmp_path, tiny_disk):
-    corpus = write_corpus(tmp_path / "corpus.jsonl", 8_000)  # ~1.3M tokens: 2.6 MB of uint16 against 1 MB
-    out = tiny_disk / "store"
-    proc = subprocess.run([sys.executable, str(PREPARE), *prepare_argv(corpus, out, "--num_proc", "1")],
-                          env=subprocess_env(tmp_path / "cache"), cwd=REPO, capture_output=True, text=True,
-                          timeout=300)
-    assert proc.returncode == 1, proc.stderr[-2000:]
-    assert proc.stderr.count("prepare.py: error: ") == 1 and "Traceback" not in proc.stderr
-    assert f"token store {out}: the disk holding {tiny_disk} is full; nothing was kept" in proc.stderr
-    assert list(tiny_disk.iterdir()) == []  # the partial store was removed: the disk is free again
+@pytest.mark.parametrize("disk_size", [
+    "1m",  # full while writing the tokens: ~1.3M tokens, 2.6 MB of uint16
+    "128k",  # full before that, while saving the workers' copy of the tokenizer (265 KB)
+])
+def test_a_full_disk_fails_the_prepare_in_one_line_and_keeps_nothing(tmp_path, disk_size):
+    corpus = write_corpus(tmp_path / "corpus.jsonl", 8_000)
+    with small_tmpfs(tmp_path / "disk", disk_size) as tiny_disk:
+        out = tiny_disk / "store"
+        proc = subprocess.run([sys.executable, str(PREPARE), *prepare_argv(corpus, out, "--num_proc", "1")],
+                              env=subprocess_env(tmp_path / "cache"), cwd=REPO, capture_output=True, text=True,
+                              timeout=300)
+        assert proc.returncode == 1, proc.stderr[-2000:]
+        assert proc.stderr.count("prepare.py: error: ") == 1 and "Traceback" not in proc.stderr
+        assert f"token store {out}: the disk holding {tiny_disk} is full; nothing was kept" in proc.stderr
+        assert list(tiny_disk.iterdir()) == []  # the partial store was removed: the disk is free again
 
 
 def test_an_existing_folder_that_is_not_a_store_is_refused_and_left_alone(tmp_path):

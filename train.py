@@ -7,6 +7,7 @@ The phases of a run, in order; each lives in its own module of scaletrain/.
 """
 
 import sys
+import traceback
 
 from scaletrain.checkpoint import CheckpointWriteError
 from scaletrain.config import UsageError
@@ -67,6 +68,9 @@ def main(argv=None) -> int:
         if dist.is_main:
             print(f"train.py: stopped: {err}", file=sys.stderr)
         return NONFINITE_EXIT_CODE  # not a requeue: the same data would fail again
+    except BaseException as err:  # a crash: its traceback still holds the loop's frames, and so the engine
+        traceback.clear_frames(err.__traceback__.tb_next)  # (the lines stay printable); close() can free it
+        raise
     finally:
         run.close()  # metrics sinks and the process group, on the error path too
     return 0

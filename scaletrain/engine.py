@@ -49,7 +49,7 @@ def release_engine(engine) -> None:
     caller drops it, not while the interpreter exits (where gloo's threads can abort a finished run).
 
     `engine.destroy()` removes DeepSpeed's hooks. Under ZeRO-3 two module-level references remain (DeepSpeed 0.19,
-    deepspeed/runtime/zero): the engine's module on the global forward-module stack, and a class-wide
+    deepspeed/runtime/zero): the engine's modules on the global forward-module stack, and a class-wide
     `functools.lru_cache` on PartitionedParameterCoordinator.__params_to_release, keyed by coordinator and module.
     """
     engine.destroy()
@@ -58,8 +58,9 @@ def release_engine(engine) -> None:
     from deepspeed.runtime.zero import parameter_offload
     from deepspeed.runtime.zero.partitioned_param_coordinator import PartitionedParameterCoordinator
 
+    own = {id(module) for module in engine.module.modules()}  # a forward cut short leaves submodules there too
     stack = parameter_offload.FWD_MODULE_STACK
-    stack[:] = [module for module in stack if module is not engine.module]
+    stack[:] = [module for module in stack if id(module) not in own]
     for attribute in vars(PartitionedParameterCoordinator).values():
         _clear_wrapped_caches(attribute)
 

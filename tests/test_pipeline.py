@@ -175,31 +175,42 @@ open({str(tmp_path)!r} + f"/shard{{dist.rank}}.json", "w").write(json.dumps(repo
     assert sum(r["local"] for r in reports) >= reports[0]["full"]
 
 
-@pytest.mark.parametrize("stage", ["zero2", "zero3"])
-def test_a_finished_run_frees_its_process_groups_before_exit(tmp_path, cache_dir, stage):
-    """After train.py's main returns, no gloo thread is left for the interpreter to tear down at exit.
+@pytest.mark.parametrize("stage,ending", [("zero2", "finished"), ("zero3", "finished"), ("zero3", "crashed")])
+def test_a_run_frees_its_process_groups_before_exit(tmp_path, cache_dir, stage, ending):
+    """After train.py's main returns or raises, no gloo thread is left for the interpreter to tear down at exit.
 
-    DeepSpeed keeps process groups on the engine, on ZeRO-3's parameters and in module-level caches; left
-    there, they were destroyed during interpreter shutdown, which now and then aborted a finished rank
-    (SIGABRT, "terminate called without an active exception").
+    DeepSpeed keeps process groups on the engine, on ZeRO-3's parameters and in module-level caches, and a
+    crash's traceback holds the training loop's frames; left there, the groups were destroyed during interpreter
+    shutdown, which now and then aborted a finished rank (SIGABRT, "terminate called without an active exception").
     """
     script = tmp_path / "train_then_count.py"
     script.write_text(f"""
 import json, sys
 sys.path.insert(0, {str(REPO)!r})
 import train
+from deepspeed.runtime.engine import DeepSpeedEngine
 from scaletrain.distributed import communication_threads, read_launch_env
-code = train.main(sys.argv[1:])
-report = {{"code": code, "threads": communication_threads()}}
+
+real_step = DeepSpeedEngine.step
+def failing_step(engine, *args, **kwargs):  # an unexpected error on every rank at the second step
+    if engine.global_steps >= 1:
+        raise RuntimeError("injected failure")
+    return real_step(engine, *args, **kwargs)
+if {ending == "crashed"!r}:
+    DeepSpeedEngine.step = failing_step
+try:
+    outcome = train.main(sys.argv[1:])
+except RuntimeError as err:
+    outcome = str(err)
+report = {{"outcome": outcome, "threads": communication_threads()}}
 open({str(tmp_path)!r} + f"/threads{{read_launch_env().rank}}.json", "w").write(json.dumps(report))
-sys.exit(code)
 """)
     proc = launch(script, ["--config", f"ds_configs/{stage}.json", "--output_dir", str(tmp_path / "run"),
                            "--max_steps", "2", *FAST_FLAGS], "deepspeed", cache_dir, nprocs=2)
     check_ok(proc)
     assert "outlive the process group" not in proc.stderr + proc.stdout
     reports = [json.loads(p.read_text()) for p in sorted(tmp_path.glob("threads*.json"))]
-    assert [r["code"] for r in reports] == [0, 0]
+    assert [r["outcome"] for r in reports] == ([0, 0] if ending == "finished" else ["injected failure"] * 2)
     assert [r["threads"] for r in reports] == [0, 0]
 
 

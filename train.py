@@ -9,20 +9,16 @@ The phases of a run, in order; each lives in its own module of scaletrain/.
 import sys
 import traceback
 
-from scaletrain.checkpoint import CheckpointWriteError
-from scaletrain.config import UsageError
-from scaletrain.data import TokenStoreFailed
 from scaletrain.distributed import read_launch_env
-from scaletrain.faults import SAVED_REQUEUE_EXIT_CODE, Preempted
+from scaletrain.errors import RunEnded
 from scaletrain.logs import setup_logging
-from scaletrain.nonfinite import NONFINITE_EXIT_CODE, NonFiniteStop
-from scaletrain.tokenstore import PrepareError
 
 
-def report_usage_error(err: UsageError, dist) -> int:
-    if dist.is_main:  # the same mistake is found on every rank; say it once
-        print(f"train.py: error: {err}", file=sys.stderr)
-    return 2
+def report(err: RunEnded, dist) -> int:
+    """A planned end: its message from the ranks that should say it (a usage error once, not once per rank)."""
+    if err.reports_here(dist.is_main):
+        print(f"train.py: {err.prefix}: {err}", file=sys.stderr)
+    return err.exit_code
 
 
 def main(argv=None) -> int:
@@ -31,13 +27,13 @@ def main(argv=None) -> int:
     try:
         from scaletrain.run import Run
 
-        run = Run.plan(argv, dist)  # flags, DeepSpeed JSON, model config, tokenizer: exit 2 on a mistake
-    except UsageError as err:
-        return report_usage_error(err, dist)
-    if run.cfg.print_config:
+        run = Run.from_flags(argv, dist)  # flags, recipe, DeepSpeed JSON, model config, tokenizer: exit 2 on a mistake
+    except RunEnded as err:
+        return report(err, dist)
+    if run.cfg.run.print_config:
         run.print_config()  # every "auto" filled, with where each value came from
         return 0
-    if run.cfg.plan:
+    if run.cfg.planning.plan:
         run.print_memory_plan()  # per-GPU memory of each ZeRO stage and offload option, from the meta model
         return 0
     try:
@@ -51,23 +47,8 @@ def main(argv=None) -> int:
         run.resume()  # newest committed checkpoint (or none): weights, optimizer, schedule, RNG, data position
         run.train()  # the loop: forward, backward, step, metrics, eval, periodic and preemption saves
         run.finish()  # final eval, DeepSpeed checkpoint, Hugging Face export
-    except UsageError as err:
-        return report_usage_error(err, dist)
-    except Preempted:
-        return SAVED_REQUEUE_EXIT_CODE  # checkpoint committed: "saved, please requeue"
-    except CheckpointWriteError as err:
-        if dist.is_main or not err.every_rank:
-            print(f"train.py: error: {err}", file=sys.stderr)
-        return 1
-    except PrepareError as err:
-        print(f"train.py: error: {err}", file=sys.stderr)
-        return 1
-    except TokenStoreFailed:
-        return 1  # a rank that waited for the store: the preparing rank has printed why
-    except NonFiniteStop as err:
-        if dist.is_main:
-            print(f"train.py: stopped: {err}", file=sys.stderr)
-        return NONFINITE_EXIT_CODE  # not a requeue: the same data would fail again
+    except RunEnded as err:  # usage (2), failed save or preparation (1), non-finite stop (3), preempted (85)
+        return report(err, dist)
     except BaseException as err:  # a crash: its traceback still holds the loop's frames, and so the engine
         traceback.clear_frames(err.__traceback__.tb_next)  # (the lines stay printable); close() can free it
         raise

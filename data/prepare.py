@@ -12,67 +12,66 @@ input reuses the store; a store made from different input is refused. Flags are 
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import logging
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from scaletrain.config import RunConfig, UsageError, _Parser, validate_data_flags  # noqa: E402
+from scaletrain.config import DataArgs, ModelArgs, _Parser, add_flags, slices_from  # noqa: E402
+from scaletrain.errors import PrepareError, UsageError  # noqa: E402
 from scaletrain.logs import setup_logging, silence_library_logs  # noqa: E402
-from scaletrain.tokenstore import PrepareError  # noqa: E402
 
-FLAGS = ("dataset_name", "dataset_config_name", "train_file", "validation_file", "validation_split_percentage",
-         "text_column", "tokenizer_name", "block_size", "trust_remote_code")
+# train.py's data flags that only concern reading a prepared store (a store is what this script makes).
+TRAINING_ONLY = tuple(name for name, f in DataArgs.__dataclass_fields__.items() if f.metadata.get("training_only"))
+TOKENIZER_FLAGS = ("tokenizer_name", "trust_remote_code")
 
 
 def parse(argv) -> tuple:
+    """(DataArgs, ModelArgs with the tokenizer flags, store folder): the data slice and the tokenizer, parsed by
+    the same flag definitions as train.py's."""
     parser = _Parser(prog="data/prepare.py", description=__doc__, allow_abbrev=False,
                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    fields = {f.name: f for f in dataclasses.fields(RunConfig)}
-    for name in FLAGS:
-        f = fields[name]
-        if f.type in ("bool", bool):
-            parser.add_argument(f"--{name}", action="store_true", help=f.metadata["help"])
+    add_flags(parser, ["data"], exclude=TRAINING_ONLY + ("preprocessing_num_workers",))
+    tokenizer = parser.add_argument_group("tokenizer")
+    for name in TOKENIZER_FLAGS:
+        f = ModelArgs.__dataclass_fields__[name]
+        if name == "trust_remote_code":
+            tokenizer.add_argument(f"--{name}", action="store_true", help=f.metadata["help"])
         else:
-            kind = {"int": int, "Optional[int]": int}.get(f.type, str)
-            parser.add_argument(f"--{name}", type=kind, default=f.default, help=f.metadata["help"])
+            tokenizer.add_argument(f"--{name}", default=None, help=f.metadata["help"])
     parser.add_argument("--output_dir", required=True, help="Folder of the token store to write (or reuse).")
-    parser.add_argument("--num_proc", type=int, default=None,
-                        help="Tokenizer parallelism (default: the CPU count): up to 8 as Rust threads in one process, "
-                             "more as worker processes.")
-    args = parser.parse_args(argv)
-    cfg = RunConfig(**{name: getattr(args, name) for name in FLAGS})
-    validate_data_flags(cfg)
-    return cfg, Path(args.output_dir), args.num_proc
+    parser.add_argument("--num_proc", "--preprocessing_num_workers", dest="preprocessing_num_workers", type=int,
+                        default=None, metavar="N", help="Tokenizer parallelism (default: the CPU count): up to 8 as "
+                        "Rust threads in one process, more as worker processes.")
+    values = vars(parser.parse_args(argv))
+    if values["preprocessing_num_workers"] is not None and values["preprocessing_num_workers"] < 1:
+        raise UsageError(f"--num_proc {values['preprocessing_num_workers']}: must be at least 1")
+    slices = slices_from(values, ["data", "model"])
+    slices["data"].validate()
+    return slices["data"], slices["model"], Path(values["output_dir"])
 
 
 def main(argv=None) -> int:
     setup_logging(0)
     try:
-        cfg, store, num_proc = parse(argv)
-        if num_proc is not None and num_proc < 1:
-            raise UsageError(f"--num_proc {num_proc}: must be at least 1")
-        from scaletrain.data import check_data_files, prepare_token_store
+        data, model, store = parse(argv)
         from scaletrain.model import load_model_config, load_tokenizer, max_positions
+        from scaletrain.raw_data import check_data_files
+        from scaletrain.store_prep import prepare_token_store
 
         silence_library_logs()
-        tokenizer = load_tokenizer(cfg)
-        limit = max_positions(load_model_config(cfg)) if (cfg.tokenizer_name is None) else None
-        block_size = cfg.block_size or min(1024, limit or 1024)
-        if block_size < 2:
-            raise UsageError(f"--block_size {block_size}: must be at least 2")
+        tokenizer = load_tokenizer(model)
+        limit = max_positions(load_model_config(model)) if model.tokenizer_name is None else None
+        block_size = data.block_size or min(1024, limit or 1024)
         if limit is not None and block_size > limit:
             raise UsageError(f"--block_size {block_size}: above the model's maximum positions ({limit})")
-        check_data_files(cfg)
-        prepare_token_store(cfg, tokenizer, cfg.tokenizer_source, block_size, store, num_proc)
-    except UsageError as err:
+        check_data_files(data)
+        prepare_token_store(data, tokenizer, model.tokenizer_source, block_size, store,
+                            data.preprocessing_num_workers)
+    except (UsageError, PrepareError) as err:
         print(f"prepare.py: error: {err}", file=sys.stderr)
-        return 2
-    except PrepareError as err:
-        print(f"prepare.py: error: {err}", file=sys.stderr)
-        return 1
+        return err.exit_code
     logging.getLogger("scaletrain").info("token store ready: %s", store)
     return 0
 

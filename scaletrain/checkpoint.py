@@ -21,7 +21,7 @@ import time
 from pathlib import Path
 from typing import Optional
 
-from scaletrain.config import UsageError
+from scaletrain.errors import CheckpointWriteError, UsageError
 from scaletrain.state import TrainState
 
 log = logging.getLogger(__name__)
@@ -129,15 +129,6 @@ def read_train_state(ckpt: Path) -> dict:
     return json.loads((ckpt / "train_state.json").read_text())
 
 
-class CheckpointWriteError(Exception):
-    """A save could not be written (a full disk, most often). The previous committed checkpoint is untouched.
-    `every_rank`: all ranks raised it together (the space check), so one of them reports it."""
-
-    def __init__(self, message: str, every_rank: bool):
-        super().__init__(message)
-        self.every_rank = every_rank
-
-
 def _last_committed_size(root: Path) -> tuple:
     """(newest checkpoint with a commit record, its bytes): the size the next save will need again."""
     if not root.is_dir():
@@ -166,6 +157,7 @@ def save_checkpoint(engine, output_dir: str, state: TrainState, rank: int, save_
     import torch
 
     from scaletrain.distributed import any_rank, barrier
+    from scaletrain.ds_internals import universal_checkpoint_info
 
     root = Path(output_dir) / CHECKPOINT_DIR
     tag = f"{PREFIX}{state.step}"
@@ -183,8 +175,7 @@ def save_checkpoint(engine, output_dir: str, state: TrainState, rank: int, save_
             f"took {needed / 1e9:.2f} GB); nothing was written, {_intact(previous)}. Free space or lower "
             "--save_total_limit, then restart", every_rank=True)
     # universal_checkpoint_info lets DeepSpeed's ds_to_universal convert this checkpoint for another rank count.
-    client_state = {"train_state": state.state_dict(),
-                    "universal_checkpoint_info": {"universal_checkpoint_version": 0.4}}
+    client_state = {"train_state": state.state_dict(), **universal_checkpoint_info()}
     try:
         engine.save_checkpoint(str(root), tag=tmp.name, client_state=client_state, save_latest=False)
         torch.save(_rng_state(), tmp / f"rng_state_rank{rank}.pt")
@@ -247,17 +238,17 @@ def universal_path(ckpt: Path) -> Path:
 def ensure_universal(ckpt: Path, rank: int) -> Path:
     """Convert `ckpt` with DeepSpeed's ds_to_universal once (rank 0; the others wait for its done-marker)."""
     import subprocess
-    import sys
+
+    from scaletrain.ds_internals import universal_conversion_command
 
     out = universal_path(ckpt)
     done = out.parent / f"{ckpt.name}.done"
+    command = universal_conversion_command(ckpt, out)  # on every rank: a missing converter stops them all at once
     if rank == 0 and not done.exists():
         started = time.perf_counter()
         shutil.rmtree(out, ignore_errors=True)
         out.parent.mkdir(parents=True, exist_ok=True)
-        proc = subprocess.run([sys.executable, "-m", "deepspeed.checkpoint.ds_to_universal", "--input_folder",
-                               str(ckpt), "--output_folder", str(out), "--inject_missing_state"],
-                              capture_output=True, text=True)
+        proc = subprocess.run(command, capture_output=True, text=True, check=False)  # its output goes in our error
         if proc.returncode != 0:
             raise RuntimeError(f"converting {ckpt} to a universal checkpoint failed:\n{proc.stdout[-3000:]}"
                                f"\n{proc.stderr[-3000:]}")

@@ -1,8 +1,14 @@
-"""Every flag of a run, parsed into one frozen RunConfig and checked before any heavy import.
+"""Every flag of a run: one frozen dataclass per concern, composed in RunConfig, checked before any heavy import.
 
-This module imports no torch, deepspeed or transformers: a mistake in a flag must cost the user
-a second, not the minute it takes to import the stack and build a process group.
-Flag names follow Hugging Face's `run_clm.py` / `TrainingArguments` wherever one exists.
+The command line stays flat (`--learning_rate`, not `--optim.learning_rate`), with Hugging Face's `run_clm.py` /
+`TrainingArguments` spellings; each flag lives in the slice of the concern that reads it, and each consumer gets
+only its slice (`cfg.model` to the model loader, `cfg.data` to the data side, ...). `--recipe run.yaml` supplies
+flag values from a YAML file; a flag typed on the command line wins over it.
+
+Parser: our own argparse, generated from the dataclasses. transformers.HfArgumentParser also parses several
+dataclasses, but importing it pulls in numpy and transformers' utilities (a second per bad flag, and this module
+must stay torch- and numpy-free), it spells negated booleans `--no_x` where ours have always been `--no-x`, and its
+errors print the whole usage and exit; ours give one line with a did-you-mean (UsageError, exit code 2).
 """
 
 from __future__ import annotations
@@ -13,9 +19,14 @@ import difflib
 import glob
 import json
 import os
+import typing
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Optional, Sequence
+from typing import Mapping, Optional, Sequence
+
+from scaletrain.errors import UsageError
+
+__all__ = ["UsageError", "RunConfig", "parse_run_config"]  # UsageError re-exported: the config's own error
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_MODEL_DIR = REPO_ROOT / "data" / "tiny-llama"
@@ -27,18 +38,7 @@ NVME_PATH_ENV = "SCALETRAIN_NVME_PATH"
 LR_SCHEDULES = ("cosine", "linear", "constant_with_warmup", "wsd")
 REPORT_SINKS = ("none", "wandb", "tensorboard")
 LOCAL_DATA_FORMATS = {".json": "json", ".jsonl": "json", ".csv": "csv", ".txt": "text", ".parquet": "parquet"}
-
-
-class UsageError(Exception):
-    """A user mistake: one line naming the flag, key or file, and an optional hint line. Exit code 2."""
-
-    def __init__(self, message: str, hint: Optional[str] = None):
-        super().__init__(message)
-        self.message = message
-        self.hint = hint
-
-    def __str__(self) -> str:
-        return self.message if not self.hint else f"{self.message}\n  hint: {self.hint}"
+COMMAND_LINE = "command line"
 
 
 def _flag(default, help: str, **argparse_kwargs):
@@ -46,36 +46,123 @@ def _flag(default, help: str, **argparse_kwargs):
     return field(default=default, metadata={"help": help, **argparse_kwargs})
 
 
+# --- the slices -------------------------------------------------------------------------------------------------
+
 @dataclass(frozen=True)
-class RunConfig:
-    # --- DeepSpeed
-    config: str = _flag(DEFAULT_DS_CONFIG, "DeepSpeed JSON config; values set to \"auto\" are filled from these flags.")
-    # --- model
+class RunArgs:
+    """The run as a whole: where it writes, and the modes that stop before training."""
+
+    output_dir: str = _flag("runs/default", "Run folder: checkpoints, exported model, metrics, resolved configs.")
+    overwrite_output_dir: bool = _flag(False, "Allow a fresh run in a folder that holds a previous run.")
+    run_name: Optional[str] = _flag(None, "Run name for wandb. Default: the output folder's name.")
+    recipe: Optional[str] = _flag(
+        None, "A YAML file of flag values (keys are flag names); flags typed on the command line win over it.")
+    dry_run: bool = _flag(False, "Build everything, run one full step, report memory and step time, exit; "
+                                 "nothing is saved.")
+    print_config: bool = _flag(False, "Print the resolved run and DeepSpeed configs, with sources, and exit.")
+    local_rank: int = _flag(-1, "Set by the deepspeed launcher; leave it alone.")
+
+
+@dataclass(frozen=True)
+class ModelArgs:
+    """Which model and tokenizer, and how the model is built."""
+
     model_name_or_path: Optional[str] = _flag(None, "Pretrained model: hub id or local folder (from_pretrained).")
     config_name: Optional[str] = _flag(
         None, "Model config (hub id or local folder/file) to train from scratch. Default: data/tiny-llama.")
     tokenizer_name: Optional[str] = _flag(None, "Tokenizer (hub id or local folder). Default: the model's.")
     trust_remote_code: bool = _flag(False, "Allow model/tokenizer code from the hub to run. Off unless asked.")
     gradient_checkpointing: bool = _flag(False, "Recompute activations in backward to save memory.")
-    # --- data
+
+    @property
+    def model_source(self) -> str:
+        """Where the model architecture comes from: the pretrained folder/id or the config to train from."""
+        return self.model_name_or_path or self.config_name or str(DEFAULT_MODEL_DIR)
+
+    @property
+    def tokenizer_source(self) -> str:
+        return self.tokenizer_name or self.model_source
+
+    def validate(self) -> None:
+        if self.model_name_or_path and self.config_name:
+            raise UsageError(
+                "--model_name_or_path and --config_name: choose one",
+                "--model_name_or_path loads pretrained weights; --config_name trains from scratch",
+            )
+        for flag in ("model_name_or_path", "config_name", "tokenizer_name"):
+            _check_model_path(flag, getattr(self, flag))
+
+
+@dataclass(frozen=True)
+class DataArgs:
+    """Raw data and how it becomes a token store (data/prepare.py parses these alone), and how training reads it."""
+
     dataset_name: Optional[str] = _flag(None, "Hugging Face dataset name (hub or a local dataset script/folder).")
     dataset_config_name: Optional[str] = _flag(None, "Configuration of --dataset_name.")
     train_file: Optional[str] = _flag(
         None, "Local training file(s): json, jsonl, csv, txt, parquet; a glob or a comma-separated list. "
         "Default: data/sample/train.jsonl.")
     validation_file: Optional[str] = _flag(None, "Local validation file(s), same formats as --train_file.")
-    data_path: Optional[str] = _flag(None, "A token store made by data/prepare.py (instead of raw data).")
-    dataset_mix: Optional[str] = _flag(
-        None, "Several token stores mixed by weight: store_a:0.7,store_b:0.3 (deterministic, by --seed).")
-    attention_isolation: bool = _flag(
-        False, "No token attends across a document boundary (position ids restart per document).")
     validation_split_percentage: int = _flag(
         5, "When there is no validation file or split, hold out this percent of the training documents.")
     text_column: str = _flag("text", "Column that holds the text.")
     block_size: Optional[int] = _flag(
         None, "Tokens per training sequence. Default: min(1024, model's max positions).")
     preprocessing_num_workers: Optional[int] = _flag(None, "Processes for tokenization (default: the CPU count).")
-    # --- batch and optimisation
+    # Training-time reading: prepared stores instead of raw data, and how blocks are fed to the model.
+    data_path: Optional[str] = _flag(None, "A token store made by data/prepare.py (instead of raw data).",
+                                     training_only=True)
+    dataset_mix: Optional[str] = _flag(
+        None, "Several token stores mixed by weight: store_a:0.7,store_b:0.3 (deterministic, by --seed).",
+        training_only=True)
+    attention_isolation: bool = _flag(
+        False, "No token attends across a document boundary (position ids restart per document).", training_only=True)
+
+    @property
+    def uses_default_data(self) -> bool:
+        return (self.dataset_name is None and self.train_file is None and self.data_path is None
+                and self.dataset_mix is None)
+
+    @property
+    def train_data_file(self) -> Optional[str]:
+        return str(DEFAULT_TRAIN_FILE) if self.uses_default_data else self.train_file
+
+    @property
+    def validation_data_file(self) -> Optional[str]:
+        return str(DEFAULT_VALIDATION_FILE) if self.uses_default_data else self.validation_file
+
+    @property
+    def mix(self) -> list:
+        """--dataset_mix as [(store path, weight)], weights normalised to sum to 1; [] without it."""
+        return parse_dataset_mix(self.dataset_mix) if self.dataset_mix else []
+
+    @property
+    def store_paths(self) -> list:
+        """The prepared stores a run reads: --data_path, or every store of --dataset_mix ([] for raw data)."""
+        if self.dataset_mix:
+            return [path for path, _ in self.mix]
+        return [self.data_path] if self.data_path else []
+
+    @property
+    def store_flag(self) -> str:
+        return "--dataset_mix" if self.dataset_mix else "--data_path"
+
+    def validate(self) -> None:
+        """The data-source checks train.py and data/prepare.py share."""
+        if self.block_size is not None and self.block_size < 2:
+            raise UsageError(f"--block_size {self.block_size}: must be at least 2 (one input and one target token)")
+        _check_not_negative(self, ("validation_split_percentage",))
+        if self.validation_split_percentage >= 100:
+            raise UsageError(f"--validation_split_percentage {self.validation_split_percentage}: must be below 100")
+        if self.preprocessing_num_workers is not None and self.preprocessing_num_workers < 1:
+            raise UsageError(f"--preprocessing_num_workers {self.preprocessing_num_workers}: must be at least 1")
+        _check_data_sources(self)
+
+
+@dataclass(frozen=True)
+class OptimArgs:
+    """Batch sizes, the optimizer, the LR schedule and the run's length."""
+
     per_device_train_batch_size: int = _flag(8, "Sequences per rank per micro-batch.")
     per_device_eval_batch_size: int = _flag(8, "Sequences per rank per evaluation batch.")
     gradient_accumulation_steps: int = _flag(1, "Micro-batches accumulated per optimizer step.")
@@ -93,16 +180,50 @@ class RunConfig:
     max_steps: int = _flag(-1, "Optimizer steps to run; overrides --num_train_epochs when > 0.")
     num_train_epochs: float = _flag(3.0, "Epochs over the training blocks when --max_steps is not set.")
     seed: int = _flag(42, "Seed for initialisation and the data order.")
+
+    def validate(self) -> None:
+        for name in ("per_device_train_batch_size", "per_device_eval_batch_size", "gradient_accumulation_steps"):
+            if getattr(self, name) < 1:
+                raise UsageError(f"--{name} {getattr(self, name)}: must be at least 1")
+        if self.warmup_steps < 0:
+            raise UsageError(f"--warmup_steps {self.warmup_steps}: must not be negative")
+        if self.learning_rate <= 0:
+            raise UsageError(f"--learning_rate {self.learning_rate}: must be positive")
+        for name in ("warmup_ratio", "min_lr_ratio", "decay_ratio"):
+            if not 0.0 <= getattr(self, name) <= 1.0:
+                raise UsageError(f"--{name} {getattr(self, name)}: must be between 0 and 1")
+        if self.max_steps <= 0 and self.num_train_epochs <= 0:
+            raise UsageError("--max_steps and --num_train_epochs: set one of them to a positive number")
+
+
+@dataclass(frozen=True)
+class EngineArgs:
+    """The DeepSpeed JSON and what the flags decide in it beyond the optimizer: precision and NVMe offload."""
+
+    config: str = _flag(DEFAULT_DS_CONFIG, "DeepSpeed JSON config; values set to \"auto\" are filled from these flags.")
     bf16: bool = _flag(False, "Train in bf16 (overrides the JSON's \"auto\").")
     fp16: bool = _flag(False, "Train in fp16 with dynamic loss scaling (overrides the JSON's \"auto\").")
     nvme_path: Optional[str] = _flag(
         None, f"Folder for NVMe offload (zero3_nvme.json). Default: ${NVME_PATH_ENV}.")
-    # --- outputs and logging
-    output_dir: str = _flag("runs/default", "Run folder: checkpoints, exported model, metrics, resolved configs.")
-    overwrite_output_dir: bool = _flag(False, "Allow a fresh run in a folder that holds a previous run.")
-    logging_steps: int = _flag(10, "Log metrics every N optimizer steps.")
-    eval_steps: int = _flag(0, "Evaluate every N optimizer steps (0: only at the end).")
-    max_eval_samples: Optional[int] = _flag(None, "Cap on validation blocks per evaluation.")
+
+    @property
+    def resolved_nvme_path(self) -> Optional[str]:
+        return self.nvme_path or os.environ.get(NVME_PATH_ENV) or None
+
+    def validate(self) -> None:
+        if self.bf16 and self.fp16:
+            raise UsageError("--bf16 and --fp16: choose one precision")
+        config_path = Path(self.config)
+        if not config_path.is_file():
+            raise UsageError(f"--config {self.config}: no such file", "pick one of ds_configs/*.json")
+        if not os.access(config_path, os.R_OK):
+            raise UsageError(f"--config {self.config}: file is not readable", "check its permissions")
+
+
+@dataclass(frozen=True)
+class CheckpointArgs:
+    """When checkpoints are written, kept and resumed, and the end-of-run export."""
+
     save_steps: int = _flag(0, "Save (and commit) a checkpoint every N steps (0: only at the end).")
     save_interval_minutes: float = _flag(0.0, "Also save when this many minutes passed since the last save (0: off).")
     save_total_limit: int = _flag(0, "Keep only the newest K committed checkpoints (0: keep all).")
@@ -110,6 +231,19 @@ class RunConfig:
         "auto", "auto: newest committed checkpoint in --output_dir if any; none: start fresh; or a checkpoint path.")
     preemption_grace_seconds: float = _flag(
         120.0, "Seconds a scheduler allows between its signal and the kill; a slower save is warned about.")
+    export_hf_at_end: bool = _flag(
+        True, "Write the Hugging Face model (safetensors, config, tokenizer) to --output_dir at the end; "
+        "--no-export_hf_at_end skips it (scripts/export_hf.py can export any checkpoint later).")
+
+    def validate(self) -> None:
+        _check_not_negative(self, ("save_steps", "save_interval_minutes", "save_total_limit",
+                                   "preemption_grace_seconds"))
+
+
+@dataclass(frozen=True)
+class NonFiniteArgs:
+    """What a non-finite loss or gradient norm, or a loss spike, does to the run."""
+
     on_nonfinite: str = _flag(
         "skip", "A non-finite loss or gradient norm, or a loss spike: skip the update on every rank (and roll back "
         "after --max_consecutive_skips), or stop with a message.", choices=("skip", "stop"))
@@ -119,52 +253,28 @@ class RunConfig:
     loss_spike_factor: float = _flag(
         0.0, "Treat a step whose loss exceeds this multiple of the running mean loss like a non-finite one "
         "(0: off; e.g. 3).")
-    export_hf_at_end: bool = _flag(
-        True, "Write the Hugging Face model (safetensors, config, tokenizer) to --output_dir at the end; "
-        "--no-export_hf_at_end skips it (scripts/export_hf.py can export any checkpoint later).")
+
+    def validate(self) -> None:
+        _check_not_negative(self, ("max_consecutive_skips",))
+        if self.loss_spike_factor != 0 and self.loss_spike_factor <= 1:
+            raise UsageError(f"--loss_spike_factor {self.loss_spike_factor}: must be above 1 (or 0 to turn it off)",
+                             "e.g. 3: a step with three times the running mean loss is skipped")
+
+
+@dataclass(frozen=True)
+class LoggingArgs:
+    """Metrics, evaluation, sinks, profiling and the progress bar."""
+
+    logging_steps: int = _flag(10, "Log metrics every N optimizer steps.")
+    eval_steps: int = _flag(0, "Evaluate every N optimizer steps (0: only at the end).")
+    max_eval_samples: Optional[int] = _flag(None, "Cap on validation blocks per evaluation.")
     peak_tflops: Optional[float] = _flag(
         None, "Peak TFLOP/s of one device for MFU (default: a table for A100/H100/H200, a calibration on CPU).")
     report_to: str = _flag("none", "Extra metrics sinks, comma-separated: wandb, tensorboard (JSONL and console are "
                            "always on).")
-    dry_run: bool = _flag(False, "Build everything, run one full step, report memory and step time, exit; "
-                                 "nothing is saved.")
-    profile_steps: Optional[str] = _flag(None, "A torch profiler trace of these steps (e.g. 5-7) in <output_dir>/profile.")
-    run_name: Optional[str] = _flag(None, "Run name for wandb. Default: the output folder's name.")
+    profile_steps: Optional[str] = _flag(
+        None, "A torch profiler trace of these steps (e.g. 5-7) in <output_dir>/profile.")
     disable_tqdm: bool = _flag(False, "No progress bar.")
-    print_config: bool = _flag(False, "Print the resolved run and DeepSpeed configs, with sources, and exit.")
-    plan: bool = _flag(False, "Memory planner: per-GPU memory of each ZeRO stage and offload option for the model "
-                              "(built on the meta device) on --num_nodes x --num_gpus GPUs, a recommendation, exit.")
-    num_gpus: int = _flag(1, "--plan: GPUs per node.")
-    num_nodes: int = _flag(1, "--plan: nodes.")
-    gpu_memory_gb: float = _flag(80.0, "--plan: memory of one GPU, GB.")
-    host_memory_gb: Optional[float] = _flag(None, "--plan: host memory per node for offload, GB (default: unchecked).")
-    plan_precision: str = _flag("bf16", "--plan: training precision to plan for.", choices=("bf16", "fp16", "fp32"))
-    local_rank: int = _flag(-1, "Set by the deepspeed launcher; leave it alone.")
-    # Not a flag: the flags the user typed, so an explicit flag can be told apart from a default.
-    explicit_flags: tuple = field(default=(), metadata={"internal": True})
-
-    # --- derived views (no state of their own)
-    @property
-    def model_source(self) -> str:
-        """Where the model architecture comes from: the pretrained folder/id or the config to train from."""
-        return self.model_name_or_path or self.config_name or str(DEFAULT_MODEL_DIR)
-
-    @property
-    def tokenizer_source(self) -> str:
-        return self.tokenizer_name or self.model_source
-
-    @property
-    def uses_default_data(self) -> bool:
-        return (self.dataset_name is None and self.train_file is None and self.data_path is None
-                and self.dataset_mix is None)
-
-    @property
-    def train_data_file(self) -> Optional[str]:
-        return str(DEFAULT_TRAIN_FILE) if self.uses_default_data else self.train_file
-
-    @property
-    def validation_data_file(self) -> Optional[str]:
-        return str(DEFAULT_VALIDATION_FILE) if self.uses_default_data else self.validation_file
 
     @property
     def report_sinks(self) -> tuple:
@@ -177,12 +287,105 @@ class RunConfig:
         first, _, last = self.profile_steps.partition("-")
         return int(first), int(last or first)
 
+    def validate(self) -> None:
+        if self.logging_steps < 1:
+            raise UsageError(f"--logging_steps {self.logging_steps}: must be at least 1")
+        _check_not_negative(self, ("eval_steps",))
+        for name in ("max_eval_samples", "peak_tflops"):
+            if getattr(self, name) is not None and getattr(self, name) <= 0:
+                raise UsageError(f"--{name} {getattr(self, name)}: must be positive")
+        for sink in self.report_sinks:
+            if sink not in REPORT_SINKS:
+                close = difflib.get_close_matches(sink, REPORT_SINKS, n=1)
+                raise UsageError(f"--report_to {self.report_to}: unknown sink \"{sink}\"",
+                                 f"did you mean {close[0]}?" if close else f"use {', '.join(REPORT_SINKS)}")
+        if self.profile_steps is not None:
+            first, sep, last = self.profile_steps.partition("-")
+            if not (first.isdigit() and (not sep or last.isdigit())) or int(first) < 1 or \
+                    (sep and int(last) < int(first)):
+                raise UsageError(f"--profile_steps {self.profile_steps}: give a step or a range of steps like 5-7",
+                                 "steps count from 1")
+
+
+@dataclass(frozen=True)
+class PlanningArgs:
+    """--plan, the memory planner: the cluster to plan for."""
+
+    plan: bool = _flag(False, "Memory planner: per-GPU memory of each ZeRO stage and offload option for the model "
+                              "(built on the meta device) on --num_nodes x --num_gpus GPUs, a recommendation, exit.")
+    num_gpus: int = _flag(1, "--plan: GPUs per node.")
+    num_nodes: int = _flag(1, "--plan: nodes.")
+    gpu_memory_gb: float = _flag(80.0, "--plan: memory of one GPU, GB.")
+    host_memory_gb: Optional[float] = _flag(None, "--plan: host memory per node for offload, GB (default: unchecked).")
+    plan_precision: str = _flag("bf16", "--plan: training precision to plan for.", choices=("bf16", "fp16", "fp32"))
+
+    def validate(self) -> None:
+        if not self.plan:
+            return
+        for name in ("num_gpus", "num_nodes"):
+            if getattr(self, name) < 1:
+                raise UsageError(f"--{name} {getattr(self, name)}: must be at least 1")
+        for name in ("gpu_memory_gb", "host_memory_gb"):
+            if getattr(self, name) is not None and getattr(self, name) <= 0:
+                raise UsageError(f"--{name} {getattr(self, name)}: must be positive")
+
+
+# Slice name -> its dataclass: the order of --help and of --print_config. A new concern adds a line here.
+SLICES = {
+    "run": RunArgs, "model": ModelArgs, "data": DataArgs, "optim": OptimArgs, "engine": EngineArgs,
+    "checkpoint": CheckpointArgs, "nonfinite": NonFiniteArgs, "logging": LoggingArgs, "planning": PlanningArgs,
+}
+FLAG_ALIASES = {"deepspeed": "config"}  # Hugging Face's spelling of the DeepSpeed JSON flag
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    run: RunArgs = field(default_factory=RunArgs)
+    model: ModelArgs = field(default_factory=ModelArgs)
+    data: DataArgs = field(default_factory=DataArgs)
+    optim: OptimArgs = field(default_factory=OptimArgs)
+    engine: EngineArgs = field(default_factory=EngineArgs)
+    checkpoint: CheckpointArgs = field(default_factory=CheckpointArgs)
+    nonfinite: NonFiniteArgs = field(default_factory=NonFiniteArgs)
+    logging: LoggingArgs = field(default_factory=LoggingArgs)
+    planning: PlanningArgs = field(default_factory=PlanningArgs)
+    # Not flags: where each value that is not a default came from ("command line", or "recipe <file>").
+    sources: Mapping[str, str] = field(default_factory=dict)
+
     @property
-    def resolved_nvme_path(self) -> Optional[str]:
-        return self.nvme_path or os.environ.get(NVME_PATH_ENV) or None
+    def explicit_flags(self) -> frozenset:
+        """Flags the user set (typed, or in the recipe), as opposed to defaults."""
+        return frozenset(self.sources)
 
     def to_dict(self) -> dict:
-        return dataclasses.asdict(self)
+        """Every flag with its value, flat, as saved in run_config.json."""
+        return {f.name: getattr(getattr(self, slice_name), f.name) for slice_name, f in flag_fields()}
+
+    def source_of(self, name: str) -> str:
+        return self.sources.get(name, "default")
+
+
+# --- the flat command line ------------------------------------------------------------------------------------
+
+def flag_fields(slices: Optional[Sequence[str]] = None) -> list:
+    """[(slice name, dataclass field)] of every flag, in --help order."""
+    return [(name, f) for name in (slices or SLICES) for f in dataclasses.fields(SLICES[name])]
+
+
+def _check_unique_flag_names() -> None:
+    names = [f.name for _, f in flag_fields()]
+    duplicated = sorted({n for n in names if names.count(n) > 1})
+    assert not duplicated, f"flags defined in two slices: {duplicated}"  # one flat command line needs unique names
+
+
+_check_unique_flag_names()
+
+
+def _value_type(owner: type, f: dataclasses.Field) -> type:
+    """int, float, bool or str: the field's annotation with Optional[] removed."""
+    hint = typing.get_type_hints(owner)[f.name]
+    args = [a for a in typing.get_args(hint) if a is not type(None)]
+    return args[0] if args else hint
 
 
 class _Parser(argparse.ArgumentParser):
@@ -195,52 +398,143 @@ class _Parser(argparse.ArgumentParser):
             name = flag.split("=", 1)[0]
             known = [opt for action in self._actions for opt in action.option_strings if opt.startswith("--")]
             close = difflib.get_close_matches(name, known, n=1)
-            hint = f"did you mean {close[0]}?" if close else "see python train.py --help for the flags"
+            hint = f"did you mean {close[0]}?" if close else f"see {self.prog} --help for the flags"
             raise UsageError(f"unknown flag {name}", hint)
-        raise UsageError(message, "see python train.py --help")
+        raise UsageError(message, f"see {self.prog} --help")
 
 
-def flag_fields() -> list:
-    return [f for f in dataclasses.fields(RunConfig) if not f.metadata.get("internal")]
+def add_flags(parser: argparse.ArgumentParser, slices: Optional[Sequence[str]] = None, suppress_defaults=False,
+              defaults: Optional[dict] = None, exclude: Sequence[str] = ()) -> None:
+    """Add the flags of `slices` (all by default), one argparse group per slice; `defaults` replace the fields'."""
+    defaults = defaults or {}
+    for slice_name in slices or SLICES:
+        owner = SLICES[slice_name]
+        group = parser.add_argument_group(slice_name, owner.__doc__)
+        for f in dataclasses.fields(owner):
+            if f.name in exclude:
+                continue
+            meta = {k: v for k, v in f.metadata.items() if k != "training_only"}
+            help_text = meta.pop("help")
+            value = defaults.get(f.name, f.default)
+            default = argparse.SUPPRESS if suppress_defaults else value
+            if _value_type(owner, f) is bool:  # --name / --no-name: the command line can undo a recipe's true
+                group.add_argument(f"--{f.name}", action=argparse.BooleanOptionalAction, help=help_text,
+                                   default=default)
+                continue
+            default_text = "" if value is None else f" (default: {value})"
+            group.add_argument(f"--{f.name}", type=_value_type(owner, f), default=default,
+                               help=help_text + default_text, **meta)
 
 
-def build_parser(suppress_defaults: bool = False) -> argparse.ArgumentParser:
-    """The CLI, generated from RunConfig. With suppress_defaults, only typed flags appear in the namespace."""
+def build_parser(suppress_defaults: bool = False, defaults: Optional[dict] = None) -> argparse.ArgumentParser:
+    """train.py's command line. With suppress_defaults, only typed flags appear in the namespace."""
     parser = _Parser(
         prog="train.py",
         description="Train a Hugging Face causal LM with DeepSpeed. Flags follow Hugging Face's spelling.",
         allow_abbrev=False,
-        argument_default=argparse.SUPPRESS if suppress_defaults else None,
     )
-    for f in flag_fields():
-        opt = f"--{f.name}"
-        meta = dict(f.metadata)
-        help_text = meta.pop("help")
-        if f.type in ("bool", bool):
-            if f.default:  # on by default: --name / --no-name
-                parser.add_argument(opt, action=argparse.BooleanOptionalAction, help=help_text,
-                                    default=argparse.SUPPRESS if suppress_defaults else True)
-            else:
-                parser.add_argument(opt, action="store_true", help=help_text)
-            continue
-        kind = {"int": int, "float": float, "Optional[int]": int, "Optional[float]": float}.get(f.type, str)
-        default_text = "" if f.default is None else f" (default: {f.default})"
-        default = argparse.SUPPRESS if suppress_defaults else f.default
-        parser.add_argument(opt, type=kind, default=default, help=help_text + default_text, **meta)
-    parser.add_argument(
-        "--deepspeed", dest="config", default=argparse.SUPPRESS, help="Alias of --config (Hugging Face spelling).")
+    add_flags(parser, suppress_defaults=suppress_defaults, defaults=defaults)
+    for alias, name in FLAG_ALIASES.items():
+        parser.add_argument(f"--{alias}", dest=name, default=argparse.SUPPRESS,
+                            help=f"Alias of --{name} (Hugging Face spelling).")
     return parser
 
 
+def slices_from(values: dict, slices: Optional[Sequence[str]] = None) -> dict:
+    """{slice name: slice instance} from flat {flag: value} (flags absent from `values` keep their defaults)."""
+    return {name: SLICES[name](**{f.name: values[f.name] for f in dataclasses.fields(SLICES[name])
+                                  if f.name in values})
+            for name in (slices or SLICES)}
+
+
 def parse_run_config(argv: Optional[Sequence[str]] = None) -> RunConfig:
-    """Parse flags into a RunConfig and check every value that can be checked without torch."""
-    namespace = build_parser().parse_args(argv)
-    typed = build_parser(suppress_defaults=True).parse_args(argv)
-    explicit = tuple(sorted(name for name in vars(typed) if name != "local_rank"))
-    cfg = RunConfig(**{f.name: getattr(namespace, f.name) for f in flag_fields()}, explicit_flags=explicit)
+    """Parse flags (and the --recipe they name) into a RunConfig and check every value checkable without torch."""
+    argv = list(argv) if argv is not None else None
+    recipe_path = _recipe_flag(argv)
+    recipe = load_recipe(recipe_path) if recipe_path else {}
+    namespace = build_parser(defaults=recipe).parse_args(argv)
+    typed = vars(build_parser(suppress_defaults=True).parse_args(argv))
+    sources = {name: f"recipe {recipe_path}" for name in recipe}
+    sources.update({name: COMMAND_LINE for name in typed if name != "local_rank"})
+    cfg = RunConfig(**slices_from(vars(namespace)), sources=sources)
     validate_run_config(cfg)
     return cfg
 
+
+# --- recipes ----------------------------------------------------------------------------------------------------
+
+def _recipe_flag(argv: Optional[Sequence[str]]) -> Optional[str]:
+    """The --recipe value, read before the full parse (its values become the parser's defaults)."""
+    pre = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
+    pre.add_argument("--recipe", default=None)
+    known, _ = pre.parse_known_args(argv)
+    return known.recipe
+
+
+def load_recipe(path: str) -> dict:
+    """A recipe: a YAML mapping of flag names to values, checked like the flags: {flag: typed value}."""
+    import yaml
+
+    file = Path(path)
+    if not file.is_file():
+        raise UsageError(f"--recipe {path}: no such file", "recipes/ holds examples")
+    try:
+        content = yaml.safe_load(file.read_text())
+    except (OSError, UnicodeDecodeError) as err:
+        raise UsageError(f"--recipe {path}: cannot read it ({err})") from err
+    except yaml.YAMLError as err:
+        where = getattr(err, "problem_mark", None)
+        line = f" at line {where.line + 1}" if where is not None else ""
+        raise UsageError(f"--recipe {path}: not valid YAML{line} ({getattr(err, 'problem', None) or err})",
+                         "write one `flag_name: value` per line") from err
+    if content is None:
+        return {}
+    if not isinstance(content, dict):
+        raise UsageError(f"--recipe {path}: must be a mapping of flag names to values, not a "
+                         f"{type(content).__name__}", "write one `flag_name: value` per line")
+    fields = {f.name: (SLICES[slice_name], f) for slice_name, f in flag_fields()}
+    values = {}
+    for key, value in content.items():
+        name = FLAG_ALIASES.get(str(key), str(key))
+        if name == "recipe":
+            raise UsageError(f"--recipe {path}: a recipe cannot name another recipe", "merge the two files")
+        if name not in fields:
+            close = difflib.get_close_matches(str(key), list(fields) + list(FLAG_ALIASES), n=1)
+            raise UsageError(f"--recipe {path}: unknown key \"{key}\"",
+                             f"did you mean {close[0]}?" if close else "keys are train.py's flag names, without --")
+        values[name] = _recipe_value(path, name, value, *fields[name])
+    return values
+
+
+def _recipe_value(path: str, name: str, value, owner: type, f: dataclasses.Field):
+    """A recipe value converted to the flag's type, as argparse converts a typed one (same choices)."""
+    kind = _value_type(owner, f)
+    where = f"--recipe {path}: {name}"
+    if value is None:
+        if f.default is None:
+            return None
+        raise UsageError(f"{where}: needs a value (it has no \"unset\")", f"remove the key for the default {f.default}")
+    if kind is bool:
+        if not isinstance(value, bool):
+            raise UsageError(f"{where}: {value!r} is not true or false")
+        return value
+    if isinstance(value, list) and kind is str:  # a comma-separated flag written as a YAML list
+        value = ",".join(str(v) for v in value)
+    if isinstance(value, (bool, list, dict)):
+        raise UsageError(f"{where}: {value!r} is not a single {kind.__name__}")
+    try:
+        converted = kind(value)  # YAML reads 1e-3 (no dot) as a string: float() takes it, as argparse would
+    except ValueError:
+        raise UsageError(f"{where}: {value!r} is not {'an integer' if kind is int else 'a number'}") from None
+    if kind is int and isinstance(value, float) and converted != value:
+        raise UsageError(f"{where}: {value!r} is not an integer")
+    choices = f.metadata.get("choices")
+    if choices and converted not in choices:
+        raise UsageError(f"{where}: {converted!r} is not one of {', '.join(choices)}")
+    return converted
+
+
+# --- checks -----------------------------------------------------------------------------------------------------
 
 def run_identity(cfg_dict: dict) -> dict:
     """What makes two runs the same run: the model and the training data (not batch sizes or step counts)."""
@@ -250,12 +544,40 @@ def run_identity(cfg_dict: dict) -> dict:
 
 
 def explain_run_config(cfg: RunConfig) -> str:
-    """Every flag with its value and where it came from (typed on the command line, or the default)."""
+    """Every flag with its value and where it came from (command line, recipe, or default), by concern."""
     lines = []
-    for f in flag_fields():
-        source = f"--{f.name}" if f.name in cfg.explicit_flags else "default"
-        lines.append(f"  {f.name} = {getattr(cfg, f.name)!r}  <- {source}")
+    for slice_name in SLICES:
+        lines.append(f"  [{slice_name}]")
+        for f in dataclasses.fields(SLICES[slice_name]):
+            source = cfg.source_of(f.name)
+            source = f"--{f.name}" if source == COMMAND_LINE else source
+            lines.append(f"  {f.name} = {getattr(getattr(cfg, slice_name), f.name)!r}  <- {source}")
     return "\n".join(lines)
+
+
+def parse_dataset_mix(value: str) -> list:
+    """`path_a:0.7,path_b:0.3` -> [(path, weight)], weights normalised to sum to 1."""
+    pairs = []
+    for part in (p.strip() for p in value.split(",") if p.strip()):
+        path, sep, weight = part.rpartition(":")
+        try:
+            w = float(weight)
+        except ValueError:
+            w = -1.0
+        if not sep or not path or w <= 0:
+            raise UsageError(f"--dataset_mix {value}: \"{part}\" is not path:weight with a positive weight",
+                             "write it as store_a:0.7,store_b:0.3")
+        pairs.append((path, w))
+    if len(pairs) < 2:
+        raise UsageError(f"--dataset_mix {value}: give at least two stores", "or use --data_path for one")
+    total = sum(w for _, w in pairs)
+    return [(path, w / total) for path, w in pairs]
+
+
+def _check_not_negative(args, names: Sequence[str]) -> None:
+    for name in names:
+        if getattr(args, name) < 0:
+            raise UsageError(f"--{name} {getattr(args, name)}: must not be negative")
 
 
 def _looks_local(path: str) -> bool:
@@ -301,113 +623,57 @@ def _check_data_file(flag: str, value: Optional[str]) -> None:
             raise UsageError(f"--{flag} {file}: file is not readable", "check its permissions")
 
 
-def validate_data_flags(cfg: RunConfig) -> None:
-    """The data-source checks train.py and data/prepare.py share."""
-    if cfg.dataset_name and cfg.train_file:
+def _check_data_sources(data: DataArgs) -> None:
+    if data.dataset_name and data.train_file:
         raise UsageError("--dataset_name and --train_file: choose one data source")
-    if cfg.validation_file and not (cfg.train_file or cfg.dataset_name):
+    if data.validation_file and not (data.train_file or data.dataset_name):
         raise UsageError("--validation_file needs --train_file (or --dataset_name) too")
-    _check_data_file("train_file", cfg.train_file)
-    _check_data_file("validation_file", cfg.validation_file)
-    if cfg.dataset_name and _looks_local(cfg.dataset_name) and not Path(cfg.dataset_name).expanduser().exists():
-        raise UsageError(f"--dataset_name {cfg.dataset_name}: no such folder", "give a hub dataset name or a folder")
-    if cfg.data_path and (cfg.train_file or cfg.dataset_name):
+    _check_data_file("train_file", data.train_file)
+    _check_data_file("validation_file", data.validation_file)
+    if data.dataset_name and _looks_local(data.dataset_name) and not Path(data.dataset_name).expanduser().exists():
+        raise UsageError(f"--dataset_name {data.dataset_name}: no such folder", "give a hub dataset name or a folder")
+    if data.data_path and (data.train_file or data.dataset_name):
         raise UsageError("--data_path and --train_file/--dataset_name: choose one data source",
                          "--data_path is a store that data/prepare.py made; the others are raw data")
-    if cfg.dataset_mix and (cfg.data_path or cfg.train_file or cfg.dataset_name):
+    if data.dataset_mix and (data.data_path or data.train_file or data.dataset_name):
         raise UsageError("--dataset_mix and another data source: choose one",
                          "--dataset_mix already names every store the run reads")
-    if cfg.dataset_mix:
-        from scaletrain.data import parse_dataset_mix
+    for path, _ in data.mix:
+        if not Path(path).is_dir():
+            raise UsageError(f"--dataset_mix: {path} is not a folder", "give stores made by data/prepare.py")
+    if data.data_path and not Path(data.data_path).is_dir():
+        raise UsageError(f"--data_path {data.data_path}: no such folder", "prepare it with python data/prepare.py")
 
-        for path, _ in parse_dataset_mix(cfg.dataset_mix):
-            if not Path(path).is_dir():
-                raise UsageError(f"--dataset_mix: {path} is not a folder", "give stores made by data/prepare.py")
-    if cfg.data_path and not Path(cfg.data_path).is_dir():
-        raise UsageError(f"--data_path {cfg.data_path}: no such folder", "prepare it with python data/prepare.py")
+
+def _check_output_dir(cfg: RunConfig) -> None:
+    """A folder holding another run (other model or data) is refused; so is starting afresh over a previous run."""
+    run = cfg.run
+    output = Path(run.output_dir)
+    if output.exists() and not output.is_dir():
+        raise UsageError(f"--output_dir {run.output_dir}: exists and is not a folder")
+    previous = output / "run_config.json"
+    if not previous.exists() or run.overwrite_output_dir or run.print_config or cfg.planning.plan:
+        return
+    try:
+        before = run_identity(json.loads(previous.read_text()))
+    except (OSError, ValueError):
+        before = None
+    now = run_identity(cfg.to_dict())
+    if before is not None and before != now:
+        changed = ", ".join(f"{k}: {before[k]} -> {now[k]}" for k in now if before[k] != now[k])
+        raise UsageError(
+            f"--output_dir {run.output_dir}: holds a different run ({changed})",
+            "choose another --output_dir, or pass --overwrite_output_dir to replace that run",
+        )
+    if cfg.checkpoint.resume_from_checkpoint == "none":
+        raise UsageError(
+            f"--output_dir {run.output_dir}: holds a previous run of this model and data",
+            "drop --resume_from_checkpoint none to continue it, or pass --overwrite_output_dir to start again",
+        )
 
 
 def validate_run_config(cfg: RunConfig) -> None:
-    """Collect the checks that need no model, data or process group. Raises UsageError on the first problem."""
-    positive = {
-        "per_device_train_batch_size": cfg.per_device_train_batch_size,
-        "per_device_eval_batch_size": cfg.per_device_eval_batch_size,
-        "gradient_accumulation_steps": cfg.gradient_accumulation_steps,
-        "logging_steps": cfg.logging_steps,
-    }
-    for name, value in positive.items():
-        if value < 1:
-            raise UsageError(f"--{name} {value}: must be at least 1")
-    for name in ("eval_steps", "save_steps", "warmup_steps", "validation_split_percentage", "save_total_limit",
-                 "save_interval_minutes", "preemption_grace_seconds", "max_consecutive_skips"):
-        if getattr(cfg, name) < 0:
-            raise UsageError(f"--{name} {getattr(cfg, name)}: must not be negative")
-    if cfg.loss_spike_factor != 0 and cfg.loss_spike_factor <= 1:
-        raise UsageError(f"--loss_spike_factor {cfg.loss_spike_factor}: must be above 1 (or 0 to turn it off)",
-                         "e.g. 3: a step with three times the running mean loss is skipped")
-    if cfg.plan:
-        for name in ("num_gpus", "num_nodes"):
-            if getattr(cfg, name) < 1:
-                raise UsageError(f"--{name} {getattr(cfg, name)}: must be at least 1")
-        for name in ("gpu_memory_gb", "host_memory_gb"):
-            if getattr(cfg, name) is not None and getattr(cfg, name) <= 0:
-                raise UsageError(f"--{name} {getattr(cfg, name)}: must be positive")
-    if cfg.block_size is not None and cfg.block_size < 2:
-        raise UsageError(f"--block_size {cfg.block_size}: must be at least 2 (one input and one target token)")
-    if cfg.learning_rate <= 0:
-        raise UsageError(f"--learning_rate {cfg.learning_rate}: must be positive")
-    for name in ("warmup_ratio", "min_lr_ratio", "decay_ratio"):
-        if not 0.0 <= getattr(cfg, name) <= 1.0:
-            raise UsageError(f"--{name} {getattr(cfg, name)}: must be between 0 and 1")
-    if cfg.validation_split_percentage >= 100:
-        raise UsageError(f"--validation_split_percentage {cfg.validation_split_percentage}: must be below 100")
-    for sink in cfg.report_sinks:
-        if sink not in REPORT_SINKS:
-            close = difflib.get_close_matches(sink, REPORT_SINKS, n=1)
-            raise UsageError(f"--report_to {cfg.report_to}: unknown sink \"{sink}\"",
-                             f"did you mean {close[0]}?" if close else f"use {', '.join(REPORT_SINKS)}")
-    if cfg.profile_steps is not None:
-        first, sep, last = cfg.profile_steps.partition("-")
-        if not (first.isdigit() and (not sep or last.isdigit())) or int(first) < 1 or \
-                (sep and int(last) < int(first)):
-            raise UsageError(f"--profile_steps {cfg.profile_steps}: give a step or a range of steps like 5-7",
-                             "steps count from 1")
-    if cfg.max_steps <= 0 and cfg.num_train_epochs <= 0:
-        raise UsageError("--max_steps and --num_train_epochs: set one of them to a positive number")
-    if cfg.bf16 and cfg.fp16:
-        raise UsageError("--bf16 and --fp16: choose one precision")
-    if cfg.model_name_or_path and cfg.config_name:
-        raise UsageError(
-            "--model_name_or_path and --config_name: choose one",
-            "--model_name_or_path loads pretrained weights; --config_name trains from scratch",
-        )
-    config_path = Path(cfg.config)
-    if not config_path.is_file():
-        raise UsageError(f"--config {cfg.config}: no such file", "pick one of ds_configs/*.json")
-    if not os.access(config_path, os.R_OK):
-        raise UsageError(f"--config {cfg.config}: file is not readable", "check its permissions")
-    _check_model_path("model_name_or_path", cfg.model_name_or_path)
-    _check_model_path("config_name", cfg.config_name)
-    _check_model_path("tokenizer_name", cfg.tokenizer_name)
-    validate_data_flags(cfg)
-    output = Path(cfg.output_dir)
-    if output.exists() and not output.is_dir():
-        raise UsageError(f"--output_dir {cfg.output_dir}: exists and is not a folder")
-    previous = output / "run_config.json"
-    if previous.exists() and not cfg.overwrite_output_dir and not (cfg.print_config or cfg.plan):
-        try:
-            before = run_identity(json.loads(previous.read_text()))
-        except (OSError, ValueError):
-            before = None
-        now = run_identity(cfg.to_dict())
-        if before is not None and before != now:
-            changed = ", ".join(f"{k}: {before[k]} -> {now[k]}" for k in now if before[k] != now[k])
-            raise UsageError(
-                f"--output_dir {cfg.output_dir}: holds a different run ({changed})",
-                "choose another --output_dir, or pass --overwrite_output_dir to replace that run",
-            )
-        if cfg.resume_from_checkpoint == "none":
-            raise UsageError(
-                f"--output_dir {cfg.output_dir}: holds a previous run of this model and data",
-                "drop --resume_from_checkpoint none to continue it, or pass --overwrite_output_dir to start again",
-            )
+    """The checks that need no model, data or process group, slice by slice. Raises UsageError on the first."""
+    for slice_name in ("optim", "nonfinite", "checkpoint", "data", "logging", "planning", "engine", "model"):
+        getattr(cfg, slice_name).validate()
+    _check_output_dir(cfg)

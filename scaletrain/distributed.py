@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import gc
 import glob
-import importlib
 import os
 import socket
 from dataclasses import dataclass
@@ -105,8 +104,9 @@ def init_distributed(dist: DistInfo) -> DistInfo:
     if accelerator == "cpu" and dist.world_size == 1:
         # DeepSpeed JIT-builds its shared-memory all-reduce op on every CPU start (tens of seconds to minutes
         # on a fresh machine). A single rank never communicates, so skip the build.
-        # (importlib: `import deepspeed.comm.torch` would resolve to the torch package re-exported there.)
-        importlib.import_module("deepspeed.comm.torch").build_shm_op = lambda: None
+        from scaletrain import ds_internals
+
+        ds_internals.skip_shm_op_build()
     elif accelerator == "cpu":
         from scaletrain import ops
 

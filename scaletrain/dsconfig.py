@@ -14,7 +14,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
 
-from scaletrain.config import NVME_PATH_ENV, RunConfig, UsageError
+from scaletrain.config import NVME_PATH_ENV, EngineArgs, OptimArgs
+from scaletrain.errors import UsageError
 from scaletrain.dsschema import check_ds_keys
 
 AUTO = "auto"
@@ -66,11 +67,12 @@ def load_ds_config(path: str) -> dict:
     try:
         text = Path(path).read_text(encoding="utf-8")
     except OSError as exc:
-        raise UsageError(f"--config {path}: cannot read it ({exc.strerror})", "check the path and its permissions")
+        raise UsageError(f"--config {path}: cannot read it ({exc.strerror})",
+                         "check the path and its permissions") from exc
     try:
         raw = json.loads(text)
     except json.JSONDecodeError as exc:
-        raise UsageError(f"--config {path}: not valid JSON (line {exc.lineno}, column {exc.colno}: {exc.msg})")
+        raise UsageError(f"--config {path}: not valid JSON (line {exc.lineno}, column {exc.colno}: {exc.msg})") from exc
     if not isinstance(raw, dict):
         raise UsageError(f"--config {path}: the top level must be a JSON object")
     return raw
@@ -108,18 +110,18 @@ class _Resolver:
         return None if value == AUTO else value
 
 
-def _resolve_precision(r: _Resolver, cfg: RunConfig, hw: HardwareFacts) -> tuple:
+def _resolve_precision(r: _Resolver, engine: EngineArgs, hw: HardwareFacts) -> tuple:
     json_bf16 = r.explicit("bf16.enabled")
     json_fp16 = r.explicit("fp16.enabled")
     if json_bf16 is True and json_fp16 is True:
         raise UsageError(f"--config {r.path}: bf16.enabled and fp16.enabled are both true", "enable one precision")
-    if cfg.bf16 and json_fp16 is True:
+    if engine.bf16 and json_fp16 is True:
         raise UsageError(f"--bf16 contradicts fp16.enabled=true in {r.path}", "drop the flag or set it to \"auto\"")
-    if cfg.fp16 and json_bf16 is True:
+    if engine.fp16 and json_bf16 is True:
         raise UsageError(f"--fp16 contradicts bf16.enabled=true in {r.path}", "drop the flag or set it to \"auto\"")
-    if cfg.bf16:
+    if engine.bf16:
         precision, reason, source = "bf16", "--bf16 given", "--bf16"
-    elif cfg.fp16:
+    elif engine.fp16:
         precision, reason, source = "fp16", "--fp16 given (dynamic loss scaling)", "--fp16"
     elif json_bf16 is True:
         precision, reason, source = "bf16", f"bf16.enabled=true in {r.path}", "json"
@@ -150,15 +152,15 @@ _FLAG_FOR_KEY = {
 }
 
 
-def _check_flag_contradictions(r: _Resolver, cfg: RunConfig) -> None:
+def _check_flag_contradictions(r: _Resolver, optim: OptimArgs, explicit: frozenset) -> None:
     """A value set both in the JSON and by a typed flag must agree: silently preferring one hides a mistake."""
     for key, (flag, value_of) in _FLAG_FOR_KEY.items():
         json_value = r.explicit(key)
-        if json_value is None or flag not in cfg.explicit_flags:
+        if json_value is None or flag not in explicit:
             continue
-        if float(json_value) != float(value_of(cfg)):
+        if float(json_value) != float(value_of(optim)):
             raise UsageError(
-                f"--{flag} {value_of(cfg)} contradicts {key}={json_value} in {r.path}",
+                f"--{flag} {value_of(optim)} contradicts {key}={json_value} in {r.path}",
                 f"set {key} to \"auto\" in the JSON, or drop --{flag}",
             )
 
@@ -166,7 +168,7 @@ def _check_flag_contradictions(r: _Resolver, cfg: RunConfig) -> None:
 _OFFLOAD_DEVICES = ("none", "cpu", "nvme")
 
 
-def _check_zero_and_offload(r: _Resolver, cfg: RunConfig) -> None:
+def _check_zero_and_offload(r: _Resolver) -> None:
     zero = r.config.get("zero_optimization", {})
     stage = zero.get("stage", 0)
     if stage == AUTO:
@@ -207,20 +209,20 @@ def _check_nvme_folder(section: str, path: str, source: str) -> None:
                          "fix its permissions or point --nvme_path at a writable folder")
 
 
-def _resolve_nvme(r: _Resolver, cfg: RunConfig) -> None:
+def _resolve_nvme(r: _Resolver, engine: EngineArgs) -> None:
     zero = r.config.get("zero_optimization", {})
     for section in ("offload_optimizer", "offload_param"):
         offload = zero.get(section)
         if not isinstance(offload, dict) or offload.get("device") != "nvme":
             continue
         if offload.get("nvme_path", AUTO) == AUTO:
-            path = cfg.resolved_nvme_path
+            path = engine.resolved_nvme_path
             if not path:
                 raise UsageError(
                     f"zero_optimization.{section}.nvme_path in {r.path} is \"auto\" and no NVMe folder was given",
                     f"pass --nvme_path /local/nvme/folder or set ${NVME_PATH_ENV}",
                 )
-            source = "--nvme_path" if cfg.nvme_path else f"${NVME_PATH_ENV}"
+            source = "--nvme_path" if engine.nvme_path else f"${NVME_PATH_ENV}"
             r.fill(f"zero_optimization.{section}.nvme_path", path, source)
         _check_nvme_folder(section, offload["nvme_path"], r.sources.get(f"zero_optimization.{section}.nvme_path",
                                                                          r.path))
@@ -233,21 +235,24 @@ def _leftover_autos(tree: Any, prefix: str = "") -> list:
 
 
 def resolve_ds_config(
-    raw: dict, cfg: RunConfig, dp_world_size: int, hidden_size: int, hw: HardwareFacts
+    raw: dict, engine: EngineArgs, optim: OptimArgs, explicit: frozenset, dp_world_size: int, hidden_size: int,
+    hw: HardwareFacts,
 ) -> ResolvedDSConfig:
-    """Fill every "auto" of a DeepSpeed JSON. Raises UsageError naming the key when something cannot be decided."""
-    check_ds_keys(raw, cfg.config)
-    r = _Resolver(raw, cfg.config)
-    _check_zero_and_offload(r, cfg)
-    _check_flag_contradictions(r, cfg)
+    """Fill every "auto" of a DeepSpeed JSON from the engine and optimisation flags (`explicit`: the flags the user
+    set, which must agree with an explicit JSON value). Raises UsageError naming the key when something cannot be
+    decided."""
+    check_ds_keys(raw, engine.config)
+    r = _Resolver(raw, engine.config)
+    _check_zero_and_offload(r)
+    _check_flag_contradictions(r, optim, explicit)
     if "scheduler" in r.config:
         raise UsageError(
-            f"--config {cfg.config}: has a \"scheduler\" section; this pipeline owns the LR schedule",
+            f"--config {engine.config}: has a \"scheduler\" section; this pipeline owns the LR schedule",
             "remove the section and use --lr_scheduler_type, --warmup_steps/--warmup_ratio, --min_lr_ratio",
         )
 
-    micro = cfg.per_device_train_batch_size
-    gas = cfg.gradient_accumulation_steps
+    micro = optim.per_device_train_batch_size
+    gas = optim.gradient_accumulation_steps
     r.fill("train_micro_batch_size_per_gpu", micro, "--per_device_train_batch_size")
     r.fill("gradient_accumulation_steps", gas, "--gradient_accumulation_steps")
     micro = r.config["train_micro_batch_size_per_gpu"]
@@ -257,21 +262,21 @@ def resolve_ds_config(
     global_batch = r.config["train_batch_size"]
     if global_batch != micro * gas * dp_world_size:
         raise UsageError(
-            f"train_batch_size {global_batch} in {cfg.config} != micro batch {micro} x accumulation {gas} "
+            f"train_batch_size {global_batch} in {engine.config} != micro batch {micro} x accumulation {gas} "
             f"x data-parallel size {dp_world_size} = {micro * gas * dp_world_size}",
             "set train_batch_size to \"auto\" or change the batch flags",
         )
-    r.fill("gradient_clipping", cfg.max_grad_norm, "--max_grad_norm")
+    r.fill("gradient_clipping", optim.max_grad_norm, "--max_grad_norm")
 
     if "optimizer" not in r.config:
         r.config["optimizer"] = copy.deepcopy(DEFAULT_OPTIMIZER)
         r.sources["optimizer.type"] = "default: AdamW"
-    r.fill("optimizer.params.lr", cfg.learning_rate, "--learning_rate")
-    r.fill("optimizer.params.betas", [cfg.adam_beta1, cfg.adam_beta2], "--adam_beta1/--adam_beta2")
-    r.fill("optimizer.params.eps", cfg.adam_epsilon, "--adam_epsilon")
-    r.fill("optimizer.params.weight_decay", cfg.weight_decay, "--weight_decay")
+    r.fill("optimizer.params.lr", optim.learning_rate, "--learning_rate")
+    r.fill("optimizer.params.betas", [optim.adam_beta1, optim.adam_beta2], "--adam_beta1/--adam_beta2")
+    r.fill("optimizer.params.eps", optim.adam_epsilon, "--adam_epsilon")
+    r.fill("optimizer.params.weight_decay", optim.weight_decay, "--weight_decay")
 
-    precision, reason = _resolve_precision(r, cfg, hw)
+    precision, reason = _resolve_precision(r, engine, hw)
 
     r.config.setdefault("zero_optimization", {"stage": 0})
     r.fill("zero_optimization.reduce_bucket_size", hidden_size * hidden_size, f"hidden_size^2 ({hidden_size}^2)")
@@ -279,7 +284,7 @@ def resolve_ds_config(
            f"0.9 x hidden_size^2 ({hidden_size}^2)")
     r.fill("zero_optimization.stage3_param_persistence_threshold", 10 * hidden_size,
            f"10 x hidden_size ({hidden_size})")
-    _resolve_nvme(r, cfg)
+    _resolve_nvme(r, engine)
 
     resolved = ResolvedDSConfig(r.config, r.sources, precision, reason)
     optimizer_type = str(r.config["optimizer"].get("type", "")).lower()
@@ -292,7 +297,7 @@ def resolve_ds_config(
     leftover = _leftover_autos(r.config)
     if leftover:
         raise UsageError(
-            f"{leftover[0]} in {cfg.config} is \"auto\" but the pipeline does not decide it",
+            f"{leftover[0]} in {engine.config} is \"auto\" but the pipeline does not decide it",
             "set an explicit value there",
         )
     return resolved

@@ -12,7 +12,7 @@ from __future__ import annotations
 import difflib
 from typing import Optional
 
-from scaletrain.config import UsageError
+from scaletrain.errors import UsageError
 
 TOP_LEVEL_KEYS = {
     "train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps", "optimizer", "scheduler",

@@ -48,37 +48,12 @@ def release_engine(engine) -> None:
     """Undo what the engine left outside itself, so that it, and the process groups it holds, are freed when the
     caller drops it, not while the interpreter exits (where gloo's threads can abort a finished run).
 
-    `engine.destroy()` removes DeepSpeed's hooks. Under ZeRO-3 two module-level references remain (DeepSpeed 0.19,
-    deepspeed/runtime/zero): the engine's modules on the global forward-module stack, and a class-wide
-    `functools.lru_cache` on PartitionedParameterCoordinator.__params_to_release, keyed by coordinator and module.
+    `engine.destroy()` removes DeepSpeed's hooks. Under ZeRO-3 two module-level references remain, which
+    ds_internals.release_zero3_references drops.
     """
     engine.destroy()
     if engine.zero_optimization_stage() != 3:
         return
-    from deepspeed.runtime.zero import parameter_offload
-    from deepspeed.runtime.zero.partitioned_param_coordinator import PartitionedParameterCoordinator
+    from scaletrain import ds_internals
 
-    own = {id(module) for module in engine.module.modules()}  # a forward cut short leaves submodules there too
-    stack = parameter_offload.FWD_MODULE_STACK
-    stack[:] = [module for module in stack if id(module) not in own]
-    for attribute in vars(PartitionedParameterCoordinator).values():
-        _clear_wrapped_caches(attribute)
-
-
-def _clear_wrapped_caches(function) -> None:
-    """Clear every functools cache in `function` or inside its decorators' closures."""
-    pending, seen = [function], set()
-    while pending:
-        current = pending.pop()
-        if id(current) in seen or not callable(current):
-            continue
-        seen.add(id(current))
-        if hasattr(current, "cache_clear"):
-            current.cache_clear()
-        for cell in getattr(current, "__closure__", None) or ():
-            try:
-                pending.append(cell.cell_contents)
-            except ValueError:  # a cell not yet filled
-                pass
-        if hasattr(current, "__wrapped__"):
-            pending.append(current.__wrapped__)
+    ds_internals.release_zero3_references(engine.module)

@@ -13,13 +13,23 @@ from __future__ import annotations
 import logging
 import math
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable, Optional
+from functools import partial
+from typing import Any
 
-from scaletrain.data import IGNORE_INDEX, StepBatches
-from scaletrain.faults import Preempted, PreemptionFlag, injected_loss_factor
+from scaletrain.blocks import IGNORE_INDEX
+from scaletrain.errors import Preempted
+from scaletrain.faults import PreemptionFlag
+from scaletrain.metrics import (
+    LogWindow,
+    MetricsLogger,
+    PhaseClock,
+    StepProfiler,
+    ThroughputModel,
+)
 from scaletrain.nonfinite import NonFiniteGuard, SkipSwitch
-from scaletrain.metrics import LogWindow, MetricsLogger, PhaseClock, StepProfiler, ThroughputModel
+from scaletrain.sampling import StepBatches
 from scaletrain.state import TrainState
 
 log = logging.getLogger(__name__)
@@ -50,8 +60,8 @@ def agree_step(device, loss_sum, *flags: bool) -> tuple:
     A collective: decisions that depend on a rank's own view (a signal it received, its clock, its batch's loss)
     pass through here, or ranks would decide differently and hang in the next collective.
     """
-    import torch
     import deepspeed.comm as ds_comm
+    import torch
 
     values = torch.zeros(1 + len(flags), dtype=torch.float64, device=device)
     values[0] = loss_sum if torch.is_tensor(loss_sum) else float(loss_sum)
@@ -71,14 +81,71 @@ class LoopSettings:
     preemption_grace_seconds: float
     dp_world_size: int
     show_progress: bool
-    rank: int = 0
-    throughput: Optional[ThroughputModel] = None
+    throughput: ThroughputModel | None = None
+
+
+@dataclass(frozen=True)
+class LoopHooks:
+    """What the loop calls out to besides the engine and the data: sinks, saves, signals, the non-finite guard."""
+
+    metrics: MetricsLogger
+    save: Callable[[], Any]  # commits a checkpoint of the current step (a collective: every rank calls it)
+    preemption: PreemptionFlag
+    eval_batches: list | None = None
+    profiler: StepProfiler | None = None
+    guard: NonFiniteGuard | None = None
+    switch: SkipSwitch | None = None  # lets the guard skip an update through DeepSpeed's overflow path
+    rollback: Callable[[], None] | None = None  # the guard's "rollback": back to the last committed checkpoint
+
+
+@dataclass(frozen=True)
+class StepResult:
+    """One optimizer step, as the loop books it."""
+
+    loss_sum: Any  # this rank's summed token losses (a device tensor: no host sync per step)
+    targets: int  # the global batch's loss targets
+    blocks: int  # the global batch's blocks
+    global_loss: float  # the step's loss: every rank's summed losses over the global targets
+    preempted: bool  # a preemption signal reached some rank (agreed by all)
+    interval_due: bool  # --save_interval_minutes has passed (agreed by all: the ranks' clocks differ)
+    forced: str | None  # why the guard skipped the update, or None
+    applied: bool  # the update happened (DeepSpeed also refuses one whose gradient norm is not finite)
+
+
+class StepTimers:
+    """The phase clock of the step in flight, and the save clock: --save_interval_minutes, and the time of a save,
+    which joins the next step's (a step's record is written before its checkpoint, so a crash right after a commit
+    never loses the record of the step the run resumes from)."""
+
+    def __init__(self, device, save_interval_minutes: float):
+        self.clock = PhaseClock(device)
+        self.save_interval_s = 60 * save_interval_minutes
+        self.last_save = time.monotonic()
+        self.pending_checkpoint = 0.0
+
+    def save_due(self) -> bool:
+        return bool(self.save_interval_s) and time.monotonic() - self.last_save >= self.save_interval_s
+
+    def timed_save(self, save: Callable[[], Any]) -> float:
+        """Run `save`; its seconds, which the next step's record counts."""
+        started = time.perf_counter()
+        save()
+        self.pending_checkpoint = time.perf_counter() - started
+        self.last_save = time.monotonic()
+        return self.pending_checkpoint
+
+    def close_step(self, started: float) -> tuple:
+        """(wall-clock seconds, phases) of the step that began at `started`, the pending save's time in both."""
+        self.clock.phases["checkpoint"] += self.pending_checkpoint
+        seconds = time.perf_counter() - started + self.pending_checkpoint
+        self.pending_checkpoint = 0.0
+        return seconds, self.clock.phases
 
 
 def evaluate(engine, batches: list) -> dict:
     """Mean loss over a fixed set of validation blocks, across ranks, and its perplexity."""
-    import torch
     import deepspeed.comm as ds_comm
+    import torch
 
     engine.eval()
     sums = torch.zeros(2, dtype=torch.float64, device=engine.device)
@@ -92,118 +159,131 @@ def evaluate(engine, batches: list) -> dict:
     return {"eval_loss": loss, "eval_perplexity": math.exp(min(loss, 50.0))}
 
 
-def train_loop(
-    engine,
-    batches: StepBatches,
-    state: TrainState,
-    settings: LoopSettings,
-    metrics: MetricsLogger,
-    eval_batches: Optional[list],
-    save: Callable[[], None],
-    preemption: PreemptionFlag,
-    profiler: Optional[StepProfiler] = None,
-    guard: Optional[NonFiniteGuard] = None,
-    switch: Optional[SkipSwitch] = None,
-    rollback: Optional[Callable[[], None]] = None,
-) -> None:
+def train_loop(engine, batches: StepBatches, state: TrainState, settings: LoopSettings, hooks: LoopHooks) -> None:
     """Train until max_steps. Raises Preempted after committing a checkpoint when any rank was signalled."""
     from tqdm.auto import tqdm
     from tqdm.contrib.logging import logging_redirect_tqdm
 
     engine.train()
-    last_save = time.monotonic()
-    pending_checkpoint = 0.0
+    timers = StepTimers(engine.device, settings.save_interval_minutes)
     window = LogWindow()
-    clock = PhaseClock(engine.device)
     bar = tqdm(total=settings.max_steps, initial=state.step, disable=not settings.show_progress,
                desc="training", unit="step", dynamic_ncols=True)
     with logging_redirect_tqdm():
         while state.step < settings.max_steps:
-            if profiler:
-                profiler.before_step(state.step + 1)
+            if hooks.profiler:
+                hooks.profiler.before_step(state.step + 1)
             started = time.perf_counter()
-            clock.start()
             data_step = state.step + state.data_offset  # rollbacks jump the data past offending batches
-            micro_batches, global_targets, n_blocks = batches.for_step(data_step)
-            clock.lap("data_wait")
-            scale = settings.dp_world_size / max(global_targets, 1)
-            loss_sum = 0.0
-            forced = None
-            for i, batch in enumerate(micro_batches):
-                summed = token_loss_sum(engine, batch)
-                factor = injected_loss_factor(data_step + 1, settings.rank)  # TEST-ONLY hook, inert in use
-                if factor is not None:
-                    summed = summed * factor
-                clock.lap("forward")
-                engine.backward(summed * scale, scale_wrt_gas=False)
-                clock.lap("backward")
-                loss_sum = loss_sum + summed.detach()
-                if i == len(micro_batches) - 1:
-                    # One small all-reduce before the update: the global loss (for the non-finite and spike
-                    # checks) and the flags every rank must agree on at this step boundary.
-                    interval_due = bool(settings.save_interval_minutes) and \
-                        time.monotonic() - last_save >= 60 * settings.save_interval_minutes
-                    global_loss_sum, preempted, interval_due = agree_step(
-                        engine.device, loss_sum, preemption.signal_name is not None, interval_due)
-                    global_loss = global_loss_sum / max(global_targets, 1)
-                    forced = guard.judge(global_loss) if guard else None
-                    if switch:
-                        switch.skip = forced is not None
-                    clock.lap("sync")
-                engine.step()  # an optimizer update only at the accumulation boundary
-                clock.lap("optimizer")
-            if switch:
-                switch.skip = False
-            applied = engine.was_step_applied()
-            state.step += 1
-            state.samples_seen += n_blocks
-            verdict = "ok" if guard is None else guard.after_step(
-                state.step, global_loss, forced, applied,
-                lambda: batches.sample_ids(data_step))
-            if not applied:
-                state.skipped_steps += 1
-            else:
-                state.tokens_seen += global_targets
-            last = state.step == settings.max_steps
-            if verdict == "rollback":
-                rollback()  # restores the last committed checkpoint and moves the data past this streak
+            result = optimizer_step(engine, batches, data_step, settings, hooks, timers)
+            if _count_step(state, result, hooks.guard, partial(batches.sample_ids, data_step)) == "rollback":
+                hooks.rollback()  # restores the last committed checkpoint and moves the data past this streak
                 window = LogWindow()
                 bar.reset(total=settings.max_steps)
                 bar.update(state.step)
                 continue
-            # A save's time joins the next step's (a step's record is written before its checkpoint, so a crash
-            # right after a commit never loses the record of the step the run resumes from).
-            clock.phases["checkpoint"] += pending_checkpoint
-            window.add(loss_sum, global_targets, n_blocks, time.perf_counter() - started + pending_checkpoint,
-                       clock.phases, engine.get_global_grad_norm(), skipped=not applied)
-            pending_checkpoint = 0.0
-            if profiler:
-                profiler.after_step(state.step)
+            seconds, phases = timers.close_step(started)
+            window.add(result.loss_sum, result.targets, result.blocks, seconds, phases,
+                       engine.get_global_grad_norm(), skipped=not result.applied)
+            if hooks.profiler:
+                hooks.profiler.after_step(state.step)
             bar.update(1)
-
-            if state.step % settings.logging_steps == 0 or last or preempted:
-                summary = window.summarize(engine.device, settings.throughput)
-                if summary["loss"] is not None:
-                    bar.set_postfix(loss=f"{summary['loss']:.3f}")
-                metrics.log({"step": state.step, "epoch": round(state.samples_seen / len(batches.blocks), 4),
-                             "time": round(time.time(), 3), **summary, "lr": engine.get_lr()[0],
-                             "tokens_seen": state.tokens_seen, "skipped_steps": state.skipped_steps})
+            last = state.step == settings.max_steps
+            if state.step % settings.logging_steps == 0 or last or result.preempted:
+                _log_window(engine, window, bar, state, settings, hooks.metrics, len(batches.blocks))
                 window = LogWindow()
-            if preempted:
-                save_started = time.perf_counter()
-                save()
-                seconds = time.perf_counter() - save_started
-                log.info("preemption (%s): checkpoint committed at step %d in %.1fs", preemption.signal_name or
-                         "signal on another rank", state.step, seconds)
-                if seconds > settings.preemption_grace_seconds:
-                    log.warning("the preemption save took %.1fs, more than --preemption_grace_seconds %.0f: ask the "
-                                "scheduler for an earlier signal", seconds, settings.preemption_grace_seconds)
+            if result.preempted:
+                _save_for_preemption(state.step, settings, hooks, timers)
                 raise Preempted(state.step)
-            if eval_batches and settings.eval_steps and state.step % settings.eval_steps == 0 and not last:
-                metrics.log({"step": state.step, **evaluate(engine, eval_batches)})
-            if not last and (interval_due or (settings.save_steps and state.step % settings.save_steps == 0)):
-                save_started = time.perf_counter()
-                save()
-                pending_checkpoint = time.perf_counter() - save_started
-                last_save = time.monotonic()
+            if not last:  # at the last step finish() evaluates and saves
+                _evaluate_when_due(engine, state.step, settings, hooks)
+                _save_when_due(state.step, settings, hooks, timers, result.interval_due)
     bar.close()
+
+
+def optimizer_step(engine, batches: StepBatches, data_step: int, settings: LoopSettings, hooks: LoopHooks,
+                   timers: StepTimers) -> StepResult:
+    """One optimizer step on the global batch of `data_step` (0-based): every micro-batch's forward and backward,
+    the step-boundary agreement, the guard's judgement, then the update at the accumulation boundary (skipped on
+    every rank when the guard forces it)."""
+    clock = timers.clock
+    clock.start()
+    micro_batches, targets, blocks = batches.for_step(data_step)
+    clock.lap("data_wait")
+    scale = settings.dp_world_size / max(targets, 1)
+    *accumulating, boundary = micro_batches
+    loss_sum = 0.0
+    for batch in accumulating:
+        loss_sum = loss_sum + _forward_backward(engine, batch, scale, clock)
+        engine.step()  # inside the accumulation: no update, DeepSpeed counts the micro-batch
+        clock.lap("optimizer")
+    loss_sum = loss_sum + _forward_backward(engine, boundary, scale, clock)
+    # One small all-reduce before the update: the global loss (for the non-finite and spike checks) and the flags
+    # every rank must agree on at this step boundary.
+    global_loss_sum, preempted, interval_due = agree_step(
+        engine.device, loss_sum, hooks.preemption.signal_name is not None, timers.save_due())
+    global_loss = global_loss_sum / max(targets, 1)
+    forced = hooks.guard.judge(global_loss) if hooks.guard else None
+    if hooks.switch:
+        hooks.switch.skip = forced is not None
+    clock.lap("sync")
+    engine.step()  # the update, at the accumulation boundary
+    clock.lap("optimizer")
+    if hooks.switch:
+        hooks.switch.skip = False
+    return StepResult(loss_sum, targets, blocks, global_loss, preempted, interval_due, forced,
+                      applied=engine.was_step_applied())
+
+
+def _forward_backward(engine, batch: dict, scale: float, clock: PhaseClock):
+    """One micro-batch: the backward of its share of the step's loss; its summed token loss, detached."""
+    summed = token_loss_sum(engine, batch)  # looked up at each call: tests/helpers/inject_nonfinite.py wraps it
+    clock.lap("forward")
+    engine.backward(summed * scale, scale_wrt_gas=False)
+    clock.lap("backward")
+    return summed.detach()
+
+
+def _count_step(state: TrainState, result: StepResult, guard: NonFiniteGuard | None,
+                sample_ids: Callable[[], list]) -> str:
+    """Book the step in the train state; the guard's verdict ("ok", "skipped" or "rollback")."""
+    state.step += 1
+    state.samples_seen += result.blocks
+    verdict = "ok" if guard is None else guard.after_step(state.step, result.global_loss, result.forced,
+                                                         result.applied, sample_ids)
+    if not result.applied:
+        state.skipped_steps += 1
+    else:
+        state.tokens_seen += result.targets
+    return verdict
+
+
+def _log_window(engine, window: LogWindow, bar, state: TrainState, settings: LoopSettings, metrics: MetricsLogger,
+                epoch_blocks: int) -> None:
+    """The record of the steps since the last one (a collective: every rank calls it at the same step)."""
+    summary = window.summarize(engine.device, settings.throughput)
+    if summary["loss"] is not None:
+        bar.set_postfix(loss=f"{summary['loss']:.3f}")
+    metrics.log({"step": state.step, "epoch": round(state.samples_seen / epoch_blocks, 4),
+                 "time": round(time.time(), 3), **summary, "lr": engine.get_lr()[0],
+                 "tokens_seen": state.tokens_seen, "skipped_steps": state.skipped_steps})
+
+
+def _save_for_preemption(step: int, settings: LoopSettings, hooks: LoopHooks, timers: StepTimers) -> None:
+    seconds = timers.timed_save(hooks.save)
+    log.info("preemption (%s): checkpoint committed at step %d in %.1fs", hooks.preemption.signal_name or
+             "signal on another rank", step, seconds)
+    if seconds > settings.preemption_grace_seconds:
+        log.warning("the preemption save took %.1fs, more than --preemption_grace_seconds %.0f: ask the "
+                    "scheduler for an earlier signal", seconds, settings.preemption_grace_seconds)
+
+
+def _evaluate_when_due(engine, step: int, settings: LoopSettings, hooks: LoopHooks) -> None:
+    if hooks.eval_batches and settings.eval_steps and step % settings.eval_steps == 0:
+        hooks.metrics.log({"step": step, **evaluate(engine, hooks.eval_batches)})
+
+
+def _save_when_due(step: int, settings: LoopSettings, hooks: LoopHooks, timers: StepTimers,
+                   interval_due: bool) -> None:
+    if interval_due or (settings.save_steps and step % settings.save_steps == 0):
+        timers.timed_save(hooks.save)

@@ -5,15 +5,16 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from scaletrain.config import RunConfig, UsageError
+from scaletrain.config import ModelArgs
+from scaletrain.errors import UsageError
 
 log = logging.getLogger(__name__)
 
 
-def _model_flag(cfg: RunConfig) -> str:
-    if cfg.model_name_or_path:
-        return f"--model_name_or_path {cfg.model_name_or_path}"
-    return f"--config_name {cfg.config_name}" if cfg.config_name else f"default model {cfg.model_source}"
+def _model_flag(args: ModelArgs) -> str:
+    if args.model_name_or_path:
+        return f"--model_name_or_path {args.model_name_or_path}"
+    return f"--config_name {args.config_name}" if args.config_name else f"default model {args.model_source}"
 
 
 def _first_line(exc: Exception) -> str:
@@ -21,27 +22,27 @@ def _first_line(exc: Exception) -> str:
     return text.splitlines()[0][:240] if text else type(exc).__name__
 
 
-def load_model_config(cfg: RunConfig):
+def load_model_config(args: ModelArgs):
     from transformers import AutoConfig
 
     try:
-        return AutoConfig.from_pretrained(cfg.model_source, trust_remote_code=cfg.trust_remote_code)
+        return AutoConfig.from_pretrained(args.model_source, trust_remote_code=args.trust_remote_code)
     except (OSError, ValueError, KeyError) as exc:
         if "trust_remote_code" in str(exc):
             raise UsageError(
-                f"{_model_flag(cfg)}: the model needs custom code from its repository",
+                f"{_model_flag(args)}: the model needs custom code from its repository",
                 "pass --trust_remote_code if you trust that code",
             ) from exc
-        raise UsageError(f"{_model_flag(cfg)}: cannot load its config ({_first_line(exc)})",
+        raise UsageError(f"{_model_flag(args)}: cannot load its config ({_first_line(exc)})",
                          "give a folder with a config.json, or a hub id") from exc
 
 
-def load_tokenizer(cfg: RunConfig):
+def load_tokenizer(args: ModelArgs):
     from transformers import AutoTokenizer
 
-    flag = f"--tokenizer_name {cfg.tokenizer_name}" if cfg.tokenizer_name else _model_flag(cfg)
+    flag = f"--tokenizer_name {args.tokenizer_name}" if args.tokenizer_name else _model_flag(args)
     try:
-        tokenizer = AutoTokenizer.from_pretrained(cfg.tokenizer_source, trust_remote_code=cfg.trust_remote_code)
+        tokenizer = AutoTokenizer.from_pretrained(args.tokenizer_source, trust_remote_code=args.trust_remote_code)
     except (OSError, ValueError, KeyError, TypeError) as exc:
         if "trust_remote_code" in str(exc):
             raise UsageError(f"{flag}: the tokenizer needs custom code from its repository",
@@ -59,7 +60,7 @@ def load_tokenizer(cfg: RunConfig):
     return tokenizer
 
 
-def build_model(cfg: RunConfig, model_config, ds_config: dict, zero_stage: int) -> tuple:
+def build_model(args: ModelArgs, model_config, ds_config: dict, zero_stage: int) -> tuple:
     """Return (model, keepalive). Under ZeRO-3 each parameter is partitioned as it is created.
 
     transformers builds the model inside `deepspeed.zero.Init` while an `HfDeepSpeedConfig` is alive, both for
@@ -71,21 +72,21 @@ def build_model(cfg: RunConfig, model_config, ds_config: dict, zero_stage: int) 
     from transformers.integrations import HfDeepSpeedConfig
 
     keepalive: Any = HfDeepSpeedConfig(ds_config) if zero_stage == 3 else None
-    if cfg.model_name_or_path:
+    if args.model_name_or_path:
         model = AutoModelForCausalLM.from_pretrained(
-            cfg.model_name_or_path,
+            args.model_name_or_path,
             config=model_config,
             dtype=torch.float32,  # DeepSpeed keeps fp32 master weights and casts for bf16/fp16 itself
-            trust_remote_code=cfg.trust_remote_code,
+            trust_remote_code=args.trust_remote_code,
         )
     else:
-        model = AutoModelForCausalLM.from_config(model_config, trust_remote_code=cfg.trust_remote_code)
-    if cfg.gradient_checkpointing:
+        model = AutoModelForCausalLM.from_config(model_config, trust_remote_code=args.trust_remote_code)
+    if args.gradient_checkpointing:
         # Non-reentrant checkpointing works with ZeRO-3's parameter hooks and with inputs that need no grad.
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         model.config.use_cache = False
     n_params = sum(getattr(p, "ds_numel", p.numel()) for p in model.parameters())
-    log.info("model: %s (%s), %.2fM parameters%s", type(model).__name__, cfg.model_source, n_params / 1e6,
+    log.info("model: %s (%s), %.2fM parameters%s", type(model).__name__, args.model_source, n_params / 1e6,
              ", built sharded (ZeRO-3)" if zero_stage == 3 else "")
     return model, keepalive
 

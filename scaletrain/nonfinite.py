@@ -11,7 +11,7 @@ overflow is the loss scaler's normal business.
 Every skipped step is written to <output_dir>/nonfinite_ledger.jsonl with the global sample ids (block indices
 of the training order) of its batch. After --max_consecutive_skips skips in a row the run rolls back to the last
 committed checkpoint and continues with the data after the offending batches; with --on_nonfinite stop it ends
-at the first one with a message and NONFINITE_EXIT_CODE.
+at the first one with a message and errors.NONFINITE_EXIT_CODE (3).
 """
 
 from __future__ import annotations
@@ -24,18 +24,16 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Optional
 
+from scaletrain.ds_internals import SkipSwitch  # noqa: F401  (it hooks DeepSpeed internals; loop.py imports it here)
+from scaletrain.config import NonFiniteArgs
+from scaletrain.errors import NonFiniteStop
 from scaletrain.state import TrainState
 
 log = logging.getLogger(__name__)
 
-NONFINITE_EXIT_CODE = 3
 LEDGER_FILE = "nonfinite_ledger.jsonl"
 SPIKE_WARMUP_STEPS = 10  # applied steps before the running mean is trusted for spike detection
 MEAN_DECAY = 0.95  # exponential running mean once warmed up
-
-
-class NonFiniteStop(Exception):
-    """--on_nonfinite stop (or a rollback with nothing to roll back to): train.py exits NONFINITE_EXIT_CODE."""
 
 
 @dataclass(frozen=True)
@@ -45,56 +43,9 @@ class NonFinitePolicy:
     loss_spike_factor: float  # 0: off
     fp16: bool  # DeepSpeed-side skips are loss-scale overflows, not failures
 
-
-class SkipSwitch:
-    """Makes the next engine.step() at an accumulation boundary skip its update, through DeepSpeed's overflow path.
-
-    ZeRO-1/2 (DeepSpeedZeroOptimizer) and ZeRO-3 (DeepSpeedZeroOptimizer_Stage3) both discard a step when their
-    `overflow` flag is set: gradients cleared, loss scale updated, and the engine skips the LR scheduler and counts
-    the step in `skipped_steps`. The switch sets that flag where each optimizer computes it. A plain torch optimizer
-    (ZeRO stage 0, fp32) has its step replaced by a zero_grad. These hook DeepSpeed internals: tests/test_nonfinite.py
-    checks every stage, so a DeepSpeed upgrade that moves them fails there, not in a user's run.
-    """
-
-    def __init__(self, optimizer):
-        self.skip = False
-        if hasattr(optimizer, "_overflow_check_and_loss_scale_update"):  # ZeRO-3
-            original = optimizer._overflow_check_and_loss_scale_update
-
-            def check_stage3(update_scale=True):
-                if not self.skip:
-                    return original(update_scale)
-                optimizer.overflow = True
-                return optimizer._loss_scale_update_and_overflow_cleanup() if update_scale else True
-
-            optimizer._overflow_check_and_loss_scale_update = check_stage3
-        elif hasattr(optimizer, "check_grad_overflow") and hasattr(optimizer, "check_overflow"):  # ZeRO-1/2
-            original_check, checked = optimizer.check_overflow, optimizer.check_grad_overflow
-
-            def check_stage12(partition_gradients=True):
-                if self.skip:
-                    optimizer.overflow = True
-                elif checked:
-                    original_check(partition_gradients=partition_gradients)
-
-            optimizer.check_overflow = check_stage12
-            # Now consulted on every step; a non-finite gradient norm also counts as overflow under bf16.
-            optimizer.check_grad_overflow = True
-        elif type(optimizer).__module__.startswith("torch.optim"):
-            original_step = optimizer.step
-            optimizer.overflow = False
-
-            def step(*args, **kwargs):
-                optimizer.overflow = self.skip
-                if self.skip:
-                    optimizer.zero_grad(set_to_none=True)
-                    return None
-                return original_step(*args, **kwargs)
-
-            optimizer.step = step
-        else:
-            raise RuntimeError(f"--on_nonfinite skip: cannot skip updates of a {type(optimizer).__name__} optimizer "
-                               "(use ZeRO stage 1-3, or --on_nonfinite stop)")
+    @classmethod
+    def from_args(cls, args: NonFiniteArgs, fp16: bool) -> "NonFinitePolicy":
+        return cls(args.on_nonfinite, args.max_consecutive_skips, args.loss_spike_factor, fp16)
 
 
 class NonFiniteGuard:

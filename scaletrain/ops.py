@@ -21,6 +21,8 @@ import time
 from contextlib import contextmanager
 from typing import Callable, Iterator, List, Optional
 
+from scaletrain import ds_internals
+
 log = logging.getLogger(__name__)
 
 # DeepSpeed's optimizer "type" (lower case) -> the op builder of its host (CPU) implementation under offload.
@@ -49,9 +51,7 @@ def engine_ops(ds_config: dict, accelerator: str) -> List[str]:
 
 def build_directory(op_name: str) -> str:
     """Where torch.utils.cpp_extension builds (and caches) an op: $TORCH_EXTENSIONS_DIR or ~/.cache/..."""
-    from torch.utils.cpp_extension import _get_build_directory  # torch's own rule, so the paths agree
-
-    return _get_build_directory(op_name, verbose=False)
+    return ds_internals.torch_build_directory(op_name)
 
 
 @contextmanager
@@ -66,14 +66,11 @@ def _exclusive(path: str) -> Iterator[None]:
 
 def load_op(builder_name: str, say: Optional[Callable[[str], None]] = None):
     """Load (building first if needed) one DeepSpeed op for this accelerator; None if it does not apply here."""
-    from deepspeed.accelerator import get_accelerator
-    from deepspeed.git_version_info import installed_ops
-
     say = say or log.warning  # from whichever rank builds: minutes of silence otherwise look like a hang
-    builder = get_accelerator().create_op_builder(builder_name)
+    builder = ds_internals.create_op_builder(builder_name)
     if builder is None or not builder.is_compatible(verbose=False):
         return None
-    if installed_ops.get(builder.name, False):  # compiled into the DeepSpeed install: nothing to build
+    if ds_internals.op_preinstalled(builder):  # compiled into the DeepSpeed install: nothing to build
         return builder.load()
     folder = build_directory(builder.name)
     with _exclusive(folder.rstrip("/") + ".scaletrain-lock"):

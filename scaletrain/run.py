@@ -8,18 +8,21 @@ import random
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
-from scaletrain import checkpoint, data, distributed, engine as engine_lib, model as model_lib, tokenstore
-from scaletrain.config import UsageError
+from scaletrain import checkpoint, distributed, engine as engine_lib, model as model_lib, store_prep, tokenstore
+from scaletrain.blocks import MixedBlocks, PackedBlocks, blocks_from_store, eval_batches
+from scaletrain.errors import NonFiniteStop, UsageError
 from scaletrain.distributed import DistInfo
 from scaletrain.logs import silence_library_logs
-from scaletrain.loop import LoopSettings, evaluate, train_loop
+from scaletrain.loop import LoopHooks, LoopSettings, evaluate, train_loop
 from scaletrain.flops import peak_tflops
 from scaletrain.metrics import MetricsLogger, StepProfiler, ThroughputModel
-from scaletrain.plan import (RunPlan, describe_plan, plan_run, print_config, print_memory_plan, store_paths,
-                             write_run_folder)
+from scaletrain.preflight import (ResolvedRun, describe_launch, print_config, print_memory_plan, resolve_run,
+                                  write_run_folder)
+from scaletrain.sampling import GlobalOrder, StepBatches
 from scaletrain.schedules import LRSchedule, warmup_steps_for
 from scaletrain.faults import PreemptionFlag
-from scaletrain.nonfinite import NonFiniteGuard, NonFinitePolicy, NonFiniteStop, SkipSwitch
+from scaletrain.nonfinite import NonFiniteGuard, NonFinitePolicy
+from scaletrain.ds_internals import SkipSwitch
 from scaletrain.state import TrainState
 
 log = logging.getLogger(__name__)
@@ -35,16 +38,16 @@ def seed_everything(seed: int) -> None:
 
 
 class Run:
-    def __init__(self, plan: RunPlan, dist: DistInfo):
-        self.plan = plan
-        self.cfg = plan.cfg
+    def __init__(self, resolved: ResolvedRun, dist: DistInfo):
+        self.resolved = resolved
+        self.cfg = resolved.cfg
         self.dist = dist
         self.model: Any = None
         self._zero3_keepalive: Any = None
         self.stores: list = []
-        self.train_blocks: Optional[data.PackedBlocks] = None
+        self.train_blocks: Optional[PackedBlocks] = None
         self.eval_batches: Optional[list] = None
-        self.order: Optional[data.GlobalOrder] = None
+        self.order: Optional[GlobalOrder] = None
         self.schedule: Optional[LRSchedule] = None
         self.engine: Any = None
         self.metrics: Optional[MetricsLogger] = None
@@ -53,70 +56,68 @@ class Run:
         self.guard: Optional[NonFiniteGuard] = None
 
     @classmethod
-    def plan(cls, argv: Optional[Sequence[str]], dist: DistInfo) -> "Run":
-        plan = plan_run(argv, dist)
+    def from_flags(cls, argv: Optional[Sequence[str]], dist: DistInfo) -> "Run":
+        resolved = resolve_run(argv, dist)
         silence_library_logs()
-        return cls(plan, dist)
+        return cls(resolved, dist)
 
     def print_config(self) -> None:
-        print_config(self.plan, self.dist)
+        print_config(self.resolved, self.dist)
 
     def print_memory_plan(self) -> None:
-        print_memory_plan(self.plan)
+        print_memory_plan(self.resolved)
 
     def init_distributed(self) -> None:
         self.dist = distributed.init_distributed(self.dist)
-        describe_plan(self.plan, self.dist)
-        seed_everything(self.cfg.seed)
+        describe_launch(self.resolved, self.dist)
+        seed_everything(self.cfg.optim.seed)
 
     def build_model(self) -> None:
         self.model, self._zero3_keepalive = model_lib.build_model(
-            self.cfg, self.plan.model_config, self.plan.ds.config, self.plan.ds.zero_stage)
+            self.cfg.model, self.resolved.model_config, self.resolved.ds.config, self.resolved.ds.zero_stage)
 
     def prepare_resume(self) -> None:
         """A checkpoint from another number of ranks is converted to DeepSpeed's universal format first (global
         rank 0 converts; the others wait on the file system, before any process group exists)."""
-        if self.plan.resume_from is not None and self.plan.reshard:
-            checkpoint.ensure_universal(self.plan.resume_from, self.dist.rank)
+        if self.resolved.resume_from is not None and self.resolved.reshard:
+            checkpoint.ensure_universal(self.resolved.resume_from, self.dist.rank)
 
     def prepare_data(self) -> None:
         """Token stores: --data_path or --dataset_mix as given, or raw data prepared once (local rank 0 of each
         node prepares; the others wait on the file system)."""
-        cfg = self.cfg
-        paths = [Path(p) for p in store_paths(cfg)]
+        paths = [Path(p) for p in self.cfg.data.store_paths]
         if not paths:
-            paths = [data.ensure_token_store(cfg, self.plan.tokenizer, cfg.tokenizer_source, self.plan.block_size,
-                                             self.dist.local_rank, show_progress=self.dist.is_main)]
+            paths = [store_prep.ensure_token_store(
+                self.cfg.data, self.resolved.tokenizer, self.cfg.model.tokenizer_source, self.resolved.block_size,
+                self.dist.local_rank, show_progress=self.dist.is_main)]
         self.stores = [tokenstore.open_store(p) for p in paths]
         log.info("token store(s): %s", ", ".join(map(str, paths)))
 
     def build_data(self) -> None:
-        cfg, dist, size = self.cfg, self.dist, self.plan.block_size
-        train = [data.blocks_from_store(s, "train", size, cfg.attention_isolation) for s in self.stores]
+        """Packed blocks from the stores, this rank's view of the global order, the LR schedule's length and the
+        fixed evaluation set."""
+        data, optim, dist, size = self.cfg.data, self.cfg.optim, self.dist, self.resolved.block_size
+        train = [blocks_from_store(s, "train", size, data.attention_isolation) for s in self.stores]
         if any(t is None for t in train):
-            raise UsageError(f"{cfg.data_path or cfg.dataset_mix or cfg.train_data_file or cfg.dataset_name}: "
+            raise UsageError(f"{data.data_path or data.dataset_mix or data.train_data_file or data.dataset_name}: "
                              "no training tokens", "give data with at least one non-empty document")
-        if cfg.dataset_mix:
-            weights = [w for _, w in data.parse_dataset_mix(cfg.dataset_mix)]
-            self.train_blocks = data.MixedBlocks(train, weights, cfg.seed)
-        else:
-            self.train_blocks = train[0]
-        validation = [data.blocks_from_store(s, "validation", size, cfg.attention_isolation) for s in self.stores]
+        self.train_blocks = MixedBlocks(train, [w for _, w in data.mix], optim.seed) if data.mix else train[0]
         # Batch sizes as DeepSpeed will use them: an explicit JSON value stands where the flag was not typed.
-        micro = self.plan.ds.config["train_micro_batch_size_per_gpu"]
-        accumulation = self.plan.ds.config["gradient_accumulation_steps"]
-        resumed = self.plan.resume_state or {}
-        self.order = data.GlobalOrder(len(self.train_blocks), micro, accumulation, dist.dp_world_size, cfg.seed,
-                                      start_step=resumed.get("step", 0) + resumed.get("data_offset", 0),
-                                      start_samples=resumed.get("samples_seen", 0))
-        total = cfg.max_steps if cfg.max_steps > 0 else self.order.total_steps(cfg.num_train_epochs)
-        self.schedule = LRSchedule(cfg.lr_scheduler_type, total,
-                                   warmup_steps_for(total, cfg.warmup_steps, cfg.warmup_ratio),
-                                   cfg.min_lr_ratio, cfg.decay_ratio)
+        micro = self.resolved.ds.config["train_micro_batch_size_per_gpu"]
+        accumulation = self.resolved.ds.config["gradient_accumulation_steps"]
+        resumed = self.resolved.resume_state or {}
+        self.order = GlobalOrder(len(self.train_blocks), micro, accumulation, dist.dp_world_size, optim.seed,
+                                 start_step=resumed.get("step", 0) + resumed.get("data_offset", 0),
+                                 start_samples=resumed.get("samples_seen", 0))
+        total = optim.max_steps if optim.max_steps > 0 else self.order.total_steps(optim.num_train_epochs)
+        self.schedule = LRSchedule(optim.lr_scheduler_type, total,
+                                   warmup_steps_for(total, optim.warmup_steps, optim.warmup_ratio),
+                                   optim.min_lr_ratio, optim.decay_ratio)
         # Every store's validation blocks, the same fixed set on every run (each rank the same number of batches).
+        validation = [blocks_from_store(s, "validation", size, data.attention_isolation) for s in self.stores]
         self.eval_batches = [batch for blocks in validation if blocks is not None
-                             for batch in data.eval_batches(blocks, cfg.per_device_eval_batch_size, dist.rank,
-                                                            dist.dp_world_size, cfg.max_eval_samples)] or None
+                             for batch in eval_batches(blocks, optim.per_device_eval_batch_size, dist.rank,
+                                                       dist.dp_world_size, self.cfg.logging.max_eval_samples)] or None
         b = self.train_blocks
         log.info("data: %d documents, %d tokens -> %d blocks of %d (last block %d real tokens, padded; none "
                  "dropped); global batch %d blocks = %d micro x %d accumulation x %d ranks; %d steps/epoch, "
@@ -125,86 +126,86 @@ class Run:
                  dist.dp_world_size, self.order.steps_per_epoch, total)
 
     def write_run_folder(self) -> None:
-        if self.cfg.dry_run:
+        if self.cfg.run.dry_run:
             return  # a dry run leaves the output folder as it was
-        if self.plan.resume_from is None and self.cfg.overwrite_output_dir and self.dist.is_main:
-            checkpoint.clear_previous_run(self.cfg.output_dir)  # an explicit fresh start in a used folder
-        write_run_folder(self.plan, {"total_steps": self.schedule.total_steps,
+        if self.resolved.resume_from is None and self.cfg.run.overwrite_output_dir and self.dist.is_main:
+            checkpoint.clear_previous_run(self.cfg.run.output_dir)  # an explicit fresh start in a used folder
+        write_run_folder(self.resolved, {"total_steps": self.schedule.total_steps,
                                      "warmup_steps": self.schedule.warmup_steps,
-                                     "world_size": self.dist.world_size, "precision": self.plan.ds.precision},
+                                     "world_size": self.dist.world_size, "precision": self.resolved.ds.precision},
                          self.dist)
         distributed.barrier()  # the folder exists before any rank writes into it
 
     def build_engine(self) -> None:
-        self.engine = engine_lib.build_engine(self.model, self.plan.ds.config, self.cfg.weight_decay, self.schedule)
+        self.engine = engine_lib.build_engine(self.model, self.resolved.ds.config, self.cfg.optim.weight_decay,
+                                              self.schedule)
         # From here a SIGUSR1/SIGTERM becomes a checkpoint at the next step boundary instead of a lost run.
         self.preemption.install()
 
     def resume(self) -> None:
         """Restore the newest committed checkpoint (or the one asked for); every rank loads its own shards."""
-        if self.plan.resume_from is not None:
-            checkpoint.load_checkpoint(self.engine, self.plan.resume_from, self.state, self.dist.rank,
-                                       universal=self.plan.reshard)
+        if self.resolved.resume_from is not None:
+            checkpoint.load_checkpoint(self.engine, self.resolved.resume_from, self.state, self.dist.rank,
+                                       universal=self.resolved.reshard)
             self.state.world_size = self.dist.dp_world_size
-        self.metrics = MetricsLogger(self.cfg.output_dir, self.dist.is_main, self.cfg.report_sinks,
-                                     self.cfg.run_name or Path(self.cfg.output_dir).resolve().name,
+        self.metrics = MetricsLogger(self.cfg.run.output_dir, self.dist.is_main, self.cfg.logging.report_sinks,
+                                     self.cfg.run.run_name or Path(self.cfg.run.output_dir).resolve().name,
                                      self.cfg.to_dict(), resume_step=self.state.step,
-                                     wandb_run_id=self.state.wandb_run_id, write_files=not self.cfg.dry_run)
+                                     wandb_run_id=self.state.wandb_run_id, write_files=not self.cfg.run.dry_run)
         self.state.wandb_run_id = self.metrics.wandb_run_id
 
     def save(self) -> Path:
-        return checkpoint.save_checkpoint(self.engine, self.cfg.output_dir, self.state, self.dist.rank,
-                                          self.cfg.save_total_limit, model_facts=self.plan.model_facts)
+        return checkpoint.save_checkpoint(self.engine, self.cfg.run.output_dir, self.state, self.dist.rank,
+                                          self.cfg.checkpoint.save_total_limit, model_facts=self.resolved.model_facts)
 
     def throughput_model(self) -> ThroughputModel:
         """FLOPs per token and the device peak, for TFLOP/s, MFU and HFU (the peak is calibrated on rank 0 only:
         the figures are reported from there, and calibrating on every rank at once would share the cores)."""
         peak, source = (None, "not measured on this rank")
         if self.dist.is_main:
-            peak, source = peak_tflops(self.dist.accelerator, self.plan.ds.precision, self.cfg.peak_tflops)
+            peak, source = peak_tflops(self.dist.accelerator, self.resolved.ds.precision, self.cfg.logging.peak_tflops)
             log.info("peak %s TFLOP/s per device (%s); %.3g model FLOPs per token", "unknown" if peak is None
-                     else f"{peak:.3g}", source, self.plan.flops.per_token())
-        recompute = self.cfg.gradient_checkpointing
-        return ThroughputModel(self.plan.flops.per_token(), self.plan.flops.per_token(recompute=recompute), peak,
-                               self.dist.dp_world_size)
+                     else f"{peak:.3g}", source, self.resolved.flops.per_token())
+        recompute = self.cfg.model.gradient_checkpointing
+        flops = self.resolved.flops
+        return ThroughputModel(flops.per_token(), flops.per_token(recompute=recompute), peak, self.dist.dp_world_size)
 
     def train(self) -> None:
-        dry = self.cfg.dry_run  # one full step, logged, nothing saved
+        dry = self.cfg.run.dry_run  # one full step, logged, nothing saved
         settings = LoopSettings(
             max_steps=min(self.state.step + 1, self.schedule.total_steps) if dry else self.schedule.total_steps,
-            logging_steps=1 if dry else self.cfg.logging_steps,
-            eval_steps=0 if dry else self.cfg.eval_steps,
-            save_steps=0 if dry else self.cfg.save_steps,
-            save_interval_minutes=0 if dry else self.cfg.save_interval_minutes,
-            preemption_grace_seconds=self.cfg.preemption_grace_seconds,
+            logging_steps=1 if dry else self.cfg.logging.logging_steps,
+            eval_steps=0 if dry else self.cfg.logging.eval_steps,
+            save_steps=0 if dry else self.cfg.checkpoint.save_steps,
+            save_interval_minutes=0 if dry else self.cfg.checkpoint.save_interval_minutes,
+            preemption_grace_seconds=self.cfg.checkpoint.preemption_grace_seconds,
             dp_world_size=self.dist.dp_world_size,
-            show_progress=self.dist.is_main and not self.cfg.disable_tqdm,
+            show_progress=self.dist.is_main and not self.cfg.logging.disable_tqdm,
             throughput=self.throughput_model(),
-            rank=self.dist.rank,
         )
-        batches = data.StepBatches(self.train_blocks, self.order, self.dist.rank)
-        policy = NonFinitePolicy(self.cfg.on_nonfinite, self.cfg.max_consecutive_skips, self.cfg.loss_spike_factor,
-                                 fp16=self.plan.ds.precision == "fp16")
-        self.guard = NonFiniteGuard(policy, self.state, self.cfg.output_dir, self.dist.is_main,
+        batches = StepBatches(self.train_blocks, self.order, self.dist.rank)
+        policy = NonFinitePolicy.from_args(self.cfg.nonfinite, fp16=self.resolved.ds.precision == "fp16")
+        self.guard = NonFiniteGuard(policy, self.state, self.cfg.run.output_dir, self.dist.is_main,
                                     write_files=not dry)
-        switch = SkipSwitch(self.engine.optimizer) if policy.action == "skip" else None
-        train_loop(self.engine, batches, self.state, settings, self.metrics, self.eval_batches, save=self.save,
-                   preemption=self.preemption,
-                   profiler=StepProfiler(self.cfg.profile_range, self.cfg.output_dir, self.dist.rank),
-                   guard=self.guard, switch=switch, rollback=self.rollback)
+        hooks = LoopHooks(
+            metrics=self.metrics, save=self.save, preemption=self.preemption, eval_batches=self.eval_batches,
+            profiler=StepProfiler(self.cfg.logging.profile_range, self.cfg.run.output_dir, self.dist.rank),
+            guard=self.guard, switch=SkipSwitch(self.engine.optimizer) if policy.action == "skip" else None,
+            rollback=self.rollback)
+        train_loop(self.engine, batches, self.state, settings, hooks)
 
     def rollback(self) -> None:
         """--max_consecutive_skips reached: back to the newest committed checkpoint, the data past the streak."""
         state = self.state
-        newest = checkpoint.newest_committed(self.cfg.output_dir)
+        newest = checkpoint.newest_committed(self.cfg.run.output_dir)
         if newest is None:
             raise NonFiniteStop(f"step {state.step}: {state.consecutive_skips} updates skipped in a row and no "
                                 "committed checkpoint to roll back to; lower the learning rate or check the data "
-                                f"(the samples are in {self.cfg.output_dir}/nonfinite_ledger.jsonl), and use "
+                                f"(the samples are in {self.cfg.run.output_dir}/nonfinite_ledger.jsonl), and use "
                                 "--save_steps so a rollback has a checkpoint")
         data_step, position, from_step = state.step + state.data_offset, state.samples_seen, state.step
         # A checkpoint from another rank count (this run's resharded start) loads through its universal form.
-        universal = self.plan.reshard and newest == self.plan.resume_from
+        universal = self.resolved.reshard and newest == self.resolved.resume_from
         checkpoint.load_checkpoint(self.engine, newest, state, self.dist.rank, universal=universal)
         state.world_size = self.dist.dp_world_size
         state.data_offset = data_step - state.step  # the next step trains on the batch after the streak
@@ -214,10 +215,10 @@ class Run:
         self.guard.record({"step": from_step, "event": "rollback", "to_checkpoint": newest.name,
                            "to_step": state.step, "data_offset": state.data_offset})
         log.warning("rolled back to %s (step %d) after %d skipped updates in a row; training continues with the "
-                    "data after step %d", newest, state.step, self.cfg.max_consecutive_skips, from_step)
+                    "data after step %d", newest, state.step, self.cfg.nonfinite.max_consecutive_skips, from_step)
 
     def finish(self) -> None:
-        if self.cfg.dry_run:
+        if self.cfg.run.dry_run:
             record = self.metrics.last_record or {}
             log.info("dry run OK: one step in %.2fs (forward %.2fs, backward %.2fs, optimizer %.2fs); memory: %s; "
                      "nothing was saved", record.get("step_time_s", 0), record.get("forward_s", 0),
@@ -227,13 +228,13 @@ class Run:
             return
         if self.eval_batches:
             self.metrics.log({"step": self.state.step, **evaluate(self.engine, self.eval_batches)})
-        newest = checkpoint.newest_committed(self.cfg.output_dir)
+        newest = checkpoint.newest_committed(self.cfg.run.output_dir)
         if newest is None or checkpoint.committed_step(newest) != self.state.step:
             self.save()
-        if self.cfg.export_hf_at_end:
-            checkpoint.export_hf_model(self.engine, self.plan.tokenizer, self.cfg.output_dir, self.dist.is_main)
+        if self.cfg.checkpoint.export_hf_at_end:
+            checkpoint.export_hf_model(self.engine, self.resolved.tokenizer, self.cfg.run.output_dir, self.dist.is_main)
         log.info("done: %d steps, %d tokens trained; outputs in %s", self.state.step, self.state.tokens_seen,
-                 self.cfg.output_dir)
+                 self.cfg.run.output_dir)
 
     def close(self) -> None:
         self.preemption.uninstall()

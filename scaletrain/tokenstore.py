@@ -28,7 +28,7 @@ from typing import Iterator, Optional
 
 import numpy as np
 
-from scaletrain.config import UsageError
+from scaletrain.errors import PrepareError, UsageError
 
 log = logging.getLogger(__name__)
 FORMAT_VERSION = 1
@@ -117,9 +117,9 @@ def read_manifest(store: Path) -> dict:
         manifest = json.loads(path.read_text())
     except FileNotFoundError:
         raise UsageError(f"--data_path {store}: not a token store (no {MANIFEST})",
-                         "prepare one with python data/prepare.py --output_dir ...")
+                         "prepare one with python data/prepare.py --output_dir ...") from None
     except (OSError, ValueError) as exc:
-        raise UsageError(f"--data_path {store}: unreadable {MANIFEST} ({exc})", "prepare the store again")
+        raise UsageError(f"--data_path {store}: unreadable {MANIFEST} ({exc})", "prepare the store again") from exc
     if manifest.get("format_version") != FORMAT_VERSION:
         raise UsageError(f"--data_path {store}: store format version {manifest.get('format_version')}, this code "
                          f"reads version {FORMAT_VERSION}", "prepare the store again with this version")
@@ -146,7 +146,8 @@ def open_store(store: Path, expected: Optional[Fingerprint] = None) -> dict:
         try:
             doc_starts = np.load(docs_path, mmap_mode="r")
         except (OSError, ValueError) as exc:
-            raise UsageError(f"--data_path {store}: {docs_path.name} is unreadable ({exc})", "prepare the store again")
+            raise UsageError(f"--data_path {store}: {docs_path.name} is unreadable ({exc})",
+                             "prepare the store again") from exc
         if len(doc_starts) != info["n_documents"]:
             raise UsageError(f"--data_path {store}: {docs_path.name} holds {len(doc_starts)} documents, the "
                              f"manifest says {info['n_documents']}", "prepare the store again")
@@ -158,11 +159,6 @@ def open_store(store: Path, expected: Optional[Fingerprint] = None) -> dict:
 # --- writing ---------------------------------------------------------------------------------------------------
 
 _WORKER: dict = {}
-
-
-class PrepareError(RuntimeError):
-    """Preparing a store failed for a reason outside the flags (a killed worker process, a full disk): one line,
-    exit code 1, and nothing half-written left behind."""
 
 
 def _init_worker(tokenizer_file: str, eos: int, dtype: str, add_special: bool, parent_pid: Optional[int]) -> None:

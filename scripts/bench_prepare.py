@@ -86,18 +86,18 @@ def run_recipe(corpus: Path, tokenizer_dir: Path, block_size: int, num_proc: int
 
 
 def run_store(corpus: Path, tokenizer_dir: Path, block_size: int, num_proc: int, out: Path) -> tuple:
-    from scaletrain.config import RunConfig
-    from scaletrain.data import prepare_token_store
+    from scaletrain.config import DataArgs
+    from scaletrain.store_prep import prepare_token_store
     from scaletrain.tokenstore import open_store
     from transformers import AutoTokenizer
 
     os.environ["HF_DATASETS_CACHE"] = str(out / "hf_cache")
     import datasets  # noqa: F401 - imported before the clock starts, as run_recipe does (half a second)
 
-    cfg = RunConfig(train_file=str(corpus), validation_split_percentage=0, tokenizer_name=str(tokenizer_dir))
+    data = DataArgs(train_file=str(corpus), validation_split_percentage=0)
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
     started = time.perf_counter()
-    store = prepare_token_store(cfg, tokenizer, str(tokenizer_dir), block_size, out / "store", num_proc,
+    store = prepare_token_store(data, tokenizer, str(tokenizer_dir), block_size, out / "store", num_proc,
                                 show_progress=False)
     seconds = time.perf_counter() - started
     split = open_store(store)["splits"]["train"]

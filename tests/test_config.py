@@ -18,17 +18,18 @@ def in_repo(monkeypatch):
 
 def test_defaults_point_at_the_builtin_model_and_sample_data(tmp_path):
     cfg = parse_run_config(ZERO3 + ["--output_dir", str(tmp_path / "run")])
-    assert cfg.model_source == str(DEFAULT_MODEL_DIR)
-    assert cfg.tokenizer_source == str(DEFAULT_MODEL_DIR)
-    assert cfg.train_data_file == str(DEFAULT_TRAIN_FILE)
-    assert cfg.uses_default_data
-    assert not cfg.trust_remote_code
+    assert cfg.model.model_source == str(DEFAULT_MODEL_DIR)
+    assert cfg.model.tokenizer_source == str(DEFAULT_MODEL_DIR)
+    assert cfg.data.train_data_file == str(DEFAULT_TRAIN_FILE)
+    assert cfg.data.uses_default_data
+    assert not cfg.model.trust_remote_code
 
 
 def test_deepspeed_alias_and_launcher_local_rank(tmp_path):
     cfg = parse_run_config(["--deepspeed", "ds_configs/zero2.json", "--local_rank=1", "--output_dir", str(tmp_path)])
-    assert cfg.config == "ds_configs/zero2.json"
-    assert cfg.local_rank == 1
+    assert cfg.engine.config == "ds_configs/zero2.json"
+    assert cfg.run.local_rank == 1
+    assert cfg.source_of("config") == "command line" and "local_rank" not in cfg.explicit_flags
 
 
 @pytest.mark.parametrize("argv, culprit", [
@@ -53,11 +54,11 @@ def test_bad_flags_name_the_culprit(argv, culprit, tmp_path):
 def test_output_dir_with_a_previous_run_resumes_or_is_refused(tmp_path):
     (tmp_path / "run_config.json").write_text("{}")
     # the default --resume_from_checkpoint auto continues the same run in its folder
-    assert parse_run_config(ZERO3 + ["--output_dir", str(tmp_path)]).resume_from_checkpoint == "auto"
+    assert parse_run_config(ZERO3 + ["--output_dir", str(tmp_path)]).checkpoint.resume_from_checkpoint == "auto"
     with pytest.raises(UsageError, match="--output_dir .* holds a previous run"):
         parse_run_config(ZERO3 + ["--output_dir", str(tmp_path), "--resume_from_checkpoint", "none"])
     assert parse_run_config(ZERO3 + ["--output_dir", str(tmp_path), "--resume_from_checkpoint", "none",
-                                     "--overwrite_output_dir"]).overwrite_output_dir
+                                     "--overwrite_output_dir"]).run.overwrite_output_dir
     (tmp_path / "run_config.json").write_text(json.dumps({"config_name": "elsewhere"}))
     with pytest.raises(UsageError, match="holds a different run"):
         parse_run_config(ZERO3 + ["--output_dir", str(tmp_path)])

@@ -6,10 +6,10 @@ import numpy as np
 import pytest
 from transformers import AutoTokenizer
 
-from scaletrain.config import UsageError, parse_run_config
-from scaletrain.data import EMPTY_SLOT, IGNORE_INDEX, GlobalOrder, MixedBlocks, PackedBlocks, StepBatches, \
-    blocks_from_store, parse_dataset_mix, \
-    eval_batches, prepare_token_store, store_fingerprint
+from scaletrain.blocks import EMPTY_SLOT, IGNORE_INDEX, MixedBlocks, PackedBlocks, blocks_from_store, eval_batches
+from scaletrain.config import UsageError, parse_dataset_mix, parse_run_config
+from scaletrain.sampling import GlobalOrder, StepBatches
+from scaletrain.store_prep import prepare_token_store, store_fingerprint
 from scaletrain.tokenstore import open_store
 from tests.conftest import REPO
 
@@ -44,8 +44,9 @@ DOCS = [("word " * n).strip() + f" end{n}." for n in (3, 40, 7, 90, 1, 15, 60)]
 
 
 def raw_cfg(tmp_path, *flags):
+    """The data slice of a run with these flags (what the store side receives)."""
     return parse_run_config(["--config", str(REPO / "ds_configs/zero2.json"), "--output_dir", str(tmp_path / "o"),
-                             "--validation_split_percentage", "0", *flags])
+                             "--validation_split_percentage", "0", *flags]).data
 
 
 def prepare(tmp_path, tokenizer, cfg, name="store", num_proc=1, block_size=16):
@@ -159,7 +160,7 @@ def test_attention_isolation_matches_each_document_run_alone(tokenizer):
         # use_cache=False as in training: transformers builds the per-document mask only without a KV cache
         packed = model(input_ids=batch["input_ids"], position_ids=batch["position_ids"], use_cache=False).logits[0]
         plain = model(input_ids=batch["input_ids"], use_cache=False).logits[0]
-        for doc, start in zip(docs, starts):
+        for doc, start in zip(docs, starts, strict=True):
             alone = model(input_ids=torch.tensor([doc])).logits[0]
             torch.testing.assert_close(packed[start: start + len(doc)], alone, rtol=1e-4, atol=1e-4)
     later = slice(starts[1], starts[1] + len(docs[1]))

@@ -18,6 +18,11 @@ def cfg_for(tmp_path, *flags):
                              *flags])
 
 
+def resolve(raw, cfg, dp_world_size, hidden_size, hw):
+    """The resolver gets the engine and optimisation slices and the flags the user set, as preflight passes them."""
+    return resolve_ds_config(raw, cfg.engine, cfg.optim, cfg.explicit_flags, dp_world_size, hidden_size, hw)
+
+
 def contains_auto(tree) -> bool:
     if isinstance(tree, dict):
         return any(contains_auto(v) for v in tree.values())
@@ -29,7 +34,7 @@ def test_every_shipped_config_resolves_completely(name, tmp_path):
     raw = load_ds_config(str(REPO / "ds_configs" / f"{name}.json"))
     cfg = cfg_for(tmp_path, "--per_device_train_batch_size", "3", "--gradient_accumulation_steps", "5",
                   "--learning_rate", "2e-4", "--nvme_path", str(tmp_path))
-    resolved = resolve_ds_config(raw, cfg, dp_world_size=4, hidden_size=64, hw=CPU)
+    resolved = resolve(raw, cfg, dp_world_size=4, hidden_size=64, hw=CPU)
     c = resolved.config
     assert not contains_auto(c)
     assert c["train_batch_size"] == 3 * 5 * 4
@@ -44,8 +49,8 @@ def test_every_shipped_config_resolves_completely(name, tmp_path):
 
 def test_precision_auto_is_bf16_on_a_bf16_gpu_and_flags_win(tmp_path):
     raw = load_ds_config(str(REPO / "ds_configs/zero2.json"))
-    assert resolve_ds_config(raw, cfg_for(tmp_path), 1, 64, H100).precision == "bf16"
-    fp16 = resolve_ds_config(raw, cfg_for(tmp_path, "--fp16"), 1, 64, H100)
+    assert resolve(raw, cfg_for(tmp_path), 1, 64, H100).precision == "bf16"
+    fp16 = resolve(raw, cfg_for(tmp_path, "--fp16"), 1, 64, H100)
     assert fp16.precision == "fp16" and fp16.config["fp16"]["loss_scale"] == 0  # dynamic loss scaling
     assert not fp16.config["bf16"]["enabled"]
     assert "optimizer.params.torch_adam" not in fp16.sources  # GPUs keep DeepSpeed's fused Adam
@@ -54,28 +59,29 @@ def test_precision_auto_is_bf16_on_a_bf16_gpu_and_flags_win(tmp_path):
 def test_explicit_json_value_is_kept_and_contradiction_is_explained(tmp_path):
     raw = load_ds_config(str(REPO / "ds_configs/zero2.json"))
     raw["train_batch_size"] = 100
-    with pytest.raises(UsageError, match=r"train_batch_size 100 .* micro batch 8 x accumulation 1 x data-parallel size 2 = 16"):
-        resolve_ds_config(raw, cfg_for(tmp_path), 2, 64, CPU)
+    expected = r"train_batch_size 100 .* micro batch 8 x accumulation 1 x data-parallel size 2 = 16"
+    with pytest.raises(UsageError, match=expected):
+        resolve(raw, cfg_for(tmp_path), 2, 64, CPU)
     raw = load_ds_config(str(REPO / "ds_configs/zero2.json"))
     raw["bf16"]["enabled"] = True
     with pytest.raises(UsageError, match="--fp16 contradicts bf16.enabled=true"):
-        resolve_ds_config(raw, cfg_for(tmp_path, "--fp16"), 1, 64, CPU)
+        resolve(raw, cfg_for(tmp_path, "--fp16"), 1, 64, CPU)
     raw["fp16"]["enabled"] = True
     with pytest.raises(UsageError, match="both true"):
-        resolve_ds_config(raw, cfg_for(tmp_path), 1, 64, CPU)
+        resolve(raw, cfg_for(tmp_path), 1, 64, CPU)
 
 
 def test_nvme_path_comes_from_flag_or_env_or_fails_clearly(tmp_path, monkeypatch):
     raw = load_ds_config(str(REPO / "ds_configs/zero3_nvme.json"))
     monkeypatch.delenv("SCALETRAIN_NVME_PATH", raising=False)
     with pytest.raises(UsageError, match="nvme_path .* no NVMe folder was given") as err:
-        resolve_ds_config(raw, cfg_for(tmp_path), 1, 64, CPU)
+        resolve(raw, cfg_for(tmp_path), 1, 64, CPU)
     assert "--nvme_path" in err.value.hint
     monkeypatch.setenv("SCALETRAIN_NVME_PATH", "/no/such/nvme")
     with pytest.raises(UsageError, match="NVMe folder /no/such/nvme .* does not exist"):
-        resolve_ds_config(raw, cfg_for(tmp_path), 1, 64, CPU)
+        resolve(raw, cfg_for(tmp_path), 1, 64, CPU)
     monkeypatch.setenv("SCALETRAIN_NVME_PATH", str(tmp_path))
-    resolved = resolve_ds_config(raw, cfg_for(tmp_path), 1, 64, CPU)
+    resolved = resolve(raw, cfg_for(tmp_path), 1, 64, CPU)
     assert resolved.config["zero_optimization"]["offload_param"]["nvme_path"] == str(tmp_path)
     assert resolved.sources["zero_optimization.offload_param.nvme_path"] == "$SCALETRAIN_NVME_PATH"
 
@@ -84,11 +90,11 @@ def test_unresolvable_auto_and_scheduler_section_are_refused(tmp_path):
     raw = load_ds_config(str(REPO / "ds_configs/zero2.json"))
     raw["zero_optimization"]["allgather_bucket_size"] = "auto"
     with pytest.raises(UsageError, match="zero_optimization.allgather_bucket_size"):
-        resolve_ds_config(raw, cfg_for(tmp_path), 1, 64, CPU)
+        resolve(raw, cfg_for(tmp_path), 1, 64, CPU)
     raw = load_ds_config(str(REPO / "ds_configs/zero2.json"))
     raw["scheduler"] = {"type": "WarmupLR"}
     with pytest.raises(UsageError, match="scheduler"):
-        resolve_ds_config(raw, cfg_for(tmp_path), 1, 64, CPU)
+        resolve(raw, cfg_for(tmp_path), 1, 64, CPU)
 
 
 def test_unreadable_or_invalid_json_names_the_file(tmp_path):

@@ -1,7 +1,8 @@
 """Non-finite loss / gradient norm and loss spikes: a global skip, the ledger, rollback, stop.
 
-Bad batches come from the test-only fault injection hook (SCALETRAIN_TEST_INJECT_NONFINITE, scaletrain/faults.py):
-it multiplies one rank's loss at a given data step by NaN (or a factor), so that rank's gradients go bad too.
+Bad batches come from tests/helpers/inject_nonfinite.py, train.py with its loss function wrapped: driven by
+SCALETRAIN_TEST_INJECT_NONFINITE, it multiplies one rank's loss at a given data step by NaN (or a factor), so that
+rank's gradients go bad too.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from scaletrain.state import TrainState
 from tests.conftest import FAST_FLAGS, REPO, check_ok, launch, read_metrics
 
 TRAIN = REPO / "train.py"
+INJECTING = REPO / "tests" / "helpers" / "inject_nonfinite.py"  # train.py plus the bad losses INJECT asks for
 INJECT = "SCALETRAIN_TEST_INJECT_NONFINITE"
 
 
@@ -44,7 +46,7 @@ def global_samples(step: int, global_batch: int) -> list:
     """The sample ids the pipeline's global order gives a data step (1-based), computed independently here."""
     import numpy as np
 
-    from scaletrain.data import GlobalOrder
+    from scaletrain.sampling import GlobalOrder
 
     order = GlobalOrder(n_blocks=3484, micro_batch=4, accumulation=1, dp_world_size=global_batch // 4, seed=42)
     permutation = np.random.default_rng([42, 0]).permutation(3484)
@@ -95,9 +97,9 @@ def test_fp16_overflow_is_the_loss_scalers_business_and_stop_raises(tmp_path):
 @pytest.mark.parametrize("ds_config", ["zero1", "zero3", "zero2_offload", "zero3_offload"])  # zero2: the rollback test
 def test_a_nan_on_one_rank_skips_the_update_on_every_rank(ds_config, tmp_path, cache_dir):
     run_dir = tmp_path / "run"
-    proc = launch(TRAIN, ["--config", f"ds_configs/{ds_config}.json", "--output_dir", str(run_dir),
-                          "--max_steps", "5", "--save_steps", "4", "--logging_steps", "1", "--no-export_hf_at_end",
-                          *FAST_FLAGS[:-3], "--disable_tqdm"],
+    proc = launch(INJECTING, ["--config", f"ds_configs/{ds_config}.json", "--output_dir", str(run_dir),
+                              "--max_steps", "5", "--save_steps", "4", "--logging_steps", "1", "--no-export_hf_at_end",
+                              *FAST_FLAGS[:-3], "--disable_tqdm"],
                   "deepspeed", cache_dir, nprocs=2, env={INJECT: "1:5"})  # rank 1's loss at step 5 only
     check_ok(proc)
     [entry] = ledger(run_dir)
@@ -121,7 +123,7 @@ def test_consecutive_skips_roll_back_past_the_bad_samples_and_resume_keeps_the_o
     run_dir = tmp_path / "run"
     args = ["--config", "ds_configs/zero2.json", "--max_steps", "10", "--save_steps", "4", "--logging_steps", "1",
             "--max_consecutive_skips", "3", "--no-export_hf_at_end", *FAST_FLAGS[:-3], "--disable_tqdm"]
-    check_ok(launch(TRAIN, ["--output_dir", str(run_dir), *args], "deepspeed", cache_dir, nprocs=2,
+    check_ok(launch(INJECTING, ["--output_dir", str(run_dir), *args], "deepspeed", cache_dir, nprocs=2,
                     env={INJECT: "0:5,6,7"}))
     entries = ledger(run_dir)
     assert [(e["event"], e["step"]) for e in entries] == [("skipped", 5), ("skipped", 6), ("skipped", 7),
@@ -148,8 +150,9 @@ def test_consecutive_skips_roll_back_past_the_bad_samples_and_resume_keeps_the_o
 @pytest.mark.slow
 def test_a_loss_spike_is_skipped_and_stop_ends_the_run_with_its_code(tmp_path, cache_dir):
     run_dir = tmp_path / "spike"
-    check_ok(launch(TRAIN, ["--config", "ds_configs/zero1.json", "--output_dir", str(run_dir), "--max_steps", "13",
-                            "--loss_spike_factor", "3", "--logging_steps", "1", *FAST_FLAGS[:-3], "--disable_tqdm"],
+    check_ok(launch(INJECTING, ["--config", "ds_configs/zero1.json", "--output_dir", str(run_dir), "--max_steps",
+                                "13", "--loss_spike_factor", "3", "--logging_steps", "1", *FAST_FLAGS[:-3],
+                                "--disable_tqdm"],
                     "python", cache_dir, env={INJECT: "0:12x50"}))
     [entry] = ledger(run_dir)
     assert (entry["step"], entry["reason"]) == (12, "loss_spike") and entry["loss"] > 3 * entry["running_mean_loss"]
@@ -157,11 +160,11 @@ def test_a_loss_spike_is_skipped_and_stop_ends_the_run_with_its_code(tmp_path, c
     assert (run_dir / "model.safetensors").exists()  # exported at the end by default
 
     stopped = tmp_path / "stop"
-    proc = launch(TRAIN, ["--config", "ds_configs/zero2.json", "--output_dir", str(stopped), "--max_steps", "6",
-                          "--on_nonfinite", "stop", *FAST_FLAGS], "deepspeed", cache_dir, nprocs=2,
+    proc = launch(INJECTING, ["--config", "ds_configs/zero2.json", "--output_dir", str(stopped), "--max_steps",
+                              "6", "--on_nonfinite", "stop", *FAST_FLAGS], "deepspeed", cache_dir, nprocs=2,
                   env={INJECT: "1:3"})
     assert proc.returncode == 3, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert proc.stderr.count("train.py: stopped: step 3: nonfinite loss") == 1  # once, from rank 0
     assert "--on_nonfinite skip" in proc.stderr
     assert ledger(stopped)[0]["step"] == 3
-    assert not (stopped / "checkpoints").exists() or not any((stopped / "checkpoints").glob("step*"))
+    assert not any((stopped / "checkpoints").glob("step*"))  # stopped before any save (no folder counts too)

@@ -1,6 +1,7 @@
 """The real pipeline end to end: real DeepSpeed engines, several gloo processes, the tiny Llama, local data.
 
-Each run is a subprocess started the way a user starts it (deepspeed launcher, torchrun, plain python).
+Each run is a subprocess started the way a user starts it (deepspeed launcher, torchrun, plain python). All but the
+single-process run are slow (several ranks, or tens of seconds); that one is part of the fast tier.
 """
 
 from __future__ import annotations
@@ -13,8 +14,6 @@ import pytest
 import torch
 
 from tests.conftest import FAST_FLAGS, PROBE, REPO, check_ok, launch, read_metrics, train_losses
-
-pytestmark = pytest.mark.slow
 
 
 def assert_export_matches_engine(run_dir: Path) -> None:
@@ -39,6 +38,7 @@ def assert_checkpoint_written(run_dir: Path, step: int) -> None:
     assert (run_dir / "checkpoints" / "latest").read_text().strip() == f"step{step}"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("ds_config", ["zero1", "zero2", "zero3", "zero2_offload", "zero3_offload"])
 def test_two_ranks_train_checkpoint_and_export(ds_config, tmp_path, cache_dir):
     import glob
@@ -100,11 +100,12 @@ def test_single_process_python_with_wandb_offline(tmp_path, cache_dir):
         assert key in payload, key
 
 
+@pytest.mark.slow
 def test_torchrun_two_ranks_zero3_with_gradient_checkpointing(tmp_path, cache_dir):
     run_dir = tmp_path / "run"
     proc = launch(PROBE, ["--config", "ds_configs/zero3.json", "--output_dir", str(run_dir), "--max_steps", "8",
-                          "--gradient_checkpointing", "--attention_isolation", "--learning_rate", "3e-3", "--eval_steps",
-                          "4", *FAST_FLAGS],
+                          "--gradient_checkpointing", "--attention_isolation", "--learning_rate", "3e-3",
+                          "--eval_steps", "4", *FAST_FLAGS],
                   "torchrun", cache_dir, nprocs=2)
     check_ok(proc)
     losses = train_losses(run_dir)
@@ -115,6 +116,7 @@ def test_torchrun_two_ranks_zero3_with_gradient_checkpointing(tmp_path, cache_di
     assert_export_matches_engine(run_dir)
 
 
+@pytest.mark.slow
 def test_prepared_store_and_raw_files_train_on_identical_batches(tmp_path, cache_dir):
     """data/prepare.py + --data_path, and raw files given to train.py, give the same losses step by step."""
     import subprocess
@@ -140,6 +142,7 @@ def test_prepared_store_and_raw_files_train_on_identical_batches(tmp_path, cache
     assert len(train_losses(tmp_path / "a")) == 6
 
 
+@pytest.mark.slow
 def test_zero3_never_holds_the_whole_model_on_a_rank(tmp_path, cache_dir):
     """Under ZeRO-3 each rank's parameters are partitions built by zero.Init, not full tensors."""
     script = tmp_path / "shard_check.py"
@@ -155,7 +158,7 @@ def shard_sizes(run):
              "empty": all(p.numel() == 0 for p in params)}}  # the module's own tensors are placeholders
 
 dist = read_launch_env()
-run = Run.plan(["--config", "ds_configs/zero3.json", "--output_dir", {str(tmp_path / 'o')!r}], dist)
+run = Run.from_flags(["--config", "ds_configs/zero3.json", "--output_dir", {str(tmp_path / 'o')!r}], dist)
 run.init_distributed()
 run.build_model()
 report = {{"rank": dist.rank, **shard_sizes(run)}}
@@ -175,6 +178,7 @@ open({str(tmp_path)!r} + f"/shard{{dist.rank}}.json", "w").write(json.dumps(repo
     assert sum(r["local"] for r in reports) >= reports[0]["full"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("stage,ending", [("zero2", "finished"), ("zero3", "finished"), ("zero3", "crashed")])
 def test_a_run_frees_its_process_groups_before_exit(tmp_path, cache_dir, stage, ending):
     """After train.py's main returns or raises, no gloo thread is left for the interpreter to tear down at exit.
@@ -233,6 +237,7 @@ def _corpus_of_blocks(path: Path, block_size: int, n_blocks: int) -> None:
     path.write_text("".join(json.dumps({"text": d}) + "\n" for d in docs))
 
 
+@pytest.mark.slow
 def test_loss_and_update_do_not_depend_on_accumulation_or_rank_count(tmp_path, cache_dir):
     """One global batch of 8 blocks (the last one partly padding), split four ways: same loss, same update."""
     from safetensors.torch import load_file
@@ -267,6 +272,7 @@ def test_loss_and_update_do_not_depend_on_accumulation_or_rank_count(tmp_path, c
             torch.testing.assert_close(weights[key], tensor, rtol=1e-5, atol=1e-6, msg=f"{name}: {key}")
 
 
+@pytest.mark.slow
 def test_readme_main_command_trains_the_default_and_loss_falls(tmp_path, cache_dir):
     """Exactly `deepspeed train.py --config ds_configs/zero3.json`, run in a copy-free view of the repo."""
     for name in ("train.py", "ds_configs", "data", "scaletrain"):
@@ -284,6 +290,7 @@ def test_readme_main_command_trains_the_default_and_loss_falls(tmp_path, cache_d
     assert "precision: fp32" in proc.stdout
 
 
+@pytest.mark.slow
 def test_observability_sinks_profile_plot_and_dry_run(tmp_path, cache_dir):
     """TensorBoard events, a profiler trace, the PNG dashboard, and --dry_run, from real runs."""
     import subprocess
@@ -322,6 +329,7 @@ def test_observability_sinks_profile_plot_and_dry_run(tmp_path, cache_dir):
     assert not (tmp_path / "dry").exists()
 
 
+@pytest.mark.slow
 def test_scaling_report_runs_at_world_sizes_1_and_2(tmp_path, cache_dir):
     import subprocess
     import sys
@@ -334,8 +342,28 @@ def test_scaling_report_runs_at_world_sizes_1_and_2(tmp_path, cache_dir):
                           env=subprocess_env(cache_dir), capture_output=True, text=True, timeout=900)
     check_ok(proc)
     table = (tmp_path / "scaling.md").read_text().splitlines()
-    assert table[2].startswith("| 1 |") and table[3].startswith("| 2 |")
-    efficiency = float(table[3].split("|")[4])
-    assert 0 < efficiency < 2
-    assert "(+" in table[3]  # the phase that grew most is named
+    header = [cell.strip() for cell in table[0].strip("|").split("|")]
+    rows = [dict(zip(header, (cell.strip() for cell in line.strip("|").split("|")), strict=True))
+            for line in table[2:]]
+    assert [row["world size"] for row in rows] == ["1", "2"]
+    for row in rows:  # each figure is the steady state (after the warm-up quarter) of that world size's own run
+        world = int(row["world size"])
+        steady = [r for r in read_metrics(tmp_path / f"world{world}") if "loss" in r][8 // 4:]
+        assert len(steady) == 6
+        tokens_per_s = sum(r["tokens_per_s"] for r in steady) / len(steady)
+        assert float(row["tokens/s"]) == pytest.approx(tokens_per_s, abs=0.5)
+        assert float(row["tokens/s per rank"]) == pytest.approx(tokens_per_s / world, abs=0.5)
+        for phase in ("forward", "backward", "sync"):
+            mean = sum(r[f"{phase}_s"] for r in steady) / len(steady)
+            assert float(row[f"{phase} (s)"]) == pytest.approx(mean, abs=0.0006)
+    # scaling efficiency: per-rank throughput at world size 2 over world size 1 (figures rounded to whole tokens/s)
+    base, two = (float(row["tokens/s per rank"]) for row in rows)
+    assert rows[0]["scaling efficiency"] == "1.00"
+    assert float(rows[1]["scaling efficiency"]) == pytest.approx(two / base, abs=0.005 + 1 / base)
+    # the phase named is the one whose time grew most between the two rows, with its growth (cells rounded to 1 ms)
+    phases = [name.removesuffix(" (s)") for name in header if name.endswith(" (s)") and name != "step time (s)"]
+    growth = {p: float(rows[1][f"{p} (s)"]) - float(rows[0][f"{p} (s)"]) for p in phases}
+    grew, by = rows[1]["grew most vs smallest"].removesuffix("s)").split(" (+")
+    assert growth[grew] >= max(growth.values()) - 0.001, (grew, growth)
+    assert float(by) == pytest.approx(growth[grew], abs=0.0015)
     assert (tmp_path / "scaling.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import REPO, small_tmpfs, subprocess_env
+from tests.conftest import REPO, freeze, small_tmpfs, subprocess_env, thaw
 
 TINY = REPO / "data" / "tiny-llama"
 PREPARE = REPO / "data" / "prepare.py"
@@ -66,7 +66,7 @@ def running(pid: int) -> bool:
         return False
 
 
-@pytest.mark.parametrize("when", ["starting", "working"])
+@pytest.mark.parametrize("when", ["starting", pytest.param("working", marks=pytest.mark.slow)])  # working: ~20 s
 def test_a_killed_tokenizer_worker_fails_the_prepare_in_one_line_and_keeps_nothing(when, tmp_path):
     """The OOM killer takes a worker: multiprocessing.Pool.imap would wait forever for its batch (and
     concurrent.futures' pool can trip over a worker dying while others start); the prepare must end instead."""
@@ -75,17 +75,29 @@ def test_a_killed_tokenizer_worker_fails_the_prepare_in_one_line_and_keeps_nothi
     env = {**subprocess_env(tmp_path / "cache"), "PYTHONFAULTHANDLER": "1"}
     proc = subprocess.Popen([sys.executable, str(PREPARE), *prepare_argv(corpus, out, "--num_proc", "9")],
                             env=env, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+    def stored_bytes() -> int:
+        return sum(p.stat().st_size for p in tmp_path.glob(".store.tmp-*/train.tokens.bin"))
+
     deadline = time.monotonic() + 120
-    killed = None
-    while killed is None and time.monotonic() < deadline and proc.poll() is None:
+    while True:
+        assert proc.poll() is None, f"data/prepare.py ended before the kill:\n{proc.communicate()[1][-3000:]}"
+        assert time.monotonic() < deadline, "no tokenizer worker process was seen"
         workers = spawned_children(proc.pid)
-        written = sum(p.stat().st_size for p in tmp_path.glob(".store.tmp-*/train.tokens.bin"))
-        if workers and (when == "starting" or written > 0):  # working: the first batches are already stored
-            killed = workers[-1]
-            os.kill(killed, signal.SIGKILL)
-            seen = workers
-        time.sleep(0.02)
-    assert killed is not None, "no tokenizer worker process was seen"
+        if workers and (when == "starting" or stored_bytes() > 0):  # working: the first batches are already stored
+            break
+        time.sleep(0.005)
+    # Stop the preparing process there (it writes the store and starts the workers): it cannot finish or get any
+    # further before the kill, however fast the machine.
+    freeze(proc.pid)
+    if when == "starting":
+        assert stored_bytes() == 0, "the workers had already returned batches"
+    else:
+        assert stored_bytes() > 0 and not out.exists()
+    killed, seen = workers[-1], workers
+    assert running(killed)
+    os.kill(killed, signal.SIGKILL)
+    thaw(proc.pid)
     try:
         stdout, stderr = proc.communicate(timeout=120)
     except subprocess.TimeoutExpired:
@@ -127,19 +139,22 @@ def test_an_existing_folder_that_is_not_a_store_is_refused_and_left_alone(tmp_pa
     out = tmp_path / "my_results"
     out.mkdir()
     (out / "notes.txt").write_text("weeks of work")
-    proc = subprocess.run([sys.executable, str(PREPARE), *prepare_argv(corpus, out, "--num_proc", "1")],
-                          env=subprocess_env(tmp_path / "cache"), cwd=REPO, capture_output=True, text=True,
-                          timeout=300)
-    assert proc.returncode == 2
-    assert proc.stderr.splitlines()[0] == (f"prepare.py: error: {out}: exists and is not a token store "
-                                           "(no manifest.json); nothing there was changed")
-    assert [p.name for p in out.iterdir()] == ["notes.txt"] and (out / "notes.txt").read_text() == "weeks of work"
     empty = tmp_path / "empty"
     empty.mkdir()  # an empty folder is fine: the store takes its place
-    proc = subprocess.run([sys.executable, str(PREPARE), *prepare_argv(corpus, empty, "--num_proc", "1")],
-                          env=subprocess_env(tmp_path / "cache"), cwd=REPO, capture_output=True, text=True,
-                          timeout=300)
-    assert proc.returncode == 0, proc.stderr[-2000:]
+
+    def prepare(folder: Path) -> subprocess.Popen:
+        return subprocess.Popen([sys.executable, str(PREPARE), *prepare_argv(corpus, folder, "--num_proc", "1")],
+                                env=subprocess_env(tmp_path / f"cache_{folder.name}"), cwd=REPO,
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+    # both at once: each spends seconds importing, and they share nothing but the corpus they read
+    refused, accepted = prepare(out), prepare(empty)
+    refused_err, accepted_err = refused.communicate(timeout=300)[1], accepted.communicate(timeout=300)[1]
+    assert refused.returncode == 2
+    assert refused_err.splitlines()[0] == (f"prepare.py: error: {out}: exists and is not a token store "
+                                           "(no manifest.json); nothing there was changed")
+    assert [p.name for p in out.iterdir()] == ["notes.txt"] and (out / "notes.txt").read_text() == "weeks of work"
+    assert accepted.returncode == 0, accepted_err[-2000:]
     assert (empty / "manifest.json").exists()
 
 
@@ -163,9 +178,9 @@ def test_ranks_waiting_for_the_store_stop_when_local_rank_0_fails(failure, tmp_p
     themselves, with the preparing rank's kind of error, instead of polling for a manifest that never comes."""
     from transformers import AutoTokenizer
 
-    from scaletrain.config import UsageError, parse_run_config
-    from scaletrain.data import TokenStoreFailed, ensure_token_store
-    from scaletrain.tokenstore import PrepareError
+    from scaletrain.config import parse_run_config
+    from scaletrain.errors import PrepareError, TokenStoreFailed, UsageError
+    from scaletrain.store_prep import ensure_token_store
 
     monkeypatch.setenv("SCALETRAIN_CACHE", str(tiny_disk))
     monkeypatch.setenv("HF_DATASETS_CACHE", str(tmp_path / "cache"))
@@ -177,11 +192,11 @@ def test_ranks_waiting_for_the_store_stop_when_local_rank_0_fails(failure, tmp_p
     expected = PrepareError if failure == "full_disk" else UsageError
     for attempt in (1, 2):  # the second attempt: a relaunch, once the first attempt's failure is on record
         monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", str(attempt - 1))  # as torchrun's restart sets it
-        waiter, outcome = _wait_in_thread(ensure_token_store, cfg, tokenizer, str(TINY), 64, 1, False)
+        waiter, outcome = _wait_in_thread(ensure_token_store, cfg.data, tokenizer, str(TINY), 64, 1, False)
         time.sleep(2.5)  # the waiting rank polls before the preparing rank fails ...
         assert waiter.is_alive() and not outcome, f"attempt {attempt}: the waiting rank did not wait: {outcome}"
         with pytest.raises(expected) as raised:  # ... and is not stopped by the earlier attempt's failure
-            ensure_token_store(cfg, tokenizer, str(TINY), 64, 0, False)
+            ensure_token_store(cfg.data, tokenizer, str(TINY), 64, 0, False)
         waiter.join(timeout=30)
         assert not waiter.is_alive(), "the waiting rank still polls after local rank 0 failed"
         if failure == "full_disk":
@@ -195,6 +210,7 @@ def test_ranks_waiting_for_the_store_stop_when_local_rank_0_fails(failure, tmp_p
         assert not list((tiny_disk / "token_stores").glob(".*.tmp-*"))
 
 
+@pytest.mark.slow  # two prepares in fresh processes: ~20 s
 def test_num_proc_bounds_the_tokenizer_threads(tmp_path):
     """--num_proc N tokenizes on N Rust threads: the thread pool, once started, stays, so a process that prepared
     with 2 holds exactly one thread more than one that prepared with 1."""

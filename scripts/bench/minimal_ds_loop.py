@@ -19,7 +19,8 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from scaletrain.config import parse_run_config  # noqa: E402
-from scaletrain.data import blocks_from_store, ensure_token_store  # noqa: E402
+from scaletrain.blocks import blocks_from_store  # noqa: E402
+from scaletrain.store_prep import ensure_token_store  # noqa: E402
 from scaletrain.tokenstore import open_store  # noqa: E402
 
 
@@ -36,7 +37,7 @@ def main() -> None:
                             "--output_dir", str(run_dir / "minimal"), "--validation_split_percentage", "0"])
     tokenizer = AutoTokenizer.from_pretrained(run_config["config_name"])
     # The same token store the pipeline run prepared (found by its fingerprint, so nothing is re-tokenized).
-    store = ensure_token_store(cfg, tokenizer, run_config["config_name"], run_config["block_size"], 1, False)
+    store = ensure_token_store(cfg.data, tokenizer, run_config["config_name"], run_config["block_size"], 1, False)
     blocks = blocks_from_store(open_store(store), "train", run_config["block_size"], False)
     model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(run_config["config_name"]))
     engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=ds_config)

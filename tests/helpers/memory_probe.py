@@ -59,7 +59,7 @@ def main() -> None:
     with trained_run(sys.argv[1:], finish=False, before_train=measure) as run:
         record = {"before_update": before_update, "before_reduce": before_reduce,
                   "after_training": live_tensor_bytes()}
-        (Path(run.cfg.output_dir) / f"memory_rank{run.dist.rank}.json").write_text(json.dumps(record))
+        (Path(run.cfg.run.output_dir) / f"memory_rank{run.dist.rank}.json").write_text(json.dumps(record))
 
 
 if __name__ == "__main__":

@@ -17,7 +17,7 @@ def trained_run(argv, finish: bool = True, before_train=None):
     after the engine is built, before training."""
     dist = read_launch_env()
     setup_logging(dist.rank)
-    run = Run.plan(argv, dist)
+    run = Run.from_flags(argv, dist)
     try:
         run.prepare_resume()
         run.prepare_data()

@@ -24,10 +24,10 @@ def main() -> None:
     with trained_run(sys.argv[1:]) as run:
         run.engine.eval()
         with torch.no_grad():
-            probe = probe_input(run.plan.model_config.vocab_size).to(run.engine.device)
+            probe = probe_input(run.resolved.model_config.vocab_size).to(run.engine.device)
             logits = run.engine(input_ids=probe).logits.float().cpu()
         if run.dist.is_main:
-            torch.save({"input_ids": probe.cpu(), "logits": logits}, Path(run.cfg.output_dir) / PROBE_FILE)
+            torch.save({"input_ids": probe.cpu(), "logits": logits}, Path(run.cfg.run.output_dir) / PROBE_FILE)
 
 
 if __name__ == "__main__":

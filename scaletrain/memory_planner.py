@@ -15,7 +15,7 @@ p = bytes of a weight (2 in bf16/fp16, 4 in fp32):
 "optimizer" is ZeRO's fp32 partition: master weights (4) and Adam's two moments (8), kept also in fp32 training.
 G is the reduced gradient partition: 4 (fp32) in fp32 training; in bf16/fp16, ZeRO-1/2 hold the 16-bit partition
 and its fp32 copy at the update (p + 4), ZeRO-3 the 16-bit partition (p; it converts one sub-group at a time).
-Measured on DeepSpeed 0.19 (tests/test_memplan.py): ZeRO-1 reduces gradients into partitions during the backward
+Measured on DeepSpeed 0.19 (tests/test_memory_planner.py): ZeRO-1 reduces gradients into partitions during the backward
 just as ZeRO-2 does, so between steps they hold the same states. NVMe offload puts the offloaded states on disk.
 
 Working memory per micro-batch of b sequences of s tokens (hidden h, MLP width f, L layers, vocabulary V;
@@ -53,11 +53,11 @@ class ModelShape:
     def from_meta_model(cls, model, model_config) -> "ModelShape":
         text = model_config.get_text_config()
         leaves = [m for m in model.modules() if not list(m.children())]
-        hidden = getattr(text, "hidden_size", None) or getattr(text, "n_embd")
+        hidden = getattr(text, "hidden_size", None) or text.n_embd
         return cls(
             n_params=sum(p.numel() for p in model.parameters()),
             largest_layer_params=max(sum(p.numel() for p in m.parameters(recurse=False)) for m in leaves),
-            layers=getattr(text, "num_hidden_layers", None) or getattr(text, "n_layer"),
+            layers=getattr(text, "num_hidden_layers", None) or text.n_layer,
             hidden=hidden,
             intermediate=getattr(text, "intermediate_size", None) or 4 * hidden,
             vocab=text.vocab_size,

@@ -8,27 +8,27 @@ import sys
 
 import pytest
 
-from scaletrain import memplan
+from scaletrain import memory_planner
 from tests.conftest import FAST_FLAGS, REPO, check_ok, launch, subprocess_env
 
 MEMORY_PROBE = REPO / "tests" / "helpers" / "memory_probe.py"
 TINY = REPO / "data" / "tiny-llama"
 
 
-def tiny_shape() -> memplan.ModelShape:
+def tiny_shape() -> memory_planner.ModelShape:
     from transformers import AutoConfig
 
     from scaletrain.model import meta_model
 
     config = AutoConfig.from_pretrained(TINY)
-    return memplan.ModelShape.from_meta_model(meta_model(config, False), config)
+    return memory_planner.ModelShape.from_meta_model(meta_model(config, False), config)
 
 
 def test_model_state_formulas_by_stage_and_offload():
-    shape = memplan.ModelShape(n_params=1000, largest_layer_params=100, layers=2, hidden=8, intermediate=16,
+    shape = memory_planner.ModelShape(n_params=1000, largest_layer_params=100, layers=2, hidden=8, intermediate=16,
                                vocab=50)
-    by_name = {o.name: o for o in memplan.OPTIONS}
-    states = {name: memplan.model_state_bytes(option, shape, dp=4, precision="bf16") for name, option in
+    by_name = {o.name: o for o in memory_planner.OPTIONS}
+    states = {name: memory_planner.model_state_bytes(option, shape, dp=4, precision="bf16") for name, option in
               by_name.items()}
     assert states["ZeRO-1"] == (2000, 1500, 3000, 0, 0)  # 16-bit + fp32 gradient partition, 12-byte optimizer / 4
     assert states["ZeRO-2"] == states["ZeRO-1"]  # DeepSpeed 0.19 partitions ZeRO-1's gradients too
@@ -36,25 +36,30 @@ def test_model_state_formulas_by_stage_and_offload():
     assert states["ZeRO-2 + optimizer offload (CPU)"] == (2000, 0, 0, 4000, 0)
     assert states["ZeRO-3 + optimizer and parameter offload (CPU)"] == (0, 0, 0, 4500, 0)
     assert states["ZeRO-3 + optimizer and parameter offload (NVMe)"] == (0, 0, 0, 0, 4500)
-    assert memplan.model_state_bytes(by_name["ZeRO-1"], shape, 4, "fp32")[:3] == (4000, 1000, 3000)
+    assert memory_planner.model_state_bytes(by_name["ZeRO-1"], shape, 4, "fp32")[:3] == (4000, 1000, 3000)
     # ZeRO-3's working memory includes its largest layer gathered (weights and gradients)
-    without3, _ = memplan.activation_bytes(shape, 1, 16, "bf16", stage=3)
-    without1, _ = memplan.activation_bytes(shape, 1, 16, "bf16", stage=1)
+    without3, _ = memory_planner.activation_bytes(shape, 1, 16, "bf16", stage=3)
+    without1, _ = memory_planner.activation_bytes(shape, 1, 16, "bf16", stage=1)
     assert without3 - without1 == 2 * 2 * 100
 
 
 def test_recommendation_prefers_the_fastest_option_that_fits_then_checkpointing():
-    shape = memplan.ModelShape(n_params=7_000_000_000, largest_layer_params=131_000_000, layers=32, hidden=4096,
+    shape = memory_planner.ModelShape(n_params=7_000_000_000, largest_layer_params=131_000_000, layers=32, hidden=4096,
                                intermediate=11008, vocab=32000)
-    estimates = memplan.plan_memory(shape, 8, 1, 1, 2048, "bf16")
-    est, ckpt = memplan.recommend(estimates, 80 * memplan.GIB, None)
+    estimates = memory_planner.plan_memory(shape, 8, 1, 1, 2048, "bf16")
+    est, ckpt = memory_planner.recommend(estimates, 80 * memory_planner.GIB, None)
     assert (est.option.name, ckpt) == ("ZeRO-1", False)
-    est, ckpt = memplan.recommend(estimates, 24 * memplan.GIB, None)
-    assert est.option.stage == 3 and est.total(ckpt) <= 0.9 * 24 * memplan.GIB
-    assert memplan.recommend(estimates, 1 * memplan.GIB, None) is None
-    # Host memory too small for the offload that would fit the GPU: not recommended
-    small_host = memplan.recommend(estimates, 4 * memplan.GIB, host_bytes=10 * memplan.GIB)
-    assert small_host is None or small_host[0].host_per_node <= 9 * memplan.GIB
+    est, ckpt = memory_planner.recommend(estimates, 24 * memory_planner.GIB, None)
+    assert est.option.stage == 3 and est.total(ckpt) <= 0.9 * 24 * memory_planner.GIB
+    assert memory_planner.recommend(estimates, 1 * memory_planner.GIB, None) is None
+    # A 4 GB GPU fits only with offload: CPU offload while host memory is unchecked (117 GB per node), NVMe when
+    # the host has 10 GB (CPU offload would not fit there, the NVMe option needs no host memory for the states)
+    cpu, _ = memory_planner.recommend(estimates, 4 * memory_planner.GIB, None)
+    assert cpu.option.name == "ZeRO-3 + optimizer and parameter offload (CPU)"
+    assert cpu.host_per_node > 100 * memory_planner.GIB
+    nvme, _ = memory_planner.recommend(estimates, 4 * memory_planner.GIB, host_bytes=10 * memory_planner.GIB)
+    assert nvme.option.name == "ZeRO-3 + optimizer and parameter offload (NVMe)"
+    assert nvme.host_per_node <= 0.9 * 10 * memory_planner.GIB
 
 
 @pytest.mark.slow
@@ -65,8 +70,8 @@ def test_planned_model_states_match_a_real_two_rank_run_within_10_percent(stage,
                                  "--max_steps", "2", "--max_eval_samples", "8", *FAST_FLAGS], "deepspeed", cache_dir,
                   nprocs=2)
     check_ok(proc)
-    option = next(o for o in memplan.OPTIONS if o.stage == stage and o.offload_optimizer == "none")
-    params, grads, optimizer, _, _ = memplan.model_state_bytes(option, tiny_shape(), dp=2, precision="fp32")
+    option = next(o for o in memory_planner.OPTIONS if o.stage == stage and o.offload_optimizer == "none")
+    params, grads, optimizer, _, _ = memory_planner.model_state_bytes(option, tiny_shape(), dp=2, precision="fp32")
     planned = params + grads + optimizer
     for rank in (0, 1):
         # Before the second update: the first one created the optimizer's moments (Adam builds them lazily).
@@ -83,7 +88,7 @@ def test_plan_command_prints_every_option_and_a_recommendation(tmp_path):
     check_ok(proc)
     lines = proc.stdout[proc.stdout.index("memory plan:"):].splitlines()  # after DeepSpeed's accelerator notice
     assert lines[0].startswith("memory plan: 1.8M parameters, 2 node(s) x 8 GPU(s) = 16 data-parallel ranks, bf16")
-    for option in memplan.OPTIONS:
+    for option in memory_planner.OPTIONS:
         assert any(line.startswith(f"| {option.name} |") for line in lines), option.name
     assert lines[-1].startswith("recommended: --config ds_configs/zero1.json")
     assert not out.exists()  # a plan writes nothing

@@ -1,0 +1,185 @@
+"""Packed blocks: a token store's stream cut into fixed-size training blocks, several stores mixed by weight, and
+the fixed evaluation set.
+
+Packing joins every document with EOS and cuts the stream into `block_size` blocks; the last, partial block is
+padded and masked instead of dropped, so every token of the corpus is trained on each epoch.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Optional
+
+import numpy as np
+
+IGNORE_INDEX = -100  # label value the loss skips (padding), as in Hugging Face
+EMPTY_SLOT = -1  # a micro-batch row with no block: the epoch's last global batch ran out of blocks
+
+
+@dataclass
+class PackedBlocks:
+    """A token stream (documents joined with EOS) cut into `block_size` blocks; nothing is copied or dropped.
+
+    Every block is full except the last, whose tail is padding that carries no loss. With isolate_documents,
+    each row also gets position ids that restart at every document start (and at the block start), which
+    transformers turns into a block-diagonal causal mask: no token attends across a document boundary.
+    """
+
+    stream: np.ndarray  # flat token ids, usually a read-only memmap of a token store
+    doc_starts: np.ndarray  # offset of each document's first token in the stream
+    block_size: int
+    pad_id: int
+    isolate_documents: bool = False
+
+    def __len__(self) -> int:
+        return math.ceil(len(self.stream) / self.block_size)
+
+    @property
+    def n_tokens(self) -> int:
+        return len(self.stream)
+
+    @property
+    def n_documents(self) -> int:
+        return len(self.doc_starts)
+
+    @property
+    def last_block_length(self) -> int:
+        return len(self.stream) - (len(self) - 1) * self.block_size
+
+    def lengths_of(self, indices: np.ndarray) -> np.ndarray:
+        return np.where(indices == len(self) - 1, self.last_block_length, self.block_size)
+
+    def targets_in(self, indices: np.ndarray) -> int:
+        """Tokens the loss is computed on: every real token but the first of its block (it has no prefix)."""
+        real = indices[indices != EMPTY_SLOT]
+        return int(np.maximum(self.lengths_of(real) - 1, 0).sum())
+
+    def _position_ids(self, start: int) -> np.ndarray:
+        positions = np.arange(start, start + self.block_size)
+        owner = np.searchsorted(self.doc_starts, positions, side="right") - 1
+        return positions - np.maximum(self.doc_starts[np.maximum(owner, 0)], start)
+
+    def batch(self, indices: np.ndarray) -> dict:
+        """Tensors for the given block indices; EMPTY_SLOT rows are all padding and carry no loss."""
+        import torch
+
+        b = self.block_size
+        rows = np.full((len(indices), b), self.pad_id, dtype=np.int64)
+        labels = np.full((len(indices), b), IGNORE_INDEX, dtype=np.int64)
+        positions = np.tile(np.arange(b), (len(indices), 1))
+        for row, index in enumerate(indices):
+            if index == EMPTY_SLOT:
+                continue
+            chunk = self.stream[index * b: (index + 1) * b]
+            rows[row, : len(chunk)] = chunk
+            labels[row, : len(chunk)] = chunk
+            if self.isolate_documents:
+                positions[row] = self._position_ids(int(index) * b)
+        batch = {"input_ids": torch.from_numpy(rows), "labels": torch.from_numpy(labels)}
+        if self.isolate_documents:
+            batch["position_ids"] = torch.from_numpy(positions)
+        return batch
+
+
+def blocks_from_store(opened: dict, split: str, block_size: int, isolate_documents: bool) -> Optional[PackedBlocks]:
+    part = opened["splits"].get(split)
+    if part is None or part.n_tokens == 0:
+        return None
+    return PackedBlocks(part.tokens, part.doc_starts, block_size, opened["manifest"]["pad_id"], isolate_documents)
+
+
+def eval_batches(blocks: PackedBlocks, batch_size: int, rank: int, world: int, limit: Optional[int]) -> list:
+    """A fixed set of validation blocks (the first `limit`, in order), split across ranks; same on every run.
+
+    Every rank gets the same number of batches (short ranks get EMPTY_SLOT rows): under ZeRO-3 each forward
+    is a collective, so ranks must run the same number of them.
+    """
+    n = len(blocks) if limit is None else min(limit, len(blocks))
+    per_rank = math.ceil(n / world)
+    mine = np.full(per_rank, EMPTY_SLOT, dtype=np.int64)
+    owned = np.arange(rank, n, world)
+    mine[: len(owned)] = owned
+    return [blocks.batch(mine[i: i + batch_size]) for i in range(0, len(mine), batch_size)]
+
+
+def smooth_schedule(weights: list, period: int) -> np.ndarray:
+    """Source of each slot in a period, interleaved as evenly as the weights allow (smooth weighted round robin)."""
+    credit = np.zeros(len(weights))
+    slots = np.empty(period, dtype=np.int64)
+    for slot in range(period):
+        credit += weights
+        k = int(np.argmax(credit))
+        slots[slot] = k
+        credit[k] -= 1.0
+    return slots
+
+
+@dataclass
+class MixedBlocks:
+    """Blocks of several stores in one index space, drawn in fixed proportions, deterministically.
+
+    Index j falls in period j // P; the slot j % P names the source (a fixed smooth schedule of P slots), and
+    the slot's rank among that source's slots gives the source-local sample number. A source read past its end
+    starts a new cycle in a fresh permutation of its blocks (seeded by seed, source and cycle), so a small
+    source is upsampled without repeating itself in a fixed order. Every lookup is O(1) in j.
+    """
+
+    sources: list
+    weights: list
+    seed: int
+    period: int = 1000
+
+    def __post_init__(self):
+        self.schedule = smooth_schedule(self.weights, self.period)
+        self.per_period = np.bincount(self.schedule, minlength=len(self.sources))
+        self.rank_in_period = np.zeros(self.period, dtype=np.int64)
+        seen = np.zeros(len(self.sources), dtype=np.int64)
+        for slot, k in enumerate(self.schedule):
+            self.rank_in_period[slot] = seen[k]
+            seen[k] += 1
+        self._cycles: dict = {}
+        self.block_size = self.sources[0].block_size
+        self.isolate_documents = self.sources[0].isolate_documents
+
+    def __len__(self) -> int:
+        return sum(len(s) for s in self.sources)  # an epoch draws as many blocks as the sources hold
+
+    @property
+    def n_tokens(self) -> int:
+        return sum(s.n_tokens for s in self.sources)
+
+    @property
+    def n_documents(self) -> int:
+        return sum(s.n_documents for s in self.sources)
+
+    @property
+    def last_block_length(self) -> int:
+        return self.sources[-1].last_block_length
+
+    def locate(self, j: int) -> tuple:
+        """(source, block index in that source) of mixed sample j."""
+        period, slot = divmod(int(j), self.period)
+        k = int(self.schedule[slot])
+        local = period * int(self.per_period[k]) + int(self.rank_in_period[slot])
+        cycle, position = divmod(local, len(self.sources[k]))
+        key = (k, cycle)
+        if key not in self._cycles:
+            if len(self._cycles) > 64:
+                self._cycles.clear()
+            self._cycles[key] = np.random.default_rng([self.seed, k, cycle]).permutation(len(self.sources[k]))
+        return k, int(self._cycles[key][position])
+
+    def _split(self, indices: np.ndarray) -> list:
+        return [(row, *self.locate(j)) for row, j in enumerate(indices) if j != EMPTY_SLOT]
+
+    def targets_in(self, indices: np.ndarray) -> int:
+        return sum(self.sources[k].targets_in(np.array([b])) for _, k, b in self._split(indices))
+
+    def batch(self, indices: np.ndarray) -> dict:
+        out = self.sources[0].batch(np.full(len(indices), EMPTY_SLOT))
+        for row, k, block in self._split(indices):
+            one = self.sources[k].batch(np.array([block]))
+            for key in out:
+                out[key][row] = one[key][0]
+        return out

@@ -1,0 +1,354 @@
+"""The one place scaletrain touches DeepSpeed (and torch) internals: private names, module globals, class caches.
+
+Each hook below was checked against the versions in CHECKED_DEEPSPEED_VERSIONS (and CHECKED_TORCH_VERSIONS for the
+torch one). A hook that is gone raises DeepSpeedInternalsMoved, one line naming the missing `module.attribute`, what
+it is for, and what to do; nothing falls back silently. `check_hooks()` resolves them all without an engine
+(tests/test_ds_internals.py runs it, so an upgrade that moves one fails there first).
+
+Hooks, why we need them, and the test that proves they still act:
+
+- ZeRO-3 DeepSpeedZeroOptimizer_Stage3._overflow_check_and_loss_scale_update, ._loss_scale_update_and_overflow_cleanup
+  and .overflow: --on_nonfinite skip discards an update through DeepSpeed's own fp16 overflow path (SkipSwitch).
+  tests/test_nonfinite.py::test_a_nan_on_one_rank_skips_the_update_on_every_rank[zero3,zero3_offload].
+- ZeRO-1/2 DeepSpeedZeroOptimizer.check_overflow, .check_grad_overflow (an __init__ argument kept on the instance)
+  and .overflow: the same for stages 1 and 2. The same test [zero1,zero2_offload], and the rollback test (zero2).
+- deepspeed.runtime.zero.parameter_offload.FWD_MODULE_STACK and the class-wide functools.lru_cache on
+  PartitionedParameterCoordinator.__params_to_release: both keep a ZeRO-3 engine's modules (and the process groups
+  they hold) alive after engine.destroy(), until the interpreter exits, where gloo's threads can abort a finished run.
+  tests/test_pipeline.py::test_a_run_frees_its_process_groups_before_exit[zero3-*].
+- torch.utils.cpp_extension._get_build_directory (torch's rule for where an op is built), deepspeed.git_version_info
+  .installed_ops, the accelerator's create_op_builder and OpBuilder.load/.is_compatible/.name: scaletrain/ops.py loads
+  DeepSpeed's compiled ops under its own lock, so a stale torch build lock cannot hang a run.
+  tests/test_ops.py::test_stale_build_locks_are_removed_and_a_two_rank_offload_run_finishes.
+- deepspeed.comm.torch.build_shm_op: replaced by a no-op on a single CPU rank, which never communicates, to skip a
+  build of minutes. Only speed depends on it; tests/test_ds_internals.py checks that it resolves.
+- deepspeed.checkpoint.ds_to_universal (run with python -m) and its checkpoint version
+  deepspeed.checkpoint.constants.UNIVERSAL_CHECKPOINT_VERSION_VALUE (scaletrain writes 0.4 into every checkpoint):
+  resuming on another rank count. tests/test_checkpoint.py::test_resume_on_another_rank_count_converts_and_continues.
+
+Importing this module imports neither torch nor DeepSpeed; each function imports what it touches.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import logging
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+CHECKED_DEEPSPEED_VERSIONS = ("0.19.8",)
+CHECKED_TORCH_VERSIONS = ("2.13.0",)  # only for torch.utils.cpp_extension._get_build_directory
+UNIVERSAL_CHECKPOINT_VERSION = 0.4  # the universal_checkpoint_info version DeepSpeed 0.19 writes and converts
+
+_CHECKED = {"deepspeed": ("DeepSpeed", CHECKED_DEEPSPEED_VERSIONS), "torch": ("torch", CHECKED_TORCH_VERSIONS)}
+_MISSING = object()
+_version_checked = False
+
+
+class DeepSpeedInternalsMoved(RuntimeError):
+    """A DeepSpeed (or torch) internal that scaletrain hooks is gone or changed: the installed version differs."""
+
+
+def check_version() -> str | None:
+    """Warn once per process when the installed DeepSpeed is not one the hooks were checked against; the warning."""
+    global _version_checked
+    if _version_checked:
+        return None
+    _version_checked = True
+    import deepspeed
+
+    installed = deepspeed.__version__
+    if installed.split("+")[0] in CHECKED_DEEPSPEED_VERSIONS:
+        return None
+    message = (f"DeepSpeed {installed} is not a version scaletrain's DeepSpeed hooks were checked against "
+               f"({', '.join(CHECKED_DEEPSPEED_VERSIONS)}): a hook that moved stops the run with "
+               f"DeepSpeedInternalsMoved; pin deepspeed=={CHECKED_DEEPSPEED_VERSIONS[-1]} to be safe")
+    log.warning(message)
+    return message
+
+
+def _dotted(obj: Any) -> str:
+    if isinstance(obj, type(sys)):
+        return obj.__name__
+    cls = obj if isinstance(obj, type) else type(obj)
+    return f"{cls.__module__}.{cls.__qualname__}"
+
+
+def moved(where: str, problem: str, purpose: str, instead: str = "") -> DeepSpeedInternalsMoved:
+    """The one-line error for the internal `where` (a dotted name); `problem` says what is wrong ("is missing")."""
+    library = where.split(".")[0]
+    if library not in _CHECKED:  # e.g. DeepSpeed's op builders, importable as a top-level `op_builder` package
+        library = "deepspeed"
+    label, checked = _CHECKED[library]
+    installed = getattr(sys.modules.get(library), "__version__", "(not importable)")
+    todo = f"install {library}=={checked[-1]}" + (f", or {instead}" if instead else "")
+    return DeepSpeedInternalsMoved(
+        f"{label} {installed}: {where} {problem}, which scaletrain needs for {purpose} (checked against {label} "
+        f"{', '.join(checked)}); {todo}, or update scaletrain/ds_internals.py")
+
+
+def require(owner: Any, name: str, purpose: str, instead: str = "") -> Any:
+    """`owner.name` (owner: a module, class or instance), or DeepSpeedInternalsMoved naming it and its purpose."""
+    value = getattr(owner, name, _MISSING)
+    if value is _MISSING:
+        raise moved(f"{_dotted(owner)}.{name}", "is missing", purpose, instead)
+    return value
+
+
+@dataclass(frozen=True)
+class Hook:
+    """One internal: `owner` is "package.module" or "package.module:Class"; `name` its attribute, or None when the
+    owner is a module that must exist to be run with `python -m`. `problem` tells what is wrong with a found value."""
+
+    owner: str
+    name: str | None
+    purpose: str
+    instead: str = ""
+    problem: Callable[[Any], str | None] | None = None
+
+    @property
+    def where(self) -> str:
+        return self.owner.replace(":", ".") + (f".{self.name}" if self.name else "")
+
+    def resolve(self) -> Any:
+        """The attribute, looked up from its owner (importing it), checked."""
+        if self.name is None:
+            return self._find_module()
+        return self.on(self.owner_object())
+
+    def owner_object(self) -> Any:
+        """The owner module or class (imported)."""
+        module_name, _, class_name = self.owner.partition(":")
+        if module_name.split(".")[0] == "deepspeed":
+            check_version()
+        try:
+            owner = importlib.import_module(module_name)
+        except ImportError as err:
+            raise moved(module_name, f"cannot be imported ({err})", self.purpose, self.instead) from err
+        return require(owner, class_name, self.purpose, self.instead) if class_name else owner
+
+    def on(self, obj: Any) -> Any:
+        """The attribute looked up on `obj` (an instance of the owner class, or the owner itself), checked."""
+        value = require(obj, self.name, self.purpose, self.instead)
+        problem = self.problem(value) if self.problem else None
+        if problem:
+            raise moved(f"{_dotted(obj)}.{self.name}", problem, self.purpose, self.instead)
+        return value
+
+    def _find_module(self) -> str:
+        module_name = self.owner
+        if module_name.split(".")[0] == "deepspeed":
+            check_version()
+        try:
+            found = importlib.util.find_spec(module_name) is not None
+        except ImportError:  # a parent package is missing
+            found = False
+        if not found:
+            raise moved(module_name, "is missing", self.purpose, self.instead)
+        return module_name
+
+
+def _caches(function: Any) -> list:
+    """Every functools cache in `function` or inside its decorators' closures."""
+    found, pending, seen = [], [function], set()
+    while pending:
+        current = pending.pop()
+        if id(current) in seen or not callable(current):
+            continue
+        seen.add(id(current))
+        if hasattr(current, "cache_clear"):
+            found.append(current)
+        for cell in getattr(current, "__closure__", None) or ():
+            try:
+                pending.append(cell.cell_contents)
+            except ValueError:  # a cell not yet filled
+                pass
+        if hasattr(current, "__wrapped__"):
+            pending.append(current.__wrapped__)
+    return found
+
+
+def _no_cache(function: Any) -> str | None:
+    # If DeepSpeed dropped the cache, the leak it caused may be fixed: say so rather than clear nothing in silence.
+    return None if _caches(function) else "no longer carries a functools cache (if the leak is fixed, drop this hook)"
+
+
+def _no_check_grad_overflow(init: Any) -> str | None:
+    import inspect
+
+    # An instance attribute, set from this argument: the class itself cannot show it.
+    if "check_grad_overflow" in inspect.signature(init).parameters:
+        return None
+    return "no longer takes check_grad_overflow (the instance flag SkipSwitch sets)"
+
+
+def _not_ours(version: Any) -> str | None:
+    if version == UNIVERSAL_CHECKPOINT_VERSION:
+        return None
+    return f"is {version}, scaletrain writes {UNIVERSAL_CHECKPOINT_VERSION} into its checkpoints"
+
+
+_SKIP, _SKIP_INSTEAD = "--on_nonfinite skip", "use --on_nonfinite stop"
+_RELEASE = "freeing a ZeRO-3 engine's process groups before exit"
+_OPS = "loading DeepSpeed's compiled ops under scaletrain's build lock"
+_UNIVERSAL, _UNIVERSAL_INSTEAD = "resuming on another rank count", "resume with the rank count it was saved with"
+_STAGE3 = "deepspeed.runtime.zero.stage3:DeepSpeedZeroOptimizer_Stage3"
+_STAGE12 = "deepspeed.runtime.zero.stage_1_and_2:DeepSpeedZeroOptimizer"
+
+STAGE3_CHECK = Hook(_STAGE3, "_overflow_check_and_loss_scale_update", _SKIP, _SKIP_INSTEAD)
+STAGE3_CLEANUP = Hook(_STAGE3, "_loss_scale_update_and_overflow_cleanup", _SKIP, _SKIP_INSTEAD)
+STAGE12_CHECK = Hook(_STAGE12, "check_overflow", _SKIP, _SKIP_INSTEAD)
+STAGE12_INIT = Hook(_STAGE12, "__init__", _SKIP, _SKIP_INSTEAD, problem=_no_check_grad_overflow)
+STAGE12_CHECKED = Hook(_STAGE12, "check_grad_overflow", _SKIP, _SKIP_INSTEAD)  # on the instance only
+OVERFLOW = Hook(_STAGE12, "overflow", _SKIP, _SKIP_INSTEAD)  # on the instance only (either ZeRO optimizer)
+FWD_MODULE_STACK = Hook("deepspeed.runtime.zero.parameter_offload", "FWD_MODULE_STACK", _RELEASE)
+PARAMS_TO_RELEASE = Hook("deepspeed.runtime.zero.partitioned_param_coordinator:PartitionedParameterCoordinator",
+                         "_PartitionedParameterCoordinator__params_to_release", _RELEASE, problem=_no_cache)
+BUILD_DIRECTORY = Hook("torch.utils.cpp_extension", "_get_build_directory", _OPS)
+INSTALLED_OPS = Hook("deepspeed.git_version_info", "installed_ops", _OPS)
+CREATE_OP_BUILDER = Hook("deepspeed.accelerator.abstract_accelerator:DeepSpeedAccelerator", "create_op_builder", _OPS)
+BUILDER_LOAD = Hook("deepspeed.ops.op_builder.builder:OpBuilder", "load", _OPS)
+BUILDER_COMPATIBLE = Hook("deepspeed.ops.op_builder.builder:OpBuilder", "is_compatible", _OPS)
+BUILDER_NAME = Hook("deepspeed.ops.op_builder.builder:OpBuilder", "name", _OPS)  # on the instance only
+SHM_BUILD = Hook("deepspeed.comm.torch", "build_shm_op", "skipping the shm all-reduce build on one CPU rank")
+UNIVERSAL_CONVERTER = Hook("deepspeed.checkpoint.ds_to_universal", None, _UNIVERSAL, _UNIVERSAL_INSTEAD)
+UNIVERSAL_VERSION = Hook("deepspeed.checkpoint.constants", "UNIVERSAL_CHECKPOINT_VERSION_VALUE", _UNIVERSAL,
+                         _UNIVERSAL_INSTEAD, problem=_not_ours)
+
+# What check_hooks() resolves from the classes; the instance-only ones are checked where they are used.
+HOOKS = (STAGE3_CHECK, STAGE3_CLEANUP, STAGE12_CHECK, STAGE12_INIT, FWD_MODULE_STACK, PARAMS_TO_RELEASE,
+         BUILD_DIRECTORY, INSTALLED_OPS, CREATE_OP_BUILDER, BUILDER_LOAD, BUILDER_COMPATIBLE, SHM_BUILD,
+         UNIVERSAL_CONVERTER, UNIVERSAL_VERSION)
+
+
+def check_hooks() -> list[str]:
+    """Resolve every hook against the installed DeepSpeed and torch, without an engine; the names checked."""
+    for hook in HOOKS:
+        hook.resolve()
+    return [hook.where for hook in HOOKS]
+
+
+class SkipSwitch:
+    """Makes the next engine.step() at an accumulation boundary skip its update, through DeepSpeed's overflow path.
+
+    ZeRO-1/2 (DeepSpeedZeroOptimizer) and ZeRO-3 (DeepSpeedZeroOptimizer_Stage3) both discard a step when their
+    `overflow` flag is set: gradients cleared, loss scale updated, and the engine skips the LR scheduler and counts
+    the step in `skipped_steps`. The switch sets that flag where each optimizer computes it. A plain torch optimizer
+    (ZeRO stage 0, fp32) has its step replaced by a zero_grad. Any other optimizer is refused.
+    """
+
+    def __init__(self, optimizer):
+        self.skip = False
+        # A plain torch optimizer first: a stage-0 run needs none of the ZeRO internals.
+        if type(optimizer).__module__.startswith("torch.optim"):
+            self._hook_torch(optimizer)
+        elif isinstance(optimizer, STAGE3_CHECK.owner_object()):
+            self._hook_stage3(optimizer)
+        elif isinstance(optimizer, STAGE12_CHECK.owner_object()):
+            self._hook_stage12(optimizer)
+        else:
+            raise RuntimeError(f"--on_nonfinite skip: cannot skip updates of a {type(optimizer).__name__} optimizer "
+                               "(use ZeRO stage 1-3, or --on_nonfinite stop)")
+
+    def _hook_stage3(self, optimizer) -> None:
+        # Every hook is resolved before any is installed: a moved one leaves the optimizer untouched.
+        original = STAGE3_CHECK.on(optimizer)
+        cleanup = STAGE3_CLEANUP.on(optimizer)
+        OVERFLOW.on(optimizer)
+
+        def check_stage3(update_scale=True):
+            if not self.skip:
+                return original(update_scale)
+            optimizer.overflow = True
+            return cleanup() if update_scale else True
+
+        optimizer._overflow_check_and_loss_scale_update = check_stage3
+
+    def _hook_stage12(self, optimizer) -> None:
+        original_check = STAGE12_CHECK.on(optimizer)
+        checked = STAGE12_CHECKED.on(optimizer)
+        OVERFLOW.on(optimizer)
+
+        def check_stage12(partition_gradients=True):
+            if self.skip:
+                optimizer.overflow = True
+            elif checked:
+                original_check(partition_gradients=partition_gradients)
+
+        optimizer.check_overflow = check_stage12
+        # Now consulted on every step; a non-finite gradient norm also counts as overflow under bf16.
+        optimizer.check_grad_overflow = True
+
+    def _hook_torch(self, optimizer) -> None:
+        original_step = optimizer.step
+        optimizer.overflow = False
+
+        def step(*args, **kwargs):
+            optimizer.overflow = self.skip
+            if self.skip:
+                optimizer.zero_grad(set_to_none=True)
+                return None
+            return original_step(*args, **kwargs)
+
+        optimizer.step = step
+
+
+def release_zero3_references(module) -> None:
+    """Drop the module-level references a destroyed ZeRO-3 engine leaves behind (DeepSpeed 0.19,
+    deepspeed/runtime/zero): its modules on the global forward-module stack, and a class-wide `functools.lru_cache`
+    on PartitionedParameterCoordinator.__params_to_release, keyed by coordinator and module."""
+    stack = FWD_MODULE_STACK.resolve()
+    PARAMS_TO_RELEASE.resolve()  # the cache we know of must still be there
+    coordinator = PARAMS_TO_RELEASE.owner_object()
+    own = {id(sub) for sub in module.modules()}  # a forward cut short leaves submodules there too
+    stack[:] = [sub for sub in stack if id(sub) not in own]
+    for attribute in vars(coordinator).values():
+        for cache in _caches(attribute):
+            cache.cache_clear()
+
+
+def torch_build_directory(op_name: str) -> str:
+    """Where torch.utils.cpp_extension builds (and caches) an op: torch's own rule, so the paths agree."""
+    return BUILD_DIRECTORY.resolve()(op_name, verbose=False)
+
+
+def create_op_builder(builder_name: str):
+    """This accelerator's DeepSpeed op builder named `builder_name` (None where there is none), its API checked."""
+    from deepspeed.accelerator import get_accelerator
+
+    check_version()
+    builder = CREATE_OP_BUILDER.on(get_accelerator())(builder_name)
+    if builder is not None:
+        for hook in (BUILDER_NAME, BUILDER_LOAD, BUILDER_COMPATIBLE):
+            hook.on(builder)
+    return builder
+
+
+def op_preinstalled(builder) -> bool:
+    """Whether the op was compiled into the DeepSpeed install (DS_BUILD_OPS=1): nothing to build or lock."""
+    return bool(INSTALLED_OPS.resolve().get(builder.name, False))
+
+
+def skip_shm_op_build() -> None:
+    """Replace DeepSpeed's shm all-reduce build by a no-op: a single CPU rank never communicates, and the build
+    takes tens of seconds to minutes on a fresh machine."""
+    # importlib (in Hook): `import deepspeed.comm.torch` would resolve to the torch package re-exported there.
+    SHM_BUILD.resolve()
+    SHM_BUILD.owner_object().build_shm_op = lambda: None
+
+
+def universal_checkpoint_info() -> dict:
+    """The client-state entry that lets ds_to_universal convert a checkpoint for another rank count."""
+    return {"universal_checkpoint_info": {"universal_checkpoint_version": UNIVERSAL_CHECKPOINT_VERSION}}
+
+
+def universal_conversion_command(ckpt, out) -> list[str]:
+    """The command that converts checkpoint folder `ckpt` into a universal checkpoint in `out`."""
+    module = UNIVERSAL_CONVERTER.resolve()
+    return [sys.executable, "-m", module, "--input_folder", str(ckpt), "--output_folder", str(out),
+            "--inject_missing_state"]

@@ -1,0 +1,84 @@
+"""The ways a run ends on purpose, each with its exit code and who reports it: train.py maps them in one place.
+
+Imports nothing heavy: the config module raises UsageError before torch is imported.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+USAGE_EXIT_CODE = 2  # a user mistake, found before heavy work
+FAILED_EXIT_CODE = 1  # the run could not go on (full disk, a failed preparation); nothing committed was lost
+NONFINITE_EXIT_CODE = 3  # --on_nonfinite stop: not a requeue, the same data would fail again
+SAVED_REQUEUE_EXIT_CODE = 85  # preempted, checkpoint committed: "saved, please requeue"
+
+
+class RunEnded(Exception):
+    """Base of the planned ends of a run. `exit_code` is the process's; `reported_by` says which ranks print it:
+    "main" (the same message on every rank, printed once), "every rank" (a rank's own trouble), or "nobody"."""
+
+    exit_code = FAILED_EXIT_CODE
+    reported_by = "every rank"
+    prefix = "error"
+
+    def reports_here(self, is_main: bool) -> bool:
+        return self.reported_by == "every rank" or (self.reported_by == "main" and is_main)
+
+
+class UsageError(RunEnded):
+    """A user mistake: one line naming the flag, key or file, and an optional hint line. Exit code 2."""
+
+    exit_code = USAGE_EXIT_CODE
+    reported_by = "main"  # the same mistake is found on every rank; say it once
+
+    def __init__(self, message: str, hint: Optional[str] = None):
+        super().__init__(message)
+        self.message = message
+        self.hint = hint
+
+    def __str__(self) -> str:
+        return self.message if not self.hint else f"{self.message}\n  hint: {self.hint}"
+
+
+class CheckpointWriteError(RunEnded):
+    """A save could not be written (disk full, I/O error); the previous committed checkpoint is intact.
+
+    `every_rank`: all ranks raise it with the same message (agreed after a space check), so rank 0 alone prints it.
+    """
+
+    def __init__(self, message: str, every_rank: bool = False):
+        super().__init__(message)
+        self.every_rank = every_rank
+
+    def reports_here(self, is_main: bool) -> bool:
+        return is_main or not self.every_rank
+
+
+class PrepareError(RunEnded):
+    """Token store preparation failed (a tokenizer worker died, the disk filled); nothing of the store is kept."""
+
+
+class TokenStoreFailed(RunEnded):
+    """Raised on a rank that waited for local rank 0 to prepare the token store, when that preparation failed:
+    the preparing rank has printed why."""
+
+    reported_by = "nobody"
+
+
+class NonFiniteStop(RunEnded):
+    """--on_nonfinite stop (or a rollback with nothing to roll back to)."""
+
+    exit_code = NONFINITE_EXIT_CODE
+    reported_by = "main"
+    prefix = "stopped"
+
+
+class Preempted(RunEnded):
+    """Raised after the preemption checkpoint is committed; train.py exits with SAVED_REQUEUE_EXIT_CODE."""
+
+    exit_code = SAVED_REQUEUE_EXIT_CODE
+    reported_by = "nobody"
+
+    def __init__(self, step: int):
+        super().__init__(f"preempted at step {step}")
+        self.step = step

@@ -1,0 +1,250 @@
+"""Everything decided before heavy work: flags, the resolved DeepSpeed config, model config and tokenizer.
+
+Nothing here builds a process group, a model or a dataset, and nothing is written: a mistake found here ends
+the run with exit code 2 and leaves the output folder as it was.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Optional, Sequence
+
+from scaletrain.checkpoint import check_resumable, read_train_state, resolve_resume
+from scaletrain.config import DataArgs, ModelArgs, RunConfig, explain_run_config, parse_run_config
+from scaletrain.errors import UsageError
+from scaletrain.raw_data import check_data_files
+from scaletrain import distributed
+from scaletrain.distributed import DistInfo
+from scaletrain.dsconfig import HardwareFacts, ResolvedDSConfig, load_ds_config, resolve_ds_config
+from scaletrain.flops import ModelFlops, model_flops
+from scaletrain.model import load_model_config, load_tokenizer, max_positions, meta_model
+
+log = logging.getLogger(__name__)
+RUN_CONFIG_FILE = "run_config.json"
+DS_CONFIG_FILE = "ds_config.json"
+EXPLAINED_FILE = "config_sources.txt"  # the same text --print_config prints
+
+
+@dataclass(frozen=True)
+class ResolvedRun:
+    """What the pre-flight decided: the flags, the resolved DeepSpeed JSON, the model's config and tokenizer, the
+    block size and the checkpoint to resume; handed to every later phase of the run."""
+
+    cfg: RunConfig
+    ds: ResolvedDSConfig
+    model_config: Any
+    tokenizer: Any
+    block_size: int
+    n_params: int
+    resume_from: Optional[Path] = None  # the committed checkpoint this run continues, if any
+    model_facts: Optional[dict] = None  # what a checkpoint must match to be resumed by this model
+    resume_state: Optional[dict] = None  # the checkpoint's train state (step, data position)
+    flops: Optional[ModelFlops] = None  # FLOPs per token of this model at this block size
+    reshard: bool = False  # the checkpoint came from another number of data-parallel ranks
+    model_shape: Any = None  # --plan: the memory planner's view of the model (memory_planner.ModelShape)
+
+
+def hardware_facts() -> HardwareFacts:
+    import torch
+    from deepspeed.accelerator import get_accelerator
+
+    name = get_accelerator().device_name()
+    return HardwareFacts(accelerator=name, bf16_fast=name == "cuda" and torch.cuda.is_bf16_supported())
+
+
+def _hidden_size(model_config) -> int:
+    text_config = model_config.get_text_config() if hasattr(model_config, "get_text_config") else model_config
+    for name in ("hidden_size", "n_embd", "d_model"):
+        value = getattr(text_config, name, None)
+        if isinstance(value, int) and value > 0:
+            return value
+    raise UsageError(f"{type(model_config).__name__}: cannot find the model's hidden size")
+
+
+def _check_stores(data: DataArgs, tokenizer_source: str, tokenizer) -> Optional[int]:
+    """Prepared stores must have been made with this run's tokenizer and one block size. Returns that size."""
+    from scaletrain.tokenstore import read_manifest, tokenizer_hash
+
+    sizes = set()
+    flag = data.store_flag
+    for path in data.store_paths:
+        fingerprint = read_manifest(Path(path))["fingerprint"]
+        if fingerprint["tokenizer_sha256"] != tokenizer_hash(tokenizer):
+            raise UsageError(f"{flag} {path}: prepared with a different tokenizer than {tokenizer_source}",
+                             "prepare the store with this run's --tokenizer_name")
+        if data.block_size is not None and data.block_size != fingerprint["block_size"]:
+            raise UsageError(f"--block_size {data.block_size}: the store {path} was prepared for block size "
+                             f"{fingerprint['block_size']}", "drop --block_size, or prepare a store for this size")
+        sizes.add(fingerprint["block_size"])
+    if len(sizes) > 1:
+        raise UsageError(f"--dataset_mix: the stores have different block sizes ({sorted(sizes)})",
+                         "prepare every store with the same --block_size")
+    return sizes.pop() if sizes else None
+
+
+def _block_size(data: DataArgs, model_config, store_block_size: Optional[int]) -> int:
+    limit = max_positions(model_config)
+    if store_block_size is not None:
+        if store_block_size > limit:
+            raise UsageError(f"{', '.join(data.store_paths)}: block size {store_block_size} is above the model's "
+                             f"maximum positions ({limit})", f"prepare a store with --block_size {limit} or less")
+        return store_block_size
+    if data.block_size is None:
+        return min(1024, limit)
+    if data.block_size > limit:
+        raise UsageError(
+            f"--block_size {data.block_size}: above the model's maximum positions ({limit})",
+            f"use --block_size {limit} or less",
+        )
+    return data.block_size
+
+
+def checkpoint_bytes(n_params: int, precision: str) -> tuple:
+    """(bytes of one checkpoint plus the HF export, the arithmetic in words) for AdamW under DeepSpeed."""
+    # fp32 weights (the master copy under bf16/fp16) + Adam's two fp32 moments, plus 16-bit module weights
+    # under bf16/fp16; the Hugging Face export adds the weights once more in the training dtype.
+    per_param = 12 + (2 if precision != "fp32" else 0) + (4 if precision == "fp32" else 2)
+    return n_params * per_param, f"{n_params / 1e9:.2f}B parameters x {per_param} bytes"
+
+
+def _check_disk_space(output_dir: str, n_params: int, precision: str) -> None:
+    folder = Path(output_dir).resolve()
+    while not folder.exists():
+        folder = folder.parent
+    free = shutil.disk_usage(folder).free
+    needed, how = checkpoint_bytes(n_params, precision)
+    if free < needed:
+        raise UsageError(
+            f"--output_dir {output_dir}: {free / 1e9:.1f} GB free on its disk, one checkpoint and the export "
+            f"need about {needed / 1e9:.1f} GB ({how})",
+            "free space or point --output_dir at a larger disk",
+        )
+
+
+def _check_tokenizer_fits(model: ModelArgs, model_config, tokenizer) -> None:
+    vocab = getattr(model_config.get_text_config(), "vocab_size", None)
+    if vocab is not None and len(tokenizer) > vocab:
+        raise UsageError(
+            f"--tokenizer_name {model.tokenizer_source}: {len(tokenizer)} tokens, but the model's vocabulary has "
+            f"{vocab}", "use the model's own tokenizer, or a config whose vocab_size covers the tokenizer",
+        )
+
+
+def _model_facts(skeleton, model_config) -> dict:
+    """What a checkpoint must match to be resumed by this model: its type, size and parameter names and shapes."""
+    names = ",".join(f"{n}:{tuple(p.shape)}" for n, p in skeleton.named_parameters())
+    return {"model_type": getattr(model_config, "model_type", None),
+            "n_params": sum(p.numel() for p in skeleton.parameters()),
+            "parameter_names": hashlib.sha256(names.encode()).hexdigest()[:16]}
+
+
+def _resolve_resume_point(cfg: RunConfig, ds: ResolvedDSConfig, model_facts: dict, dp_world_size: int) -> tuple:
+    """(checkpoint to resume or None, its train state, whether it comes from another data-parallel size)."""
+    if cfg.planning.plan:
+        return None, None, False
+    resume_from = resolve_resume(cfg.checkpoint.resume_from_checkpoint, cfg.run.output_dir)
+    if resume_from is None:
+        return None, None, False
+    reshard = check_resumable(resume_from, dp_world_size, ds.zero_stage, model_facts)
+    resume_state = read_train_state(resume_from)
+    if reshard:
+        ds.config.setdefault("checkpoint", {})["load_universal"] = True
+        ds.sources["checkpoint.load_universal"] = (f"resume of a checkpoint from {resume_state['world_size']} "
+                                                   f"ranks on {dp_world_size}")
+    return resume_from, resume_state, reshard
+
+
+def resolve_run(argv: Optional[Sequence[str]], dist: DistInfo) -> ResolvedRun:
+    """Flags, DeepSpeed JSON, model config, tokenizer, data checks and resume point: UsageError on a mistake."""
+    cfg = parse_run_config(argv)
+    raw_ds_config = load_ds_config(cfg.engine.config)
+    model_config = load_model_config(cfg.model)
+    tokenizer = load_tokenizer(cfg.model)
+    check_data_files(cfg.data)
+    _check_tokenizer_fits(cfg.model, model_config, tokenizer)
+    store_block_size = _check_stores(cfg.data, cfg.model.tokenizer_source, tokenizer)
+    block_size = _block_size(cfg.data, model_config, store_block_size)
+    ds = resolve_ds_config(raw_ds_config, cfg.engine, cfg.optim, cfg.explicit_flags, dist.dp_world_size,
+                           _hidden_size(model_config), hardware_facts())
+    if cfg.nonfinite.on_nonfinite == "skip" and ds.zero_stage == 0 and ds.precision != "fp32":
+        raise UsageError(f"--on_nonfinite skip: updates of ZeRO stage 0 in {ds.precision} cannot be skipped",
+                         "use a ZeRO stage 1-3 config, or --on_nonfinite stop")
+    skeleton = meta_model(model_config, cfg.model.trust_remote_code)
+    if cfg.model.gradient_checkpointing and not getattr(skeleton, "supports_gradient_checkpointing", False):
+        raise UsageError(f"--gradient_checkpointing: {type(skeleton).__name__} does not support it",
+                         "drop the flag, or use ZeRO-3 / offload to save memory instead")
+    model_facts = _model_facts(skeleton, model_config)
+    resume_from, resume_state, reshard = _resolve_resume_point(cfg, ds, model_facts, dist.dp_world_size)
+    if not (cfg.run.print_config or cfg.planning.plan):
+        _check_disk_space(cfg.run.output_dir, model_facts["n_params"], ds.precision)
+    model_shape = None
+    if cfg.planning.plan:
+        from scaletrain import memory_planner
+
+        model_shape = memory_planner.ModelShape.from_meta_model(skeleton, model_config)
+    return ResolvedRun(cfg, ds, model_config, tokenizer, block_size, model_facts["n_params"],
+                       resume_from=resume_from, model_facts=model_facts, resume_state=resume_state, reshard=reshard,
+                       flops=model_flops(skeleton, model_config, block_size), model_shape=model_shape)
+
+
+def explain_resolved_run(resolved: ResolvedRun, dp_world_size: int) -> str:
+    """The resolved run and DeepSpeed configs with the source of every value."""
+    return "\n".join([
+        f"run config (block_size = {resolved.block_size}, model {resolved.n_params / 1e6:.2f}M parameters):",
+        explain_run_config(resolved.cfg),
+        f"DeepSpeed config {resolved.cfg.engine.config}, resolved for {dp_world_size} data-parallel rank(s); "
+        f"precision {resolved.ds.precision} ({resolved.ds.precision_reason}):",
+        resolved.ds.explained(),
+    ])
+
+
+def print_config(resolved: ResolvedRun, dist: DistInfo) -> None:
+    """--print_config: everything resolved, printed by rank 0; nothing is built or written."""
+    if dist.is_main:
+        print(explain_resolved_run(resolved, dist.dp_world_size))
+
+
+def _ranges(ranks: list) -> str:
+    return f"{ranks[0]}-{ranks[-1]}" if len(ranks) > 1 and ranks[-1] - ranks[0] == len(ranks) - 1 else \
+        ",".join(map(str, ranks))
+
+
+def describe_launch(resolved: ResolvedRun, dist: DistInfo) -> None:
+    hosts = distributed.rank_hosts()
+    placement = ", ".join(f"{host} (ranks {_ranges([r for r, h in enumerate(hosts) if h == host])})"
+                          for host in dict.fromkeys(hosts))
+    log.info("launch: %s, world size %d on %d host(s): %s", dist.launcher, dist.world_size, len(set(hosts)),
+             placement)
+    log.info("precision: %s (%s)", resolved.ds.precision, resolved.ds.precision_reason)
+    log.info("resolved DeepSpeed config (%s):\n%s", resolved.cfg.engine.config, resolved.ds.explained())
+
+
+def write_run_folder(resolved: ResolvedRun, extra: dict, dist: DistInfo) -> None:
+    """Save the resolved configs beside the run's outputs, so the run can be read back and repeated."""
+    if not dist.is_main:
+        return
+    out = Path(resolved.cfg.run.output_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    run_config = {**resolved.cfg.to_dict(), "block_size": resolved.block_size, **extra}
+    (out / RUN_CONFIG_FILE).write_text(json.dumps(run_config, indent=2) + "\n")
+    (out / DS_CONFIG_FILE).write_text(json.dumps(resolved.ds.config, indent=2) + "\n")
+    (out / EXPLAINED_FILE).write_text(explain_resolved_run(resolved, dist.dp_world_size) + "\n")
+
+
+def print_memory_plan(resolved: ResolvedRun) -> None:
+    """--plan: the memory table for each ZeRO stage and offload option, and the recommended config."""
+    from scaletrain import memory_planner
+
+    planning, optim, engine = resolved.cfg.planning, resolved.cfg.optim, resolved.cfg.engine
+    shape = resolved.model_shape  # from the meta model resolve_run built
+    precision = "bf16" if engine.bf16 else "fp16" if engine.fp16 else planning.plan_precision
+    estimates = memory_planner.plan_memory(shape, planning.num_gpus, planning.num_nodes,
+                                           optim.per_device_train_batch_size, resolved.block_size, precision)
+    print(memory_planner.render(estimates, shape, planning.num_gpus, planning.num_nodes, planning.gpu_memory_gb,
+                                planning.host_memory_gb, optim.per_device_train_batch_size, resolved.block_size,
+                                precision))

@@ -1,0 +1,103 @@
+"""Raw documents: local files or a Hugging Face dataset, loaded as `datasets.Dataset`s and checked before anything
+heavy (every local file has documents, and its text column exists and holds text)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from scaletrain.config import LOCAL_DATA_FORMATS, DataArgs, expand_data_files
+from scaletrain.errors import UsageError
+
+
+def _local_builder(files: list, flag: str) -> str:
+    kinds = {LOCAL_DATA_FORMATS[Path(f).suffix.lower()] for f in files}
+    if len(kinds) != 1:
+        raise UsageError(f"--{flag}: files of different formats ({', '.join(sorted(kinds))})", "use one format")
+    return kinds.pop()
+
+
+def local_data_files(data: DataArgs) -> dict:
+    """{split: [files]} of the run's local data (the built-in sample when no data flag is given)."""
+    files = {"train": expand_data_files(data.train_data_file)}
+    if data.validation_data_file:
+        files["validation"] = expand_data_files(data.validation_data_file)
+    return files
+
+
+def _is_saved_dataset(path: str) -> bool:
+    folder = Path(path)
+    return folder.is_dir() and ((folder / "dataset_dict.json").exists() or (folder / "dataset_info.json").exists())
+
+
+def load_raw_datasets(data: DataArgs):
+    """Return (train, validation or None) as `datasets.Dataset`s of documents."""
+    import datasets
+
+    if data.dataset_name and _is_saved_dataset(data.dataset_name):
+        raw = datasets.load_from_disk(data.dataset_name)
+        raw = raw if isinstance(raw, datasets.DatasetDict) else datasets.DatasetDict({"train": raw})
+    elif data.dataset_name:
+        raw = datasets.load_dataset(data.dataset_name, data.dataset_config_name)
+    else:
+        files = local_data_files(data)
+        builder = _local_builder([f for split in files.values() for f in split], "train_file/--validation_file")
+        # Plain text: a blank line separates documents (one file may hold many; a paragraph is a document).
+        extra = {"sample_by": "paragraph"} if builder == "text" else {}
+        raw = datasets.load_dataset(builder, data_files=files, **extra)
+    if "train" not in raw:
+        raise UsageError(f"--dataset_name {data.dataset_name}: no train split (splits: {', '.join(raw)})")
+    train, validation = raw["train"], raw.get("validation")
+    if validation is None and data.validation_split_percentage > 0 and len(train) > 1:
+        n_val = max(1, len(train) * data.validation_split_percentage // 100)
+        validation = train.select(range(n_val))
+        train = train.select(range(n_val, len(train)))
+    return train, validation
+
+
+def check_data_files(data: DataArgs) -> None:
+    """Before anything is built: each local file has documents, and its --text_column exists and holds text.
+
+    Reads only the first record, streaming (no Arrow cache is written). Hub datasets are checked when loaded.
+    """
+    import datasets
+
+    if data.dataset_name or data.data_path:
+        return
+    for flag, split_files in local_data_files(data).items():
+        flag = "train_file" if flag == "train" else "validation_file"
+        for path in split_files:
+            builder = _local_builder([path], flag)
+            extra = {"sample_by": "paragraph"} if builder == "text" else {}
+            with open(path, "rb") as f:
+                head = f.read(1 << 16)
+            if not head.strip() and Path(path).stat().st_size <= len(head):
+                raise UsageError(f"--{flag} {path}: the file holds no documents", "give a file with at least one")
+            try:
+                stream = datasets.load_dataset(builder, data_files={"train": path}, split="train", streaming=True,
+                                               **extra)
+                first = next(iter(stream), None)
+            except Exception as exc:  # the readers raise many types; the user needs the file and the reason
+                detail = str(exc).splitlines()[0][:200] if str(exc) else "no detail"
+                raise UsageError(f"--{flag} {path}: cannot read it as {builder} ({type(exc).__name__}: {detail})",
+                                 "check the file's format and contents") from exc
+            if first is None:
+                raise UsageError(f"--{flag} {path}: the file holds no documents", "give a file with at least one")
+            if data.text_column not in first:
+                raise UsageError(f"--text_column {data.text_column}: not a column of {path}",
+                                 f"columns there: {', '.join(first)}")
+            if not isinstance(first[data.text_column], str):
+                raise UsageError(f"--text_column {data.text_column}: holds {type(first[data.text_column]).__name__} "
+                                 f"in {path}, not text", "pick a column of strings")
+
+
+def check_text_column(ds, column: str, source: str) -> None:
+    if len(ds) == 0:
+        raise UsageError(f"{source}: the dataset is empty", "give a file or dataset with at least one document")
+    if column not in ds.column_names:
+        raise UsageError(
+            f"--text_column {column}: not a column of {source}",
+            f"columns there: {', '.join(ds.column_names)}",
+        )
+    feature = ds.features[column]
+    if getattr(feature, "dtype", None) not in ("string", "large_string"):
+        raise UsageError(f"--text_column {column}: holds {feature}, not text", "pick a column of strings")

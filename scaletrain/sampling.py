@@ -1,0 +1,118 @@
+"""The global order of training blocks, and the micro-batches each rank reads at each step.
+
+The order of blocks is a permutation drawn from (seed, epoch) over the whole corpus, independent of the world
+size; a global batch is a contiguous run of that order, split into micro-batches by accumulation step and rank.
+Seeking to any step is O(1): the batch of step s is computed from s, never by replaying the steps before it.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Optional
+
+import numpy as np
+
+from scaletrain.blocks import EMPTY_SLOT, PackedBlocks
+
+
+@dataclass(frozen=True)
+class GlobalOrder:
+    """Which blocks make up each global batch, and which of them a rank reads at each accumulation step.
+
+    The order depends on (seed, epoch) only, never on the world size: 1 rank with accumulation 4 and 2 ranks
+    with accumulation 2 train on the same blocks in each step. The last global batch of an epoch holds the
+    remaining blocks; the slots it cannot fill are EMPTY_SLOT (padding rows that carry no loss).
+    """
+
+    n_blocks: int
+    micro_batch: int
+    accumulation: int
+    dp_world_size: int
+    seed: int
+    # Where a resumed run picks up: its first step and the blocks consumed before it (the data position). With
+    # the same global batch this gives the very batches of an uninterrupted run; with another one (a resume on a
+    # different number of ranks) the current epoch's order continues from that position.
+    start_step: int = 0
+    start_samples: int = 0
+
+    @property
+    def global_batch(self) -> int:
+        return self.micro_batch * self.accumulation * self.dp_world_size
+
+    @property
+    def steps_per_epoch(self) -> int:
+        return math.ceil(self.n_blocks / self.global_batch)
+
+    def epoch_permutation(self, epoch: int) -> np.ndarray:
+        return np.random.default_rng([self.seed, epoch]).permutation(self.n_blocks)
+
+    def position(self, step: int) -> tuple:
+        """(epoch, first position in that epoch's order) of optimizer step `step`; O(1)."""
+        g = self.global_batch
+        epoch0, offset0 = divmod(self.start_samples, self.n_blocks)
+        k = step - self.start_step
+        if offset0:
+            first = math.ceil((self.n_blocks - offset0) / g)  # steps that finish the interrupted epoch
+            if k < first:
+                return epoch0, offset0 + k * g
+            k, epoch0 = k - first, epoch0 + 1
+        return epoch0 + k // self.steps_per_epoch, (k % self.steps_per_epoch) * g
+
+    def total_steps(self, epochs: float) -> int:
+        """The step at which `epochs` epochs of blocks have been trained."""
+        epoch0, offset0 = divmod(self.start_samples, self.n_blocks)
+        remaining = epochs - epoch0 - offset0 / self.n_blocks
+        if remaining <= 0:
+            return self.start_step
+        steps = self.start_step
+        if offset0:
+            part = (self.n_blocks - offset0) / self.n_blocks
+            if remaining <= part:
+                return steps + math.ceil(remaining * self.n_blocks / self.global_batch)
+            steps += math.ceil((self.n_blocks - offset0) / self.global_batch)
+            remaining -= part
+        return steps + math.ceil(round(remaining * self.steps_per_epoch, 9))
+
+    def global_batch_indices(self, step: int, permutation: Optional[np.ndarray] = None) -> np.ndarray:
+        """Block indices of optimizer step `step` (0-based), padded with EMPTY_SLOT to the global batch size."""
+        epoch, lo = self.position(step)
+        perm = self.epoch_permutation(epoch) if permutation is None else permutation
+        chosen = perm[lo: lo + self.global_batch]
+        padded = np.full(self.global_batch, EMPTY_SLOT, dtype=np.int64)
+        padded[: len(chosen)] = chosen
+        return padded
+
+    def micro_batches(self, global_indices: np.ndarray, rank: int) -> list:
+        """This rank's micro-batches of one global batch: micro-step k, rank r reads slot (k * dp + r)."""
+        grid = global_indices.reshape(self.accumulation, self.dp_world_size, self.micro_batch)
+        return [grid[k, rank] for k in range(self.accumulation)]
+
+
+class StepBatches:
+    """Yields, for each optimizer step, this rank's micro-batches and the global count of loss targets."""
+
+    def __init__(self, blocks: PackedBlocks, order: GlobalOrder, rank: int):
+        self.blocks = blocks
+        self.order = order
+        self.rank = rank
+        self._epoch = -1
+        self._permutation: Optional[np.ndarray] = None
+
+    def _global_indices(self, step: int) -> np.ndarray:
+        epoch, _ = self.order.position(step)
+        if epoch != self._epoch:
+            self._epoch, self._permutation = epoch, self.order.epoch_permutation(epoch)
+        return self.order.global_batch_indices(step, self._permutation)
+
+    def for_step(self, step: int) -> tuple:
+        global_indices = self._global_indices(step)
+        # Every rank knows the whole global batch, so the loss normaliser needs no communication.
+        global_targets = self.blocks.targets_in(global_indices)
+        micro = [self.blocks.batch(idx) for idx in self.order.micro_batches(global_indices, self.rank)]
+        n_blocks = int((global_indices != EMPTY_SLOT).sum())
+        return micro, global_targets, n_blocks
+
+    def sample_ids(self, step: int) -> list:
+        """The global sample ids (block indices of the training order) of one step's whole global batch."""
+        return [int(i) for i in self._global_indices(step) if i != EMPTY_SLOT]

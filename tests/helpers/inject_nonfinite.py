@@ -1,0 +1,68 @@
+"""Test helper: train.py with one rank's loss made non-finite (or spiked) at chosen data steps.
+
+    SCALETRAIN_TEST_INJECT_NONFINITE="RANK:STEP,STEPxF,..." deepspeed tests/helpers/inject_nonfinite.py <train.py flags>
+
+multiplies RANK's loss at those data steps (1-based: the batch a step trains on, so a rollback's data offset moves
+past them) by NaN, or by F when given (a loss spike). The backward then sees the same bad loss, as it would with a
+real bad batch. The pipeline holds no hook for this: the helper wraps scaletrain.loop.token_loss_sum, and only
+while scaletrain.loop.optimizer_step runs, so an evaluation's loss is never touched. Without the variable it is
+plain train.py.
+"""
+
+import inspect
+import os
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+INJECT_ENV = "SCALETRAIN_TEST_INJECT_NONFINITE"
+
+
+def parse_spec(spec: str) -> tuple:
+    """The spec "RANK:STEP,STEPxF,..." as (rank, {data step (1-based): factor}), NaN where no factor is given."""
+    target, _, steps = spec.partition(":")
+    factors: dict = {}
+    for item in steps.split(","):
+        step, _, factor = item.partition("x")
+        factors.setdefault(int(step), float(factor) if factor else float("nan"))
+    return int(target), factors
+
+
+def install(factors: dict) -> None:
+    """Scale this process's summed micro-batch losses by factors[data step + 1] inside scaletrain.loop's steps."""
+    from scaletrain import loop
+
+    step_fn, loss_fn = loop.optimizer_step, loop.token_loss_sum
+    signature = inspect.signature(step_fn)
+    current = {"factor": None}
+
+    def optimizer_step(*args, **kwargs):
+        data_step = signature.bind(*args, **kwargs).arguments["data_step"]
+        current["factor"] = factors.get(data_step + 1)
+        try:
+            return step_fn(*args, **kwargs)
+        finally:
+            current["factor"] = None
+
+    def token_loss_sum(engine, batch):
+        summed = loss_fn(engine, batch)
+        return summed if current["factor"] is None else summed * current["factor"]
+
+    loop.optimizer_step, loop.token_loss_sum = optimizer_step, token_loss_sum
+
+
+def main() -> int:
+    import train
+    from scaletrain.distributed import read_launch_env
+
+    spec = os.environ.get(INJECT_ENV)
+    if spec:
+        rank, factors = parse_spec(spec)
+        if read_launch_env().rank == rank:  # the rank train.py will have (the same launch variables)
+            install(factors)
+    return train.main(sys.argv[1:])
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -32,7 +32,7 @@ def needed_ops(config_paths, accelerator: str) -> list:
         except (OSError, ValueError) as err:
             print(f"error: --config {path}: cannot read it as JSON ({err}); give a DeepSpeed config file",
                   file=sys.stderr)
-            raise SystemExit(2)
+            raise SystemExit(2) from None  # the line above says it all: no traceback chain
         names += [name for name in ops.engine_ops(config, accelerator) if name not in names]
     return names
 

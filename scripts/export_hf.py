@@ -33,9 +33,9 @@ def export(ckpt: Path, out: Path, dtype: str, max_shard_size: str) -> None:
     run_config_path = ckpt.parent.parent / "run_config.json"
     try:
         run_config = json.loads(run_config_path.read_text())
-    except (OSError, ValueError):
+    except (OSError, ValueError) as err:
         raise UsageError(f"{run_config_path}: cannot read the run's config",
-                         "export from a checkpoint inside its run folder")
+                         "export from a checkpoint inside its run folder") from err
     model_source = run_config.get("model_name_or_path") or run_config.get("config_name") or str(DEFAULT_MODEL_DIR)
     tokenizer_source = run_config.get("tokenizer_name") or model_source
     trust = bool(run_config.get("trust_remote_code"))

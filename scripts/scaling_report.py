@@ -74,7 +74,7 @@ def report(results: list, out: Path) -> str:
     for p in PHASES:
         values = [r[p] for r in results]
         right.bar([str(w) for w in worlds], values, bottom=bottom, label=p)
-        bottom = [b + v for b, v in zip(bottom, values)]
+        bottom = [b + v for b, v in zip(bottom, values, strict=True)]
     right.set_xlabel("world size")
     right.set_title("step time by phase (s)")
     right.legend(fontsize="small")

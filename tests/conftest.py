@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
+import time
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Iterator, Optional
@@ -43,12 +45,27 @@ def subprocess_env(tmp_cache: Path) -> dict:
     return env
 
 
-def pytest_sessionstart(session) -> None:
-    """Build DeepSpeed's CPU ops once, up front (minutes on a fresh machine), so no test's time limit pays it."""
+@pytest.fixture(scope="session")
+def compiled_ops() -> None:
+    """DeepSpeed's CPU ops (shm all-reduce, cpu_adam), built once per session (minutes on a fresh machine) before
+    the first test that needs them, so that no test's time limit pays the build.
+
+    Every slow test gets it (`_slow_tests_get_compiled_ops`): multi-rank and offload runs are all marked slow. The
+    fast tier (`-m "not slow"`: unit tests and single-rank runs, which need no compiled op) never waits for it. A
+    failed build is an error of every test that needs the ops (pytest keeps a session fixture's failure), never a
+    skip.
+    """
     proc = subprocess.run([sys.executable, str(REPO / "scripts" / "build_ops.py")], cwd=REPO, capture_output=True,
                           text=True, timeout=1800)
     if proc.returncode != 0:
-        raise pytest.UsageError(f"scripts/build_ops.py failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
+        pytest.fail(f"scripts/build_ops.py failed (exit {proc.returncode}):\n{proc.stdout[-3000:]}\n"
+                    f"{proc.stderr[-3000:]}", pytrace=False)
+
+
+@pytest.fixture(autouse=True)
+def _slow_tests_get_compiled_ops(request) -> None:
+    if request.node.get_closest_marker("slow") is not None:
+        request.getfixturevalue("compiled_ops")
 
 
 @pytest.fixture(scope="session")
@@ -73,7 +90,8 @@ def launch(script: Path, args: list, launcher: str, cache: Path, nprocs: int = 1
 
 
 def check_ok(proc: subprocess.CompletedProcess) -> None:
-    assert proc.returncode == 0, f"exit {proc.returncode}\n--- stdout\n{proc.stdout[-6000:]}\n--- stderr\n{proc.stderr[-6000:]}"
+    assert proc.returncode == 0, \
+        f"exit {proc.returncode}\n--- stdout\n{proc.stdout[-6000:]}\n--- stderr\n{proc.stderr[-6000:]}"
 
 
 def read_metrics(run_dir: Path) -> list:
@@ -82,6 +100,54 @@ def read_metrics(run_dir: Path) -> list:
 
 def train_losses(run_dir: Path) -> list:
     return [r["loss"] for r in read_metrics(run_dir) if "loss" in r]
+
+
+def logged_steps(run_dir: Path) -> list:
+    """The steps of the training records in a running job's metrics.jsonl: complete lines only (rank 0 may be in
+    the middle of writing one)."""
+    path = run_dir / "metrics.jsonl"
+    if not path.exists():
+        return []
+    complete = path.read_text().split("\n")[:-1]
+    return [r["step"] for r in map(json.loads, complete) if "loss" in r]
+
+
+# --- Acting at a given point of a run: stop it there (SIGSTOP) instead of racing it. A test that waits for a state
+# and then kills or signals a process would otherwise test whatever state a faster (or slower) machine is in by
+# the time the signal lands; a stopped process cannot run ahead while the test checks the state it needs.
+
+def _thread_states(pid: int) -> list:
+    states = []
+    for stat in Path(f"/proc/{pid}/task").glob("*/stat"):
+        try:
+            states.append(stat.read_text().rsplit(")", 1)[1].split()[0])
+        except (OSError, IndexError):
+            continue  # a thread that has just ended
+    return states
+
+
+def freeze(*pids: int, timeout: float = 60) -> None:
+    """SIGSTOP the processes; return once every thread of each has stopped (delivery is asynchronous)."""
+    for pid in pids:
+        os.kill(pid, signal.SIGSTOP)
+    deadline = time.monotonic() + timeout
+    for pid in pids:
+        while any(state not in "TtZX" for state in _thread_states(pid)):
+            assert time.monotonic() < deadline, f"process {pid} did not stop within {timeout}s"
+            time.sleep(0.001)
+
+
+def thaw(*pids: int) -> None:
+    """SIGCONT: the processes continue, and handle the signals sent to them while they were stopped."""
+    for pid in pids:
+        os.kill(pid, signal.SIGCONT)
+
+
+def signal_pending(pid: int, sig: int) -> bool:
+    """Whether `sig` was sent to the process and waits for it to run (a stopped process gets it when continued)."""
+    fields = dict(line.split(":", 1) for line in Path(f"/proc/{pid}/status").read_text().splitlines() if ":" in line)
+    pending = int(fields["ShdPnd"], 16) | int(fields["SigPnd"], 16)
+    return bool(pending >> (sig - 1) & 1)
 
 
 # Small and fast: blocks of 64 tokens, 4 per micro-batch, no progress bar.

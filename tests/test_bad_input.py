@@ -9,6 +9,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import shutil
 import traceback
 from pathlib import Path
@@ -106,70 +107,91 @@ def json_edit(dotted: str, value):
 
 
 CASES = {
-    # name: (builder of extra flags given the tmp folder, text the error's first line must contain)
-    "missing config": (lambda t: ["--config", "ds_configs/zero9.json"], "--config ds_configs/zero9.json: no such file"),
-    "invalid json": (lambda t: ["--config", str(text_file(t, "b.json", '{"train_batch_size": '))], "not valid JSON"),
-    "json not an object": (lambda t: ["--config", str(text_file(t, "l.json", "[1, 2]"))], "must be a JSON object"),
-    "misspelled top-level key": (json_edit("gradient_clipp1ng", 1.0), 'unknown key "gradient_clipp1ng"'),
-    "misspelled zero key": (json_edit("zero_optimization.overlap_com", True),
+    # name: (builder of extra flags given the tmp folder, the culprit: the flag or DeepSpeed JSON key the error line
+    #        must name, text that line must contain)
+    "missing config": (lambda t: ["--config", "ds_configs/zero9.json"], "--config",
+                       "--config ds_configs/zero9.json: no such file"),
+    "invalid json": (lambda t: ["--config", str(text_file(t, "b.json", '{"train_batch_size": '))], "--config",
+                     "not valid JSON"),
+    "json not an object": (lambda t: ["--config", str(text_file(t, "l.json", "[1, 2]"))], "--config",
+                           "must be a JSON object"),
+    "misspelled top-level key": (json_edit("gradient_clipp1ng", 1.0), "gradient_clipp1ng",
+                                 'unknown key "gradient_clipp1ng"'),
+    "misspelled zero key": (json_edit("zero_optimization.overlap_com", True), "zero_optimization.overlap_com",
                             'unknown key "zero_optimization.overlap_com"'),
     "misspelled offload key": (json_edit("zero_optimization.offload_optimizer.pin_memmory", True),
+                               "zero_optimization.offload_optimizer.pin_memmory",
                                'unknown key "zero_optimization.offload_optimizer.pin_memmory"'),
-    "misspelled adam param": (json_edit("optimizer.params.betas1", 0.9), 'unknown key "optimizer.params.betas1"'),
-    "unknown optimizer type": (json_edit("optimizer.type", "AdamWW"), 'optimizer.type "AdamWW"'),
-    "unknown flag": (lambda t: ["--learning_rat", "1e-3"], "unknown flag --learning_rat"),
-    "global batch arithmetic": (json_edit("train_batch_size", 100),
+    "misspelled adam param": (json_edit("optimizer.params.betas1", 0.9), "optimizer.params.betas1",
+                              'unknown key "optimizer.params.betas1"'),
+    "unknown optimizer type": (json_edit("optimizer.type", "AdamWW"), "optimizer.type",
+                               'optimizer.type "AdamWW"'),
+    "unknown flag": (lambda t: ["--learning_rat", "1e-3"], "--learning_rat", "unknown flag --learning_rat"),
+    "global batch arithmetic": (json_edit("train_batch_size", 100), "train_batch_size",
                                 "train_batch_size 100 in "),
     "bf16 and fp16 in json": (lambda t: ds_json(t, lambda r: (set_in(r, "bf16.enabled", True),
                                                               set_in(r, "fp16.enabled", True))),
-                              "bf16.enabled and fp16.enabled are both true"),
-    "bf16 and fp16 flags": (lambda t: ["--bf16", "--fp16"], "--bf16 and --fp16"),
-    "flag contradicts json precision": (lambda t: json_edit("fp16.enabled", True)(t) + ["--bf16"],
+                              "fp16.enabled", "bf16.enabled and fp16.enabled are both true"),
+    "bf16 and fp16 flags": (lambda t: ["--bf16", "--fp16"], "--fp16", "--bf16 and --fp16"),
+    "flag contradicts json precision": (lambda t: json_edit("fp16.enabled", True)(t) + ["--bf16"], "--bf16",
                                         "--bf16 contradicts fp16.enabled=true"),
     "param offload below stage 3": (json_edit("zero_optimization.offload_param", {"device": "cpu"}),
-                                    "parameter offload needs ZeRO stage 3"),
+                                    "zero_optimization.offload_param", "parameter offload needs ZeRO stage 3"),
     "optimizer offload at stage 0": (lambda t: ds_json(t, lambda r: (
         set_in(r, "zero_optimization.stage", 0), set_in(r, "zero_optimization.offload_optimizer", {"device": "cpu"}))),
-        "optimizer offload needs ZeRO stage 1 or higher"),
+        "zero_optimization.offload_optimizer", "optimizer offload needs ZeRO stage 1 or higher"),
     "bad offload device": (json_edit("zero_optimization.offload_optimizer", {"device": "gpu"}),
+                           "zero_optimization.offload_optimizer.device",
                            'zero_optimization.offload_optimizer.device "gpu"'),
-    "bad zero stage": (json_edit("zero_optimization.stage", 5), "zero_optimization.stage 5"),
+    "bad zero stage": (json_edit("zero_optimization.stage", 5), "zero_optimization.stage",
+                       "zero_optimization.stage 5"),
     "nvme folder missing": (lambda t: ["--config", str(REPO / "ds_configs/zero3_nvme.json"), "--nvme_path",
-                                       str(t / "no_nvme")], "does not exist"),
+                                       str(t / "no_nvme")], "--nvme_path", "does not exist"),
     "micro batch contradicts flag": (lambda t: json_edit("train_micro_batch_size_per_gpu", 4)(t) +
-                                     ["--per_device_train_batch_size", "8"],
+                                     ["--per_device_train_batch_size", "8"], "--per_device_train_batch_size",
                                      "--per_device_train_batch_size 8 contradicts train_micro_batch_size_per_gpu=4"),
     "lr contradicts flag": (lambda t: json_edit("optimizer.params.lr", 1e-4)(t) + ["--learning_rate", "3e-4"],
-                            "--learning_rate 0.0003 contradicts optimizer.params.lr=0.0001"),
+                            "--learning_rate", "--learning_rate 0.0003 contradicts optimizer.params.lr=0.0001"),
     "unresolvable auto": (json_edit("zero_optimization.allgather_bucket_size", "auto"),
-                          "zero_optimization.allgather_bucket_size"),
-    "scheduler section": (json_edit("scheduler", {"type": "WarmupLR", "params": {}}), '"scheduler" section'),
+                          "zero_optimization.allgather_bucket_size", 'is "auto" but the pipeline does not decide it'),
+    "scheduler section": (json_edit("scheduler", {"type": "WarmupLR", "params": {}}), "scheduler",
+                          '"scheduler" section'),
     "deepspeed activation checkpointing": (json_edit("activation_checkpointing", {"cpu_checkpointing": True}),
-                                           "activation_checkpointing.cpu_checkpointing"),
-    "block size above max positions": (lambda t: ["--block_size", "4096"], "--block_size 4096: above the model's"),
-    "tokenizer without eos": (tokenizer_without_eos, "the tokenizer has no EOS token"),
-    "tokenizer larger than vocab": (small_vocab_model, "4096 tokens, but the model's vocabulary has 100"),
-    "model needs remote code": (remote_code_model, "needs custom code"),
-    "missing model folder": (lambda t: ["--model_name_or_path", "./models/none"], "--model_name_or_path ./models/none"),
-    "missing train file": (lambda t: ["--train_file", "data/none.jsonl"], "--train_file data/none.jsonl: no such file"),
-    "unsupported data format": (lambda t: ["--train_file", str(text_file(t, "notes.md", "# hi"))],
+                                           "activation_checkpointing.cpu_checkpointing",
+                                           "only acts on models that call deepspeed.checkpointing"),
+    "block size above max positions": (lambda t: ["--block_size", "4096"], "--block_size",
+                                       "--block_size 4096: above the model's"),
+    "tokenizer without eos": (tokenizer_without_eos, "--tokenizer_name", "the tokenizer has no EOS token"),
+    "tokenizer larger than vocab": (small_vocab_model, "--tokenizer_name",
+                                    "4096 tokens, but the model's vocabulary has 100"),
+    "model needs remote code": (remote_code_model, "--config_name", "needs custom code"),
+    "missing model folder": (lambda t: ["--model_name_or_path", "./models/none"], "--model_name_or_path",
+                             "--model_name_or_path ./models/none: no such file or folder"),
+    "missing train file": (lambda t: ["--train_file", "data/none.jsonl"], "--train_file",
+                           "--train_file data/none.jsonl: no such file"),
+    "unsupported data format": (lambda t: ["--train_file", str(text_file(t, "notes.md", "# hi"))], "--train_file",
                                 "unsupported file type .md"),
-    "empty train file": (lambda t: ["--train_file", str(text_file(t, "empty.jsonl", ""))], "holds no documents"),
+    "empty train file": (lambda t: ["--train_file", str(text_file(t, "empty.jsonl", ""))], "--train_file",
+                         "holds no documents"),
     "missing text column": (lambda t: ["--train_file", str(text_file(t, "c.csv", "body,n\nhello,1\n"))],
-                            "--text_column text: not a column"),
-    "non-text column": (lambda t: ["--train_file", str(text_file(t, "n.jsonl", '{"text": 5}\n'))],
+                            "--text_column", "--text_column text: not a column"),
+    "non-text column": (lambda t: ["--train_file", str(text_file(t, "n.jsonl", '{"text": 5}\n'))], "--text_column",
                         "--text_column text: holds int"),
-    "output holds a different run": (lambda t: previous_run(t, {"config_name": "other/model"}) or [],
+    "output holds a different run": (lambda t: previous_run(t, {"config_name": "other/model"}) or [], "--output_dir",
                                      "holds a different run (config_name: other/model -> None)"),
     "output holds the same run": (lambda t: previous_run(t, {}) or ["--resume_from_checkpoint", "none"],
-                                  "holds a previous run of this model and data"),
+                                  "--output_dir", "holds a previous run of this model and data"),
     "resume from a missing checkpoint": (lambda t: ["--resume_from_checkpoint", str(t / "nope")],
-                                         "--resume_from_checkpoint"),
-    "disk smaller than a checkpoint": (huge_model, "GB free on its disk, one checkpoint"),
-    "loss spike factor below 1": (lambda t: ["--loss_spike_factor", "0.5"], "--loss_spike_factor 0.5: must be above 1"),
-    "unknown non-finite action": (lambda t: ["--on_nonfinite", "ignore"], "--on_nonfinite"),
-    "negative skip limit": (lambda t: ["--max_consecutive_skips", "-1"], "--max_consecutive_skips -1: must not be"),
+                                         "--resume_from_checkpoint", "no such folder"),
+    "disk smaller than a checkpoint": (huge_model, "--output_dir", "GB free on its disk, one checkpoint"),
+    "loss spike factor below 1": (lambda t: ["--loss_spike_factor", "0.5"], "--loss_spike_factor",
+                                  "--loss_spike_factor 0.5: must be above 1"),
+    "unknown non-finite action": (lambda t: ["--on_nonfinite", "ignore"], "--on_nonfinite",
+                                  "invalid choice: 'ignore'"),
+    "negative skip limit": (lambda t: ["--max_consecutive_skips", "-1"], "--max_consecutive_skips",
+                            "--max_consecutive_skips -1: must not be"),
     "skip at stage 0 in bf16": (lambda t: ds_json(t, lambda r: set_in(r, "zero_optimization.stage", 0)) + ["--bf16"],
+                                "--on_nonfinite",
                                 "--on_nonfinite skip: updates of ZeRO stage 0 in bf16 cannot be skipped"),
 }
 
@@ -186,7 +208,7 @@ def offline(monkeypatch, tmp_path):
 def test_bad_input_is_one_line_exit_2_and_touches_nothing(name, tmp_path, offline, capsys):
     from train import main
 
-    make_flags, expected = CASES[name]
+    make_flags, culprit, expected = CASES[name]
     extra = make_flags(tmp_path)
     out = tmp_path / "out"
     before = tree_digest(out)
@@ -199,13 +221,30 @@ def test_bad_input_is_one_line_exit_2_and_touches_nothing(name, tmp_path, offlin
     lines = captured.err.strip().splitlines()
     assert 1 <= len(lines) <= 2 and lines[0].startswith("train.py: error: "), captured.err
     assert expected in lines[0], lines
+    assert names(culprit, lines[0]), f"the error does not name {culprit}: {lines[0]}"
     if len(lines) == 2:
         assert lines[1].startswith("  hint: ")
     assert tree_digest(out) == before
 
 
-def test_table_covers_at_least_25_distinct_bad_inputs():
-    assert len(CASES) >= 25 and len({expected for _, expected in CASES.values()}) == len(CASES)
+def names(culprit: str, line: str) -> bool:
+    """`culprit` appears in `line` as a whole flag or key: --config is not named by --config_name, nor
+    zero_optimization.offload_optimizer by zero_optimization.offload_optimizer.device."""
+    return re.search(rf"(?<![\w.-]){re.escape(culprit)}(?![\w.-])", line) is not None
+
+
+def test_table_covers_25_flags_and_keys_and_tells_every_case_apart():
+    """The table exercises at least 25 different flags and DeepSpeed keys, each case's error names its own, and no
+    case's expected text also fits another case's error (each case proves its own check, not a shared message)."""
+    culprits = {culprit for _, culprit, _ in CASES.values()}
+    assert len(culprits) >= 25, sorted(culprits)
+    for culprit in culprits:  # a flag as typed, or a (dotted) key of the DeepSpeed JSON
+        assert re.fullmatch(r"--[a-z0-9_]+|[a-z0-9_]+(\.[a-z0-9_]+)*", culprit), culprit
+    for name, (_, _, expected) in CASES.items():
+        fits = [other for other, (_, _, text) in CASES.items() if other != name and expected in text]
+        assert not fits, f"{name}: {expected!r} also fits the error of {fits}"
+    assert names("--config", "--config x.json: no such file") and not names("--config", "--config_name x: ...")
+    assert not names("zero_optimization.offload_optimizer", 'zero_optimization.offload_optimizer.device "gpu"')
 
 
 def test_real_process_exits_2_without_traceback(tmp_path, cache_dir):

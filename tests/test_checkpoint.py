@@ -1,7 +1,9 @@
 """Crash-safe checkpoints, for real: 2 gloo ranks under the deepspeed launcher, killed and restarted.
 
 Each scenario is compared with the same run uninterrupted: the per-step losses after a resume must equal the
-uninterrupted run's, and the metrics must hold every step exactly once.
+uninterrupted run's, and the metrics must hold every step exactly once. A kill or signal lands where the scenario
+needs it on a machine of any speed: the ranks are stopped (SIGSTOP) when the run gets there, the test checks the
+state they stopped in, then kills or signals them and lets the rest continue.
 """
 
 from __future__ import annotations
@@ -17,7 +19,8 @@ from pathlib import Path
 import psutil
 import pytest
 
-from tests.conftest import REPO, VENV_BIN, check_ok, free_port, launch, read_metrics, small_tmpfs, subprocess_env
+from tests.conftest import REPO, VENV_BIN, check_ok, free_port, freeze, launch, logged_steps, read_metrics, \
+    signal_pending, small_tmpfs, subprocess_env, thaw
 
 pytestmark = pytest.mark.slow
 STEPS, SAVE_EVERY = 32, 8
@@ -53,7 +56,7 @@ def wait_for(predicate, proc: subprocess.Popen, timeout: float = 600) -> None:
     while not predicate():
         assert proc.poll() is None, f"run ended early:\n{proc.stdout.read()[-4000:]}"
         assert time.monotonic() < deadline, "timed out"
-        time.sleep(0.02)
+        time.sleep(0.005)  # often: the test stops the run (freeze) as soon as it gets there
 
 
 def step_losses(run_dir: Path) -> dict:
@@ -63,36 +66,63 @@ def step_losses(run_dir: Path) -> dict:
     return {r["step"]: r["loss"] for r in records}
 
 
+class References:
+    """The uninterrupted 2-rank runs of `flags(ds_config, ...)`, one per ZeRO stage, made on first use and shared
+    by the tests of this module (each is a full 32-step run)."""
+
+    def __init__(self, tmp_path_factory, cache_dir: Path):
+        self._factory, self._cache, self._made = tmp_path_factory, cache_dir, {}
+
+    def run_dir(self, ds_config: str) -> Path:
+        """The finished run's folder (checkpoints at steps 8, 16, 24, 32); copy it before changing anything."""
+        if ds_config not in self._made:
+            run_dir = self._factory.mktemp(f"ref_{ds_config}") / "run"
+            check_ok(launch(REPO / "train.py", flags(ds_config, run_dir), "deepspeed", self._cache, nprocs=2))
+            losses = step_losses(run_dir)
+            assert sorted(losses) == list(range(1, STEPS + 1))
+            self._made[ds_config] = run_dir, losses
+        return self._made[ds_config][0]
+
+    def losses(self, ds_config: str) -> dict:
+        self.run_dir(ds_config)
+        return self._made[ds_config][1]
+
+
 @pytest.fixture(scope="module")
-def uninterrupted(tmp_path_factory, cache_dir):
-    """The reference runs, one per ZeRO stage, made on first use."""
-    made = {}
+def uninterrupted(tmp_path_factory, cache_dir) -> References:
+    return References(tmp_path_factory, cache_dir)
 
-    def get(ds_config: str) -> dict:
-        if ds_config not in made:
-            run_dir = tmp_path_factory.mktemp(f"ref_{ds_config}")
-            check_ok(launch(REPO / "train.py", flags(ds_config, run_dir), "deepspeed", cache_dir, nprocs=2))
-            made[ds_config] = step_losses(run_dir)
-            assert sorted(made[ds_config]) == list(range(1, STEPS + 1))
-        return made[ds_config]
 
-    return get
+def rank_processes(launcher: subprocess.Popen) -> list:
+    return [rank_process(launcher, rank) for rank in (0, 1)]
+
+
+def latest_step(run_dir: Path) -> int:
+    return int((run_dir / "checkpoints" / "latest").read_text().strip().removeprefix("step"))
 
 
 @pytest.mark.parametrize("ds_config", ["zero1", "zero2", "zero3"])
 def test_sigkill_one_rank_then_restart_resumes_exactly(ds_config, tmp_path, cache_dir, uninterrupted):
     run_dir = tmp_path / "run"
     proc = start(flags(ds_config, run_dir), cache_dir)
-    wait_for(lambda: (run_dir / "checkpoints" / "step8" / "commit.json").exists(), proc)
-    rank_process(proc, 1).kill()  # SIGKILL: no handler, no save
+    ranks = rank_processes(proc)
+    # Steps trained after the step-8 checkpoint: stop both ranks there, so the kill lands mid-run on any machine.
+    wait_for(lambda: any(step > SAVE_EVERY for step in logged_steps(run_dir)), proc)
+    freeze(*(rank.pid for rank in ranks))
+    saved, logged = latest_step(run_dir), max(logged_steps(run_dir))
+    assert SAVE_EVERY <= saved < logged < STEPS, f"stopped at step {logged}, newest checkpoint step{saved}"
+    ranks[1].kill()  # SIGKILL: no handler, no save
+    thaw(ranks[0].pid)  # the surviving rank finds its peer gone
     proc.wait(timeout=120)
     assert proc.returncode != 0
-    assert not (run_dir / "checkpoints" / f"step{STEPS}").exists(), "the kill came too late to test anything"
+    assert latest_step(run_dir) == saved  # nothing was committed without the killed rank
 
-    check_ok(launch(REPO / "train.py", flags(ds_config, run_dir), "deepspeed", cache_dir, nprocs=2))
+    restarted = launch(REPO / "train.py", flags(ds_config, run_dir), "deepspeed", cache_dir, nprocs=2)
+    check_ok(restarted)
+    assert f"resumed from {run_dir / 'checkpoints' / f'step{saved}'} (step {saved}," in restarted.stdout
     losses = step_losses(run_dir)
-    assert sorted(losses) == list(range(1, STEPS + 1))  # every step exactly once
-    reference = uninterrupted(ds_config)
+    assert sorted(losses) == list(range(1, STEPS + 1))  # every step exactly once: steps after `saved` trained again
+    reference = uninterrupted.losses(ds_config)
     for step in range(1, STEPS + 1):
         assert losses[step] == pytest.approx(reference[step], rel=1e-6, abs=1e-7), step
 
@@ -111,10 +141,13 @@ def test_sigkill_during_a_save_resumes_from_the_previous_checkpoint(tmp_path, ca
     run_dir = tmp_path / "run"
     ckpts = run_dir / "checkpoints"
     proc = start(args(run_dir), cache_dir)
-    wait_for(lambda: (ckpts / ".tmp-step4").exists(), proc, timeout=900)  # the step-4 save has begun
+    ranks = rank_processes(proc)
+    wait_for(lambda: (ckpts / ".tmp-step4").exists(), proc, timeout=900)  # the step-4 save has begun:
+    freeze(*(rank.pid for rank in ranks), proc.pid)  # stop the ranks and the launcher inside it
+    assert (ckpts / ".tmp-step4").exists() and not (ckpts / "step4").exists(), "stopped after the commit"
     os.killpg(proc.pid, signal.SIGKILL)  # the launcher and every rank, in the middle of writing
     proc.wait(timeout=120)
-    assert (ckpts / ".tmp-step4").exists() and not (ckpts / "step4").exists(), "the kill came after the commit"
+    assert (ckpts / ".tmp-step4").exists() and not (ckpts / "step4").exists()
     assert verify(ckpts / "step2") is None and (ckpts / "latest").read_text().strip() == "step2"
 
     restarted = launch(REPO / "train.py", args(run_dir), "deepspeed", cache_dir, nprocs=2)
@@ -132,19 +165,24 @@ def test_sigkill_during_a_save_resumes_from_the_previous_checkpoint(tmp_path, ca
 def test_sigusr1_saves_exits_for_requeue_and_continues_exactly(tmp_path, cache_dir, uninterrupted):
     run_dir = tmp_path / "run"
     proc = start(flags("zero2", run_dir), cache_dir)
-    # complete lines only: the file may be read while rank 0 writes a record
-    wait_for(lambda: (run_dir / "metrics.jsonl").exists() and
-             (run_dir / "metrics.jsonl").read_text().count("\n") >= 3, proc)
-    rank_process(proc, 1).send_signal(signal.SIGUSR1)  # one rank signalled: all ranks must agree and save
+    ranks = rank_processes(proc)
+    wait_for(lambda: len(logged_steps(run_dir)) >= 3, proc)
+    freeze(*(rank.pid for rank in ranks))  # the run cannot end (or pass a checkpoint) before the signal lands
+    stopped_at = max(logged_steps(run_dir))
+    assert stopped_at + 2 < STEPS  # the save the signal asks for comes before the run's end
+    ranks[1].send_signal(signal.SIGUSR1)  # one rank signalled: all ranks must agree and save
+    assert signal_pending(ranks[1].pid, signal.SIGUSR1)
+    thaw(*(rank.pid for rank in ranks))
     output, _ = proc.communicate(timeout=300)
     assert proc.returncode == 85, output[-3000:]
-    latest = (run_dir / "checkpoints" / "latest").read_text().strip()
-    saved_step = int(latest.removeprefix("step"))
-    assert 3 <= saved_step < STEPS
+    saved_step = latest_step(run_dir)
+    # At the next step boundary, or the one after when rank 1 was stopped inside that step's agreement (a rank is
+    # at most one step ahead of rank 0's last record: the steps' collectives hold it).
+    assert stopped_at < saved_step <= stopped_at + 2, (stopped_at, saved_step)
     assert f"checkpoint committed at step {saved_step}" in output
 
     check_ok(launch(REPO / "train.py", flags("zero2", run_dir), "deepspeed", cache_dir, nprocs=2))
-    losses, reference = step_losses(run_dir), uninterrupted("zero2")
+    losses, reference = step_losses(run_dir), uninterrupted.losses("zero2")
     assert sorted(losses) == list(range(1, STEPS + 1))
     for step in range(1, STEPS + 1):
         assert losses[step] == pytest.approx(reference[step], rel=1e-6, abs=1e-7), step
@@ -154,7 +192,7 @@ def test_broken_newest_checkpoint_is_skipped_and_the_previous_one_used(tmp_path,
     """The states a kill during a save leaves behind: a truncated shard in the newest checkpoint, a temporary
     folder never committed, and a committed-looking folder without commit.json. Only verified ones load."""
     run_dir = tmp_path / "run"
-    check_ok(launch(REPO / "train.py", flags("zero2", run_dir), "deepspeed", cache_dir, nprocs=2))
+    shutil.copytree(uninterrupted.run_dir("zero2"), run_dir)  # a finished run of these flags
     ckpts = run_dir / "checkpoints"
     shard = next(p for p in (ckpts / f"step{STEPS}").iterdir() if p.name.endswith("optim_states.pt"))
     shard.write_bytes(shard.read_bytes()[: shard.stat().st_size // 2])  # truncated while being written
@@ -169,7 +207,7 @@ def test_broken_newest_checkpoint_is_skipped_and_the_previous_one_used(tmp_path,
     assert f"skipping checkpoint {ckpts / f'step{STEPS}'}" in proc.stdout
     assert f"skipping checkpoint {ckpts / 'step24'}: no commit.json" in proc.stdout
     assert f"resumed from {ckpts / 'step16'}" in proc.stdout
-    losses, reference = step_losses(run_dir), uninterrupted("zero2")
+    losses, reference = step_losses(run_dir), uninterrupted.losses("zero2")
     assert sorted(losses) == list(range(1, STEPS + 1))
     for step in range(17, STEPS + 1):
         assert losses[step] == pytest.approx(reference[step], rel=1e-6, abs=1e-7), step
@@ -207,13 +245,15 @@ def test_a_full_disk_stops_the_save_cleanly_and_keeps_the_previous_checkpoint(sm
     assert sorted(p.name for p in ckpts.iterdir() if p.is_dir()) == ["step2"]  # no half-written step4
 
 
-def test_resume_refuses_a_missing_checkpoint_and_another_model(tmp_path, cache_dir):
-    run_dir = tmp_path / "run"
-    check_ok(launch(REPO / "train.py", flags("zero2", run_dir, max_steps=8), "deepspeed", cache_dir, nprocs=2))
+def test_resume_refuses_a_missing_checkpoint_and_another_model(tmp_path, cache_dir, uninterrupted):
+    run_dir = uninterrupted.run_dir("zero2")  # only read: both resumes are refused before anything is written
     missing = launch(REPO / "train.py", flags("zero2", tmp_path / "other") + ["--resume_from_checkpoint",
                                                                              str(tmp_path / "nope")],
                      "python", cache_dir)
-    assert missing.returncode == 2 and "--resume_from_checkpoint" in missing.stderr
+    assert missing.returncode == 2
+    error, *hints = missing.stderr.strip().splitlines()
+    assert error == f"train.py: error: --resume_from_checkpoint {tmp_path / 'nope'}: no such folder"
+    assert len(hints) <= 1 and all(hint.startswith("  hint: ") for hint in hints), hints
     other_model = json.loads((REPO / "data/tiny-llama/config.json").read_text())
     other_model["num_hidden_layers"] = 2
     (tmp_path / "m").mkdir()
@@ -236,29 +276,35 @@ def test_resume_on_another_rank_count_converts_and_continues(ds_config, saved_on
         return args
 
     run_dir = tmp_path / "run"
-    # train to step 16 with the full 32-step schedule, as if the job had been stopped there
-    proc = start(per_rank(saved_on, run_dir, STEPS), cache_dir) if saved_on == 2 else None
-    if proc is not None:
-        wait_for(lambda: (run_dir / "checkpoints" / "step16" / "commit.json").exists(), proc)
-        rank_process(proc, 0).kill()
-        proc.wait(timeout=120)
+    # train to step 16 with the full 32-step schedule, as if the job had been stopped there: stopped (SIGSTOP) as
+    # soon as the step-16 checkpoint is committed, so that it cannot finish first, then killed
+    def step16_committed() -> bool:
+        return (run_dir / "checkpoints" / "step16" / "commit.json").exists()
+
+    if saved_on == 2:
+        proc = start(per_rank(2, run_dir, STEPS), cache_dir)
+        ranks = rank_processes(proc)
+        wait_for(step16_committed, proc)
+        freeze(*(rank.pid for rank in ranks))
+        assert latest_step(run_dir) == 16 and max(logged_steps(run_dir)) < 24
+        ranks[0].kill()
+        thaw(ranks[1].pid)
     else:
-        single = subprocess.Popen([str(VENV_BIN / "python"), "train.py", *per_rank(1, run_dir, STEPS)], cwd=REPO,
-                                  env=subprocess_env(cache_dir), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                  text=True, start_new_session=True)
-        wait_for(lambda: (run_dir / "checkpoints" / "step16" / "commit.json").exists(), single)
-        single.kill()
-        single.wait(timeout=120)
-    for newer in (run_dir / "checkpoints").glob("step*"):
-        if int(newer.name[4:]) > 16:
-            shutil.rmtree(newer)
+        proc = subprocess.Popen([str(VENV_BIN / "python"), "train.py", *per_rank(1, run_dir, STEPS)], cwd=REPO,
+                                env=subprocess_env(cache_dir), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                text=True, start_new_session=True)
+        wait_for(step16_committed, proc)
+        freeze(proc.pid)
+        assert latest_step(run_dir) == 16 and max(logged_steps(run_dir)) < 24
+        proc.kill()
+    proc.wait(timeout=120)
 
     resumed = launch(REPO / "train.py", per_rank(resumed_on, run_dir, STEPS), "deepspeed", cache_dir,
                      nprocs=resumed_on)
     check_ok(resumed)
     assert "converted" in resumed.stdout and "universal checkpoint" in resumed.stdout
     assert f"resumed from {run_dir / 'checkpoints' / 'step16'}" in resumed.stdout
-    losses, reference = step_losses(run_dir), uninterrupted(ds_config)
+    losses, reference = step_losses(run_dir), uninterrupted.losses(ds_config)
     assert sorted(losses) == list(range(1, STEPS + 1))
     for step in range(17, STEPS + 1):
         assert losses[step] == pytest.approx(reference[step], rel=1e-4), step

@@ -13,15 +13,18 @@ import json
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
+import psutil
 import pytest
 
-from tests.conftest import FAST_FLAGS, REPO, VENV_BIN, check_ok, free_port, subprocess_env
+from tests.conftest import FAST_FLAGS, REPO, VENV_BIN, check_ok, free_port, freeze, logged_steps, signal_pending, \
+    subprocess_env, thaw
 
 pytestmark = pytest.mark.slow
 SBATCH = REPO / "scripts" / "train.sbatch"
@@ -109,17 +112,32 @@ def test_preemption_signal_saves_requeues_once_and_resumes(slurm, tmp_path):
     run_dir = tmp_path / "run"
     job = slurm.submit(["--nodes=2", str(SBATCH)], [*TRAIN_FLAGS, "--output_dir", str(run_dir), "--max_steps", "40",
                                                     "--logging_steps", "1"])
-    metrics = run_dir / "metrics.jsonl"
     deadline = time.monotonic() + 600
-    while not (metrics.exists() and len(metrics.read_text().splitlines()) >= 6):
+    while len(logged_steps(run_dir)) < 6:
         assert time.monotonic() < deadline and slurm.queued(job), slurm.log(job)[-4000:]
-        time.sleep(0.5)
-    # What --signal=B:USR1@lead does at the lead time, delivered now (the scheduler's own timing is +-60 s).
+        time.sleep(0.05)
+    # Stop both ranks there, so the job cannot end before the signal reaches them, however fast the machine.
+    ranks = [p.pid for p in psutil.process_iter(["cmdline"])
+             if str(run_dir) in (p.info["cmdline"] or []) and any(a.startswith("--local_rank")
+                                                                   for a in p.info["cmdline"])]
+    assert len(ranks) == 2, ranks
+    freeze(*ranks)
+    stopped_at = max(logged_steps(run_dir))
+    assert stopped_at + 2 < 40
+    # What --signal=B:USR1@lead does at the lead time, delivered now (the scheduler's own timing is +-60 s): the
+    # batch script forwards it to the job steps; once it waits in both stopped ranks, they may go on.
     subprocess.run(["scancel", "--batch", "--signal=USR1", job], env=slurm.env, check=True)
+    deadline = time.monotonic() + 60
+    while not all(signal_pending(pid, signal.SIGUSR1) for pid in ranks):
+        assert time.monotonic() < deadline, f"SIGUSR1 did not reach both ranks\n{slurm.log(job)[-4000:]}"
+        time.sleep(0.05)
+    thaw(*ranks)
     facts, log = slurm.wait(job), slurm.log(job)
     assert (facts["JobState"], facts["ExitCode"], facts["Restarts"]) == ("COMPLETED", "0:0", "1"), log[-4000:]
     saved = re.search(r"preemption \(SIGUSR1\): checkpoint committed at step (\d+)", log)
     assert saved, log[-4000:]
+    # the step boundary after the signal (or the next one, for a rank stopped inside that step's agreement)
+    assert stopped_at < int(saved.group(1)) <= stopped_at + 2, (stopped_at, saved.group(1))
     assert "exit 85): requeueing job" in log and f"job {job} (restart 1)" in log  # SLURM_RESTART_COUNT=1
     assert re.search(rf"resumed from \S+/step{saved.group(1)} \(step {saved.group(1)},", log)
     assert metric_steps(run_dir) == list(range(1, 41))  # every step exactly once across both runs
@@ -173,7 +191,7 @@ def test_torchrun_two_node_rendezvous_without_slurm(tmp_path, cache_dir):
         cwd=REPO, env=subprocess_env(cache_dir), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         for rank in (0, 1)]
     outputs = [node.communicate(timeout=900)[0] for node in nodes]
-    for node, output in zip(nodes, outputs):
+    for node, output in zip(nodes, outputs, strict=True):
         check_ok(subprocess.CompletedProcess(node.args, node.returncode, output, ""))
     assert sum("launch: torchrun/deepspeed, world size 2" in out for out in outputs) == 1
     assert metric_steps(run_dir) == [2, 4]

@@ -34,9 +34,10 @@ def test_engine_ops_follow_offload_optimizer_and_accelerator():
 
 
 @pytest.mark.slow
-def test_stale_build_locks_are_removed_and_a_two_rank_offload_run_finishes(tmp_path, cache_dir, monkeypatch):
+def test_stale_build_locks_are_removed_and_a_two_rank_offload_run_finishes(tmp_path, cache_dir, monkeypatch,
+                                                                          compiled_ops):
     """Regression: a process killed mid-build left torch's `lock` file; every later offload run waited forever."""
-    warm = {op: Path(ops.build_directory(op)) for op in ("cpu_adam", "deepspeed_shm_comm")}  # built at session start
+    warm = {op: Path(ops.build_directory(op)) for op in ("cpu_adam", "deepspeed_shm_comm")}  # built by compiled_ops
     extensions = tmp_path / "torch_extensions"
     monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(extensions))
     folders = {op: Path(ops.build_directory(op)) for op in warm}  # where the run will look: torch's own rule

@@ -177,7 +177,7 @@ class OptimArgs:
     warmup_ratio: float = _flag(0.05, "Warmup as a fraction of the total steps.")
     min_lr_ratio: float = _flag(0.1, "Final LR as a fraction of the peak (cosine, linear, wsd).")
     decay_ratio: float = _flag(0.2, "wsd: fraction of the total steps spent in the final decay.")
-    max_steps: int = _flag(-1, "Optimizer steps to run; overrides --num_train_epochs when > 0.")
+    max_steps: int = _flag(-1, "Optimizer steps to run; overrides --num_train_epochs (-1: unset).")
     num_train_epochs: float = _flag(3.0, "Epochs over the training blocks when --max_steps is not set.")
     seed: int = _flag(42, "Seed for initialisation and the data order.")
 
@@ -192,7 +192,10 @@ class OptimArgs:
         for name in ("warmup_ratio", "min_lr_ratio", "decay_ratio"):
             if not 0.0 <= getattr(self, name) <= 1.0:
                 raise UsageError(f"--{name} {getattr(self, name)}: must be between 0 and 1")
-        if self.max_steps <= 0 and self.num_train_epochs <= 0:
+        if self.max_steps == 0 or self.max_steps < -1:
+            raise UsageError(f"--max_steps {self.max_steps}: give a positive number of steps",
+                             "or leave it unset (-1) to train for --num_train_epochs")
+        if self.max_steps == -1 and self.num_train_epochs <= 0:
             raise UsageError("--max_steps and --num_train_epochs: set one of them to a positive number")
 
 
@@ -229,6 +232,9 @@ class CheckpointArgs:
     save_total_limit: int = _flag(0, "Keep only the newest K committed checkpoints (0: keep all).")
     resume_from_checkpoint: str = _flag(
         "auto", "auto: newest committed checkpoint in --output_dir if any; none: start fresh; or a checkpoint path.")
+    allow_schedule_change: bool = _flag(
+        False, "Resume with another peak --learning_rate than the run being resumed (refused without it; another "
+        "--max_steps, warmup or schedule is only warned about).")
     preemption_grace_seconds: float = _flag(
         120.0, "Seconds a scheduler allows between its signal and the kill; a slower save is warned about.")
     export_hf_at_end: bool = _flag(

@@ -132,6 +132,10 @@ def _resolve_precision(r: _Resolver, engine: EngineArgs, hw: HardwareFacts) -> t
     else:
         precision, reason, source = "fp32", f"auto: no fast bf16 on this {hw.accelerator} (bf16 would be slower)", \
             "auto: hardware"
+    if precision == "fp16" and hw.accelerator == "cpu":  # DeepSpeed's CPU accelerator has no fp16 training
+        raise UsageError(f"{'--fp16' if engine.fp16 else f'fp16.enabled=true in {r.path}'}: fp16 training needs a "
+                         "GPU, and this machine's DeepSpeed accelerator is the CPU",
+                         "drop it: on a CPU the run trains in fp32")
     for name, explicit in (("bf16", json_bf16), ("fp16", json_fp16)):
         r.config.setdefault(name, {})["enabled"] = precision == name
         if explicit is None:

@@ -15,6 +15,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
 
+from scaletrain.errors import UsageError
+
 log = logging.getLogger(__name__)
 METRICS_FILE = "metrics.jsonl"
 
@@ -143,11 +145,34 @@ def _secret_free(config: dict) -> dict:
     return {k: v for k, v in config.items() if not any(m in k.lower() for m in markers)}
 
 
+def read_records(path: Path) -> tuple:
+    """(records of a metrics.jsonl, whether its last line was torn). A last line cut short (a SIGKILL or a full disk
+    in the middle of a write) is dropped; an unreadable line before it means the file is damaged: UsageError."""
+    lines = [line for line in path.read_text(encoding="utf-8", errors="replace").splitlines() if line.strip()]
+    records = []
+    for number, line in enumerate(lines, 1):
+        try:
+            record = json.loads(line)
+            if not isinstance(record, dict) or not isinstance(record.get("step"), int):
+                raise ValueError("not a record with a step")
+        except ValueError as err:
+            if number == len(lines):
+                return records, True
+            raise UsageError(f"{path}: line {number} is not a metrics record ({err}); the file is damaged before "
+                             "its end", f"move {path.name} aside to resume with a new one (checkpoints are "
+                             "not affected)") from None
+        records.append(record)
+    return records, False
+
+
 def _keep_records_up_to(path: Path, step: int) -> None:
     """A resumed run repeats the steps after its checkpoint: drop their old records so each step appears once."""
     if not path.exists():
         return
-    kept = [line for line in path.read_text().splitlines() if line.strip() and json.loads(line)["step"] <= step]
+    records, torn = read_records(path)
+    if torn:
+        log.warning("%s: its last line was cut short (a kill or a full disk during a write); dropped it", path)
+    kept = [json.dumps(record) for record in records if record["step"] <= step]
     tmp = path.with_name(path.name + ".tmp")
     tmp.write_text("".join(line + "\n" for line in kept))
     os.replace(tmp, path)

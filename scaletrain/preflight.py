@@ -22,6 +22,7 @@ from scaletrain import distributed
 from scaletrain.distributed import DistInfo
 from scaletrain.dsconfig import HardwareFacts, ResolvedDSConfig, load_ds_config, resolve_ds_config
 from scaletrain.flops import ModelFlops, model_flops
+from scaletrain.metrics import METRICS_FILE, read_records
 from scaletrain.model import load_model_config, load_tokenizer, max_positions, meta_model
 
 log = logging.getLogger(__name__)
@@ -47,6 +48,7 @@ class ResolvedRun:
     flops: Optional[ModelFlops] = None  # FLOPs per token of this model at this block size
     reshard: bool = False  # the checkpoint came from another number of data-parallel ranks
     model_shape: Any = None  # --plan: the memory planner's view of the model (memory_planner.ModelShape)
+    previous_run_config: Optional[dict] = None  # run_config.json of the run being resumed, where there is one
 
 
 def hardware_facts() -> HardwareFacts:
@@ -143,20 +145,66 @@ def _model_facts(skeleton, model_config) -> dict:
             "parameter_names": hashlib.sha256(names.encode()).hexdigest()[:16]}
 
 
+def _read_json(path: Path) -> Optional[dict]:
+    if not path.is_file():
+        return None
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError) as err:
+        log.warning("%s: unreadable (%s); a changed LR schedule cannot be checked on this resume", path, err)
+        return None
+
+
+def read_previous_run_config(resume_from: Path) -> Optional[dict]:
+    """run_config.json of the run that wrote the checkpoint (its run folder, <run>/checkpoints/stepN), read before
+    this run rewrites it, with "peak_lr": the LR its optimizer got (ds_config.json's optimizer.params.lr, which an
+    explicit JSON value sets instead of --learning_rate). None for a checkpoint copied out of its run folder."""
+    folder = resume_from.resolve().parent.parent
+    run_config = _read_json(folder / RUN_CONFIG_FILE)
+    if run_config is None:
+        return None
+    lr = ((_read_json(folder / DS_CONFIG_FILE) or {}).get("optimizer") or {}).get("params", {}).get("lr")
+    peak = lr if isinstance(lr, (int, float)) else run_config.get("learning_rate")
+    return {**run_config, "peak_lr": peak}
+
+
+def peak_lr(ds: ResolvedDSConfig) -> float:
+    """The peak LR the optimizer gets: --learning_rate, or an explicit optimizer.params.lr of the JSON."""
+    return float(ds.config["optimizer"]["params"]["lr"])
+
+
+def _check_peak_lr(cfg: RunConfig, ds: ResolvedDSConfig, previous: Optional[dict], resume_from: Path) -> None:
+    """A resumed run restarts its schedule from its own peak LR; another peak than the run it continues is refused
+    unless asked for."""
+    old, new = (previous or {}).get("peak_lr"), peak_lr(ds)
+    if old is None or old == new or cfg.checkpoint.allow_schedule_change:
+        return
+    flag = ("--learning_rate" if ds.sources.get("optimizer.params.lr") == "--learning_rate"
+            else f"optimizer.params.lr in {cfg.engine.config}")
+    raise UsageError(f"{flag} {new}: the run resumed from {resume_from} trained with a peak LR of {old}",
+                     f"use {flag} {old} to continue it, or add --allow_schedule_change to resume with the new peak")
+
+
 def _resolve_resume_point(cfg: RunConfig, ds: ResolvedDSConfig, model_facts: dict, dp_world_size: int) -> tuple:
-    """(checkpoint to resume or None, its train state, whether it comes from another data-parallel size)."""
+    """(checkpoint to resume or None, its train state, whether it comes from another data-parallel size, the
+    previous run's run_config.json or None)."""
     if cfg.planning.plan:
-        return None, None, False
+        return None, None, False, None
     resume_from = resolve_resume(cfg.checkpoint.resume_from_checkpoint, cfg.run.output_dir)
     if resume_from is None:
-        return None, None, False
+        return None, None, False, None
+    previous = read_previous_run_config(resume_from)
+    _check_peak_lr(cfg, ds, previous, resume_from)
+    metrics_file = Path(cfg.run.output_dir) / METRICS_FILE
+    if metrics_file.exists():
+        read_records(metrics_file)  # damaged before its end: refused here, on every rank, before anything is built
     reshard = check_resumable(resume_from, dp_world_size, ds.zero_stage, model_facts)
     resume_state = read_train_state(resume_from)
     if reshard:
         ds.config.setdefault("checkpoint", {})["load_universal"] = True
         ds.sources["checkpoint.load_universal"] = (f"resume of a checkpoint from {resume_state['world_size']} "
                                                    f"ranks on {dp_world_size}")
-    return resume_from, resume_state, reshard
+    return resume_from, resume_state, reshard, previous
 
 
 def resolve_run(argv: Optional[Sequence[str]], dist: DistInfo) -> ResolvedRun:
@@ -179,7 +227,7 @@ def resolve_run(argv: Optional[Sequence[str]], dist: DistInfo) -> ResolvedRun:
         raise UsageError(f"--gradient_checkpointing: {type(skeleton).__name__} does not support it",
                          "drop the flag, or use ZeRO-3 / offload to save memory instead")
     model_facts = _model_facts(skeleton, model_config)
-    resume_from, resume_state, reshard = _resolve_resume_point(cfg, ds, model_facts, dist.dp_world_size)
+    resume_from, resume_state, reshard, previous = _resolve_resume_point(cfg, ds, model_facts, dist.dp_world_size)
     if not (cfg.run.print_config or cfg.planning.plan):
         _check_disk_space(cfg.run.output_dir, model_facts["n_params"], ds.precision)
     model_shape = None
@@ -189,7 +237,8 @@ def resolve_run(argv: Optional[Sequence[str]], dist: DistInfo) -> ResolvedRun:
         model_shape = memory_planner.ModelShape.from_meta_model(skeleton, model_config)
     return ResolvedRun(cfg, ds, model_config, tokenizer, block_size, model_facts["n_params"],
                        resume_from=resume_from, model_facts=model_facts, resume_state=resume_state, reshard=reshard,
-                       flops=model_flops(skeleton, model_config, block_size), model_shape=model_shape)
+                       flops=model_flops(skeleton, model_config, block_size), model_shape=model_shape,
+                       previous_run_config=previous)
 
 
 def explain_resolved_run(resolved: ResolvedRun, dp_world_size: int) -> str:

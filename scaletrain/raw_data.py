@@ -37,7 +37,7 @@ def load_raw_datasets(data: DataArgs):
         raw = datasets.load_from_disk(data.dataset_name)
         raw = raw if isinstance(raw, datasets.DatasetDict) else datasets.DatasetDict({"train": raw})
     elif data.dataset_name:
-        raw = datasets.load_dataset(data.dataset_name, data.dataset_config_name)
+        raw = _load_hub_dataset(data)
     else:
         files = local_data_files(data)
         builder = _local_builder([f for split in files.values() for f in split], "train_file/--validation_file")
@@ -52,6 +52,19 @@ def load_raw_datasets(data: DataArgs):
         validation = train.select(range(n_val))
         train = train.select(range(n_val, len(train)))
     return train, validation
+
+
+def _load_hub_dataset(data: DataArgs):
+    """A hub dataset: one line naming it when it cannot be reached or found (the model and tokenizer get the same)."""
+    import datasets
+
+    try:
+        return datasets.load_dataset(data.dataset_name, data.dataset_config_name)
+    except (ConnectionError, FileNotFoundError) as exc:  # no network, offline mode, or no such dataset
+        detail = str(exc).strip().splitlines()[0][:200] if str(exc).strip() else type(exc).__name__
+        raise UsageError(f"--dataset_name {data.dataset_name}: cannot load it ({detail})",
+                         "check the name and the network (a hub dataset is downloaded once, then read from the "
+                         "Hugging Face cache), or give local files with --train_file") from exc
 
 
 def check_data_files(data: DataArgs) -> None:

@@ -16,10 +16,10 @@ from scaletrain.logs import silence_library_logs
 from scaletrain.loop import LoopHooks, LoopSettings, evaluate, train_loop
 from scaletrain.flops import peak_tflops
 from scaletrain.metrics import MetricsLogger, StepProfiler, ThroughputModel
-from scaletrain.preflight import (ResolvedRun, describe_launch, print_config, print_memory_plan, resolve_run,
-                                  write_run_folder)
+from scaletrain.preflight import (ResolvedRun, describe_launch, peak_lr, print_config, print_memory_plan,
+                                  resolve_run, write_run_folder)
 from scaletrain.sampling import GlobalOrder, StepBatches
-from scaletrain.schedules import LRSchedule, warmup_steps_for
+from scaletrain.schedules import LRSchedule, describe_schedule_change, restart_schedule, warmup_steps_for
 from scaletrain.faults import PreemptionFlag
 from scaletrain.nonfinite import NonFiniteGuard, NonFinitePolicy
 from scaletrain.ds_internals import SkipSwitch
@@ -113,6 +113,11 @@ class Run:
         self.schedule = LRSchedule(optim.lr_scheduler_type, total,
                                    warmup_steps_for(total, optim.warmup_steps, optim.warmup_ratio),
                                    optim.min_lr_ratio, optim.decay_ratio)
+        changed = self.resolved.previous_run_config and describe_schedule_change(
+            self.resolved.previous_run_config, self.schedule, peak_lr(self.resolved.ds), resumed.get("step", 0),
+            resumed.get("skipped_steps", 0))
+        if changed and dist.is_main:  # every rank computes the same: say it once
+            log.warning(changed)
         # Every store's validation blocks, the same fixed set on every run (each rank the same number of batches).
         validation = [blocks_from_store(s, "validation", size, data.attention_isolation) for s in self.stores]
         self.eval_batches = [batch for blocks in validation if blocks is not None
@@ -147,6 +152,8 @@ class Run:
         if self.resolved.resume_from is not None:
             checkpoint.load_checkpoint(self.engine, self.resolved.resume_from, self.state, self.dist.rank,
                                        universal=self.resolved.reshard)
+            # The checkpoint restored the saving run's peak LR and next LR; this run's flags decide from here on.
+            restart_schedule(self.engine.lr_scheduler, self.schedule, peak_lr(self.resolved.ds))
             self.state.world_size = self.dist.dp_world_size
         self.metrics = MetricsLogger(self.cfg.run.output_dir, self.dist.is_main, self.cfg.logging.report_sinks,
                                      self.cfg.run.run_name or Path(self.cfg.run.output_dir).resolve().name,
@@ -207,6 +214,7 @@ class Run:
         # A checkpoint from another rank count (this run's resharded start) loads through its universal form.
         universal = self.resolved.reshard and newest == self.resolved.resume_from
         checkpoint.load_checkpoint(self.engine, newest, state, self.dist.rank, universal=universal)
+        restart_schedule(self.engine.lr_scheduler, self.schedule, peak_lr(self.resolved.ds))  # as in resume()
         state.world_size = self.dist.dp_world_size
         state.data_offset = data_step - state.step  # the next step trains on the batch after the streak
         state.samples_seen = position  # the data position keeps moving forward: nothing is replayed

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Optional
 
 
 @dataclass(frozen=True)
@@ -50,3 +51,68 @@ def warmup_steps_for(total_steps: int, warmup_steps: int, warmup_ratio: float) -
     """--warmup_steps wins when set; otherwise the ratio of the total, rounded up. Never the whole run."""
     steps = warmup_steps if warmup_steps > 0 else math.ceil(warmup_ratio * total_steps)
     return min(steps, max(total_steps - 1, 0))
+
+
+SCHEDULE_KEYS = ("lr_scheduler_type", "total_steps", "warmup_steps", "min_lr_ratio", "decay_ratio", "learning_rate")
+
+
+def schedule_of_run(run_config: dict) -> Optional[LRSchedule]:
+    """The schedule a run followed, from its run_config.json (whose "total_steps" and "warmup_steps" are the
+    resolved numbers); None for a file that lacks one of them."""
+    if any(key not in run_config for key in SCHEDULE_KEYS):
+        return None
+    return LRSchedule(run_config["lr_scheduler_type"], run_config["total_steps"], run_config["warmup_steps"],
+                      run_config["min_lr_ratio"], run_config["decay_ratio"])
+
+
+def _describe(schedule: LRSchedule, peak_lr: float, other: LRSchedule, other_peak: float) -> str:
+    """The schedule in words; the ratios and the peak only where they differ from `other`."""
+    text = f"{schedule.kind} over {schedule.total_steps} steps, warmup {schedule.warmup_steps}"
+    if schedule.min_lr_ratio != other.min_lr_ratio:
+        text += f", min_lr_ratio {schedule.min_lr_ratio:g}"
+    if schedule.decay_ratio != other.decay_ratio and "wsd" in (schedule.kind, other.kind):
+        text += f", decay_ratio {schedule.decay_ratio:g}"
+    if peak_lr != other_peak:
+        text += f", peak {peak_lr:.2e}"
+    return text
+
+
+def describe_schedule_change(previous: dict, schedule: LRSchedule, peak_lr: float, step: int,
+                             skipped_steps: int = 0) -> Optional[str]:
+    """The warning for a run resumed at `step` with another schedule (or peak LR) than the run_config.json
+    `previous` of the run it continues (its peak: "peak_lr" where the reader added the resolved one, else
+    "learning_rate"): both schedules and the LR each gives at that step. None when the curve is the same (a
+    decay_ratio that only wsd reads is no change) or `previous` does not say.
+
+    A skipped update does not advance the schedule, so at `step` it stands at `step - skipped_steps`."""
+    position = step - skipped_steps
+    old = schedule_of_run(previous)
+    if old is None:
+        return None
+    old_peak = previous.get("peak_lr", previous["learning_rate"])
+    if old.kind != "wsd" and schedule.kind != "wsd":
+        old = LRSchedule(old.kind, old.total_steps, old.warmup_steps, old.min_lr_ratio, schedule.decay_ratio)
+    if old == schedule and old_peak == peak_lr:
+        return None
+    before, after = old_peak * old.multiplier(position), peak_lr * schedule.multiplier(position)
+    return (f"resumed at step {step} with another LR schedule ({_describe(old, old_peak, schedule, peak_lr)} -> "
+            f"{_describe(schedule, peak_lr, old, old_peak)}): the LR at step {step} goes from {before:.2e} to "
+            f"{after:.2e}")
+
+
+def restart_schedule(scheduler, schedule: LRSchedule, peak_lr: float) -> None:
+    """After a checkpoint restored a LambdaLR (and its optimizer): this run's peak and schedule from the
+    scheduler's position on. The restored state holds the saving run's peak (base_lrs) and the LR the saving
+    run's schedule gave for the next update; unchanged flags give the same numbers (the same arithmetic as
+    LambdaLR's), changed ones take effect at once instead of being ignored (the peak) or one update late."""
+    step = scheduler.last_epoch
+    groups = scheduler.optimizer.param_groups
+    lr = peak_lr * schedule.multiplier(step)  # LambdaLR's own product: base_lr * lambda(last_epoch)
+    scheduler.base_lrs = [peak_lr] * len(groups)
+    for group in groups:
+        if hasattr(group["lr"], "fill_"):
+            group["lr"].fill_(lr)  # a tensor LR is updated in place, as LambdaLR does
+        else:
+            group["lr"] = lr
+        group["initial_lr"] = peak_lr
+    scheduler._last_lr = [lr] * len(groups)

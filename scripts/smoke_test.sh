@@ -10,7 +10,14 @@
 set -u
 cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-$( [ -x .venv/bin/python ] && echo .venv/bin/python || echo python3 )}
-DEEPSPEED=${DEEPSPEED:-$(dirname "$PYTHON")/deepspeed}
+# The deepspeed launcher installed beside that interpreter (a .venv here, a venv elsewhere, a conda env: wherever
+# `python` runs from), else the one on PATH.
+if [ -z "${DEEPSPEED:-}" ]; then
+  DEEPSPEED=$("$PYTHON" -c 'import os, sys; print(os.path.join(os.path.dirname(sys.executable), "deepspeed"))') \
+    || { echo "smoke_test.sh: cannot run PYTHON=$PYTHON"; exit 2; }
+  [ -x "$DEEPSPEED" ] || DEEPSPEED=$(command -v deepspeed) \
+    || { echo "smoke_test.sh: no deepspeed launcher beside $PYTHON or on PATH; set DEEPSPEED=/path/to/deepspeed"; exit 2; }
+fi
 if [ -z "${NPROC:-}" ]; then
   NPROC=$("$PYTHON" -c "import torch; print(torch.cuda.device_count() or 2)")
 fi

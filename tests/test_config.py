@@ -43,6 +43,9 @@ def test_deepspeed_alias_and_launcher_local_rank(tmp_path):
     (["--bf16", "--fp16"], "--bf16 and --fp16"),
     (["--warmup_ratio", "1.5"], "--warmup_ratio"),
     (["--lr_scheduler_type", "exotic"], "--lr_scheduler_type"),
+    (["--max_steps", "0"], "--max_steps 0: give a positive number of steps"),
+    (["--max_steps", "-5"], "--max_steps -5: give a positive number of steps"),
+    (["--num_train_epochs", "0"], "--max_steps and --num_train_epochs"),
     (["--model_name_or_path", "gpt2", "--config_name", "data/tiny-llama"], "--model_name_or_path and --config_name"),
 ])
 def test_bad_flags_name_the_culprit(argv, culprit, tmp_path):

@@ -56,6 +56,16 @@ def test_precision_auto_is_bf16_on_a_bf16_gpu_and_flags_win(tmp_path):
     assert "optimizer.params.torch_adam" not in fp16.sources  # GPUs keep DeepSpeed's fused Adam
 
 
+def test_fp16_on_a_cpu_is_refused_before_anything_is_built(tmp_path):
+    raw = load_ds_config(str(REPO / "ds_configs/zero2.json"))
+    with pytest.raises(UsageError, match="^--fp16: fp16 training needs a GPU"):
+        resolve(raw, cfg_for(tmp_path, "--fp16"), 1, 64, CPU)
+    raw["fp16"]["enabled"] = True
+    with pytest.raises(UsageError, match=r"^fp16.enabled=true in .*\.json: fp16 training needs a GPU"):
+        resolve(raw, cfg_for(tmp_path), 1, 64, CPU)
+    assert resolve(raw, cfg_for(tmp_path), 1, 64, H100).precision == "fp16"
+
+
 def test_explicit_json_value_is_kept_and_contradiction_is_explained(tmp_path):
     raw = load_ds_config(str(REPO / "ds_configs/zero2.json"))
     raw["train_batch_size"] = 100

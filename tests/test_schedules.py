@@ -1,10 +1,11 @@
 """Each LR schedule against its formula, step by step."""
 
 import math
+import re
 
 import pytest
 
-from scaletrain.schedules import LRSchedule, warmup_steps_for
+from scaletrain.schedules import LRSchedule, describe_schedule_change, restart_schedule, warmup_steps_for
 
 T, W, R = 50, 5, 0.1
 
@@ -64,3 +65,88 @@ def test_schedule_drives_the_real_optimizer():
         opt.step()
         sched.step()
     assert seen == pytest.approx([0.5 * s.multiplier(i) for i in range(20)])
+
+
+# --- a run resumed with another schedule ------------------------------------------------------------------------
+
+def _run_config(kind="cosine", total=100, warmup=5, min_ratio=0.1, decay=0.2, lr=1e-3) -> dict:
+    """The schedule keys of a run_config.json ("total_steps" and "warmup_steps" resolved), among other flags."""
+    return {"lr_scheduler_type": kind, "total_steps": total, "warmup_steps": warmup, "min_lr_ratio": min_ratio,
+            "decay_ratio": decay, "learning_rate": lr, "warmup_ratio": 0.05, "max_steps": total, "seed": 42}
+
+
+def _lrs_in(text: str) -> tuple:
+    match = re.search(r"goes from (\S+) to (\S+)$", text)
+    assert match, text
+    return float(match.group(1)), float(match.group(2))
+
+
+def test_the_same_schedule_is_no_change():
+    assert describe_schedule_change(_run_config(), LRSchedule("cosine", 100, 5, 0.1, 0.2), 1e-3, 40) is None
+    # decay_ratio is read by wsd only: another value under cosine leaves the curve as it was
+    assert describe_schedule_change(_run_config(decay=0.5), LRSchedule("cosine", 100, 5, 0.1, 0.2), 1e-3, 40) is None
+    # an older run_config.json without the resolved numbers says nothing to compare with
+    old = {k: v for k, v in _run_config().items() if k != "total_steps"}
+    assert describe_schedule_change(old, LRSchedule("cosine", 200, 5, 0.1), 1e-3, 40) is None
+
+
+@pytest.mark.parametrize("new", [LRSchedule("cosine", 200, 5, 0.1, 0.2),  # another --max_steps
+                                 LRSchedule("cosine", 100, 10, 0.1, 0.2),  # another warmup
+                                 LRSchedule("wsd", 100, 5, 0.1, 0.2),  # another kind
+                                 LRSchedule("cosine", 100, 5, 0.0, 0.2)])  # another floor
+def test_a_changed_schedule_shows_the_lr_before_and_after_at_the_resume_step(new):
+    old, step = LRSchedule("cosine", 100, 5, 0.1, 0.2), 40
+    text = describe_schedule_change(_run_config(), new, 1e-3, step)
+    assert text is not None and "\n" not in text and f"resumed at step {step}" in text
+    assert f"{old.kind} over 100 steps, warmup 5" in text
+    assert f"{new.kind} over {new.total_steps} steps, warmup {new.warmup_steps}" in text
+    before, after = _lrs_in(text)
+    assert before == pytest.approx(1e-3 * old.multiplier(step), rel=1e-2)
+    assert after == pytest.approx(1e-3 * new.multiplier(step), rel=1e-2)
+    assert before != pytest.approx(after, rel=1e-2)  # the numbers differ at this step for each change above
+
+
+def test_a_changed_peak_is_a_change_with_the_same_curve():
+    s = LRSchedule("cosine", 100, 5, 0.1, 0.2)
+    text = describe_schedule_change(_run_config(lr=1e-3), s, 3e-3, 40)
+    assert "peak 1.00e-03" in text and "peak 3.00e-03" in text
+    assert _lrs_in(text) == pytest.approx((1e-3 * s.multiplier(40), 3e-3 * s.multiplier(40)), rel=1e-2)
+
+
+def test_skipped_updates_hold_the_schedule_back():
+    """A skipped update leaves the LR schedule where it was: at step 40 after 3 skips the LR is that of update 37."""
+    old, new = LRSchedule("cosine", 100, 5, 0.1, 0.2), LRSchedule("cosine", 200, 5, 0.1, 0.2)
+    text = describe_schedule_change(_run_config(), new, 1e-3, 40, skipped_steps=3)
+    assert "resumed at step 40" in text and "the LR at step 40 goes from" in text
+    assert _lrs_in(text) == pytest.approx((1e-3 * old.multiplier(37), 1e-3 * new.multiplier(37)), rel=1e-2)
+
+
+def test_restart_schedule_takes_this_runs_flags_after_a_restore():
+    """A LambdaLR restored from another run's state (peak 0.5, 10 steps) follows the new schedule and peak from
+    the restored position, from the very next update; the same flags give bitwise the same LRs."""
+    import torch
+    from torch.optim.lr_scheduler import LambdaLR
+
+    def trained(schedule, peak, steps):
+        opt = torch.optim.AdamW([torch.nn.Parameter(torch.zeros(1))], lr=peak)
+        sched = LambdaLR(opt, schedule.multiplier)
+        for _ in range(steps):
+            opt.step()
+            sched.step()
+        return opt, sched
+
+    old, new = LRSchedule("cosine", 10, 2, 0.1), LRSchedule("linear", 30, 3, 0.0)
+    saved_opt, saved = trained(old, 0.5, 6)
+    for schedule, peak in ((new, 0.2), (old, 0.5)):
+        opt = torch.optim.AdamW([torch.nn.Parameter(torch.zeros(1))], lr=peak)
+        sched = LambdaLR(opt, schedule.multiplier)
+        opt.load_state_dict(saved_opt.state_dict())  # what a checkpoint load does
+        sched.load_state_dict(saved.state_dict())
+        restart_schedule(sched, schedule, peak)
+        seen = []
+        for _ in range(4):
+            seen.append(opt.param_groups[0]["lr"])
+            opt.step()
+            sched.step()
+        assert seen == [peak * schedule.multiplier(i) for i in range(6, 10)]
+        assert sched.get_last_lr() == [peak * schedule.multiplier(10)]

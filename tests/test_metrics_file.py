@@ -1,0 +1,63 @@
+"""A torn last line in metrics.jsonl (a SIGKILL or a full disk in the middle of a write) is dropped with a warning on
+resume; a file damaged before its end is refused with one line, before anything is built."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from scaletrain.errors import UsageError
+from scaletrain.metrics import _keep_records_up_to, read_records
+from tests.conftest import FAST_FLAGS, REPO, check_ok, launch, read_metrics
+
+RECORDS = [{"step": s, "loss": 5.0 - s / 10} for s in (2, 4, 6)]
+
+
+def write(path, records, tail=""):
+    path.write_text("".join(json.dumps(r) + "\n" for r in records) + tail)
+
+
+def test_a_torn_last_line_is_dropped_and_the_rest_kept(tmp_path, caplog):
+    path = tmp_path / "metrics.jsonl"
+    write(path, RECORDS, tail='{"step": 8, "loss": 4.')  # cut mid-write: no closing brace, no newline
+    assert read_records(path) == (RECORDS, True)
+    _keep_records_up_to(path, 4)
+    assert "its last line was cut short" in caplog.text
+    assert [json.loads(line) for line in path.read_text().splitlines()] == RECORDS[:2]
+    assert read_records(path) == (RECORDS[:2], False)
+
+
+@pytest.mark.parametrize("bad", ['{"step": 4, "lo', "not json", '["a list"]', '{"loss": 1.0}'])
+def test_a_line_damaged_before_the_end_is_refused_with_its_number(tmp_path, bad):
+    path = tmp_path / "metrics.jsonl"
+    path.write_text("\n".join([json.dumps(RECORDS[0]), bad, json.dumps(RECORDS[2])]) + "\n")
+    with pytest.raises(UsageError, match=r"metrics.jsonl: line 2 is not a metrics record") as raised:
+        read_records(path)
+    assert "move metrics.jsonl aside" in raised.value.hint
+
+
+@pytest.mark.slow
+def test_resume_after_a_torn_metrics_line_trains_on_and_a_damaged_file_is_refused(tmp_path, cache_dir):
+    out = tmp_path / "run"
+    flags = ["--config", str(REPO / "ds_configs/zero2.json"), "--output_dir", str(out), *FAST_FLAGS,
+             "--save_steps", "2"]
+    check_ok(launch(REPO / "train.py", [*flags, "--max_steps", "4"], "python", cache_dir))
+    metrics = out / "metrics.jsonl"
+    with open(metrics, "a") as f:
+        f.write('{"step": 5, "loss": 3.')  # a kill in the middle of the next record
+    resumed = launch(REPO / "train.py", [*flags, "--max_steps", "6"], "python", cache_dir)
+    check_ok(resumed)
+    assert "its last line was cut short" in resumed.stdout + resumed.stderr
+    steps = [r["step"] for r in read_metrics(out) if "loss" in r]
+    assert steps == [2, 4, 6]  # every step once, the torn record gone
+
+    lines = metrics.read_text().splitlines()
+    metrics.write_text("\n".join([lines[0], "garbage", *lines[1:]]) + "\n")
+    before = metrics.read_text()
+    refused = launch(REPO / "train.py", [*flags, "--max_steps", "8"], "python", cache_dir)
+    assert refused.returncode == 2, refused.stderr[-3000:]
+    errors = [line for line in refused.stderr.splitlines() if line.startswith("train.py: error:")]
+    assert errors == [f"train.py: error: {metrics}: line 2 is not a metrics record (Expecting value: line 1 column 1 "
+                      "(char 0)); the file is damaged before its end"]
+    assert metrics.read_text() == before

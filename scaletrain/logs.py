@@ -30,10 +30,10 @@ def setup_logging(rank: int, level: int = logging.INFO) -> None:
     # probes, for one) are held to warnings, which still reach the same handler.
     root.setLevel(logging.WARNING)
     logging.getLogger("scaletrain").setLevel(level)
-    # Python warnings (libraries' included) go through the same handler, with the rank: each rank shows the first
-    # occurrence of each message, so a warning that only one rank hits (its data, its disk) is not hidden.
+    # Python warnings (libraries' included) go through the same handler, with the rank, under Python's default
+    # filters (the first occurrence of each, deprecations hidden) on every rank: a warning that only one rank hits
+    # (its data, its disk) is not hidden.
     logging.captureWarnings(True)
-    warnings.simplefilter("once")
     # DeepSpeed still calls torch.distributed's old collective names; the warning is not ours to act on.
     warnings.filterwarnings("ignore", message=r".*torch\.distributed\.\w+` is deprecated", category=FutureWarning)
 

@@ -28,7 +28,8 @@ from scaletrain.metrics import (
     StepProfiler,
     ThroughputModel,
 )
-from scaletrain.nonfinite import NonFiniteGuard, SkipSwitch
+from scaletrain.ds_internals import SkipSwitch
+from scaletrain.nonfinite import NonFiniteGuard
 from scaletrain.sampling import StepBatches
 from scaletrain.state import TrainState
 

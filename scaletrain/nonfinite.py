@@ -24,7 +24,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Optional
 
-from scaletrain.ds_internals import SkipSwitch  # noqa: F401  (it hooks DeepSpeed internals; loop.py imports it here)
 from scaletrain.config import NonFiniteArgs
 from scaletrain.errors import NonFiniteStop
 from scaletrain.state import TrainState

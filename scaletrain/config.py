@@ -36,6 +36,7 @@ DEFAULT_DS_CONFIG = "ds_configs/zero3.json"
 NVME_PATH_ENV = "SCALETRAIN_NVME_PATH"
 
 LR_SCHEDULES = ("cosine", "linear", "constant_with_warmup", "wsd")
+RAMPUP_LR_SCALINGS = ("none", "sqrt", "linear")
 REPORT_SINKS = ("none", "wandb", "tensorboard")
 LOCAL_DATA_FORMATS = {".json": "json", ".jsonl": "json", ".csv": "csv", ".txt": "text", ".parquet": "parquet"}
 COMMAND_LINE = "command line"
@@ -180,8 +181,23 @@ class OptimArgs:
     max_steps: int = _flag(-1, "Optimizer steps to run; overrides --num_train_epochs (-1: unset).")
     num_train_epochs: float = _flag(3.0, "Epochs over the training blocks when --max_steps is not set.")
     seed: int = _flag(42, "Seed for initialisation and the data order.")
+    rampup_batch_size: Optional[tuple[int, int, int]] = _flag(
+        None, "Batch-size ramp-up (Megatron's meaning): the global batch grows from START by INCREMENT blocks to its "
+        "full size over SAMPLES blocks; the accumulation steps change at step boundaries only.",
+        metavar=("START", "INCREMENT", "SAMPLES"))
+    rampup_lr_scaling: str = _flag(
+        "none", "With --rampup_batch_size: scale the LR with the batch (x (batch/full)^0.5 or ^1), or not.",
+        choices=RAMPUP_LR_SCALINGS)
 
     def validate(self) -> None:
+        if self.rampup_batch_size is not None:
+            start, increment, samples = self.rampup_batch_size
+            for name, value in (("START", start), ("INCREMENT", increment), ("SAMPLES", samples)):
+                if value < 1:
+                    raise UsageError(f"--rampup_batch_size {start} {increment} {samples}: {name} must be at least 1")
+        elif self.rampup_lr_scaling != "none":
+            raise UsageError(f"--rampup_lr_scaling {self.rampup_lr_scaling}: only acts with --rampup_batch_size",
+                             "add --rampup_batch_size START INCREMENT SAMPLES, or drop the flag")
         for name in ("per_device_train_batch_size", "per_device_eval_batch_size", "gradient_accumulation_steps"):
             if getattr(self, name) < 1:
                 raise UsageError(f"--{name} {getattr(self, name)}: must be at least 1")
@@ -387,11 +403,23 @@ def _check_unique_flag_names() -> None:
 _check_unique_flag_names()
 
 
-def _value_type(owner: type, f: dataclasses.Field) -> type:
-    """int, float, bool or str: the field's annotation with Optional[] removed."""
+def _field_hint(owner: type, f: dataclasses.Field):
+    """The field's annotation with Optional[] removed."""
     hint = typing.get_type_hints(owner)[f.name]
     args = [a for a in typing.get_args(hint) if a is not type(None)]
     return args[0] if args else hint
+
+
+def _value_type(owner: type, f: dataclasses.Field) -> type:
+    """int, float, bool or str: the field's type, or its elements' for a fixed-length tuple flag."""
+    hint = _field_hint(owner, f)
+    return typing.get_args(hint)[0] if typing.get_origin(hint) is tuple else hint
+
+
+def _nargs(owner: type, f: dataclasses.Field) -> Optional[int]:
+    """How many values a tuple flag takes (`--rampup_batch_size 16 16 1000`); None for a single value."""
+    hint = _field_hint(owner, f)
+    return len(typing.get_args(hint)) if typing.get_origin(hint) is tuple else None
 
 
 class _Parser(argparse.ArgumentParser):
@@ -428,6 +456,8 @@ def add_flags(parser: argparse.ArgumentParser, slices: Optional[Sequence[str]] =
                                    default=default)
                 continue
             default_text = "" if value is None else f" (default: {value})"
+            if _nargs(owner, f):
+                meta["nargs"] = _nargs(owner, f)
             group.add_argument(f"--{f.name}", type=_value_type(owner, f), default=default,
                                help=help_text + default_text, **meta)
 
@@ -448,8 +478,10 @@ def build_parser(suppress_defaults: bool = False, defaults: Optional[dict] = Non
 
 def slices_from(values: dict, slices: Optional[Sequence[str]] = None) -> dict:
     """{slice name: slice instance} from flat {flag: value} (flags absent from `values` keep their defaults)."""
-    return {name: SLICES[name](**{f.name: values[f.name] for f in dataclasses.fields(SLICES[name])
-                                  if f.name in values})
+    def value(f):  # argparse gives a tuple flag as a list; the slices are frozen, so hold a tuple
+        return tuple(values[f.name]) if isinstance(values[f.name], list) else values[f.name]
+
+    return {name: SLICES[name](**{f.name: value(f) for f in dataclasses.fields(SLICES[name]) if f.name in values})
             for name in (slices or SLICES)}
 
 
@@ -524,8 +556,17 @@ def _recipe_value(path: str, name: str, value, owner: type, f: dataclasses.Field
         if not isinstance(value, bool):
             raise UsageError(f"{where}: {value!r} is not true or false")
         return value
+    count = _nargs(owner, f)
+    if count:  # a tuple flag: a YAML list of `count` values, each converted like one typed value
+        if not isinstance(value, list) or len(value) != count:
+            raise UsageError(f"{where}: {value!r} is not a list of {count} values")
+        return tuple(_recipe_scalar(where, v, kind, f.metadata.get("choices")) for v in value)
     if isinstance(value, list) and kind is str:  # a comma-separated flag written as a YAML list
         value = ",".join(str(v) for v in value)
+    return _recipe_scalar(where, value, kind, f.metadata.get("choices"))
+
+
+def _recipe_scalar(where: str, value, kind: type, choices):
     if isinstance(value, (bool, list, dict)):
         raise UsageError(f"{where}: {value!r} is not a single {kind.__name__}")
     try:
@@ -534,7 +575,6 @@ def _recipe_value(path: str, name: str, value, owner: type, f: dataclasses.Field
         raise UsageError(f"{where}: {value!r} is not {'an integer' if kind is int else 'a number'}") from None
     if kind is int and isinstance(value, float) and converted != value:
         raise UsageError(f"{where}: {value!r} is not an integer")
-    choices = f.metadata.get("choices")
     if choices and converted not in choices:
         raise UsageError(f"{where}: {converted!r} is not one of {', '.join(choices)}")
     return converted

@@ -14,6 +14,7 @@ import logging
 import math
 import time
 from collections.abc import Callable
+from contextlib import contextmanager
 from dataclasses import dataclass
 from functools import partial
 from typing import Any
@@ -83,6 +84,7 @@ class LoopSettings:
     dp_world_size: int
     show_progress: bool
     throughput: ThroughputModel | None = None
+    rampup_lr_exponent: float = 0.0  # during a batch ramp-up the LR is scaled by (batch / full batch) ** this
 
 
 @dataclass(frozen=True)
@@ -191,7 +193,7 @@ def train_loop(engine, batches: StepBatches, state: TrainState, settings: LoopSe
             bar.update(1)
             last = state.step == settings.max_steps
             if state.step % settings.logging_steps == 0 or last or result.preempted:
-                _log_window(engine, window, bar, state, settings, hooks.metrics, len(batches.blocks))
+                _log_window(engine, window, bar, state, settings, hooks.metrics, batches)
                 window = LogWindow()
             if result.preempted:
                 _save_for_preemption(state.step, settings, hooks, timers)
@@ -212,12 +214,17 @@ def optimizer_step(engine, batches: StepBatches, data_step: int, settings: LoopS
     micro_batches, targets, blocks = batches.for_step(data_step)
     clock.lap("data_wait")
     scale = settings.dp_world_size / max(targets, 1)
+    set_accumulation(engine, len(micro_batches))
     *accumulating, boundary = micro_batches
     loss_sum = 0.0
     for batch in accumulating:
+        engine.set_gradient_accumulation_boundary(False)
         loss_sum = loss_sum + _forward_backward(engine, batch, scale, clock)
         engine.step()  # inside the accumulation: no update, DeepSpeed counts the micro-batch
         clock.lap("optimizer")
+    # The boundary is ours, not DeepSpeed's count of micro-steps modulo the accumulation steps, which a change of
+    # the accumulation (a ramp-up stage) would put in the middle of a step.
+    engine.set_gradient_accumulation_boundary(True)
     loss_sum = loss_sum + _forward_backward(engine, boundary, scale, clock)
     # One small all-reduce before the update: the global loss (for the non-finite and spike checks) and the flags
     # every rank must agree on at this step boundary.
@@ -228,12 +235,43 @@ def optimizer_step(engine, batches: StepBatches, data_step: int, settings: LoopS
     if hooks.switch:
         hooks.switch.skip = forced is not None
     clock.lap("sync")
-    engine.step()  # the update, at the accumulation boundary
+    with scaled_lr(engine, rampup_lr_factor(batches, data_step, settings)):
+        engine.step()  # the update, at the accumulation boundary
     clock.lap("optimizer")
     if hooks.switch:
         hooks.switch.skip = False
     return StepResult(loss_sum, targets, blocks, global_loss, preempted, interval_due, forced,
                       applied=engine.was_step_applied())
+
+
+def set_accumulation(engine, micro_batches: int) -> None:
+    """Make DeepSpeed's accumulation steps (and its train_batch_size) this step's: a ramp-up stage changes them."""
+    if engine.gradient_accumulation_steps() != micro_batches:
+        engine.set_train_batch_size(engine.train_micro_batch_size_per_gpu() * micro_batches * engine.dp_world_size)
+
+
+def rampup_lr_factor(batches: StepBatches, data_step: int, settings: LoopSettings) -> float:
+    """(this step's global batch / the full batch) ** the --rampup_lr_scaling exponent (1 without a ramp-up)."""
+    return (batches.order.global_batch_at(data_step) / batches.order.global_batch) ** settings.rampup_lr_exponent
+
+
+@contextmanager
+def scaled_lr(engine, factor: float):
+    """The update inside runs with the LR times `factor` (--rampup_lr_scaling). The schedule sets the next step's
+    LR from its own base after an applied update; after a skipped one (no scheduler step) the scaling is undone."""
+    if factor == 1.0:
+        yield
+        return
+    groups = engine.lr_scheduler.optimizer.param_groups  # the dicts the schedule writes and the optimizer reads
+    unscaled = [group["lr"] for group in groups]
+    for group, lr in zip(groups, unscaled, strict=True):
+        group["lr"] = lr * factor
+    try:
+        yield
+    finally:
+        if not engine.was_step_applied():
+            for group, lr in zip(groups, unscaled, strict=True):
+                group["lr"] = lr
 
 
 def _forward_backward(engine, batch: dict, scale: float, clock: PhaseClock):
@@ -260,13 +298,17 @@ def _count_step(state: TrainState, result: StepResult, guard: NonFiniteGuard | N
 
 
 def _log_window(engine, window: LogWindow, bar, state: TrainState, settings: LoopSettings, metrics: MetricsLogger,
-                epoch_blocks: int) -> None:
+                batches: StepBatches) -> None:
     """The record of the steps since the last one (a collective: every rank calls it at the same step)."""
     summary = window.summarize(engine.device, settings.throughput)
     if summary["loss"] is not None:
         bar.set_postfix(loss=f"{summary['loss']:.3f}")
-    metrics.log({"step": state.step, "epoch": round(state.samples_seen / epoch_blocks, 4),
-                 "time": round(time.time(), 3), **summary, "lr": engine.get_lr()[0],
+    last_data_step = state.step - 1 + state.data_offset
+    ramp = {"lr_rampup_factor": rampup_lr_factor(batches, last_data_step, settings)} \
+        if settings.rampup_lr_exponent else {}
+    metrics.log({"step": state.step, "epoch": round(state.samples_seen / len(batches.blocks), 4),
+                 "time": round(time.time(), 3), **summary, "lr": engine.get_lr()[0], **ramp,
+                 "global_batch": batches.order.global_batch_at(last_data_step),
                  "tokens_seen": state.tokens_seen, "skipped_steps": state.skipped_steps})
 
 

@@ -185,6 +185,31 @@ def _check_peak_lr(cfg: RunConfig, ds: ResolvedDSConfig, previous: Optional[dict
                      f"use {flag} {old} to continue it, or add --allow_schedule_change to resume with the new peak")
 
 
+def check_rampup(rampup: Optional[tuple], ds: ResolvedDSConfig, dp_world_size: int) -> None:
+    """--rampup_batch_size fits the run's batch: every stage is whole micro-batches on every data-parallel rank, and
+    the ramp ends exactly at the full global batch."""
+    if rampup is None:
+        return
+    start, increment, samples = rampup
+    micro, full = ds.config["train_micro_batch_size_per_gpu"], ds.config["train_batch_size"]
+    unit = micro * dp_world_size
+    flag = f"--rampup_batch_size {start} {increment} {samples}"
+    if start >= full:
+        raise UsageError(f"{flag}: START {start} is not below the global batch {full} (micro batch {micro} x "
+                         f"accumulation {full // unit} x data-parallel size {dp_world_size})",
+                         "start smaller, or drop the flag")
+    for name, value in (("START", start), ("INCREMENT", increment)):
+        if value % unit:
+            raise UsageError(f"{flag}: {name} {value} is not a multiple of micro batch {micro} x data-parallel "
+                             f"size {dp_world_size} = {unit}", f"use a multiple of {unit}")
+    if (full - start) % increment:
+        raise UsageError(f"{flag}: INCREMENT {increment} does not divide the ramp from {start} to the global batch "
+                         f"{full}", f"choose an INCREMENT that divides {full - start}")
+    if samples < (full - start) // increment:
+        raise UsageError(f"{flag}: SAMPLES {samples} is fewer than the ramp's {(full - start) // increment} stages",
+                         "ramp over more samples")
+
+
 def _resolve_resume_point(cfg: RunConfig, ds: ResolvedDSConfig, model_facts: dict, dp_world_size: int) -> tuple:
     """(checkpoint to resume or None, its train state, whether it comes from another data-parallel size, the
     previous run's run_config.json or None)."""
@@ -219,6 +244,7 @@ def resolve_run(argv: Optional[Sequence[str]], dist: DistInfo) -> ResolvedRun:
     block_size = _block_size(cfg.data, model_config, store_block_size)
     ds = resolve_ds_config(raw_ds_config, cfg.engine, cfg.optim, cfg.explicit_flags, dist.dp_world_size,
                            _hidden_size(model_config), hardware_facts())
+    check_rampup(cfg.optim.rampup_batch_size, ds, dist.dp_world_size)
     if cfg.nonfinite.on_nonfinite == "skip" and ds.zero_stage == 0 and ds.precision != "fp32":
         raise UsageError(f"--on_nonfinite skip: updates of ZeRO stage 0 in {ds.precision} cannot be skipped",
                          "use a ZeRO stage 1-3 config, or --on_nonfinite stop")

@@ -18,7 +18,7 @@ from scaletrain.flops import peak_tflops
 from scaletrain.metrics import MetricsLogger, StepProfiler, ThroughputModel
 from scaletrain.preflight import (ResolvedRun, describe_launch, peak_lr, print_config, print_memory_plan,
                                   resolve_run, write_run_folder)
-from scaletrain.sampling import GlobalOrder, StepBatches
+from scaletrain.sampling import BatchRamp, GlobalOrder, StepBatches
 from scaletrain.schedules import LRSchedule, describe_schedule_change, restart_schedule, warmup_steps_for
 from scaletrain.faults import PreemptionFlag
 from scaletrain.nonfinite import NonFiniteGuard, NonFinitePolicy
@@ -106,9 +106,11 @@ class Run:
         micro = self.resolved.ds.config["train_micro_batch_size_per_gpu"]
         accumulation = self.resolved.ds.config["gradient_accumulation_steps"]
         resumed = self.resolved.resume_state or {}
+        ramp = optim.rampup_batch_size and BatchRamp(*optim.rampup_batch_size,
+                                                     full=micro * accumulation * dist.dp_world_size)
         self.order = GlobalOrder(len(self.train_blocks), micro, accumulation, dist.dp_world_size, optim.seed,
                                  start_step=resumed.get("step", 0) + resumed.get("data_offset", 0),
-                                 start_samples=resumed.get("samples_seen", 0))
+                                 start_samples=resumed.get("samples_seen", 0), ramp=ramp or None)
         total = optim.max_steps if optim.max_steps > 0 else self.order.total_steps(optim.num_train_epochs)
         self.schedule = LRSchedule(optim.lr_scheduler_type, total,
                                    warmup_steps_for(total, optim.warmup_steps, optim.warmup_ratio),
@@ -129,6 +131,9 @@ class Run:
                  "%d steps", b.n_documents, b.n_tokens, len(b), b.block_size, b.last_block_length,
                  self.order.global_batch, micro, accumulation,
                  dist.dp_world_size, self.order.steps_per_epoch, total)
+        if ramp:
+            stages = self.order.stages
+            log.info("batch ramp-up: %s", ", ".join(f"{s.global_batch} from step {s.start_step}" for s in stages))
 
     def write_run_folder(self) -> None:
         if self.cfg.run.dry_run:
@@ -189,6 +194,7 @@ class Run:
             dp_world_size=self.dist.dp_world_size,
             show_progress=self.dist.is_main and not self.cfg.logging.disable_tqdm,
             throughput=self.throughput_model(),
+            rampup_lr_exponent={"none": 0.0, "sqrt": 0.5, "linear": 1.0}[self.cfg.optim.rampup_lr_scaling],
         )
         batches = StepBatches(self.train_blocks, self.order, self.dist.rank)
         policy = NonFinitePolicy.from_args(self.cfg.nonfinite, fp16=self.resolved.ds.precision == "fp16")

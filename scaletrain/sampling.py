@@ -3,17 +3,46 @@
 The order of blocks is a permutation drawn from (seed, epoch) over the whole corpus, independent of the world
 size; a global batch is a contiguous run of that order, split into micro-batches by accumulation step and rank.
 Seeking to any step is O(1): the batch of step s is computed from s, never by replaying the steps before it.
+A batch-size ramp-up is a short list of constant-batch segments, computed once from the run's start.
 """
 
 from __future__ import annotations
 
+import bisect
+import dataclasses
 import math
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Optional
 
 import numpy as np
 
 from scaletrain.blocks import EMPTY_SLOT, PackedBlocks
+
+
+@dataclass(frozen=True)
+class BatchRamp:
+    """Megatron's --rampup-batch-size START INCREMENT SAMPLES: the global batch of a step is decided by the blocks
+    consumed before it, start + floor(consumed / samples_per_increment) x increment, up to the full batch, where
+    samples_per_increment = SAMPLES / ((full - start) / increment). Integer arithmetic: no float rounding."""
+
+    start: int
+    increment: int
+    samples: int
+    full: int
+
+    @property
+    def increments(self) -> int:
+        return (self.full - self.start) // self.increment
+
+    def global_batch(self, consumed: int) -> int:
+        done = consumed * self.increments // self.samples
+        return min(self.start + done * self.increment, self.full)
+
+    def next_change(self, consumed: int) -> int:
+        """The fewest blocks consumed at which the batch is larger than at `consumed`."""
+        done = consumed * self.increments // self.samples
+        return -(-(done + 1) * self.samples // self.increments)
 
 
 @dataclass(frozen=True)
@@ -35,10 +64,46 @@ class GlobalOrder:
     # different number of ranks) the current epoch's order continues from that position.
     start_step: int = 0
     start_samples: int = 0
+    # With a ramp-up, `accumulation` is the full batch's and the ramp's steps use fewer micro-batches.
+    ramp: Optional[BatchRamp] = None
 
     @property
     def global_batch(self) -> int:
+        """The full global batch (the size after any ramp-up)."""
         return self.micro_batch * self.accumulation * self.dp_world_size
+
+    @cached_property
+    def stages(self) -> list:
+        """Constant-batch orders, each valid from its start_step: the ramp's stages from this run's start, then the
+        full batch. Each stage starts at the data position its first step reads, as a resume there would."""
+        segments, step, samples = [], self.start_step, self.start_samples
+        unit = self.micro_batch * self.dp_world_size
+        while True:
+            batch = self.ramp.global_batch(samples)
+            segment = dataclasses.replace(self, accumulation=batch // unit, start_step=step, start_samples=samples,
+                                          ramp=None)
+            segments.append(segment)
+            if batch >= self.ramp.full:
+                return segments
+            threshold = self.ramp.next_change(samples)
+            while segment.consumed_before(step) < threshold:
+                step += 1
+            samples = segment.consumed_before(step)
+
+    def segment(self, step: int) -> "GlobalOrder":
+        """The constant-batch order that holds step `step` (the order itself without a ramp-up)."""
+        if self.ramp is None:
+            return self
+        starts = [s.start_step for s in self.stages]
+        return self.stages[max(0, bisect.bisect_right(starts, step) - 1)]
+
+    def global_batch_at(self, step: int) -> int:
+        return self.segment(step).global_batch
+
+    def consumed_before(self, step: int) -> int:
+        """Blocks consumed by the steps before `step` (the data position a resume at `step` starts from)."""
+        epoch, lo = self.position(step)
+        return epoch * self.n_blocks + lo
 
     @property
     def steps_per_epoch(self) -> int:
@@ -49,6 +114,8 @@ class GlobalOrder:
 
     def position(self, step: int) -> tuple:
         """(epoch, first position in that epoch's order) of optimizer step `step`; O(1)."""
+        if self.ramp is not None:
+            return self.segment(step).position(step)
         g = self.global_batch
         epoch0, offset0 = divmod(self.start_samples, self.n_blocks)
         k = step - self.start_step
@@ -61,6 +128,12 @@ class GlobalOrder:
 
     def total_steps(self, epochs: float) -> int:
         """The step at which `epochs` epochs of blocks have been trained."""
+        if self.ramp is not None:
+            segments = self.stages
+            for segment, following in zip(segments, segments[1:] + [None], strict=True):
+                steps = segment.total_steps(epochs)
+                if following is None or steps <= following.start_step:
+                    return steps
         epoch0, offset0 = divmod(self.start_samples, self.n_blocks)
         remaining = epochs - epoch0 - offset0 / self.n_blocks
         if remaining <= 0:
@@ -75,18 +148,20 @@ class GlobalOrder:
         return steps + math.ceil(round(remaining * self.steps_per_epoch, 9))
 
     def global_batch_indices(self, step: int, permutation: Optional[np.ndarray] = None) -> np.ndarray:
-        """Block indices of optimizer step `step` (0-based), padded with EMPTY_SLOT to the global batch size."""
+        """Block indices of optimizer step `step` (0-based), padded with EMPTY_SLOT to the step's global batch."""
         epoch, lo = self.position(step)
         perm = self.epoch_permutation(epoch) if permutation is None else permutation
-        chosen = perm[lo: lo + self.global_batch]
-        padded = np.full(self.global_batch, EMPTY_SLOT, dtype=np.int64)
+        size = self.global_batch_at(step)
+        chosen = perm[lo: lo + size]
+        padded = np.full(size, EMPTY_SLOT, dtype=np.int64)
         padded[: len(chosen)] = chosen
         return padded
 
     def micro_batches(self, global_indices: np.ndarray, rank: int) -> list:
-        """This rank's micro-batches of one global batch: micro-step k, rank r reads slot (k * dp + r)."""
-        grid = global_indices.reshape(self.accumulation, self.dp_world_size, self.micro_batch)
-        return [grid[k, rank] for k in range(self.accumulation)]
+        """This rank's micro-batches of one global batch: micro-step k, rank r reads slot (k * dp + r). As many
+        micro-batches as the batch holds (fewer during a ramp-up)."""
+        grid = global_indices.reshape(-1, self.dp_world_size, self.micro_batch)
+        return [grid[k, rank] for k in range(len(grid))]
 
 
 class StepBatches:

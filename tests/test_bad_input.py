@@ -197,6 +197,18 @@ CASES = {
     "skip at stage 0 in bf16": (lambda t: ds_json(t, lambda r: set_in(r, "zero_optimization.stage", 0)) + ["--bf16"],
                                 "--on_nonfinite",
                                 "--on_nonfinite skip: updates of ZeRO stage 0 in bf16 cannot be skipped"),
+    "ramp-up start not below the batch": (lambda t: ["--rampup_batch_size", "8", "2", "100"], "--rampup_batch_size",
+                                          "START 8 is not below the global batch 8"),
+    "ramp-up start not whole micro-batches": (lambda t: ["--per_device_train_batch_size", "2",
+                                                         "--gradient_accumulation_steps", "4",
+                                                         "--rampup_batch_size", "3", "1", "100"],
+                                              "--rampup_batch_size", "START 3 is not a multiple of micro batch 2"),
+    "ramp-up increment not dividing": (lambda t: ["--per_device_train_batch_size", "2",
+                                                  "--gradient_accumulation_steps", "4",
+                                                  "--rampup_batch_size", "2", "4", "100"],
+                                       "--rampup_batch_size", "INCREMENT 4 does not divide the ramp from 2"),
+    "ramp-up lr scaling alone": (lambda t: ["--rampup_lr_scaling", "sqrt"], "--rampup_lr_scaling",
+                                 "--rampup_lr_scaling sqrt: only acts with --rampup_batch_size"),
 }
 
 

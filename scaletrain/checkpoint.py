@@ -175,7 +175,7 @@ def save_checkpoint(engine, output_dir: str, state: TrainState, rank: int, save_
             f"took {needed / 1e9:.2f} GB); nothing was written, {_intact(previous)}. Free space or lower "
             "--save_total_limit, then restart", every_rank=True)
     # universal_checkpoint_info lets DeepSpeed's ds_to_universal convert this checkpoint for another rank count.
-    client_state = {"train_state": state.state_dict(), **universal_checkpoint_info()}
+    client_state = {"train_state": state.state_dict(), **universal_checkpoint_info(state.tensor_parallel_size)}
     try:
         engine.save_checkpoint(str(root), tag=tmp.name, client_state=client_state, save_latest=False)
         torch.save(_rng_state(), tmp / f"rng_state_rank{rank}.pt")
@@ -209,15 +209,19 @@ def clear_previous_run(output_dir: str) -> None:
     (out / "metrics.jsonl").unlink(missing_ok=True)
 
 
-def check_resumable(ckpt: Path, world_size: int, zero_stage: int, model_facts: dict) -> bool:
-    """Before anything is built: the checkpoint fits this run's model. Returns whether it must be resharded
-    (saved with another number of data-parallel ranks, which ZeRO-1/2/3 handle through a universal checkpoint)."""
+def check_resumable(ckpt: Path, dp_world_size: int, tensor_parallel_size: int, zero_stage: int,
+                    model_facts: dict) -> bool:
+    """Before anything is built: the checkpoint fits this run's model. Returns whether it must be resharded (saved
+    with another number of data-parallel ranks or another tensor-parallel size, which ZeRO-1/2/3 handle through a
+    universal checkpoint)."""
     saved = read_train_state(ckpt)
-    reshard = saved.get("world_size") not in (None, 0, world_size)
+    saved_dp, saved_tp = saved.get("world_size"), saved.get("tensor_parallel_size", 1)
+    reshard = saved_dp not in (None, 0, dp_world_size) or saved_tp != tensor_parallel_size
     if reshard and zero_stage == 0:
         raise UsageError(
-            f"checkpoint {ckpt} was saved with {saved['world_size']} data-parallel ranks, this run has {world_size}",
-            "resume with the same number of ranks, or use a ZeRO config (stage 1-3 checkpoints are resharded)",
+            f"checkpoint {ckpt} was saved with {saved_dp} data-parallel ranks x tensor parallel {saved_tp}, this run "
+            f"has {dp_world_size} x {tensor_parallel_size}",
+            "resume with the same layout, or use a ZeRO config (stage 1-3 checkpoints are resharded)",
         )
     before = saved.get("model") or {}
     differs = [k for k in model_facts if k in before and before[k] != model_facts[k]]
@@ -296,6 +300,10 @@ def load_checkpoint(engine, ckpt: Path, state: TrainState, rank: int, universal:
              time.perf_counter() - started)
 
 
+def state_is_sharded_by_tp(engine) -> bool:
+    return int(engine.autotp_size() or 0) > 1
+
+
 def _full_state_dict_on_rank0(engine, is_main: bool) -> dict:
     """The trained weights as one CPU state dict on rank 0 (empty elsewhere).
 
@@ -306,6 +314,11 @@ def _full_state_dict_on_rank0(engine, is_main: bool) -> dict:
     import deepspeed
 
     module = engine.module
+    if state_is_sharded_by_tp(engine):  # AutoTP shards: DeepSpeed gathers them (a collective)
+        from scaletrain.ds_internals import gathered_state_dict
+
+        state = gathered_state_dict(engine)
+        return {k: v.detach().cpu().clone() for k, v in state.items()} if is_main else {}
     if engine.zero_optimization_stage() != 3:
         return {k: v.detach().cpu().clone() for k, v in module.state_dict().items()} if is_main else {}
     state = {}

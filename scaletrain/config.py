@@ -330,6 +330,19 @@ class LoggingArgs:
 
 
 @dataclass(frozen=True)
+class ParallelArgs:
+    """How the ranks split the model beyond data parallelism (the data-parallel size is what remains)."""
+
+    tensor_parallel_size: int = _flag(
+        1, "Tensor parallelism (DeepSpeed AutoTP, the model's own TP plan where it has one) over this many "
+           "consecutive ranks, which read the same batches; keep it within a node.")
+
+    def validate(self) -> None:
+        if self.tensor_parallel_size < 1:
+            raise UsageError(f"--tensor_parallel_size {self.tensor_parallel_size}: must be at least 1")
+
+
+@dataclass(frozen=True)
 class PlanningArgs:
     """--plan, the memory planner: the cluster to plan for."""
 
@@ -355,7 +368,8 @@ class PlanningArgs:
 # Slice name -> its dataclass: the order of --help and of --print_config. A new concern adds a line here.
 SLICES = {
     "run": RunArgs, "model": ModelArgs, "data": DataArgs, "optim": OptimArgs, "engine": EngineArgs,
-    "checkpoint": CheckpointArgs, "nonfinite": NonFiniteArgs, "logging": LoggingArgs, "planning": PlanningArgs,
+    "parallel": ParallelArgs, "checkpoint": CheckpointArgs, "nonfinite": NonFiniteArgs, "logging": LoggingArgs,
+    "planning": PlanningArgs,
 }
 FLAG_ALIASES = {"deepspeed": "config"}  # Hugging Face's spelling of the DeepSpeed JSON flag
 
@@ -367,6 +381,7 @@ class RunConfig:
     data: DataArgs = field(default_factory=DataArgs)
     optim: OptimArgs = field(default_factory=OptimArgs)
     engine: EngineArgs = field(default_factory=EngineArgs)
+    parallel: ParallelArgs = field(default_factory=ParallelArgs)
     checkpoint: CheckpointArgs = field(default_factory=CheckpointArgs)
     nonfinite: NonFiniteArgs = field(default_factory=NonFiniteArgs)
     logging: LoggingArgs = field(default_factory=LoggingArgs)
@@ -720,6 +735,7 @@ def _check_output_dir(cfg: RunConfig) -> None:
 
 def validate_run_config(cfg: RunConfig) -> None:
     """The checks that need no model, data or process group, slice by slice. Raises UsageError on the first."""
-    for slice_name in ("optim", "nonfinite", "checkpoint", "data", "logging", "planning", "engine", "model"):
+    for slice_name in ("optim", "parallel", "nonfinite", "checkpoint", "data", "logging", "planning", "engine",
+                       "model"):
         getattr(cfg, slice_name).validate()
     _check_output_dir(cfg)

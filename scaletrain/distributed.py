@@ -6,6 +6,7 @@ before any process group exists. `init_distributed` then builds the process grou
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import glob
 import os
@@ -21,6 +22,9 @@ class DistInfo:
     world_size: int
     launcher: str  # "torchrun/deepspeed", "srun" or "single"
     accelerator: str = "cpu"  # DeepSpeed's accelerator name, known after init
+    # The layout: ranks r*tp .. r*tp+tp-1 form tensor-parallel group r (DeepSpeed AutoTP's consecutive groups) and
+    # read the same batches; the data-parallel size is what remains.
+    tensor_parallel_size: int = 1
 
     @property
     def is_main(self) -> bool:
@@ -28,8 +32,17 @@ class DistInfo:
 
     @property
     def dp_world_size(self) -> int:
-        # Data parallelism is the only parallelism so far: every rank is a data-parallel replica.
-        return self.world_size
+        """Data-parallel replicas: what the global batch, the data split and the loss normalisation count."""
+        return self.world_size // self.tensor_parallel_size
+
+    @property
+    def dp_rank(self) -> int:
+        """This rank's data-parallel replica: which slice of each global batch it reads."""
+        return self.rank // self.tensor_parallel_size
+
+    @property
+    def tp_rank(self) -> int:
+        return self.rank % self.tensor_parallel_size
 
 
 def read_launch_env(environ: Optional[Mapping[str, str]] = None) -> DistInfo:
@@ -115,7 +128,7 @@ def init_distributed(dist: DistInfo) -> DistInfo:
     if accelerator != "cpu":
         get_accelerator().set_device(dist.local_rank)
     deepspeed.init_distributed(dist_backend=backend, auto_mpi_discovery=False)
-    return DistInfo(dist.rank, dist.local_rank, dist.world_size, dist.launcher, accelerator)
+    return dataclasses.replace(dist, accelerator=accelerator)
 
 
 def rank_hosts() -> list:

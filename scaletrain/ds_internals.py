@@ -25,6 +25,11 @@ Hooks, why we need them, and the test that proves they still act:
 - deepspeed.checkpoint.ds_to_universal (run with python -m) and its checkpoint version
   deepspeed.checkpoint.constants.UNIVERSAL_CHECKPOINT_VERSION_VALUE (scaletrain writes 0.4 into every checkpoint):
   resuming on another rank count. tests/test_checkpoint.py::test_resume_on_another_rank_count_converts_and_continues.
+- deepspeed.utils.groups._init_tp_mesh_device (builds AutoTP's tensor- and data-parallel groups before
+  deepspeed.initialize, so that the engine's batch arithmetic counts data-parallel ranks, not the world; the module is
+  then the `mpu`) and DeepSpeedEngine._consolidated_16bit_state_dict (gathers the TP shards into full weights on
+  rank 0 for the Hugging Face export; engine.save_16bit_model writes the shards under ZeRO-1/2).
+  tests/test_tensor_parallel.py::test_tensor_parallel_matches_one_rank.
 
 Importing this module imports neither torch nor DeepSpeed; each function imports what it touches.
 """
@@ -219,11 +224,14 @@ SHM_BUILD = Hook("deepspeed.comm.torch", "build_shm_op", "skipping the shm all-r
 UNIVERSAL_CONVERTER = Hook("deepspeed.checkpoint.ds_to_universal", None, _UNIVERSAL, _UNIVERSAL_INSTEAD)
 UNIVERSAL_VERSION = Hook("deepspeed.checkpoint.constants", "UNIVERSAL_CHECKPOINT_VERSION_VALUE", _UNIVERSAL,
                          _UNIVERSAL_INSTEAD, problem=_not_ours)
+_TP, _TP_INSTEAD = "tensor parallelism (--tensor_parallel_size)", "train without --tensor_parallel_size"
+TP_GROUPS = Hook("deepspeed.utils.groups", "_init_tp_mesh_device", _TP, _TP_INSTEAD)
+TP_GATHER = Hook("deepspeed.runtime.engine:DeepSpeedEngine", "_consolidated_16bit_state_dict", _TP, _TP_INSTEAD)
 
 # What check_hooks() resolves from the classes; the instance-only ones are checked where they are used.
 HOOKS = (STAGE3_CHECK, STAGE3_CLEANUP, STAGE12_CHECK, STAGE12_INIT, FWD_MODULE_STACK, PARAMS_TO_RELEASE,
          BUILD_DIRECTORY, INSTALLED_OPS, CREATE_OP_BUILDER, BUILDER_LOAD, BUILDER_COMPATIBLE, SHM_BUILD,
-         UNIVERSAL_CONVERTER, UNIVERSAL_VERSION)
+         UNIVERSAL_CONVERTER, UNIVERSAL_VERSION, TP_GROUPS, TP_GATHER)
 
 
 def check_hooks() -> list[str]:
@@ -342,9 +350,27 @@ def skip_shm_op_build() -> None:
     SHM_BUILD.owner_object().build_shm_op = lambda: None
 
 
-def universal_checkpoint_info() -> dict:
-    """The client-state entry that lets ds_to_universal convert a checkpoint for another rank count."""
+def universal_checkpoint_info(tensor_parallel_size: int = 1) -> dict:
+    """The client-state entry that lets ds_to_universal convert a checkpoint for another rank count. Under tensor
+    parallelism AutoTP records its own (how each parameter is split), and the client state would overwrite it: then
+    ds_to_universal merges the shards wrongly without an error. So none is added there."""
+    if tensor_parallel_size > 1:
+        return {}
     return {"universal_checkpoint_info": {"universal_checkpoint_version": UNIVERSAL_CHECKPOINT_VERSION}}
+
+
+def tensor_parallel_mpu(tensor_parallel_size: int):
+    """AutoTP's tensor- and data-parallel groups (consecutive ranks per TP group), built before
+    deepspeed.initialize; the returned module is the `mpu` that makes the engine count data-parallel ranks."""
+    from deepspeed.utils import groups
+
+    TP_GROUPS.on(groups)(tensor_model_parallel_size=tensor_parallel_size)
+    return groups
+
+
+def gathered_state_dict(engine) -> dict:
+    """The full weights on rank 0 (every rank must call it: it gathers TP shards, and ZeRO-3 partitions)."""
+    return TP_GATHER.on(engine)()
 
 
 def universal_conversion_command(ckpt, out) -> list[str]:

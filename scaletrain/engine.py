@@ -23,7 +23,7 @@ def parameter_groups(model, weight_decay: float) -> list:
     ]
 
 
-def build_engine(model, ds_config: dict, weight_decay: float, schedule: LRSchedule):
+def build_engine(model, ds_config: dict, weight_decay: float, schedule: LRSchedule, tensor_parallel_size: int = 1):
     import deepspeed
     from deepspeed.accelerator import get_accelerator
     from torch.optim.lr_scheduler import LambdaLR
@@ -32,11 +32,17 @@ def build_engine(model, ds_config: dict, weight_decay: float, schedule: LRSchedu
 
     # The optimizer's compiled ops, built or loaded under our lock (a stale torch build lock cannot hang us).
     ops.load_ops(ops.engine_ops(ds_config, get_accelerator().device_name()))
+    mpu = None
+    if tensor_parallel_size > 1:  # AutoTP shards the model inside initialize (tensor_parallel.autotp_size)
+        from scaletrain.ds_internals import tensor_parallel_mpu
+
+        mpu = tensor_parallel_mpu(tensor_parallel_size)
     engine, _, _, _ = deepspeed.initialize(
         model=model,
         model_parameters=parameter_groups(model, weight_decay),
         config=ds_config,
         lr_scheduler=lambda optimizer: LambdaLR(optimizer, schedule.multiplier),
+        mpu=mpu,
     )
     log.info("engine: ZeRO stage %d, optimizer %s, schedule %s (warmup %d of %d steps)",
              engine.zero_optimization_stage(), type(engine.optimizer).__name__, schedule.kind,

@@ -85,6 +85,9 @@ class LoopSettings:
     show_progress: bool
     throughput: ThroughputModel | None = None
     rampup_lr_exponent: float = 0.0  # during a batch ramp-up the LR is scaled by (batch / full batch) ** this
+    # This rank's share of the reported loss: the ranks of a tensor-parallel group compute the same loss, so only the
+    # first of each group counts (0 x NaN is NaN: a non-finite loss is still seen).
+    loss_share: float = 1.0
 
 
 @dataclass(frozen=True)
@@ -225,7 +228,7 @@ def optimizer_step(engine, batches: StepBatches, data_step: int, settings: LoopS
     # The boundary is ours, not DeepSpeed's count of micro-steps modulo the accumulation steps, which a change of
     # the accumulation (a ramp-up stage) would put in the middle of a step.
     engine.set_gradient_accumulation_boundary(True)
-    loss_sum = loss_sum + _forward_backward(engine, boundary, scale, clock)
+    loss_sum = (loss_sum + _forward_backward(engine, boundary, scale, clock)) * settings.loss_share
     # One small all-reduce before the update: the global loss (for the non-finite and spike checks) and the flags
     # every rank must agree on at this step boundary.
     global_loss_sum, preempted, interval_due = agree_step(

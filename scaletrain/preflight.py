@@ -22,6 +22,7 @@ from scaletrain import distributed
 from scaletrain.distributed import DistInfo
 from scaletrain.dsconfig import HardwareFacts, ResolvedDSConfig, load_ds_config, resolve_ds_config
 from scaletrain.flops import ModelFlops, model_flops
+from scaletrain.layout import apply_layout, check_model_layout, describe_layout, resolve_layout
 from scaletrain.metrics import METRICS_FILE, read_records
 from scaletrain.model import load_model_config, load_tokenizer, max_positions, meta_model
 
@@ -38,6 +39,7 @@ class ResolvedRun:
 
     cfg: RunConfig
     ds: ResolvedDSConfig
+    dist: DistInfo  # the launch's ranks with this run's parallel layout (data-parallel size and rank)
     model_config: Any
     tokenizer: Any
     block_size: int
@@ -210,7 +212,7 @@ def check_rampup(rampup: Optional[tuple], ds: ResolvedDSConfig, dp_world_size: i
                          "ramp over more samples")
 
 
-def _resolve_resume_point(cfg: RunConfig, ds: ResolvedDSConfig, model_facts: dict, dp_world_size: int) -> tuple:
+def _resolve_resume_point(cfg: RunConfig, ds: ResolvedDSConfig, model_facts: dict, dist: DistInfo) -> tuple:
     """(checkpoint to resume or None, its train state, whether it comes from another data-parallel size, the
     previous run's run_config.json or None)."""
     if cfg.planning.plan:
@@ -223,20 +225,24 @@ def _resolve_resume_point(cfg: RunConfig, ds: ResolvedDSConfig, model_facts: dic
     metrics_file = Path(cfg.run.output_dir) / METRICS_FILE
     if metrics_file.exists():
         read_records(metrics_file)  # damaged before its end: refused here, on every rank, before anything is built
-    reshard = check_resumable(resume_from, dp_world_size, ds.zero_stage, model_facts)
+    reshard = check_resumable(resume_from, dist.dp_world_size, dist.tensor_parallel_size, ds.zero_stage,
+                              model_facts)
     resume_state = read_train_state(resume_from)
     if reshard:
         ds.config.setdefault("checkpoint", {})["load_universal"] = True
-        ds.sources["checkpoint.load_universal"] = (f"resume of a checkpoint from {resume_state['world_size']} "
-                                                   f"ranks on {dp_world_size}")
+        ds.sources["checkpoint.load_universal"] = (
+            f"resume of a checkpoint from {resume_state['world_size']} data-parallel ranks x tensor parallel "
+            f"{resume_state.get('tensor_parallel_size', 1)} on {dist.dp_world_size} x {dist.tensor_parallel_size}")
     return resume_from, resume_state, reshard, previous
 
 
 def resolve_run(argv: Optional[Sequence[str]], dist: DistInfo) -> ResolvedRun:
     """Flags, DeepSpeed JSON, model config, tokenizer, data checks and resume point: UsageError on a mistake."""
     cfg = parse_run_config(argv)
+    dist = apply_layout(cfg.parallel, dist)
     raw_ds_config = load_ds_config(cfg.engine.config)
     model_config = load_model_config(cfg.model)
+    check_model_layout(cfg.parallel, model_config)
     tokenizer = load_tokenizer(cfg.model)
     check_data_files(cfg.data)
     _check_tokenizer_fits(cfg.model, model_config, tokenizer)
@@ -244,6 +250,7 @@ def resolve_run(argv: Optional[Sequence[str]], dist: DistInfo) -> ResolvedRun:
     block_size = _block_size(cfg.data, model_config, store_block_size)
     ds = resolve_ds_config(raw_ds_config, cfg.engine, cfg.optim, cfg.explicit_flags, dist.dp_world_size,
                            _hidden_size(model_config), hardware_facts())
+    resolve_layout(cfg.parallel, ds, cfg.engine.config)
     check_rampup(cfg.optim.rampup_batch_size, ds, dist.dp_world_size)
     if cfg.nonfinite.on_nonfinite == "skip" and ds.zero_stage == 0 and ds.precision != "fp32":
         raise UsageError(f"--on_nonfinite skip: updates of ZeRO stage 0 in {ds.precision} cannot be skipped",
@@ -253,7 +260,7 @@ def resolve_run(argv: Optional[Sequence[str]], dist: DistInfo) -> ResolvedRun:
         raise UsageError(f"--gradient_checkpointing: {type(skeleton).__name__} does not support it",
                          "drop the flag, or use ZeRO-3 / offload to save memory instead")
     model_facts = _model_facts(skeleton, model_config)
-    resume_from, resume_state, reshard, previous = _resolve_resume_point(cfg, ds, model_facts, dist.dp_world_size)
+    resume_from, resume_state, reshard, previous = _resolve_resume_point(cfg, ds, model_facts, dist)
     if not (cfg.run.print_config or cfg.planning.plan):
         _check_disk_space(cfg.run.output_dir, model_facts["n_params"], ds.precision)
     model_shape = None
@@ -261,7 +268,7 @@ def resolve_run(argv: Optional[Sequence[str]], dist: DistInfo) -> ResolvedRun:
         from scaletrain import memory_planner
 
         model_shape = memory_planner.ModelShape.from_meta_model(skeleton, model_config)
-    return ResolvedRun(cfg, ds, model_config, tokenizer, block_size, model_facts["n_params"],
+    return ResolvedRun(cfg, ds, dist, model_config, tokenizer, block_size, model_facts["n_params"],
                        resume_from=resume_from, model_facts=model_facts, resume_state=resume_state, reshard=reshard,
                        flops=model_flops(skeleton, model_config, block_size), model_shape=model_shape,
                        previous_run_config=previous)
@@ -293,8 +300,8 @@ def describe_launch(resolved: ResolvedRun, dist: DistInfo) -> None:
     hosts = distributed.rank_hosts()
     placement = ", ".join(f"{host} (ranks {_ranges([r for r, h in enumerate(hosts) if h == host])})"
                           for host in dict.fromkeys(hosts))
-    log.info("launch: %s, world size %d on %d host(s): %s", dist.launcher, dist.world_size, len(set(hosts)),
-             placement)
+    log.info("launch: %s, world size %d on %d host(s): %s; layout: %s", dist.launcher, dist.world_size,
+             len(set(hosts)), placement, describe_layout(dist))
     log.info("precision: %s (%s)", resolved.ds.precision, resolved.ds.precision_reason)
     log.info("resolved DeepSpeed config (%s):\n%s", resolved.cfg.engine.config, resolved.ds.explained())
 

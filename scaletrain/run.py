@@ -38,10 +38,10 @@ def seed_everything(seed: int) -> None:
 
 
 class Run:
-    def __init__(self, resolved: ResolvedRun, dist: DistInfo):
+    def __init__(self, resolved: ResolvedRun):
         self.resolved = resolved
         self.cfg = resolved.cfg
-        self.dist = dist
+        self.dist = dist = resolved.dist  # the launch with this run's layout
         self.model: Any = None
         self._zero3_keepalive: Any = None
         self.stores: list = []
@@ -51,7 +51,7 @@ class Run:
         self.schedule: Optional[LRSchedule] = None
         self.engine: Any = None
         self.metrics: Optional[MetricsLogger] = None
-        self.state = TrainState(world_size=dist.dp_world_size)
+        self.state = TrainState(world_size=dist.dp_world_size, tensor_parallel_size=dist.tensor_parallel_size)
         self.preemption = PreemptionFlag()
         self.guard: Optional[NonFiniteGuard] = None
 
@@ -59,7 +59,7 @@ class Run:
     def from_flags(cls, argv: Optional[Sequence[str]], dist: DistInfo) -> "Run":
         resolved = resolve_run(argv, dist)
         silence_library_logs()
-        return cls(resolved, dist)
+        return cls(resolved)
 
     def print_config(self) -> None:
         print_config(self.resolved, self.dist)
@@ -123,7 +123,7 @@ class Run:
         # Every store's validation blocks, the same fixed set on every run (each rank the same number of batches).
         validation = [blocks_from_store(s, "validation", size, data.attention_isolation) for s in self.stores]
         self.eval_batches = [batch for blocks in validation if blocks is not None
-                             for batch in eval_batches(blocks, optim.per_device_eval_batch_size, dist.rank,
+                             for batch in eval_batches(blocks, optim.per_device_eval_batch_size, dist.dp_rank,
                                                        dist.dp_world_size, self.cfg.logging.max_eval_samples)] or None
         b = self.train_blocks
         log.info("data: %d documents, %d tokens -> %d blocks of %d (last block %d real tokens, padded; none "
@@ -148,7 +148,7 @@ class Run:
 
     def build_engine(self) -> None:
         self.engine = engine_lib.build_engine(self.model, self.resolved.ds.config, self.cfg.optim.weight_decay,
-                                              self.schedule)
+                                              self.schedule, self.dist.tensor_parallel_size)
         # From here a SIGUSR1/SIGTERM becomes a checkpoint at the next step boundary instead of a lost run.
         self.preemption.install()
 
@@ -160,6 +160,7 @@ class Run:
             # The checkpoint restored the saving run's peak LR and next LR; this run's flags decide from here on.
             restart_schedule(self.engine.lr_scheduler, self.schedule, peak_lr(self.resolved.ds))
             self.state.world_size = self.dist.dp_world_size
+            self.state.tensor_parallel_size = self.dist.tensor_parallel_size
         self.metrics = MetricsLogger(self.cfg.run.output_dir, self.dist.is_main, self.cfg.logging.report_sinks,
                                      self.cfg.run.run_name or Path(self.cfg.run.output_dir).resolve().name,
                                      self.cfg.to_dict(), resume_step=self.state.step,
@@ -180,7 +181,8 @@ class Run:
                      else f"{peak:.3g}", source, self.resolved.flops.per_token())
         recompute = self.cfg.model.gradient_checkpointing
         flops = self.resolved.flops
-        return ThroughputModel(flops.per_token(), flops.per_token(recompute=recompute), peak, self.dist.dp_world_size)
+        # Per device: every rank of the world, tensor-parallel ones included (the model's FLOPs count once).
+        return ThroughputModel(flops.per_token(), flops.per_token(recompute=recompute), peak, self.dist.world_size)
 
     def train(self) -> None:
         dry = self.cfg.run.dry_run  # one full step, logged, nothing saved
@@ -192,11 +194,12 @@ class Run:
             save_interval_minutes=0 if dry else self.cfg.checkpoint.save_interval_minutes,
             preemption_grace_seconds=self.cfg.checkpoint.preemption_grace_seconds,
             dp_world_size=self.dist.dp_world_size,
+            loss_share=1.0 if self.dist.tp_rank == 0 else 0.0,
             show_progress=self.dist.is_main and not self.cfg.logging.disable_tqdm,
             throughput=self.throughput_model(),
             rampup_lr_exponent={"none": 0.0, "sqrt": 0.5, "linear": 1.0}[self.cfg.optim.rampup_lr_scaling],
         )
-        batches = StepBatches(self.train_blocks, self.order, self.dist.rank)
+        batches = StepBatches(self.train_blocks, self.order, self.dist.dp_rank)
         policy = NonFinitePolicy.from_args(self.cfg.nonfinite, fp16=self.resolved.ds.precision == "fp16")
         self.guard = NonFiniteGuard(policy, self.state, self.cfg.run.output_dir, self.dist.is_main,
                                     write_files=not dry)
@@ -222,6 +225,7 @@ class Run:
         checkpoint.load_checkpoint(self.engine, newest, state, self.dist.rank, universal=universal)
         restart_schedule(self.engine.lr_scheduler, self.schedule, peak_lr(self.resolved.ds))  # as in resume()
         state.world_size = self.dist.dp_world_size
+        state.tensor_parallel_size = self.dist.tensor_parallel_size
         state.data_offset = data_step - state.step  # the next step trains on the batch after the streak
         state.samples_seen = position  # the data position keeps moving forward: nothing is replayed
         state.consecutive_skips = 0

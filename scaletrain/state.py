@@ -17,6 +17,7 @@ class TrainState:
     loss_mean_steps: int = 0  # how many applied steps the running mean has seen
     data_offset: int = 0  # data steps jumped over by rollbacks: step s trains on the batch of data step s + offset
     world_size: int = 0  # data-parallel ranks that produced this state (a resume must match it)
+    tensor_parallel_size: int = 1  # the tensor-parallel size that produced it (another one reshards)
     wandb_run_id: Optional[str] = None  # so a resumed run continues the same wandb run
 
     def state_dict(self) -> dict:

@@ -16,7 +16,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from scaletrain.checkpoint import verify  # noqa: E402
+from scaletrain.checkpoint import read_train_state, verify  # noqa: E402
 from scaletrain.config import DEFAULT_MODEL_DIR, UsageError  # noqa: E402
 
 
@@ -30,6 +30,11 @@ def export(ckpt: Path, out: Path, dtype: str, max_shard_size: str) -> None:
     problem = verify(ckpt)
     if problem:
         raise UsageError(f"{ckpt}: not a committed checkpoint ({problem})", "export another checkpoint")
+    tensor_parallel = read_train_state(ckpt).get("tensor_parallel_size", 1)
+    if tensor_parallel > 1:  # DeepSpeed's ZeRO reader finds one optimizer file per TP rank and stops
+        raise UsageError(f"{ckpt}: saved with tensor parallelism {tensor_parallel}, which this script cannot merge",
+                         "resume it on one rank for no more steps (train.py --output_dir <its run> --max_steps "
+                         "<its step>): the checkpoint is converted, and the run's end exports the full weights")
     run_config_path = ckpt.parent.parent / "run_config.json"
     try:
         run_config = json.loads(run_config_path.read_text())

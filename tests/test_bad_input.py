@@ -207,6 +207,8 @@ CASES = {
                                                   "--gradient_accumulation_steps", "4",
                                                   "--rampup_batch_size", "2", "4", "100"],
                                        "--rampup_batch_size", "INCREMENT 4 does not divide the ramp from 2"),
+    "tensor parallel above the world": (lambda t: ["--tensor_parallel_size", "2"], "--tensor_parallel_size",
+                                        "--tensor_parallel_size 2 does not divide the world size 1"),
     "ramp-up lr scaling alone": (lambda t: ["--rampup_lr_scaling", "sqrt"], "--rampup_lr_scaling",
                                  "--rampup_lr_scaling sqrt: only acts with --rampup_batch_size"),
 }

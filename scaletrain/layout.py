@@ -1,0 +1,79 @@
+"""The parallel layout: how the world's ranks split into tensor-parallel groups and data-parallel replicas, checked
+against the world size, the model and the DeepSpeed config before anything is built. Imports no torch.
+
+Tensor parallelism is DeepSpeed AutoTP: ranks r*tp .. r*tp+tp-1 form one tensor-parallel group (consecutive ranks,
+so a group stays inside a node), every rank of a group reads the same batches, and the data-parallel size is
+world / tp. AutoTP shards the linear layers along the model's own TP plan where it has one (Llama, Qwen, Mistral
+declare one), else by its heuristic.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from scaletrain.config import ParallelArgs
+from scaletrain.distributed import DistInfo
+from scaletrain.dsconfig import ResolvedDSConfig
+from scaletrain.errors import UsageError
+
+# The model dimensions a tensor-parallel split divides (Llama-family names; models without them are not checked).
+_SPLIT_DIMENSIONS = (("num_attention_heads", "attention heads"), ("num_key_value_heads", "key/value heads"),
+                     ("intermediate_size", "MLP width"), ("vocab_size", "vocabulary"))
+
+
+def apply_layout(parallel: ParallelArgs, dist: DistInfo) -> DistInfo:
+    """`dist` with the tensor-parallel size set (its dp_world_size and dp_rank follow); the world must split."""
+    tp = parallel.tensor_parallel_size
+    if dist.world_size % tp:
+        raise UsageError(f"--tensor_parallel_size {tp} does not divide the world size {dist.world_size}",
+                         f"launch a multiple of {tp} ranks, or choose a size that divides {dist.world_size}")
+    return dataclasses.replace(dist, tensor_parallel_size=tp)
+
+
+def check_model_layout(parallel: ParallelArgs, model_config) -> None:
+    """Every dimension the tensor-parallel split cuts must divide evenly (a rank with no attention head, or uneven
+    shards, is a silent waste or an error deep inside DeepSpeed)."""
+    tp = parallel.tensor_parallel_size
+    if tp == 1:
+        return
+    text_config = model_config.get_text_config() if hasattr(model_config, "get_text_config") else model_config
+    for name, what in _SPLIT_DIMENSIONS:
+        value = getattr(text_config, name, None)
+        if isinstance(value, int) and value % tp:
+            raise UsageError(f"--tensor_parallel_size {tp}: the model's {value} {what} ({name}) do not split into "
+                             f"{tp} equal parts", f"choose a tensor-parallel size that divides {value}")
+
+
+def resolve_layout(parallel: ParallelArgs, ds: ResolvedDSConfig, config_path: str) -> None:
+    """Write the layout into the resolved DeepSpeed config (tensor_parallel section), refusing the combinations that
+    are not supported, with the reason."""
+    tp = parallel.tensor_parallel_size
+    section = ds.config.get("tensor_parallel")
+    section = section if isinstance(section, dict) else {}
+    in_json = section.get("autotp_size")
+    if in_json not in (None, 0, 1, "auto", tp):
+        raise UsageError(f"tensor_parallel.autotp_size {in_json} in {config_path} contradicts "
+                         f"--tensor_parallel_size {tp}", "remove the key and pass --tensor_parallel_size")
+    if tp == 1:
+        return
+    if ds.zero_stage == 3:
+        raise UsageError(f"--tensor_parallel_size {tp} with ZeRO stage 3 ({config_path}): AutoTP with ZeRO-3 is not "
+                         "supported here (verified only without data parallelism)",
+                         "use a ZeRO-1 or ZeRO-2 config with tensor parallelism")
+    if ds.offloads_optimizer or ds.offloads_params:
+        raise UsageError(f"--tensor_parallel_size {tp} with offload ({config_path}): not supported here (untested)",
+                         "use ds_configs/zero1.json or zero2.json with tensor parallelism")
+    if section.get("vocab_parallel_lm_head") is True:
+        raise UsageError(f"tensor_parallel.vocab_parallel_lm_head in {config_path}: the pipeline's loss needs the "
+                         "logits of the whole vocabulary on every rank", "remove the key")
+    ds.config["tensor_parallel"] = {**section, "autotp_size": tp, "vocab_parallel_lm_head": False}
+    ds.sources["tensor_parallel.autotp_size"] = "--tensor_parallel_size"
+    # With tied embeddings AutoTP would switch to a vocabulary-parallel head by itself (logits of half the
+    # vocabulary per rank); the pipeline's token-weighted loss is computed from the whole logits.
+    ds.sources["tensor_parallel.vocab_parallel_lm_head"] = "tensor parallelism: the loss reads whole logits"
+
+
+def describe_layout(dist: DistInfo) -> str:
+    if dist.tensor_parallel_size == 1:
+        return f"data parallel {dist.dp_world_size}"
+    return f"tensor parallel {dist.tensor_parallel_size} x data parallel {dist.dp_world_size}"

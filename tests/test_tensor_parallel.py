@@ -1,0 +1,187 @@
+"""Tensor parallelism (--tensor_parallel_size, DeepSpeed AutoTP) against a single-rank run of the same global batch.
+
+Real runs of train.py on gloo CPU ranks, fp32, the tiny Llama, clipping that acts (--max_grad_norm below the
+gradient norms): per-step losses within 1e-5 relative over 8 steps, the Hugging Face export holds the full weights
+(gathered from the TP shards) and equals the reference's, MFU counts the model's FLOPs once per device, a resume on
+the same layout and on one rank (through DeepSpeed's universal checkpoint) continues exactly; and the layouts that
+are not supported stop before anything is built.
+"""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+
+from scaletrain.config import ParallelArgs
+from scaletrain.distributed import DistInfo
+from scaletrain.errors import UsageError
+from scaletrain.layout import apply_layout, check_model_layout, resolve_layout
+from tests.conftest import FAST_FLAGS, REPO, check_ok, launch, read_metrics
+
+STEPS = 8
+CLIP = 0.5
+
+
+def _flags(run_dir: Path, config: str, *extra: str) -> list:
+    return ["--config", f"ds_configs/{config}.json", "--output_dir", str(run_dir), "--max_steps", str(STEPS),
+            "--save_steps", "4", "--max_grad_norm", str(CLIP), *FAST_FLAGS, "--logging_steps", "1", *extra]
+
+
+def _records(run_dir: Path) -> dict:
+    return {r["step"]: r for r in read_metrics(run_dir) if "loss" in r}
+
+
+def _weights(run_dir: Path) -> dict:
+    from safetensors.torch import load_file
+
+    return load_file(str(run_dir / "model.safetensors"))
+
+
+def _relative_difference(a, b) -> float:
+    return float((a - b).norm() / b.norm().clamp(min=1e-12))
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory, cache_dir) -> Path:
+    """One rank, ZeRO-2, the same global batch (4 blocks) and seed."""
+    run_dir = tmp_path_factory.mktemp("tp") / "reference"
+    check_ok(launch(REPO / "train.py", _flags(run_dir, "zero2"), "python", cache_dir))
+    assert max(r["grad_norm"] for r in _records(run_dir).values()) > CLIP  # the clipping acts
+    return run_dir
+
+
+@pytest.fixture(scope="module")
+def tp2_zero1(tmp_path_factory, cache_dir) -> Path:
+    run_dir = tmp_path_factory.mktemp("tp") / "tp2_zero1"
+    proc = launch(REPO / "train.py", _flags(run_dir, "zero1", "--tensor_parallel_size", "2"), "deepspeed",
+                  cache_dir, nprocs=2)
+    check_ok(proc)
+    assert "layout: tensor parallel 2 x data parallel 1" in proc.stdout + proc.stderr
+    return run_dir
+
+
+def _assert_matches(run_dir: Path, reference: Path, steps=range(1, STEPS + 1)) -> None:
+    expected, got = _records(reference), _records(run_dir)
+    assert sorted(got) == list(steps)
+    for step in steps:
+        assert got[step]["loss"] == pytest.approx(expected[step]["loss"], rel=1e-5), step
+        assert got[step]["grad_norm"] == pytest.approx(expected[step]["grad_norm"], rel=1e-4), step
+
+
+def _assert_same_export(run_dir: Path, reference: Path) -> None:
+    from transformers import AutoModelForCausalLM
+
+    got, expected = _weights(run_dir), _weights(reference)
+    assert got.keys() == expected.keys()
+    for name in expected:
+        assert got[name].shape == expected[name].shape, name  # whole tensors, not one rank's shard
+        assert _relative_difference(got[name], expected[name]) < 1e-4, name
+    AutoModelForCausalLM.from_pretrained(run_dir)  # a folder Hugging Face loads as it is
+
+
+@pytest.mark.slow  # a 1-rank reference and two 2-rank runs of 8 steps
+@pytest.mark.parametrize("config", ["zero1", "zero2"])
+def test_tensor_parallel_matches_one_rank(config, reference, tp2_zero1, tmp_path, cache_dir):
+    if config == "zero1":
+        run_dir = tp2_zero1
+    else:
+        run_dir = tmp_path / "tp2"
+        check_ok(launch(REPO / "train.py", _flags(run_dir, config, "--tensor_parallel_size", "2"), "deepspeed",
+                        cache_dir, nprocs=2))
+    _assert_matches(run_dir, reference)
+    _assert_same_export(run_dir, reference)
+    # MFU counts the model's FLOPs once: tokens/s x FLOPs per token over both devices, not once per TP rank.
+    record = _records(run_dir)[STEPS]
+    reference_record = _records(reference)[STEPS]
+    flops_per_token = reference_record["tflops_per_device"] * 1e12 / reference_record["tokens_per_s"]
+    assert record["tflops_per_device"] == pytest.approx(record["tokens_per_s"] * flops_per_token / 2 / 1e12,
+                                                        rel=1e-6)
+
+
+@pytest.mark.slow  # two runs resumed from the TP checkpoint at step 4: on 2 ranks (TP 2) and on 1 rank
+@pytest.mark.parametrize("nprocs", [2, 1])
+def test_a_tensor_parallel_checkpoint_resumes_on_the_same_layout_and_on_one_rank(nprocs, reference, tp2_zero1,
+                                                                                   tmp_path, cache_dir):
+    run_dir = tmp_path / "resumed"
+    (run_dir / "checkpoints").mkdir(parents=True)
+    shutil.copytree(tp2_zero1 / "checkpoints" / "step4", run_dir / "checkpoints" / "step4")
+    for name in ("run_config.json", "ds_config.json"):
+        shutil.copy(tp2_zero1 / name, run_dir / name)
+    extra = ["--tensor_parallel_size", "2"] if nprocs == 2 else []
+    proc = launch(REPO / "train.py", _flags(run_dir, "zero1", *extra), "deepspeed" if nprocs == 2 else "python",
+                  cache_dir, nprocs=nprocs)
+    check_ok(proc)
+    output = proc.stdout + proc.stderr
+    assert f"resumed from {run_dir / 'checkpoints' / 'step4'}" in output
+    assert ("converted" in output) == (nprocs == 1)  # another layout goes through the universal checkpoint
+    _assert_matches(run_dir, reference, steps=range(5, STEPS + 1))
+    _assert_same_export(run_dir, reference)
+
+
+# --- refused before anything is built ----------------------------------------------------------------------------
+
+def _tiny_llama_config():
+    from transformers import AutoConfig
+
+    return AutoConfig.from_pretrained(REPO / "data" / "tiny-llama")
+
+
+def test_the_world_must_split_into_tensor_parallel_groups():
+    dist = DistInfo(rank=5, local_rank=1, world_size=6, launcher="srun")
+    layout = apply_layout(ParallelArgs(tensor_parallel_size=2), dist)
+    assert (layout.dp_world_size, layout.dp_rank, layout.tp_rank) == (3, 2, 1)  # consecutive ranks per TP group
+    with pytest.raises(UsageError, match="--tensor_parallel_size 4 does not divide the world size 6"):
+        apply_layout(ParallelArgs(tensor_parallel_size=4), dist)
+
+
+def test_the_model_must_split_evenly():
+    config = _tiny_llama_config()  # 4 attention heads, 2 key/value heads, MLP 352, vocabulary 4096
+    check_model_layout(ParallelArgs(tensor_parallel_size=2), config)
+    with pytest.raises(UsageError, match=r"the model's 2 key/value heads \(num_key_value_heads\) do not split"):
+        check_model_layout(ParallelArgs(tensor_parallel_size=4), config)
+    with pytest.raises(UsageError, match=r"the model's 4 attention heads \(num_attention_heads\) do not split"):
+        check_model_layout(ParallelArgs(tensor_parallel_size=3), config)
+
+
+def _resolved(config: dict):
+    from scaletrain.dsconfig import ResolvedDSConfig
+
+    return ResolvedDSConfig(config, {}, "fp32", "test")
+
+
+@pytest.mark.parametrize("config,message", [
+    ({"zero_optimization": {"stage": 3}}, "with ZeRO stage 3"),
+    ({"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}}}, "with offload"),
+    ({"zero_optimization": {"stage": 1}, "tensor_parallel": {"autotp_size": 4}},
+     "tensor_parallel.autotp_size 4 in x.json contradicts --tensor_parallel_size 2"),
+    ({"zero_optimization": {"stage": 1}, "tensor_parallel": {"vocab_parallel_lm_head": True}},
+     "tensor_parallel.vocab_parallel_lm_head in x.json"),
+])
+def test_unsupported_combinations_are_refused_with_the_reason(config, message):
+    with pytest.raises(UsageError, match=message):
+        resolve_layout(ParallelArgs(tensor_parallel_size=2), _resolved(config), "x.json")
+
+
+def test_the_layout_is_written_into_the_deepspeed_config():
+    ds = _resolved({"zero_optimization": {"stage": 2}})
+    resolve_layout(ParallelArgs(tensor_parallel_size=2), ds, "x.json")
+    assert ds.config["tensor_parallel"] == {"autotp_size": 2, "vocab_parallel_lm_head": False}
+    assert ds.sources["tensor_parallel.autotp_size"] == "--tensor_parallel_size"
+    untouched = _resolved({"zero_optimization": {"stage": 3}})
+    resolve_layout(ParallelArgs(tensor_parallel_size=1), untouched, "x.json")
+    assert "tensor_parallel" not in untouched.config
+
+
+@pytest.mark.slow  # needs the 2-rank TP checkpoint
+def test_export_script_refuses_a_tensor_parallel_checkpoint_with_a_way_out(tp2_zero1, tmp_path):
+    import subprocess
+    import sys
+
+    proc = subprocess.run([sys.executable, str(REPO / "scripts" / "export_hf.py"),
+                           str(tp2_zero1 / "checkpoints" / "step4"), str(tmp_path / "out")], capture_output=True,
+                          text=True, cwd=REPO)
+    assert proc.returncode == 2, proc.stderr
+    assert "saved with tensor parallelism 2" in proc.stderr and "resume it on one rank" in proc.stderr
+    assert not (tmp_path / "out").exists()

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from scaletrain.config import ParallelArgs
+from scaletrain.config import ParallelArgs, PlanningArgs
 from scaletrain.distributed import DistInfo
 from scaletrain.dsconfig import ResolvedDSConfig
 from scaletrain.errors import UsageError
@@ -28,6 +28,14 @@ def apply_layout(parallel: ParallelArgs, dist: DistInfo) -> DistInfo:
         raise UsageError(f"--tensor_parallel_size {tp} does not divide the world size {dist.world_size}",
                          f"launch a multiple of {tp} ranks, or choose a size that divides {dist.world_size}")
     return dataclasses.replace(dist, tensor_parallel_size=tp)
+
+
+def check_planned_layout(parallel: ParallelArgs, planning: PlanningArgs) -> None:
+    """--plan with a tensor-parallel size: its groups must fit inside a node of the planned cluster."""
+    tp = parallel.tensor_parallel_size
+    if planning.plan and planning.num_gpus % tp:
+        raise UsageError(f"--tensor_parallel_size {tp} does not divide --num_gpus {planning.num_gpus}",
+                         "a tensor-parallel group stays inside a node: choose a size that divides the GPUs per node")
 
 
 def check_model_layout(parallel: ParallelArgs, model_config) -> None:

@@ -3,11 +3,13 @@
     python train.py --plan --model_name_or_path X --num_gpus 8 --num_nodes 4 --gpu_memory_gb 80 \\
         --per_device_train_batch_size 4 --block_size 4096 [--gradient_checkpointing]
 
-The model is built on the meta device (structure only). Model states are counted as DeepSpeed 0.19 holds them at
-the optimizer update (their peak), per rank, with N parameters, d = num_gpus x num_nodes data-parallel ranks and
-p = bytes of a weight (2 in bf16/fp16, 4 in fp32):
+The model is built on the meta device (structure only). Model states are counted at their peak as DeepSpeed 0.19
+holds them, per rank, with N parameters on the rank (with --tensor_parallel_size t, its linear layers' weights / t
+plus the rest whole), d = num_gpus x num_nodes / t data-parallel ranks and p = bytes of a weight (2 in bf16/fp16, 4
+in fp32):
 
-    ZeRO-1, ZeRO-2    weights p N      + gradients G N / d + optimizer 12 N / d
+    ZeRO-1            weights p N      + gradients max(p N, G N / d) + optimizer 12 N / d
+    ZeRO-2            weights p N      + gradients G N / d + optimizer 12 N / d
     ZeRO-3            weights p N / d  + gradients G N / d + optimizer 12 N / d
     + optimizer offload: gradients and optimizer go to host memory (16 N / d, pinned); GPU keeps bucket buffers
     + parameter offload (ZeRO-3): the weights' partition too (p N / d)
@@ -15,13 +17,16 @@ p = bytes of a weight (2 in bf16/fp16, 4 in fp32):
 "optimizer" is ZeRO's fp32 partition: master weights (4) and Adam's two moments (8), kept also in fp32 training.
 G is the reduced gradient partition: 4 (fp32) in fp32 training; in bf16/fp16, ZeRO-1/2 hold the 16-bit partition
 and its fp32 copy at the update (p + 4), ZeRO-3 the 16-bit partition (p; it converts one sub-group at a time).
-Measured on DeepSpeed 0.19 (tests/test_memory_planner.py): ZeRO-1 reduces gradients into partitions during the backward
-just as ZeRO-2 does, so between steps they hold the same states. NVMe offload puts the offloaded states on disk.
+Measured on DeepSpeed 0.19 (tests/test_memory_planner.py): ZeRO-1 keeps each parameter's whole gradient (.grad, in the
+weights' dtype) until the accumulation boundary's reduction, so from every backward to the reduction it holds p N of
+gradients, with any gradient accumulation (the ZeRO paper's P_os row); ZeRO-2 reduces into its partition during the
+backward. NVMe offload puts the offloaded states on disk.
 
 Working memory per micro-batch of b sequences of s tokens (hidden h, MLP width f, L layers, vocabulary V;
 16-bit, x2 in fp32), attention through SDPA (no s x s score matrix):
 
-    per layer     s b (18 h + 8 f) bytes: inputs of the norms, Q/K/V, attention output and projection, gated MLP
+    per layer     s b (18 h + 8 f) bytes: inputs of the norms, Q/K/V, attention output and projection, gated MLP;
+                  with tensor parallelism t: s b (8 h + (10 h + 8 f) / t) (Q/K/V, attention and MLP inside are split)
     logits        s b V x 10 bytes: the 16-bit logits, their fp32 copy for the loss and its gradient (x1.5 in fp32)
     checkpointing keeps each layer's input (2 s b h) and recomputes one layer at a time
     ZeRO-3        plus the largest layer gathered whole (weights and gradients, 2 p x its parameters)
@@ -48,9 +53,16 @@ class ModelShape:
     hidden: int
     intermediate: int
     vocab: int
+    linear_params: int = 0  # in nn.Linear layers: what tensor parallelism splits (the rest stays whole per rank)
+    kv_heads: int = 0  # key/value heads (0: unknown): a tensor-parallel size must divide them
+
+    def params_per_tp_rank(self, tp: int) -> float:
+        return self.n_params - self.linear_params + self.linear_params / tp
 
     @classmethod
     def from_meta_model(cls, model, model_config) -> "ModelShape":
+        import torch
+
         text = model_config.get_text_config()
         leaves = [m for m in model.modules() if not list(m.children())]
         hidden = getattr(text, "hidden_size", None) or text.n_embd
@@ -61,7 +73,14 @@ class ModelShape:
             hidden=hidden,
             intermediate=getattr(text, "intermediate_size", None) or 4 * hidden,
             vocab=text.vocab_size,
+            linear_params=sum(p.numel() for m in model.modules() if isinstance(m, torch.nn.Linear)
+                              for p in m.parameters(recurse=False)),
+            kv_heads=getattr(text, "num_key_value_heads", None) or getattr(text, "num_attention_heads", 0) or 0,
         )
+
+    def splits_into(self, tp: int) -> bool:
+        """Whether tensor parallelism of size tp divides what it splits (see scaletrain.layout)."""
+        return all(d % tp == 0 for d in (self.intermediate, self.vocab, self.kv_heads or tp))
 
 
 @dataclass(frozen=True)
@@ -106,12 +125,14 @@ def weight_bytes(precision: str) -> int:
     return 4 if precision == "fp32" else 2
 
 
-def model_state_bytes(option: Option, shape: ModelShape, dp: int, precision: str) -> tuple:
+def model_state_bytes(option: Option, shape: ModelShape, dp: int, precision: str, tp: int = 1) -> tuple:
     """(params, grads, optimizer) bytes on one GPU, and (host, nvme) bytes per rank, for one option."""
-    p, n = weight_bytes(precision), shape.n_params
+    p, n = weight_bytes(precision), shape.params_per_tp_rank(tp)
     grad_bytes = 4 if precision == "fp32" else (p if option.stage == 3 else p + 4)
     params = p * n / dp if option.stage == 3 else p * n
     grads, optimizer = grad_bytes * n / dp, OPTIMIZER_BYTES * n / dp
+    if option.stage == 1:  # whole gradients from the backward until the boundary's reduction
+        grads = max(grads, p * n)
     host = nvme = 0.0
     if option.offload_optimizer != "none":
         moved = (4 + OPTIMIZER_BYTES) * n / dp  # the fp32 gradient partition and the optimizer states
@@ -126,11 +147,12 @@ def model_state_bytes(option: Option, shape: ModelShape, dp: int, precision: str
     return params, grads, optimizer, host, nvme
 
 
-def activation_bytes(shape: ModelShape, micro_batch: int, block_size: int, precision: str, stage: int = 1) -> tuple:
+def activation_bytes(shape: ModelShape, micro_batch: int, block_size: int, precision: str, stage: int = 1,
+                     tp: int = 1) -> tuple:
     """Working memory (without, with) activation checkpointing, bytes per GPU for one micro-batch."""
     scale = 2 if precision == "fp32" else 1
     tokens = micro_batch * block_size
-    per_layer = tokens * (18 * shape.hidden + 8 * shape.intermediate) * scale
+    per_layer = tokens * (8 * shape.hidden + (10 * shape.hidden + 8 * shape.intermediate) / tp) * scale
     logits = tokens * shape.vocab * 10 * (1.5 if precision == "fp32" else 1)
     without = shape.layers * per_layer + logits
     with_checkpointing = shape.layers * 2 * tokens * shape.hidden * scale + per_layer + logits
@@ -138,13 +160,18 @@ def activation_bytes(shape: ModelShape, micro_batch: int, block_size: int, preci
     return without + gathered, with_checkpointing + gathered
 
 
+def options_for(tp: int) -> List[Option]:
+    """The options the pipeline runs with this tensor-parallel size (with TP: ZeRO-1/2 without offload)."""
+    return OPTIONS if tp == 1 else [o for o in OPTIONS if o.stage < 3 and o.offload_optimizer == "none"]
+
+
 def plan_memory(shape: ModelShape, gpus_per_node: int, nodes: int, micro_batch: int, block_size: int,
-                precision: str) -> List[Estimate]:
-    dp = gpus_per_node * nodes
+                precision: str, tp: int = 1) -> List[Estimate]:
+    dp = gpus_per_node * nodes // tp
     estimates = []
-    for option in OPTIONS:
-        act, act_ckpt = activation_bytes(shape, micro_batch, block_size, precision, option.stage)
-        params, grads, optimizer, host, nvme = model_state_bytes(option, shape, dp, precision)
+    for option in options_for(tp):
+        act, act_ckpt = activation_bytes(shape, micro_batch, block_size, precision, option.stage, tp)
+        params, grads, optimizer, host, nvme = model_state_bytes(option, shape, dp, precision, tp)
         estimates.append(Estimate(option, params, grads, optimizer, act, act_ckpt, host * gpus_per_node,
                                   nvme * gpus_per_node))
     return estimates
@@ -161,13 +188,38 @@ def recommend(estimates: List[Estimate], gpu_bytes: float, host_bytes: Optional[
     return None
 
 
+def recommend_layout(shape: ModelShape, gpus_per_node: int, nodes: int, micro_batch: int, block_size: int,
+                     precision: str, gpu_bytes: float, host_bytes: Optional[float]) -> Optional[tuple]:
+    """(tensor-parallel size, estimate, checkpointing) of the fastest layout that fits, in this order: pure data
+    parallelism without offload (ZeRO-1, 2, 3), then tensor parallelism inside a node (2, 4, ... GPUs; its
+    all-reduces stay on the node's links), then offload (host memory and PCIe are slower still)."""
+    plain = plan_memory(shape, gpus_per_node, nodes, micro_batch, block_size, precision)
+    in_gpu = [e for e in plain if e.option.offload_optimizer == "none"]
+    choice = recommend(in_gpu, gpu_bytes, host_bytes)
+    if choice:
+        return (1, *choice)
+    tp = 2
+    while tp <= gpus_per_node:
+        if gpus_per_node % tp == 0 and shape.splits_into(tp):
+            choice = recommend(plan_memory(shape, gpus_per_node, nodes, micro_batch, block_size, precision, tp),
+                               gpu_bytes, host_bytes)
+            if choice:
+                return (tp, *choice)
+        tp *= 2
+    choice = recommend([e for e in plain if e.option.offload_optimizer != "none"], gpu_bytes, host_bytes)
+    return (1, *choice) if choice else None
+
+
 def render(estimates: List[Estimate], shape: ModelShape, gpus_per_node: int, nodes: int, gpu_memory_gb: float,
-           host_memory_gb: Optional[float], micro_batch: int, block_size: int, precision: str) -> str:
+           host_memory_gb: Optional[float], micro_batch: int, block_size: int, precision: str, tp: int = 1) -> str:
     gb = lambda b: f"{b / GIB:.2f}"  # noqa: E731
     gpu_bytes, host_bytes = gpu_memory_gb * GIB, None if host_memory_gb is None else host_memory_gb * GIB
+    ranks = nodes * gpus_per_node
+    layout = f"{ranks} data-parallel ranks" if tp == 1 else \
+        f"{ranks} ranks: tensor parallel {tp} x {ranks // tp} data-parallel"
     lines = [
         f"memory plan: {shape.n_params / 1e6:.1f}M parameters, {nodes} node(s) x {gpus_per_node} GPU(s) = "
-        f"{nodes * gpus_per_node} data-parallel ranks, {precision}, micro-batch {micro_batch} x {block_size} tokens, "
+        f"{layout}, {precision}, micro-batch {micro_batch} x {block_size} tokens, "
         f"{gpu_memory_gb:g} GB per GPU" + ("" if host_memory_gb is None else f", {host_memory_gb:g} GB host per node"),
         "GB per GPU unless marked; 'fits' leaves 10% of the GPU free (fragmentation, communication buffers)",
         "",
@@ -186,14 +238,20 @@ def render(estimates: List[Estimate], shape: ModelShape, gpus_per_node: int, nod
             f"| {gb(est.activations)} / {gb(est.activations_checkpointed)} | {gb(est.total(False))} / "
             f"{gb(est.total(True))} | {gb(est.host_per_node)} | {gb(est.nvme_per_node)} | {' / '.join(fits)} | "
             f"ds_configs/{est.option.ds_config} |")
-    choice = recommend(estimates, gpu_bytes, host_bytes)
+    if tp == 1:  # the layout is open: data parallelism first, then tensor parallelism, then offload
+        choice = recommend_layout(shape, gpus_per_node, nodes, micro_batch, block_size, precision, gpu_bytes,
+                                  host_bytes)
+    else:  # the layout was given
+        choice = recommend(estimates, gpu_bytes, host_bytes)
+        choice = choice and (tp, *choice)
     lines.append("")
     if choice is None:
         lines.append("recommended: nothing fits; lower --per_device_train_batch_size or --block_size, add GPUs or "
                      "nodes (ZeRO-3 divides the model states by the rank count), or use GPUs with more memory")
     else:
-        est, ckpt = choice
+        chosen_tp, est, ckpt = choice
         lines.append(f"recommended: --config ds_configs/{est.option.ds_config}" +
+                     (f" --tensor_parallel_size {chosen_tp}" if chosen_tp > 1 else "") +
                      (" --gradient_checkpointing" if ckpt else "") +
                      f" ({est.option.name}{', activation checkpointing' if ckpt else ''}: "
                      f"{gb(est.total(ckpt))} of {gpu_memory_gb:g} GB per GPU)")

@@ -22,7 +22,8 @@ from scaletrain import distributed
 from scaletrain.distributed import DistInfo
 from scaletrain.dsconfig import HardwareFacts, ResolvedDSConfig, load_ds_config, resolve_ds_config
 from scaletrain.flops import ModelFlops, model_flops
-from scaletrain.layout import apply_layout, check_model_layout, describe_layout, resolve_layout
+from scaletrain.layout import (apply_layout, check_model_layout, check_planned_layout, describe_layout,
+                               resolve_layout)
 from scaletrain.metrics import METRICS_FILE, read_records
 from scaletrain.model import load_model_config, load_tokenizer, max_positions, meta_model
 
@@ -239,7 +240,9 @@ def _resolve_resume_point(cfg: RunConfig, ds: ResolvedDSConfig, model_facts: dic
 def resolve_run(argv: Optional[Sequence[str]], dist: DistInfo) -> ResolvedRun:
     """Flags, DeepSpeed JSON, model config, tokenizer, data checks and resume point: UsageError on a mistake."""
     cfg = parse_run_config(argv)
-    dist = apply_layout(cfg.parallel, dist)
+    # --plan plans the cluster it names, not this launch: the layout must fit its nodes instead.
+    dist = dist if cfg.planning.plan else apply_layout(cfg.parallel, dist)
+    check_planned_layout(cfg.parallel, cfg.planning)
     raw_ds_config = load_ds_config(cfg.engine.config)
     model_config = load_model_config(cfg.model)
     check_model_layout(cfg.parallel, model_config)
@@ -250,7 +253,8 @@ def resolve_run(argv: Optional[Sequence[str]], dist: DistInfo) -> ResolvedRun:
     block_size = _block_size(cfg.data, model_config, store_block_size)
     ds = resolve_ds_config(raw_ds_config, cfg.engine, cfg.optim, cfg.explicit_flags, dist.dp_world_size,
                            _hidden_size(model_config), hardware_facts())
-    resolve_layout(cfg.parallel, ds, cfg.engine.config)
+    if not cfg.planning.plan:  # --plan covers every ZeRO option for the layout, whatever --config says
+        resolve_layout(cfg.parallel, ds, cfg.engine.config)
     check_rampup(cfg.optim.rampup_batch_size, ds, dist.dp_world_size)
     if cfg.nonfinite.on_nonfinite == "skip" and ds.zero_stage == 0 and ds.precision != "fp32":
         raise UsageError(f"--on_nonfinite skip: updates of ZeRO stage 0 in {ds.precision} cannot be skipped",
@@ -325,8 +329,9 @@ def print_memory_plan(resolved: ResolvedRun) -> None:
     planning, optim, engine = resolved.cfg.planning, resolved.cfg.optim, resolved.cfg.engine
     shape = resolved.model_shape  # from the meta model resolve_run built
     precision = "bf16" if engine.bf16 else "fp16" if engine.fp16 else planning.plan_precision
+    tp = resolved.cfg.parallel.tensor_parallel_size
     estimates = memory_planner.plan_memory(shape, planning.num_gpus, planning.num_nodes,
-                                           optim.per_device_train_batch_size, resolved.block_size, precision)
+                                           optim.per_device_train_batch_size, resolved.block_size, precision, tp)
     print(memory_planner.render(estimates, shape, planning.num_gpus, planning.num_nodes, planning.gpu_memory_gb,
                                 planning.host_memory_gb, optim.per_device_train_batch_size, resolved.block_size,
-                                precision))
+                                precision, tp))

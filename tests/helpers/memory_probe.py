@@ -18,10 +18,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from phases import trained_run  # noqa: E402
 
 
-def live_tensor_bytes() -> int:
+def live_tensor_bytes(module=None) -> int:
+    """Bytes of every distinct tensor storage reachable from Python, and of `module`'s parameter gradients (autograd
+    creates a .grad in C++: it has no Python object, so the garbage collector's list misses it until read)."""
     gc.collect()
     seen, total = set(), 0
-    for obj in gc.get_objects():
+    grads = [p.grad for p in module.parameters() if p.grad is not None] if module is not None else []
+    for obj in [*gc.get_objects(), *grads]:
         try:
             if not isinstance(obj, torch.Tensor) or obj.device.type == "meta":
                 continue
@@ -36,14 +39,16 @@ def live_tensor_bytes() -> int:
 
 
 def main() -> None:
-    before_update, before_reduce = [], []
+    before_update, before_reduce, accumulating = [], [], []
 
     def measure(engine):
         original_step = engine.step
 
         def step(*args, **kwargs):
             if engine.is_gradient_accumulation_boundary():
-                before_update.append(live_tensor_bytes())  # reduced gradients, optimizer states of earlier steps
+                before_update.append(live_tensor_bytes(engine.module))  # reduced gradients, optimizer states
+            else:  # inside the accumulation: the gradients held between micro-batches
+                accumulating.append(live_tensor_bytes(engine.module))
             return original_step(*args, **kwargs)
 
         engine.step = step
@@ -51,13 +56,13 @@ def main() -> None:
         if reduce is not None:  # ZeRO-1/2: the end of backward, before gradients are reduced into partitions
 
             def reduce_gradients(*args, **kwargs):
-                before_reduce.append(live_tensor_bytes())
+                before_reduce.append(live_tensor_bytes(engine.module))
                 return reduce(*args, **kwargs)
 
             engine.optimizer.reduce_gradients = reduce_gradients
 
     with trained_run(sys.argv[1:], finish=False, before_train=measure) as run:
-        record = {"before_update": before_update, "before_reduce": before_reduce,
+        record = {"before_update": before_update, "before_reduce": before_reduce, "accumulating": accumulating,
                   "after_training": live_tensor_bytes()}
         (Path(run.cfg.run.output_dir) / f"memory_rank{run.dist.rank}.json").write_text(json.dumps(record))
 

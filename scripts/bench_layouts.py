@@ -1,0 +1,68 @@
+"""Throughput of each parallel layout against pure data parallelism, same model, data, global batch and ranks.
+
+Runs train.py alternately (--rounds times each) at 2 ranks: data parallelism (ZeRO-2, micro-batch B/2 per rank)
+and tensor parallelism 2 (ZeRO-2, both ranks read the same micro-batch of B), on the same global batch of B blocks,
+and reports steady-state tokens/s per rank (tokens between the end of step --warmup and the last step, over the
+wall-clock stamps of metrics.jsonl, divided by the ranks).
+
+    python scripts/bench_layouts.py               # prints Markdown rows for BENCHMARKS.md and a JSON line
+
+On a CPU this measures the CPU (gloo, shared-memory all-reduce, 2 cores), not what a GPU node with NVLink does.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import tempfile
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from scripts.bench_overhead import bench_model, launch, steady_rate  # noqa: E402
+
+LAYOUTS = {  # name -> (flags, micro-batch as a fraction of the global batch)
+    "data parallel 2": ([], 2),
+    "tensor parallel 2": (["--tensor_parallel_size", "2"], 1),
+}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--steps", type=int, default=40)
+    parser.add_argument("--warmup", type=int, default=10)
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--block_size", type=int, default=256)
+    parser.add_argument("--global_batch", type=int, default=8)
+    args = parser.parse_args()
+
+    rates = {name: [] for name in LAYOUTS}
+    with tempfile.TemporaryDirectory() as tmp:
+        model_dir = bench_model(Path(tmp) / "model")
+        for round_ in range(args.rounds):
+            for name, (flags, split) in LAYOUTS.items():
+                run_dir = Path(tmp) / f"{name.replace(' ', '_')}{round_}"
+                launch("train.py", ["--config", "ds_configs/zero2.json", "--config_name", str(model_dir),
+                                    "--output_dir", str(run_dir), "--max_steps", str(args.steps),
+                                    "--block_size", str(args.block_size), "--per_device_train_batch_size",
+                                    str(args.global_batch // split), "--validation_split_percentage", "0",
+                                    "--no-export_hf_at_end", "--disable_tqdm", *flags], 2)
+                records = [r for r in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines())
+                           if "loss" in r]
+                rate = steady_rate([r["step"] for r in records], [r["time"] for r in records],
+                                   args.global_batch * args.block_size, args.warmup)
+                rates[name].append(rate / 2)
+                print(f"round {round_}: {name}: {rates[name][-1]:.0f} tokens/s per rank", flush=True)
+    baseline = statistics.median(rates["data parallel 2"])
+    for name, values in rates.items():
+        median = statistics.median(values)
+        print(f"| {name} | {median:.0f} ({', '.join(f'{v:.0f}' for v in values)}) | {median / baseline:.2f} |")
+    print(json.dumps({"tokens_per_s_per_rank": rates, "global_batch": args.global_batch,
+                      "block_size": args.block_size, "steps": args.steps}))
+
+
+if __name__ == "__main__":
+    main()

@@ -81,22 +81,26 @@ def _assert_same_export(run_dir: Path, reference: Path) -> None:
     AutoModelForCausalLM.from_pretrained(run_dir)  # a folder Hugging Face loads as it is
 
 
-@pytest.mark.slow  # a 1-rank reference and two 2-rank runs of 8 steps
-@pytest.mark.parametrize("config", ["zero1", "zero2"])
-def test_tensor_parallel_matches_one_rank(config, reference, tp2_zero1, tmp_path, cache_dir):
-    if config == "zero1":
+@pytest.mark.slow  # a 1-rank reference, two 2-rank runs and a 4-rank run of 8 steps
+@pytest.mark.parametrize("config,nprocs", [("zero1", 2), ("zero2", 2), ("zero1", 4)])
+def test_tensor_parallel_matches_one_rank(config, nprocs, reference, tp2_zero1, tmp_path, cache_dir):
+    """TP 2 alone, and TP 2 x DP 2 (4 ranks: each TP group reads half of the global batch of 4)."""
+    if (config, nprocs) == ("zero1", 2):
         run_dir = tp2_zero1
     else:
         run_dir = tmp_path / "tp2"
-        check_ok(launch(REPO / "train.py", _flags(run_dir, config, "--tensor_parallel_size", "2"), "deepspeed",
-                        cache_dir, nprocs=2))
+        proc = launch(REPO / "train.py", _flags(run_dir, config, "--tensor_parallel_size", "2",
+                                                "--per_device_train_batch_size", str(8 // nprocs)),
+                      "deepspeed", cache_dir, nprocs=nprocs)
+        check_ok(proc)
+        assert f"layout: tensor parallel 2 x data parallel {nprocs // 2}" in proc.stdout + proc.stderr
     _assert_matches(run_dir, reference)
     _assert_same_export(run_dir, reference)
     # MFU counts the model's FLOPs once: tokens/s x FLOPs per token over both devices, not once per TP rank.
     record = _records(run_dir)[STEPS]
     reference_record = _records(reference)[STEPS]
     flops_per_token = reference_record["tflops_per_device"] * 1e12 / reference_record["tokens_per_s"]
-    assert record["tflops_per_device"] == pytest.approx(record["tokens_per_s"] * flops_per_token / 2 / 1e12,
+    assert record["tflops_per_device"] == pytest.approx(record["tokens_per_s"] * flops_per_token / nprocs / 1e12,
                                                         rel=1e-6)
 
 

@@ -1,9 +1,11 @@
 #!/usr/bin/env bash
 # Tiny-model smoke test for a fresh node (CPU or GPU), to run before a long job:
 # each ZeRO config trains the built-in tiny Llama for a few steps; one PASS/FAIL line per config.
+# A name <config>_tp<N> runs that config with --tensor_parallel_size N (zero2_tp2 is in the default list when the
+# rank count is even).
 #
 #   bash scripts/smoke_test.sh                 # all configs, 2 ranks on CPU or every visible GPU
-#   NPROC=4 bash scripts/smoke_test.sh zero3   # chosen configs and rank count
+#   NPROC=4 bash scripts/smoke_test.sh zero3 zero1_tp2   # chosen configs and rank count
 #
 # PASS means: the run exited 0, every logged loss is finite and the last is below the first, a DeepSpeed
 # checkpoint was written and the Hugging Face export loads. Exit code: the number of failed configs.
@@ -22,15 +24,21 @@ if [ -z "${NPROC:-}" ]; then
   NPROC=$("$PYTHON" -c "import torch; print(torch.cuda.device_count() or 2)")
 fi
 CONFIGS=("$@")
-[ ${#CONFIGS[@]} -gt 0 ] || CONFIGS=(zero1 zero2 zero3 zero2_offload zero3_offload)
+if [ ${#CONFIGS[@]} -eq 0 ]; then
+  CONFIGS=(zero1 zero2 zero3 zero2_offload zero3_offload)
+  [ $((NPROC % 2)) -eq 0 ] && CONFIGS+=(zero2_tp2)
+fi
 WORK=$(mktemp -d "${TMPDIR:-/tmp}/smoke.XXXXXX")
 export HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1
 
 failed=0
 for name in "${CONFIGS[@]}"; do
   out="$WORK/$name"
+  config=${name%_tp*}
+  layout=()
+  [ "$config" != "$name" ] && layout=(--tensor_parallel_size "${name##*_tp}")
   start=$(date +%s)
-  if "$DEEPSPEED" --num_gpus "$NPROC" train.py --config "ds_configs/$name.json" --output_dir "$out" \
+  if "$DEEPSPEED" --num_gpus "$NPROC" train.py --config "ds_configs/$config.json" --output_dir "$out" "${layout[@]}" \
        --max_steps 10 --logging_steps 2 --block_size 64 --per_device_train_batch_size 4 --learning_rate 3e-3 \
        --max_eval_samples 16 --disable_tqdm > "$out.log" 2>&1 \
      && verdict=$("$PYTHON" - "$out" <<'PY'

@@ -168,3 +168,26 @@ def test_a_loss_spike_is_skipped_and_stop_ends_the_run_with_its_code(tmp_path, c
     assert "--on_nonfinite skip" in proc.stderr
     assert ledger(stopped)[0]["step"] == 3
     assert not any((stopped / "checkpoints").glob("step*"))  # stopped before any save (no folder counts too)
+
+
+@pytest.mark.slow
+def test_a_nan_on_a_tensor_parallel_rank_skips_the_update_on_every_rank(tmp_path, cache_dir):
+    """TP 2: rank 1 (the second rank of the TP group, whose loss is not counted in the reported loss: both ranks
+    compute the same one) sees a NaN; every rank skips, and neither rank's weight shard changes."""
+    run_dir = tmp_path / "run"
+    proc = launch(INJECTING, ["--config", "ds_configs/zero1.json", "--output_dir", str(run_dir),
+                              "--tensor_parallel_size", "2", "--max_steps", "5", "--save_steps", "4",
+                              "--logging_steps", "1", "--no-export_hf_at_end", *FAST_FLAGS[:-3], "--disable_tqdm"],
+                  "deepspeed", cache_dir, nprocs=2, env={INJECT: "1:5"})
+    check_ok(proc)
+    [entry] = ledger(run_dir)
+    assert (entry["step"], entry["reason"], entry["event"]) == (5, "nonfinite_loss", "skipped")
+    records = step_records(run_dir)
+    assert records[5]["skipped"] == 1 and "loss" not in records[5] and records[5]["lr"] == records[4]["lr"]
+    for tp_rank in (0, 1):  # each TP rank's shard, as its engine saved it
+        name = f"mp_rank_0{tp_rank}_model_states.pt"
+        before = torch.load(run_dir / "checkpoints" / "step4" / name, weights_only=False)["module"]
+        after = torch.load(run_dir / "checkpoints" / "step5" / name, weights_only=False)["module"]
+        assert before.keys() == after.keys()
+        for key, tensor in after.items():
+            assert torch.isfinite(tensor).all() and torch.equal(tensor, before[key]), f"{name}: {key} changed"

@@ -50,6 +50,15 @@ def build_engine(model, ds_config: dict, weight_decay: float, schedule: LRSchedu
     return engine
 
 
+def restore_weight_decay(engine, weight_decay: float) -> None:
+    """Put each parameter group's weight decay back after a universal-checkpoint load: DeepSpeed 0.19.8's ZeRO-3
+    loader (stage3.py, _load_universal_checkpoint) copies group 0's settings onto every group, so the biases and
+    norms (group 1, no decay) would decay from there on, and the resumed run would drift from the one it continues."""
+    groups = engine.optimizer.param_groups
+    for group, decay in zip(groups, (weight_decay, 0.0), strict=True):  # the groups of parameter_groups()
+        group["weight_decay"] = decay
+
+
 def release_engine(engine) -> None:
     """Undo what the engine left outside itself, so that it, and the process groups it holds, are freed when the
     caller drops it, not while the interpreter exits (where gloo's threads can abort a finished run).

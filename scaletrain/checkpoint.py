@@ -209,18 +209,18 @@ def clear_previous_run(output_dir: str) -> None:
     (out / "metrics.jsonl").unlink(missing_ok=True)
 
 
-def check_resumable(ckpt: Path, dp_world_size: int, tensor_parallel_size: int, zero_stage: int,
-                    model_facts: dict) -> bool:
+def check_resumable(ckpt: Path, dp_world_size: int, layout: tuple, zero_stage: int, model_facts: dict) -> bool:
     """Before anything is built: the checkpoint fits this run's model. Returns whether it must be resharded (saved
     with another number of data-parallel ranks or another tensor-parallel size, which ZeRO-1/2/3 handle through a
     universal checkpoint)."""
     saved = read_train_state(ckpt)
-    saved_dp, saved_tp = saved.get("world_size"), saved.get("tensor_parallel_size", 1)
-    reshard = saved_dp not in (None, 0, dp_world_size) or saved_tp != tensor_parallel_size
+    saved_dp = saved.get("world_size")
+    saved_layout = (saved.get("tensor_parallel_size", 1), saved.get("sequence_parallel_size", 1))
+    reshard = saved_dp not in (None, 0, dp_world_size) or saved_layout != tuple(layout)
     if reshard and zero_stage == 0:
         raise UsageError(
-            f"checkpoint {ckpt} was saved with {saved_dp} data-parallel ranks x tensor parallel {saved_tp}, this run "
-            f"has {dp_world_size} x {tensor_parallel_size}",
+            f"checkpoint {ckpt} was saved with {saved_dp} data-parallel ranks x (tensor, sequence) parallel "
+            f"{saved_layout}, this run has {dp_world_size} x {tuple(layout)}",
             "resume with the same layout, or use a ZeRO config (stage 1-3 checkpoints are resharded)",
         )
     before = saved.get("model") or {}

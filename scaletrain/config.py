@@ -337,9 +337,18 @@ class ParallelArgs:
         1, "Tensor parallelism (DeepSpeed AutoTP, the model's own TP plan where it has one) over this many "
            "consecutive ranks, which read the same batches; keep it within a node.")
 
+    sequence_parallel_size: int = _flag(
+        1, "Sequence parallelism (DeepSpeed Ulysses) over this many consecutive ranks: each holds 1/N of every "
+           "block's tokens, and attention all-to-alls trade tokens for heads; for blocks too long for one rank.")
+
     def validate(self) -> None:
-        if self.tensor_parallel_size < 1:
-            raise UsageError(f"--tensor_parallel_size {self.tensor_parallel_size}: must be at least 1")
+        for name in ("tensor_parallel_size", "sequence_parallel_size"):
+            if getattr(self, name) < 1:
+                raise UsageError(f"--{name} {getattr(self, name)}: must be at least 1")
+        if self.tensor_parallel_size > 1 and self.sequence_parallel_size > 1:
+            raise UsageError(f"--tensor_parallel_size {self.tensor_parallel_size} with --sequence_parallel_size "
+                             f"{self.sequence_parallel_size}: the two together are not supported yet",
+                             "choose one of them")
 
 
 @dataclass(frozen=True)

@@ -22,27 +22,38 @@ class DistInfo:
     world_size: int
     launcher: str  # "torchrun/deepspeed", "srun" or "single"
     accelerator: str = "cpu"  # DeepSpeed's accelerator name, known after init
-    # The layout: ranks r*tp .. r*tp+tp-1 form tensor-parallel group r (DeepSpeed AutoTP's consecutive groups) and
-    # read the same batches; the data-parallel size is what remains.
+    # The layout: ranks r*m .. r*m+m-1 (m = tp x sp, one of them 1) form model-parallel group r, a tensor-parallel
+    # group (DeepSpeed AutoTP) or a sequence-parallel one (Ulysses), both consecutive ranks, and read the same
+    # batches; the data-parallel size is what remains.
     tensor_parallel_size: int = 1
+    sequence_parallel_size: int = 1
 
     @property
     def is_main(self) -> bool:
         return self.rank == 0
 
     @property
+    def model_parallel_size(self) -> int:
+        return self.tensor_parallel_size * self.sequence_parallel_size
+
+    @property
     def dp_world_size(self) -> int:
         """Data-parallel replicas: what the global batch, the data split and the loss normalisation count."""
-        return self.world_size // self.tensor_parallel_size
+        return self.world_size // self.model_parallel_size
 
     @property
     def dp_rank(self) -> int:
         """This rank's data-parallel replica: which slice of each global batch it reads."""
-        return self.rank // self.tensor_parallel_size
+        return self.rank // self.model_parallel_size
 
     @property
     def tp_rank(self) -> int:
         return self.rank % self.tensor_parallel_size
+
+    @property
+    def sp_rank(self) -> int:
+        """Which 1/sp of each block's tokens this rank holds."""
+        return self.rank % self.sequence_parallel_size
 
 
 def read_launch_env(environ: Optional[Mapping[str, str]] = None) -> DistInfo:

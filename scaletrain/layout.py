@@ -5,6 +5,10 @@ Tensor parallelism is DeepSpeed AutoTP: ranks r*tp .. r*tp+tp-1 form one tensor-
 so a group stays inside a node), every rank of a group reads the same batches, and the data-parallel size is
 world / tp. AutoTP shards the linear layers along the model's own TP plan where it has one (Llama, Qwen, Mistral
 declare one), else by its heuristic.
+
+Sequence parallelism is DeepSpeed Ulysses (ALST, deepspeed.runtime.sequence_parallel.ulysses_sp): ranks r*sp ..
+r*sp+sp-1 read the same batches and each holds 1/sp of every block's tokens; the attention all-to-alls trade tokens
+for heads. See scaletrain/sequence_parallel.py.
 """
 
 from __future__ import annotations
@@ -21,13 +25,21 @@ _SPLIT_DIMENSIONS = (("num_attention_heads", "attention heads"), ("num_key_value
                      ("intermediate_size", "MLP width"), ("vocab_size", "vocabulary"))
 
 
+def _layout_flag(parallel: ParallelArgs) -> tuple:
+    """(the flag that sets the model-parallel size, its value)."""
+    if parallel.sequence_parallel_size > 1:
+        return "--sequence_parallel_size", parallel.sequence_parallel_size
+    return "--tensor_parallel_size", parallel.tensor_parallel_size
+
+
 def apply_layout(parallel: ParallelArgs, dist: DistInfo) -> DistInfo:
-    """`dist` with the tensor-parallel size set (its dp_world_size and dp_rank follow); the world must split."""
-    tp = parallel.tensor_parallel_size
-    if dist.world_size % tp:
-        raise UsageError(f"--tensor_parallel_size {tp} does not divide the world size {dist.world_size}",
-                         f"launch a multiple of {tp} ranks, or choose a size that divides {dist.world_size}")
-    return dataclasses.replace(dist, tensor_parallel_size=tp)
+    """`dist` with the layout set (its dp_world_size and dp_rank follow); the world must split."""
+    flag, size = _layout_flag(parallel)
+    if dist.world_size % size:
+        raise UsageError(f"{flag} {size} does not divide the world size {dist.world_size}",
+                         f"launch a multiple of {size} ranks, or choose a size that divides {dist.world_size}")
+    return dataclasses.replace(dist, tensor_parallel_size=parallel.tensor_parallel_size,
+                               sequence_parallel_size=parallel.sequence_parallel_size)
 
 
 def check_planned_layout(parallel: ParallelArgs, planning: PlanningArgs) -> None:
@@ -41,15 +53,31 @@ def check_planned_layout(parallel: ParallelArgs, planning: PlanningArgs) -> None
 def check_model_layout(parallel: ParallelArgs, model_config) -> None:
     """Every dimension the tensor-parallel split cuts must divide evenly (a rank with no attention head, or uneven
     shards, is a silent waste or an error deep inside DeepSpeed)."""
-    tp = parallel.tensor_parallel_size
-    if tp == 1:
+    flag, size = _layout_flag(parallel)
+    if size == 1:
         return
     text_config = model_config.get_text_config() if hasattr(model_config, "get_text_config") else model_config
-    for name, what in _SPLIT_DIMENSIONS:
+    # Ulysses splits the attention heads over the sequence-parallel ranks; AutoTP splits every linear layer.
+    dimensions = _SPLIT_DIMENSIONS[:2] if flag == "--sequence_parallel_size" else _SPLIT_DIMENSIONS
+    for name, what in dimensions:
         value = getattr(text_config, name, None)
-        if isinstance(value, int) and value % tp:
-            raise UsageError(f"--tensor_parallel_size {tp}: the model's {value} {what} ({name}) do not split into "
-                             f"{tp} equal parts", f"choose a tensor-parallel size that divides {value}")
+        if isinstance(value, int) and value % size:
+            raise UsageError(f"{flag} {size}: the model's {value} {what} ({name}) do not split into "
+                             f"{size} equal parts", f"choose a size that divides {value}")
+
+
+def check_sequence_layout(parallel: ParallelArgs, block_size: int, attn_implementation: str) -> None:
+    """Ulysses cuts every block into equal shards and wraps the model's SDPA attention."""
+    sp = parallel.sequence_parallel_size
+    if sp == 1:
+        return
+    if block_size % sp:
+        raise UsageError(f"--sequence_parallel_size {sp} does not divide the block size {block_size}",
+                         f"choose a --block_size that is a multiple of {sp}")
+    if attn_implementation != "sdpa":
+        raise UsageError(f"--sequence_parallel_size {sp}: the model's attention is {attn_implementation!r}, and "
+                         "DeepSpeed Ulysses wraps SDPA attention here (eager attention needs a 4D mask it drops)",
+                         "use a model whose attention implementation is sdpa")
 
 
 def resolve_layout(parallel: ParallelArgs, ds: ResolvedDSConfig, config_path: str) -> None:
@@ -62,6 +90,7 @@ def resolve_layout(parallel: ParallelArgs, ds: ResolvedDSConfig, config_path: st
     if in_json not in (None, 0, 1, "auto", tp):
         raise UsageError(f"tensor_parallel.autotp_size {in_json} in {config_path} contradicts "
                          f"--tensor_parallel_size {tp}", "remove the key and pass --tensor_parallel_size")
+    _resolve_sequence_layout(parallel, ds, config_path)
     if tp == 1:
         return
     if ds.zero_stage == 3:
@@ -81,7 +110,27 @@ def resolve_layout(parallel: ParallelArgs, ds: ResolvedDSConfig, config_path: st
     ds.sources["tensor_parallel.vocab_parallel_lm_head"] = "tensor parallelism: the loss reads whole logits"
 
 
+def _resolve_sequence_layout(parallel: ParallelArgs, ds: ResolvedDSConfig, config_path: str) -> None:
+    sp = parallel.sequence_parallel_size
+    in_json = ds.config.get("sequence_parallel_size")
+    if in_json not in (None, 1, "auto", sp):
+        raise UsageError(f"sequence_parallel_size {in_json} in {config_path} contradicts --sequence_parallel_size "
+                         f"{sp}", "remove the key and pass --sequence_parallel_size")
+    if sp == 1:
+        return
+    if ds.zero_stage == 0:
+        raise UsageError(f"--sequence_parallel_size {sp} with ZeRO stage 0 ({config_path}): not supported here "
+                         "(verified with ZeRO-1, 2 and 3)", "use a ZeRO-1, 2 or 3 config")
+    if ds.offloads_optimizer or ds.offloads_params:
+        raise UsageError(f"--sequence_parallel_size {sp} with offload ({config_path}): not supported here (untested)",
+                         "use ds_configs/zero1.json, zero2.json or zero3.json with sequence parallelism")
+    ds.config["sequence_parallel_size"] = sp
+    ds.sources["sequence_parallel_size"] = "--sequence_parallel_size"
+
+
 def describe_layout(dist: DistInfo) -> str:
+    if dist.sequence_parallel_size > 1:
+        return f"sequence parallel {dist.sequence_parallel_size} x data parallel {dist.dp_world_size}"
     if dist.tensor_parallel_size == 1:
         return f"data parallel {dist.dp_world_size}"
     return f"tensor parallel {dist.tensor_parallel_size} x data parallel {dist.dp_world_size}"

@@ -4,8 +4,9 @@ Loss normalisation: the loss of a step is the mean over every real (non-padding)
 batch. Each micro-batch contributes its *sum* of token losses divided by the global target count, so neither
 gradient accumulation nor the number of ranks changes the gradient (the Hugging Face accumulation bug is
 averaging per micro-batch means instead). DeepSpeed averages gradients over data-parallel ranks, so each rank
-multiplies by the data-parallel size to turn that average back into the global sum; `scale_wrt_gas=False`
-stops DeepSpeed dividing by the accumulation steps a second time.
+multiplies by the data-parallel size to turn that average back into the global sum (under sequence parallelism
+DeepSpeed averages over every rank, each holding part of a block: see scaletrain/sequence_parallel.py);
+`scale_wrt_gas=False` stops DeepSpeed dividing by the accumulation steps a second time.
 """
 
 from __future__ import annotations
@@ -42,15 +43,16 @@ def token_loss_sum(engine, batch: dict):
     import torch.nn.functional as F
 
     input_ids = batch["input_ids"].to(engine.device, non_blocking=True)
-    labels = batch["labels"].to(engine.device, non_blocking=True)
     # Padding sits only at the end of a block (right padding) and causal attention never looks ahead, so no
     # attention mask is needed: real tokens never see padding, and padded positions carry no loss.
     extra = {}
     if "position_ids" in batch:  # attention isolation: transformers masks attention per document from these
         extra["position_ids"] = batch["position_ids"].to(engine.device, non_blocking=True)
     logits = engine(input_ids=input_ids, use_cache=False, **extra).logits
-    # Shift the labels, not the logits: slicing logits[:, :-1] would copy the largest activation of the step.
-    targets = F.pad(labels[:, 1:], (0, 1), value=IGNORE_INDEX)
+    if "shift_labels" in batch:  # a sequence-parallel shard: its labels were shifted over the whole block
+        targets = batch["shift_labels"].to(engine.device, non_blocking=True)
+    else:  # shift the labels, not the logits: slicing logits[:, :-1] would copy the largest activation of the step
+        targets = F.pad(batch["labels"][:, 1:].to(engine.device, non_blocking=True), (0, 1), value=IGNORE_INDEX)
     return F.cross_entropy(
         logits.reshape(-1, logits.size(-1)).float(), targets.reshape(-1), ignore_index=IGNORE_INDEX, reduction="sum"
     )
@@ -81,7 +83,7 @@ class LoopSettings:
     save_steps: int
     save_interval_minutes: float
     preemption_grace_seconds: float
-    dp_world_size: int
+    gradient_divisor: int  # the ranks DeepSpeed averages gradients over (the data-parallel ones; all under SP)
     show_progress: bool
     throughput: ThroughputModel | None = None
     rampup_lr_exponent: float = 0.0  # during a batch ramp-up the LR is scaled by (batch / full batch) ** this
@@ -216,7 +218,7 @@ def optimizer_step(engine, batches: StepBatches, data_step: int, settings: LoopS
     clock.start()
     micro_batches, targets, blocks = batches.for_step(data_step)
     clock.lap("data_wait")
-    scale = settings.dp_world_size / max(targets, 1)
+    scale = settings.gradient_divisor / max(targets, 1)
     set_accumulation(engine, len(micro_batches))
     *accumulating, boundary = micro_batches
     loss_sum = 0.0

@@ -22,8 +22,8 @@ from scaletrain import distributed
 from scaletrain.distributed import DistInfo
 from scaletrain.dsconfig import HardwareFacts, ResolvedDSConfig, load_ds_config, resolve_ds_config
 from scaletrain.flops import ModelFlops, model_flops
-from scaletrain.layout import (apply_layout, check_model_layout, check_planned_layout, describe_layout,
-                               resolve_layout)
+from scaletrain.layout import (apply_layout, check_model_layout, check_planned_layout, check_sequence_layout,
+                               describe_layout, resolve_layout)
 from scaletrain.metrics import METRICS_FILE, read_records
 from scaletrain.model import load_model_config, load_tokenizer, max_positions, meta_model
 
@@ -226,14 +226,15 @@ def _resolve_resume_point(cfg: RunConfig, ds: ResolvedDSConfig, model_facts: dic
     metrics_file = Path(cfg.run.output_dir) / METRICS_FILE
     if metrics_file.exists():
         read_records(metrics_file)  # damaged before its end: refused here, on every rank, before anything is built
-    reshard = check_resumable(resume_from, dist.dp_world_size, dist.tensor_parallel_size, ds.zero_stage,
-                              model_facts)
+    layout = (dist.tensor_parallel_size, dist.sequence_parallel_size)
+    reshard = check_resumable(resume_from, dist.dp_world_size, layout, ds.zero_stage, model_facts)
     resume_state = read_train_state(resume_from)
     if reshard:
         ds.config.setdefault("checkpoint", {})["load_universal"] = True
         ds.sources["checkpoint.load_universal"] = (
-            f"resume of a checkpoint from {resume_state['world_size']} data-parallel ranks x tensor parallel "
-            f"{resume_state.get('tensor_parallel_size', 1)} on {dist.dp_world_size} x {dist.tensor_parallel_size}")
+            f"resume of a checkpoint from {resume_state['world_size']} data-parallel ranks x (tensor, sequence) "
+            f"parallel ({resume_state.get('tensor_parallel_size', 1)}, {resume_state.get('sequence_parallel_size', 1)})"
+            f" on {dist.dp_world_size} x ({dist.tensor_parallel_size}, {dist.sequence_parallel_size})")
     return resume_from, resume_state, reshard, previous
 
 
@@ -263,6 +264,7 @@ def resolve_run(argv: Optional[Sequence[str]], dist: DistInfo) -> ResolvedRun:
     if cfg.model.gradient_checkpointing and not getattr(skeleton, "supports_gradient_checkpointing", False):
         raise UsageError(f"--gradient_checkpointing: {type(skeleton).__name__} does not support it",
                          "drop the flag, or use ZeRO-3 / offload to save memory instead")
+    check_sequence_layout(cfg.parallel, block_size, skeleton.config._attn_implementation)
     model_facts = _model_facts(skeleton, model_config)
     resume_from, resume_state, reshard, previous = _resolve_resume_point(cfg, ds, model_facts, dist)
     if not (cfg.run.print_config or cfg.planning.plan):

@@ -5,10 +5,12 @@ from __future__ import annotations
 
 import logging
 import random
+from functools import partial
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
-from scaletrain import checkpoint, distributed, engine as engine_lib, model as model_lib, store_prep, tokenstore
+from scaletrain import (checkpoint, distributed, engine as engine_lib, model as model_lib, sequence_parallel,
+                        store_prep, tokenstore)
 from scaletrain.blocks import MixedBlocks, PackedBlocks, blocks_from_store, eval_batches
 from scaletrain.errors import NonFiniteStop, UsageError
 from scaletrain.distributed import DistInfo
@@ -51,7 +53,8 @@ class Run:
         self.schedule: Optional[LRSchedule] = None
         self.engine: Any = None
         self.metrics: Optional[MetricsLogger] = None
-        self.state = TrainState(world_size=dist.dp_world_size, tensor_parallel_size=dist.tensor_parallel_size)
+        self.state = TrainState(world_size=dist.dp_world_size, tensor_parallel_size=dist.tensor_parallel_size,
+                                sequence_parallel_size=dist.sequence_parallel_size)
         self.preemption = PreemptionFlag()
         self.guard: Optional[NonFiniteGuard] = None
 
@@ -75,6 +78,10 @@ class Run:
     def build_model(self) -> None:
         self.model, self._zero3_keepalive = model_lib.build_model(
             self.cfg.model, self.resolved.model_config, self.resolved.ds.config, self.resolved.ds.zero_stage)
+        if self.dist.sequence_parallel_size > 1:
+            sequence_parallel.register_ulysses(self.model, self.dist.sequence_parallel_size,
+                                               self.resolved.ds.config["train_micro_batch_size_per_gpu"],
+                                               self.resolved.block_size, self.cfg.data.attention_isolation)
 
     def prepare_resume(self) -> None:
         """A checkpoint from another number of ranks is converted to DeepSpeed's universal format first (global
@@ -157,10 +164,13 @@ class Run:
         if self.resolved.resume_from is not None:
             checkpoint.load_checkpoint(self.engine, self.resolved.resume_from, self.state, self.dist.rank,
                                        universal=self.resolved.reshard)
+            if self.resolved.reshard:
+                engine_lib.restore_weight_decay(self.engine, self.cfg.optim.weight_decay)
             # The checkpoint restored the saving run's peak LR and next LR; this run's flags decide from here on.
             restart_schedule(self.engine.lr_scheduler, self.schedule, peak_lr(self.resolved.ds))
             self.state.world_size = self.dist.dp_world_size
             self.state.tensor_parallel_size = self.dist.tensor_parallel_size
+            self.state.sequence_parallel_size = self.dist.sequence_parallel_size
         self.metrics = MetricsLogger(self.cfg.run.output_dir, self.dist.is_main, self.cfg.logging.report_sinks,
                                      self.cfg.run.run_name or Path(self.cfg.run.output_dir).resolve().name,
                                      self.cfg.to_dict(), resume_step=self.state.step,
@@ -193,13 +203,16 @@ class Run:
             save_steps=0 if dry else self.cfg.checkpoint.save_steps,
             save_interval_minutes=0 if dry else self.cfg.checkpoint.save_interval_minutes,
             preemption_grace_seconds=self.cfg.checkpoint.preemption_grace_seconds,
-            dp_world_size=self.dist.dp_world_size,
+            gradient_divisor=self.dist.dp_world_size * self.dist.sequence_parallel_size,
             loss_share=1.0 if self.dist.tp_rank == 0 else 0.0,
             show_progress=self.dist.is_main and not self.cfg.logging.disable_tqdm,
             throughput=self.throughput_model(),
             rampup_lr_exponent={"none": 0.0, "sqrt": 0.5, "linear": 1.0}[self.cfg.optim.rampup_lr_scaling],
         )
-        batches = StepBatches(self.train_blocks, self.order, self.dist.dp_rank)
+        shard = None
+        if self.dist.sequence_parallel_size > 1:  # each rank of a sequence-parallel group keeps its part of a block
+            shard = partial(sequence_parallel.shard, sp_rank=self.dist.sp_rank, sp=self.dist.sequence_parallel_size)
+        batches = StepBatches(self.train_blocks, self.order, self.dist.dp_rank, shard)
         policy = NonFinitePolicy.from_args(self.cfg.nonfinite, fp16=self.resolved.ds.precision == "fp16")
         self.guard = NonFiniteGuard(policy, self.state, self.cfg.run.output_dir, self.dist.is_main,
                                     write_files=not dry)
@@ -223,9 +236,12 @@ class Run:
         # A checkpoint from another rank count (this run's resharded start) loads through its universal form.
         universal = self.resolved.reshard and newest == self.resolved.resume_from
         checkpoint.load_checkpoint(self.engine, newest, state, self.dist.rank, universal=universal)
+        if universal:
+            engine_lib.restore_weight_decay(self.engine, self.cfg.optim.weight_decay)
         restart_schedule(self.engine.lr_scheduler, self.schedule, peak_lr(self.resolved.ds))  # as in resume()
         state.world_size = self.dist.dp_world_size
         state.tensor_parallel_size = self.dist.tensor_parallel_size
+        state.sequence_parallel_size = self.dist.sequence_parallel_size
         state.data_offset = data_step - state.step  # the next step trains on the batch after the streak
         state.samples_seen = position  # the data position keeps moving forward: nothing is replayed
         state.consecutive_skips = 0

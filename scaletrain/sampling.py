@@ -12,6 +12,7 @@ import bisect
 import dataclasses
 import math
 from dataclasses import dataclass
+from collections.abc import Callable
 from functools import cached_property
 from typing import Optional
 
@@ -167,10 +168,12 @@ class GlobalOrder:
 class StepBatches:
     """Yields, for each optimizer step, this rank's micro-batches and the global count of loss targets."""
 
-    def __init__(self, blocks: PackedBlocks, order: GlobalOrder, rank: int):
+    def __init__(self, blocks: PackedBlocks, order: GlobalOrder, rank: int,
+                 shard: Optional[Callable[[dict], dict]] = None):
         self.blocks = blocks
         self.order = order
-        self.rank = rank
+        self.rank = rank  # the data-parallel rank: which micro-batches of each global batch
+        self.shard = shard  # what this rank keeps of each micro-batch (sequence parallelism), or all of it
         self._epoch = -1
         self._permutation: Optional[np.ndarray] = None
 
@@ -185,6 +188,8 @@ class StepBatches:
         # Every rank knows the whole global batch, so the loss normaliser needs no communication.
         global_targets = self.blocks.targets_in(global_indices)
         micro = [self.blocks.batch(idx) for idx in self.order.micro_batches(global_indices, self.rank)]
+        if self.shard is not None:
+            micro = [self.shard(batch) for batch in micro]
         n_blocks = int((global_indices != EMPTY_SLOT).sum())
         return micro, global_targets, n_blocks
 

@@ -18,6 +18,7 @@ class TrainState:
     data_offset: int = 0  # data steps jumped over by rollbacks: step s trains on the batch of data step s + offset
     world_size: int = 0  # data-parallel ranks that produced this state (a resume must match it)
     tensor_parallel_size: int = 1  # the tensor-parallel size that produced it (another one reshards)
+    sequence_parallel_size: int = 1  # likewise the sequence-parallel size
     wandb_run_id: Optional[str] = None  # so a resumed run continues the same wandb run
 
     def state_dict(self) -> dict:

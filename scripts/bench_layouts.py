@@ -1,7 +1,8 @@
 """Throughput of each parallel layout against pure data parallelism, same model, data, global batch and ranks.
 
-Runs train.py alternately (--rounds times each) at 2 ranks: data parallelism (ZeRO-2, micro-batch B/2 per rank)
-and tensor parallelism 2 (ZeRO-2, both ranks read the same micro-batch of B), on the same global batch of B blocks,
+Runs train.py alternately (--rounds times each) at 2 ranks: data parallelism (ZeRO-2, micro-batch B/2 per rank),
+tensor parallelism 2 and sequence parallelism 2 (ZeRO-2, both ranks read the same micro-batch of B; under SP each
+keeps half of every block's tokens), on the same global batch of B blocks,
 and reports steady-state tokens/s per rank (tokens between the end of step --warmup and the last step, over the
 wall-clock stamps of metrics.jsonl, divided by the ranks).
 
@@ -27,6 +28,7 @@ from scripts.bench_overhead import bench_model, launch, steady_rate  # noqa: E40
 LAYOUTS = {  # name -> (flags, micro-batch as a fraction of the global batch)
     "data parallel 2": ([], 2),
     "tensor parallel 2": (["--tensor_parallel_size", "2"], 1),
+    "sequence parallel 2": (["--sequence_parallel_size", "2"], 1),
 }
 
 

@@ -209,6 +209,8 @@ CASES = {
                                        "--rampup_batch_size", "INCREMENT 4 does not divide the ramp from 2"),
     "tensor parallel above the world": (lambda t: ["--tensor_parallel_size", "2"], "--tensor_parallel_size",
                                         "--tensor_parallel_size 2 does not divide the world size 1"),
+    "sequence parallel above the world": (lambda t: ["--sequence_parallel_size", "2"], "--sequence_parallel_size",
+                                          "--sequence_parallel_size 2 does not divide the world size 1"),
     "ramp-up lr scaling alone": (lambda t: ["--rampup_lr_scaling", "sqrt"], "--rampup_lr_scaling",
                                  "--rampup_lr_scaling sqrt: only acts with --rampup_batch_size"),
 }

@@ -211,8 +211,8 @@ def clear_previous_run(output_dir: str) -> None:
 
 def check_resumable(ckpt: Path, dp_world_size: int, layout: tuple, zero_stage: int, model_facts: dict) -> bool:
     """Before anything is built: the checkpoint fits this run's model. Returns whether it must be resharded (saved
-    with another number of data-parallel ranks or another tensor-parallel size, which ZeRO-1/2/3 handle through a
-    universal checkpoint)."""
+    with another number of data-parallel ranks or another (tensor, sequence) parallel layout, which ZeRO-1/2/3 handle
+    through a universal checkpoint)."""
     saved = read_train_state(ckpt)
     saved_dp = saved.get("world_size")
     saved_layout = (saved.get("tensor_parallel_size", 1), saved.get("sequence_parallel_size", 1))

@@ -55,7 +55,11 @@ def restore_weight_decay(engine, weight_decay: float) -> None:
     loader (stage3.py, _load_universal_checkpoint) copies group 0's settings onto every group, so the biases and
     norms (group 1, no decay) would decay from there on, and the resumed run would drift from the one it continues."""
     groups = engine.optimizer.param_groups
-    for group, decay in zip(groups, (weight_decay, 0.0), strict=True):  # the groups of parameter_groups()
+    if len(groups) != 2:  # not the two groups parameter_groups() made: nothing to put back
+        log.warning("after the universal-checkpoint load the optimizer has %d parameter groups, not 2; their weight "
+                    "decay is left as loaded", len(groups))
+        return
+    for group, decay in zip(groups, (weight_decay, 0.0), strict=True):  # decay, then no decay (parameter_groups)
         group["weight_decay"] = decay
 
 

@@ -43,11 +43,18 @@ def apply_layout(parallel: ParallelArgs, dist: DistInfo) -> DistInfo:
 
 
 def check_planned_layout(parallel: ParallelArgs, planning: PlanningArgs) -> None:
-    """--plan with a tensor-parallel size: its groups must fit inside a node of the planned cluster."""
-    tp = parallel.tensor_parallel_size
-    if planning.plan and planning.num_gpus % tp:
+    """--plan with a layout: tensor-parallel groups must fit inside a node of the planned cluster, sequence-parallel
+    ones must split its ranks."""
+    if not planning.plan:
+        return
+    tp, sp = parallel.tensor_parallel_size, parallel.sequence_parallel_size
+    if planning.num_gpus % tp:
         raise UsageError(f"--tensor_parallel_size {tp} does not divide --num_gpus {planning.num_gpus}",
                          "a tensor-parallel group stays inside a node: choose a size that divides the GPUs per node")
+    ranks = planning.num_gpus * planning.num_nodes
+    if ranks % sp:
+        raise UsageError(f"--sequence_parallel_size {sp} does not divide the {ranks} planned GPUs",
+                         "choose a size that divides --num_gpus x --num_nodes")
 
 
 def check_model_layout(parallel: ParallelArgs, model_config) -> None:

@@ -26,7 +26,9 @@ Working memory per micro-batch of b sequences of s tokens (hidden h, MLP width f
 16-bit, x2 in fp32), attention through SDPA (no s x s score matrix):
 
     per layer     s b (18 h + 8 f) bytes: inputs of the norms, Q/K/V, attention output and projection, gated MLP;
-                  with tensor parallelism t: s b (8 h + (10 h + 8 f) / t) (Q/K/V, attention and MLP inside are split)
+                  with tensor parallelism t: s b (8 h + (10 h + 8 f) / t) (Q/K/V, attention and MLP inside are split);
+                  with sequence parallelism n every per-token term (layers and logits) / n: a rank holds s / n tokens
+                  (ZeRO then partitions over all the ranks: Ulysses runs without an mpu, see sequence_parallel.py)
     logits        s b V x 10 bytes: the 16-bit logits, their fp32 copy for the loss and its gradient (x1.5 in fp32)
     checkpointing keeps each layer's input (2 s b h) and recomputes one layer at a time
     ZeRO-3        plus the largest layer gathered whole (weights and gradients, 2 p x its parameters)
@@ -148,10 +150,10 @@ def model_state_bytes(option: Option, shape: ModelShape, dp: int, precision: str
 
 
 def activation_bytes(shape: ModelShape, micro_batch: int, block_size: int, precision: str, stage: int = 1,
-                     tp: int = 1) -> tuple:
+                     tp: int = 1, sp: int = 1) -> tuple:
     """Working memory (without, with) activation checkpointing, bytes per GPU for one micro-batch."""
     scale = 2 if precision == "fp32" else 1
-    tokens = micro_batch * block_size
+    tokens = micro_batch * block_size / sp
     per_layer = tokens * (8 * shape.hidden + (10 * shape.hidden + 8 * shape.intermediate) / tp) * scale
     logits = tokens * shape.vocab * 10 * (1.5 if precision == "fp32" else 1)
     without = shape.layers * per_layer + logits
@@ -160,17 +162,19 @@ def activation_bytes(shape: ModelShape, micro_batch: int, block_size: int, preci
     return without + gathered, with_checkpointing + gathered
 
 
-def options_for(tp: int) -> List[Option]:
-    """The options the pipeline runs with this tensor-parallel size (with TP: ZeRO-1/2 without offload)."""
-    return OPTIONS if tp == 1 else [o for o in OPTIONS if o.stage < 3 and o.offload_optimizer == "none"]
+def options_for(tp: int, sp: int = 1) -> List[Option]:
+    """The options the pipeline runs with this layout (TP: ZeRO-1/2, SP: ZeRO-1/2/3; neither with offload)."""
+    if tp > 1:
+        return [o for o in OPTIONS if o.stage < 3 and o.offload_optimizer == "none"]
+    return OPTIONS if sp == 1 else [o for o in OPTIONS if o.offload_optimizer == "none"]
 
 
 def plan_memory(shape: ModelShape, gpus_per_node: int, nodes: int, micro_batch: int, block_size: int,
-                precision: str, tp: int = 1) -> List[Estimate]:
-    dp = gpus_per_node * nodes // tp
+                precision: str, tp: int = 1, sp: int = 1) -> List[Estimate]:
+    dp = gpus_per_node * nodes // tp  # the ranks ZeRO partitions over (under SP: all of them)
     estimates = []
-    for option in options_for(tp):
-        act, act_ckpt = activation_bytes(shape, micro_batch, block_size, precision, option.stage, tp)
+    for option in options_for(tp, sp):
+        act, act_ckpt = activation_bytes(shape, micro_batch, block_size, precision, option.stage, tp, sp)
         params, grads, optimizer, host, nvme = model_state_bytes(option, shape, dp, precision, tp)
         estimates.append(Estimate(option, params, grads, optimizer, act, act_ckpt, host * gpus_per_node,
                                   nvme * gpus_per_node))
@@ -211,12 +215,15 @@ def recommend_layout(shape: ModelShape, gpus_per_node: int, nodes: int, micro_ba
 
 
 def render(estimates: List[Estimate], shape: ModelShape, gpus_per_node: int, nodes: int, gpu_memory_gb: float,
-           host_memory_gb: Optional[float], micro_batch: int, block_size: int, precision: str, tp: int = 1) -> str:
+           host_memory_gb: Optional[float], micro_batch: int, block_size: int, precision: str, tp: int = 1,
+           sp: int = 1) -> str:
     gb = lambda b: f"{b / GIB:.2f}"  # noqa: E731
     gpu_bytes, host_bytes = gpu_memory_gb * GIB, None if host_memory_gb is None else host_memory_gb * GIB
     ranks = nodes * gpus_per_node
-    layout = f"{ranks} data-parallel ranks" if tp == 1 else \
-        f"{ranks} ranks: tensor parallel {tp} x {ranks // tp} data-parallel"
+    layout = f"{ranks} data-parallel ranks"
+    if tp > 1 or sp > 1:
+        kind, size = ("tensor", tp) if tp > 1 else ("sequence", sp)
+        layout = f"{ranks} ranks: {kind} parallel {size} x {ranks // size} data-parallel"
     lines = [
         f"memory plan: {shape.n_params / 1e6:.1f}M parameters, {nodes} node(s) x {gpus_per_node} GPU(s) = "
         f"{layout}, {precision}, micro-batch {micro_batch} x {block_size} tokens, "
@@ -238,12 +245,13 @@ def render(estimates: List[Estimate], shape: ModelShape, gpus_per_node: int, nod
             f"| {gb(est.activations)} / {gb(est.activations_checkpointed)} | {gb(est.total(False))} / "
             f"{gb(est.total(True))} | {gb(est.host_per_node)} | {gb(est.nvme_per_node)} | {' / '.join(fits)} | "
             f"ds_configs/{est.option.ds_config} |")
-    if tp == 1:  # the layout is open: data parallelism first, then tensor parallelism, then offload
+    if tp == 1 and sp == 1:  # the layout is open: data parallelism first, then tensor parallelism, then offload
         choice = recommend_layout(shape, gpus_per_node, nodes, micro_batch, block_size, precision, gpu_bytes,
                                   host_bytes)
     else:  # the layout was given
         choice = recommend(estimates, gpu_bytes, host_bytes)
         choice = choice and (tp, *choice)
+    flag = (" --sequence_parallel_size %d" % sp) if sp > 1 else ""
     lines.append("")
     if choice is None:
         lines.append("recommended: nothing fits; lower --per_device_train_batch_size or --block_size, add GPUs or "
@@ -251,7 +259,7 @@ def render(estimates: List[Estimate], shape: ModelShape, gpus_per_node: int, nod
     else:
         chosen_tp, est, ckpt = choice
         lines.append(f"recommended: --config ds_configs/{est.option.ds_config}" +
-                     (f" --tensor_parallel_size {chosen_tp}" if chosen_tp > 1 else "") +
+                     (f" --tensor_parallel_size {chosen_tp}" if chosen_tp > 1 else "") + flag +
                      (" --gradient_checkpointing" if ckpt else "") +
                      f" ({est.option.name}{', activation checkpointing' if ckpt else ''}: "
                      f"{gb(est.total(ckpt))} of {gpu_memory_gb:g} GB per GPU)")

@@ -331,9 +331,9 @@ def print_memory_plan(resolved: ResolvedRun) -> None:
     planning, optim, engine = resolved.cfg.planning, resolved.cfg.optim, resolved.cfg.engine
     shape = resolved.model_shape  # from the meta model resolve_run built
     precision = "bf16" if engine.bf16 else "fp16" if engine.fp16 else planning.plan_precision
-    tp = resolved.cfg.parallel.tensor_parallel_size
+    tp, sp = resolved.cfg.parallel.tensor_parallel_size, resolved.cfg.parallel.sequence_parallel_size
     estimates = memory_planner.plan_memory(shape, planning.num_gpus, planning.num_nodes,
-                                           optim.per_device_train_batch_size, resolved.block_size, precision, tp)
+                                           optim.per_device_train_batch_size, resolved.block_size, precision, tp, sp)
     print(memory_planner.render(estimates, shape, planning.num_gpus, planning.num_nodes, planning.gpu_memory_gb,
                                 planning.host_memory_gb, optim.per_device_train_batch_size, resolved.block_size,
-                                precision, tp))
+                                precision, tp, sp))

@@ -42,6 +42,10 @@ def test_model_state_formulas_by_stage_and_offload():
     split = memory_planner.ModelShape(n_params=1000, largest_layer_params=100, layers=2, hidden=8, intermediate=16,
                                       vocab=50, linear_params=800)
     assert memory_planner.model_state_bytes(by_name["ZeRO-2"], split, 2, "fp32", tp=4)[:3] == (1600, 800, 2400)
+    # sequence parallelism: each rank holds 1/sp of the tokens, so every per-token term shrinks by sp
+    assert memory_planner.activation_bytes(shape, 2, 16, "bf16", sp=2) == memory_planner.activation_bytes(
+        shape, 1, 16, "bf16")
+    assert [o.name for o in memory_planner.options_for(1, 2)] == ["ZeRO-1", "ZeRO-2", "ZeRO-3"]
     # ZeRO-3's working memory includes its largest layer gathered (weights and gradients)
     without3, _ = memory_planner.activation_bytes(shape, 1, 16, "bf16", stage=3)
     without1, _ = memory_planner.activation_bytes(shape, 1, 16, "bf16", stage=1)
@@ -68,16 +72,19 @@ def test_recommendation_prefers_the_fastest_option_that_fits_then_checkpointing(
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("stage,accumulation,tp", [(1, 1, 1), (1, 2, 1), (2, 2, 1), (3, 1, 1), (2, 1, 2)])
-def test_planned_model_states_match_a_real_two_rank_run_within_10_percent(stage, accumulation, tp, tmp_path,
+@pytest.mark.parametrize("stage,accumulation,tp,sp", [(1, 1, 1, 1), (1, 2, 1, 1), (2, 2, 1, 1), (3, 1, 1, 1),
+                                                     (2, 1, 2, 1), (3, 1, 1, 2)])
+def test_planned_model_states_match_a_real_two_rank_run_within_10_percent(stage, accumulation, tp, sp, tmp_path,
                                                                          cache_dir):
     run_dir = tmp_path / "run"
     proc = launch(MEMORY_PROBE, ["--config", f"ds_configs/zero{stage}.json", "--output_dir", str(run_dir),
                                  "--max_steps", "2", "--max_eval_samples", "8", *FAST_FLAGS,
-                                 "--gradient_accumulation_steps", str(accumulation), "--tensor_parallel_size", str(tp)],
+                                 "--gradient_accumulation_steps", str(accumulation), "--tensor_parallel_size", str(tp),
+                                 "--sequence_parallel_size", str(sp)],
                   "deepspeed", cache_dir, nprocs=2)
     check_ok(proc)
     option = next(o for o in memory_planner.OPTIONS if o.stage == stage and o.offload_optimizer == "none")
+    # ZeRO partitions over the ranks left by tensor parallelism (under sequence parallelism: all of them)
     params, grads, optimizer, _, _ = memory_planner.model_state_bytes(option, tiny_shape(), dp=2 // tp,
                                                                       precision="fp32", tp=tp)
     planned = params + grads + optimizer

@@ -198,9 +198,8 @@ class OptimArgs:
         elif self.rampup_lr_scaling != "none":
             raise UsageError(f"--rampup_lr_scaling {self.rampup_lr_scaling}: only acts with --rampup_batch_size",
                              "add --rampup_batch_size START INCREMENT SAMPLES, or drop the flag")
-        for name in ("per_device_train_batch_size", "per_device_eval_batch_size", "gradient_accumulation_steps"):
-            if getattr(self, name) < 1:
-                raise UsageError(f"--{name} {getattr(self, name)}: must be at least 1")
+        _check_at_least_one(self, ("per_device_train_batch_size", "per_device_eval_batch_size",
+                                   "gradient_accumulation_steps"))
         if self.warmup_steps < 0:
             raise UsageError(f"--warmup_steps {self.warmup_steps}: must not be negative")
         if self.learning_rate <= 0:
@@ -342,9 +341,7 @@ class ParallelArgs:
            "block's tokens, and attention all-to-alls trade tokens for heads; for blocks too long for one rank.")
 
     def validate(self) -> None:
-        for name in ("tensor_parallel_size", "sequence_parallel_size"):
-            if getattr(self, name) < 1:
-                raise UsageError(f"--{name} {getattr(self, name)}: must be at least 1")
+        _check_at_least_one(self, ("tensor_parallel_size", "sequence_parallel_size"))
         if self.tensor_parallel_size > 1 and self.sequence_parallel_size > 1:
             raise UsageError(f"--tensor_parallel_size {self.tensor_parallel_size} with --sequence_parallel_size "
                              f"{self.sequence_parallel_size}: the two together are not supported yet",
@@ -366,9 +363,7 @@ class PlanningArgs:
     def validate(self) -> None:
         if not self.plan:
             return
-        for name in ("num_gpus", "num_nodes"):
-            if getattr(self, name) < 1:
-                raise UsageError(f"--{name} {getattr(self, name)}: must be at least 1")
+        _check_at_least_one(self, ("num_gpus", "num_nodes"))
         for name in ("gpu_memory_gb", "host_memory_gb"):
             if getattr(self, name) is not None and getattr(self, name) <= 0:
                 raise UsageError(f"--{name} {getattr(self, name)}: must be positive")
@@ -648,6 +643,12 @@ def _check_not_negative(args, names: Sequence[str]) -> None:
     for name in names:
         if getattr(args, name) < 0:
             raise UsageError(f"--{name} {getattr(args, name)}: must not be negative")
+
+
+def _check_at_least_one(args, names: Sequence[str]) -> None:
+    for name in names:
+        if getattr(args, name) < 1:
+            raise UsageError(f"--{name} {getattr(args, name)}: must be at least 1")
 
 
 def _looks_local(path: str) -> bool:

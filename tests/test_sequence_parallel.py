@@ -8,7 +8,6 @@ DeepSpeed 0.19.8 pitfall with the mpu, shows as twice the gradient norm), docume
 
 from __future__ import annotations
 
-import shutil
 from pathlib import Path
 
 import pytest
@@ -17,7 +16,8 @@ from scaletrain.config import ParallelArgs, parse_run_config
 from scaletrain.errors import UsageError
 from scaletrain.layout import check_model_layout, check_sequence_layout, resolve_layout
 from tests.conftest import REPO, check_ok, launch
-from tests.test_tensor_parallel import _assert_matches, _assert_same_export, _flags, _records, _resolved
+from tests.test_tensor_parallel import (_assert_matches, _assert_same_export, _flags, _records, _resolved,
+                                       resume_copy_at_step4)
 
 SP = ["--sequence_parallel_size", "2"]
 
@@ -75,16 +75,7 @@ def test_documents_stay_isolated_under_sequence_parallelism(reference, tmp_path,
 def test_a_sequence_parallel_checkpoint_resumes_on_the_same_layout_and_on_one_rank(nprocs, reference, sp2_zero1,
                                                                                      tmp_path, cache_dir):
     run_dir = tmp_path / "resumed"
-    (run_dir / "checkpoints").mkdir(parents=True)
-    shutil.copytree(sp2_zero1 / "checkpoints" / "step4", run_dir / "checkpoints" / "step4")
-    for name in ("run_config.json", "ds_config.json"):
-        shutil.copy(sp2_zero1 / name, run_dir / name)
-    proc = launch(REPO / "train.py", _flags(run_dir, "zero1", *(SP if nprocs == 2 else [])),
-                  "deepspeed" if nprocs == 2 else "python", cache_dir, nprocs=nprocs)
-    check_ok(proc)
-    output = proc.stdout + proc.stderr
-    assert f"resumed from {run_dir / 'checkpoints' / 'step4'}" in output
-    assert ("converted" in output) == (nprocs == 1)
+    resume_copy_at_step4(sp2_zero1, run_dir, SP if nprocs == 2 else [], nprocs, cache_dir)
     _assert_matches(run_dir, reference, steps=range(5, 9))
 
 

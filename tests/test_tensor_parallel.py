@@ -104,22 +104,29 @@ def test_tensor_parallel_matches_one_rank(config, nprocs, reference, tp2_zero1, 
                                                         rel=1e-6)
 
 
-@pytest.mark.slow  # two runs resumed from the TP checkpoint at step 4: on 2 ranks (TP 2) and on 1 rank
-@pytest.mark.parametrize("nprocs", [2, 1])
-def test_a_tensor_parallel_checkpoint_resumes_on_the_same_layout_and_on_one_rank(nprocs, reference, tp2_zero1,
-                                                                                   tmp_path, cache_dir):
-    run_dir = tmp_path / "resumed"
+def resume_copy_at_step4(source: Path, run_dir: Path, layout: list, nprocs: int, cache_dir: Path) -> None:
+    """Resume a copy of `source`'s run folder from its step-4 checkpoint to the end, with `layout`'s flags on
+    `nprocs` ranks: it says where it resumed from, and goes through the universal checkpoint exactly when the
+    layout changed (1 rank)."""
     (run_dir / "checkpoints").mkdir(parents=True)
-    shutil.copytree(tp2_zero1 / "checkpoints" / "step4", run_dir / "checkpoints" / "step4")
+    shutil.copytree(source / "checkpoints" / "step4", run_dir / "checkpoints" / "step4")
     for name in ("run_config.json", "ds_config.json"):
-        shutil.copy(tp2_zero1 / name, run_dir / name)
-    extra = ["--tensor_parallel_size", "2"] if nprocs == 2 else []
-    proc = launch(REPO / "train.py", _flags(run_dir, "zero1", *extra), "deepspeed" if nprocs == 2 else "python",
+        shutil.copy(source / name, run_dir / name)
+    proc = launch(REPO / "train.py", _flags(run_dir, "zero1", *layout), "deepspeed" if nprocs > 1 else "python",
                   cache_dir, nprocs=nprocs)
     check_ok(proc)
     output = proc.stdout + proc.stderr
     assert f"resumed from {run_dir / 'checkpoints' / 'step4'}" in output
     assert ("converted" in output) == (nprocs == 1)  # another layout goes through the universal checkpoint
+
+
+@pytest.mark.slow  # two runs resumed from the TP checkpoint at step 4: on 2 ranks (TP 2) and on 1 rank
+@pytest.mark.parametrize("nprocs", [2, 1])
+def test_a_tensor_parallel_checkpoint_resumes_on_the_same_layout_and_on_one_rank(nprocs, reference, tp2_zero1,
+                                                                                   tmp_path, cache_dir):
+    run_dir = tmp_path / "resumed"
+    resume_copy_at_step4(tp2_zero1, run_dir, ["--tensor_parallel_size", "2"] if nprocs == 2 else [], nprocs,
+                         cache_dir)
     _assert_matches(run_dir, reference, steps=range(5, STEPS + 1))
     _assert_same_export(run_dir, reference)
 

@@ -304,9 +304,12 @@ def test_resume_on_another_rank_count_converts_and_continues(ds_config, saved_on
 
     run_dir = tmp_path / "run"
     # train to step 16 with the full 32-step schedule, as if the job had been stopped there: stopped (SIGSTOP) as
-    # soon as the step-16 checkpoint is committed, so that it cannot finish first, then killed
+    # soon as the step-16 checkpoint is committed, so that it cannot finish first, then killed. Committed means the
+    # `latest` pointer names it: commit.json appears (and the folder is renamed) a moment before rank 0 replaces
+    # the pointer, and a freeze in between finds `latest` still at step 8.
     def step16_committed() -> bool:
-        return (run_dir / "checkpoints" / "step16" / "commit.json").exists()
+        latest = run_dir / "checkpoints" / "latest"
+        return latest.exists() and latest.read_text().strip() == "step16"
 
     if saved_on == 2:
         proc = start(per_rank(2, run_dir, STEPS), cache_dir)

@@ -182,6 +182,10 @@ def save_checkpoint(engine, output_dir: str, state: TrainState, rank: int, save_
         if rank == 0:
             info = {**state.state_dict(), "model": model_facts or {}}
             (tmp / "train_state.json").write_text(json.dumps(info, indent=2) + "\n")
+            if hasattr(engine.module, "scaletrain_layers"):  # a pipeline's layer files, by Hugging Face name
+                from scaletrain.pipeline import LAYER_MAP, layer_map
+
+                (tmp / LAYER_MAP).write_text(json.dumps(layer_map(engine.module), indent=1) + "\n")
     except OSError as err:  # the disk filled up during the write (the launcher then stops the other ranks)
         raise CheckpointWriteError(
             f"checkpoint {tag}: writing {tmp} failed ({err.strerror or err}); it was not committed, "
@@ -209,11 +213,24 @@ def clear_previous_run(output_dir: str) -> None:
     (out / "metrics.jsonl").unlink(missing_ok=True)
 
 
-def check_resumable(ckpt: Path, dp_world_size: int, layout: tuple, zero_stage: int, model_facts: dict) -> bool:
+def check_resumable(ckpt: Path, dp_world_size: int, layout: tuple, zero_stage: int, model_facts: dict,
+                    pipeline_parallel_size: int = 1) -> bool:
     """Before anything is built: the checkpoint fits this run's model. Returns whether it must be resharded (saved
     with another number of data-parallel ranks or another (tensor, sequence) parallel layout, which ZeRO-1/2/3 handle
-    through a universal checkpoint)."""
+    through a universal checkpoint). A pipeline checkpoint resumes on the same number of stages only."""
     saved = read_train_state(ckpt)
+    saved_pp = saved.get("pipeline_parallel_size", 1)
+    if saved_pp != pipeline_parallel_size:
+        raise UsageError(
+            f"checkpoint {ckpt} was saved with --pipeline_parallel_size {saved_pp}, this run has "
+            f"{pipeline_parallel_size}: resuming on another number of pipeline stages is not supported yet",
+            f"resume with --pipeline_parallel_size {saved_pp}, or export it (scripts/export_hf.py) and start "
+            "from the exported model")
+    if pipeline_parallel_size > 1 and saved.get("world_size") not in (None, 0, dp_world_size):
+        raise UsageError(
+            f"checkpoint {ckpt} was saved with {saved['world_size']} data-parallel ranks per pipeline stage, this "
+            f"run has {dp_world_size}: a pipeline checkpoint resumes on the same layout only",
+            f"launch {saved['world_size'] * pipeline_parallel_size} ranks")
     saved_dp = saved.get("world_size")
     saved_layout = (saved.get("tensor_parallel_size", 1), saved.get("sequence_parallel_size", 1))
     reshard = saved_dp not in (None, 0, dp_world_size) or saved_layout != tuple(layout)
@@ -334,10 +351,39 @@ def _full_state_dict_on_rank0(engine, is_main: bool) -> dict:
     return state
 
 
+def export_pipeline_checkpoint(ckpt: Path, out_dir, model_config, tokenizer, dtype=None,
+                               max_shard_size: str = "5GB") -> None:
+    """A Hugging Face folder from a pipeline checkpoint's layer files (the weights each stage holds)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from scaletrain.pipeline import LAYER_MAP, hf_state_dict_from_layer_files
+
+    state = hf_state_dict_from_layer_files(ckpt, json.loads((ckpt / LAYER_MAP).read_text()))
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(model_config)
+    missing, unexpected = model.load_state_dict(state, strict=False, assign=True)
+    tied = {"lm_head.weight"} if getattr(model_config, "tie_word_embeddings", False) else set()
+    if set(missing) - tied or unexpected:
+        raise ValueError(f"{ckpt}: the layer files do not match the model (missing {sorted(set(missing) - tied)}, "
+                         f"unexpected {sorted(unexpected)})")
+    model.tie_weights()
+    if dtype is not None:
+        model = model.to(dtype)
+    model.save_pretrained(out_dir, safe_serialization=True, max_shard_size=max_shard_size)
+    tokenizer.save_pretrained(out_dir)
+
+
 def export_hf_model(engine, tokenizer, out_dir: str, is_main: bool) -> None:
     """Write safetensors weights, config and tokenizer that `AutoModelForCausalLM.from_pretrained` loads."""
     from scaletrain.distributed import barrier
 
+    if hasattr(engine.module, "scaletrain_layers"):  # a pipeline: rank 0 reads every stage's layer files
+        if is_main:
+            export_pipeline_checkpoint(newest_committed(Path(out_dir)), out_dir, engine.module.hf_config, tokenizer)
+            log.info("exported Hugging Face model to %s (from the pipeline's layer files)", out_dir)
+        barrier()
+        return
     state = _full_state_dict_on_rank0(engine, is_main)
     if is_main:
         engine.module.save_pretrained(out_dir, state_dict=state, safe_serialization=True)

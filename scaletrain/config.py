@@ -340,12 +340,22 @@ class ParallelArgs:
         1, "Sequence parallelism (DeepSpeed Ulysses) over this many consecutive ranks: each holds 1/N of every "
            "block's tokens, and attention all-to-alls trade tokens for heads; for blocks too long for one rank.")
 
+    pipeline_parallel_size: int = _flag(
+        1, "Pipeline parallelism (deepspeed.pipe, 1F1B schedule) over this many stages of the model's own layers; "
+           "the stages' data-parallel replicas are consecutive ranks, so stage-to-stage transfers cross nodes.")
+
+    pipeline_partition: str = _flag(
+        "parameters", "How the layers are cut into pipeline stages: balanced by parameter count (the embedding and "
+                      "head weigh in), or uniform (the same number of decoder layers per stage).",
+        choices=("parameters", "uniform"))
+
     def validate(self) -> None:
-        _check_at_least_one(self, ("tensor_parallel_size", "sequence_parallel_size"))
-        if self.tensor_parallel_size > 1 and self.sequence_parallel_size > 1:
-            raise UsageError(f"--tensor_parallel_size {self.tensor_parallel_size} with --sequence_parallel_size "
-                             f"{self.sequence_parallel_size}: the two together are not supported yet",
-                             "choose one of them")
+        sizes = ("tensor_parallel_size", "sequence_parallel_size", "pipeline_parallel_size")
+        _check_at_least_one(self, sizes)
+        chosen = [name for name in sizes if getattr(self, name) > 1]
+        if len(chosen) > 1:
+            raise UsageError(" with ".join(f"--{name} {getattr(self, name)}" for name in chosen) +
+                             ": combining model-parallel layouts is not supported yet", "choose one of them")
 
 
 @dataclass(frozen=True)

@@ -24,9 +24,11 @@ class DistInfo:
     accelerator: str = "cpu"  # DeepSpeed's accelerator name, known after init
     # The layout: ranks r*m .. r*m+m-1 (m = tp x sp, one of them 1) form model-parallel group r, a tensor-parallel
     # group (DeepSpeed AutoTP) or a sequence-parallel one (Ulysses), both consecutive ranks, and read the same
-    # batches; the data-parallel size is what remains.
+    # batches; the data-parallel size is what remains. Pipeline stages are the other way round (DeepSpeed's
+    # PipeDataParallelTopology): stage s is ranks s*dp .. s*dp+dp-1, so its data-parallel replicas are consecutive.
     tensor_parallel_size: int = 1
     sequence_parallel_size: int = 1
+    pipeline_parallel_size: int = 1
 
     @property
     def is_main(self) -> bool:
@@ -34,7 +36,7 @@ class DistInfo:
 
     @property
     def model_parallel_size(self) -> int:
-        return self.tensor_parallel_size * self.sequence_parallel_size
+        return self.tensor_parallel_size * self.sequence_parallel_size * self.pipeline_parallel_size
 
     @property
     def dp_world_size(self) -> int:
@@ -44,7 +46,13 @@ class DistInfo:
     @property
     def dp_rank(self) -> int:
         """This rank's data-parallel replica: which slice of each global batch it reads."""
+        if self.pipeline_parallel_size > 1:
+            return self.rank % self.dp_world_size
         return self.rank // self.model_parallel_size
+
+    @property
+    def pp_stage(self) -> int:
+        return self.rank // self.dp_world_size if self.pipeline_parallel_size > 1 else 0
 
     @property
     def tp_rank(self) -> int:

@@ -30,6 +30,14 @@ Hooks, why we need them, and the test that proves they still act:
   then the `mpu`) and DeepSpeedEngine._consolidated_16bit_state_dict (gathers the TP shards into full weights on
   rank 0 for the Hugging Face export; engine.save_16bit_model writes the shards under ZeRO-1/2).
   tests/test_tensor_parallel.py::test_tensor_parallel_matches_one_rank.
+- PipelineEngine._INSTRUCTION_MAP (the schedule's instruction -> method table; an instance copy replaces its
+  OptimizerStep entry): the pipeline's step-boundary agreement (global loss, preemption, the non-finite guard) runs
+  right before the update, inside train_batch. DeepSpeedEngine.clip_fp32_gradients and the pipe grid's
+  pp_group / data_parallel_id: under ZeRO-0, DeepSpeed 0.19.8 computes the clipping norm with the pipe grid as
+  `mpu`, whose "model parallel rank" is the stage, so only stage 0's gradients enter the norm and every stage clips
+  by it; scaletrain replaces it with the norm over every stage. tests/test_pipeline_parallel.py (ZeRO-0 against
+  one rank, gradient clipping acting). PipelineModule._layer_specs / _local_start / _local_stop: the specs of
+  other stages' layers hold the Hugging Face modules they wrap; they are emptied so those modules are freed.
 
 Importing this module imports neither torch nor DeepSpeed; each function imports what it touches.
 """
@@ -228,10 +236,17 @@ _TP, _TP_INSTEAD = "tensor parallelism (--tensor_parallel_size)", "train without
 TP_GROUPS = Hook("deepspeed.utils.groups", "_init_tp_mesh_device", _TP, _TP_INSTEAD)
 TP_GATHER = Hook("deepspeed.runtime.engine:DeepSpeedEngine", "_consolidated_16bit_state_dict", _TP, _TP_INSTEAD)
 
+_PP, _PP_INSTEAD = "pipeline parallelism (--pipeline_parallel_size)", "train without --pipeline_parallel_size"
+PIPE_INSTRUCTIONS = Hook("deepspeed.runtime.pipe.engine:PipelineEngine", "_INSTRUCTION_MAP", _PP, _PP_INSTEAD)
+PIPE_OPTIMIZER_STEP = Hook("deepspeed.runtime.pipe.schedule", "OptimizerStep", _PP, _PP_INSTEAD)
+PIPE_SPECS = Hook("deepspeed.runtime.pipe.module:PipelineModule", "_layer_specs", _PP, _PP_INSTEAD)  # instance
+PIPE_CLIP = Hook("deepspeed.runtime.engine:DeepSpeedEngine", "clip_fp32_gradients", _PP, _PP_INSTEAD)
+
 # What check_hooks() resolves from the classes; the instance-only ones are checked where they are used.
 HOOKS = (STAGE3_CHECK, STAGE3_CLEANUP, STAGE12_CHECK, STAGE12_INIT, FWD_MODULE_STACK, PARAMS_TO_RELEASE,
          BUILD_DIRECTORY, INSTALLED_OPS, CREATE_OP_BUILDER, BUILDER_LOAD, BUILDER_COMPATIBLE, SHM_BUILD,
-         UNIVERSAL_CONVERTER, UNIVERSAL_VERSION, TP_GROUPS, TP_GATHER)
+         UNIVERSAL_CONVERTER, UNIVERSAL_VERSION, TP_GROUPS, TP_GATHER, PIPE_INSTRUCTIONS, PIPE_OPTIMIZER_STEP,
+         PIPE_CLIP)
 
 
 def check_hooks() -> list[str]:
@@ -378,3 +393,64 @@ def universal_conversion_command(ckpt, out) -> list[str]:
     module = UNIVERSAL_CONVERTER.resolve()
     return [sys.executable, "-m", module, "--input_folder", str(ckpt), "--output_folder", str(out),
             "--inject_missing_state"]
+
+
+def before_pipeline_update(engine, callback: Callable[[], None]) -> None:
+    """Call `callback()` on every rank right before each pipeline update (the schedule's OptimizerStep, which every
+    stage reaches once per train_batch, after its gradients are reduced): a collective there lines up."""
+    step_instruction = PIPE_OPTIMIZER_STEP.resolve()
+    table = dict(PIPE_INSTRUCTIONS.on(type(engine)))
+    update = table[step_instruction]
+
+    def agreed_update(self, *args, **kwargs):
+        callback()
+        return update(self, *args, **kwargs)
+
+    table[step_instruction] = agreed_update
+    engine._INSTRUCTION_MAP = table  # the instance's table: the class's stays DeepSpeed's
+
+
+def fix_pipeline_stage0_clipping(engine) -> None:
+    """ZeRO-0 under pipeline parallelism: clip by the norm of every stage's gradients (see the module docstring).
+
+    Each parameter counts once: a tied weight (held by the first and last stage, its gradient all-reduced between
+    them) only on the lowest rank of its tie group. The norm is summed over the pipe group (the data-parallel
+    replicas hold equal, already averaged gradients) and kept as the engine's global gradient norm."""
+    import torch
+    import torch.distributed as torch_dist
+
+    PIPE_CLIP.on(engine)
+    module, grid = engine.module, engine.grid
+    tied_elsewhere = set()
+    for comm in getattr(module, "tied_comms", {}).values():
+        if engine.global_rank != min(comm["ranks"]):
+            tied_elsewhere.update(id(p) for p in comm["module"].parameters())
+    counted = [p for p in module.parameters() if id(p) not in tied_elsewhere]
+    max_norm = engine.gradient_clipping()
+
+    def clip_over_every_stage():
+        squares = torch.zeros(1, dtype=torch.float64, device=engine.device)
+        for param in counted:
+            if param.grad is not None:
+                squares += param.grad.detach().double().pow(2).sum()
+        torch_dist.all_reduce(squares, group=grid.get_pipe_parallel_group())
+        norm = float(squares.sqrt())
+        factor = max_norm / (norm + 1e-6)
+        if factor < 1.0:
+            for param in module.parameters():
+                if param.grad is not None:
+                    param.grad.detach().mul_(factor)
+        engine._global_grad_norm = norm
+        return norm
+
+    engine.clip_fp32_gradients = clip_over_every_stage
+
+
+def release_other_stages(module) -> None:
+    """Drop the PipelineModule's references to the layers of other stages (their LayerSpecs hold the Hugging Face
+    modules they wrap), so each rank keeps only its own stage's weights once the full model it built is gone."""
+    specs = PIPE_SPECS.on(module)
+    start, stop = require(module, "_local_start", _PP, _PP_INSTEAD), require(module, "_local_stop", _PP, _PP_INSTEAD)
+    for index, spec in enumerate(specs):
+        if not start <= index < stop and hasattr(spec, "module_args"):
+            spec.module_args, spec.module_kwargs = (), {}

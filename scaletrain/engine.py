@@ -44,6 +44,12 @@ def build_engine(model, ds_config: dict, weight_decay: float, schedule: LRSchedu
         lr_scheduler=lambda optimizer: LambdaLR(optimizer, schedule.multiplier),
         mpu=mpu,
     )
+    from deepspeed.pipe import PipelineModule
+
+    if isinstance(model, PipelineModule) and engine.zero_optimization_stage() == 0 and engine.gradient_clipping() > 0:
+        from scaletrain.ds_internals import fix_pipeline_stage0_clipping
+
+        fix_pipeline_stage0_clipping(engine)  # DeepSpeed 0.19.8 clips every stage by stage 0's norm
     log.info("engine: ZeRO stage %d, optimizer %s, schedule %s (warmup %d of %d steps)",
              engine.zero_optimization_stage(), type(engine.optimizer).__name__, schedule.kind,
              schedule.warmup_steps, schedule.total_steps)

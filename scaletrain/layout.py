@@ -9,6 +9,10 @@ declare one), else by its heuristic.
 Sequence parallelism is DeepSpeed Ulysses (ALST, deepspeed.runtime.sequence_parallel.ulysses_sp): ranks r*sp ..
 r*sp+sp-1 read the same batches and each holds 1/sp of every block's tokens; the attention all-to-alls trade tokens
 for heads. See scaletrain/sequence_parallel.py.
+
+Pipeline parallelism is deepspeed.pipe: the model's layers cut into stages, stage s on ranks s*dp .. s*dp+dp-1
+(its data-parallel replicas consecutive), micro-batches flowing through the 1F1B schedule. See
+scaletrain/pipeline.py.
 """
 
 from __future__ import annotations
@@ -29,6 +33,8 @@ def _layout_flag(parallel: ParallelArgs) -> tuple:
     """(the flag that sets the model-parallel size, its value)."""
     if parallel.sequence_parallel_size > 1:
         return "--sequence_parallel_size", parallel.sequence_parallel_size
+    if parallel.pipeline_parallel_size > 1:
+        return "--pipeline_parallel_size", parallel.pipeline_parallel_size
     return "--tensor_parallel_size", parallel.tensor_parallel_size
 
 
@@ -39,7 +45,8 @@ def apply_layout(parallel: ParallelArgs, dist: DistInfo) -> DistInfo:
         raise UsageError(f"{flag} {size} does not divide the world size {dist.world_size}",
                          f"launch a multiple of {size} ranks, or choose a size that divides {dist.world_size}")
     return dataclasses.replace(dist, tensor_parallel_size=parallel.tensor_parallel_size,
-                               sequence_parallel_size=parallel.sequence_parallel_size)
+                               sequence_parallel_size=parallel.sequence_parallel_size,
+                               pipeline_parallel_size=parallel.pipeline_parallel_size)
 
 
 def check_planned_layout(parallel: ParallelArgs, planning: PlanningArgs) -> None:
@@ -61,7 +68,7 @@ def check_model_layout(parallel: ParallelArgs, model_config) -> None:
     """Every dimension the tensor-parallel split cuts must divide evenly (a rank with no attention head, or uneven
     shards, is a silent waste or an error deep inside DeepSpeed)."""
     flag, size = _layout_flag(parallel)
-    if size == 1:
+    if size == 1 or flag == "--pipeline_parallel_size":  # stages cut between layers (scaletrain.pipeline checks)
         return
     text_config = model_config.get_text_config() if hasattr(model_config, "get_text_config") else model_config
     # Ulysses splits the attention heads over the sequence-parallel ranks; AutoTP splits every linear layer.
@@ -98,6 +105,7 @@ def resolve_layout(parallel: ParallelArgs, ds: ResolvedDSConfig, config_path: st
         raise UsageError(f"tensor_parallel.autotp_size {in_json} in {config_path} contradicts "
                          f"--tensor_parallel_size {tp}", "remove the key and pass --tensor_parallel_size")
     _resolve_sequence_layout(parallel, ds, config_path)
+    _resolve_pipeline_layout(parallel, ds, config_path)
     if tp == 1:
         return
     if ds.zero_stage == 3:
@@ -135,7 +143,46 @@ def _resolve_sequence_layout(parallel: ParallelArgs, ds: ResolvedDSConfig, confi
     ds.sources["sequence_parallel_size"] = "--sequence_parallel_size"
 
 
+def _resolve_pipeline_layout(parallel: ParallelArgs, ds: ResolvedDSConfig, config_path: str) -> None:
+    pp = parallel.pipeline_parallel_size
+    in_json = (ds.config.get("pipeline") or {}).get("stages") if isinstance(ds.config.get("pipeline"), dict) else None
+    if in_json not in (None, "auto", pp):
+        raise UsageError(f"pipeline.stages {in_json} in {config_path} contradicts --pipeline_parallel_size {pp}",
+                         "remove the key and pass --pipeline_parallel_size")
+    if pp == 1:
+        return
+    if ds.zero_stage >= 2:
+        raise UsageError(f"--pipeline_parallel_size {pp} with ZeRO stage {ds.zero_stage} ({config_path}): DeepSpeed's "
+                         "pipeline engine supports ZeRO-0 and ZeRO-1 only (gradients are reduced per stage at the "
+                         "end of the schedule, which ZeRO-2's and ZeRO-3's partitioned gradients do not allow)",
+                         "use ds_configs/zero1.json with pipeline parallelism")
+    if ds.offloads_optimizer or ds.offloads_params:
+        raise UsageError(f"--pipeline_parallel_size {pp} with offload ({config_path}): not supported here (untested)",
+                         "use ds_configs/zero1.json with pipeline parallelism")
+
+
+def check_pipeline_run(parallel: ParallelArgs, attention_isolation: bool, rampup: bool, precision: str,
+                       zero_stage: int, config_path: str) -> None:
+    """What the pipeline path does not carry yet, refused before anything is built."""
+    pp = parallel.pipeline_parallel_size
+    if pp == 1:
+        return
+    if attention_isolation:
+        raise UsageError(f"--pipeline_parallel_size {pp} with --attention_isolation: not supported yet (the "
+                         "per-document mask would have to be rebuilt inside every stage)",
+                         "drop --attention_isolation, or train without pipeline parallelism")
+    if rampup:
+        raise UsageError(f"--pipeline_parallel_size {pp} with --rampup_batch_size: not supported yet",
+                         "drop --rampup_batch_size, or train without pipeline parallelism")
+    if zero_stage == 0 and precision != "fp32":
+        raise UsageError(f"--pipeline_parallel_size {pp} with ZeRO stage 0 in {precision} ({config_path}): the "
+                         "gradient-clipping fix for stage 0 covers fp32 only",
+                         "use ds_configs/zero1.json with pipeline parallelism")
+
+
 def describe_layout(dist: DistInfo) -> str:
+    if dist.pipeline_parallel_size > 1:
+        return f"pipeline parallel {dist.pipeline_parallel_size} x data parallel {dist.dp_world_size}"
     if dist.sequence_parallel_size > 1:
         return f"sequence parallel {dist.sequence_parallel_size} x data parallel {dist.dp_world_size}"
     if dist.tensor_parallel_size == 1:

@@ -104,6 +104,7 @@ class LoopHooks:
     guard: NonFiniteGuard | None = None
     switch: SkipSwitch | None = None  # lets the guard skip an update through DeepSpeed's overflow path
     rollback: Callable[[], None] | None = None  # the guard's "rollback": back to the last committed checkpoint
+    pipeline: Any = None  # a PipelineStep: the step runs through DeepSpeed's pipe schedule (train_batch)
 
 
 @dataclass(frozen=True)
@@ -183,7 +184,8 @@ def train_loop(engine, batches: StepBatches, state: TrainState, settings: LoopSe
                 hooks.profiler.before_step(state.step + 1)
             started = time.perf_counter()
             data_step = state.step + state.data_offset  # rollbacks jump the data past offending batches
-            result = optimizer_step(engine, batches, data_step, settings, hooks, timers)
+            step = hooks.pipeline.step if hooks.pipeline else optimizer_step
+            result = step(engine, batches, data_step, settings, hooks, timers)
             if _count_step(state, result, hooks.guard, partial(batches.sample_ids, data_step)) == "rollback":
                 hooks.rollback()  # restores the last committed checkpoint and moves the data past this streak
                 window = LogWindow()
@@ -247,6 +249,80 @@ def optimizer_step(engine, batches: StepBatches, data_step: int, settings: LoopS
         hooks.switch.skip = False
     return StepResult(loss_sum, targets, blocks, global_loss, preempted, interval_due, forced,
                       applied=engine.was_step_applied())
+
+
+class PipelineStep:
+    """One optimizer step under pipeline parallelism: DeepSpeed's pipe engine runs the whole 1F1B schedule (every
+    micro-batch's forward and backward, the gradient reductions, the update) inside train_batch. The step-boundary
+    agreement of optimizer_step runs right before the update, from inside the schedule, on every rank
+    (ds_internals.before_pipeline_update)."""
+
+    def __init__(self, engine, loss):
+        from scaletrain.ds_internals import before_pipeline_update
+
+        self.loss = loss  # scaletrain.pipeline.TokenLoss, the pipe engine's loss_fn
+        self._before_update: Callable[[], None] | None = None
+        before_pipeline_update(engine, self._agree)
+
+    def _agree(self) -> None:
+        if self._before_update is not None:
+            self._before_update()
+
+    def step(self, engine, batches: StepBatches, data_step: int, settings: LoopSettings, hooks: LoopHooks,
+             timers: StepTimers) -> StepResult:
+        from scaletrain.pipeline import pipe_micro_batches
+
+        clock = timers.clock
+        clock.start()
+        micro_batches, targets, blocks = batches.for_step(data_step)
+        clock.lap("data_wait")
+        set_accumulation(engine, len(micro_batches))
+        # The pipe engine divides each micro-batch's backward by the accumulation steps: fold them back in.
+        self.loss.scale = settings.gradient_divisor * len(micro_batches) / max(targets, 1)
+        self.loss.loss_sum = 0.0
+        agreed: dict = {}
+
+        def before_update() -> None:  # the last stage holds the losses; every other rank adds 0
+            clock.lap("pipeline")
+            total, preempted, interval_due = agree_step(
+                engine.device, self.loss.loss_sum, hooks.preemption.signal_name is not None, timers.save_due())
+            global_loss = total / max(targets, 1)
+            forced = hooks.guard.judge(global_loss) if hooks.guard else None
+            if hooks.switch:
+                hooks.switch.skip = forced is not None
+            agreed.update(global_loss=global_loss, preempted=preempted, interval_due=interval_due, forced=forced)
+            clock.lap("sync")
+
+        self._before_update = before_update
+        try:
+            engine.train_batch(data_iter=iter(pipe_micro_batches(micro_batches)))
+        finally:
+            self._before_update = None
+            if hooks.switch:
+                hooks.switch.skip = False
+        clock.lap("optimizer")
+        return StepResult(self.loss.loss_sum, targets, blocks, agreed["global_loss"], agreed["preempted"],
+                          agreed["interval_due"], agreed["forced"], applied=engine.was_step_applied())
+
+    def evaluate(self, engine, batches: list) -> dict:
+        """Mean loss over the evaluation blocks through the pipe's inference schedule, across ranks."""
+        import deepspeed.comm as ds_comm
+        import torch
+
+        from scaletrain.pipeline import pipe_micro_batches
+
+        self.loss.scale, self.loss.loss_sum = 1.0, 0.0
+        engine.reset_activation_shape()  # evaluation batches may have another shape than training's
+        engine.eval_batch(data_iter=iter(pipe_micro_batches(batches)), num_micro_batches=len(batches))
+        engine.reset_activation_shape()
+        engine.train()
+        sums = torch.zeros(2, dtype=torch.float64, device=engine.device)
+        if engine.is_last_stage():  # one rank per data-parallel replica counts its batches
+            sums[0] += self.loss.loss_sum.double() if torch.is_tensor(self.loss.loss_sum) else self.loss.loss_sum
+            sums[1] += sum(int((batch["labels"][:, 1:] != IGNORE_INDEX).sum()) for batch in batches)
+        ds_comm.all_reduce(sums)
+        loss = (sums[0] / sums[1].clamp(min=1)).item()
+        return {"eval_loss": loss, "eval_perplexity": math.exp(min(loss, 50.0))}
 
 
 def set_accumulation(engine, micro_batches: int) -> None:
@@ -328,7 +404,8 @@ def _save_for_preemption(step: int, settings: LoopSettings, hooks: LoopHooks, ti
 
 def _evaluate_when_due(engine, step: int, settings: LoopSettings, hooks: LoopHooks) -> None:
     if hooks.eval_batches and settings.eval_steps and step % settings.eval_steps == 0:
-        hooks.metrics.log({"step": step, **evaluate(engine, hooks.eval_batches)})
+        run_eval = hooks.pipeline.evaluate if hooks.pipeline else evaluate
+        hooks.metrics.log({"step": step, **run_eval(engine, hooks.eval_batches)})
 
 
 def _save_when_due(step: int, settings: LoopSettings, hooks: LoopHooks, timers: StepTimers,

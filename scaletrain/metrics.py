@@ -21,7 +21,9 @@ log = logging.getLogger(__name__)
 METRICS_FILE = "metrics.jsonl"
 
 
-PHASES = ("data_wait", "forward", "backward", "optimizer", "sync", "checkpoint")
+# pipeline: under pipeline parallelism, the 1F1B schedule up to the update (forwards, backwards and the
+# stage-to-stage transfers interleave, so they are one phase; forward and backward stay 0 there).
+PHASES = ("data_wait", "forward", "backward", "pipeline", "optimizer", "sync", "checkpoint")
 
 
 class PhaseClock:

@@ -22,8 +22,9 @@ from scaletrain import distributed
 from scaletrain.distributed import DistInfo
 from scaletrain.dsconfig import HardwareFacts, ResolvedDSConfig, load_ds_config, resolve_ds_config
 from scaletrain.flops import ModelFlops, model_flops
-from scaletrain.layout import (apply_layout, check_model_layout, check_planned_layout, check_sequence_layout,
-                               describe_layout, resolve_layout)
+from scaletrain.layout import (apply_layout, check_model_layout, check_pipeline_run, check_planned_layout,
+                               check_sequence_layout, describe_layout, resolve_layout)
+from scaletrain.pipeline import check_pipeline_model
 from scaletrain.metrics import METRICS_FILE, read_records
 from scaletrain.model import load_model_config, load_tokenizer, max_positions, meta_model
 
@@ -227,7 +228,8 @@ def _resolve_resume_point(cfg: RunConfig, ds: ResolvedDSConfig, model_facts: dic
     if metrics_file.exists():
         read_records(metrics_file)  # damaged before its end: refused here, on every rank, before anything is built
     layout = (dist.tensor_parallel_size, dist.sequence_parallel_size)
-    reshard = check_resumable(resume_from, dist.dp_world_size, layout, ds.zero_stage, model_facts)
+    reshard = check_resumable(resume_from, dist.dp_world_size, layout, ds.zero_stage, model_facts,
+                              dist.pipeline_parallel_size)
     resume_state = read_train_state(resume_from)
     if reshard:
         ds.config.setdefault("checkpoint", {})["load_universal"] = True
@@ -265,6 +267,10 @@ def resolve_run(argv: Optional[Sequence[str]], dist: DistInfo) -> ResolvedRun:
         raise UsageError(f"--gradient_checkpointing: {type(skeleton).__name__} does not support it",
                          "drop the flag, or use ZeRO-3 / offload to save memory instead")
     check_sequence_layout(cfg.parallel, block_size, skeleton.config._attn_implementation)
+    if not cfg.planning.plan:
+        check_pipeline_model(cfg.parallel.pipeline_parallel_size, model_config, skeleton.config._attn_implementation)
+        check_pipeline_run(cfg.parallel, cfg.data.attention_isolation, bool(cfg.optim.rampup_batch_size),
+                           ds.precision, ds.zero_stage, cfg.engine.config)
     model_facts = _model_facts(skeleton, model_config)
     resume_from, resume_state, reshard, previous = _resolve_resume_point(cfg, ds, model_facts, dist)
     if not (cfg.run.print_config or cfg.planning.plan):

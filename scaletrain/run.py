@@ -9,13 +9,13 @@ from functools import partial
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
-from scaletrain import (checkpoint, distributed, engine as engine_lib, model as model_lib, sequence_parallel,
-                        store_prep, tokenstore)
+from scaletrain import (checkpoint, distributed, engine as engine_lib, model as model_lib, pipeline,
+                        sequence_parallel, store_prep, tokenstore)
 from scaletrain.blocks import MixedBlocks, PackedBlocks, blocks_from_store, eval_batches
 from scaletrain.errors import NonFiniteStop, UsageError
 from scaletrain.distributed import DistInfo
 from scaletrain.logs import silence_library_logs
-from scaletrain.loop import LoopHooks, LoopSettings, evaluate, train_loop
+from scaletrain.loop import LoopHooks, LoopSettings, PipelineStep, evaluate, train_loop
 from scaletrain.flops import peak_tflops
 from scaletrain.metrics import MetricsLogger, StepProfiler, ThroughputModel
 from scaletrain.preflight import (ResolvedRun, describe_launch, peak_lr, print_config, print_memory_plan,
@@ -52,9 +52,11 @@ class Run:
         self.order: Optional[GlobalOrder] = None
         self.schedule: Optional[LRSchedule] = None
         self.engine: Any = None
+        self.pipeline_loss: Any = None  # the pipe engine's loss_fn, under pipeline parallelism
+        self.pipeline_step: Optional[PipelineStep] = None
         self.metrics: Optional[MetricsLogger] = None
-        self.state = TrainState(world_size=dist.dp_world_size, tensor_parallel_size=dist.tensor_parallel_size,
-                                sequence_parallel_size=dist.sequence_parallel_size)
+        self.state = TrainState(world_size=dist.dp_world_size)
+        self._record_layout()
         self.preemption = PreemptionFlag()
         self.guard: Optional[NonFiniteGuard] = None
 
@@ -63,6 +65,13 @@ class Run:
         resolved = resolve_run(argv, dist)
         silence_library_logs()
         return cls(resolved)
+
+    def _record_layout(self) -> None:
+        """The layout this run trains with, into the train state its checkpoints carry."""
+        self.state.world_size = self.dist.dp_world_size
+        self.state.tensor_parallel_size = self.dist.tensor_parallel_size
+        self.state.sequence_parallel_size = self.dist.sequence_parallel_size
+        self.state.pipeline_parallel_size = self.dist.pipeline_parallel_size
 
     def print_config(self) -> None:
         print_config(self.resolved, self.dist)
@@ -82,6 +91,9 @@ class Run:
             sequence_parallel.register_ulysses(self.model, self.dist.sequence_parallel_size,
                                                self.resolved.ds.config["train_micro_batch_size_per_gpu"],
                                                self.resolved.block_size, self.cfg.data.attention_isolation)
+        if self.dist.pipeline_parallel_size > 1:  # this rank keeps its stage's layers of the model it built
+            self.model, self.pipeline_loss = pipeline.build_pipeline_module(
+                self.model, self.dist.pipeline_parallel_size, self.cfg.parallel.pipeline_partition)
 
     def prepare_resume(self) -> None:
         """A checkpoint from another number of ranks is converted to DeepSpeed's universal format first (global
@@ -156,6 +168,8 @@ class Run:
     def build_engine(self) -> None:
         self.engine = engine_lib.build_engine(self.model, self.resolved.ds.config, self.cfg.optim.weight_decay,
                                               self.schedule, self.dist.tensor_parallel_size)
+        if self.pipeline_loss is not None:
+            self.pipeline_step = PipelineStep(self.engine, self.pipeline_loss)
         # From here a SIGUSR1/SIGTERM becomes a checkpoint at the next step boundary instead of a lost run.
         self.preemption.install()
 
@@ -168,9 +182,7 @@ class Run:
                 engine_lib.restore_weight_decay(self.engine, self.cfg.optim.weight_decay)
             # The checkpoint restored the saving run's peak LR and next LR; this run's flags decide from here on.
             restart_schedule(self.engine.lr_scheduler, self.schedule, peak_lr(self.resolved.ds))
-            self.state.world_size = self.dist.dp_world_size
-            self.state.tensor_parallel_size = self.dist.tensor_parallel_size
-            self.state.sequence_parallel_size = self.dist.sequence_parallel_size
+            self._record_layout()
         self.metrics = MetricsLogger(self.cfg.run.output_dir, self.dist.is_main, self.cfg.logging.report_sinks,
                                      self.cfg.run.run_name or Path(self.cfg.run.output_dir).resolve().name,
                                      self.cfg.to_dict(), resume_step=self.state.step,
@@ -220,7 +232,7 @@ class Run:
             metrics=self.metrics, save=self.save, preemption=self.preemption, eval_batches=self.eval_batches,
             profiler=StepProfiler(self.cfg.logging.profile_range, self.cfg.run.output_dir, self.dist.rank),
             guard=self.guard, switch=SkipSwitch(self.engine.optimizer) if policy.action == "skip" else None,
-            rollback=self.rollback)
+            rollback=self.rollback, pipeline=self.pipeline_step)
         train_loop(self.engine, batches, self.state, settings, hooks)
 
     def rollback(self) -> None:
@@ -239,9 +251,7 @@ class Run:
         if universal:
             engine_lib.restore_weight_decay(self.engine, self.cfg.optim.weight_decay)
         restart_schedule(self.engine.lr_scheduler, self.schedule, peak_lr(self.resolved.ds))  # as in resume()
-        state.world_size = self.dist.dp_world_size
-        state.tensor_parallel_size = self.dist.tensor_parallel_size
-        state.sequence_parallel_size = self.dist.sequence_parallel_size
+        self._record_layout()
         state.data_offset = data_step - state.step  # the next step trains on the batch after the streak
         state.samples_seen = position  # the data position keeps moving forward: nothing is replayed
         state.consecutive_skips = 0
@@ -261,7 +271,8 @@ class Run:
                                if k in record))
             return
         if self.eval_batches:
-            self.metrics.log({"step": self.state.step, **evaluate(self.engine, self.eval_batches)})
+            run_eval = self.pipeline_step.evaluate if self.pipeline_step else evaluate
+            self.metrics.log({"step": self.state.step, **run_eval(self.engine, self.eval_batches)})
         newest = checkpoint.newest_committed(self.cfg.run.output_dir)
         if newest is None or checkpoint.committed_step(newest) != self.state.step:
             self.save()
@@ -282,7 +293,7 @@ class Run:
                 engine_lib.release_engine(self.engine)
             except Exception as err:  # never hide the error that brought us here, nor skip the teardown
                 log.warning("could not release the DeepSpeed engine cleanly: %s", err)
-        self.engine = self.model = self._zero3_keepalive = self.guard = None
+        self.engine = self.model = self._zero3_keepalive = self.guard = self.pipeline_step = None
         distributed.teardown_distributed(self.dist.rank)
         lingering = distributed.communication_threads()
         if lingering:

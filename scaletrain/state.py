@@ -19,6 +19,7 @@ class TrainState:
     world_size: int = 0  # data-parallel ranks that produced this state (a resume must match it)
     tensor_parallel_size: int = 1  # the tensor-parallel size that produced it (another one reshards)
     sequence_parallel_size: int = 1  # likewise the sequence-parallel size
+    pipeline_parallel_size: int = 1  # the pipeline stages (a resume must match: layer files do not reshard)
     wandb_run_id: Optional[str] = None  # so a resumed run continues the same wandb run
 
     def state_dict(self) -> dict:

@@ -11,7 +11,7 @@ import json
 import sys
 from pathlib import Path
 
-PHASES = ("data_wait", "forward", "backward", "optimizer", "sync", "checkpoint")
+PHASES = ("data_wait", "forward", "backward", "pipeline", "optimizer", "sync", "checkpoint")
 
 
 def load(run_dir: Path) -> tuple:

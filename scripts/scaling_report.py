@@ -23,7 +23,7 @@ import tempfile
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-PHASES = ("data_wait", "forward", "backward", "optimizer", "sync", "checkpoint")
+PHASES = ("data_wait", "forward", "backward", "pipeline", "optimizer", "sync", "checkpoint")
 
 
 def run_job(world: int, out: Path, steps: int, launcher_args: str, extra: list) -> dict:

@@ -119,5 +119,6 @@ def test_sequence_layout_checks():
     ds = _resolved({"zero_optimization": {"stage": 3}})
     resolve_layout(ParallelArgs(sequence_parallel_size=2), ds, "x.json")
     assert ds.config["sequence_parallel_size"] == 2 and "tensor_parallel" not in ds.config
-    with pytest.raises(UsageError, match="the two together are not supported yet"):
+    with pytest.raises(UsageError, match="--tensor_parallel_size 2 with --sequence_parallel_size 2: combining "
+                                         "model-parallel layouts is not supported yet"):
         parse_run_config(["--tensor_parallel_size", "2", "--sequence_parallel_size", "2"])

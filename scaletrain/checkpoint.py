@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Optional
 
 from scaletrain.errors import CheckpointWriteError, UsageError
+from scaletrain.pipeline import LAYER_MAP
 from scaletrain.state import TrainState
 
 log = logging.getLogger(__name__)
@@ -183,7 +184,7 @@ def save_checkpoint(engine, output_dir: str, state: TrainState, rank: int, save_
             info = {**state.state_dict(), "model": model_facts or {}}
             (tmp / "train_state.json").write_text(json.dumps(info, indent=2) + "\n")
             if hasattr(engine.module, "scaletrain_layers"):  # a pipeline's layer files, by Hugging Face name
-                from scaletrain.pipeline import LAYER_MAP, layer_map
+                from scaletrain.pipeline import layer_map
 
                 (tmp / LAYER_MAP).write_text(json.dumps(layer_map(engine.module), indent=1) + "\n")
     except OSError as err:  # the disk filled up during the write (the launcher then stops the other ranks)
@@ -217,15 +218,12 @@ def check_resumable(ckpt: Path, dp_world_size: int, layout: tuple, zero_stage: i
                     pipeline_parallel_size: int = 1) -> bool:
     """Before anything is built: the checkpoint fits this run's model. Returns whether it must be resharded (saved
     with another number of data-parallel ranks or another (tensor, sequence) parallel layout, which ZeRO-1/2/3 handle
-    through a universal checkpoint). A pipeline checkpoint resumes on the same number of stages only."""
+    through a universal checkpoint). A pipeline checkpoint resumes on the same pipeline layout, or (ZeRO-1) on
+    plain data parallelism with any number of ranks, through a universal checkpoint renamed to the model's names."""
     saved = read_train_state(ckpt)
     saved_pp = saved.get("pipeline_parallel_size", 1)
     if saved_pp != pipeline_parallel_size:
-        raise UsageError(
-            f"checkpoint {ckpt} was saved with --pipeline_parallel_size {saved_pp}, this run has "
-            f"{pipeline_parallel_size}: resuming on another number of pipeline stages is not supported yet",
-            f"resume with --pipeline_parallel_size {saved_pp}, or export it (scripts/export_hf.py) and start "
-            "from the exported model")
+        _check_pipeline_change(ckpt, saved_pp, pipeline_parallel_size, tuple(layout), zero_stage)
     if pipeline_parallel_size > 1 and saved.get("world_size") not in (None, 0, dp_world_size):
         raise UsageError(
             f"checkpoint {ckpt} was saved with {saved['world_size']} data-parallel ranks per pipeline stage, this "
@@ -233,7 +231,8 @@ def check_resumable(ckpt: Path, dp_world_size: int, layout: tuple, zero_stage: i
             f"launch {saved['world_size'] * pipeline_parallel_size} ranks")
     saved_dp = saved.get("world_size")
     saved_layout = (saved.get("tensor_parallel_size", 1), saved.get("sequence_parallel_size", 1))
-    reshard = saved_dp not in (None, 0, dp_world_size) or saved_layout != tuple(layout)
+    reshard = saved_dp not in (None, 0, dp_world_size) or saved_layout != tuple(layout) or \
+        saved_pp != pipeline_parallel_size
     if reshard and zero_stage == 0:
         raise UsageError(
             f"checkpoint {ckpt} was saved with {saved_dp} data-parallel ranks x (tensor, sequence) parallel "
@@ -247,6 +246,21 @@ def check_resumable(ckpt: Path, dp_world_size: int, layout: tuple, zero_stage: i
         raise UsageError(f"checkpoint {ckpt} is from a different model ({detail})",
                          "resume with the model it was trained with, or start fresh with --resume_from_checkpoint none")
     return reshard
+
+
+def _check_pipeline_change(ckpt: Path, saved_pp: int, pp: int, layout: tuple, zero_stage: int) -> None:
+    """Pipeline stages -> data parallelism is the one change of pipeline layout supported."""
+    if pp > 1 or layout != (1, 1):
+        now = f"--pipeline_parallel_size {pp}" if pp > 1 else "(tensor, sequence) parallel " + str(layout)
+        raise UsageError(
+            f"checkpoint {ckpt} was saved with --pipeline_parallel_size {saved_pp}, this run has {now}: a change of "
+            "pipeline layout is supported only from pipeline stages to plain data parallelism",
+            f"resume with --pipeline_parallel_size {saved_pp}, or without any model-parallel flag")
+    if zero_stage == 0 or not any(ckpt.glob("zero_pp_rank_*_optim_states.pt")):
+        raise UsageError(
+            f"checkpoint {ckpt} (--pipeline_parallel_size {saved_pp}) resumes without pipeline parallelism only "
+            "from ZeRO-1 and with a ZeRO config (its optimizer state is converted to a universal checkpoint)",
+            f"resume with --pipeline_parallel_size {saved_pp}, or export it (scripts/export_hf.py)")
 
 
 UNIVERSAL_DIR = ".universal"
@@ -273,6 +287,10 @@ def ensure_universal(ckpt: Path, rank: int) -> Path:
         if proc.returncode != 0:
             raise RuntimeError(f"converting {ckpt} to a universal checkpoint failed:\n{proc.stdout[-3000:]}"
                                f"\n{proc.stderr[-3000:]}")
+        if (ckpt / LAYER_MAP).exists():  # parameters named by pipeline layer: give them the model's names
+            from scaletrain.pipeline import rename_universal_parameters
+
+            rename_universal_parameters(out, json.loads((ckpt / LAYER_MAP).read_text()))
         _write_atomically(done, "ok\n")
         log.info("converted %s to a universal checkpoint for the new rank count in %.1fs", ckpt,
                  time.perf_counter() - started)
@@ -357,7 +375,7 @@ def export_pipeline_checkpoint(ckpt: Path, out_dir, model_config, tokenizer, dty
     import torch
     from transformers import AutoModelForCausalLM
 
-    from scaletrain.pipeline import LAYER_MAP, hf_state_dict_from_layer_files
+    from scaletrain.pipeline import hf_state_dict_from_layer_files
 
     state = hf_state_dict_from_layer_files(ckpt, json.loads((ckpt / LAYER_MAP).read_text()))
     with torch.device("meta"):

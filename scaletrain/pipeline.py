@@ -238,6 +238,31 @@ def pipe_micro_batches(micro_batches: list) -> list:
 LAYER_MAP = "pipeline_layers.json"
 
 
+def hf_parameter_name(pipe_name: str, places: list) -> str:
+    """The Hugging Face name of a PipelineModule parameter: `<layer index>.<key>`, or `tied_modules.<tie key>.<key>`
+    for a tied embedding (layer 0's module)."""
+    head, _, key = pipe_name.partition(".")
+    if head == "tied_modules":
+        _, _, key = key.partition(".")
+        index = 0
+    else:
+        index = int(head)
+    place = places[index]
+    if place["prefix"] is None or not key.startswith(place["strip"]):
+        raise ValueError(f"pipeline parameter {pipe_name!r} does not map onto the model's names")
+    return place["prefix"] + key[len(place["strip"]):]
+
+
+def rename_universal_parameters(universal_dir, places: list) -> None:
+    """A universal checkpoint of a pipeline names each parameter's folder (zero/<name>/) by pipeline layer; rename
+    them to the Hugging Face model's names, so the model without pipeline parallelism loads it."""
+    zero = universal_dir / "zero"
+    for folder in sorted(p for p in zero.iterdir() if p.is_dir()):
+        new = zero / hf_parameter_name(folder.name, places)
+        if new != folder:
+            folder.rename(new)
+
+
 def layer_map(module) -> list:
     """The JSON-able map of each pipeline layer to its Hugging Face names, saved beside a checkpoint."""
     return [{"strip": p.strip, "prefix": p.prefix} for p in module.scaletrain_layers]

@@ -233,10 +233,12 @@ def _resolve_resume_point(cfg: RunConfig, ds: ResolvedDSConfig, model_facts: dic
     resume_state = read_train_state(resume_from)
     if reshard:
         ds.config.setdefault("checkpoint", {})["load_universal"] = True
+        saved_layout = tuple(resume_state.get(f"{kind}_parallel_size", 1)
+                             for kind in ("tensor", "sequence", "pipeline"))
         ds.sources["checkpoint.load_universal"] = (
-            f"resume of a checkpoint from {resume_state['world_size']} data-parallel ranks x (tensor, sequence) "
-            f"parallel ({resume_state.get('tensor_parallel_size', 1)}, {resume_state.get('sequence_parallel_size', 1)})"
-            f" on {dist.dp_world_size} x ({dist.tensor_parallel_size}, {dist.sequence_parallel_size})")
+            f"resume of a checkpoint from {resume_state['world_size']} data-parallel ranks x (tensor, sequence, "
+            f"pipeline) parallel {saved_layout} on {dist.dp_world_size} x ({dist.tensor_parallel_size}, "
+            f"{dist.sequence_parallel_size}, {dist.pipeline_parallel_size})")
     return resume_from, resume_state, reshard, previous
 
 

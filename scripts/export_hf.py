@@ -1,10 +1,11 @@
-"""Export a committed checkpoint (ZeRO-1/2/3, offloaded or not) as a Hugging Face model folder.
+"""Export a committed checkpoint (ZeRO-1/2/3, offloaded or not, or pipeline-parallel) as a Hugging Face model folder.
 
     python scripts/export_hf.py runs/default/checkpoints/step300 exported/ [--dtype bfloat16]
 
 Writes safetensors shards (with an index when sharded), config.json and the tokenizer. The fp32 master weights are
 read from the ZeRO shards lazily and written shard by shard (DeepSpeed's converter in lazy mode), so the whole
-model is never held twice in memory. The model and tokenizer come from the run's run_config.json.
+model is never held twice in memory. A pipeline-parallel checkpoint is read from its per-layer files (the weights the
+stages held). The model and tokenizer come from the run's run_config.json.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from scaletrain.checkpoint import read_train_state, verify  # noqa: E402
+from scaletrain.checkpoint import export_pipeline_checkpoint, read_train_state, verify  # noqa: E402
 from scaletrain.config import DEFAULT_MODEL_DIR, UsageError  # noqa: E402
 
 
@@ -44,6 +45,11 @@ def export(ckpt: Path, out: Path, dtype: str, max_shard_size: str) -> None:
     model_source = run_config.get("model_name_or_path") or run_config.get("config_name") or str(DEFAULT_MODEL_DIR)
     tokenizer_source = run_config.get("tokenizer_name") or model_source
     trust = bool(run_config.get("trust_remote_code"))
+    if read_train_state(ckpt).get("pipeline_parallel_size", 1) > 1:
+        export_pipeline_checkpoint(ckpt, out, AutoConfig.from_pretrained(model_source, trust_remote_code=trust),
+                                   AutoTokenizer.from_pretrained(tokenizer_source, trust_remote_code=trust),
+                                   dtype=getattr(torch, dtype), max_shard_size=max_shard_size)
+        return
     convert_zero_checkpoint_to_state_dict(str(ckpt.parent), str(out), dtype=getattr(torch, dtype),
                                           max_shard_size=max_shard_size, safe_serialization=True, tag=ckpt.name)
     AutoConfig.from_pretrained(model_source, trust_remote_code=trust).save_pretrained(out)

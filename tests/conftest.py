@@ -154,6 +154,24 @@ def signal_pending(pid: int, sig: int) -> bool:
 FAST_FLAGS = ["--block_size", "64", "--per_device_train_batch_size", "4", "--per_device_eval_batch_size", "8",
               "--max_eval_samples", "32", "--logging_steps", "2", "--disable_tqdm"]
 
+# The parallel-layout tests (tensor, sequence, pipeline) compare 8 steps of a layout against one rank, with
+# clipping that acts (the gradient norms are above it).
+LAYOUT_STEPS, LAYOUT_CLIP = 8, 0.5
+
+
+def layout_flags(run_dir: Path, config: str, *extra: str) -> list:
+    return ["--config", f"ds_configs/{config}.json", "--output_dir", str(run_dir), "--max_steps", str(LAYOUT_STEPS),
+            "--save_steps", "4", "--max_grad_norm", str(LAYOUT_CLIP), *FAST_FLAGS, "--logging_steps", "1", *extra]
+
+
+@pytest.fixture(scope="session")
+def layout_reference(tmp_path_factory, cache_dir) -> Path:
+    """One rank, ZeRO-2, the layout tests' global batch (4 blocks) and seed: the run every layout must equal."""
+    run_dir = tmp_path_factory.mktemp("layouts") / "reference"
+    check_ok(launch(REPO / "train.py", layout_flags(run_dir, "zero2"), "python", cache_dir))
+    assert max(r["grad_norm"] for r in read_metrics(run_dir) if "grad_norm" in r) > LAYOUT_CLIP  # clipping acts
+    return run_dir
+
 
 @contextmanager
 def small_tmpfs(folder: Path, size: str) -> Iterator[Path]:

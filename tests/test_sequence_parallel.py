@@ -22,11 +22,9 @@ from tests.test_tensor_parallel import (_assert_matches, _assert_same_export, _f
 SP = ["--sequence_parallel_size", "2"]
 
 
-@pytest.fixture(scope="module")
-def reference(tmp_path_factory, cache_dir) -> Path:
-    run_dir = tmp_path_factory.mktemp("sp") / "reference"
-    check_ok(launch(REPO / "train.py", _flags(run_dir, "zero2"), "python", cache_dir))
-    return run_dir
+@pytest.fixture
+def reference(layout_reference) -> Path:
+    return layout_reference
 
 
 @pytest.fixture(scope="module")

@@ -18,15 +18,10 @@ from scaletrain.config import ParallelArgs
 from scaletrain.distributed import DistInfo
 from scaletrain.errors import UsageError
 from scaletrain.layout import apply_layout, check_model_layout, resolve_layout
-from tests.conftest import FAST_FLAGS, REPO, check_ok, launch, read_metrics
+from tests.conftest import LAYOUT_STEPS, REPO, check_ok, launch, layout_flags, read_metrics
 
-STEPS = 8
-CLIP = 0.5
-
-
-def _flags(run_dir: Path, config: str, *extra: str) -> list:
-    return ["--config", f"ds_configs/{config}.json", "--output_dir", str(run_dir), "--max_steps", str(STEPS),
-            "--save_steps", "4", "--max_grad_norm", str(CLIP), *FAST_FLAGS, "--logging_steps", "1", *extra]
+STEPS = LAYOUT_STEPS
+_flags = layout_flags
 
 
 def _records(run_dir: Path) -> dict:
@@ -43,13 +38,9 @@ def _relative_difference(a, b) -> float:
     return float((a - b).norm() / b.norm().clamp(min=1e-12))
 
 
-@pytest.fixture(scope="module")
-def reference(tmp_path_factory, cache_dir) -> Path:
-    """One rank, ZeRO-2, the same global batch (4 blocks) and seed."""
-    run_dir = tmp_path_factory.mktemp("tp") / "reference"
-    check_ok(launch(REPO / "train.py", _flags(run_dir, "zero2"), "python", cache_dir))
-    assert max(r["grad_norm"] for r in _records(run_dir).values()) > CLIP  # the clipping acts
-    return run_dir
+@pytest.fixture
+def reference(layout_reference) -> Path:
+    return layout_reference
 
 
 @pytest.fixture(scope="module")

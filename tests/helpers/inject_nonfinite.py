@@ -5,8 +5,9 @@
 multiplies RANK's loss at those data steps (1-based: the batch a step trains on, so a rollback's data offset moves
 past them) by NaN, or by F when given (a loss spike). The backward then sees the same bad loss, as it would with a
 real bad batch. The pipeline holds no hook for this: the helper wraps scaletrain.loop.token_loss_sum, and only
-while scaletrain.loop.optimizer_step runs, so an evaluation's loss is never touched. Without the variable it is
-plain train.py.
+while scaletrain.loop.optimizer_step runs, so an evaluation's loss is never touched; under pipeline parallelism it
+wraps the pipe engine's loss function (scaletrain.pipeline.TokenLoss) while PipelineStep.step runs, which only
+the last stage calls. Without the variable it is plain train.py.
 """
 
 import inspect
@@ -50,6 +51,32 @@ def install(factors: dict) -> None:
         return summed if current["factor"] is None else summed * current["factor"]
 
     loop.optimizer_step, loop.token_loss_sum = optimizer_step, token_loss_sum
+    _install_pipeline(factors, current)
+
+
+def _install_pipeline(factors: dict, current: dict) -> None:
+    from scaletrain import loop, pipeline
+
+    pipeline_step, loss_call = loop.PipelineStep.step, pipeline.TokenLoss.__call__
+    signature = inspect.signature(pipeline_step)
+
+    def step(self, *args, **kwargs):
+        data_step = signature.bind(self, *args, **kwargs).arguments["data_step"]
+        current["factor"] = factors.get(data_step + 1)
+        try:
+            return pipeline_step(self, *args, **kwargs)
+        finally:
+            current["factor"] = None
+
+    def scaled_loss(self, logits, targets):
+        factor, before = current["factor"], self.loss_sum
+        loss = loss_call(self, logits, targets)
+        if factor is None:
+            return loss
+        self.loss_sum = before + (self.loss_sum - before) * factor  # the reported sum and the backward alike
+        return loss * factor
+
+    loop.PipelineStep.step, pipeline.TokenLoss.__call__ = step, scaled_loss
 
 
 def main() -> int:

@@ -350,12 +350,7 @@ class ParallelArgs:
         choices=("parameters", "uniform"))
 
     def validate(self) -> None:
-        sizes = ("tensor_parallel_size", "sequence_parallel_size", "pipeline_parallel_size")
-        _check_at_least_one(self, sizes)
-        chosen = [name for name in sizes if getattr(self, name) > 1]
-        if len(chosen) > 1:
-            raise UsageError(" with ".join(f"--{name} {getattr(self, name)}" for name in chosen) +
-                             ": combining model-parallel layouts is not supported yet", "choose one of them")
+        _check_at_least_one(self, ("tensor_parallel_size", "sequence_parallel_size", "pipeline_parallel_size"))
 
 
 @dataclass(frozen=True)

@@ -15,7 +15,8 @@ Hooks, why we need them, and the test that proves they still act:
 - deepspeed.runtime.zero.parameter_offload.FWD_MODULE_STACK and the class-wide functools.lru_cache on
   PartitionedParameterCoordinator.__params_to_release: both keep a ZeRO-3 engine's modules (and the process groups
   they hold) alive after engine.destroy(), until the interpreter exits, where gloo's threads can abort a finished run.
-  tests/test_pipeline.py::test_a_run_frees_its_process_groups_before_exit[zero3-*].
+  deepspeed.runtime.pipe.p2p._groups and ._grid do the same for a pipeline engine's groups.
+  tests/test_pipeline.py::test_a_run_frees_its_process_groups_before_exit[zero3-*, zero1_pp2-*].
 - torch.utils.cpp_extension._get_build_directory (torch's rule for where an op is built), deepspeed.git_version_info
   .installed_ops, the accelerator's create_op_builder and OpBuilder.load/.is_compatible/.name: scaletrain/ops.py loads
   DeepSpeed's compiled ops under its own lock, so a stale torch build lock cannot hang a run.
@@ -239,6 +240,8 @@ TP_GATHER = Hook("deepspeed.runtime.engine:DeepSpeedEngine", "_consolidated_16bi
 _PP, _PP_INSTEAD = "pipeline parallelism (--pipeline_parallel_size)", "train without --pipeline_parallel_size"
 PIPE_INSTRUCTIONS = Hook("deepspeed.runtime.pipe.engine:PipelineEngine", "_INSTRUCTION_MAP", _PP, _PP_INSTEAD)
 PIPE_OPTIMIZER_STEP = Hook("deepspeed.runtime.pipe.schedule", "OptimizerStep", _PP, _PP_INSTEAD)
+PIPE_P2P_GROUPS = Hook("deepspeed.runtime.pipe.p2p", "_groups", _RELEASE)
+PIPE_P2P_GRID = Hook("deepspeed.runtime.pipe.p2p", "_grid", _RELEASE)
 PIPE_SPECS = Hook("deepspeed.runtime.pipe.module:PipelineModule", "_layer_specs", _PP, _PP_INSTEAD)  # instance
 PIPE_CLIP = Hook("deepspeed.runtime.engine:DeepSpeedEngine", "clip_fp32_gradients", _PP, _PP_INSTEAD)
 
@@ -246,7 +249,7 @@ PIPE_CLIP = Hook("deepspeed.runtime.engine:DeepSpeedEngine", "clip_fp32_gradient
 HOOKS = (STAGE3_CHECK, STAGE3_CLEANUP, STAGE12_CHECK, STAGE12_INIT, FWD_MODULE_STACK, PARAMS_TO_RELEASE,
          BUILD_DIRECTORY, INSTALLED_OPS, CREATE_OP_BUILDER, BUILDER_LOAD, BUILDER_COMPATIBLE, SHM_BUILD,
          UNIVERSAL_CONVERTER, UNIVERSAL_VERSION, TP_GROUPS, TP_GATHER, PIPE_INSTRUCTIONS, PIPE_OPTIMIZER_STEP,
-         PIPE_CLIP)
+         PIPE_CLIP, PIPE_P2P_GROUPS, PIPE_P2P_GRID)
 
 
 def check_hooks() -> list[str]:
@@ -333,6 +336,17 @@ def release_zero3_references(module) -> None:
     for attribute in vars(coordinator).values():
         for cache in _caches(attribute):
             cache.cache_clear()
+
+
+def release_pipeline_references() -> None:
+    """Drop the module-level references of DeepSpeed's pipeline point-to-point layer (deepspeed/runtime/pipe/p2p.py
+    keeps the grid and one process group per pair of adjacent stages in globals, alive after the engine is gone)."""
+    PIPE_P2P_GROUPS.resolve()
+    PIPE_P2P_GRID.resolve()
+    from deepspeed.runtime.pipe import p2p
+
+    p2p._groups = None
+    p2p._grid = None
 
 
 def torch_build_directory(op_name: str) -> str:

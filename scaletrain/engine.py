@@ -76,9 +76,12 @@ def release_engine(engine) -> None:
     `engine.destroy()` removes DeepSpeed's hooks. Under ZeRO-3 two module-level references remain, which
     ds_internals.release_zero3_references drops.
     """
+    from scaletrain import ds_internals
+
     engine.destroy()
+    if hasattr(engine, "train_batch"):  # a pipeline engine: its point-to-point groups sit in module globals
+        ds_internals.release_pipeline_references()
     if engine.zero_optimization_stage() != 3:
         return
-    from scaletrain import ds_internals
 
     ds_internals.release_zero3_references(engine.module)

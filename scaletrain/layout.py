@@ -39,7 +39,14 @@ def _layout_flag(parallel: ParallelArgs) -> tuple:
 
 
 def apply_layout(parallel: ParallelArgs, dist: DistInfo) -> DistInfo:
-    """`dist` with the layout set (its dp_world_size and dp_rank follow); the world must split."""
+    """`dist` with the layout set (its dp_world_size and dp_rank follow); the world must split, and one kind of
+    model parallelism at a time (--plan alone plans them together)."""
+    sizes = ("tensor_parallel_size", "sequence_parallel_size", "pipeline_parallel_size")
+    chosen = [name for name in sizes if getattr(parallel, name) > 1]
+    if len(chosen) > 1:
+        raise UsageError(" with ".join(f"--{name} {getattr(parallel, name)}" for name in chosen) +
+                         ": combining model-parallel layouts is not supported yet (--plan can plan them)",
+                         "choose one of them")
     flag, size = _layout_flag(parallel)
     if dist.world_size % size:
         raise UsageError(f"{flag} {size} does not divide the world size {dist.world_size}",
@@ -54,14 +61,14 @@ def check_planned_layout(parallel: ParallelArgs, planning: PlanningArgs) -> None
     ones must split its ranks."""
     if not planning.plan:
         return
-    tp, sp = parallel.tensor_parallel_size, parallel.sequence_parallel_size
+    tp, sp, pp = parallel.tensor_parallel_size, parallel.sequence_parallel_size, parallel.pipeline_parallel_size
     if planning.num_gpus % tp:
         raise UsageError(f"--tensor_parallel_size {tp} does not divide --num_gpus {planning.num_gpus}",
                          "a tensor-parallel group stays inside a node: choose a size that divides the GPUs per node")
     ranks = planning.num_gpus * planning.num_nodes
-    if ranks % sp:
-        raise UsageError(f"--sequence_parallel_size {sp} does not divide the {ranks} planned GPUs",
-                         "choose a size that divides --num_gpus x --num_nodes")
+    if ranks % (tp * sp * pp):
+        raise UsageError(f"the layout (tensor {tp} x sequence {sp} x pipeline {pp}) does not divide the {ranks} "
+                         "planned GPUs", "choose sizes whose product divides --num_gpus x --num_nodes")
 
 
 def check_model_layout(parallel: ParallelArgs, model_config) -> None:
@@ -161,8 +168,8 @@ def _resolve_pipeline_layout(parallel: ParallelArgs, ds: ResolvedDSConfig, confi
                          "use ds_configs/zero1.json with pipeline parallelism")
 
 
-def check_pipeline_run(parallel: ParallelArgs, attention_isolation: bool, rampup: bool, precision: str,
-                       zero_stage: int, config_path: str) -> None:
+def check_pipeline_run(parallel: ParallelArgs, attention_isolation: bool, precision: str, zero_stage: int,
+                       config_path: str) -> None:
     """What the pipeline path does not carry yet, refused before anything is built."""
     pp = parallel.pipeline_parallel_size
     if pp == 1:
@@ -171,9 +178,6 @@ def check_pipeline_run(parallel: ParallelArgs, attention_isolation: bool, rampup
         raise UsageError(f"--pipeline_parallel_size {pp} with --attention_isolation: not supported yet (the "
                          "per-document mask would have to be rebuilt inside every stage)",
                          "drop --attention_isolation, or train without pipeline parallelism")
-    if rampup:
-        raise UsageError(f"--pipeline_parallel_size {pp} with --rampup_batch_size: not supported yet",
-                         "drop --rampup_batch_size, or train without pipeline parallelism")
     if zero_stage == 0 and precision != "fp32":
         raise UsageError(f"--pipeline_parallel_size {pp} with ZeRO stage 0 in {precision} ({config_path}): the "
                          "gradient-clipping fix for stage 0 covers fp32 only",

@@ -1,4 +1,5 @@
-"""The training loop: the only place that calls engine.backward and engine.step.
+"""The training loop: the only place that calls engine.backward and engine.step (engine.train_batch, which runs
+both inside DeepSpeed's pipeline schedule, under pipeline parallelism).
 
 Loss normalisation: the loss of a step is the mean over every real (non-padding) target token of the global
 batch. Each micro-batch contributes its *sum* of token losses divided by the global target count, so neither
@@ -11,6 +12,7 @@ DeepSpeed averages over every rank, each holding part of a block: see scaletrain
 
 from __future__ import annotations
 
+import itertools
 import logging
 import math
 import time
@@ -294,8 +296,9 @@ class PipelineStep:
             clock.lap("sync")
 
         self._before_update = before_update
-        try:
-            engine.train_batch(data_iter=iter(pipe_micro_batches(micro_batches)))
+        try:  # the LR is read only by the update at the schedule's end: scaling it around the whole batch is exact
+            with scaled_lr(engine, rampup_lr_factor(batches, data_step, settings)):
+                engine.train_batch(data_iter=iter(pipe_micro_batches(micro_batches)))
         finally:
             self._before_update = None
             if hooks.switch:
@@ -312,8 +315,12 @@ class PipelineStep:
         from scaletrain.pipeline import pipe_micro_batches
 
         self.loss.scale, self.loss.loss_sum = 1.0, 0.0
-        engine.reset_activation_shape()  # evaluation batches may have another shape than training's
-        engine.eval_batch(data_iter=iter(pipe_micro_batches(batches)), num_micro_batches=len(batches))
+        # The stages agree on an activation's shape once per schedule, so each run of equal-shaped batches (the
+        # last evaluation batch may be smaller) is its own eval_batch; training's shape is agreed again after.
+        for _, same_shape in itertools.groupby(batches, key=lambda batch: tuple(batch["input_ids"].shape)):
+            group = list(same_shape)
+            engine.reset_activation_shape()
+            engine.eval_batch(data_iter=iter(pipe_micro_batches(group)), num_micro_batches=len(group))
         engine.reset_activation_shape()
         engine.train()
         sums = torch.zeros(2, dtype=torch.float64, device=engine.device)

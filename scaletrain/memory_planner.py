@@ -5,8 +5,9 @@
 
 The model is built on the meta device (structure only). Model states are counted at their peak as DeepSpeed 0.19
 holds them, per rank, with N parameters on the rank (with --tensor_parallel_size t, its linear layers' weights / t
-plus the rest whole), d = num_gpus x num_nodes / t data-parallel ranks and p = bytes of a weight (2 in bf16/fp16, 4
-in fp32):
+plus the rest whole; with --pipeline_parallel_size k, the largest stage: layers / k decoder layers plus the
+embeddings or the head), d = num_gpus x num_nodes / (t k) data-parallel ranks and p = bytes of a weight (2 in
+bf16/fp16, 4 in fp32):
 
     ZeRO-1            weights p N      + gradients max(p N, G N / d) + optimizer 12 N / d
     ZeRO-2            weights p N      + gradients G N / d + optimizer 12 N / d
@@ -31,6 +32,9 @@ Working memory per micro-batch of b sequences of s tokens (hidden h, MLP width f
                   (ZeRO then partitions over all the ranks: Ulysses runs without an mpu, see sequence_parallel.py)
     logits        s b V x 10 bytes: the 16-bit logits, their fp32 copy for the loss and its gradient (x1.5 in fp32)
     checkpointing keeps each layer's input (2 s b h) and recomputes one layer at a time
+    pipeline      k stages, 1F1B: the first stage keeps up to k micro-batches in flight for its L / k layers (L
+                  layers' worth, as without a pipeline, but no logits); the last one micro-batch of L / k layers and
+                  the logits; the larger of the two counts
     ZeRO-3        plus the largest layer gathered whole (weights and gradients, 2 p x its parameters)
 
 The working memory is an estimate (kernels and the allocator decide), the model states a count: the test checks
@@ -57,9 +61,21 @@ class ModelShape:
     vocab: int
     linear_params: int = 0  # in nn.Linear layers: what tensor parallelism splits (the rest stays whole per rank)
     kv_heads: int = 0  # key/value heads (0: unknown): a tensor-parallel size must divide them
+    embedding_params: int = 0  # the input embeddings (tokens, learned positions): the first pipeline stage's
+    head_params: int = 0  # the output head on the last pipeline stage (a tied head holds a copy of the embedding)
+    head_tied: bool = False  # the head's weight is the embedding's (counted once in n_params)
 
     def params_per_tp_rank(self, tp: int) -> float:
         return self.n_params - self.linear_params + self.linear_params / tp
+
+    def params_per_rank(self, tp: int, pp: int = 1) -> float:
+        """Parameters on one rank: its tensor-parallel share of the largest pipeline stage (the first, with the
+        embeddings, or the last, with the head, each with layers / pp decoder layers)."""
+        if pp == 1:
+            return self.params_per_tp_rank(tp)
+        body = self.n_params - self.embedding_params - (0 if self.head_tied else self.head_params)
+        largest = body / pp + max(self.embedding_params, self.head_params)
+        return largest * self.params_per_tp_rank(tp) / self.n_params
 
     @classmethod
     def from_meta_model(cls, model, model_config) -> "ModelShape":
@@ -67,6 +83,7 @@ class ModelShape:
 
         text = model_config.get_text_config()
         leaves = [m for m in model.modules() if not list(m.children())]
+        head = model.get_output_embeddings()
         hidden = getattr(text, "hidden_size", None) or text.n_embd
         return cls(
             n_params=sum(p.numel() for p in model.parameters()),
@@ -78,6 +95,10 @@ class ModelShape:
             linear_params=sum(p.numel() for m in model.modules() if isinstance(m, torch.nn.Linear)
                               for p in m.parameters(recurse=False)),
             kv_heads=getattr(text, "num_key_value_heads", None) or getattr(text, "num_attention_heads", 0) or 0,
+            embedding_params=sum(p.numel() for m in model.modules() if isinstance(m, torch.nn.Embedding)
+                                 for p in m.parameters(recurse=False)),
+            head_params=head.weight.numel() if head is not None else 0,
+            head_tied=head is not None and head.weight is model.get_input_embeddings().weight,
         )
 
     def splits_into(self, tp: int) -> bool:
@@ -127,9 +148,9 @@ def weight_bytes(precision: str) -> int:
     return 4 if precision == "fp32" else 2
 
 
-def model_state_bytes(option: Option, shape: ModelShape, dp: int, precision: str, tp: int = 1) -> tuple:
+def model_state_bytes(option: Option, shape: ModelShape, dp: int, precision: str, tp: int = 1, pp: int = 1) -> tuple:
     """(params, grads, optimizer) bytes on one GPU, and (host, nvme) bytes per rank, for one option."""
-    p, n = weight_bytes(precision), shape.params_per_tp_rank(tp)
+    p, n = weight_bytes(precision), shape.params_per_rank(tp, pp)
     grad_bytes = 4 if precision == "fp32" else (p if option.stage == 3 else p + 4)
     params = p * n / dp if option.stage == 3 else p * n
     grads, optimizer = grad_bytes * n / dp, OPTIMIZER_BYTES * n / dp
@@ -150,32 +171,40 @@ def model_state_bytes(option: Option, shape: ModelShape, dp: int, precision: str
 
 
 def activation_bytes(shape: ModelShape, micro_batch: int, block_size: int, precision: str, stage: int = 1,
-                     tp: int = 1, sp: int = 1) -> tuple:
-    """Working memory (without, with) activation checkpointing, bytes per GPU for one micro-batch."""
+                     tp: int = 1, sp: int = 1, pp: int = 1) -> tuple:
+    """Working memory (without, with) activation checkpointing, bytes per GPU for one micro-batch (under pipeline
+    parallelism: of the stage that needs most)."""
     scale = 2 if precision == "fp32" else 1
     tokens = micro_batch * block_size / sp
     per_layer = tokens * (8 * shape.hidden + (10 * shape.hidden + 8 * shape.intermediate) / tp) * scale
     logits = tokens * shape.vocab * 10 * (1.5 if precision == "fp32" else 1)
-    without = shape.layers * per_layer + logits
-    with_checkpointing = shape.layers * 2 * tokens * shape.hidden * scale + per_layer + logits
+    kept = 2 * tokens * shape.hidden * scale  # a checkpointed layer's input
+    # 1F1B: the first stage holds the activations of up to pp micro-batches in flight for its layers / pp layers
+    # (as many layers' worth as the whole model for one micro-batch), the last stage one micro-batch and the logits.
+    first_stage = (shape.layers * per_layer, shape.layers * kept + per_layer)
+    last_stage = (shape.layers / pp * per_layer + logits, shape.layers / pp * kept + per_layer + logits)
+    without, with_checkpointing = (max(first_stage[i], last_stage[i]) for i in (0, 1))
     gathered = 2 * weight_bytes(precision) * shape.largest_layer_params if stage == 3 else 0
     return without + gathered, with_checkpointing + gathered
 
 
-def options_for(tp: int, sp: int = 1) -> List[Option]:
-    """The options the pipeline runs with this layout (TP: ZeRO-1/2, SP: ZeRO-1/2/3; neither with offload)."""
+def options_for(tp: int, sp: int = 1, pp: int = 1) -> List[Option]:
+    """The options the pipeline runs with this layout (TP: ZeRO-1/2, SP: ZeRO-1/2/3, PP: ZeRO-1; none with
+    offload)."""
+    if pp > 1:
+        return [o for o in OPTIONS if o.stage == 1]
     if tp > 1:
         return [o for o in OPTIONS if o.stage < 3 and o.offload_optimizer == "none"]
     return OPTIONS if sp == 1 else [o for o in OPTIONS if o.offload_optimizer == "none"]
 
 
 def plan_memory(shape: ModelShape, gpus_per_node: int, nodes: int, micro_batch: int, block_size: int,
-                precision: str, tp: int = 1, sp: int = 1) -> List[Estimate]:
-    dp = gpus_per_node * nodes // tp  # the ranks ZeRO partitions over (under SP: all of them)
+                precision: str, tp: int = 1, sp: int = 1, pp: int = 1) -> List[Estimate]:
+    dp = gpus_per_node * nodes // (tp * pp)  # the ranks ZeRO partitions over (under SP: all of them)
     estimates = []
-    for option in options_for(tp, sp):
-        act, act_ckpt = activation_bytes(shape, micro_batch, block_size, precision, option.stage, tp, sp)
-        params, grads, optimizer, host, nvme = model_state_bytes(option, shape, dp, precision, tp)
+    for option in options_for(tp, sp, pp):
+        act, act_ckpt = activation_bytes(shape, micro_batch, block_size, precision, option.stage, tp, sp, pp)
+        params, grads, optimizer, host, nvme = model_state_bytes(option, shape, dp, precision, tp, pp)
         estimates.append(Estimate(option, params, grads, optimizer, act, act_ckpt, host * gpus_per_node,
                                   nvme * gpus_per_node))
     return estimates
@@ -194,36 +223,57 @@ def recommend(estimates: List[Estimate], gpu_bytes: float, host_bytes: Optional[
 
 def recommend_layout(shape: ModelShape, gpus_per_node: int, nodes: int, micro_batch: int, block_size: int,
                      precision: str, gpu_bytes: float, host_bytes: Optional[float]) -> Optional[tuple]:
-    """(tensor-parallel size, estimate, checkpointing) of the fastest layout that fits, in this order: pure data
-    parallelism without offload (ZeRO-1, 2, 3), then tensor parallelism inside a node (2, 4, ... GPUs; its
-    all-reduces stay on the node's links), then offload (host memory and PCIe are slower still)."""
+    """(tensor-parallel size, pipeline stages, estimate, checkpointing) of the fastest layout that fits, in this
+    order: pure data parallelism without offload (ZeRO-1, 2, 3), then tensor parallelism inside a node (2, 4, ...
+    GPUs; its all-reduces stay on the node's links), then pipeline stages (2, 4, ...; point-to-point transfers of
+    one activation per micro-batch, which cross nodes well, at the cost of the pipeline's bubble), then offload
+    (host memory and PCIe are slower still). Tensor and pipeline parallelism together are not proposed: the
+    pipeline does not run them together yet."""
     plain = plan_memory(shape, gpus_per_node, nodes, micro_batch, block_size, precision)
     in_gpu = [e for e in plain if e.option.offload_optimizer == "none"]
     choice = recommend(in_gpu, gpu_bytes, host_bytes)
     if choice:
-        return (1, *choice)
+        return (1, 1, *choice)
     tp = 2
     while tp <= gpus_per_node:
         if gpus_per_node % tp == 0 and shape.splits_into(tp):
             choice = recommend(plan_memory(shape, gpus_per_node, nodes, micro_batch, block_size, precision, tp),
                                gpu_bytes, host_bytes)
             if choice:
-                return (tp, *choice)
+                return (tp, 1, *choice)
         tp *= 2
+    pp = 2
+    while pp <= min(shape.layers, gpus_per_node * nodes):
+        if shape.layers % pp == 0 and (gpus_per_node * nodes) % pp == 0:
+            choice = recommend(plan_memory(shape, gpus_per_node, nodes, micro_batch, block_size, precision, pp=pp),
+                               gpu_bytes, host_bytes)
+            if choice:
+                return (1, pp, *choice)
+        pp *= 2
     choice = recommend([e for e in plain if e.option.offload_optimizer != "none"], gpu_bytes, host_bytes)
-    return (1, *choice) if choice else None
+    return (1, 1, *choice) if choice else None
+
+
+def _describe(ranks: int, tp: int, sp: int, pp: int) -> str:
+    sizes = [(kind, size) for kind, size in (("tensor", tp), ("sequence", sp), ("pipeline", pp)) if size > 1]
+    if not sizes:
+        return f"{ranks} data-parallel ranks"
+    model_parallel = tp * sp * pp
+    return f"{ranks} ranks: " + " x ".join(f"{kind} parallel {size}" for kind, size in sizes) + \
+        f" x {ranks // model_parallel} data-parallel"
+
+
+def _layout_flags(tp: int, sp: int, pp: int) -> str:
+    return "".join(f" --{kind}_parallel_size {size}" for kind, size in
+                   (("tensor", tp), ("sequence", sp), ("pipeline", pp)) if size > 1)
 
 
 def render(estimates: List[Estimate], shape: ModelShape, gpus_per_node: int, nodes: int, gpu_memory_gb: float,
            host_memory_gb: Optional[float], micro_batch: int, block_size: int, precision: str, tp: int = 1,
-           sp: int = 1) -> str:
+           sp: int = 1, pp: int = 1) -> str:
     gb = lambda b: f"{b / GIB:.2f}"  # noqa: E731
     gpu_bytes, host_bytes = gpu_memory_gb * GIB, None if host_memory_gb is None else host_memory_gb * GIB
-    ranks = nodes * gpus_per_node
-    layout = f"{ranks} data-parallel ranks"
-    if tp > 1 or sp > 1:
-        kind, size = ("tensor", tp) if tp > 1 else ("sequence", sp)
-        layout = f"{ranks} ranks: {kind} parallel {size} x {ranks // size} data-parallel"
+    layout = _describe(nodes * gpus_per_node, tp, sp, pp)
     lines = [
         f"memory plan: {shape.n_params / 1e6:.1f}M parameters, {nodes} node(s) x {gpus_per_node} GPU(s) = "
         f"{layout}, {precision}, micro-batch {micro_batch} x {block_size} tokens, "
@@ -245,21 +295,22 @@ def render(estimates: List[Estimate], shape: ModelShape, gpus_per_node: int, nod
             f"| {gb(est.activations)} / {gb(est.activations_checkpointed)} | {gb(est.total(False))} / "
             f"{gb(est.total(True))} | {gb(est.host_per_node)} | {gb(est.nvme_per_node)} | {' / '.join(fits)} | "
             f"ds_configs/{est.option.ds_config} |")
-    if tp == 1 and sp == 1:  # the layout is open: data parallelism first, then tensor parallelism, then offload
+    if tp == 1 and sp == 1 and pp == 1:  # the layout is open: data parallelism, then TP, then PP, then offload
         choice = recommend_layout(shape, gpus_per_node, nodes, micro_batch, block_size, precision, gpu_bytes,
                                   host_bytes)
     else:  # the layout was given
         choice = recommend(estimates, gpu_bytes, host_bytes)
-        choice = choice and (tp, *choice)
-    flag = (" --sequence_parallel_size %d" % sp) if sp > 1 else ""
+        choice = choice and (tp, pp, *choice)
     lines.append("")
+    if sum(size > 1 for size in (tp, sp, pp)) > 1:
+        lines.append("planning only: train.py does not yet run several model-parallel layouts together")
     if choice is None:
         lines.append("recommended: nothing fits; lower --per_device_train_batch_size or --block_size, add GPUs or "
                      "nodes (ZeRO-3 divides the model states by the rank count), or use GPUs with more memory")
     else:
-        chosen_tp, est, ckpt = choice
+        chosen_tp, chosen_pp, est, ckpt = choice
         lines.append(f"recommended: --config ds_configs/{est.option.ds_config}" +
-                     (f" --tensor_parallel_size {chosen_tp}" if chosen_tp > 1 else "") + flag +
+                     _layout_flags(chosen_tp, sp, chosen_pp) +
                      (" --gradient_checkpointing" if ckpt else "") +
                      f" ({est.option.name}{', activation checkpointing' if ckpt else ''}: "
                      f"{gb(est.total(ckpt))} of {gpu_memory_gb:g} GB per GPU)")

@@ -18,10 +18,13 @@ every real target token of the global batch (scaletrain/loop.py).
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
 from scaletrain.blocks import IGNORE_INDEX
 from scaletrain.errors import UsageError
+
+log = logging.getLogger(__name__)
 
 # Causal LMs whose modules map onto stages, by Hugging Face model_type: where each part lives.
 ROTARY = ("llama", "mistral", "qwen2", "qwen3")
@@ -217,13 +220,36 @@ def build_pipeline_module(hf_model, pp: int, partition: str):
     # "uniform": the same number of decoder layers per stage; "parameters": DeepSpeed balances parameter counts
     # (the embedding and the head weigh in).
     method = f"type:{decoder_name}" if partition == "uniform" else "parameters"
+    sizes = [_spec_parameters(spec) for spec in specs]  # before the other stages' specs are emptied
     module = PipelineModule(layers=specs, num_stages=pp, loss_fn=loss, partition_method=method)
     from scaletrain.ds_internals import release_other_stages
 
     release_other_stages(module)
+    log.info("pipeline stages (--pipeline_partition %s): %s", partition, "; ".join(
+        describe_stage(stage, places[start:stop], sizes[start:stop])
+        for stage, (start, stop) in enumerate(zip(module.parts[:-1], module.parts[1:], strict=True))))
     module.scaletrain_layers = places  # how its layer files map back to Hugging Face names
     module.hf_config = hf_model.config
     return module, loss
+
+
+def _spec_parameters(spec) -> int:
+    import torch.nn as nn
+
+    if getattr(spec, "forward_fn", None) is not None:  # the tied head: the embedding's weight, held again
+        return 0
+    return sum(p.numel() for arg in spec.module_args if isinstance(arg, nn.Module) for p in arg.parameters())
+
+
+def describe_stage(stage: int, places: list, sizes: list) -> str:
+    """"stage 0: embedding + 2 decoder layers (0.89M parameters)"."""
+    decoders = sum(1 for p in places if p.strip == "layer.")
+    parts = [name for name, present in (("embedding", any(p.strip == "embedding." for p in places)),
+                                        ("positions", any(p.strip == "wpe." for p in places)),
+                                        (f"{decoders} decoder layer{'s' if decoders != 1 else ''}", decoders),
+                                        ("norm", any(p.strip == "norm." for p in places)),
+                                        ("head", any(p.strip in ("head.", "") for p in places))) if present]
+    return f"stage {stage}: {' + '.join(parts)} ({sum(sizes) / 1e6:.2f}M parameters)"
 
 
 def pipe_micro_batches(micro_batches: list) -> list:

@@ -271,8 +271,8 @@ def resolve_run(argv: Optional[Sequence[str]], dist: DistInfo) -> ResolvedRun:
     check_sequence_layout(cfg.parallel, block_size, skeleton.config._attn_implementation)
     if not cfg.planning.plan:
         check_pipeline_model(cfg.parallel.pipeline_parallel_size, model_config, skeleton.config._attn_implementation)
-        check_pipeline_run(cfg.parallel, cfg.data.attention_isolation, bool(cfg.optim.rampup_batch_size),
-                           ds.precision, ds.zero_stage, cfg.engine.config)
+        check_pipeline_run(cfg.parallel, cfg.data.attention_isolation, ds.precision, ds.zero_stage,
+                           cfg.engine.config)
     model_facts = _model_facts(skeleton, model_config)
     resume_from, resume_state, reshard, previous = _resolve_resume_point(cfg, ds, model_facts, dist)
     if not (cfg.run.print_config or cfg.planning.plan):
@@ -339,9 +339,11 @@ def print_memory_plan(resolved: ResolvedRun) -> None:
     planning, optim, engine = resolved.cfg.planning, resolved.cfg.optim, resolved.cfg.engine
     shape = resolved.model_shape  # from the meta model resolve_run built
     precision = "bf16" if engine.bf16 else "fp16" if engine.fp16 else planning.plan_precision
-    tp, sp = resolved.cfg.parallel.tensor_parallel_size, resolved.cfg.parallel.sequence_parallel_size
+    parallel = resolved.cfg.parallel
+    tp, sp, pp = parallel.tensor_parallel_size, parallel.sequence_parallel_size, parallel.pipeline_parallel_size
     estimates = memory_planner.plan_memory(shape, planning.num_gpus, planning.num_nodes,
-                                           optim.per_device_train_batch_size, resolved.block_size, precision, tp, sp)
+                                           optim.per_device_train_batch_size, resolved.block_size, precision, tp, sp,
+                                           pp)
     print(memory_planner.render(estimates, shape, planning.num_gpus, planning.num_nodes, planning.gpu_memory_gb,
                                 planning.host_memory_gb, optim.per_device_train_batch_size, resolved.block_size,
-                                precision, tp, sp))
+                                precision, tp, sp, pp))

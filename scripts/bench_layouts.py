@@ -2,7 +2,8 @@
 
 Runs train.py alternately (--rounds times each) at 2 ranks: data parallelism (ZeRO-2, micro-batch B/2 per rank),
 tensor parallelism 2 and sequence parallelism 2 (ZeRO-2, both ranks read the same micro-batch of B; under SP each
-keeps half of every block's tokens), on the same global batch of B blocks,
+keeps half of every block's tokens), pipeline parallelism 2 (ZeRO-1, its engine takes no ZeRO-2: 4 micro-batches of
+B/4 through the 1F1B schedule), on the same global batch of B blocks,
 and reports steady-state tokens/s per rank (tokens between the end of step --warmup and the last step, over the
 wall-clock stamps of metrics.jsonl, divided by the ranks).
 
@@ -25,10 +26,11 @@ sys.path.insert(0, str(REPO))
 
 from scripts.bench_overhead import bench_model, launch, steady_rate  # noqa: E402
 
-LAYOUTS = {  # name -> (flags, micro-batch as a fraction of the global batch)
-    "data parallel 2": ([], 2),
-    "tensor parallel 2": (["--tensor_parallel_size", "2"], 1),
-    "sequence parallel 2": (["--sequence_parallel_size", "2"], 1),
+LAYOUTS = {  # name -> (flags, micro-batch as a fraction of the global batch, ZeRO config)
+    "data parallel 2": ([], 2, "zero2"),
+    "tensor parallel 2": (["--tensor_parallel_size", "2"], 1, "zero2"),
+    "sequence parallel 2": (["--sequence_parallel_size", "2"], 1, "zero2"),
+    "pipeline parallel 2": (["--pipeline_parallel_size", "2", "--gradient_accumulation_steps", "4"], 4, "zero1"),
 }
 
 
@@ -45,9 +47,9 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = bench_model(Path(tmp) / "model")
         for round_ in range(args.rounds):
-            for name, (flags, split) in LAYOUTS.items():
+            for name, (flags, split, config) in LAYOUTS.items():
                 run_dir = Path(tmp) / f"{name.replace(' ', '_')}{round_}"
-                launch("train.py", ["--config", "ds_configs/zero2.json", "--config_name", str(model_dir),
+                launch("train.py", ["--config", f"ds_configs/{config}.json", "--config_name", str(model_dir),
                                     "--output_dir", str(run_dir), "--max_steps", str(args.steps),
                                     "--block_size", str(args.block_size), "--per_device_train_batch_size",
                                     str(args.global_batch // split), "--validation_split_percentage", "0",

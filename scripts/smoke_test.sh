@@ -1,11 +1,11 @@
 #!/usr/bin/env bash
 # Tiny-model smoke test for a fresh node (CPU or GPU), to run before a long job:
 # each ZeRO config trains the built-in tiny Llama for a few steps; one PASS/FAIL line per config.
-# A name <config>_tp<N> runs that config with --tensor_parallel_size N (zero2_tp2 is in the default list when the
-# rank count is even).
+# A name <config>_tp<N> runs that config with --tensor_parallel_size N, <config>_pp<N> with --pipeline_parallel_size
+# N (zero2_tp2 and zero1_pp2 are in the default list when the rank count is even).
 #
 #   bash scripts/smoke_test.sh                 # all configs, 2 ranks on CPU or every visible GPU
-#   NPROC=4 bash scripts/smoke_test.sh zero3 zero1_tp2   # chosen configs and rank count
+#   NPROC=4 bash scripts/smoke_test.sh zero3 zero1_tp2 zero1_pp2   # chosen configs and rank count
 #
 # PASS means: the run exited 0, every logged loss is finite and the last is below the first, a DeepSpeed
 # checkpoint was written and the Hugging Face export loads. Exit code: the number of failed configs.
@@ -26,7 +26,7 @@ fi
 CONFIGS=("$@")
 if [ ${#CONFIGS[@]} -eq 0 ]; then
   CONFIGS=(zero1 zero2 zero3 zero2_offload zero3_offload)
-  [ $((NPROC % 2)) -eq 0 ] && CONFIGS+=(zero2_tp2)
+  [ $((NPROC % 2)) -eq 0 ] && CONFIGS+=(zero2_tp2 zero1_pp2)
 fi
 WORK=$(mktemp -d "${TMPDIR:-/tmp}/smoke.XXXXXX")
 export HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1
@@ -34,9 +34,12 @@ export HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1
 failed=0
 for name in "${CONFIGS[@]}"; do
   out="$WORK/$name"
-  config=${name%_tp*}
+  config=${name%_[tp]p*}
   layout=()
-  [ "$config" != "$name" ] && layout=(--tensor_parallel_size "${name##*_tp}")
+  case "$name" in
+    *_tp*) layout=(--tensor_parallel_size "${name##*_tp}") ;;
+    *_pp*) layout=(--pipeline_parallel_size "${name##*_pp}") ;;
+  esac
   start=$(date +%s)
   if "$DEEPSPEED" --num_gpus "$NPROC" train.py --config "ds_configs/$config.json" --output_dir "$out" "${layout[@]}" \
        --max_steps 10 --logging_steps 2 --block_size 64 --per_device_train_batch_size 4 --learning_rate 3e-3 \

@@ -102,10 +102,20 @@ def latest_step(run_dir: Path) -> int:
     return int((run_dir / "checkpoints" / "latest").read_text().strip().removeprefix("step"))
 
 
-@pytest.mark.parametrize("ds_config", ["zero1", "zero2", "zero3"])
+def run_flags(name: str, run_dir: Path) -> list:
+    """flags() of a ZeRO config name, or of `<config>_pp2`: 2 pipeline stages, whose one replica reads the whole
+    global batch of the 2-rank data-parallel reference."""
+    config, _, layout = name.partition("_")
+    if not layout:
+        return flags(config, run_dir)
+    return [*flags(config, run_dir), "--per_device_train_batch_size", "4", "--pipeline_parallel_size", layout[2:]]
+
+
+@pytest.mark.parametrize("ds_config", ["zero1", "zero2", "zero3", "zero1_pp2"])
 def test_sigkill_one_rank_then_restart_resumes_exactly(ds_config, tmp_path, cache_dir, uninterrupted):
     run_dir = tmp_path / "run"
-    proc = start(flags(ds_config, run_dir), cache_dir)
+    args = run_flags(ds_config, run_dir)
+    proc = start(args, cache_dir)
     ranks = rank_processes(proc)
     # Steps trained after the step-8 checkpoint: stop both ranks there, so the kill lands mid-run on any machine.
     wait_for(lambda: any(step > SAVE_EVERY for step in logged_steps(run_dir)), proc)
@@ -118,14 +128,15 @@ def test_sigkill_one_rank_then_restart_resumes_exactly(ds_config, tmp_path, cach
     assert proc.returncode != 0
     assert latest_step(run_dir) == saved  # nothing was committed without the killed rank
 
-    restarted = launch(REPO / "train.py", flags(ds_config, run_dir), "deepspeed", cache_dir, nprocs=2)
+    restarted = launch(REPO / "train.py", args, "deepspeed", cache_dir, nprocs=2)
     check_ok(restarted)
     assert f"resumed from {run_dir / 'checkpoints' / f'step{saved}'} (step {saved}," in restarted.stdout
     losses = step_losses(run_dir)
     assert sorted(losses) == list(range(1, STEPS + 1))  # every step exactly once: steps after `saved` trained again
-    reference = uninterrupted.losses(ds_config)
-    for step in range(1, STEPS + 1):
-        assert losses[step] == pytest.approx(reference[step], rel=1e-6, abs=1e-7), step
+    config, _, layout = ds_config.partition("_")
+    reference = uninterrupted.losses(config)
+    for step in range(1, STEPS + 1):  # another layout than the reference: equal to 1e-5, not to the last bits
+        assert losses[step] == pytest.approx(reference[step], rel=1e-5 if layout else 1e-6, abs=1e-7), step
 
 
 def test_sigkill_during_a_save_resumes_from_the_previous_checkpoint(tmp_path, cache_dir):

@@ -46,6 +46,17 @@ def test_model_state_formulas_by_stage_and_offload():
     assert memory_planner.activation_bytes(shape, 2, 16, "bf16", sp=2) == memory_planner.activation_bytes(
         shape, 1, 16, "bf16")
     assert [o.name for o in memory_planner.options_for(1, 2)] == ["ZeRO-1", "ZeRO-2", "ZeRO-3"]
+    # pipeline stages: the largest stage's parameters (its layers / k, plus the embedding or the head), ZeRO-1 only
+    staged = memory_planner.ModelShape(n_params=1000, largest_layer_params=100, layers=4, hidden=8, intermediate=16,
+                                       vocab=50, embedding_params=100, head_params=100)
+    assert staged.params_per_rank(1, pp=2) == (1000 - 200) / 2 + 100
+    assert memory_planner.model_state_bytes(by_name["ZeRO-1"], staged, 2, "fp32", pp=2)[:3] == (2000, 2000, 3000)
+    assert [o.name for o in memory_planner.options_for(1, 1, 2)] == ["ZeRO-1"]
+    # the first stage keeps k micro-batches of its layers / k layers in flight: the same as the whole model for
+    # one micro-batch, without the logits (the last stage's)
+    one_stage, _ = memory_planner.activation_bytes(staged, 1, 16, "bf16")
+    first_stage, _ = memory_planner.activation_bytes(staged, 1, 16, "bf16", pp=4)
+    assert first_stage == one_stage - 16 * 50 * 10
     # ZeRO-3's working memory includes its largest layer gathered (weights and gradients)
     without3, _ = memory_planner.activation_bytes(shape, 1, 16, "bf16", stage=3)
     without1, _ = memory_planner.activation_bytes(shape, 1, 16, "bf16", stage=1)
@@ -147,16 +158,31 @@ def test_plan_recommends_tensor_parallelism_inside_a_node_before_offload(tmp_pat
     config = AutoConfig.from_pretrained(model)
     shape = memory_planner.ModelShape.from_meta_model(meta_model(config, False), config)
     assert shape.kv_heads == 8 and shape.linear_params > 0.98 * shape.n_params
-    tp, est, _ = memory_planner.recommend_layout(shape, 8, 4, 1, 4096, "bf16", 75 * memory_planner.GIB, None)
-    assert (tp, est.option.stage) == (1, 3)
+    tp, pp, est, _ = memory_planner.recommend_layout(shape, 8, 4, 1, 4096, "bf16", 75 * memory_planner.GIB, None)
+    assert (tp, pp, est.option.stage) == (1, 1, 3)
     no_zero3 = [o for o in memory_planner.OPTIONS if o.stage < 3]
     original = memory_planner.OPTIONS
     try:
         memory_planner.OPTIONS = no_zero3
-        tp, est, _ = memory_planner.recommend_layout(shape, 8, 4, 1, 4096, "bf16", 80 * memory_planner.GIB, None)
+        tp, pp, est, _ = memory_planner.recommend_layout(shape, 8, 4, 1, 4096, "bf16", 80 * memory_planner.GIB, None)
+        # a single key/value head (no TP size splits it) and no ZeRO-3: pipeline stages before offload, the fewest
+        # that fit (2 and 4 stages leave ZeRO-1's whole weights and gradients of a stage above 72 GB)
+        import dataclasses
+
+        single_kv = dataclasses.replace(shape, kv_heads=1)
+        tp_staged, pp_staged, staged, _ = memory_planner.recommend_layout(
+            single_kv, 8, 4, 1, 4096, "bf16", 80 * memory_planner.GIB, None)
     finally:
         memory_planner.OPTIONS = original
-    assert tp == 8 and est.option.offload_optimizer == "none"
+    assert tp == 8 and pp == 1 and est.option.offload_optimizer == "none"
+    assert (tp_staged, pp_staged, staged.option.name) == (1, 8, "ZeRO-1")
+    # TP 8 inside each node x PP 4 across the nodes, planned (train.py does not run the two together yet)
+    both = plan("--tensor_parallel_size", "8", "--pipeline_parallel_size", "4")
+    assert "32 ranks: tensor parallel 8 x pipeline parallel 4 x 1 data-parallel" in both[0]
+    assert [line.split(" | ")[0] for line in both if line.startswith("| ZeRO")] == ["| ZeRO-1"]
+    assert "planning only: train.py does not yet run several model-parallel layouts together" in both
+    assert both[-1].startswith("recommended: --config ds_configs/zero1.json --tensor_parallel_size 8 "
+                               "--pipeline_parallel_size 4")
 
 
 def test_plan_flags_are_checked():

@@ -179,7 +179,8 @@ open({str(tmp_path)!r} + f"/shard{{dist.rank}}.json", "w").write(json.dumps(repo
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("stage,ending", [("zero2", "finished"), ("zero3", "finished"), ("zero3", "crashed")])
+@pytest.mark.parametrize("stage,ending", [("zero2", "finished"), ("zero3", "finished"), ("zero3", "crashed"),
+                                         ("zero1_pp2", "finished")])
 def test_a_run_frees_its_process_groups_before_exit(tmp_path, cache_dir, stage, ending):
     """After train.py's main returns or raises, no gloo thread is left for the interpreter to tear down at exit.
 
@@ -209,8 +210,10 @@ except RuntimeError as err:
 report = {{"outcome": outcome, "threads": communication_threads()}}
 open({str(tmp_path)!r} + f"/threads{{read_launch_env().rank}}.json", "w").write(json.dumps(report))
 """)
-    proc = launch(script, ["--config", f"ds_configs/{stage}.json", "--output_dir", str(tmp_path / "run"),
-                           "--max_steps", "2", *FAST_FLAGS], "deepspeed", cache_dir, nprocs=2)
+    config, _, pipeline = stage.partition("_")  # zero1_pp2: 2 pipeline stages (their point-to-point groups too)
+    layout = ["--pipeline_parallel_size", pipeline[2:]] if pipeline else []
+    proc = launch(script, ["--config", f"ds_configs/{config}.json", "--output_dir", str(tmp_path / "run"),
+                           "--max_steps", "2", *FAST_FLAGS, *layout], "deepspeed", cache_dir, nprocs=2)
     check_ok(proc)
     assert "outlive the process group" not in proc.stderr + proc.stdout
     reports = [json.loads(p.read_text()) for p in sorted(tmp_path.glob("threads*.json"))]

@@ -23,7 +23,7 @@ from scaletrain.distributed import DistInfo
 from scaletrain.errors import UsageError
 from scaletrain.layout import apply_layout, check_pipeline_run, resolve_layout
 from scaletrain.pipeline import check_pipeline_model, hf_parameter_name
-from tests.conftest import LAYOUT_STEPS as STEPS, REPO, check_ok, launch, layout_flags
+from tests.conftest import LAYOUT_STEPS as STEPS, REPO, check_ok, launch, layout_flags, read_metrics
 from tests.test_tensor_parallel import (_assert_matches, _assert_same_export, _records, _resolved,
                                        _relative_difference, resume_copy_at_step4)
 
@@ -40,6 +40,10 @@ def _zero0_config(folder: Path) -> Path:
     return path
 
 
+def _eval_losses(run_dir: Path) -> dict:
+    return {r["step"]: r["eval_loss"] for r in read_metrics(run_dir) if "eval_loss" in r}
+
+
 def _flags(run_dir: Path, config, *extra: str) -> list:
     args = layout_flags(run_dir, "zero1", *extra)
     args[args.index("--config") + 1] = str(config) if isinstance(config, Path) else f"ds_configs/{config}.json"
@@ -54,6 +58,9 @@ def pp2_zero1(tmp_path_factory, cache_dir) -> Path:
     check_ok(proc)
     output = proc.stdout + proc.stderr
     assert "layout: pipeline parallel 2 x data parallel 1" in output
+    # balanced by parameters: the embedding and the head weigh the same here, so 2 decoder layers each
+    assert ("pipeline stages (--pipeline_partition parameters): stage 0: embedding + 2 decoder layers (0.89M "
+            "parameters); stage 1: 2 decoder layers + norm + head (0.89M parameters)") in output
     return run_dir
 
 
@@ -74,6 +81,7 @@ def test_pipeline_parallel_matches_one_rank(stage, nprocs, layout_reference, pp2
         assert f"layout: pipeline parallel 2 x data parallel {nprocs // 2}" in proc.stdout + proc.stderr
     _assert_matches(run_dir, layout_reference)
     _assert_same_export(run_dir, layout_reference)
+    assert _eval_losses(run_dir) == pytest.approx(_eval_losses(layout_reference), rel=1e-5)  # the pipe's inference
     # MFU counts the model's FLOPs once, over every device (each stage does part of the work).
     record, reference_record = _records(run_dir)[STEPS], _records(layout_reference)[STEPS]
     flops_per_token = reference_record["tflops_per_device"] * 1e12 / reference_record["tokens_per_s"]
@@ -110,12 +118,20 @@ def tiny_gpt2(tmp_path_factory) -> Path:
 def test_a_gpt2_pipeline_with_tied_embeddings_matches_one_rank(tiny_gpt2, tmp_path, cache_dir):
     from transformers import AutoModelForCausalLM
 
-    model = ["--config_name", str(tiny_gpt2), "--tokenizer_name", str(REPO / "data" / "tiny-llama")]
+    # 30 evaluation blocks in batches of 8: the last one is smaller, a shape the stages must agree on anew
+    model = ["--config_name", str(tiny_gpt2), "--tokenizer_name", str(REPO / "data" / "tiny-llama"),
+             "--max_eval_samples", "30"]
     reference, run_dir = tmp_path / "reference", tmp_path / "pp2"
     check_ok(launch(REPO / "train.py", layout_flags(reference, "zero2", *model), "python", cache_dir))
-    check_ok(launch(REPO / "train.py", _flags(run_dir, "zero1", *model, *PP, *TWO_MICRO), "deepspeed", cache_dir,
-                    nprocs=2))
+    proc = launch(REPO / "train.py", _flags(run_dir, "zero1", *model, *PP, *TWO_MICRO, "--pipeline_partition",
+                                            "uniform"), "deepspeed", cache_dir, nprocs=2)
+    check_ok(proc)
+    # uniform: one decoder layer per stage, whatever the embedding (and its tied copy on the last stage) weigh
+    output = proc.stdout + proc.stderr
+    assert ("pipeline stages (--pipeline_partition uniform): stage 0: embedding + positions + 1 decoder layer "
+            "(0.33M parameters); stage 1: 1 decoder layer + norm + head (0.05M parameters)") in output
     _assert_matches(run_dir, reference)
+    assert _eval_losses(run_dir) == pytest.approx(_eval_losses(reference), rel=1e-5)
     got = AutoModelForCausalLM.from_pretrained(run_dir).state_dict()
     expected = AutoModelForCausalLM.from_pretrained(reference).state_dict()
     assert got.keys() == expected.keys()
@@ -222,15 +238,14 @@ def test_unsupported_deepspeed_configs_are_refused_with_the_reason(config, messa
 
 def test_unsupported_run_options_are_refused_with_the_reason():
     pp = ParallelArgs(pipeline_parallel_size=2)
-    check_pipeline_run(pp, False, False, "fp32", 0, "x.json")
+    check_pipeline_run(pp, False, "fp32", 0, "x.json")
     with pytest.raises(UsageError, match="with --attention_isolation: not supported yet"):
-        check_pipeline_run(pp, True, False, "fp32", 1, "x.json")
-    with pytest.raises(UsageError, match="with --rampup_batch_size: not supported yet"):
-        check_pipeline_run(pp, False, True, "fp32", 1, "x.json")
+        check_pipeline_run(pp, True, "fp32", 1, "x.json")
     with pytest.raises(UsageError, match="with ZeRO stage 0 in bf16"):
-        check_pipeline_run(pp, False, False, "bf16", 0, "x.json")
+        check_pipeline_run(pp, False, "bf16", 0, "x.json")
     with pytest.raises(UsageError, match="--tensor_parallel_size 2 with --pipeline_parallel_size 2: combining"):
-        parse_run_config(["--tensor_parallel_size", "2", "--pipeline_parallel_size", "2"])
+        apply_layout(parse_run_config(["--tensor_parallel_size", "2", "--pipeline_parallel_size", "2"]).parallel,
+                     DistInfo(rank=0, local_rank=0, world_size=4, launcher="srun"))
 
 
 def test_a_bad_pipeline_launch_exits_2_before_anything_is_built(tmp_path, cache_dir):
@@ -240,4 +255,22 @@ def test_a_bad_pipeline_launch_exits_2_before_anything_is_built(tmp_path, cache_
                   "python", cache_dir)
     assert proc.returncode == 2
     assert "--pipeline_parallel_size 2 does not divide the world size 1" in proc.stderr
+    assert not out.exists()
+
+
+@pytest.mark.slow  # a 2-rank dry run
+def test_print_config_and_a_dry_run_under_a_pipeline(tmp_path, cache_dir):
+    """--print_config with a 2-rank world (as scripts/train.sbatch checks the flags), and --dry_run: one real step
+    through both stages, nothing written."""
+    out = tmp_path / "out"
+    args = ["--config", "ds_configs/zero1.json", "--output_dir", str(out), *PP, *TWO_MICRO]
+    shown = launch(REPO / "train.py", [*args, "--print_config"], "python", cache_dir,
+                   env={"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "2"})
+    check_ok(shown)
+    assert "pipeline_parallel_size = 2  <- --pipeline_parallel_size" in shown.stdout
+    assert "resolved for 1 data-parallel rank(s)" in shown.stdout
+    dry = launch(REPO / "train.py", [*args, "--dry_run", "--block_size", "64", "--disable_tqdm"], "deepspeed",
+                 cache_dir, nprocs=2)
+    check_ok(dry)
+    assert "dry run OK: one step" in dry.stdout + dry.stderr
     assert not out.exists()

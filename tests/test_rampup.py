@@ -111,6 +111,14 @@ def _assert_same_weights(a: dict, b: dict) -> None:
         assert torch.allclose(a[name], b[name], rtol=1e-5, atol=1e-7), name
 
 
+def _assert_close_weights(a: dict, b: dict) -> None:
+    """Another layout than the reference (the pipeline sums a gradient in another order): each tensor within 1e-5
+    of it, relative to its norm."""
+    assert a.keys() == b.keys()
+    for name in a:
+        assert float((a[name] - b[name]).norm() / a[name].norm()) < 1e-5, name
+
+
 @pytest.mark.slow  # 6 runs of train.py (1 rank: ~12 s each; 2 ranks: ~25 s each)
 @pytest.mark.parametrize("nprocs,scaling", [(1, "sqrt"), (2, "none")])
 def test_ramp_equals_accumulation_set_by_hand_and_resumes_mid_ramp(nprocs, scaling, tmp_path, cache_dir):
@@ -155,3 +163,34 @@ def test_ramp_equals_accumulation_set_by_hand_and_resumes_mid_ramp(nprocs, scali
     assert f"resumed from {stopped / 'checkpoints' / f'step{middle}'}" in resumed.stdout + resumed.stderr
     assert _losses(stopped) == pytest.approx(expected, rel=1e-5)
     _assert_same_weights(_weights(ramped), _weights(stopped))
+
+
+@pytest.mark.slow  # a 1-rank run and three 2-rank pipeline runs of a ramp of 8 steps
+def test_a_ramp_through_the_pipeline_equals_one_rank_and_resumes_mid_ramp(tmp_path, cache_dir):
+    """PP 2 (one data-parallel replica, so the ramp's batches are the 1-rank run's): the accumulation steps, and so
+    the pipe engine's micro-batches per step, change at the stage boundaries; sqrt LR scaling."""
+    steps, full_accumulation = 8, 3
+    ramp_flags = ["--rampup_batch_size", "2", "2", "6", "--rampup_lr_scaling", "sqrt"]
+    one_rank = tmp_path / "one_rank"
+    _run(one_rank, _flags(one_rank, steps, full_accumulation, *ramp_flags), 1, cache_dir)
+
+    def pipeline_flags(run_dir: Path, max_steps: int) -> list:
+        args = _flags(run_dir, max_steps, full_accumulation, *ramp_flags, "--pipeline_parallel_size", "2")
+        args[args.index("--config") + 1] = "ds_configs/zero1.json"  # the pipe engine takes ZeRO-0/1
+        return args
+
+    piped = tmp_path / "piped"
+    _run(piped, pipeline_flags(piped, steps), 2, cache_dir)
+    expected = _losses(one_rank)
+    assert sorted(expected) == list(range(1, steps + 1))
+    assert [r["global_batch"] for r in read_metrics(piped) if "loss" in r] == \
+        [r["global_batch"] for r in read_metrics(one_rank) if "loss" in r]
+    assert _losses(piped) == pytest.approx(expected, rel=1e-5)
+    _assert_close_weights(_weights(one_rank), _weights(piped))
+
+    stopped = tmp_path / "stopped"
+    _run(stopped, pipeline_flags(stopped, 2), 2, cache_dir)  # after the first stage: batches of 4, then 6 to come
+    resumed = _run(stopped, pipeline_flags(stopped, steps), 2, cache_dir)
+    assert f"resumed from {stopped / 'checkpoints' / 'step2'}" in resumed.stdout + resumed.stderr
+    assert _losses(stopped) == pytest.approx(expected, rel=1e-5)
+    _assert_close_weights(_weights(one_rank), _weights(stopped))

@@ -12,9 +12,10 @@ from pathlib import Path
 
 import pytest
 
-from scaletrain.config import ParallelArgs, parse_run_config
+from scaletrain.config import ParallelArgs
 from scaletrain.errors import UsageError
-from scaletrain.layout import check_model_layout, check_sequence_layout, resolve_layout
+from scaletrain.distributed import DistInfo
+from scaletrain.layout import apply_layout, check_model_layout, check_sequence_layout, resolve_layout
 from tests.conftest import REPO, check_ok, launch
 from tests.test_tensor_parallel import (_assert_matches, _assert_same_export, _flags, _records, _resolved,
                                        resume_copy_at_step4)
@@ -119,4 +120,5 @@ def test_sequence_layout_checks():
     assert ds.config["sequence_parallel_size"] == 2 and "tensor_parallel" not in ds.config
     with pytest.raises(UsageError, match="--tensor_parallel_size 2 with --sequence_parallel_size 2: combining "
                                          "model-parallel layouts is not supported yet"):
-        parse_run_config(["--tensor_parallel_size", "2", "--sequence_parallel_size", "2"])
+        apply_layout(ParallelArgs(tensor_parallel_size=2, sequence_parallel_size=2),
+                     DistInfo(rank=0, local_rank=0, world_size=4, launcher="srun"))

@@ -36,12 +36,14 @@ def test_smoke_test_says_so_when_no_launcher_can_be_found(tmp_path):
     assert "no deepspeed launcher beside" in proc.stdout
 
 
-@pytest.mark.slow  # two ranks
-def test_smoke_test_runs_a_tensor_parallel_layout(tmp_path):
+@pytest.mark.slow  # two ranks, two layouts
+def test_smoke_test_runs_tensor_and_pipeline_parallel_layouts(tmp_path):
     env = {**subprocess_env(tmp_path / "cache"), "NPROC": "2", "TMPDIR": str(tmp_path)}
-    proc = subprocess.run(["bash", str(REPO / "scripts" / "smoke_test.sh"), "zero2_tp2"], cwd=tmp_path, env=env,
-                          capture_output=True, text=True, timeout=600, check=False)
+    proc = subprocess.run(["bash", str(REPO / "scripts" / "smoke_test.sh"), "zero2_tp2", "zero1_pp2"], cwd=tmp_path,
+                          env=env, capture_output=True, text=True, timeout=900, check=False)
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert proc.stdout.splitlines()[0].startswith("PASS zero2_tp2 (2 ranks"), proc.stdout
-    log = next((tmp_path).glob("smoke.*/zero2_tp2.log")).read_text()
-    assert "layout: tensor parallel 2 x data parallel 1" in log
+    lines = proc.stdout.splitlines()
+    assert lines[0].startswith("PASS zero2_tp2 (2 ranks") and lines[1].startswith("PASS zero1_pp2 (2 ranks"), lines
+    for name, layout in (("zero2_tp2", "tensor parallel 2"), ("zero1_pp2", "pipeline parallel 2")):
+        log = next((tmp_path).glob(f"smoke.*/{name}.log")).read_text()
+        assert f"layout: {layout} x data parallel 1" in log

@@ -130,6 +130,7 @@ class StepTimers:
 
     def __init__(self, device, save_interval_minutes: float):
         self.clock = PhaseClock(device)
+        self.measure_phases = True  # split the next step into phases (on a GPU: only the steps that are logged)
         self.save_interval_s = 60 * save_interval_minutes
         self.last_save = time.monotonic()
         self.pending_checkpoint = 0.0
@@ -145,12 +146,18 @@ class StepTimers:
         self.last_save = time.monotonic()
         return self.pending_checkpoint
 
+    def start_step(self) -> PhaseClock:
+        """The clock, started for the step in flight."""
+        self.clock.start(self.measure_phases)
+        return self.clock
+
     def close_step(self, started: float) -> tuple:
-        """(wall-clock seconds, phases) of the step that began at `started`, the pending save's time in both."""
+        """(wall-clock seconds, phases or None where the step was not split) of the step that began at `started`,
+        the pending save's time in both."""
         self.clock.phases["checkpoint"] += self.pending_checkpoint
         seconds = time.perf_counter() - started + self.pending_checkpoint
         self.pending_checkpoint = 0.0
-        return seconds, self.clock.phases
+        return seconds, self.clock.phases if self.clock.measured else None
 
 
 def evaluate(engine, batches: list) -> dict:
@@ -185,6 +192,7 @@ def train_loop(engine, batches: StepBatches, state: TrainState, settings: LoopSe
             if hooks.profiler:
                 hooks.profiler.before_step(state.step + 1)
             started = time.perf_counter()
+            timers.measure_phases = _logged(state.step + 1, settings)  # a GPU synchronises per phase only then
             data_step = state.step + state.data_offset  # rollbacks jump the data past offending batches
             step = hooks.pipeline.step if hooks.pipeline else optimizer_step
             result = step(engine, batches, data_step, settings, hooks, timers)
@@ -201,7 +209,7 @@ def train_loop(engine, batches: StepBatches, state: TrainState, settings: LoopSe
                 hooks.profiler.after_step(state.step)
             bar.update(1)
             last = state.step == settings.max_steps
-            if state.step % settings.logging_steps == 0 or last or result.preempted:
+            if _logged(state.step, settings) or result.preempted:
                 _log_window(engine, window, bar, state, settings, hooks.metrics, batches)
                 window = LogWindow()
             if result.preempted:
@@ -218,8 +226,7 @@ def optimizer_step(engine, batches: StepBatches, data_step: int, settings: LoopS
     """One optimizer step on the global batch of `data_step` (0-based): every micro-batch's forward and backward,
     the step-boundary agreement, the guard's judgement, then the update at the accumulation boundary (skipped on
     every rank when the guard forces it)."""
-    clock = timers.clock
-    clock.start()
+    clock = timers.start_step()
     micro_batches, targets, blocks = batches.for_step(data_step)
     clock.lap("data_wait")
     scale = settings.gradient_divisor / max(targets, 1)
@@ -274,8 +281,7 @@ class PipelineStep:
              timers: StepTimers) -> StepResult:
         from scaletrain.pipeline import pipe_micro_batches
 
-        clock = timers.clock
-        clock.start()
+        clock = timers.start_step()
         micro_batches, targets, blocks = batches.for_step(data_step)
         clock.lap("data_wait")
         set_accumulation(engine, len(micro_batches))
@@ -369,6 +375,12 @@ def _forward_backward(engine, batch: dict, scale: float, clock: PhaseClock):
     engine.backward(summed * scale, scale_wrt_gas=False)
     clock.lap("backward")
     return summed.detach()
+
+
+def _logged(step: int, settings: LoopSettings) -> bool:
+    """Whether step `step` (1-based) ends a logging window (a preemption's record is the exception: its step is not
+    known in advance, and on a GPU its window may hold no step split into phases)."""
+    return step % settings.logging_steps == 0 or step == settings.max_steps
 
 
 def _count_step(state: TrainState, result: StepResult, guard: NonFiniteGuard | None,

@@ -13,7 +13,7 @@ import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 from scaletrain.errors import UsageError
 
@@ -27,24 +27,36 @@ PHASES = ("data_wait", "forward", "backward", "pipeline", "optimizer", "sync", "
 
 
 class PhaseClock:
-    """Splits a step into phases by laps. On a GPU each lap synchronizes first, so a phase's time is its own
-    work, not the previous phase's kernels finishing; on a CPU the work is already done when the call returns."""
+    """Splits a step into phases by laps.
 
-    def __init__(self, device):
+    On a CPU the work is done when a call returns, so every step is timed by phase at no cost. On a GPU a lap must
+    synchronise first (else a phase's time is the previous phase's kernels finishing), and a synchronisation per
+    lap, a few per micro-batch, would serialise host and device and take away DeepSpeed's overlap of communication
+    with compute. So there only the steps started with `measured=True` (the loop asks for the steps it logs) are split
+    into phases; every other step runs without a single synchronisation here, and its phases stay unmeasured.
+    `synchronize` replaces torch.cuda.synchronize (tests count the calls)."""
+
+    def __init__(self, device, synchronize: Optional[Callable[[], None]] = None):
+        self.on_gpu = device.type == "cuda"
         self._sync = lambda: None
-        if device.type == "cuda":
+        if self.on_gpu:
             import torch
 
-            self._sync = lambda: torch.cuda.synchronize(device)
+            self._sync = synchronize or (lambda: torch.cuda.synchronize(device))
         self.phases = dict.fromkeys(PHASES, 0.0)
+        self.measured = True
         self._last = 0.0
 
-    def start(self) -> None:
-        self._sync()
+    def start(self, measured: bool = True) -> None:
+        self.measured = measured or not self.on_gpu
+        if self.measured:
+            self._sync()
         self.phases = dict.fromkeys(PHASES, 0.0)
         self._last = time.perf_counter()
 
     def lap(self, phase: str) -> None:
+        if not self.measured:
+            return
         self._sync()
         now = time.perf_counter()
         self.phases[phase] += now - self._last
@@ -71,12 +83,14 @@ class LogWindow:
     steps: int = 0
     seconds: float = 0.0  # wall-clock of the steps, measured start to end independently of the phases
     phases: dict = field(default_factory=lambda: dict.fromkeys(PHASES, 0.0))
+    phase_steps: int = 0  # the steps split into phases (all of them on a CPU; the logged ones on a GPU)
     grad_norm: Any = None  # the last applied step's, read only when the window is summarized
     loss_targets: int = 0  # targets of the applied steps (a skipped step's loss stays out of the mean)
     skipped: int = 0  # steps whose update was not applied
 
-    def add(self, loss_sum, targets: int, samples: int, seconds: float, phases: dict, grad_norm,
+    def add(self, loss_sum, targets: int, samples: int, seconds: float, phases: Optional[dict], grad_norm,
             skipped: bool = False) -> None:
+        """`phases`: the step's split, or None for a step that was not split (a GPU step not logged)."""
         if skipped:
             self.skipped += 1
         else:
@@ -87,8 +101,10 @@ class LogWindow:
         self.samples += samples
         self.steps += 1
         self.seconds += seconds
-        for name, value in phases.items():
-            self.phases[name] += value
+        if phases is not None:
+            self.phase_steps += 1
+            for name, value in phases.items():
+                self.phases[name] += value
 
     def summarize(self, device, throughput: Optional[ThroughputModel] = None) -> dict:
         """Reduce across ranks (a collective: every rank must call it at the same step)."""
@@ -114,7 +130,9 @@ class LogWindow:
             "tokens_per_s": tokens_per_s,
             "samples_per_s": self.samples / self.seconds if self.seconds else 0.0,
             "step_time_s": step_time,
-            **{f"{name}_s": value / max(self.steps, 1) for name, value in self.phases.items()},
+            # the mean over the steps split into phases (none: no phase keys, rather than zeros)
+            **({f"{name}_s": value / self.phase_steps for name, value in self.phases.items()} if self.phase_steps
+               else {}),
             "slowest_rank_step_time_s": times[-1],
             "straggler_ratio": times[-1] / times[len(times) // 2] if times[len(times) // 2] else None,
             **memory_stats(device),

@@ -13,7 +13,8 @@ import pytest
 import torch
 
 from scaletrain import loop
-from scaletrain.loop import StepResult, StepTimers, _count_step
+from scaletrain.loop import LoopSettings, StepResult, StepTimers, _count_step, _logged
+from scaletrain.metrics import PHASES, LogWindow, PhaseClock
 from scaletrain.nonfinite import NonFiniteGuard, NonFinitePolicy
 from scaletrain.state import TrainState
 from tests.helpers import inject_nonfinite
@@ -76,6 +77,11 @@ def test_the_injection_scales_the_loss_only_inside_the_optimizer_step_of_its_dat
     assert list(inspect.signature(step_standin).parameters) == params
     monkeypatch.setattr(loop, "optimizer_step", step_standin)
     monkeypatch.setattr(loop, "token_loss_sum", lambda engine, batch: torch.tensor(2.0))
+    from scaletrain import pipeline
+
+    # install() wraps the pipeline's step and loss too: put them back after this test
+    monkeypatch.setattr(loop.PipelineStep, "step", loop.PipelineStep.step)
+    monkeypatch.setattr(pipeline.TokenLoss, "__call__", pipeline.TokenLoss.__call__)
     inject_nonfinite.install({5: 10.0, 7: math.nan})
     assert loop.optimizer_step(None, None, 4, None, None, None).item() == 20.0  # data step 5 (1-based)
     assert loop.optimizer_step(None, None, 5, None, None, None).item() == 2.0
@@ -93,3 +99,37 @@ def test_the_loop_holds_no_test_hook():
 def test_no_injection_names_remain_in_the_pipeline(module):
     imported = __import__(module, fromlist=["_"])
     assert not hasattr(imported, "injected_loss_factor") and not hasattr(imported, "TEST_INJECT_ENV")
+
+
+def test_on_a_gpu_only_logged_steps_synchronise_and_their_phases_are_what_is_reported():
+    """A CUDA device without a GPU: a stand-in device object of type "cuda" and a counting synchronize (the logic,
+    not CUDA, is under test here). Unlogged steps synchronise never; a logged step at its start and every lap."""
+    calls = []
+    clock = PhaseClock(type("Device", (), {"type": "cuda"})(), synchronize=lambda: calls.append(1))
+    clock.start(measured=False)
+    for phase in ("data_wait", "forward", "backward", "optimizer"):
+        clock.lap(phase)
+    assert calls == [] and not clock.measured and set(clock.phases.values()) == {0.0}
+    clock.start(measured=True)
+    clock.lap("data_wait")
+    time.sleep(0.02)
+    clock.lap("forward")
+    assert len(calls) == 3 and clock.phases["forward"] >= 0.02
+    # the window reports the mean over the steps split into phases, not over every step
+    window = LogWindow()
+    window.add(torch.tensor(1.0), 10, 1, 0.5, None, None)
+    window.add(torch.tensor(1.0), 10, 1, 0.5, {**dict.fromkeys(PHASES, 0.0), "forward": 0.3}, None)
+    assert (window.steps, window.phase_steps, window.phases["forward"]) == (2, 1, 0.3)
+    cpu = PhaseClock(torch.device("cpu"))
+    cpu.start(measured=False)
+    assert cpu.measured  # on a CPU every step is split: timing costs nothing there
+
+
+def test_the_logged_steps_are_known_before_they_run():
+    settings = LoopSettings(max_steps=25, logging_steps=10, eval_steps=0, save_steps=0, save_interval_minutes=0,
+                            preemption_grace_seconds=60, gradient_divisor=1, show_progress=False)
+    assert [step for step in range(1, 26) if _logged(step, settings)] == [10, 20, 25]
+    timers = StepTimers(torch.device("cpu"), save_interval_minutes=0)
+    timers.measure_phases = False
+    timers.start_step()
+    assert timers.close_step(time.perf_counter())[1] is not None  # a CPU step is always split

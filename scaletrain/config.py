@@ -296,6 +296,11 @@ class LoggingArgs:
     profile_steps: Optional[str] = _flag(
         None, "A torch profiler trace of these steps (e.g. 5-7) in <output_dir>/profile.")
     disable_tqdm: bool = _flag(False, "No progress bar.")
+    comms_log: bool = _flag(
+        False, "Communication log: per collective type (all-reduce, reduce-scatter, all-gather, broadcast, "
+               "all-to-all, send/recv) the count, bytes, latency and bus bandwidth of this rank's DeepSpeed "
+               "collectives, per logging window in the metrics and as a summary at the end. Each collective then "
+               "synchronises the device: for diagnostic runs, not for production speed.")
 
     @property
     def report_sinks(self) -> tuple:

@@ -39,6 +39,11 @@ Hooks, why we need them, and the test that proves they still act:
   by it; scaletrain replaces it with the norm over every stage. tests/test_pipeline_parallel.py (ZeRO-0 against
   one rank, gradient clipping acting). PipelineModule._layer_specs / _local_start / _local_stop: the specs of
   other stages' layers hold the Hugging Face modules they wrap; they are emptied so those modules are freed.
+- deepspeed.comm.comm.comms_logger, CommsLogger.append and .comms_dict: DeepSpeed 0.19.8 hands append the running
+  total of every op of a name so far (timed_op reads its timer with reset=False) as the op's latency; --comms_log
+  replaces the instance's append with one that keeps each op's own time (and refuses a total that shrinks: a
+  fixed DeepSpeed). tests/test_comm_log.py (per-op latencies against wall-clock times of known collectives, and
+  that DeepSpeed's own figures are still running totals).
 
 Importing this module imports neither torch nor DeepSpeed; each function imports what it touches.
 """
@@ -240,6 +245,10 @@ TP_GATHER = Hook("deepspeed.runtime.engine:DeepSpeedEngine", "_consolidated_16bi
 _PP, _PP_INSTEAD = "pipeline parallelism (--pipeline_parallel_size)", "train without --pipeline_parallel_size"
 PIPE_INSTRUCTIONS = Hook("deepspeed.runtime.pipe.engine:PipelineEngine", "_INSTRUCTION_MAP", _PP, _PP_INSTEAD)
 PIPE_OPTIMIZER_STEP = Hook("deepspeed.runtime.pipe.schedule", "OptimizerStep", _PP, _PP_INSTEAD)
+_COMMS, _COMMS_INSTEAD = "the communication log (--comms_log)", "train without --comms_log"
+COMMS_LOGGER = Hook("deepspeed.comm.comm", "comms_logger", _COMMS, _COMMS_INSTEAD)
+COMMS_APPEND = Hook("deepspeed.utils.comms_logging:CommsLogger", "append", _COMMS, _COMMS_INSTEAD)
+COMMS_RECORDS = Hook("deepspeed.utils.comms_logging:CommsLogger", "comms_dict", _COMMS, _COMMS_INSTEAD)  # instance
 PIPE_P2P_GROUPS = Hook("deepspeed.runtime.pipe.p2p", "_groups", _RELEASE)
 PIPE_P2P_GRID = Hook("deepspeed.runtime.pipe.p2p", "_grid", _RELEASE)
 PIPE_SPECS = Hook("deepspeed.runtime.pipe.module:PipelineModule", "_layer_specs", _PP, _PP_INSTEAD)  # instance
@@ -249,7 +258,7 @@ PIPE_CLIP = Hook("deepspeed.runtime.engine:DeepSpeedEngine", "clip_fp32_gradient
 HOOKS = (STAGE3_CHECK, STAGE3_CLEANUP, STAGE12_CHECK, STAGE12_INIT, FWD_MODULE_STACK, PARAMS_TO_RELEASE,
          BUILD_DIRECTORY, INSTALLED_OPS, CREATE_OP_BUILDER, BUILDER_LOAD, BUILDER_COMPATIBLE, SHM_BUILD,
          UNIVERSAL_CONVERTER, UNIVERSAL_VERSION, TP_GROUPS, TP_GATHER, PIPE_INSTRUCTIONS, PIPE_OPTIMIZER_STEP,
-         PIPE_CLIP, PIPE_P2P_GROUPS, PIPE_P2P_GRID)
+         PIPE_CLIP, PIPE_P2P_GROUPS, PIPE_P2P_GRID, COMMS_LOGGER, COMMS_APPEND)
 
 
 def check_hooks() -> list[str]:
@@ -468,3 +477,29 @@ def release_other_stages(module) -> None:
     for index, spec in enumerate(specs):
         if not start <= index < stop and hasattr(spec, "module_args"):
             spec.module_args, spec.module_kwargs = (), {}
+
+
+def per_op_comm_latencies(bandwidth: Callable[[str, int, float], tuple]):
+    """DeepSpeed's comms logger, made to record each op's own latency (see the module docstring) with
+    `bandwidth(op, bytes, ms) -> (algbw, busbw)`; its records keep DeepSpeed's format,
+    {name: {bytes: [count, [ms], [algbw], [busbw]]}}."""
+    logger = COMMS_LOGGER.resolve()
+    COMMS_APPEND.on(logger)
+    records = COMMS_RECORDS.on(logger)
+    running = {}  # the last running total per op name
+
+    def append(raw_name, record_name, latency, msg_size):
+        own = latency - running.get(record_name, 0.0)
+        if own < -1e-6:
+            raise moved(COMMS_APPEND.where, "received a latency below the previous one of the same op, so no longer "
+                        "a running total", _COMMS, _COMMS_INSTEAD)
+        running[record_name] = latency
+        algbw, busbw = bandwidth(raw_name, msg_size, own)
+        entry = records.setdefault(record_name, {}).setdefault(msg_size, [0, [], [], []])
+        entry[0] += 1
+        entry[1].append(own)
+        entry[2].append(algbw)
+        entry[3].append(busbw)
+
+    logger.append = append
+    return logger

@@ -254,6 +254,11 @@ def resolve_ds_config(
             f"--config {engine.config}: has a \"scheduler\" section; this pipeline owns the LR schedule",
             "remove the section and use --lr_scheduler_type, --warmup_steps/--warmup_ratio, --min_lr_ratio",
         )
+    if "comms_logger" in r.config:  # DeepSpeed 0.19.8's own logger reports cumulative latencies (each op's
+        raise UsageError(  # figure includes every earlier one); --comms_log corrects them and reports per window
+            f"--config {engine.config}: has a \"comms_logger\" section; the pipeline reports communication itself",
+            "remove the section and pass --comms_log",
+        )
 
     micro = optim.per_device_train_batch_size
     gas = optim.gradient_accumulation_steps

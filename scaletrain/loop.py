@@ -107,6 +107,7 @@ class LoopHooks:
     switch: SkipSwitch | None = None  # lets the guard skip an update through DeepSpeed's overflow path
     rollback: Callable[[], None] | None = None  # the guard's "rollback": back to the last committed checkpoint
     pipeline: Any = None  # a PipelineStep: the step runs through DeepSpeed's pipe schedule (train_batch)
+    comm_log: Any = None  # --comms_log: scaletrain.comm_log.CommLog, read once per logging window
 
 
 @dataclass(frozen=True)
@@ -210,7 +211,7 @@ def train_loop(engine, batches: StepBatches, state: TrainState, settings: LoopSe
             bar.update(1)
             last = state.step == settings.max_steps
             if _logged(state.step, settings) or result.preempted:
-                _log_window(engine, window, bar, state, settings, hooks.metrics, batches)
+                _log_window(engine, window, bar, state, settings, hooks, batches)
                 window = LogWindow()
             if result.preempted:
                 _save_for_preemption(state.step, settings, hooks, timers)
@@ -397,19 +398,20 @@ def _count_step(state: TrainState, result: StepResult, guard: NonFiniteGuard | N
     return verdict
 
 
-def _log_window(engine, window: LogWindow, bar, state: TrainState, settings: LoopSettings, metrics: MetricsLogger,
+def _log_window(engine, window: LogWindow, bar, state: TrainState, settings: LoopSettings, hooks: LoopHooks,
                 batches: StepBatches) -> None:
     """The record of the steps since the last one (a collective: every rank calls it at the same step)."""
     summary = window.summarize(engine.device, settings.throughput)
+    comms = hooks.comm_log.window() if hooks.comm_log else {}  # this rank's collectives since the last record
     if summary["loss"] is not None:
         bar.set_postfix(loss=f"{summary['loss']:.3f}")
     last_data_step = state.step - 1 + state.data_offset
     ramp = {"lr_rampup_factor": rampup_lr_factor(batches, last_data_step, settings)} \
         if settings.rampup_lr_exponent else {}
-    metrics.log({"step": state.step, "epoch": round(state.samples_seen / len(batches.blocks), 4),
-                 "time": round(time.time(), 3), **summary, "lr": engine.get_lr()[0], **ramp,
-                 "global_batch": batches.order.global_batch_at(last_data_step),
-                 "tokens_seen": state.tokens_seen, "skipped_steps": state.skipped_steps})
+    hooks.metrics.log({"step": state.step, "epoch": round(state.samples_seen / len(batches.blocks), 4),
+                       "time": round(time.time(), 3), **summary, "lr": engine.get_lr()[0], **ramp,
+                       "global_batch": batches.order.global_batch_at(last_data_step),
+                       "tokens_seen": state.tokens_seen, "skipped_steps": state.skipped_steps, **comms})
 
 
 def _save_for_preemption(step: int, settings: LoopSettings, hooks: LoopHooks, timers: StepTimers) -> None:

@@ -54,6 +54,7 @@ class Run:
         self.engine: Any = None
         self.pipeline_loss: Any = None  # the pipe engine's loss_fn, under pipeline parallelism
         self.pipeline_step: Optional[PipelineStep] = None
+        self.comm_log: Any = None  # --comms_log
         self.metrics: Optional[MetricsLogger] = None
         self.state = TrainState(world_size=dist.dp_world_size)
         self._record_layout()
@@ -170,6 +171,10 @@ class Run:
                                               self.schedule, self.dist.tensor_parallel_size)
         if self.pipeline_loss is not None:
             self.pipeline_step = PipelineStep(self.engine, self.pipeline_loss)
+        if self.cfg.logging.comms_log:  # from here on: the engine's start-up broadcasts are not training's
+            from scaletrain.comm_log import CommLog
+
+            self.comm_log = CommLog()
         # From here a SIGUSR1/SIGTERM becomes a checkpoint at the next step boundary instead of a lost run.
         self.preemption.install()
 
@@ -232,7 +237,7 @@ class Run:
             metrics=self.metrics, save=self.save, preemption=self.preemption, eval_batches=self.eval_batches,
             profiler=StepProfiler(self.cfg.logging.profile_range, self.cfg.run.output_dir, self.dist.rank),
             guard=self.guard, switch=SkipSwitch(self.engine.optimizer) if policy.action == "skip" else None,
-            rollback=self.rollback, pipeline=self.pipeline_step)
+            rollback=self.rollback, pipeline=self.pipeline_step, comm_log=self.comm_log)
         train_loop(self.engine, batches, self.state, settings, hooks)
 
     def rollback(self) -> None:
@@ -278,11 +283,16 @@ class Run:
             self.save()
         if self.cfg.checkpoint.export_hf_at_end:
             checkpoint.export_hf_model(self.engine, self.resolved.tokenizer, self.cfg.run.output_dir, self.dist.is_main)
+        if self.comm_log is not None:
+            log.info(self.comm_log.summary())
         log.info("done: %d steps, %d tokens trained; outputs in %s", self.state.step, self.state.tokens_seen,
                  self.cfg.run.output_dir)
 
     def close(self) -> None:
         self.preemption.uninstall()
+        if self.comm_log is not None:
+            self.comm_log.close()
+            self.comm_log = None
         if self.metrics is not None:
             self.metrics.close()
         # The engine, optimizer and ZeRO-3 parameters hold process groups, so destroy_process_group alone left

@@ -160,6 +160,8 @@ CASES = {
                           "zero_optimization.allgather_bucket_size", 'is "auto" but the pipeline does not decide it'),
     "scheduler section": (json_edit("scheduler", {"type": "WarmupLR", "params": {}}), "scheduler",
                           '"scheduler" section'),
+    "comms logger section": (json_edit("comms_logger", {"enabled": True}), "--comms_log",
+                             '"comms_logger" section; the pipeline reports communication itself'),
     "deepspeed activation checkpointing": (json_edit("activation_checkpointing", {"cpu_checkpointing": True}),
                                            "activation_checkpointing.cpu_checkpointing",
                                            "only acts on models that call deepspeed.checkpointing"),

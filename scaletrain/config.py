@@ -74,6 +74,9 @@ class ModelArgs:
     tokenizer_name: Optional[str] = _flag(None, "Tokenizer (hub id or local folder). Default: the model's.")
     trust_remote_code: bool = _flag(False, "Allow model/tokenizer code from the hub to run. Off unless asked.")
     gradient_checkpointing: bool = _flag(False, "Recompute activations in backward to save memory.")
+    attn_implementation: str = _flag(
+        "sdpa", "Attention backend, by transformers' name: sdpa, eager, flash_attention_2, flash_attention_3, "
+                "flex_attention, or a hub kernel (e.g. kernels-community/flash-attn); checked before anything heavy.")
 
     @property
     def model_source(self) -> str:
@@ -223,6 +226,12 @@ class EngineArgs:
     fp16: bool = _flag(False, "Train in fp16 with dynamic loss scaling (overrides the JSON's \"auto\").")
     nvme_path: Optional[str] = _flag(
         None, f"Folder for NVMe offload (zero3_nvme.json). Default: ${NVME_PATH_ENV}.")
+    torch_compile: bool = _flag(
+        False, "Compile the model with torch.compile through DeepSpeed's engine.compile (a \"compile\" section in "
+               "the JSON turns it on too, with its DeepCompile options).")
+    torch_compile_backend: str = _flag("inductor", "torch.compile backend for --torch_compile.")
+    torch_compile_mode: Optional[str] = _flag(
+        None, "torch.compile mode for --torch_compile (default, reduce-overhead, max-autotune, ...).")
 
     @property
     def resolved_nvme_path(self) -> Optional[str]:

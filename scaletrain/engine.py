@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import logging
+from typing import Optional
 
+from scaletrain.errors import UsageError
 from scaletrain.schedules import LRSchedule
 
 log = logging.getLogger(__name__)
@@ -54,6 +56,34 @@ def build_engine(model, ds_config: dict, weight_decay: float, schedule: LRSchedu
              engine.zero_optimization_stage(), type(engine.optimizer).__name__, schedule.kind,
              schedule.warmup_steps, schedule.total_steps)
     return engine
+
+
+def compile_requested(torch_compile: bool, ds_config: dict) -> bool:
+    """--torch_compile, or a "compile" section in the DeepSpeed JSON (which DeepSpeed only reads when
+    engine.compile() is called: without the call the section silently does nothing)."""
+    return torch_compile or "compile" in ds_config
+
+
+def check_compile(requested: bool, layout: tuple, config_path: str) -> None:
+    """torch.compile with a model-parallel layout is refused (untested: Ulysses' all-to-alls, AutoTP's sharded
+    linears and the pipeline's stage modules)."""
+    if requested and any(size > 1 for size in layout):
+        raise UsageError(f"--torch_compile (or a \"compile\" section in {config_path}) with tensor, sequence or "
+                         "pipeline parallelism: not supported here (untested)",
+                         "compile with data parallelism only, or drop --torch_compile and the section")
+
+
+def compile_engine(engine, backend: str, mode: Optional[str]) -> float:
+    """engine.compile() with the backend and mode; its seconds (the graphs are built lazily, at the first steps:
+    that start-up cost shows in their step times)."""
+    import time
+
+    started = time.perf_counter()
+    engine.compile(backend=backend, compile_kwargs={"mode": mode} if mode else {})
+    seconds = time.perf_counter() - started
+    log.info("torch.compile: backend %s%s, DeepCompile %s (graphs build during the first steps)", backend,
+             f", mode {mode}" if mode else "", "on" if engine.is_deepcompile_enabled() else "off")
+    return seconds
 
 
 def restore_weight_decay(engine, weight_decay: float) -> None:

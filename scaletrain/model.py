@@ -78,9 +78,11 @@ def build_model(args: ModelArgs, model_config, ds_config: dict, zero_stage: int)
             config=model_config,
             dtype=torch.float32,  # DeepSpeed keeps fp32 master weights and casts for bf16/fp16 itself
             trust_remote_code=args.trust_remote_code,
+            attn_implementation=args.attn_implementation,
         )
     else:
-        model = AutoModelForCausalLM.from_config(model_config, trust_remote_code=args.trust_remote_code)
+        model = AutoModelForCausalLM.from_config(model_config, trust_remote_code=args.trust_remote_code,
+                                                 attn_implementation=args.attn_implementation)
     if args.gradient_checkpointing:
         # Non-reentrant checkpointing works with ZeRO-3's parameter hooks and with inputs that need no grad.
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
@@ -91,13 +93,32 @@ def build_model(args: ModelArgs, model_config, ds_config: dict, zero_stage: int)
     return model, keepalive
 
 
-def meta_model(model_config, trust_remote_code: bool):
-    """The model's structure without weights (meta device): parameter count and class facts, in seconds."""
+def meta_model(model_config, trust_remote_code: bool, attn_implementation: str = "sdpa"):
+    """The model's structure without weights (meta device): parameter count and class facts, in seconds. An
+    attention backend that is not installed, or that the model does not support, is a UsageError here."""
     import torch
     from transformers import AutoModelForCausalLM
 
-    with torch.device("meta"):
-        return AutoModelForCausalLM.from_config(model_config, trust_remote_code=trust_remote_code)
+    try:
+        with torch.device("meta"):
+            return AutoModelForCausalLM.from_config(model_config, trust_remote_code=trust_remote_code,
+                                                    attn_implementation=attn_implementation)
+    except (ImportError, ValueError) as exc:  # transformers' checks of the backend (installed, supported)
+        raise UsageError(f"--attn_implementation {attn_implementation}: {_first_line(exc)}",
+                         "use sdpa (the default), eager, flex_attention, or install the backend's package") from exc
+
+
+def check_attention_isolation(attn_implementation: str, attention_isolation: bool, micro_batch: int,
+                              eval_batch: int) -> None:
+    """--attention_isolation is exact with sdpa, eager and flex attention at any micro-batch: transformers builds
+    the per-document mask from the restarting position ids. Flash attention takes document boundaries from position
+    ids only for a batch of 1 (else it attends across documents without a word), so a larger micro-batch is
+    refused with it."""
+    if attention_isolation and attn_implementation.startswith("flash_attention") and max(micro_batch, eval_batch) > 1:
+        raise UsageError(f"--attention_isolation with --attn_implementation {attn_implementation}: batches of "
+                         f"{micro_batch} (training) and {eval_batch} (evaluation), and flash attention separates "
+                         "documents only in a batch of 1", "use --per_device_train_batch_size 1 and "
+                         "--per_device_eval_batch_size 1 (raise --gradient_accumulation_steps), or sdpa")
 
 
 def max_positions(model_config) -> int:

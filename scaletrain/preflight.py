@@ -21,12 +21,14 @@ from scaletrain.raw_data import check_data_files
 from scaletrain import distributed
 from scaletrain.distributed import DistInfo
 from scaletrain.dsconfig import HardwareFacts, ResolvedDSConfig, load_ds_config, resolve_ds_config
+from scaletrain.engine import check_compile, compile_requested
 from scaletrain.flops import ModelFlops, model_flops
 from scaletrain.layout import (apply_layout, check_model_layout, check_pipeline_run, check_planned_layout,
                                check_sequence_layout, describe_layout, resolve_layout)
 from scaletrain.pipeline import check_pipeline_model
 from scaletrain.metrics import METRICS_FILE, read_records
-from scaletrain.model import load_model_config, load_tokenizer, max_positions, meta_model
+from scaletrain.model import (check_attention_isolation, load_model_config, load_tokenizer, max_positions,
+                              meta_model)
 
 log = logging.getLogger(__name__)
 RUN_CONFIG_FILE = "run_config.json"
@@ -264,11 +266,16 @@ def resolve_run(argv: Optional[Sequence[str]], dist: DistInfo) -> ResolvedRun:
     if cfg.nonfinite.on_nonfinite == "skip" and ds.zero_stage == 0 and ds.precision != "fp32":
         raise UsageError(f"--on_nonfinite skip: updates of ZeRO stage 0 in {ds.precision} cannot be skipped",
                          "use a ZeRO stage 1-3 config, or --on_nonfinite stop")
-    skeleton = meta_model(model_config, cfg.model.trust_remote_code)
+    skeleton = meta_model(model_config, cfg.model.trust_remote_code, cfg.model.attn_implementation)
+    check_attention_isolation(cfg.model.attn_implementation, cfg.data.attention_isolation,
+                              ds.config["train_micro_batch_size_per_gpu"], cfg.optim.per_device_eval_batch_size)
     if cfg.model.gradient_checkpointing and not getattr(skeleton, "supports_gradient_checkpointing", False):
         raise UsageError(f"--gradient_checkpointing: {type(skeleton).__name__} does not support it",
                          "drop the flag, or use ZeRO-3 / offload to save memory instead")
     check_sequence_layout(cfg.parallel, block_size, skeleton.config._attn_implementation)
+    check_compile(compile_requested(cfg.engine.torch_compile, ds.config),
+                  (dist.tensor_parallel_size, dist.sequence_parallel_size, dist.pipeline_parallel_size),
+                  cfg.engine.config)
     if not cfg.planning.plan:
         check_pipeline_model(cfg.parallel.pipeline_parallel_size, model_config, skeleton.config._attn_implementation)
         check_pipeline_run(cfg.parallel, cfg.data.attention_isolation, ds.precision, ds.zero_stage,

@@ -171,6 +171,9 @@ class Run:
                                               self.schedule, self.dist.tensor_parallel_size)
         if self.pipeline_loss is not None:
             self.pipeline_step = PipelineStep(self.engine, self.pipeline_loss)
+        engine_args = self.cfg.engine
+        if engine_lib.compile_requested(engine_args.torch_compile, self.resolved.ds.config):
+            engine_lib.compile_engine(self.engine, engine_args.torch_compile_backend, engine_args.torch_compile_mode)
         if self.cfg.logging.comms_log:  # from here on: the engine's start-up broadcasts are not training's
             from scaletrain.comm_log import CommLog
 

@@ -143,28 +143,57 @@ def test_isolation_position_ids_restart_at_documents_and_blocks():
     assert batch["position_ids"].tolist() == [[0, 1, 2, 0, 1, 2], [0, 1, 2, 0, 1, 2]]
 
 
-def test_attention_isolation_matches_each_document_run_alone(tokenizer):
-    """Logits of a packed block with isolation equal each document's logits computed on its own."""
+@pytest.mark.parametrize("attn,micro", [
+    ("sdpa", 1), ("sdpa", 4), ("eager", 1), ("eager", 4),
+    pytest.param("flex_attention", 1, marks=pytest.mark.slow),  # flex compiles its kernel on the CPU: ~30 s
+    pytest.param("flex_attention", 4, marks=pytest.mark.slow)])
+def test_attention_isolation_matches_each_document_run_alone(attn, micro, tokenizer):
+    """Logits of packed blocks with isolation equal each document's logits computed on its own, for each attention
+    backend that runs on a CPU, in a micro-batch of 1 and of 4 (rows that cut the documents at other places)."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
     torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(TINY)).eval()
-    docs = [tokenizer(d)["input_ids"] + [tokenizer.eos_token_id] for d in ("A short one.", "Then a longer "
-            "document follows here, with more words.", "End.")]
+    model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(TINY), attn_implementation=attn).eval()
+    assert model.config._attn_implementation == attn
+    texts = ("A short one.", "Then a longer document follows here, with more words.", "End.", "And a fourth one, "
+             "of middling length.", "Five.")
+    docs = [tokenizer(d)["input_ids"] + [tokenizer.eos_token_id] for d in texts]
     stream = np.array([t for d in docs for t in d])
     starts = np.cumsum([0] + [len(d) for d in docs[:-1]])
-    isolated = PackedBlocks(stream, starts, block_size=len(stream), pad_id=0, isolate_documents=True)
-    batch = isolated.batch(np.array([0]))
+    block = len(stream) // 2
+    isolated = PackedBlocks(stream, starts, block_size=block, pad_id=0, isolate_documents=True)
+    rows = np.array([i % len(isolated) for i in range(micro)])  # micro 4: both blocks, twice
+    batch = isolated.batch(rows)
     with torch.no_grad():
         # use_cache=False as in training: transformers builds the per-document mask only without a KV cache
-        packed = model(input_ids=batch["input_ids"], position_ids=batch["position_ids"], use_cache=False).logits[0]
-        plain = model(input_ids=batch["input_ids"], use_cache=False).logits[0]
-        for doc, start in zip(docs, starts, strict=True):
-            alone = model(input_ids=torch.tensor([doc])).logits[0]
-            torch.testing.assert_close(packed[start: start + len(doc)], alone, rtol=1e-4, atol=1e-4)
-    later = slice(starts[1], starts[1] + len(docs[1]))
-    assert not torch.allclose(plain[later], packed[later], atol=1e-3)  # without isolation, documents do mix
+        packed = model(input_ids=batch["input_ids"], position_ids=batch["position_ids"], use_cache=False).logits
+        plain = model(input_ids=batch["input_ids"], use_cache=False).logits
+        checked = 0
+        for row in range(micro):
+            positions = batch["position_ids"][row].tolist()
+            piece_starts = [i for i, p in enumerate(positions) if p == 0] + [block]
+            for begin, end in zip(piece_starts[:-1], piece_starts[1:], strict=True):
+                ids = batch["input_ids"][row, begin:end]
+                # the piece of a document inside this block, run alone (a document cut at the block's end starts
+                # its next block at position 0, so each piece is its own sequence)
+                alone = model(input_ids=ids.unsqueeze(0), use_cache=False).logits[0]
+                torch.testing.assert_close(packed[row, begin:end], alone, rtol=1e-4, atol=1e-4)
+                checked += 1
+        assert checked >= 2 * micro  # every row holds pieces of at least two documents
+    mixed = max(float((plain[r] - packed[r]).abs().max()) for r in range(micro))
+    assert mixed > 1e-3  # without isolation, documents do mix
+
+
+def test_flash_attention_keeps_documents_apart_only_in_batches_of_one():
+    from scaletrain.errors import UsageError
+    from scaletrain.model import check_attention_isolation
+
+    check_attention_isolation("flash_attention_2", True, 1, 1)
+    check_attention_isolation("sdpa", True, 8, 8)
+    check_attention_isolation("flash_attention_2", False, 8, 8)
+    with pytest.raises(UsageError, match="flash attention separates documents only in a batch of 1"):
+        check_attention_isolation("flash_attention_3", True, 1, 8)  # the evaluation batch counts too
 
 
 def test_seeking_to_any_step_costs_the_same(monkeypatch):

@@ -370,3 +370,42 @@ def test_scaling_report_runs_at_world_sizes_1_and_2(tmp_path, cache_dir):
     assert growth[grew] >= max(growth.values()) - 0.001, (grew, growth)
     assert float(by) == pytest.approx(growth[grew], abs=0.0015)
     assert (tmp_path / "scaling.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.mark.slow  # two 1-rank runs of 4 steps, one compiled (inductor builds its graphs on the CPU)
+def test_torch_compile_trains_as_eager_does_and_a_compile_section_turns_it_on(tmp_path, cache_dir):
+    def run(run_dir: Path, *extra: str):
+        proc = launch(REPO / "train.py", ["--config", "ds_configs/zero2.json", "--output_dir", str(run_dir),
+                                          "--max_steps", "4", *FAST_FLAGS, "--logging_steps", "1",
+                                          "--no-export_hf_at_end", *extra], "python", cache_dir)
+        check_ok(proc)
+        return proc.stdout + proc.stderr
+
+    eager, compiled = tmp_path / "eager", tmp_path / "compiled"
+    assert "torch.compile" not in run(eager)
+    assert "torch.compile: backend inductor, DeepCompile off" in run(compiled, "--torch_compile")
+    expected = {r["step"]: r["loss"] for r in read_metrics(eager) if "loss" in r}
+    got = {r["step"]: r["loss"] for r in read_metrics(compiled) if "loss" in r}
+    assert sorted(got) == [1, 2, 3, 4]
+    for step, loss in expected.items():  # fused kernels sum in another order: equal to 1e-5, not bit for bit
+        assert got[step] == pytest.approx(loss, rel=1e-5), step
+    # A "compile" section in the JSON is honoured (DeepSpeed reads it only in engine.compile())
+    config = json.loads((REPO / "ds_configs" / "zero2.json").read_text())
+    config["compile"] = {"deepcompile": False}
+    (tmp_path / "compile.json").write_text(json.dumps(config))
+    proc = launch(REPO / "train.py", ["--config", str(tmp_path / "compile.json"), "--output_dir",
+                                      str(tmp_path / "dry"), *FAST_FLAGS, "--dry_run"], "python", cache_dir)
+    check_ok(proc)
+    assert "torch.compile: backend inductor" in proc.stdout + proc.stderr
+
+
+def test_torch_compile_with_a_model_parallel_layout_is_refused():
+    from scaletrain.engine import check_compile, compile_requested
+
+    assert compile_requested(False, {"compile": {}}) and not compile_requested(False, {})
+    check_compile(True, (1, 1, 1), "x.json")
+    from scaletrain.errors import UsageError
+
+    with pytest.raises(UsageError, match="with tensor, sequence or pipeline parallelism: not supported here"):
+        check_compile(True, (1, 1, 2), "x.json")
+    check_compile(False, (2, 1, 1), "x.json")

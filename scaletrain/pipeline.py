@@ -35,7 +35,17 @@ SUPPORTED_NAMES = "Llama, Mistral, Qwen2, Qwen3 (rotary) and GPT-2"
 CAUSAL_WITHOUT_MASK = ("sdpa", "flash_attention_2", "flash_attention_3")
 
 
-def check_pipeline_model(pp: int, model_config, attn_implementation: str) -> None:
+def uses_sliding_window(model_config, block_size: int) -> bool:
+    """Whether some layer attends through a sliding window narrower than the block (Mistral v0.1, Qwen with
+    use_sliding_window, layer_types with "sliding_attention"): the stages' plain causal attention would not."""
+    window = getattr(model_config, "sliding_window", None)
+    if not window or window >= block_size or getattr(model_config, "use_sliding_window", True) is False:
+        return False
+    layer_types = getattr(model_config, "layer_types", None)
+    return layer_types is None or "sliding_attention" in layer_types
+
+
+def check_pipeline_model(pp: int, model_config, attn_implementation: str, block_size: int = 0) -> None:
     """Before anything is built: the model maps onto stages, and its layers split evenly over them."""
     if pp == 1:
         return
@@ -47,6 +57,11 @@ def check_pipeline_model(pp: int, model_config, attn_implementation: str) -> Non
     if layers % pp:
         raise UsageError(f"--pipeline_parallel_size {pp} does not divide the model's {layers} decoder layers "
                          "(num_hidden_layers)", f"choose a size that divides {layers}")
+    if uses_sliding_window(model_config, block_size):
+        raise UsageError(f"--pipeline_parallel_size {pp}: the model attends through a sliding window of "
+                         f"{model_config.sliding_window} tokens, shorter than the block ({block_size}); the "
+                         "pipeline's stages attend causally over the whole block",
+                         f"use --block_size {model_config.sliding_window} or less, or no pipeline parallelism")
     if attn_implementation not in CAUSAL_WITHOUT_MASK:
         raise UsageError(f"--pipeline_parallel_size {pp}: the model's attention is {attn_implementation!r}; the "
                          "pipeline's stages rely on SDPA's (or flash attention's) causal mode, eager attention "

@@ -277,7 +277,8 @@ def resolve_run(argv: Optional[Sequence[str]], dist: DistInfo) -> ResolvedRun:
                   (dist.tensor_parallel_size, dist.sequence_parallel_size, dist.pipeline_parallel_size),
                   cfg.engine.config)
     if not cfg.planning.plan:
-        check_pipeline_model(cfg.parallel.pipeline_parallel_size, model_config, skeleton.config._attn_implementation)
+        check_pipeline_model(cfg.parallel.pipeline_parallel_size, model_config, skeleton.config._attn_implementation,
+                             block_size)
         check_pipeline_run(cfg.parallel, cfg.data.attention_isolation, ds.precision, ds.zero_stage,
                            cfg.engine.config)
     model_facts = _model_facts(skeleton, model_config)

@@ -209,6 +209,48 @@ def test_pipeline_parameter_names_map_back_to_the_models():
         hf_parameter_name("2.weight", places)
 
 
+def _tiny(model_type: str, **extra):
+    from transformers import AutoConfig
+
+    if model_type == "gpt2":
+        return AutoConfig.for_model("gpt2", vocab_size=512, n_positions=64, n_embd=32, n_layer=2, n_head=4,
+                                    resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, **extra)
+    return AutoConfig.for_model(model_type, vocab_size=512, hidden_size=32, intermediate_size=64,
+                                num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+                                max_position_embeddings=64, **extra)
+
+
+@pytest.mark.parametrize("model_type,tied", [("llama", False), ("llama", True), ("mistral", False),
+                                             ("qwen2", False), ("qwen3", False), ("gpt2", True)])
+def test_the_stages_chained_compute_the_models_own_logits(model_type, tied):
+    """Every supported family, in-process: the stage modules built from the layer specs, run one after the other
+    (as the pipe engine does across ranks), give the Hugging Face model's logits; the layer map names every
+    parameter once."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from scaletrain.pipeline import layer_specs
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(_tiny(model_type, tie_word_embeddings=tied),
+                                             attn_implementation="sdpa").eval()
+    specs, places, _ = layer_specs(model)
+    ids = torch.randint(0, 512, (2, 16))
+    with torch.no_grad():
+        hidden = ids
+        built = []
+        for spec in specs:
+            module = spec.build()
+            built.append(module)
+            hidden = spec.forward_fn(module, hidden) if getattr(spec, "forward_fn", None) else module(hidden)
+        torch.testing.assert_close(hidden, model(input_ids=ids, use_cache=False).logits, rtol=1e-5, atol=1e-5)
+    names = [place.prefix + key[len(place.strip):] for module, place in zip(built, places, strict=True)
+             if place.prefix is not None for key in module.state_dict()]
+    assert sorted(names) == sorted(set(names))
+    expected = set(model.state_dict()) - ({"lm_head.weight"} if tied else set())
+    assert set(names) == expected
+
+
 def test_the_model_must_map_onto_stages():
     from transformers import AutoConfig, GPT2Config, GPTNeoXConfig
 
@@ -222,6 +264,12 @@ def test_the_model_must_map_onto_stages():
         check_pipeline_model(2, GPTNeoXConfig(num_hidden_layers=2), "sdpa")
     with pytest.raises(UsageError, match="the model's attention is 'eager'"):
         check_pipeline_model(2, llama, "eager")
+    # a sliding window narrower than the block: the stages attend over the whole block, so it is refused
+    windowed = _tiny("mistral", sliding_window=32)
+    check_pipeline_model(2, windowed, "sdpa", block_size=32)
+    with pytest.raises(UsageError, match="sliding window of 32 tokens, shorter than the block"):
+        check_pipeline_model(2, windowed, "sdpa", block_size=64)
+    check_pipeline_model(2, _tiny("qwen2", sliding_window=32, use_sliding_window=False), "sdpa", block_size=64)
 
 
 @pytest.mark.parametrize("config,message", [

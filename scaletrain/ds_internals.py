@@ -33,12 +33,13 @@ Hooks, why we need them, and the test that proves they still act:
   tests/test_tensor_parallel.py::test_tensor_parallel_matches_one_rank.
 - PipelineEngine._INSTRUCTION_MAP (the schedule's instruction -> method table; an instance copy replaces its
   OptimizerStep entry): the pipeline's step-boundary agreement (global loss, preemption, the non-finite guard) runs
-  right before the update, inside train_batch. DeepSpeedEngine.clip_fp32_gradients and the pipe grid's
-  pp_group / data_parallel_id: under ZeRO-0, DeepSpeed 0.19.8 computes the clipping norm with the pipe grid as
-  `mpu`, whose "model parallel rank" is the stage, so only stage 0's gradients enter the norm and every stage clips
-  by it; scaletrain replaces it with the norm over every stage. tests/test_pipeline_parallel.py (ZeRO-0 against
-  one rank, gradient clipping acting). PipelineModule._layer_specs / _local_start / _local_stop: the specs of
-  other stages' layers hold the Hugging Face modules they wrap; they are emptied so those modules are freed.
+  right before the update, inside train_batch. DeepSpeedEngine.clip_fp32_gradients (with the pipe grid's public
+  get_pipe_parallel_group and the module's tied_comms): under ZeRO-0, DeepSpeed 0.19.8 computes the clipping norm
+  with the pipe grid as `mpu`, whose "model parallel rank" is the stage, so only stage 0's gradients enter the
+  norm and every stage clips by it; scaletrain replaces it with the norm over every stage.
+  tests/test_pipeline_parallel.py (ZeRO-0 against one rank, gradient clipping acting).
+  PipelineModule._layer_specs / _local_start / _local_stop: the specs of other stages' layers hold the Hugging Face
+  modules they wrap; they are emptied so those modules are freed.
 - deepspeed.comm.comm.comms_logger, CommsLogger.append and .comms_dict: DeepSpeed 0.19.8 hands append the running
   total of every op of a name so far (timed_op reads its timer with reset=False) as the op's latency; --comms_log
   replaces the instance's append with one that keeps each op's own time (and refuses a total that shrinks: a

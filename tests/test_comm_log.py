@@ -51,6 +51,8 @@ def timed(op, n):
         walls.append((time.perf_counter() - started) * 1e3)
     return walls
 
+dist.broadcast(x, 0)  # warm-ups, not logged: the first op of a kind sets up its buffers
+dist.all_reduce(x)
 # DeepSpeed's own logger first, on broadcasts
 dist.configure(enabled=True, prof_all=True, verbose=False, debug=False)
 raw_walls = timed(lambda: dist.broadcast(x, 0), 5)
@@ -81,13 +83,15 @@ def test_per_op_latencies_add_up_to_the_wall_time_of_known_collectives(tmp_path,
     for rank in (0, 1):
         r = json.loads((tmp_path / f"rank{rank}.json").read_text())
         # DeepSpeed 0.19.8: the k-th op is logged with the total of the first k (so the correction is still needed)
-        raw = r["raw_logged"]
+        raw, raw_walls = r["raw_logged"], r["raw_walls"]
         assert all(b > a for a, b in zip(raw[:-1], raw[1:], strict=True)), raw
-        assert raw[-1] > 0.7 * sum(r["raw_walls"]) and raw[-1] > 2 * max(r["raw_walls"]), (raw, r["raw_walls"])
+        for k in range(len(raw)):  # each figure is (most of) the time of every op so far ...
+            assert raw[k] >= 0.5 * sum(raw_walls[:k + 1]), (k, raw, raw_walls)
+        assert raw[-1] > raw_walls[-1] + 0.5 * sum(raw_walls[:-1]), (raw, raw_walls)  # ... not of its own op
         # corrected: each op its own time, within its wall time; together most of the sequence's wall time
         m = r["metrics"]
         assert m["comm_all_reduce_count"] == 6 and m["comm_all_reduce_bytes"] == 6 * 8_000_000
-        assert 0.7 * sum(r["walls"]) <= m["comm_all_reduce_ms"] <= sum(r["walls"]) + 1.0, (m, r["walls"])
+        assert 0.5 * sum(r["walls"]) <= m["comm_all_reduce_ms"] <= sum(r["walls"]) + 1.0, (m, r["walls"])
         assert m["comm_all_reduce_mean_ms"] <= max(r["walls"]) + 1.0
         assert m["comm_all_reduce_busbw_gbps"] > 0
         # the next window counts only its own ops (the running total carries over, the records do not)

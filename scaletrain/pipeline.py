@@ -288,9 +288,17 @@ def hf_parameter_name(pipe_name: str, places: list) -> str:
         index = 0
     else:
         index = int(head)
-    place = places[index]
-    if place["prefix"] is None or not key.startswith(place["strip"]):
+    name = _hf_key(places[index], key)
+    if name is None:
         raise ValueError(f"pipeline parameter {pipe_name!r} does not map onto the model's names")
+    return name
+
+
+def _hf_key(place: dict, key: str):
+    """`key` of a pipeline layer's module under its Hugging Face name, or None where the layer's map does not
+    cover it (a tied head holds nothing of its own; a key outside the wrapped module's prefix)."""
+    if place["prefix"] is None or not key.startswith(place["strip"]):
+        return None
     return place["prefix"] + key[len(place["strip"]):]
 
 
@@ -326,7 +334,8 @@ def hf_state_dict_from_layer_files(ckpt, places: list) -> dict:
         if place["prefix"] is None:
             continue
         for key, value in torch.load(path, map_location="cpu", weights_only=True).items():
-            if not key.startswith(place["strip"]):
+            name = _hf_key(place, key)
+            if name is None:
                 raise ValueError(f"{path}: key {key!r} does not start with {place['strip']!r}")
-            state[place["prefix"] + key[len(place["strip"]):]] = value
+            state[name] = value
     return state

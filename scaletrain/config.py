@@ -77,6 +77,10 @@ class ModelArgs:
     attn_implementation: str = _flag(
         "sdpa", "Attention backend, by transformers' name: sdpa, eager, flash_attention_2, flash_attention_3, "
                 "flex_attention, or a hub kernel (e.g. kernels-community/flash-attn); checked before anything heavy.")
+    loss_chunk_size: Optional[int] = _flag(
+        None, "Tokens per chunk of the loss through the LM head, so the whole [tokens, vocabulary] logits never exist "
+              "(training and evaluation). Default: auto, a chunk's fp32 logits at most 256 MiB. 0: the whole logits "
+              "at once (as the Hugging Face loss does).")
 
     @property
     def model_source(self) -> str:
@@ -95,6 +99,9 @@ class ModelArgs:
             )
         for flag in ("model_name_or_path", "config_name", "tokenizer_name"):
             _check_model_path(flag, getattr(self, flag))
+        if self.loss_chunk_size is not None and self.loss_chunk_size < 0:
+            raise UsageError(f"--loss_chunk_size {self.loss_chunk_size}: must not be negative",
+                             "give tokens per chunk, 0 for the whole logits, or leave it unset (auto)")
 
 
 @dataclass(frozen=True)

@@ -41,8 +41,14 @@ log = logging.getLogger(__name__)
 
 
 def token_loss_sum(engine, batch: dict):
-    """Summed cross-entropy over the batch's real targets (labels shifted by one inside the block)."""
+    """Summed cross-entropy over the batch's real targets (labels shifted by one inside the block).
+
+    With a chunked-loss head (scaletrain/chunked_loss.py, the default) the head computes it chunk by chunk and the
+    whole logits never exist; with --loss_chunk_size 0 (or a model whose head cannot chunk) from the whole logits.
+    """
     import torch.nn.functional as F
+
+    from scaletrain.chunked_loss import chunked_loss_head
 
     input_ids = batch["input_ids"].to(engine.device, non_blocking=True)
     # Padding sits only at the end of a block (right padding) and causal attention never looks ahead, so no
@@ -50,11 +56,17 @@ def token_loss_sum(engine, batch: dict):
     extra = {}
     if "position_ids" in batch:  # attention isolation: transformers masks attention per document from these
         extra["position_ids"] = batch["position_ids"].to(engine.device, non_blocking=True)
-    logits = engine(input_ids=input_ids, use_cache=False, **extra).logits
     if "shift_labels" in batch:  # a sequence-parallel shard: its labels were shifted over the whole block
         targets = batch["shift_labels"].to(engine.device, non_blocking=True)
     else:  # shift the labels, not the logits: slicing logits[:, :-1] would copy the largest activation of the step
         targets = F.pad(batch["labels"][:, 1:].to(engine.device, non_blocking=True), (0, 1), value=IGNORE_INDEX)
+    head = chunked_loss_head(engine.module)
+    if head is not None:
+        with head.pending(targets):
+            loss = engine(input_ids=input_ids, use_cache=False, **extra).logits
+        head.check_returned(loss)
+        return loss
+    logits = engine(input_ids=input_ids, use_cache=False, **extra).logits
     return F.cross_entropy(
         logits.reshape(-1, logits.size(-1)).float(), targets.reshape(-1), ignore_index=IGNORE_INDEX, reduction="sum"
     )

@@ -30,7 +30,9 @@ Working memory per micro-batch of b sequences of s tokens (hidden h, MLP width f
                   with tensor parallelism t: s b (8 h + (10 h + 8 f) / t) (Q/K/V, attention and MLP inside are split);
                   with sequence parallelism n every per-token term (layers and logits) / n: a rank holds s / n tokens
                   (ZeRO then partitions over all the ranks: Ulysses runs without an mpu, see sequence_parallel.py)
-    logits        s b V x 10 bytes: the 16-bit logits, their fp32 copy for the loss and its gradient (x1.5 in fp32)
+    logits        s b V x 10 bytes: the 16-bit logits, their fp32 copy for the loss and its gradient (x1.5 in fp32);
+                  with the chunked loss (--loss_chunk_size, the default without tensor or pipeline parallelism)
+                  only one chunk of c tokens: c V x 10 (x1.5), plus the head's fp32 weight gradient (4 V h)
     checkpointing keeps each layer's input (2 s b h) and recomputes one layer at a time
     pipeline      k stages, 1F1B: the first stage keeps up to k micro-batches in flight for its L / k layers (L
                   layers' worth, as without a pipeline, but no logits); the last one micro-batch of L / k layers and
@@ -49,6 +51,14 @@ from typing import List, Optional
 GIB = 2**30
 HEADROOM = 0.90  # plan to use at most 90% of a GPU: allocator fragmentation, NCCL buffers, the CUDA context
 OPTIMIZER_BYTES = 12  # fp32 master weights + Adam m and v
+AUTO_LOSS_CHUNK_BYTES = 256 * 2**20  # --loss_chunk_size auto: a chunk's fp32 logits take at most this much
+
+
+def auto_loss_chunk(vocab_size: int) -> int:
+    """Tokens per chunk of the chunked loss for --loss_chunk_size auto: fp32 logits of at most 256 MiB. Large
+    enough that each chunk's matrix product keeps a GPU busy (523 tokens x 128k vocabulary x hidden), small
+    enough to be a rounding error next to the model's activations."""
+    return max(1, AUTO_LOSS_CHUNK_BYTES // (4 * vocab_size))
 
 
 @dataclass(frozen=True)
@@ -171,13 +181,17 @@ def model_state_bytes(option: Option, shape: ModelShape, dp: int, precision: str
 
 
 def activation_bytes(shape: ModelShape, micro_batch: int, block_size: int, precision: str, stage: int = 1,
-                     tp: int = 1, sp: int = 1, pp: int = 1) -> tuple:
+                     tp: int = 1, sp: int = 1, pp: int = 1, loss_chunk: Optional[int] = None) -> tuple:
     """Working memory (without, with) activation checkpointing, bytes per GPU for one micro-batch (under pipeline
-    parallelism: of the stage that needs most)."""
+    parallelism: of the stage that needs most). `loss_chunk`: tokens per chunk of the chunked loss (None: whole
+    logits; tensor and pipeline parallelism always take the whole logits)."""
     scale = 2 if precision == "fp32" else 1
     tokens = micro_batch * block_size / sp
     per_layer = tokens * (8 * shape.hidden + (10 * shape.hidden + 8 * shape.intermediate) / tp) * scale
-    logits = tokens * shape.vocab * 10 * (1.5 if precision == "fp32" else 1)
+    logit_tokens = min(tokens, loss_chunk) if loss_chunk and tp == 1 and pp == 1 else tokens
+    logits = logit_tokens * shape.vocab * 10 * (1.5 if precision == "fp32" else 1)
+    if logit_tokens < tokens:
+        logits += 4 * shape.vocab * shape.hidden  # the head's weight gradient, summed over the chunks in fp32
     kept = 2 * tokens * shape.hidden * scale  # a checkpointed layer's input
     # 1F1B: the first stage holds the activations of up to pp micro-batches in flight for its layers / pp layers
     # (as many layers' worth as the whole model for one micro-batch), the last stage one micro-batch and the logits.
@@ -199,11 +213,13 @@ def options_for(tp: int, sp: int = 1, pp: int = 1) -> List[Option]:
 
 
 def plan_memory(shape: ModelShape, gpus_per_node: int, nodes: int, micro_batch: int, block_size: int,
-                precision: str, tp: int = 1, sp: int = 1, pp: int = 1) -> List[Estimate]:
+                precision: str, tp: int = 1, sp: int = 1, pp: int = 1,
+                loss_chunk: Optional[int] = None) -> List[Estimate]:
     dp = gpus_per_node * nodes // (tp * pp)  # the ranks ZeRO partitions over (under SP: all of them)
     estimates = []
     for option in options_for(tp, sp, pp):
-        act, act_ckpt = activation_bytes(shape, micro_batch, block_size, precision, option.stage, tp, sp, pp)
+        act, act_ckpt = activation_bytes(shape, micro_batch, block_size, precision, option.stage, tp, sp, pp,
+                                         loss_chunk)
         params, grads, optimizer, host, nvme = model_state_bytes(option, shape, dp, precision, tp, pp)
         estimates.append(Estimate(option, params, grads, optimizer, act, act_ckpt, host * gpus_per_node,
                                   nvme * gpus_per_node))
@@ -222,14 +238,15 @@ def recommend(estimates: List[Estimate], gpu_bytes: float, host_bytes: Optional[
 
 
 def recommend_layout(shape: ModelShape, gpus_per_node: int, nodes: int, micro_batch: int, block_size: int,
-                     precision: str, gpu_bytes: float, host_bytes: Optional[float]) -> Optional[tuple]:
+                     precision: str, gpu_bytes: float, host_bytes: Optional[float],
+                     loss_chunk: Optional[int] = None) -> Optional[tuple]:
     """(tensor-parallel size, pipeline stages, estimate, checkpointing) of the fastest layout that fits, in this
     order: pure data parallelism without offload (ZeRO-1, 2, 3), then tensor parallelism inside a node (2, 4, ...
     GPUs; its all-reduces stay on the node's links), then pipeline stages (2, 4, ...; point-to-point transfers of
     one activation per micro-batch, which cross nodes well, at the cost of the pipeline's bubble), then offload
     (host memory and PCIe are slower still). Tensor and pipeline parallelism together are not proposed: the
     pipeline does not run them together yet."""
-    plain = plan_memory(shape, gpus_per_node, nodes, micro_batch, block_size, precision)
+    plain = plan_memory(shape, gpus_per_node, nodes, micro_batch, block_size, precision, loss_chunk=loss_chunk)
     in_gpu = [e for e in plain if e.option.offload_optimizer == "none"]
     choice = recommend(in_gpu, gpu_bytes, host_bytes)
     if choice:
@@ -270,7 +287,7 @@ def _layout_flags(tp: int, sp: int, pp: int) -> str:
 
 def render(estimates: List[Estimate], shape: ModelShape, gpus_per_node: int, nodes: int, gpu_memory_gb: float,
            host_memory_gb: Optional[float], micro_batch: int, block_size: int, precision: str, tp: int = 1,
-           sp: int = 1, pp: int = 1) -> str:
+           sp: int = 1, pp: int = 1, loss_chunk: Optional[int] = None) -> str:
     gb = lambda b: f"{b / GIB:.2f}"  # noqa: E731
     gpu_bytes, host_bytes = gpu_memory_gb * GIB, None if host_memory_gb is None else host_memory_gb * GIB
     layout = _describe(nodes * gpus_per_node, tp, sp, pp)
@@ -297,7 +314,7 @@ def render(estimates: List[Estimate], shape: ModelShape, gpus_per_node: int, nod
             f"ds_configs/{est.option.ds_config} |")
     if tp == 1 and sp == 1 and pp == 1:  # the layout is open: data parallelism, then TP, then PP, then offload
         choice = recommend_layout(shape, gpus_per_node, nodes, micro_batch, block_size, precision, gpu_bytes,
-                                  host_bytes)
+                                  host_bytes, loss_chunk)
     else:  # the layout was given
         choice = recommend(estimates, gpu_bytes, host_bytes)
         choice = choice and (tp, pp, *choice)

@@ -349,9 +349,11 @@ def print_memory_plan(resolved: ResolvedRun) -> None:
     precision = "bf16" if engine.bf16 else "fp16" if engine.fp16 else planning.plan_precision
     parallel = resolved.cfg.parallel
     tp, sp, pp = parallel.tensor_parallel_size, parallel.sequence_parallel_size, parallel.pipeline_parallel_size
+    chunk = resolved.cfg.model.loss_chunk_size
+    loss_chunk = None if chunk == 0 else chunk or memory_planner.auto_loss_chunk(shape.vocab)
     estimates = memory_planner.plan_memory(shape, planning.num_gpus, planning.num_nodes,
                                            optim.per_device_train_batch_size, resolved.block_size, precision, tp, sp,
-                                           pp)
+                                           pp, loss_chunk)
     print(memory_planner.render(estimates, shape, planning.num_gpus, planning.num_nodes, planning.gpu_memory_gb,
                                 planning.host_memory_gb, optim.per_device_train_batch_size, resolved.block_size,
-                                precision, tp, sp, pp))
+                                precision, tp, sp, pp, loss_chunk))

@@ -171,6 +171,10 @@ class Run:
                                               self.schedule, self.dist.tensor_parallel_size)
         if self.pipeline_loss is not None:
             self.pipeline_step = PipelineStep(self.engine, self.pipeline_loss)
+        else:  # after deepspeed.initialize (tensor parallelism may replace the head), before compile
+            from scaletrain.chunked_loss import install_chunked_loss
+
+            install_chunked_loss(self.engine.module, self.cfg.model.loss_chunk_size)
         engine_args = self.cfg.engine
         if engine_lib.compile_requested(engine_args.torch_compile, self.resolved.ds.config):
             engine_lib.compile_engine(self.engine, engine_args.torch_compile_backend, engine_args.torch_compile_mode)

@@ -173,6 +173,15 @@ def layout_reference(tmp_path_factory, cache_dir) -> Path:
     return run_dir
 
 
+@pytest.fixture(scope="session")
+def layout_reference_zero3(tmp_path_factory, cache_dir) -> Path:
+    """The same under ZeRO-3, which builds the model inside deepspeed.zero.Init: other initial weights than a plain
+    build, so ZeRO-3 layouts compare against this one."""
+    run_dir = tmp_path_factory.mktemp("layouts") / "reference_zero3"
+    check_ok(launch(REPO / "train.py", layout_flags(run_dir, "zero3"), "python", cache_dir))
+    return run_dir
+
+
 @contextmanager
 def small_tmpfs(folder: Path, size: str) -> Iterator[Path]:
     """A real file system of `size` (tmpfs, e.g. "50m") mounted at `folder`, for full-disk tests; skips without root."""

@@ -28,12 +28,9 @@ def reference(layout_reference) -> Path:
     return layout_reference
 
 
-@pytest.fixture(scope="module")
-def reference_zero3(tmp_path_factory, cache_dir) -> Path:
-    """ZeRO-3 builds the model inside deepspeed.zero.Init, which draws other initial weights than a plain build."""
-    run_dir = tmp_path_factory.mktemp("sp") / "reference_zero3"
-    check_ok(launch(REPO / "train.py", _flags(run_dir, "zero3"), "python", cache_dir))
-    return run_dir
+@pytest.fixture
+def reference_zero3(layout_reference_zero3) -> Path:
+    return layout_reference_zero3
 
 
 @pytest.fixture(scope="module")

@@ -78,3 +78,21 @@ def test_a_failing_run_exits_non_zero_with_its_command_and_output(tmp_path):
     assert proc.returncode != 0
     assert "a run failed" in proc.stderr and "train.py --config ds_configs/zero2.json" in proc.stderr
     assert "no_such_attention" in proc.stderr.split("its tail:", 1)[1]  # train.py's own message, from its log
+
+
+def test_the_token_check_allows_train_pys_padded_block_and_nothing_more():
+    from argparse import Namespace
+
+    from scripts.compare_hf_trainer import RunFailed, check_same_tokens
+
+    s = Namespace(steps=10, block_size=64)
+    hf = {"input_tokens_per_step": 256, "targets_per_step": 252.0}
+
+    def ours(targets_per_step, input_tokens=256):
+        return {"input_tokens_per_step": input_tokens, "targets_per_step": targets_per_step, "epochs_touched": 1}
+
+    check_same_tokens(ours(252.0), hf, s)
+    check_same_tokens(ours(252.0 - 40 / 10), hf, s)  # one padded block of 40 pads in the 10 steps
+    for wrong in (ours(252.0 - 64 / 10), ours(253.0), ours(252.0, input_tokens=320)):
+        with pytest.raises(RunFailed):
+            check_same_tokens(wrong, hf, s)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import gc
 import glob
+import logging
 import os
 import socket
 from dataclasses import dataclass
@@ -143,11 +144,36 @@ def init_distributed(dist: DistInfo) -> DistInfo:
         from scaletrain import ops
 
         ops.load_ops(ops.comm_ops(accelerator, dist.world_size))  # under our lock; DeepSpeed then finds it loaded
+    if accelerator == "cpu":
+        share_cpu_cores()
     backend = "gloo" if accelerator == "cpu" else get_accelerator().communication_backend_name()
     if accelerator != "cpu":
         get_accelerator().set_device(dist.local_rank)
     deepspeed.init_distributed(dist_backend=backend, auto_mpi_discovery=False)
     return dataclasses.replace(dist, accelerator=accelerator)
+
+
+def cpu_threads_per_rank(environ: Mapping[str, str], cores: int) -> Optional[int]:
+    """Intra-op threads for each CPU rank: the node's cores shared among its ranks, unless OMP_NUM_THREADS is set.
+
+    torch's default is one thread per core in every process, so n ranks on a node run n x cores threads that
+    preempt each other (and gloo's threads) in every matrix product. torchrun sets OMP_NUM_THREADS=1 for several
+    ranks; the deepspeed launcher sets it only with --bind_cores_to_rank; srun never."""
+    if environ.get("OMP_NUM_THREADS"):
+        return None
+    local_ranks = int(environ.get("LOCAL_WORLD_SIZE") or environ.get("LOCAL_SIZE") or
+                      environ.get("SLURM_NTASKS_PER_NODE", "1").split("(")[0] or 1)
+    return max(1, cores // max(1, local_ranks))
+
+
+def share_cpu_cores() -> None:
+    import torch
+
+    threads = cpu_threads_per_rank(os.environ, len(os.sched_getaffinity(0)))
+    if threads is not None and threads != torch.get_num_threads():
+        torch.set_num_threads(threads)
+        logging.getLogger(__name__).info("cpu: %d intra-op thread(s) per rank (this node's cores shared among its "
+                                         "ranks; OMP_NUM_THREADS overrides)", threads)
 
 
 def rank_hosts() -> list:

@@ -258,15 +258,16 @@ def resolve_run(argv: Optional[Sequence[str]], dist: DistInfo) -> ResolvedRun:
     _check_tokenizer_fits(cfg.model, model_config, tokenizer)
     store_block_size = _check_stores(cfg.data, cfg.model.tokenizer_source, tokenizer)
     block_size = _block_size(cfg.data, model_config, store_block_size)
+    skeleton = meta_model(model_config, cfg.model.trust_remote_code, cfg.model.attn_implementation)
+    model_facts = _model_facts(skeleton, model_config)
     ds = resolve_ds_config(raw_ds_config, cfg.engine, cfg.optim, cfg.explicit_flags, dist.dp_world_size,
-                           _hidden_size(model_config), hardware_facts())
+                           _hidden_size(model_config), hardware_facts(), model_facts["n_params"])
     if not cfg.planning.plan:  # --plan covers every ZeRO option for the layout, whatever --config says
         resolve_layout(cfg.parallel, ds, cfg.engine.config)
     check_rampup(cfg.optim.rampup_batch_size, ds, dist.dp_world_size)
     if cfg.nonfinite.on_nonfinite == "skip" and ds.zero_stage == 0 and ds.precision != "fp32":
         raise UsageError(f"--on_nonfinite skip: updates of ZeRO stage 0 in {ds.precision} cannot be skipped",
                          "use a ZeRO stage 1-3 config, or --on_nonfinite stop")
-    skeleton = meta_model(model_config, cfg.model.trust_remote_code, cfg.model.attn_implementation)
     check_attention_isolation(cfg.model.attn_implementation, cfg.data.attention_isolation,
                               ds.config["train_micro_batch_size_per_gpu"], cfg.optim.per_device_eval_batch_size)
     if cfg.model.gradient_checkpointing and not getattr(skeleton, "supports_gradient_checkpointing", False):
@@ -281,7 +282,6 @@ def resolve_run(argv: Optional[Sequence[str]], dist: DistInfo) -> ResolvedRun:
                              block_size)
         check_pipeline_run(cfg.parallel, cfg.data.attention_isolation, ds.precision, ds.zero_stage,
                            cfg.engine.config)
-    model_facts = _model_facts(skeleton, model_config)
     resume_from, resume_state, reshard, previous = _resolve_resume_point(cfg, ds, model_facts, dist)
     if not (cfg.run.print_config or cfg.planning.plan):
         _check_disk_space(cfg.run.output_dir, model_facts["n_params"], ds.precision)

@@ -1,6 +1,6 @@
 """Rank facts from each launcher's environment."""
 
-from scaletrain.distributed import read_launch_env
+from scaletrain.distributed import cpu_threads_per_rank, read_launch_env
 
 
 def test_torchrun_and_deepspeed_launcher_env():
@@ -23,3 +23,11 @@ def test_launcher_env_wins_over_slurm_and_single_task_batch_step_is_not_a_rank()
 def test_plain_python_is_a_single_rank():
     d = read_launch_env({})
     assert (d.rank, d.world_size, d.is_main, d.launcher) == (0, 1, True, "single")
+
+
+def test_cpu_ranks_share_the_nodes_cores_unless_omp_num_threads_is_set():
+    assert cpu_threads_per_rank({"LOCAL_SIZE": "2"}, 2) == 1  # the deepspeed launcher's local rank count
+    assert cpu_threads_per_rank({"LOCAL_WORLD_SIZE": "4"}, 16) == 4  # torchrun's
+    assert cpu_threads_per_rank({"SLURM_NTASKS_PER_NODE": "8"}, 4) == 1  # srun: at least one thread
+    assert cpu_threads_per_rank({}, 2) == 2  # one rank: every core, torch's default
+    assert cpu_threads_per_rank({"OMP_NUM_THREADS": "3", "LOCAL_SIZE": "2"}, 2) is None  # the user's choice stands

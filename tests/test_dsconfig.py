@@ -39,7 +39,9 @@ def test_every_shipped_config_resolves_completely(name, tmp_path):
     assert not contains_auto(c)
     assert c["train_batch_size"] == 3 * 5 * 4
     assert c["optimizer"]["params"]["lr"] == 2e-4
-    assert c["zero_optimization"]["reduce_bucket_size"] == 64 * 64
+    # the bucket rule on a CPU in fp32: 1 ms x 1.2 GB/s x 9 / 4 bytes (no model size given: no cap by it)
+    for key in ("reduce_bucket_size", "allgather_bucket_size", "stage3_prefetch_bucket_size"):
+        assert c["zero_optimization"][key] == 2_700_000, key
     assert resolved.sources["train_batch_size"] == "micro batch 3 x accumulation 5 x data-parallel size 4"
     assert "--learning_rate" in resolved.explained()
     assert resolved.precision == "fp32" and not c["bf16"]["enabled"] and not c["fp16"]["enabled"]
@@ -96,10 +98,26 @@ def test_nvme_path_comes_from_flag_or_env_or_fails_clearly(tmp_path, monkeypatch
     assert resolved.sources["zero_optimization.offload_param.nvme_path"] == "$SCALETRAIN_NVME_PATH"
 
 
+def test_bucket_sizes_amortise_a_collectives_latency_bounded_by_the_model_and_memory():
+    from scaletrain.dsconfig import LINKS, MAX_BUCKET_ELEMENTS, bucket_elements
+
+    for accelerator, precision, element_bytes in (("cuda", "bf16", 2), ("cuda", "fp32", 4), ("cpu", "fp32", 4)):
+        elements, why = bucket_elements(accelerator, precision, None)
+        link = LINKS[accelerator]
+        transfer = elements * element_bytes / link.bandwidth_bytes_per_s
+        assert link.latency_s / (link.latency_s + transfer) == pytest.approx(0.10, rel=1e-3), accelerator
+        assert f"({accelerator} link, latency <= 10%)" in why
+    assert bucket_elements("cuda", "bf16", None)[0] == 101_250_000  # 200 MB: about the Trainer docs' 2e8 elements
+    assert bucket_elements("cuda", "bf16", 5_000_000) == (5_000_000, "50 us x 450 GB/s x 9 (cuda link, latency "
+                                                          "<= 10%) / 2 bytes = 101250000, capped at the model "
+                                                          "(5000000)")
+    assert bucket_elements("cuda", "bf16", 10**12)[0] <= MAX_BUCKET_ELEMENTS
+
+
 def test_unresolvable_auto_and_scheduler_section_are_refused(tmp_path):
     raw = load_ds_config(str(REPO / "ds_configs/zero2.json"))
-    raw["zero_optimization"]["allgather_bucket_size"] = "auto"
-    with pytest.raises(UsageError, match="zero_optimization.allgather_bucket_size"):
+    raw["zero_optimization"]["stage3_max_live_parameters"] = "auto"
+    with pytest.raises(UsageError, match="zero_optimization.stage3_max_live_parameters"):
         resolve(raw, cfg_for(tmp_path), 1, 64, CPU)
     raw = load_ds_config(str(REPO / "ds_configs/zero2.json"))
     raw["scheduler"] = {"type": "WarmupLR"}

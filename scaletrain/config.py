@@ -81,6 +81,9 @@ class ModelArgs:
         None, "Tokens per chunk of the loss through the LM head, so the whole [tokens, vocabulary] logits never exist "
               "(training and evaluation). Default: auto, a chunk's fp32 logits at most 256 MiB. 0: the whole logits "
               "at once (as the Hugging Face loss does).")
+    router_aux_loss_coef: Optional[float] = _flag(
+        None, "Mixture-of-experts models: the weight of the router's load-balancing loss added to the token loss "
+              "(logged as aux_loss). Default: the model config's router_aux_loss_coef. 0: no load-balancing loss.")
 
     @property
     def model_source(self) -> str:
@@ -102,6 +105,9 @@ class ModelArgs:
         if self.loss_chunk_size is not None and self.loss_chunk_size < 0:
             raise UsageError(f"--loss_chunk_size {self.loss_chunk_size}: must not be negative",
                              "give tokens per chunk, 0 for the whole logits, or leave it unset (auto)")
+        if self.router_aux_loss_coef is not None and not self.router_aux_loss_coef >= 0:
+            raise UsageError(f"--router_aux_loss_coef {self.router_aux_loss_coef}: must not be negative",
+                             "give a weight such as 0.01, 0 for no load-balancing loss, or leave it unset")
 
 
 @dataclass(frozen=True)

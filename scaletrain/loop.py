@@ -8,6 +8,17 @@ averaging per micro-batch means instead). DeepSpeed averages gradients over data
 multiplies by the data-parallel size to turn that average back into the global sum (under sequence parallelism
 DeepSpeed averages over every rank, each holding part of a block: see scaletrain/sequence_parallel.py);
 `scale_wrt_gas=False` stops DeepSpeed dividing by the accumulation steps a second time.
+
+Mixture-of-experts models (scaletrain/moe.py) add the router's load-balancing loss: the objective of a step is
+token-mean cross-entropy + coef x aux, with aux the mean over the step's M micro-batches on each of the D ranks
+DeepSpeed averages over of each micro-batch's own aux (transformers' per-batch statistic, not a sum over tokens).
+Each micro-batch's backward value is therefore
+
+    loss_sum x D / global_targets + coef x aux / M
+
+DeepSpeed's average over the D ranks turns sum_ranks sum_micro (coef x aux / M) / D into coef x mean(aux), as it
+turns the first term into the global token mean. The logged `loss` stays the cross-entropy alone (runs with and
+without MoE compare), `aux_loss` is the step's mean aux, not multiplied by coef; evaluation reports cross-entropy.
 """
 
 from __future__ import annotations
@@ -46,6 +57,18 @@ def token_loss_sum(engine, batch: dict):
     With a chunked-loss head (scaletrain/chunked_loss.py, the default) the head computes it chunk by chunk and the
     whole logits never exist; with --loss_chunk_size 0 (or a model whose head cannot chunk) from the whole logits.
     """
+    return _forward_losses(engine, batch)[0]
+
+
+def token_and_router_losses(engine, batch: dict, router_loss) -> tuple:
+    """(summed cross-entropy as token_loss_sum, the micro-batch's load-balancing loss): an MoE model's forward asked
+    for its router logits."""
+    summed, output = _forward_losses(engine, batch, output_router_logits=True)
+    return summed, router_loss.aux_loss(output.router_logits, batch["labels"].to(engine.device, non_blocking=True))
+
+
+def _forward_losses(engine, batch: dict, **forward_kwargs) -> tuple:
+    """(summed cross-entropy, the model's output) of one micro-batch."""
     import torch.nn.functional as F
 
     from scaletrain.chunked_loss import chunked_loss_head
@@ -60,16 +83,18 @@ def token_loss_sum(engine, batch: dict):
         targets = batch["shift_labels"].to(engine.device, non_blocking=True)
     else:  # shift the labels, not the logits: slicing logits[:, :-1] would copy the largest activation of the step
         targets = F.pad(batch["labels"][:, 1:].to(engine.device, non_blocking=True), (0, 1), value=IGNORE_INDEX)
+    extra.update(forward_kwargs)
     head = chunked_loss_head(engine.module)
     if head is not None:
         with head.pending(targets):
-            loss = engine(input_ids=input_ids, use_cache=False, **extra).logits
-        head.check_returned(loss)
-        return loss
-    logits = engine(input_ids=input_ids, use_cache=False, **extra).logits
+            output = engine(input_ids=input_ids, use_cache=False, **extra)
+        head.check_returned(output.logits)
+        return output.logits, output
+    output = engine(input_ids=input_ids, use_cache=False, **extra)
+    logits = output.logits
     return F.cross_entropy(
         logits.reshape(-1, logits.size(-1)).float(), targets.reshape(-1), ignore_index=IGNORE_INDEX, reduction="sum"
-    )
+    ), output
 
 
 def agree_step(device, loss_sum, *flags: bool) -> tuple:
@@ -104,6 +129,7 @@ class LoopSettings:
     # This rank's share of the reported loss: the ranks of a tensor-parallel group compute the same loss, so only the
     # first of each group counts (0 x NaN is NaN: a non-finite loss is still seen).
     loss_share: float = 1.0
+    router_loss: Any = None  # an MoE model's load-balancing loss (scaletrain.moe.RouterLoss), or None
 
 
 @dataclass(frozen=True)
@@ -134,6 +160,7 @@ class StepResult:
     interval_due: bool  # --save_interval_minutes has passed (agreed by all: the ranks' clocks differ)
     forced: str | None  # why the guard skipped the update, or None
     applied: bool  # the update happened (DeepSpeed also refuses one whose gradient norm is not finite)
+    aux_share: Any = None  # MoE: this rank's share of the step's mean load-balancing loss (summed over ranks: the mean)
 
 
 class StepTimers:
@@ -217,7 +244,7 @@ def train_loop(engine, batches: StepBatches, state: TrainState, settings: LoopSe
                 continue
             seconds, phases = timers.close_step(started)
             window.add(result.loss_sum, result.targets, result.blocks, seconds, phases,
-                       engine.get_global_grad_norm(), skipped=not result.applied)
+                       engine.get_global_grad_norm(), skipped=not result.applied, aux_share=result.aux_share)
             if hooks.profiler:
                 hooks.profiler.after_step(state.step)
             bar.update(1)
@@ -244,17 +271,23 @@ def optimizer_step(engine, batches: StepBatches, data_step: int, settings: LoopS
     clock.lap("data_wait")
     scale = settings.gradient_divisor / max(targets, 1)
     set_accumulation(engine, len(micro_batches))
+    backward = partial(_forward_backward, engine, scale=scale, clock=clock, router_loss=settings.router_loss,
+                       micro_batches=len(micro_batches))
     *accumulating, boundary = micro_batches
-    loss_sum = 0.0
+    loss_sum, aux_sum = 0.0, 0.0
     for batch in accumulating:
         engine.set_gradient_accumulation_boundary(False)
-        loss_sum = loss_sum + _forward_backward(engine, batch, scale, clock)
+        summed, aux = backward(batch)
+        loss_sum, aux_sum = loss_sum + summed, aux_sum + aux
         engine.step()  # inside the accumulation: no update, DeepSpeed counts the micro-batch
         clock.lap("optimizer")
     # The boundary is ours, not DeepSpeed's count of micro-steps modulo the accumulation steps, which a change of
     # the accumulation (a ramp-up stage) would put in the middle of a step.
     engine.set_gradient_accumulation_boundary(True)
-    loss_sum = (loss_sum + _forward_backward(engine, boundary, scale, clock)) * settings.loss_share
+    summed, aux = backward(boundary)
+    loss_sum = (loss_sum + summed) * settings.loss_share
+    aux_share = None if settings.router_loss is None else \
+        (aux_sum + aux) * settings.loss_share / (len(micro_batches) * settings.gradient_divisor)
     # One small all-reduce before the update: the global loss (for the non-finite and spike checks) and the flags
     # every rank must agree on at this step boundary.
     global_loss_sum, preempted, interval_due = agree_step(
@@ -270,7 +303,7 @@ def optimizer_step(engine, batches: StepBatches, data_step: int, settings: LoopS
     if hooks.switch:
         hooks.switch.skip = False
     return StepResult(loss_sum, targets, blocks, global_loss, preempted, interval_due, forced,
-                      applied=engine.was_step_applied())
+                      applied=engine.was_step_applied(), aux_share=aux_share)
 
 
 class PipelineStep:
@@ -381,13 +414,21 @@ def scaled_lr(engine, factor: float):
                 group["lr"] = lr
 
 
-def _forward_backward(engine, batch: dict, scale: float, clock: PhaseClock):
-    """One micro-batch: the backward of its share of the step's loss; its summed token loss, detached."""
-    summed = token_loss_sum(engine, batch)  # looked up at each call: tests/helpers/inject_nonfinite.py wraps it
+def _forward_backward(engine, batch: dict, scale: float, clock: PhaseClock, router_loss=None,
+                      micro_batches: int = 1) -> tuple:
+    """One micro-batch: the backward of its share of the step's objective; (its summed token loss, its
+    load-balancing loss or 0), detached."""
+    if router_loss is None:
+        summed = token_loss_sum(engine, batch)  # looked up at each call: tests/helpers/inject_nonfinite.py wraps it
+        aux, objective = 0.0, summed * scale
+    else:  # the module docstring derives the aux factor
+        summed, aux = token_and_router_losses(engine, batch, router_loss)
+        objective = summed * scale + aux * (router_loss.coef / micro_batches)
+        aux = aux.detach()
     clock.lap("forward")
-    engine.backward(summed * scale, scale_wrt_gas=False)
+    engine.backward(objective, scale_wrt_gas=False)
     clock.lap("backward")
-    return summed.detach()
+    return summed.detach(), aux
 
 
 def _logged(step: int, settings: LoopSettings) -> bool:

@@ -87,13 +87,23 @@ class LogWindow:
     grad_norm: Any = None  # the last applied step's, read only when the window is summarized
     loss_targets: int = 0  # targets of the applied steps (a skipped step's loss stays out of the mean)
     skipped: int = 0  # steps whose update was not applied
+    aux_sum: Any = None  # MoE: this rank's shares of the applied steps' mean load-balancing losses (None: dense)
+
+    @property
+    def applied_steps(self) -> int:
+        return self.steps - self.skipped
 
     def add(self, loss_sum, targets: int, samples: int, seconds: float, phases: Optional[dict], grad_norm,
-            skipped: bool = False) -> None:
-        """`phases`: the step's split, or None for a step that was not split (a GPU step not logged)."""
+            skipped: bool = False, aux_share=None) -> None:
+        """`phases`: the step's split, or None for a step that was not split (a GPU step not logged); `aux_share`:
+        an MoE step's share of its mean load-balancing loss on this rank (None for a dense model)."""
+        if aux_share is not None and self.aux_sum is None:
+            self.aux_sum = 0.0
         if skipped:
             self.skipped += 1
         else:
+            if aux_share is not None:
+                self.aux_sum = self.aux_sum + aux_share
             self.loss_sum = self.loss_sum + loss_sum
             self.loss_targets += targets
             self.grad_norm = grad_norm
@@ -112,11 +122,13 @@ class LogWindow:
         import torch.distributed as torch_dist
 
         step_time = self.seconds / max(self.steps, 1)
-        # One collective: every rank's summed loss (added up) and mean step time (the straggler signal: the
-        # slowest against the median).
-        mine = torch.zeros(2, dtype=torch.float64, device=device)
+        # One collective: every rank's summed loss and load-balancing loss shares (added up) and mean step time (the
+        # straggler signal: the slowest against the median).
+        mine = torch.zeros(3, dtype=torch.float64, device=device)
         mine[0] = torch.as_tensor(self.loss_sum, dtype=torch.float64, device=device).reshape(())
         mine[1] = step_time
+        aux = 0.0 if self.aux_sum is None else self.aux_sum
+        mine[2] = torch.as_tensor(aux, dtype=torch.float64, device=device).reshape(())
         gathered = [torch.zeros_like(mine) for _ in range(torch_dist.get_world_size())]
         torch_dist.all_gather(gathered, mine)
         rows = torch.stack(gathered).cpu()
@@ -125,6 +137,9 @@ class LogWindow:
         tokens_per_s = self.targets / self.seconds if self.seconds else 0.0
         record = {
             "loss": total.item() / self.loss_targets if self.loss_targets else None,  # None: all skipped
+            # MoE: the mean over the applied steps of each step's mean load-balancing loss (not times the coefficient)
+            "aux_loss": rows[:, 2].sum().item() / self.applied_steps
+            if self.aux_sum is not None and self.applied_steps else None,
             "skipped": self.skipped,
             "grad_norm": None if self.grad_norm is None else float(self.grad_norm),
             "tokens_per_s": tokens_per_s,

@@ -26,6 +26,7 @@ from scaletrain.flops import ModelFlops, model_flops
 from scaletrain.layout import (apply_layout, check_model_layout, check_pipeline_run, check_planned_layout,
                                check_sequence_layout, describe_layout, resolve_layout)
 from scaletrain.pipeline import check_pipeline_model
+from scaletrain.moe import resolve_router_loss
 from scaletrain.metrics import METRICS_FILE, read_records
 from scaletrain.model import (check_attention_isolation, load_model_config, load_tokenizer, max_positions,
                               meta_model)
@@ -55,6 +56,7 @@ class ResolvedRun:
     reshard: bool = False  # the checkpoint came from another number of data-parallel ranks
     model_shape: Any = None  # --plan: the memory planner's view of the model (memory_planner.ModelShape)
     previous_run_config: Optional[dict] = None  # run_config.json of the run being resumed, where there is one
+    router_loss: Any = None  # a mixture-of-experts model's load-balancing loss (scaletrain.moe.RouterLoss) or None
 
 
 def hardware_facts() -> HardwareFacts:
@@ -273,6 +275,7 @@ def resolve_run(argv: Optional[Sequence[str]], dist: DistInfo) -> ResolvedRun:
     if cfg.model.gradient_checkpointing and not getattr(skeleton, "supports_gradient_checkpointing", False):
         raise UsageError(f"--gradient_checkpointing: {type(skeleton).__name__} does not support it",
                          "drop the flag, or use ZeRO-3 / offload to save memory instead")
+    router_loss = resolve_router_loss(cfg.model, cfg.parallel, model_config, skeleton)
     check_sequence_layout(cfg.parallel, block_size, skeleton.config._attn_implementation)
     check_compile(compile_requested(cfg.engine.torch_compile, ds.config),
                   (dist.tensor_parallel_size, dist.sequence_parallel_size, dist.pipeline_parallel_size),
@@ -293,7 +296,7 @@ def resolve_run(argv: Optional[Sequence[str]], dist: DistInfo) -> ResolvedRun:
     return ResolvedRun(cfg, ds, dist, model_config, tokenizer, block_size, model_facts["n_params"],
                        resume_from=resume_from, model_facts=model_facts, resume_state=resume_state, reshard=reshard,
                        flops=model_flops(skeleton, model_config, block_size), model_shape=model_shape,
-                       previous_run_config=previous)
+                       previous_run_config=previous, router_loss=router_loss)
 
 
 def explain_resolved_run(resolved: ResolvedRun, dp_world_size: int) -> str:

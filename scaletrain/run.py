@@ -9,7 +9,7 @@ from functools import partial
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
-from scaletrain import (checkpoint, distributed, engine as engine_lib, model as model_lib, pipeline,
+from scaletrain import (checkpoint, distributed, engine as engine_lib, model as model_lib, moe, pipeline,
                         sequence_parallel, store_prep, tokenstore)
 from scaletrain.blocks import MixedBlocks, PackedBlocks, blocks_from_store, eval_batches
 from scaletrain.errors import NonFiniteStop, UsageError
@@ -88,6 +88,8 @@ class Run:
     def build_model(self) -> None:
         self.model, self._zero3_keepalive = model_lib.build_model(
             self.cfg.model, self.resolved.model_config, self.resolved.ds.config, self.resolved.ds.zero_stage)
+        if self.resolved.ds.zero_stage == 3:  # before deepspeed.initialize, which installs the gather hooks
+            moe.mark_leaf_modules(self.model, self.resolved.model_config)
         if self.dist.sequence_parallel_size > 1:
             sequence_parallel.register_ulysses(self.model, self.dist.sequence_parallel_size,
                                                self.resolved.ds.config["train_micro_batch_size_per_gpu"],
@@ -232,6 +234,7 @@ class Run:
             show_progress=self.dist.is_main and not self.cfg.logging.disable_tqdm,
             throughput=self.throughput_model(),
             rampup_lr_exponent={"none": 0.0, "sqrt": 0.5, "linear": 1.0}[self.cfg.optim.rampup_lr_scaling],
+            router_loss=self.resolved.router_loss,
         )
         shard = None
         if self.dist.sequence_parallel_size > 1:  # each rank of a sequence-parallel group keeps its part of a block

@@ -162,6 +162,8 @@ def _resolve_precision(r: _Resolver, engine: EngineArgs, hw: HardwareFacts) -> t
         precision, reason, source = "bf16", f"bf16.enabled=true in {r.path}", "json"
     elif json_fp16 is True:
         precision, reason, source = "fp16", f"fp16.enabled=true in {r.path}", "json"
+    elif json_bf16 is False and hw.bf16_fast:  # "auto" picks bf16 or fp32 here; the JSON ruled bf16 out
+        precision, reason, source = "fp32", f"bf16.enabled=false in {r.path}", "json"
     elif hw.bf16_fast:
         precision, reason, source = "bf16", "auto: CUDA device with bf16 support", "auto: hardware"
     else:

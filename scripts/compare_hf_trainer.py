@@ -75,6 +75,8 @@ SETUPS = {
         steps=6,
         warmup=2,
         logging_steps=2,
+        heads=4,
+        kv_heads=2,
     ),
     "throughput": dict(
         ranks=2,
@@ -86,6 +88,8 @@ SETUPS = {
         steps=60,
         warmup=10,
         logging_steps=10,
+        heads=4,
+        kv_heads=2,
     ),
 }
 GIB = 1024**3
@@ -99,12 +103,14 @@ class RunFailed(Exception):
 
 
 def model_shape(s: argparse.Namespace) -> dict:
-    """Config values of the model: data/tiny-llama's (4 heads, 2 key/value heads) widened to --hidden_size, MLP
-    width 8/3 x hidden rounded to a multiple of 16 (688 at 256: bench_overhead.py's Llama)."""
+    """Config values of the model: data/tiny-llama's (4 heads, 2 key/value heads; --heads, --kv_heads) widened to
+    --hidden_size, MLP width 8/3 x hidden rounded to a multiple of 16 (688 at 256: bench_overhead.py's Llama)."""
     return dict(
         hidden_size=s.hidden_size,
         intermediate_size=round(s.hidden_size * 8 / 3 / 16) * 16,
-        head_dim=s.hidden_size // 4,
+        head_dim=s.hidden_size // s.heads,
+        num_attention_heads=s.heads,
+        num_key_value_heads=s.kv_heads,
         num_hidden_layers=s.layers,
         vocab_size=s.vocab_size,
         max_position_embeddings=max(256, s.block_size),
@@ -120,7 +126,7 @@ def n_parameters(shape: dict, heads: int = 4, kv_heads: int = 2) -> int:
 
 def build_model(folder: Path, s: argparse.Namespace) -> Path:
     shape = model_shape(s)
-    if (s.hidden_size, s.layers, s.vocab_size, s.block_size) == (256, 4, TINY_VOCAB, 256):
+    if (s.hidden_size, s.layers, s.vocab_size, s.block_size, s.heads, s.kv_heads) == (256, 4, TINY_VOCAB, 256, 4, 2):
         return bench_model(folder)  # the overhead benchmark's Llama, as it is
     return tiny_llama_variant(folder, **shape)
 
@@ -404,6 +410,9 @@ def settings(measure: str, cli: argparse.Namespace) -> argparse.Namespace:
         problems.append(f"--eval_steps {s.eval_steps} must divide --steps {s.steps} (an evaluation at the end)")
     if s.vocab_size < TINY_VOCAB:
         problems.append(f"--vocab_size {s.vocab_size}: the data's tokenizer has {TINY_VOCAB} tokens")
+    if s.hidden_size % s.heads or s.heads % s.kv_heads:
+        problems.append(f"--heads {s.heads}, --kv_heads {s.kv_heads}: heads must divide --hidden_size "
+                        f"{s.hidden_size}, and key/value heads the heads")
     if s.lr_warmup_steps < 1:
         problems.append("--lr_warmup_steps: at least 1 (train.py reads 0 as 'use --warmup_ratio')")
     if problems:
@@ -432,11 +441,12 @@ def check_same_tokens(ours: dict, theirs: dict, s: argparse.Namespace) -> None:
 def measure(name: str, s: argparse.Namespace, tmp: Path) -> dict:
     env = common_env(tmp)
     model = build_model(tmp / "model", s)
-    params = n_parameters(model_shape(s))
+    params = n_parameters(model_shape(s), s.heads, s.kv_heads)
     ds_config = tmp / "hf_ds_config.json"
     ds_config.write_text(json.dumps(hf_ds_config(s.zero_stage), indent=2))
     print(
-        f"## {name}: {s.ranks} rank(s), Llama hidden {s.hidden_size}, {s.layers} layers, vocab {s.vocab_size} "
+        f"## {name}: {s.ranks} rank(s), Llama hidden {s.hidden_size}, {s.layers} layers, {s.heads} heads "
+        f"({s.kv_heads} key/value), vocab {s.vocab_size} "
         f"({params / 1e6:.2f}M parameters), {s.batch} x {s.block_size} tokens per rank per step, {s.steps} steps "
         f"(steady from step {s.warmup}), ZeRO-{s.zero_stage}, {s.precision}, attention {s.attn_implementation}, "
         f"eval of {s.eval_samples} blocks every {s.eval_steps} steps",
@@ -485,7 +495,8 @@ def rows(name: str, result: dict) -> list:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--measure", choices=("memory", "throughput", "both"), default="both")
-    for flag in ("ranks", "hidden_size", "layers", "vocab_size", "block_size", "steps", "warmup", "logging_steps"):
+    for flag in ("ranks", "hidden_size", "layers", "heads", "kv_heads", "vocab_size", "block_size", "steps", "warmup",
+                 "logging_steps"):
         p.add_argument(f"--{flag}", type=int, help="default: the measure's setup (see the docstring)")
     p.add_argument("--batch", type=int, help="blocks per rank per step (default: 4)")
     p.add_argument("--rounds", type=int, default=2)

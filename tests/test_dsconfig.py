@@ -133,3 +133,13 @@ def test_unreadable_or_invalid_json_names_the_file(tmp_path):
     bad.write_text(json.dumps([1, 2]))
     with pytest.raises(UsageError, match="JSON object"):
         load_ds_config(str(bad))
+
+
+def test_bf16_disabled_in_the_json_trains_fp32_on_a_bf16_gpu(tmp_path):
+    """The only way to train fp32 on a bf16 GPU (the GPU check's loss reference): "auto" would pick bf16."""
+    raw = load_ds_config(str(REPO / "ds_configs/zero2.json"))
+    raw["bf16"]["enabled"] = False
+    resolved = resolve(raw, cfg_for(tmp_path), 1, 64, H100)
+    assert resolved.precision == "fp32" and not resolved.config["bf16"]["enabled"]
+    assert not resolved.config["fp16"]["enabled"] and "bf16.enabled=false" in resolved.precision_reason
+    assert resolve(raw, cfg_for(tmp_path, "--bf16"), 1, 64, H100).precision == "bf16"  # the flag still wins

@@ -1,0 +1,453 @@
+"""The prepared GPU check (issue 13, item 8): one command, one H100/H200-class GPU, one table, exit non-zero on failure.
+
+    bash scripts/gpu_check.sh [--work_dir DIR] [--only NAME,...] [--skip NAME,...]
+    python scripts/gpu_check.py --cpu_test            # the same program on a CPU: tiny model, fp32 (what tests run)
+
+Runs, in order (one GPU, `deepspeed --num_gpus 1 train.py ...`, each logging every step, without the HF export):
+
+- `ops`: scripts/build_ops.py builds FusedAdam once, so no timed run pays for the JIT build.
+- `plan`: `train.py --plan` for the ~1B Llama below: the planned GB per GPU of ZeRO-1/2/3, with and without
+  activation checkpointing, which the measured peaks are held against.
+- `default`: the default job (README: `deepspeed train.py --config ds_configs/zero3.json`) with --bf16.
+- `zero1`, `zero2`, `zero3`: the ~1B Llama (hidden 2048, 18 layers, 16 heads / 8 key/value, MLP 5456, vocab
+  32000: 0.96B parameters, random init), 4 x 4096 tokens of data/sample per step, bf16, 20 steps each.
+- `fp32_ref`: ZeRO-2 in fp32 (a JSON with bf16 and fp16 disabled) for the first 5 steps: the loss reference.
+  Check: each ZeRO run's first 5 losses within LOSS_RTOL (2e-2 relative) of fp32's.
+- the speed matrix, ZeRO-2, 10 steps (steady figures from step 6 on): `sdpa` is `zero2` itself;
+  `sdpa_ckpt` (--gradient_checkpointing), `sdpa_compile` (--torch_compile), `flash` and `flash_ckpt`
+  (--attn_implementation flash_attention_2, only where `flash_attn` imports; else the row says "not installed").
+- `hf`: scripts/compare_hf_trainer.py --measure throughput --ranks 1 --precision bf16 on the same model, batch,
+  ZeRO-2 and sdpa (one round: train.py, then the HF Trainer + DeepSpeed): steady tokens/s and the ratio.
+
+tokens/s and MFU are the medians of the per-step metrics.jsonl records after the first steps (--warmup); peak
+GPU GB is the largest `gpu_peak_gb` there (torch.cuda.max_memory_allocated, GiB, as --plan counts). Check: the
+peak at most MEMORY_MARGIN (25%) above the plan's figure for the run's ZeRO stage and checkpointing.
+
+Estimated GPU time (not yet measured on a GPU): each 1B run ~40-60 s (start-up, model init, 20 steps of ~0.3 s,
+the end-of-run checkpoint of ~14 GB), the default job ~40 s, the compiled run ~90 s, `hf` ~2 minutes: ~9 minutes
+without flash attention. `--skip` trims it (e.g. `--skip sdpa_compile,default`); each row prints its seconds and
+the table the total.
+
+Prints one Markdown table (run | what | steps | tokens/s | MFU | peak GPU GB | planned GB | check | status) and
+writes it as JSON (--json, default WORK_DIR/gpu_check.json). Exit code 1 if a run failed or a check failed, 2 for
+a usage error.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import importlib.util
+import json
+import math
+import shlex
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Optional
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from scripts.compare_hf_trainer import _free_port, build_model, common_env, model_shape, n_parameters  # noqa: E402
+from scripts.bench_overhead import BIN  # noqa: E402
+
+LOSS_RTOL = 2e-2  # bf16 against fp32 over the first steps: bf16 rounds to ~3 significant digits
+MEMORY_MARGIN = 0.25  # the plan's working memory is an estimate; allocator slack and buffers come on top
+OK, FAILED, CHECK_FAILED = "ok", "FAILED", "check failed"
+
+
+@dataclass(frozen=True)
+class Setup:
+    """The model, batch and run lengths of one mode (GPU, or --cpu_test)."""
+
+    hidden_size: int
+    layers: int
+    heads: int
+    kv_heads: int
+    vocab_size: int
+    block_size: int
+    batch: int
+    zero_steps: int  # ZeRO-1/2/3 runs
+    ref_steps: int  # the fp32 reference: the losses compared
+    speed_steps: int  # the speed matrix and the HF comparison
+    warmup: int  # steps left out of the steady figures
+    precision: str  # of the ZeRO runs and the speed matrix
+    gpu: bool
+    learning_rate: float = 3e-4
+    lr_warmup_steps: int = 5
+
+
+GPU_SETUP = Setup(2048, 18, 16, 8, 32000, 4096, 4, zero_steps=20, ref_steps=5, speed_steps=10, warmup=5,
+                  precision="bf16", gpu=True)
+# This CPU's bf16 is ~100x slower than fp32: the CPU mode checks the program, not the numbers.
+CPU_SETUP = Setup(64, 2, 4, 2, 4096, 64, 2, zero_steps=4, ref_steps=3, speed_steps=4, warmup=2,
+                  precision="fp32", gpu=False, learning_rate=1e-3, lr_warmup_steps=1)
+
+
+@dataclass(frozen=True)
+class Spec:
+    """One run of the check."""
+
+    name: str
+    what: str
+    kind: str  # "ops", "plan", "train" or "hf"
+    args: tuple = ()
+    steps: Optional[int] = None
+    plan_key: Optional[tuple] = None  # (ZeRO stage, checkpointing) of the plan figure to hold the peak against
+    unavailable: Optional[str] = None  # why it cannot run here (the row's status)
+
+
+@dataclass
+class Row:
+    run: str
+    what: str
+    steps: Optional[int] = None
+    tokens_per_s: Optional[float] = None
+    mfu: Optional[float] = None
+    peak_gb: Optional[float] = None
+    planned_gb: Optional[float] = None
+    checks: list = field(default_factory=list)
+    status: str = "not run"
+    seconds: Optional[float] = None
+    losses: list = field(default_factory=list)
+    log: Optional[str] = None
+
+    def fail_check(self, text: str) -> None:
+        self.checks.append(text)
+        if self.status == OK:
+            self.status = CHECK_FAILED
+
+
+# --- the runs ----------------------------------------------------------------------------------------------------
+
+
+def specs(setup: Setup, model: Path, work: Path, flash: bool, extra: tuple) -> list:
+    """Every run of the check, in order."""
+    common = ("--config_name", str(model), "--block_size", str(setup.block_size), "--per_device_train_batch_size",
+              str(setup.batch), "--per_device_eval_batch_size", str(setup.batch), "--max_eval_samples", "4",
+              "--learning_rate", str(setup.learning_rate), "--warmup_steps", str(setup.lr_warmup_steps))
+    precision = ("--bf16",) if setup.precision == "bf16" else ()
+    zero2 = ("--config", "ds_configs/zero2.json")
+    gpu_only = None if setup.gpu else "needs a GPU"
+    no_flash = gpu_only or (None if flash else "not installed (flash_attn does not import)")
+    n = f"{n_parameters(model_shape(setup), setup.heads, setup.kv_heads) / 1e9:.2f}B"
+    size = f"{n} Llama, {setup.batch} x {setup.block_size} tokens"
+
+    def speed(name, what, flags, plan_key, unavailable=None):
+        return Spec(name, f"speed: {what}, ZeRO-2, {setup.precision}, {size}", "train",
+                    (*zero2, *common, *precision, *flags), setup.speed_steps, plan_key, unavailable)
+
+    default_job = (("--config", "ds_configs/zero3.json") + (("--bf16",) if setup.gpu else ())
+                   + (() if setup.gpu else ("--max_steps", "3")))  # on a CPU a few steps of it show it runs
+    runs = [
+        Spec("ops", "scripts/build_ops.py: FusedAdam built once, before the timed runs", "ops",
+             unavailable=None if setup.gpu else "not needed on a CPU"),
+        Spec("plan", f"train.py --plan: {size}, {setup.precision}, 1 GPU", "plan", common),
+        Spec("default", "the default job (tiny Llama, data/sample)" + (", bf16" if setup.gpu else ", fp32 (CPU)"),
+             "train", default_job),
+        *[Spec(f"zero{stage}", f"ZeRO-{stage}, {setup.precision}, sdpa, {size}" +
+               (" (also the speed matrix's sdpa row)" if stage == 2 else ""), "train",
+               ("--config", f"ds_configs/zero{stage}.json", *common, *precision), setup.zero_steps, (stage, False))
+          for stage in (1, 2, 3)],
+        Spec("fp32_ref", f"loss reference: ZeRO-2, fp32, {size}", "train",
+             ("--config", str(fp32_config(work)), *common), setup.ref_steps),
+        speed("sdpa_ckpt", "sdpa + activation checkpointing", ("--gradient_checkpointing",), (2, True)),
+        speed("sdpa_compile", "sdpa + torch.compile", ("--torch_compile",), (2, False), gpu_only),
+        speed("flash", "flash_attention_2", ("--attn_implementation", "flash_attention_2"), (2, False), no_flash),
+        speed("flash_ckpt", "flash_attention_2 + activation checkpointing",
+              ("--attn_implementation", "flash_attention_2", "--gradient_checkpointing"), (2, True), no_flash),
+        Spec("hf", f"HF Trainer + DeepSpeed, ZeRO-2, {setup.precision}, sdpa, {size} (compare_hf_trainer.py)", "hf",
+             steps=setup.speed_steps),
+    ]
+    return [dataclasses.replace(s, args=(*s.args, *extra)) if s.kind == "train" else s for s in runs]
+
+
+def fp32_config(work: Path) -> Path:
+    """ds_configs/zero2.json with bf16 and fp16 disabled: "auto" picks bf16 on a GPU with bf16 support."""
+    path = work / "zero2_fp32.json"
+    if not path.exists():
+        config = json.loads((REPO / "ds_configs" / "zero2.json").read_text())
+        config["bf16"] = {"enabled": False}
+        config["fp16"] = {**config.get("fp16", {}), "enabled": False}
+        path.write_text(json.dumps(config, indent=2))
+    return path
+
+
+def launch(cmd: list, log: Path, env: dict, timeout: float) -> Optional[str]:
+    """Run `cmd` with its output in `log`; None when it exits 0, else why not."""
+    with log.open("w") as out:
+        try:
+            proc = subprocess.run(cmd, cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT, timeout=timeout)
+        except subprocess.TimeoutExpired:
+            return f"ran past {timeout:.0f}s"
+    return None if proc.returncode == 0 else f"exit {proc.returncode}"
+
+
+def deepspeed_launcher() -> str:
+    beside = BIN / "deepspeed"  # the launcher of the interpreter running this (a venv), else the one on PATH
+    return str(beside) if beside.exists() else (shutil.which("deepspeed") or "deepspeed")
+
+
+def run_train(spec: Spec, setup: Setup, work: Path, env: dict, timeout: float, row: Row) -> None:
+    out = work / spec.name
+    cmd = [deepspeed_launcher(), "--num_gpus", "1", "--master_port", str(_free_port()), "train.py", *spec.args,
+           "--output_dir", str(out), "--logging_steps", "1", "--no-export_hf_at_end", "--disable_tqdm"]
+    if spec.steps and "--max_steps" not in spec.args:
+        cmd += ["--max_steps", str(spec.steps)]
+    problem = launch(cmd, Path(row.log), env, timeout)
+    if problem:
+        row.status, row.checks = FAILED, [f"{problem}; log {row.log}"]
+        return
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    figures = train_figures(records, setup.warmup)
+    row.steps, row.tokens_per_s, row.mfu, row.peak_gb, row.losses = (
+        figures["steps"], figures["tokens_per_s"], figures["mfu"], figures["peak_gb"], figures["losses"])
+    shutil.rmtree(out / "checkpoints", ignore_errors=True)  # ~14 GB per 1B run: the disk would fill up
+    row.status = OK
+    if not row.losses or not all(math.isfinite(x) for x in row.losses):
+        row.fail_check(f"non-finite or no losses: {row.losses}")
+
+
+def train_figures(records: list, warmup: int) -> dict:
+    """Steps, losses, steady tokens/s and MFU (medians of the records after step `warmup`; all of them if the run
+    was shorter), peak GPU GB (None on a CPU)."""
+    train = [r for r in records if "loss" in r]
+    steady = [r for r in train if r["step"] > warmup] or train
+    median = lambda key: statistics.median(r[key] for r in steady) if steady and key in steady[0] else None  # noqa
+    peaks = [r["gpu_peak_gb"] for r in records if "gpu_peak_gb" in r]
+    return {
+        "steps": train[-1]["step"] if train else 0,
+        "losses": [r["loss"] for r in train],
+        "tokens_per_s": median("tokens_per_s"),
+        "mfu": median("mfu"),
+        "peak_gb": max(peaks) if peaks else None,
+    }
+
+
+def run_plan(spec: Spec, env: dict, timeout: float, row: Row, gpu_memory_gb: float) -> dict:
+    cmd = [sys.executable, "train.py", "--plan", *spec.args, "--num_gpus", "1", "--gpu_memory_gb",
+           f"{gpu_memory_gb:g}"]
+    problem = launch(cmd, Path(row.log), env, timeout)
+    if problem:
+        row.status, row.checks = FAILED, [f"{problem}; log {row.log}"]
+        return {}
+    planned = parse_plan(Path(row.log).read_text())
+    if not planned:
+        row.status, row.checks = FAILED, [f"no ZeRO-1/2/3 rows in the --plan output; log {row.log}"]
+        return {}
+    row.status = OK
+    row.checks = [", ".join(f"ZeRO-{stage}{' ckpt' if ckpt else ''} {gb:.2f}"
+                            for (stage, ckpt), gb in sorted(planned.items()))]
+    return planned
+
+
+def parse_plan(text: str) -> dict:
+    """{(ZeRO stage, checkpointing): planned GB per GPU} from the table `train.py --plan` prints: the rows named
+    exactly ZeRO-1, ZeRO-2 and ZeRO-3 (no offload), their 'total (no ckpt / ckpt)' column."""
+    header, planned = None, {}
+    for line in text.splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if line.startswith("| option |"):
+            header = cells
+        elif header and line.startswith("| ZeRO-") and cells[0] in ("ZeRO-1", "ZeRO-2", "ZeRO-3"):
+            without, with_ckpt = (float(x) for x in cells[header.index("total (no ckpt / ckpt)")].split("/"))
+            stage = int(cells[0][-1])
+            planned[(stage, False)], planned[(stage, True)] = without, with_ckpt
+    return planned
+
+
+def run_hf(spec: Spec, setup: Setup, work: Path, env: dict, timeout: float, row: Row) -> Optional[float]:
+    """compare_hf_trainer.py's throughput measure on the check's model and batch; the train.py / HF ratio."""
+    figures = work / "hf.json"
+    cmd = [sys.executable, "scripts/compare_hf_trainer.py", "--measure", "throughput", "--ranks", "1",
+           "--precision", setup.precision, "--zero_stage", "2", "--rounds", "1", "--hidden_size",
+           str(setup.hidden_size), "--layers", str(setup.layers), "--heads", str(setup.heads), "--kv_heads",
+           str(setup.kv_heads), "--vocab_size", str(setup.vocab_size), "--block_size", str(setup.block_size),
+           "--batch", str(setup.batch), "--steps", str(spec.steps), "--warmup", str(setup.warmup),
+           "--logging_steps", "1", "--learning_rate", str(setup.learning_rate), "--lr_warmup_steps",
+           str(setup.lr_warmup_steps), "--max_rss_gb", "100", "--timeout", str(int(timeout)),
+           "--work_dir", str(work / "hf"), "--json", str(figures)]
+    problem = launch(cmd, Path(row.log), env, timeout * 2 + 60)
+    if problem:
+        row.status, row.checks = FAILED, [f"{problem}; log {row.log}"]
+        return None
+    result = json.loads(figures.read_text())["throughput"]
+    row.steps, row.status = spec.steps, OK
+    row.tokens_per_s = result["median"]["hf_trainer"]["tokens_per_s"]
+    ratio = result["ratio"]["tokens_per_s"]
+    ours = result["median"]["train.py"]["tokens_per_s"]
+    row.checks = [f"train.py / HF tokens/s = {ratio:.3f} (train.py {ours:.0f}, time stamps from step "
+                  f"{setup.warmup})"]
+    shutil.rmtree(work / "hf" / "throughput" / "ours0" / "checkpoints", ignore_errors=True)
+    return ratio
+
+
+def run_ops(row: Row, env: dict, timeout: float) -> None:
+    cmd = [sys.executable, "scripts/build_ops.py", "--config", "ds_configs/zero2.json"]
+    problem = launch(cmd, Path(row.log), env, timeout)
+    row.status, row.checks = (FAILED, [f"{problem}; log {row.log}"]) if problem else (OK, [])
+
+
+# --- the checks ----------------------------------------------------------------------------------------------------
+
+
+def loss_check(losses: list, reference: list, rtol: float = LOSS_RTOL) -> tuple:
+    """(passed, text): the first len(reference) losses each within rtol (relative) of the reference's."""
+    if len(losses) < len(reference) or not reference:
+        return False, f"loss vs fp32: {len(losses)} losses against {len(reference)} reference losses"
+    worst = max(abs(a - b) / abs(b) for a, b in zip(losses[:len(reference)], reference, strict=True))
+    passed = worst <= rtol
+    return passed, (f"loss vs fp32, first {len(reference)} steps: max rel. diff {worst:.1e} "
+                    f"{'<=' if passed else '>'} {rtol:g}")
+
+
+def memory_check(peak_gb: Optional[float], planned_gb: Optional[float], margin: float = MEMORY_MARGIN) -> tuple:
+    """(passed, text): the measured peak at most `margin` above the plan; (True, '') when either is missing."""
+    if peak_gb is None or planned_gb is None:
+        return True, ""
+    passed = peak_gb <= planned_gb * (1 + margin)
+    return passed, (f"peak/plan {peak_gb / planned_gb:.2f} {'<=' if passed else '>'} {1 + margin:g}")
+
+
+def apply_checks(rows: dict, specs_by_name: dict, planned: dict, reference: Optional[list]) -> None:
+    """The loss check on the ZeRO runs against fp32_ref, and the memory check on every run with a plan figure."""
+    for name, row in rows.items():
+        if row.status != OK:
+            continue
+        spec = specs_by_name[name]
+        if name in ("zero1", "zero2", "zero3"):
+            if reference is None:
+                row.checks.append("loss vs fp32: no reference (fp32_ref did not run)")
+            else:
+                _record(row, *loss_check(row.losses, reference))
+        if spec.plan_key and planned:
+            row.planned_gb = planned.get(spec.plan_key)
+            _record(row, *memory_check(row.peak_gb, row.planned_gb))
+
+
+def _record(row: Row, passed: bool, text: str) -> None:
+    if not text:
+        return
+    if passed:
+        row.checks.append(text)
+    else:
+        row.fail_check(text)
+
+
+def exit_code(rows: dict) -> int:
+    return 1 if any(row.status in (FAILED, CHECK_FAILED) for row in rows.values()) else 0
+
+
+# --- the table -----------------------------------------------------------------------------------------------------
+
+
+def _num(value, fmt: str) -> str:
+    return "" if value is None else format(value, fmt)
+
+
+def render(rows: dict, header: str) -> str:
+    lines = [header, "", "| run | what | steps | tokens/s | MFU | peak GPU GB | planned GB | check | status |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for row in rows.values():
+        took = f" ({row.seconds:.0f}s)" if row.seconds is not None else ""
+        lines.append(f"| {row.run} | {row.what} | {_num(row.steps, 'd')} | {_num(row.tokens_per_s, '.0f')} | "
+                     f"{_num(row.mfu, '.1%')} | {_num(row.peak_gb, '.2f')} | {_num(row.planned_gb, '.2f')} | "
+                     f"{'; '.join(row.checks)} | {row.status}{took} |")
+    return "\n".join(lines)
+
+
+# --- main ----------------------------------------------------------------------------------------------------------
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--cpu_test", action="store_true",
+                   help="run on a CPU: a tiny model, fp32, a few steps; flash attention and compile rows skipped")
+    p.add_argument("--work_dir", help="a new or empty folder for the runs (default: a new one under $TMPDIR)")
+    p.add_argument("--only", default="", help="comma-separated run names to run (the others show as skipped)")
+    p.add_argument("--skip", default="", help="comma-separated run names to leave out")
+    p.add_argument("--json", help="write the rows here (default: WORK_DIR/gpu_check.json)")
+    p.add_argument("--timeout", type=float, default=600, help="seconds per run before it counts as failed")
+    p.add_argument("--train_args", default="", help="extra flags for every train.py run (quoted, as one string)")
+    return p.parse_args(argv)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    setup = CPU_SETUP if args.cpu_test else GPU_SETUP
+    work = Path(args.work_dir) if args.work_dir else Path(tempfile.mkdtemp(prefix="gpu_check_"))
+    if work.exists() and any(work.iterdir()):
+        print(f"error: --work_dir {work}: not empty; give a new or empty folder (runs there would resume)",
+              file=sys.stderr)
+        return 2
+    work.mkdir(parents=True, exist_ok=True)
+    flash = importlib.util.find_spec("flash_attn") is not None
+    model = build_model(work / "model", argparse.Namespace(**dataclasses.asdict(setup)))
+    all_specs = specs(setup, model, work, flash, tuple(shlex.split(args.train_args)))
+    names = [s.name for s in all_specs]
+    only = [n for n in args.only.split(",") if n]
+    skip = [n for n in args.skip.split(",") if n]
+    unknown = sorted(set(only + skip) - set(names))
+    if unknown:
+        print(f"error: --only/--skip: unknown run(s) {', '.join(unknown)}; the runs are {', '.join(names)}",
+              file=sys.stderr)
+        return 2
+    env = common_env(work)
+    gpu_memory_gb = 80.0
+    if setup.gpu:
+        import torch
+
+        gpu_memory_gb = torch.cuda.get_device_properties(0).total_memory / 2**30
+    rows = {s.name: Row(s.name, s.what, log=str(work / f"{s.name}.log")) for s in all_specs}
+    planned, reference, started = {}, None, time.monotonic()
+    for spec in all_specs:
+        row = rows[spec.name]
+        if spec.unavailable:
+            row.status = spec.unavailable
+            continue
+        if (only and spec.name not in only) or spec.name in skip:
+            row.status = "skipped"
+            continue
+        print(f"gpu_check: {spec.name}: {spec.what} ...", flush=True)
+        t0 = time.monotonic()
+        if spec.kind == "ops":
+            run_ops(row, env, args.timeout)
+        elif spec.kind == "plan":
+            planned = run_plan(spec, env, args.timeout, row, gpu_memory_gb)
+        elif spec.kind == "hf":
+            run_hf(spec, setup, work, env, args.timeout, row)
+        else:
+            run_train(spec, setup, work, env, args.timeout, row)
+            if spec.name == "fp32_ref" and row.status == OK:
+                reference = row.losses[:setup.ref_steps]
+        row.seconds = time.monotonic() - t0
+        print(f"gpu_check: {spec.name}: {row.status} in {row.seconds:.0f}s (total {time.monotonic() - started:.0f}s)",
+              flush=True)
+    apply_checks(rows, {s.name: s for s in all_specs}, planned, reference)
+    total = time.monotonic() - started
+    n = n_parameters(model_shape(setup), setup.heads, setup.kv_heads)
+    header = (f"## GPU check ({'CPU test mode' if args.cpu_test else 'GPU'}): {n / 1e9:.2f}B-parameter Llama "
+              f"(hidden {setup.hidden_size}, {setup.layers} layers, {setup.heads} heads / {setup.kv_heads} key/value,"
+              f" vocab {setup.vocab_size}), {setup.batch} x {setup.block_size} tokens per step, 1 "
+              f"{'GPU' if setup.gpu else 'CPU rank'}; loss tolerance {LOSS_RTOL:g} relative, memory margin "
+              f"{MEMORY_MARGIN:.0%}; total {total:.0f}s; work dir {work}")
+    table = render(rows, header)
+    print("\n" + table)
+    code = exit_code(rows)
+    result = {"setup": dataclasses.asdict(setup), "parameters": n, "total_s": round(total, 1), "exit_code": code,
+              "planned_gb": {f"zero{k[0]}{'_ckpt' if k[1] else ''}": v for k, v in planned.items()},
+              "loss_reference": reference, "rows": [dataclasses.asdict(r) for r in rows.values()]}
+    json_path = Path(args.json) if args.json else work / "gpu_check.json"
+    json_path.write_text(json.dumps(result, indent=2))
+    print(f"\nexit code {code}; rows in {json_path}")
+    return code
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,154 @@
+"""scripts/gpu_check.py (issue 13, item 8): its parsing, checks and table, and its CPU mode end to end."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+from scripts import gpu_check as gc
+from tests.conftest import REPO, subprocess_env
+
+PLAN_OUTPUT = """\
+memory plan: 961.0M parameters, 1 node(s) x 1 GPU(s) = 1 data-parallel ranks, bf16, micro-batch 4 x 4096 tokens
+GB per GPU unless marked; 'fits' leaves 10% of the GPU free (fragmentation, communication buffers)
+
+| option | params | grads | optimizer | model states | working (no ckpt / ckpt) | total (no ckpt / ckpt) | host \
+per node | NVMe per node | fits (no ckpt / ckpt) | config |
+|---|---|---|---|---|---|---|---|---|---|---|
+| ZeRO-1 | 1.79 | 5.37 | 10.74 | 17.90 | 20.10 / 3.20 | 38.00 / 21.10 | 0.00 | 0.00 | yes / yes | z1 |
+| ZeRO-2 | 1.79 | 5.37 | 10.74 | 17.90 | 20.10 / 3.20 | 37.50 / 21.00 | 0.00 | 0.00 | yes / yes | z2 |
+| ZeRO-2 + optimizer offload (CPU) | 1.8 | 0.00 | 0.00 | 1.79 | 20.10 / 3.20 | 21.89 / 4.99 | 16.1 | 0.0 | yes | x |
+| ZeRO-3 | 1.79 | 3.58 | 10.74 | 16.11 | 20.50 / 3.60 | 36.61 / 19.71 | 0.00 | 0.00 | yes / yes | z3 |
+"""
+
+
+def test_parse_plan_reads_the_totals_of_zero_1_2_3_without_offload():
+    planned = gc.parse_plan(PLAN_OUTPUT)
+    assert planned == {(1, False): 38.0, (1, True): 21.1, (2, False): 37.5, (2, True): 21.0, (3, False): 36.61,
+                       (3, True): 19.71}
+    assert gc.parse_plan("no table here") == {}
+
+
+def test_loss_check_passes_within_the_tolerance_and_fails_outside_it():
+    reference = [10.4, 10.1, 9.7]
+    passed, text = gc.loss_check([10.41, 10.12, 9.69, 9.0], reference)  # extra steps beyond the reference ignored
+    assert passed and "first 3 steps" in text and "<= 0.02" in text
+    passed, text = gc.loss_check([10.4, 10.1, 9.7 * 1.03], reference)  # 3% off at the third step
+    assert not passed and "> 0.02" in text and "3.0e-02" in text
+    assert not gc.loss_check([10.4], reference)[0]  # a run shorter than the reference cannot pass
+
+
+def test_memory_check_holds_the_peak_against_the_plan_with_a_margin():
+    assert gc.memory_check(40.0, 36.0)[0]  # 11% above: within 25%
+    passed, text = gc.memory_check(50.0, 36.0)
+    assert not passed and "1.39 > 1.25" in text
+    assert gc.memory_check(None, 36.0) == (True, "")  # a CPU run has no GPU peak: no check, no failure
+
+
+def test_train_figures_are_steady_medians_and_the_largest_peak():
+    records = [{"step": s, "loss": 10.0 - s, "tokens_per_s": 100.0 * s, "mfu": 0.1 * s, "gpu_peak_gb": 20.0 + s}
+               for s in range(1, 7)] + [{"step": 6, "eval_loss": 4.0, "gpu_peak_gb": 30.0}]
+    figures = gc.train_figures(records, warmup=3)
+    assert figures["steps"] == 6 and figures["losses"] == [9.0, 8.0, 7.0, 6.0, 5.0, 4.0]
+    assert figures["tokens_per_s"] == 500.0 and figures["mfu"] == pytest.approx(0.5)  # steps 4-6
+    assert figures["peak_gb"] == 30.0  # the evaluation's peak counts too
+    assert gc.train_figures(records[:2], warmup=3)["tokens_per_s"] == 150.0  # shorter than the warmup: all steps
+
+
+def _rows(**statuses):
+    return {name: gc.Row(name, "x", status=status) for name, status in statuses.items()}
+
+
+def test_an_off_loss_or_memory_fails_the_check_and_the_exit_code(tmp_path):
+    specs = {s.name: s for s in gc.specs(gc.GPU_SETUP, tmp_path, tmp_path, flash=False, extra=())}
+    rows = _rows(zero1="ok", zero2="ok", zero3="ok", sdpa_ckpt="ok", flash="not installed", hf="skipped")
+    reference = [10.4, 10.1, 9.7, 9.3, 9.0]
+    for name in ("zero1", "zero2", "zero3"):
+        rows[name].losses = [x * 1.001 for x in reference] + [8.0] * 15
+        rows[name].peak_gb = 30.0
+    rows["zero3"].losses[4] = 9.5  # 5.6% off
+    rows["sdpa_ckpt"].peak_gb = 40.0  # twice the plan
+    planned = gc.parse_plan(PLAN_OUTPUT)
+    gc.apply_checks(rows, specs, planned, reference)
+    assert [rows[n].status for n in ("zero1", "zero2", "zero3")] == ["ok", "ok", "check failed"]
+    assert rows["zero1"].planned_gb == 38.0 and rows["zero3"].planned_gb == 36.61
+    assert rows["sdpa_ckpt"].status == "check failed" and rows["sdpa_ckpt"].planned_gb == 21.0
+    assert gc.exit_code(rows) == 1
+    table = gc.render(rows, "## header")
+    assert "| zero3 | x |" in table and "> 0.02" in table and "| check failed |" in table
+    assert table.count("\n|") == len(rows) + 2  # the column row, the rule and one row per run
+
+
+def test_the_exit_code_counts_failures_not_skips():
+    assert gc.exit_code(_rows(a="ok", b="skipped", c="not installed (flash_attn does not import)",
+                              d="needs a GPU")) == 0
+    assert gc.exit_code(_rows(a="ok", b="FAILED")) == 1
+
+
+def test_the_runs_cpu_mode_skips_gpu_rows_and_extra_flags_reach_train_runs_only(tmp_path):
+    cpu = {s.name: s for s in gc.specs(gc.CPU_SETUP, tmp_path, tmp_path, flash=True, extra=("--seed", "7"))}
+    assert [n for n, s in cpu.items() if s.unavailable] == ["ops", "sdpa_compile", "flash", "flash_ckpt"]
+    assert cpu["zero3"].args[-2:] == ("--seed", "7") and "--seed" not in cpu["plan"].args
+    gpu = {s.name: s for s in gc.specs(gc.GPU_SETUP, tmp_path, tmp_path, flash=False, extra=())}
+    assert gpu["flash"].unavailable.startswith("not installed") and gpu["sdpa_compile"].unavailable is None
+    assert "--bf16" in gpu["zero1"].args and "--bf16" not in gpu["fp32_ref"].args
+    reference_config = json.loads((tmp_path / "zero2_fp32.json").read_text())
+    assert reference_config["bf16"]["enabled"] is False and reference_config["fp16"]["enabled"] is False
+    assert gpu["zero2"].steps == 20 and gpu["fp32_ref"].steps == 5 and gpu["sdpa_ckpt"].steps == 10
+
+
+def test_bad_options_exit_2_before_any_run(tmp_path, capsys):
+    assert gc.main(["--cpu_test", "--work_dir", str(tmp_path / "w"), "--only", "zero9"]) == 2
+    assert "unknown run(s) zero9" in capsys.readouterr().err
+    (tmp_path / "full").mkdir()
+    (tmp_path / "full" / "x").write_text("")
+    assert gc.main(["--cpu_test", "--work_dir", str(tmp_path / "full")]) == 2
+
+
+@pytest.mark.skipif(shutil.which("nvidia-smi") is not None, reason="this machine has a GPU")
+def test_the_shell_driver_refuses_a_machine_without_a_gpu():
+    proc = subprocess.run(["bash", "scripts/gpu_check.sh", "--only", "plan"], cwd=REPO, capture_output=True,
+                          text=True, timeout=60)
+    assert proc.returncode == 2 and "needs a CUDA GPU (or --cpu_test)" in proc.stderr
+
+
+def _run(tmp_path, *flags):
+    cmd = ["bash", "scripts/gpu_check.sh", "--cpu_test", "--work_dir", str(tmp_path / "work"), "--json",
+           str(tmp_path / "check.json"), *flags]
+    env = {**subprocess_env(tmp_path), "PYTHON": sys.executable}
+    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    return proc, json.loads((tmp_path / "check.json").read_text())
+
+
+@pytest.mark.slow  # three launches, ~45 s on 2 cores (the whole CPU mode, 8 launches, takes ~3 minutes)
+def test_cpu_mode_runs_the_plan_a_zero_run_and_the_reference_and_checks_them(tmp_path):
+    proc, result = _run(tmp_path, "--only", "plan,zero3,fp32_ref")
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    rows = {r["run"]: r for r in result["rows"]}
+    assert list(rows) == ["ops", "plan", "default", "zero1", "zero2", "zero3", "fp32_ref", "sdpa_ckpt",
+                          "sdpa_compile", "flash", "flash_ckpt", "hf"]
+    assert {n: r["status"] for n, r in rows.items() if r["status"] != "ok"} == {
+        "ops": "not needed on a CPU", "default": "skipped", "zero1": "skipped", "zero2": "skipped",
+        "sdpa_ckpt": "skipped", "sdpa_compile": "needs a GPU", "flash": "needs a GPU", "flash_ckpt": "needs a GPU",
+        "hf": "skipped"}
+    assert set(result["planned_gb"]) == {"zero1", "zero1_ckpt", "zero2", "zero2_ckpt", "zero3", "zero3_ckpt"}
+    zero3 = rows["zero3"]
+    assert zero3["planned_gb"] == result["planned_gb"]["zero3"] > 0
+    assert zero3["steps"] == gc.CPU_SETUP.zero_steps and zero3["tokens_per_s"] > 0
+    assert len(result["loss_reference"]) == gc.CPU_SETUP.ref_steps
+    assert any(c.startswith("loss vs fp32, first 3 steps: max rel. diff") for c in zero3["checks"])
+    assert "| zero3 | ZeRO-3, fp32, sdpa" in proc.stdout and "| run | what | steps |" in proc.stdout
+    assert not (tmp_path / "work" / "zero3" / "checkpoints").exists()  # removed after the run: GPU disk space
+
+
+@pytest.mark.slow  # one launch that fails at once, ~15 s
+def test_cpu_mode_exits_non_zero_when_a_run_fails(tmp_path):
+    proc, result = _run(tmp_path, "--only", "zero1", "--train_args", "--no_such_flag 1")
+    assert proc.returncode == 1
+    zero1 = next(r for r in result["rows"] if r["run"] == "zero1")
+    assert zero1["status"] == "FAILED" and zero1["checks"][0].startswith("exit ")
+    assert "| zero1 |" in proc.stdout and "exit code 1" in proc.stdout

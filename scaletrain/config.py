@@ -277,6 +277,9 @@ class CheckpointArgs:
     export_hf_at_end: bool = _flag(
         True, "Write the Hugging Face model (safetensors, config, tokenizer) to --output_dir at the end; "
         "--no-export_hf_at_end skips it (scripts/export_hf.py can export any checkpoint later).")
+    save_at_end: bool = _flag(
+        True, "Commit a checkpoint of the last step at the end; --no-save_at_end skips it (benchmarks, sweeps: the "
+        "run cannot then be continued from its last step).")
 
     def validate(self) -> None:
         _check_not_negative(self, ("save_steps", "save_interval_minutes", "save_total_limit",

@@ -289,7 +289,7 @@ class Run:
             run_eval = self.pipeline_step.evaluate if self.pipeline_step else evaluate
             self.metrics.log({"step": self.state.step, **run_eval(self.engine, self.eval_batches)})
         newest = checkpoint.newest_committed(self.cfg.run.output_dir)
-        if newest is None or checkpoint.committed_step(newest) != self.state.step:
+        if self.cfg.checkpoint.save_at_end and (newest is None or checkpoint.committed_step(newest) != self.state.step):
             self.save()
         if self.cfg.checkpoint.export_hf_at_end:
             checkpoint.export_hf_model(self.engine, self.resolved.tokenizer, self.cfg.run.output_dir, self.dist.is_main)

@@ -6,7 +6,7 @@ ZeRO stage, precision and number of ranks, both launched with the `deepspeed` la
 times each; medians are reported, with the ratio train.py / HF Trainer.
 
 - train.py: `deepspeed --num_gpus R train.py --config ds_configs/zeroS.json --config_name MODEL ...` (its own
-  packing: documents joined with EOS; the end-of-run checkpoint is written, the HF export is skipped).
+  packing: documents joined with EOS; no end-of-run checkpoint or HF export, as the HF side saves nothing).
 - HF: `deepspeed --num_gpus R scripts/bench/hf_trainer_clm.py --deepspeed ds.json ...` (run_clm's recipe: tokenize,
   group_texts, labels = input_ids; Trainer with the transformers docs' ZeRO config, "auto" values filled by the
   Trainer, without the docs' optimizer offload and with the Trainer's own cosine schedule instead of a
@@ -310,6 +310,7 @@ def run_ours(model: Path, run_dir: Path, s: argparse.Namespace, env: dict) -> di
         "--attn_implementation",
         s.attn_implementation,
         "--no-export_hf_at_end",
+        "--no-save_at_end",  # the HF side saves nothing either
         "--disable_tqdm",
         *(["--bf16"] if s.precision == "bf16" else []),
     ]

@@ -23,10 +23,10 @@ tokens/s and MFU are the medians of the per-step metrics.jsonl records after the
 GPU GB is the largest `gpu_peak_gb` there (torch.cuda.max_memory_allocated, GiB, as --plan counts). Check: the
 peak at most MEMORY_MARGIN (25%) above the plan's figure for the run's ZeRO stage and checkpointing.
 
-Estimated GPU time (not yet measured on a GPU): each 1B run ~40-60 s (start-up, model init, 20 steps of ~0.3 s,
-the end-of-run checkpoint of ~14 GB), the default job ~40 s, the compiled run ~90 s, `hf` ~2 minutes: ~9 minutes
-without flash attention. `--skip` trims it (e.g. `--skip sdpa_compile,default`); each row prints its seconds and
-the table the total.
+Estimated GPU time (not yet measured on a GPU): each 1B run ~30-50 s (start-up, model init, 20 steps of ~0.3 s;
+--no-save_at_end: no end-of-run checkpoint of ~14 GB), the default job ~40 s, the compiled run ~90 s, `hf` ~2
+minutes: ~8 minutes without flash attention. `--skip` trims it (e.g. `--skip sdpa_compile,default`); each row
+prints its seconds and the table the total.
 
 Prints one Markdown table (run | what | steps | tokens/s | MFU | peak GPU GB | planned GB | check | status) and
 writes it as JSON (--json, default WORK_DIR/gpu_check.json). Exit code 1 if a run failed or a check failed, 2 for
@@ -197,7 +197,8 @@ def deepspeed_launcher() -> str:
 def run_train(spec: Spec, setup: Setup, work: Path, env: dict, timeout: float, row: Row) -> None:
     out = work / spec.name
     cmd = [deepspeed_launcher(), "--num_gpus", "1", "--master_port", str(_free_port()), "train.py", *spec.args,
-           "--output_dir", str(out), "--logging_steps", "1", "--no-export_hf_at_end", "--disable_tqdm"]
+           "--output_dir", str(out), "--logging_steps", "1", "--no-export_hf_at_end", "--no-save_at_end",
+           "--disable_tqdm"]
     if spec.steps and "--max_steps" not in spec.args:
         cmd += ["--max_steps", str(spec.steps)]
     problem = launch(cmd, Path(row.log), env, timeout)
@@ -208,7 +209,7 @@ def run_train(spec: Spec, setup: Setup, work: Path, env: dict, timeout: float, r
     figures = train_figures(records, setup.warmup)
     row.steps, row.tokens_per_s, row.mfu, row.peak_gb, row.losses = (
         figures["steps"], figures["tokens_per_s"], figures["mfu"], figures["peak_gb"], figures["losses"])
-    shutil.rmtree(out / "checkpoints", ignore_errors=True)  # ~14 GB per 1B run: the disk would fill up
+    shutil.rmtree(out / "checkpoints", ignore_errors=True)  # a preemption's checkpoint: ~14 GB per 1B run
     row.status = OK
     if not row.losses or not all(math.isfinite(x) for x in row.losses):
         row.fail_check(f"non-finite or no losses: {row.losses}")

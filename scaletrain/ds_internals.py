@@ -269,6 +269,10 @@ def check_hooks() -> list[str]:
     return [hook.where for hook in HOOKS]
 
 
+class NonFiniteSkipBroken(RuntimeError):
+    """The non-finite skip's hook did not skip an update (see SkipSwitch.confirm_skipped)."""
+
+
 class SkipSwitch:
     """Makes the next engine.step() at an accumulation boundary skip its update, through DeepSpeed's overflow path.
 
@@ -280,6 +284,7 @@ class SkipSwitch:
 
     def __init__(self, optimizer):
         self.skip = False
+        self.fired = 0  # how often a hook acted on `skip` since the last confirm_skipped
         # A plain torch optimizer first: a stage-0 run needs none of the ZeRO internals.
         if type(optimizer).__module__.startswith("torch.optim"):
             self._hook_torch(optimizer)
@@ -291,6 +296,21 @@ class SkipSwitch:
             raise RuntimeError(f"--on_nonfinite skip: cannot skip updates of a {type(optimizer).__name__} optimizer "
                                "(use ZeRO stage 1-3, or --on_nonfinite stop)")
 
+    def confirm_skipped(self, engine) -> None:
+        """After a step the switch was to skip: its hook ran and DeepSpeed did not apply the update. A DeepSpeed that
+        no longer calls the hooked method, or that ignores the overflow flag, stops the run here instead of silently
+        applying the updates the non-finite policy rejected."""
+        fired, self.fired = self.fired, 0
+        if fired and not engine.was_step_applied():
+            return
+        import deepspeed
+
+        raise NonFiniteSkipBroken(
+            f"--on_nonfinite skip: a step to be skipped was {'applied' if fired else 'not intercepted'} (the hook "
+            f"{'ran' if fired else 'never ran'}): DeepSpeed {deepspeed.__version__} handles updates differently from "
+            f"the versions this hook was checked with ({', '.join(CHECKED_DEEPSPEED_VERSIONS)}); use --on_nonfinite "
+            "stop or a checked DeepSpeed")
+
     def _hook_stage3(self, optimizer) -> None:
         # Every hook is resolved before any is installed: a moved one leaves the optimizer untouched.
         original = STAGE3_CHECK.on(optimizer)
@@ -300,6 +320,7 @@ class SkipSwitch:
         def check_stage3(update_scale=True):
             if not self.skip:
                 return original(update_scale)
+            self.fired += 1
             optimizer.overflow = True
             return cleanup() if update_scale else True
 
@@ -312,6 +333,7 @@ class SkipSwitch:
 
         def check_stage12(partition_gradients=True):
             if self.skip:
+                self.fired += 1
                 optimizer.overflow = True
             elif checked:
                 original_check(partition_gradients=partition_gradients)
@@ -327,6 +349,7 @@ class SkipSwitch:
         def step(*args, **kwargs):
             optimizer.overflow = self.skip
             if self.skip:
+                self.fired += 1
                 optimizer.zero_grad(set_to_none=True)
                 return None
             return original_step(*args, **kwargs)

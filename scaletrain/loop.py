@@ -302,6 +302,8 @@ def optimizer_step(engine, batches: StepBatches, data_step: int, settings: LoopS
     clock.lap("optimizer")
     if hooks.switch:
         hooks.switch.skip = False
+        if forced is not None:
+            hooks.switch.confirm_skipped(engine)
     return StepResult(loss_sum, targets, blocks, global_loss, preempted, interval_due, forced,
                       applied=engine.was_step_applied(), aux_share=aux_share)
 
@@ -355,6 +357,8 @@ class PipelineStep:
             self._before_update = None
             if hooks.switch:
                 hooks.switch.skip = False
+        if hooks.switch and agreed["forced"] is not None:
+            hooks.switch.confirm_skipped(engine)
         clock.lap("optimizer")
         return StepResult(self.loss.loss_sum, targets, blocks, agreed["global_loss"], agreed["preempted"],
                           agreed["interval_due"], agreed["forced"], applied=engine.was_step_applied())

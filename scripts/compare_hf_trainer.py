@@ -279,16 +279,9 @@ def common_env(tmp: Path) -> dict:
 # --- one run of each side ----------------------------------------------------------------------------------------
 
 
-def run_ours(model: Path, run_dir: Path, s: argparse.Namespace, env: dict) -> dict:
-    args = [
-        "--config",
-        f"ds_configs/zero{s.zero_stage}.json",
-        "--config_name",
-        str(model),
-        "--output_dir",
-        str(run_dir),
-        "--max_steps",
-        str(s.steps),
+def shared_flags(s: argparse.Namespace) -> list:
+    """The flags both programs take with the same spelling and meaning (hf_trainer_clm.py mirrors train.py's)."""
+    return [
         "--block_size",
         str(s.block_size),
         "--per_device_train_batch_size",
@@ -297,6 +290,8 @@ def run_ours(model: Path, run_dir: Path, s: argparse.Namespace, env: dict) -> di
         str(s.batch),
         "--max_eval_samples",
         str(s.eval_samples),
+        "--max_steps",
+        str(s.steps),
         "--eval_steps",
         str(s.eval_steps),
         "--logging_steps",
@@ -309,10 +304,22 @@ def run_ours(model: Path, run_dir: Path, s: argparse.Namespace, env: dict) -> di
         str(s.seed),
         "--attn_implementation",
         s.attn_implementation,
+        *(["--bf16"] if s.precision == "bf16" else []),
+    ]
+
+
+def run_ours(model: Path, run_dir: Path, s: argparse.Namespace, env: dict) -> dict:
+    args = [
+        "--config",
+        f"ds_configs/zero{s.zero_stage}.json",
+        "--config_name",
+        str(model),
+        "--output_dir",
+        str(run_dir),
+        *shared_flags(s),
         "--no-export_hf_at_end",
         "--no-save_at_end",  # the HF side saves nothing either
         "--disable_tqdm",
-        *(["--bf16"] if s.precision == "bf16" else []),
     ]
     mem = launch("train.py", args, s, env, run_dir.with_suffix(".log"))
     records = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
@@ -332,37 +339,7 @@ def run_ours(model: Path, run_dir: Path, s: argparse.Namespace, env: dict) -> di
 
 
 def run_hf(model: Path, ds_config: Path, run_dir: Path, s: argparse.Namespace, env: dict) -> dict:
-    args = [
-        "--config_name",
-        str(model),
-        "--deepspeed",
-        str(ds_config),
-        "--output_dir",
-        str(run_dir),
-        "--block_size",
-        str(s.block_size),
-        "--per_device_train_batch_size",
-        str(s.batch),
-        "--per_device_eval_batch_size",
-        str(s.batch),
-        "--max_eval_samples",
-        str(s.eval_samples),
-        "--max_steps",
-        str(s.steps),
-        "--eval_steps",
-        str(s.eval_steps),
-        "--logging_steps",
-        str(s.logging_steps),
-        "--learning_rate",
-        str(s.learning_rate),
-        "--warmup_steps",
-        str(s.lr_warmup_steps),
-        "--seed",
-        str(s.seed),
-        "--attn_implementation",
-        s.attn_implementation,
-        *(["--bf16"] if s.precision == "bf16" else []),
-    ]
+    args = ["--config_name", str(model), "--deepspeed", str(ds_config), "--output_dir", str(run_dir), *shared_flags(s)]
     mem = launch("scripts/bench/hf_trainer_clm.py", args, s, env, run_dir.with_suffix(".log"))
     result = json.loads((run_dir / "hf_steps.json").read_text())
     ran = result["deepspeed"] or {}
@@ -412,8 +389,10 @@ def settings(measure: str, cli: argparse.Namespace) -> argparse.Namespace:
     if s.vocab_size < TINY_VOCAB:
         problems.append(f"--vocab_size {s.vocab_size}: the data's tokenizer has {TINY_VOCAB} tokens")
     if s.hidden_size % s.heads or s.heads % s.kv_heads:
-        problems.append(f"--heads {s.heads}, --kv_heads {s.kv_heads}: heads must divide --hidden_size "
-                        f"{s.hidden_size}, and key/value heads the heads")
+        problems.append(
+            f"--heads {s.heads}, --kv_heads {s.kv_heads}: heads must divide --hidden_size "
+            f"{s.hidden_size}, and key/value heads the heads"
+        )
     if s.lr_warmup_steps < 1:
         problems.append("--lr_warmup_steps: at least 1 (train.py reads 0 as 'use --warmup_ratio')")
     if problems:
@@ -496,8 +475,18 @@ def rows(name: str, result: dict) -> list:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--measure", choices=("memory", "throughput", "both"), default="both")
-    for flag in ("ranks", "hidden_size", "layers", "heads", "kv_heads", "vocab_size", "block_size", "steps", "warmup",
-                 "logging_steps"):
+    for flag in (
+        "ranks",
+        "hidden_size",
+        "layers",
+        "heads",
+        "kv_heads",
+        "vocab_size",
+        "block_size",
+        "steps",
+        "warmup",
+        "logging_steps",
+    ):
         p.add_argument(f"--{flag}", type=int, help="default: the measure's setup (see the docstring)")
     p.add_argument("--batch", type=int, help="blocks per rank per step (default: 4)")
     p.add_argument("--rounds", type=int, default=2)

@@ -143,6 +143,42 @@ def test_the_skip_switch_replaces_a_torch_optimizers_step_and_refuses_others():
     assert not isinstance(err.value, DeepSpeedInternalsMoved)
 
 
+class _EngineStandIn:
+    """Stands in for DeepSpeedEngine.was_step_applied (the one engine method the self-check reads)."""
+
+    def __init__(self, applied: bool):
+        self.applied = applied
+
+    def was_step_applied(self) -> bool:
+        return self.applied
+
+
+def test_a_skip_the_hook_did_not_make_stops_the_run():
+    import torch
+
+    from scaletrain.ds_internals import NonFiniteSkipBroken
+
+    weight = torch.nn.Parameter(torch.ones(2))
+    optimizer = torch.optim.SGD([weight], lr=1.0)
+    switch = SkipSwitch(optimizer)
+    switch.skip = True
+    weight.grad = torch.ones(2)
+    optimizer.step()  # through the hook: skipped
+    switch.confirm_skipped(_EngineStandIn(applied=False))
+    # A DeepSpeed that reaches the update another way (here: the class's own step) bypasses the hook: the update
+    # lands, and the check says so instead of training on.
+    weight.grad = torch.ones(2)
+    torch.optim.SGD.step(optimizer)
+    assert weight.tolist() == [0.0, 0.0]
+    with pytest.raises(NonFiniteSkipBroken, match="was not intercepted .the hook never ran.: DeepSpeed .* checked "
+                                                  "with .0.19.8.; use --on_nonfinite stop"):
+        switch.confirm_skipped(_EngineStandIn(applied=True))
+    # A DeepSpeed that calls the hook but ignores the overflow flag applies the update: stopped too.
+    optimizer.step()
+    with pytest.raises(NonFiniteSkipBroken, match="was applied .the hook ran."):
+        switch.confirm_skipped(_EngineStandIn(applied=True))
+
+
 def test_releasing_zero3_references_empties_the_stack_and_the_class_cache(monkeypatch):
     import torch
 

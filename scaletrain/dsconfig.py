@@ -338,6 +338,10 @@ def resolve_ds_config(
         # DeepSpeed's default Adam is FusedAdam, a JIT-built GPU kernel; on a CPU torch's AdamW does the same
         # update without a multi-minute build. Offload keeps DeepSpeedCPUAdam, the optimizer offload is made for.
         r.fill("optimizer.params.torch_adam", True, "cpu without offload: torch AdamW, no FusedAdam build")
+        if "foreach" not in r.config["optimizer"].get("params", {}):
+            # torch's default for CPU tensors is its per-tensor loop: ~13x slower than the fused kernel on a ZeRO
+            # partition (14.7 against 1.1 ms for 2.5M fp32 elements on one core here), about 4% of a small step.
+            r.fill("optimizer.params.fused", True, "cpu: torch's fused AdamW kernel (its default is a Python loop)")
     r.fill("steps_per_print", 2**31 - 1, "default: the pipeline logs its own metrics")
 
     leftover = _leftover_autos(r.config)

@@ -320,6 +320,7 @@ def run_ours(model: Path, run_dir: Path, s: argparse.Namespace, env: dict) -> di
         "--no-export_hf_at_end",
         "--no-save_at_end",  # the HF side saves nothing either
         "--disable_tqdm",
+        *s.ours_flags.split(),
     ]
     mem = launch("train.py", args, s, env, run_dir.with_suffix(".log"))
     records = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
@@ -462,7 +463,9 @@ def measure(name: str, s: argparse.Namespace, tmp: Path) -> dict:
 
 def rows(name: str, result: dict) -> list:
     s, m, ratio = result["setup"], result["median"], result["ratio"]
-    where = f"{s['ranks']} rank(s), ZeRO-{s['zero_stage']}, {s['precision']}, median of {s['rounds']}"
+    where = f"{s['ranks']} rank(s), ZeRO-{s['zero_stage']}, {s['precision']}, median of {s['rounds']}" + (
+        f", train.py {s['ours_flags']}" if s.get("ours_flags") else ""
+    )
     ours, hf = m["train.py"], m["hf_trainer"]
     return [
         f"| {name}: peak RSS (GNU time max RSS), {where} | {ours['max_rss_kb'] / 2**20:.2f} GiB | "
@@ -504,6 +507,7 @@ def main() -> None:
         "--work_dir", help="keep the model, run folders and logs here (a new folder; default: a temporary one, removed)"
     )
     p.add_argument("--json", help="write every figure (each run, medians, ratios, setups) to this file")
+    p.add_argument("--ours_flags", default="", help='extra train.py flags, e.g. "--torch_compile" (one side only)')
     cli = p.parse_args()
 
     names = ("memory", "throughput") if cli.measure == "both" else (cli.measure,)

@@ -214,12 +214,70 @@ def clear_previous_run(output_dir: str) -> None:
     (out / "metrics.jsonl").unlink(missing_ok=True)
 
 
+def offload_setting(ds) -> str:
+    """A run's offload devices as its checkpoints record them: "optimizer=<device>,param=<device>"."""
+    zero = ds.config.get("zero_optimization", {})
+    return ",".join(f"{kind}={zero.get(f'offload_{kind}', {}).get('device') or 'none'}" for kind in ("optimizer",
+                                                                                                  "param"))
+
+
+def saved_zero_stage(ckpt: Path, saved: dict) -> Optional[int]:
+    """The ZeRO stage a checkpoint was saved with: recorded in its train state, or (older checkpoints) read from its
+    file names: ZeRO-3 writes each rank's model states, ZeRO-1/2 one model file and each rank's optimizer states,
+    stage 0 neither. 1 stands for "1 or 2" there: the two load each other's checkpoints directly."""
+    if saved.get("zero_stage") is not None:
+        return saved["zero_stage"]
+    if any(ckpt.glob("zero_pp_rank_*_mp_rank_*_model_states.pt")):
+        return 3
+    return 1 if any(ckpt.glob("*zero_pp_rank_*optim_states.pt")) else None
+
+
+def zero_setting_change(ckpt: Path, saved: dict, zero_stage: int, offload: Optional[str]) -> Optional[str]:
+    """Why the checkpoint must go through a universal checkpoint for this run's ZeRO settings, or None.
+
+    DeepSpeed 0.19.8 loads ZeRO-1 and ZeRO-2 checkpoints into each other directly (same optimizer, same partition
+    files; tested exact), but not one into another offload setting (a KeyError: DeepSpeedCPUAdam's parameter groups
+    are not torch AdamW's): that goes through a universal checkpoint (each parameter's fp32 weights and moments by
+    name), tested exact for ZeRO-2. Under ZeRO-3 the same conversion loads but the losses drift from the
+    uninterrupted run's (7e-4 relative within 4 steps), so an offload change is refused there. ZeRO-1/2 <-> ZeRO-3
+    is refused: its loader asserts on the other stage's model files, and even with them renamed, the universal
+    optimizer state that stages 1/2 write is not the one stage 3 reads (KeyError 'optimizer_state_dict').
+    Stage 0 (no ZeRO partitions) converts neither way."""
+    before = saved_zero_stage(ckpt, saved)
+    if before is None and zero_stage == 0:
+        return None
+    if (before == 0 or before is None) != (zero_stage == 0):
+        raise UsageError(
+            f"checkpoint {ckpt} was saved with ZeRO stage {0 if before is None else before}, this run has stage "
+            f"{zero_stage}: a checkpoint converts between ZeRO stages 1-3 only (stage 0 holds no ZeRO partitions)",
+            f"resume with a ZeRO stage {0 if before is None else before} config")
+    if zero_stage == 0:
+        return None
+    if (before == 3) != (zero_stage == 3):  # DeepSpeed's universal optimizer files differ between the two as well
+        raise UsageError(
+            f"checkpoint {ckpt} was saved with ZeRO stage {before if before == 3 else '1 or 2'}, this run has stage "
+            f"{zero_stage}: DeepSpeed 0.19.8 converts a checkpoint between ZeRO-1/2 and ZeRO-3 in neither form (its "
+            "loader asserts on the other stage's files, and the universal optimizer state of stages 1/2 is not the "
+            "one stage 3 reads)",
+            f"resume with a stage-{before if before == 3 else '1/2'} config (offload may change), or export the "
+            "weights (scripts/export_hf.py) and start from them with --model_name_or_path")
+    if saved.get("offload") not in (None, offload):
+        if zero_stage == 3:  # converted and loaded, but the losses left the uninterrupted run's (7e-4 in 4 steps)
+            raise UsageError(
+                f"checkpoint {ckpt} was saved under ZeRO-3 with {saved['offload']}, this run has {offload}: a ZeRO-3 "
+                "checkpoint does not resume exactly under another offload setting (tested: the losses drift)",
+                f"resume with the offload of the saving run ({saved['offload']})")
+        return f"offload {saved['offload']} -> {offload}"
+    return None
+
+
 def check_resumable(ckpt: Path, dp_world_size: int, layout: tuple, zero_stage: int, model_facts: dict,
-                    pipeline_parallel_size: int = 1) -> bool:
+                    pipeline_parallel_size: int = 1, offload: Optional[str] = None) -> bool:
     """Before anything is built: the checkpoint fits this run's model. Returns whether it must be resharded (saved
-    with another number of data-parallel ranks or another (tensor, sequence) parallel layout, which ZeRO-1/2/3 handle
-    through a universal checkpoint). A pipeline checkpoint resumes on the same pipeline layout, or (ZeRO-1) on
-    plain data parallelism with any number of ranks, through a universal checkpoint renamed to the model's names."""
+    with another number of data-parallel ranks or another (tensor, sequence) parallel layout, or under ZeRO settings
+    this run's cannot load directly (zero_setting_change), which ZeRO-1/2/3 handle through a universal checkpoint).
+    A pipeline checkpoint resumes on the same pipeline layout, or (ZeRO-1) on plain data parallelism with any
+    number of ranks, through a universal checkpoint renamed to the model's names."""
     saved = read_train_state(ckpt)
     saved_pp = saved.get("pipeline_parallel_size", 1)
     if saved_pp != pipeline_parallel_size:
@@ -233,6 +291,8 @@ def check_resumable(ckpt: Path, dp_world_size: int, layout: tuple, zero_stage: i
     saved_layout = (saved.get("tensor_parallel_size", 1), saved.get("sequence_parallel_size", 1))
     reshard = saved_dp not in (None, 0, dp_world_size) or saved_layout != tuple(layout) or \
         saved_pp != pipeline_parallel_size
+    if zero_setting_change(ckpt, saved, zero_stage, offload) is not None:
+        reshard = True
     if reshard and zero_stage == 0:
         raise UsageError(
             f"checkpoint {ckpt} was saved with {saved_dp} data-parallel ranks x (tensor, sequence) parallel "

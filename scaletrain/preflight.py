@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
-from scaletrain.checkpoint import check_resumable, read_train_state, resolve_resume
+from scaletrain.checkpoint import check_resumable, offload_setting, read_train_state, resolve_resume, saved_zero_stage
 from scaletrain.config import DataArgs, ModelArgs, RunConfig, explain_run_config, parse_run_config
 from scaletrain.errors import UsageError
 from scaletrain.raw_data import check_data_files
@@ -233,7 +233,7 @@ def _resolve_resume_point(cfg: RunConfig, ds: ResolvedDSConfig, model_facts: dic
         read_records(metrics_file)  # damaged before its end: refused here, on every rank, before anything is built
     layout = (dist.tensor_parallel_size, dist.sequence_parallel_size)
     reshard = check_resumable(resume_from, dist.dp_world_size, layout, ds.zero_stage, model_facts,
-                              dist.pipeline_parallel_size)
+                              dist.pipeline_parallel_size, offload_setting(ds))
     resume_state = read_train_state(resume_from)
     if reshard:
         ds.config.setdefault("checkpoint", {})["load_universal"] = True
@@ -242,7 +242,9 @@ def _resolve_resume_point(cfg: RunConfig, ds: ResolvedDSConfig, model_facts: dic
         ds.sources["checkpoint.load_universal"] = (
             f"resume of a checkpoint from {resume_state['world_size']} data-parallel ranks x (tensor, sequence, "
             f"pipeline) parallel {saved_layout} on {dist.dp_world_size} x ({dist.tensor_parallel_size}, "
-            f"{dist.sequence_parallel_size}, {dist.pipeline_parallel_size})")
+            f"{dist.sequence_parallel_size}, {dist.pipeline_parallel_size}), ZeRO stage "
+            f"{saved_zero_stage(resume_from, resume_state)} ({resume_state.get('offload') or 'offload unrecorded'}) "
+            f"on {ds.zero_stage} ({offload_setting(ds)})")
     return resume_from, resume_state, reshard, previous
 
 

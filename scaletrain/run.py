@@ -73,6 +73,8 @@ class Run:
         self.state.tensor_parallel_size = self.dist.tensor_parallel_size
         self.state.sequence_parallel_size = self.dist.sequence_parallel_size
         self.state.pipeline_parallel_size = self.dist.pipeline_parallel_size
+        self.state.zero_stage = self.resolved.ds.zero_stage
+        self.state.offload = checkpoint.offload_setting(self.resolved.ds)
 
     def print_config(self) -> None:
         print_config(self.resolved, self.dist)

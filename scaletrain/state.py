@@ -20,6 +20,8 @@ class TrainState:
     tensor_parallel_size: int = 1  # the tensor-parallel size that produced it (another one reshards)
     sequence_parallel_size: int = 1  # likewise the sequence-parallel size
     pipeline_parallel_size: int = 1  # the pipeline stages (a resume must match: layer files do not reshard)
+    zero_stage: Optional[int] = None  # the ZeRO stage that produced it (None: a checkpoint from before it was kept)
+    offload: Optional[str] = None  # "optimizer=<device>,param=<device>" of that run (another one converts)
     wandb_run_id: Optional[str] = None  # so a resumed run continues the same wandb run
 
     def state_dict(self) -> dict:

@@ -368,3 +368,24 @@ def saved_weight_decays(ckpt: Path) -> list:
         return None
 
     return [group["weight_decay"] for group in groups(torch.load(optim_file, weights_only=False))]
+
+
+@pytest.mark.slow  # two 16-step resumes from the shared uninterrupted runs
+@pytest.mark.parametrize("saved_with, resumed_with", [("zero1", "zero2"), ("zero2", "zero2_offload")])
+def test_resume_under_another_zero_setting_continues_exactly(saved_with, resumed_with, tmp_path, cache_dir,
+                                                             uninterrupted):
+    """ZeRO-1 -> ZeRO-2 loads directly; ZeRO-2 -> ZeRO-2 with CPU optimizer offload goes through a universal
+    checkpoint (DeepSpeedCPUAdam's parameter groups are not torch AdamW's: a direct load raises a KeyError). Both
+    continue the uninterrupted run of the saving setting."""
+    run_dir = tmp_path / "run"
+    shutil.copytree(uninterrupted.run_dir(saved_with), run_dir)
+    for later in ("step24", "step32"):
+        shutil.rmtree(run_dir / "checkpoints" / later)
+    (run_dir / "checkpoints" / "latest").write_text("step16\n")
+    resumed = launch(REPO / "train.py", flags(resumed_with, run_dir), "deepspeed", cache_dir, nprocs=2)
+    check_ok(resumed)
+    assert f"resumed from {run_dir / 'checkpoints' / 'step16'}" in resumed.stdout
+    assert ("universal checkpoint" in resumed.stdout) == (resumed_with == "zero2_offload")
+    losses, reference = step_losses(run_dir), uninterrupted.losses(saved_with)
+    for step in range(17, STEPS + 1):
+        assert losses[step] == pytest.approx(reference[step], rel=1e-5), step

@@ -352,7 +352,7 @@ def ensure_universal(ckpt: Path, rank: int) -> Path:
 
             rename_universal_parameters(out, json.loads((ckpt / LAYER_MAP).read_text()))
         _write_atomically(done, "ok\n")
-        log.info("converted %s to a universal checkpoint for the new rank count in %.1fs", ckpt,
+        log.info("converted %s to a universal checkpoint (another rank count, layout or offload) in %.1fs", ckpt,
                  time.perf_counter() - started)
     while not done.exists():
         time.sleep(1.0)

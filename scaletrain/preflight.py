@@ -53,7 +53,7 @@ class ResolvedRun:
     model_facts: Optional[dict] = None  # what a checkpoint must match to be resumed by this model
     resume_state: Optional[dict] = None  # the checkpoint's train state (step, data position)
     flops: Optional[ModelFlops] = None  # FLOPs per token of this model at this block size
-    reshard: bool = False  # the checkpoint came from another number of data-parallel ranks
+    reshard: bool = False  # the checkpoint loads through a universal one (other ranks, layout or offload)
     model_shape: Any = None  # --plan: the memory planner's view of the model (memory_planner.ModelShape)
     previous_run_config: Optional[dict] = None  # run_config.json of the run being resumed, where there is one
     router_loss: Any = None  # a mixture-of-experts model's load-balancing loss (scaletrain.moe.RouterLoss) or None

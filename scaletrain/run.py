@@ -101,8 +101,8 @@ class Run:
                 self.model, self.dist.pipeline_parallel_size, self.cfg.parallel.pipeline_partition)
 
     def prepare_resume(self) -> None:
-        """A checkpoint from another number of ranks is converted to DeepSpeed's universal format first (global
-        rank 0 converts; the others wait on the file system, before any process group exists)."""
+        """A checkpoint from another number of ranks, layout or offload is converted to DeepSpeed's universal format
+        first (global rank 0 converts; the others wait on the file system, before any process group exists)."""
         if self.resolved.resume_from is not None and self.resolved.reshard:
             checkpoint.ensure_universal(self.resolved.resume_from, self.dist.rank)
 

@@ -4,9 +4,9 @@ A 128k vocabulary at 4 x 4096 tokens makes 8 GB of fp32 logits (plus their gradi
 tensor. Here the head's forward receives the final hidden states and the targets, and for each chunk of tokens
 computes the chunk's logits, upcasts them, adds the chunk's summed cross-entropy, and, when a backward will follow,
 the chunk's gradients right away (softmax minus the one-hot target, times the head weight for the hidden states,
-times the hidden states for the weight, summed in fp32 over the chunks). The backward then only scales the stored
-gradients by the incoming one (the loop's dp / global-targets factor), so the head's matrix products are the same
-three as without chunking, and no logits are recomputed.
+times the hidden states for the weight, summed over the chunks in the weight's dtype). The backward then only scales
+the stored gradients by the incoming one (the loop's dp / global-targets factor), so the head's matrix products are
+the same three as without chunking, and no logits are recomputed.
 
 Where the head lives: the module keeps its class's parameters and state-dict names; only its class becomes
 `ChunkedLossHead` (a subclass of `nn.Linear`), whose forward returns the summed loss while targets are pending
@@ -45,15 +45,17 @@ class ChunkedCrossEntropy(torch.autograd.Function):
     """sum over tokens of cross_entropy(hidden @ weight^T + bias, targets), ignoring IGNORE_INDEX targets, in chunks.
 
     hidden [N, H], weight [V, H], bias [V] or None, targets [N]. With `with_grad` the gradients are computed in the
-    forward (fp32 for the weight and bias, summed over chunks) and scaled in the backward.
+    forward (summed over chunks: the weight's in its own dtype, the bias's in fp32) and scaled in the backward.
     """
 
     @staticmethod
     def forward(ctx, hidden, weight, bias, targets, chunk: int, with_grad: bool):
         total = torch.zeros((), dtype=torch.float32, device=hidden.device)
         grad_hidden = torch.empty_like(hidden) if with_grad and hidden.requires_grad else None
-        grad_weight = (torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
-                       if with_grad and weight.requires_grad else None)
+        # The weight's gradient is summed over the chunks in the weight's own dtype, as autograd sums the gradients
+        # of a weight used several times: an fp32 accumulator would add V x H x 4 bytes (4.2 GB for a 128k x 8192
+        # head) beside the gradient itself.
+        grad_weight = torch.zeros_like(weight) if with_grad and weight.requires_grad else None
         grad_bias = (torch.zeros(bias.shape, dtype=torch.float32, device=bias.device)
                      if with_grad and bias is not None and bias.requires_grad else None)
         for start in range(0, hidden.size(0), chunk):
@@ -75,10 +77,7 @@ class ChunkedCrossEntropy(torch.autograd.Function):
             if grad_hidden is not None:
                 torch.mm(d_logits, weight, out=grad_hidden[start:start + chunk])
             if grad_weight is not None:
-                if grad_weight.dtype == h.dtype:
-                    grad_weight.addmm_(d_logits.t(), h)
-                else:  # 16-bit: each chunk's product is summed in fp32
-                    grad_weight += d_logits.t() @ h
+                grad_weight.addmm_(d_logits.t(), h.to(grad_weight.dtype))
         ctx.grads = (grad_hidden, grad_weight, grad_bias)
         ctx.dtypes = (hidden.dtype, weight.dtype, None if bias is None else bias.dtype)
         return total

@@ -32,7 +32,7 @@ Working memory per micro-batch of b sequences of s tokens (hidden h, MLP width f
                   (ZeRO then partitions over all the ranks: Ulysses runs without an mpu, see sequence_parallel.py)
     logits        s b V x 10 bytes: the 16-bit logits, their fp32 copy for the loss and its gradient (x1.5 in fp32);
                   with the chunked loss (--loss_chunk_size, the default without tensor or pipeline parallelism)
-                  only one chunk of c tokens: c V x 10 (x1.5), plus the head's fp32 weight gradient (4 V h)
+                  only one chunk of c tokens: c V x 10 (x1.5)
     checkpointing keeps each layer's input (2 s b h) and recomputes one layer at a time
     pipeline      k stages, 1F1B: the first stage keeps up to k micro-batches in flight for its L / k layers (L
                   layers' worth, as without a pipeline, but no logits); the last one micro-batch of L / k layers and
@@ -158,14 +158,21 @@ def weight_bytes(precision: str) -> int:
     return 4 if precision == "fp32" else 2
 
 
-def model_state_bytes(option: Option, shape: ModelShape, dp: int, precision: str, tp: int = 1, pp: int = 1) -> tuple:
-    """(params, grads, optimizer) bytes on one GPU, and (host, nvme) bytes per rank, for one option."""
+def model_state_bytes(option: Option, shape: ModelShape, dp: int, precision: str, tp: int = 1, pp: int = 1,
+                      reduce_bucket: Optional[int] = None) -> tuple:
+    """(params, grads, optimizer) bytes on one GPU, and (host, nvme) bytes per rank, for one option.
+    `reduce_bucket`: the reduce bucket in elements (default: dsconfig's rule for a CUDA link)."""
+    from scaletrain.dsconfig import bucket_elements
+
     p, n = weight_bytes(precision), shape.params_per_rank(tp, pp)
     grad_bytes = 4 if precision == "fp32" else (p if option.stage == 3 else p + 4)
     params = p * n / dp if option.stage == 3 else p * n
     grads, optimizer = grad_bytes * n / dp, OPTIMIZER_BYTES * n / dp
     if option.stage == 1:  # whole gradients from the backward until the boundary's reduction
         grads = max(grads, p * n)
+    if option.stage in (1, 3):  # the reduce bucket's buffer, allocated whole (measured; ZeRO-2 reduces in place)
+        bucket = bucket_elements("cuda", precision, shape.n_params)[0] if reduce_bucket is None else reduce_bucket
+        grads += min(bucket, n) * (4 if precision == "fp32" else p)
     host = nvme = 0.0
     if option.offload_optimizer != "none":
         moved = (4 + OPTIMIZER_BYTES) * n / dp  # the fp32 gradient partition and the optimizer states
@@ -190,8 +197,6 @@ def activation_bytes(shape: ModelShape, micro_batch: int, block_size: int, preci
     per_layer = tokens * (8 * shape.hidden + (10 * shape.hidden + 8 * shape.intermediate) / tp) * scale
     logit_tokens = min(tokens, loss_chunk) if loss_chunk and tp == 1 and pp == 1 else tokens
     logits = logit_tokens * shape.vocab * 10 * (1.5 if precision == "fp32" else 1)
-    if logit_tokens < tokens:
-        logits += 4 * shape.vocab * shape.hidden  # the head's weight gradient, summed over the chunks in fp32
     kept = 2 * tokens * shape.hidden * scale  # a checkpointed layer's input
     # 1F1B: the first stage holds the activations of up to pp micro-batches in flight for its layers / pp layers
     # (as many layers' worth as the whole model for one micro-batch), the last stage one micro-batch and the logits.

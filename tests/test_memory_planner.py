@@ -28,16 +28,21 @@ def test_model_state_formulas_by_stage_and_offload():
     shape = memory_planner.ModelShape(n_params=1000, largest_layer_params=100, layers=2, hidden=8, intermediate=16,
                                vocab=50)
     by_name = {o.name: o for o in memory_planner.OPTIONS}
-    states = {name: memory_planner.model_state_bytes(option, shape, dp=4, precision="bf16") for name, option in
-              by_name.items()}
+    states = {name: memory_planner.model_state_bytes(option, shape, dp=4, precision="bf16", reduce_bucket=0)
+              for name, option in by_name.items()}
     assert states["ZeRO-1"] == (2000, 2000, 3000, 0, 0)  # whole 16-bit gradients until the reduction
     assert states["ZeRO-2"] == (2000, 1500, 3000, 0, 0)  # 16-bit + fp32 gradient partition, 12-byte optimizer / 4
     assert states["ZeRO-3"] == (500, 500, 3000, 0, 0)
     assert states["ZeRO-2 + optimizer offload (CPU)"] == (2000, 0, 0, 4000, 0)
     assert states["ZeRO-3 + optimizer and parameter offload (CPU)"] == (0, 0, 0, 4500, 0)
     assert states["ZeRO-3 + optimizer and parameter offload (NVMe)"] == (0, 0, 0, 0, 4500)
-    assert memory_planner.model_state_bytes(by_name["ZeRO-1"], shape, 4, "fp32")[:3] == (4000, 4000, 3000)
+    assert memory_planner.model_state_bytes(by_name["ZeRO-1"], shape, 4, "fp32", reduce_bucket=0)[:3] == \
+        (4000, 4000, 3000)
     assert memory_planner.model_state_bytes(by_name["ZeRO-2"], shape, 4, "fp32")[:3] == (4000, 1000, 3000)
+    # ZeRO-1 and -3 allocate their reduce bucket whole (in the gradients' dtype), never larger than the model
+    assert memory_planner.model_state_bytes(by_name["ZeRO-1"], shape, 4, "bf16", reduce_bucket=100)[1] == 2200
+    assert memory_planner.model_state_bytes(by_name["ZeRO-3"], shape, 4, "bf16", reduce_bucket=100)[1] == 700
+    assert memory_planner.model_state_bytes(by_name["ZeRO-3"], shape, 4, "bf16")[1] == 500 + 2 * 1000
     # tensor parallelism splits the linear layers' weights (here 800 of 1000) and leaves the rest whole
     split = memory_planner.ModelShape(n_params=1000, largest_layer_params=100, layers=2, hidden=8, intermediate=16,
                                       vocab=50, linear_params=800)
@@ -50,7 +55,8 @@ def test_model_state_formulas_by_stage_and_offload():
     staged = memory_planner.ModelShape(n_params=1000, largest_layer_params=100, layers=4, hidden=8, intermediate=16,
                                        vocab=50, embedding_params=100, head_params=100)
     assert staged.params_per_rank(1, pp=2) == (1000 - 200) / 2 + 100
-    assert memory_planner.model_state_bytes(by_name["ZeRO-1"], staged, 2, "fp32", pp=2)[:3] == (2000, 2000, 3000)
+    assert memory_planner.model_state_bytes(by_name["ZeRO-1"], staged, 2, "fp32", pp=2, reduce_bucket=0)[:3] == \
+        (2000, 2000, 3000)
     assert [o.name for o in memory_planner.options_for(1, 1, 2)] == ["ZeRO-1"]
     # the first stage keeps k micro-batches of its layers / k layers in flight: the same as the whole model for
     # one micro-batch, without the logits (the last stage's)
@@ -96,8 +102,9 @@ def test_planned_model_states_match_a_real_two_rank_run_within_10_percent(stage,
     check_ok(proc)
     option = next(o for o in memory_planner.OPTIONS if o.stage == stage and o.offload_optimizer == "none")
     # ZeRO partitions over the ranks left by tensor parallelism (under sequence parallelism: all of them)
+    bucket = json.loads((run_dir / "ds_config.json").read_text())["zero_optimization"]["reduce_bucket_size"]
     params, grads, optimizer, _, _ = memory_planner.model_state_bytes(option, tiny_shape(), dp=2 // tp,
-                                                                      precision="fp32", tp=tp)
+                                                                      precision="fp32", tp=tp, reduce_bucket=bucket)
     planned = params + grads + optimizer
     for rank in (0, 1):
         # The second step's peak (the first one created the optimizer's moments: Adam builds them lazily): before

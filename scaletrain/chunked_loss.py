@@ -84,7 +84,8 @@ class ChunkedCrossEntropy(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_output):
-        grads = [None if grad is None else (grad * grad_output).to(dtype)
+        # in place: the stored gradients are this function's own (a V x H copy would double the head's gradient)
+        grads = [None if grad is None else grad.mul_(grad_output).to(dtype)
                  for grad, dtype in zip(ctx.grads, ctx.dtypes, strict=True)]
         ctx.grads = None
         return (*grads, None, None, None)

@@ -90,7 +90,8 @@ def read_launch_env(environ: Optional[Mapping[str, str]] = None) -> DistInfo:
     return DistInfo(rank=0, local_rank=0, world_size=1, launcher="single")
 
 
-def _free_port() -> int:
+def free_port() -> int:
+    """A TCP port free on this host now (for a rendezvous, or a launcher's --master_port)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -103,7 +104,7 @@ def _export_rendezvous_env(dist: DistInfo) -> None:
     os.environ.setdefault("WORLD_SIZE", str(dist.world_size))
     if dist.launcher == "single":
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        os.environ.setdefault("MASTER_PORT", str(_free_port()))
+        os.environ.setdefault("MASTER_PORT", str(free_port()))
     elif dist.launcher == "srun":
         # `srun python train.py`: every task derives the same address (the job's first node) and port (from the
         # job id), so no script has to export them; values already in the environment win.

@@ -48,6 +48,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import List, Optional
 
+from scaletrain.dsconfig import bucket_elements
+
 GIB = 2**30
 HEADROOM = 0.90  # plan to use at most 90% of a GPU: allocator fragmentation, NCCL buffers, the CUDA context
 OPTIMIZER_BYTES = 12  # fp32 master weights + Adam m and v
@@ -162,8 +164,6 @@ def model_state_bytes(option: Option, shape: ModelShape, dp: int, precision: str
                       reduce_bucket: Optional[int] = None) -> tuple:
     """(params, grads, optimizer) bytes on one GPU, and (host, nvme) bytes per rank, for one option.
     `reduce_bucket`: the reduce bucket in elements (default: dsconfig's rule for a CUDA link)."""
-    from scaletrain.dsconfig import bucket_elements
-
     p, n = weight_bytes(precision), shape.params_per_rank(tp, pp)
     grad_bytes = 4 if precision == "fp32" else (p if option.stage == 3 else p + 4)
     params = p * n / dp if option.stage == 3 else p * n

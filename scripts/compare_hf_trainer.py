@@ -60,6 +60,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from data.build_tiny_llama import tiny_llama_variant  # noqa: E402
+from scaletrain.distributed import free_port  # noqa: E402
 from scripts.bench_overhead import BIN, bench_model, steady_rate  # noqa: E402
 
 TINY_VOCAB = 4096  # data/tiny-llama's tokenizer; a larger model vocabulary simply has unused rows
@@ -209,7 +210,7 @@ def launch(script: str, args: list, s: argparse.Namespace, env: dict, log: Path)
         "--num_gpus",
         str(s.ranks),
         "--master_port",
-        str(_free_port()),
+        str(free_port()),  # another job on the machine may hold the launcher's default port
         script,
         *args,
     ]
@@ -248,14 +249,6 @@ def launch(script: str, args: list, s: argparse.Namespace, env: dict, log: Path)
         "load_before": load_before,
         "load_after": round(os.getloadavg()[0], 2),
     }
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as sock:  # another job on the machine may hold the launcher's default port
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def common_env(tmp: Path) -> dict:

@@ -54,7 +54,8 @@ from typing import Optional
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from scripts.compare_hf_trainer import _free_port, build_model, common_env, model_shape, n_parameters  # noqa: E402
+from scaletrain.distributed import free_port  # noqa: E402
+from scripts.compare_hf_trainer import build_model, common_env, model_shape, n_parameters  # noqa: E402
 from scripts.bench_overhead import BIN  # noqa: E402
 
 LOSS_RTOL = 2e-2  # bf16 against fp32 over the first steps: bf16 rounds to ~3 significant digits
@@ -196,7 +197,7 @@ def deepspeed_launcher() -> str:
 
 def run_train(spec: Spec, setup: Setup, work: Path, env: dict, timeout: float, row: Row) -> None:
     out = work / spec.name
-    cmd = [deepspeed_launcher(), "--num_gpus", "1", "--master_port", str(_free_port()), "train.py", *spec.args,
+    cmd = [deepspeed_launcher(), "--num_gpus", "1", "--master_port", str(free_port()), "train.py", *spec.args,
            "--output_dir", str(out), "--logging_steps", "1", "--no-export_hf_at_end", "--no-save_at_end",
            "--disable_tqdm"]
     if spec.steps and "--max_steps" not in spec.args:

@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -15,18 +14,14 @@ from typing import Iterator, Optional
 
 import pytest
 
+from scaletrain.distributed import free_port  # the tests' launches take it from here too
+
 REPO = Path(__file__).resolve().parent.parent
 # DeepSpeed's compiled ops are cached per virtual environment under test: two checkouts (a CI clone and a working
 # copy) sharing ~/.cache/torch_extensions would rebuild each other's ops, under each other's running processes.
 os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(Path(sys.prefix) / "torch_extensions"))
 VENV_BIN = Path(sys.executable).parent
 PROBE = REPO / "tests" / "helpers" / "probe_run.py"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def subprocess_env(tmp_cache: Path) -> dict:

@@ -36,6 +36,7 @@ def main(argv=None) -> int:
     if run.cfg.planning.plan:
         run.print_memory_plan()  # per-GPU memory of each ZeRO stage and offload option, from the meta model
         return 0
+    exit_code = 1  # a crash, unless the run ends otherwise
     try:
         run.prepare_resume()  # a checkpoint from another rank count: converted to DeepSpeed's universal format
         run.prepare_data()  # token store: --data_path, or raw data tokenized once (no collective while waiting)
@@ -47,13 +48,15 @@ def main(argv=None) -> int:
         run.resume()  # newest committed checkpoint (or none): weights, optimizer, schedule, RNG, data position
         run.train()  # the loop: forward, backward, step, metrics, eval, periodic and preemption saves
         run.finish()  # final eval, DeepSpeed checkpoint, Hugging Face export
+        exit_code = 0
     except RunEnded as err:  # usage (2), failed save or preparation (1), non-finite stop (3), preempted (85)
-        return report(err, dist)
+        exit_code = report(err, dist)
+        return exit_code
     except BaseException as err:  # a crash: its traceback still holds the loop's frames, and so the engine
         traceback.clear_frames(err.__traceback__.tb_next)  # (the lines stay printable); close() can free it
         raise
     finally:
-        run.close()  # metrics sinks and the process group, on the error path too
+        run.close(exit_code)  # metrics sinks (wandb marks a non-zero end failed) and the process group
     return 0
 
 

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Optional
 
-from scaletrain.errors import UsageError
+from scaletrain.errors import SAVED_REQUEUE_EXIT_CODE, UsageError
 
 log = logging.getLogger(__name__)
 METRICS_FILE = "metrics.jsonl"
@@ -272,12 +272,16 @@ class MetricsLogger:
         _keep_records_up_to(self.path, step)
         self._file = open(self.path, "a", encoding="utf-8")
 
-    def close(self) -> None:
+    def close(self, exit_code: int = 0) -> None:
+        """`exit_code` is the run's: wandb shows a non-zero one as failed, and 85 (saved after a preemption
+        signal) as preempted, so a crashed run no longer shows as finished."""
         if self._file is not None:
             self._file.close()
             self._file = None
         if self._wandb is not None:
-            self._wandb.finish()
+            if exit_code == SAVED_REQUEUE_EXIT_CODE:
+                self._wandb.mark_preempting()
+            self._wandb.finish(exit_code=exit_code)
             self._wandb = None
         if self._tensorboard is not None:
             self._tensorboard.close()

@@ -300,13 +300,14 @@ class Run:
         log.info("done: %d steps, %d tokens trained; outputs in %s", self.state.step, self.state.tokens_seen,
                  self.cfg.run.output_dir)
 
-    def close(self) -> None:
+    def close(self, exit_code: int = 0) -> None:
+        """Free everything the run holds, on the error path too; `exit_code` (the process's) goes to wandb."""
         self.preemption.uninstall()
         if self.comm_log is not None:
             self.comm_log.close()
             self.comm_log = None
         if self.metrics is not None:
-            self.metrics.close()
+            self.metrics.close(exit_code)
         # The engine, optimizer and ZeRO-3 parameters hold process groups, so destroy_process_group alone left
         # gloo's threads running until the interpreter tore the objects down at exit, which now and then aborted
         # a finished run (SIGABRT, "terminate called without an active exception"). Free them here instead.

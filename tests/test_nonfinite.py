@@ -18,6 +18,7 @@ import torch
 from scaletrain.nonfinite import SPIKE_WARMUP_STEPS, NonFiniteGuard, NonFinitePolicy, NonFiniteStop
 from scaletrain.state import TrainState
 from tests.conftest import FAST_FLAGS, REPO, check_ok, launch, read_metrics
+from tests.helpers.wandb_records import run_end
 
 TRAIN = REPO / "train.py"
 INJECTING = REPO / "tests" / "helpers" / "inject_nonfinite.py"  # train.py plus the bad losses INJECT asks for
@@ -161,9 +162,10 @@ def test_a_loss_spike_is_skipped_and_stop_ends_the_run_with_its_code(tmp_path, c
 
     stopped = tmp_path / "stop"
     proc = launch(INJECTING, ["--config", "ds_configs/zero2.json", "--output_dir", str(stopped), "--max_steps",
-                              "6", "--on_nonfinite", "stop", *FAST_FLAGS], "deepspeed", cache_dir, nprocs=2,
-                  env={INJECT: "1:3"})
+                              "6", "--on_nonfinite", "stop", "--report_to", "wandb", *FAST_FLAGS], "deepspeed",
+                  cache_dir, nprocs=2, env={INJECT: "1:3"})
     assert proc.returncode == 3, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert run_end(stopped) == (3, False)  # wandb shows the stopped run as failed, not finished
     assert proc.stderr.count("train.py: stopped: step 3: nonfinite loss") == 1  # once, from rank 0
     assert "--on_nonfinite skip" in proc.stderr
     assert ledger(stopped)[0]["step"] == 3

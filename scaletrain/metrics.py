@@ -10,6 +10,7 @@ import json
 import logging
 import math
 import os
+import statistics
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -122,18 +123,22 @@ class LogWindow:
         import torch.distributed as torch_dist
 
         step_time = self.seconds / max(self.steps, 1)
-        # One collective: every rank's summed loss and load-balancing loss shares (added up) and mean step time (the
-        # straggler signal: the slowest against the median).
+        # One collective: every rank's summed loss and load-balancing loss shares (added up) and its forward time per
+        # step, the straggler signal. Not the step time: the step's collectives make every rank wait for the
+        # slowest, so all ranks' step times are the same. The forward holds no gradient communication (ZeRO-3's
+        # parameter gathers and tensor parallelism's all-reduces do wait in it, which blurs the signal there).
         mine = torch.zeros(3, dtype=torch.float64, device=device)
         mine[0] = torch.as_tensor(self.loss_sum, dtype=torch.float64, device=device).reshape(())
-        mine[1] = step_time
+        mine[1] = self.phases["forward"] / self.phase_steps if self.phase_steps else 0.0
         aux = 0.0 if self.aux_sum is None else self.aux_sum
         mine[2] = torch.as_tensor(aux, dtype=torch.float64, device=device).reshape(())
         gathered = [torch.zeros_like(mine) for _ in range(torch_dist.get_world_size())]
         torch_dist.all_gather(gathered, mine)
         rows = torch.stack(gathered).cpu()
         total = rows[:, 0].sum()
-        times = sorted(rows[:, 1].tolist())
+        forward_times = rows[:, 1].tolist()
+        slowest = max(range(len(forward_times)), key=forward_times.__getitem__)
+        median_forward = statistics.median(forward_times)
         tokens_per_s = self.targets / self.seconds if self.seconds else 0.0
         record = {
             "loss": total.item() / self.loss_targets if self.loss_targets else None,  # None: all skipped
@@ -148,8 +153,9 @@ class LogWindow:
             # the mean over the steps split into phases (none: no phase keys, rather than zeros)
             **({f"{name}_s": value / self.phase_steps for name, value in self.phases.items()} if self.phase_steps
                else {}),
-            "slowest_rank_step_time_s": times[-1],
-            "straggler_ratio": times[-1] / times[len(times) // 2] if times[len(times) // 2] else None,
+            # None where no forward was timed apart (the pipeline's interleaved schedule)
+            **({"slowest_rank": slowest, "slowest_rank_forward_s": forward_times[slowest],
+                "straggler_ratio": forward_times[slowest] / median_forward} if median_forward > 0 else {}),
             **memory_stats(device),
         }
         if throughput is not None:

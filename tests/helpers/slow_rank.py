@@ -1,0 +1,39 @@
+"""Test helper: train.py with one rank's forward slowed on purpose (a straggler).
+
+    SCALETRAIN_TEST_SLOW_RANK="RANK:SECONDS" deepspeed tests/helpers/slow_rank.py <train.py flags>
+
+sleeps SECONDS before each of RANK's micro-batch forwards (it wraps scaletrain.loop.token_loss_sum, which the
+loop looks up at each call), as a slower GPU or a throttled node would. Without the variable it is plain train.py.
+"""
+
+import os
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+SLOW_ENV = "SCALETRAIN_TEST_SLOW_RANK"
+
+
+def main() -> int:
+    import train
+    from scaletrain import loop
+    from scaletrain.distributed import read_launch_env
+
+    spec = os.environ.get(SLOW_ENV)
+    if spec:
+        rank, seconds = spec.split(":")
+        if read_launch_env().rank == int(rank):
+            forward = loop.token_loss_sum
+
+            def slow_forward(engine, batch):
+                time.sleep(float(seconds))
+                return forward(engine, batch)
+
+            loop.token_loss_sum = slow_forward
+    return train.main(sys.argv[1:])
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -280,6 +280,12 @@ class CheckpointArgs:
     save_at_end: bool = _flag(
         True, "Commit a checkpoint of the last step at the end; --no-save_at_end skips it (benchmarks, sweeps: the "
         "run cannot then be continued from its last step).")
+    push_to_hub: Optional[str] = _flag(
+        None, "After the run, rank 0 uploads the end-of-run export (weights, config, tokenizer, generation config, "
+        "model card; not the checkpoints or logs) to this Hub repository (owner/name), with HF_TOKEN from the "
+        "environment; retried, and a repeated upload resumes.")
+    hub_private_repo: bool = _flag(False, "--push_to_hub creates the repository private (an existing one keeps "
+                                   "its visibility).")
 
     def validate(self) -> None:
         _check_not_negative(self, ("save_steps", "save_interval_minutes", "save_total_limit",

@@ -228,6 +228,7 @@ class MetricsLogger:
         self._wandb = None
         self._tensorboard = None
         self.last_record: Optional[dict] = None
+        self.latest: dict = {}  # each key's newest value (the model card's final losses)
         self.wandb_run_id = wandb_run_id
         if not is_main or not write_files:  # --dry_run writes nothing: console only
             return
@@ -258,6 +259,7 @@ class MetricsLogger:
             return
         record = {k: v for k, v in record.items() if v is not None}
         self.last_record = record
+        self.latest.update(record)
         if self._file is not None:
             self._file.write(json.dumps(record) + "\n")
             self._file.flush()

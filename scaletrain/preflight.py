@@ -27,6 +27,7 @@ from scaletrain.layout import (apply_layout, check_model_layout, check_pipeline_
                                check_sequence_layout, describe_layout, resolve_layout)
 from scaletrain.pipeline import check_pipeline_model
 from scaletrain.moe import resolve_router_loss
+from scaletrain.publish import check_push_target
 from scaletrain.metrics import METRICS_FILE, read_records
 from scaletrain.model import (check_attention_isolation, load_model_config, load_tokenizer, max_positions,
                               meta_model)
@@ -259,6 +260,7 @@ def resolve_run(argv: Optional[Sequence[str]], dist: DistInfo) -> ResolvedRun:
     check_model_layout(cfg.parallel, model_config)
     tokenizer = load_tokenizer(cfg.model)
     check_data_files(cfg.data)
+    check_push_target(cfg.checkpoint.push_to_hub, cfg.checkpoint.export_hf_at_end)
     _check_tokenizer_fits(cfg.model, model_config, tokenizer)
     store_block_size = _check_stores(cfg.data, cfg.model.tokenizer_source, tokenizer)
     block_size = _block_size(cfg.data, model_config, store_block_size)

@@ -5,12 +5,13 @@ from __future__ import annotations
 
 import logging
 import random
+import sys
 from functools import partial
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
 from scaletrain import (checkpoint, distributed, engine as engine_lib, model as model_lib, moe, pipeline,
-                        sequence_parallel, store_prep, tokenstore)
+                        publish, sequence_parallel, store_prep, tokenstore)
 from scaletrain.blocks import MixedBlocks, PackedBlocks, blocks_from_store, eval_batches
 from scaletrain.errors import NonFiniteStop, UsageError
 from scaletrain.distributed import DistInfo
@@ -295,10 +296,29 @@ class Run:
             self.save()
         if self.cfg.checkpoint.export_hf_at_end:
             checkpoint.export_hf_model(self.engine, self.resolved.tokenizer, self.cfg.run.output_dir, self.dist.is_main)
+            if self.dist.is_main:  # generation config and model card: the folder is complete and publishable
+                publish.complete_export(self.cfg.run.output_dir, self.resolved.tokenizer, self.resolved.model_config,
+                                        self.metrics.latest)
         if self.comm_log is not None:
             log.info(self.comm_log.summary())
         log.info("done: %d steps, %d tokens trained; outputs in %s", self.state.step, self.state.tokens_seen,
                  self.cfg.run.output_dir)
+
+    def publish(self) -> int:
+        """--push_to_hub: rank 0 uploads the export (after close(): outside any collective); the exit code."""
+        repo = self.cfg.checkpoint.push_to_hub
+        if not repo or not self.dist.is_main or self.cfg.run.dry_run:
+            return 0
+        out = self.cfg.run.output_dir
+        try:
+            publish.push_to_hub(out, repo, private=self.cfg.checkpoint.hub_private_repo)
+        except Exception as err:
+            excludes = " ".join(f"--exclude '{p}'" for p in publish.RUN_FILES)
+            print(f"train.py: push failed: --push_to_hub {repo}: {type(err).__name__}: {str(err).splitlines()[0]}; "
+                  f"the trained model in {out} is complete; push it again with: hf upload {repo} {out} {excludes}",
+                  file=sys.stderr)
+            return 1
+        return 0
 
     def close(self, exit_code: int = 0) -> None:
         """Free everything the run holds, on the error path too; `exit_code` (the process's) goes to wandb."""

@@ -2,7 +2,8 @@
 
     python scripts/export_hf.py runs/default/checkpoints/step300 exported/ [--dtype bfloat16]
 
-Writes safetensors shards (with an index when sharded), config.json and the tokenizer. The fp32 master weights are
+Writes safetensors shards (with an index when sharded), config.json, the tokenizer, generation_config.json and a model
+card (scaletrain.publish); --push_to_hub owner/name then uploads the folder. The fp32 master weights are
 read from the ZeRO shards lazily and written shard by shard (DeepSpeed's converter in lazy mode), so the whole
 model is never held twice in memory. A pipeline-parallel checkpoint is read from its per-layer files (the weights the
 stages held). The model and tokenizer come from the run's run_config.json.
@@ -17,8 +18,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from scaletrain.checkpoint import export_pipeline_checkpoint, read_train_state, verify  # noqa: E402
+from scaletrain.checkpoint import committed_step, export_pipeline_checkpoint, read_train_state, verify  # noqa: E402
 from scaletrain.config import DEFAULT_MODEL_DIR, UsageError  # noqa: E402
+from scaletrain.metrics import METRICS_FILE, read_records  # noqa: E402
+from scaletrain.publish import check_push_target, push_to_hub, write_generation_config, write_model_card  # noqa: E402
 
 
 def export(ckpt: Path, out: Path, dtype: str, max_shard_size: str) -> None:
@@ -45,15 +48,28 @@ def export(ckpt: Path, out: Path, dtype: str, max_shard_size: str) -> None:
     model_source = run_config.get("model_name_or_path") or run_config.get("config_name") or str(DEFAULT_MODEL_DIR)
     tokenizer_source = run_config.get("tokenizer_name") or model_source
     trust = bool(run_config.get("trust_remote_code"))
+    model_config = AutoConfig.from_pretrained(model_source, trust_remote_code=trust)
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_source, trust_remote_code=trust)
     if read_train_state(ckpt).get("pipeline_parallel_size", 1) > 1:
-        export_pipeline_checkpoint(ckpt, out, AutoConfig.from_pretrained(model_source, trust_remote_code=trust),
-                                   AutoTokenizer.from_pretrained(tokenizer_source, trust_remote_code=trust),
-                                   dtype=getattr(torch, dtype), max_shard_size=max_shard_size)
-        return
-    convert_zero_checkpoint_to_state_dict(str(ckpt.parent), str(out), dtype=getattr(torch, dtype),
-                                          max_shard_size=max_shard_size, safe_serialization=True, tag=ckpt.name)
-    AutoConfig.from_pretrained(model_source, trust_remote_code=trust).save_pretrained(out)
-    AutoTokenizer.from_pretrained(tokenizer_source, trust_remote_code=trust).save_pretrained(out)
+        export_pipeline_checkpoint(ckpt, out, model_config, tokenizer, dtype=getattr(torch, dtype),
+                                   max_shard_size=max_shard_size)
+    else:
+        convert_zero_checkpoint_to_state_dict(str(ckpt.parent), str(out), dtype=getattr(torch, dtype),
+                                              max_shard_size=max_shard_size, safe_serialization=True, tag=ckpt.name)
+        model_config.save_pretrained(out)
+        tokenizer.save_pretrained(out)
+    write_generation_config(out, tokenizer, model_config)
+    write_model_card(out, run_config, _final_metrics(ckpt.parent.parent / METRICS_FILE, committed_step(ckpt)))
+
+
+def _final_metrics(path: Path, step: int) -> dict:
+    """Each metric's newest value up to the checkpoint's step (the model card's final losses)."""
+    latest: dict = {}
+    if path.exists():
+        for record in read_records(path)[0]:
+            if record["step"] <= step:
+                latest.update(record)
+    return latest
 
 
 def main(argv=None) -> int:
@@ -62,13 +78,24 @@ def main(argv=None) -> int:
     parser.add_argument("out_dir", type=Path)
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     parser.add_argument("--max_shard_size", default="5GB")
+    parser.add_argument("--push_to_hub", metavar="REPO", help="then upload the folder to this Hub repository "
+                        "(owner/name), with HF_TOKEN from the environment")
+    parser.add_argument("--hub_private_repo", action="store_true", help="create the repository private")
     args = parser.parse_args(argv)
     try:
+        check_push_target(args.push_to_hub, export_at_end=True)
         export(args.checkpoint, args.out_dir, args.dtype, args.max_shard_size)
     except UsageError as err:
         print(f"export_hf.py: error: {err}", file=sys.stderr)
         return 2
     print(f"exported {args.checkpoint} -> {args.out_dir}")
+    if args.push_to_hub:
+        try:
+            print(f"pushed: {push_to_hub(args.out_dir, args.push_to_hub, private=args.hub_private_repo)}")
+        except Exception as err:
+            print(f"export_hf.py: push failed: {args.push_to_hub}: {type(err).__name__}: {str(err).splitlines()[0]}; "
+                  f"the export in {args.out_dir} is complete: run the same command again to resume", file=sys.stderr)
+            return 1
     return 0
 
 

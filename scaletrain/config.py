@@ -320,6 +320,10 @@ class LoggingArgs:
     logging_steps: int = _flag(10, "Log metrics every N optimizer steps.")
     eval_steps: int = _flag(0, "Evaluate every N optimizer steps (0: only at the end).")
     max_eval_samples: Optional[int] = _flag(None, "Cap on validation blocks per evaluation.")
+    eval_prompts: Optional[str] = _flag(
+        None, "At each evaluation, a greedy generation of these prompts into metrics.jsonl and wandb: JSONL of "
+        "{\"prompt\": text} or {\"messages\": [...]} (chat template), or one prompt per line of text.")
+    eval_max_new_tokens: int = _flag(64, "Tokens generated per --eval_prompts prompt.")
     peak_tflops: Optional[float] = _flag(
         None, "Peak TFLOP/s of one device for MFU (default: a table for A100/H100/H200, a calibration on CPU).")
     report_to: str = _flag("none", "Extra metrics sinks, comma-separated: wandb, tensorboard (JSONL and console are "
@@ -347,6 +351,8 @@ class LoggingArgs:
     def validate(self) -> None:
         if self.logging_steps < 1:
             raise UsageError(f"--logging_steps {self.logging_steps}: must be at least 1")
+        if self.eval_max_new_tokens < 1:
+            raise UsageError(f"--eval_max_new_tokens {self.eval_max_new_tokens}: must be at least 1")
         _check_not_negative(self, ("eval_steps",))
         for name in ("max_eval_samples", "peak_tflops"):
             if getattr(self, name) is not None and getattr(self, name) <= 0:

@@ -146,6 +146,7 @@ class LoopHooks:
     rollback: Callable[[], None] | None = None  # the guard's "rollback": back to the last committed checkpoint
     pipeline: Any = None  # a PipelineStep: the step runs through DeepSpeed's pipe schedule (train_batch)
     comm_log: Any = None  # --comms_log: scaletrain.comm_log.CommLog, read once per logging window
+    generate: Callable[[int], None] | None = None  # --eval_prompts: greedy generations at each evaluation
 
 
 @dataclass(frozen=True)
@@ -484,6 +485,8 @@ def _evaluate_when_due(engine, step: int, settings: LoopSettings, hooks: LoopHoo
     if hooks.eval_batches and settings.eval_steps and step % settings.eval_steps == 0:
         run_eval = hooks.pipeline.evaluate if hooks.pipeline else evaluate
         hooks.metrics.log({"step": step, **run_eval(engine, hooks.eval_batches)})
+    if hooks.generate is not None and settings.eval_steps and step % settings.eval_steps == 0:
+        hooks.generate(step)
 
 
 def _save_when_due(step: int, settings: LoopSettings, hooks: LoopHooks, timers: StepTimers,

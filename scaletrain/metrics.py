@@ -271,6 +271,23 @@ class MetricsLogger:
                     self._tensorboard.add_scalar(key, value, record["step"])
         log.info("  ".join(_fmt(k, v) for k, v in record.items() if k != "time"))
 
+    def log_generations(self, step: int, rows: list) -> None:
+        """--eval_prompts: one metrics.jsonl record {"step", "generations": [{"prompt", "completion"}]}, a wandb
+        table, and a console line per prompt (rank 0 only)."""
+        if not self.is_main:
+            return
+        if self._file is not None:
+            self._file.write(json.dumps({"step": step, "generations": rows}) + "\n")
+            self._file.flush()
+        if self._wandb is not None:
+            import wandb
+
+            table = wandb.Table(columns=["step", "prompt", "completion"],
+                                data=[[step, row["prompt"], row["completion"]] for row in rows])
+            self._wandb.log({"generations": table}, step=step)
+        for row in rows:
+            log.info("step %d: %r -> %r", step, row["prompt"][-80:], row["completion"][:200])
+
     def rewind(self, step: int) -> None:
         """A rollback: the records after `step` are of steps that will be trained again (rank 0 rewrites the file;
         wandb and TensorBoard keep their points, the new ones are logged over them)."""

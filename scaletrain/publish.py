@@ -51,13 +51,18 @@ def end_of_turn_ids(tokenizer) -> list:
     return ids[:1] if ids and ids[0] in special else []
 
 
+def reply_end_ids(tokenizer) -> list:
+    """Every id that ends a reply: the tokenizer's EOS, then the chat template's end-of-turn token."""
+    eos = [] if tokenizer.eos_token_id is None else [tokenizer.eos_token_id]
+    return eos + [i for i in end_of_turn_ids(tokenizer) if i not in eos]
+
+
 def write_generation_config(out_dir, tokenizer, model_config) -> list:
     """generation_config.json with every id that ends a reply as EOS; returns those ids."""
     from transformers import GenerationConfig
 
     generation = GenerationConfig.from_model_config(model_config)
-    eos = [] if tokenizer.eos_token_id is None else [tokenizer.eos_token_id]
-    eos += [i for i in end_of_turn_ids(tokenizer) if i not in eos]
+    eos = reply_end_ids(tokenizer)
     if eos:
         generation.eos_token_id = eos if len(eos) > 1 else eos[0]
     if tokenizer.pad_token_id is not None:
@@ -92,15 +97,10 @@ def write_model_card(out_dir, run_config: dict, final: dict) -> None:
     ModelCard(body).save(Path(out_dir) / "README.md")
 
 
-def complete_export(out_dir, tokenizer, model_config, final: dict) -> None:
-    """Beside an exported model (rank 0): generation_config.json and the model card from the run's run_config.json."""
-    import json
-
-    from scaletrain.preflight import RUN_CONFIG_FILE
-
+def complete_export(out_dir, tokenizer, model_config, run_config: dict, final: dict) -> None:
+    """Beside an exported model (rank 0): generation_config.json, and the model card from the run's run_config.json
+    and its final metrics."""
     eos = write_generation_config(out_dir, tokenizer, model_config)
-    run_config_path = Path(out_dir) / RUN_CONFIG_FILE
-    run_config = json.loads(run_config_path.read_text()) if run_config_path.exists() else {}
     write_model_card(out_dir, run_config, final)
     log.info("wrote generation_config.json (EOS ids %s) and the model card README.md in %s", eos, out_dir)
 

@@ -3,6 +3,7 @@ what one phase hands to the next, so train.py can read as a table of contents.""
 
 from __future__ import annotations
 
+import json
 import logging
 import random
 import sys
@@ -18,9 +19,10 @@ from scaletrain.distributed import DistInfo
 from scaletrain.logs import silence_library_logs
 from scaletrain.loop import LoopHooks, LoopSettings, PipelineStep, evaluate, train_loop
 from scaletrain.flops import peak_tflops
+from scaletrain.generation import generate_samples
 from scaletrain.metrics import MetricsLogger, StepProfiler, ThroughputModel
-from scaletrain.preflight import (ResolvedRun, describe_launch, peak_lr, print_config, print_memory_plan,
-                                  resolve_run, write_run_folder)
+from scaletrain.preflight import (RUN_CONFIG_FILE, ResolvedRun, describe_launch, peak_lr, print_config,
+                                  print_memory_plan, resolve_run, write_run_folder)
 from scaletrain.sampling import BatchRamp, GlobalOrder, StepBatches
 from scaletrain.schedules import LRSchedule, describe_schedule_change, restart_schedule, warmup_steps_for
 from scaletrain.faults import PreemptionFlag
@@ -250,8 +252,16 @@ class Run:
             metrics=self.metrics, save=self.save, preemption=self.preemption, eval_batches=self.eval_batches,
             profiler=StepProfiler(self.cfg.logging.profile_range, self.cfg.run.output_dir, self.dist.rank),
             guard=self.guard, switch=SkipSwitch(self.engine.optimizer) if policy.action == "skip" else None,
-            rollback=self.rollback, pipeline=self.pipeline_step, comm_log=self.comm_log)
+            rollback=self.rollback, pipeline=self.pipeline_step, comm_log=self.comm_log,
+            generate=self.generate_samples if self.resolved.eval_prompts else None)
         train_loop(self.engine, batches, self.state, settings, hooks)
+
+    def generate_samples(self, step: int) -> None:
+        """--eval_prompts: every rank generates (ZeRO-3 gathers in each forward); rank 0 records the text."""
+        tokenizer = self.resolved.tokenizer
+        rows = generate_samples(self.engine, self.resolved.eval_prompts, tokenizer, publish.reply_end_ids(tokenizer),
+                                synced=self.dist.world_size > 1)
+        self.metrics.log_generations(step, rows)
 
     def rollback(self) -> None:
         """--max_consecutive_skips reached: back to the newest committed checkpoint, the data past the streak."""
@@ -291,14 +301,17 @@ class Run:
         if self.eval_batches:
             run_eval = self.pipeline_step.evaluate if self.pipeline_step else evaluate
             self.metrics.log({"step": self.state.step, **run_eval(self.engine, self.eval_batches)})
+        if self.resolved.eval_prompts:
+            self.generate_samples(self.state.step)
         newest = checkpoint.newest_committed(self.cfg.run.output_dir)
         if self.cfg.checkpoint.save_at_end and (newest is None or checkpoint.committed_step(newest) != self.state.step):
             self.save()
         if self.cfg.checkpoint.export_hf_at_end:
             checkpoint.export_hf_model(self.engine, self.resolved.tokenizer, self.cfg.run.output_dir, self.dist.is_main)
             if self.dist.is_main:  # generation config and model card: the folder is complete and publishable
+                run_config = json.loads((Path(self.cfg.run.output_dir) / RUN_CONFIG_FILE).read_text())
                 publish.complete_export(self.cfg.run.output_dir, self.resolved.tokenizer, self.resolved.model_config,
-                                        self.metrics.latest)
+                                        run_config, self.metrics.latest)
         if self.comm_log is not None:
             log.info(self.comm_log.summary())
         log.info("done: %d steps, %d tokens trained; outputs in %s", self.state.step, self.state.tokens_seen,

@@ -22,6 +22,7 @@ Pure functions over a Hugging Face tokenizer; nothing here touches the token sto
 from __future__ import annotations
 
 import hashlib
+import itertools
 import re
 import sys
 from dataclasses import dataclass
@@ -140,10 +141,11 @@ def render_conversation(messages: Sequence[dict], tokenizer, template: ChatTempl
                 "use a template that renders a conversation turn by turn (--chat_template FILE), or drop the "
                 "system message if the template moves it")
         replies.append((start, len(through)))
-    result = _tokenize_segments(full, replies, tokenizer)
-    if template.has_generation_markers:
-        _check_generation_markers(messages, tokenizer, template, index, full, result, train_from)
-    return result
+    pieces = _tokenize_pieces(full, replies, tokenizer)
+    mask = _through_end_of_turn(pieces[0], pieces[2], tokenizer)
+    if template.has_generation_markers and not train_from:  # markers cover every reply, a completion only some
+        _check_generation_markers(messages, tokenizer, template, index, full, pieces, mask)
+    return MaskedTokens(pieces[0], mask)
 
 
 def _render(tokenizer, template: ChatTemplate, messages: Sequence[dict], add_generation_prompt: bool,
@@ -163,40 +165,54 @@ def _end_of_turn_ids(tokenizer) -> set:
     return {i for i, token in tokenizer.added_tokens_decoder.items() if token.special} | {tokenizer.eos_token_id}
 
 
-def _tokenize_segments(text: str, replies: list, tokenizer) -> MaskedTokens:
-    """Token ids of `text` cut at the reply boundaries, each piece tokenized alone; a reply's tokens are trained up
-    to its last special token (the end of turn), not the separator the template writes after it."""
-    end_of_turn = _end_of_turn_ids(tokenizer)
+def _tokenize_pieces(text: str, replies: list, tokenizer) -> tuple:
+    """Token ids of `text` cut at the reply boundaries, each piece tokenized alone; with each token's character
+    span in `text` and whether it lies in a reply."""
     bounds = [0] + [b for span in replies for b in span] + [len(text)]
-    ids, mask = [], []
+    ids, offsets, in_reply = [], [], []
     for k in range(len(bounds) - 1):
-        piece = tokenizer(text[bounds[k]:bounds[k + 1]], add_special_tokens=False)["input_ids"]
-        trained = [0] * len(piece)
-        if k % 2 == 1:  # a reply: pieces alternate prompt, reply, prompt, ..., tail
-            closing = [j for j, token in enumerate(piece) if token in end_of_turn]
-            trained = [1 if j <= (closing[-1] if closing else len(piece)) else 0 for j in range(len(piece))]
-        ids += piece
-        mask += trained
-    return MaskedTokens(ids, mask)
+        start = bounds[k]
+        piece = tokenizer(text[start:bounds[k + 1]], add_special_tokens=False, return_offsets_mapping=True)
+        ids += piece["input_ids"]
+        offsets += [(start + a, start + b) for a, b in piece["offset_mapping"]]
+        in_reply += [k % 2 == 1] * len(piece["input_ids"])  # pieces alternate prompt, reply, ..., tail
+    return ids, offsets, in_reply
+
+
+def _through_end_of_turn(ids: list, marked: list, tokenizer) -> list:
+    """Each run of marked tokens, trained up to its last end-of-turn token (the whole run when it has none): the
+    separator a template writes after the end of turn (Qwen's and Gemma's newline) is never generated."""
+    end_of_turn = _end_of_turn_ids(tokenizer)
+    mask = [0] * len(ids)
+    for is_marked, run in itertools.groupby(range(len(ids)), key=lambda j: marked[j]):
+        run = list(run)
+        if is_marked:
+            closing = [j for j in run if ids[j] in end_of_turn]
+            for j in run[: run.index(closing[-1]) + 1] if closing else run:
+                mask[j] = 1
+    return mask
 
 
 def _check_generation_markers(messages, tokenizer, template: ChatTemplate, index: int, full: str,
-                              result: MaskedTokens, train_from: int) -> None:
-    """A template with `{% generation %}` markers says itself which text is the assistant's: it must be the text
-    the prefix renders train (a marker that leaves out the end-of-turn token would teach the model never to stop)."""
+                              pieces: tuple, mask: list) -> None:
+    """A template with `{% generation %}` markers says itself which text is the assistant's: the tokens it marks,
+    up to each end-of-turn token, must be the ones the prefix renders train (markers that leave out the end-of-turn
+    token would teach the model never to stop)."""
     from transformers.utils.chat_template_utils import render_jinja_template
 
-    if train_from:
-        return  # markers cover every reply; prompt/completion trains only some
     rendered, spans = render_jinja_template(conversations=[list(messages)], chat_template=template.text,
                                             return_assistant_tokens_mask=True, **tokenizer.special_tokens_map)
     assert rendered[0] == full, "transformers renders the template another way than apply_chat_template"
-    marked = "".join(full[start:end] for start, end in spans[0])
-    trained = tokenizer.decode(result.trained_ids, skip_special_tokens=False, clean_up_tokenization_spaces=False)
-    if marked != trained:
+    ids, offsets = pieces[0], pieces[1]
+    marked = [any(a < end and b > start for start, end in spans[0]) for a, b in offsets]
+    by_markers = _through_end_of_turn(ids, marked, tokenizer)
+    if by_markers != mask:
+        def text(m):
+            return tokenizer.decode([t for t, on in zip(ids, m, strict=True) if on], skip_special_tokens=False)
+
         raise UsageError(f"{template.source}: its {{% generation %}} markers disagree with the assistant turns of "
-                         f"example {index}: marked {marked!r}, replies and end-of-turn tokens {trained!r}",
-                         "the markers must wrap each reply and its end-of-turn token, nothing else")
+                         f"example {index}: marked {text(by_markers)!r}, replies {text(mask)!r}",
+                         "the markers must wrap each reply and its end-of-turn token")
 
 
 def render_prompt_completion(prompt, completion, tokenizer, template: Optional[ChatTemplate],

@@ -196,17 +196,59 @@ def qwen_with_markers(marked_part: str) -> ChatTemplate:
     return ChatTemplate(text.replace(plain_turn, branch), "qwen2.5 with markers")
 
 
-def test_generation_markers_must_agree_with_the_prefix_renders():
+@pytest.mark.parametrize("marked_part", [
+    QWEN_MARKED,
+    # TRL's training templates mark the newline after the end of turn too: never generated, so not trained here
+    "{%- generation %}{{- message.content + '<|im_end|>\\n' }}{%- endgeneration %}",
+], ids=["end-of-turn", "end-of-turn-and-newline"])
+def test_generation_markers_agree_with_the_prefix_renders(marked_part):
     tokenizer = family_tokenizer("qwen2.5-instruct")
     plain = load_chat_template(tokenizer, str(TEMPLATES / "qwen2.5-instruct.jinja"))
-    marked = qwen_with_markers(QWEN_MARKED)
+    marked = qwen_with_markers(marked_part)
     assert marked.has_generation_markers
     assert render_text(tokenizer, marked, TURNS) == render_text(tokenizer, plain, TURNS)
     assert render_conversation(TURNS, tokenizer, marked) == render_conversation(TURNS, tokenizer, plain)
+
+
+def test_generation_markers_that_leave_out_the_end_of_turn_are_refused():
+    tokenizer = family_tokenizer("qwen2.5-instruct")
     without_end_of_turn = qwen_with_markers(
         "{%- generation %}{{- message.content }}{%- endgeneration %}{{- '<|im_end|>\\n' }}")
     with pytest.raises(UsageError, match="qwen2.5 with markers: its {% generation %} markers disagree"):
         render_conversation(TURNS, tokenizer, without_end_of_turn)
+
+
+def qwen3_tokenizer():
+    tokenizer = family_tokenizer("qwen2.5-instruct")  # the same special tokens
+    tokenizer.add_tokens(["<think>", "</think>"])  # one token each but not special, as in Qwen3's tokenizer
+    return tokenizer
+
+
+@pytest.mark.parametrize("with_system", [False, True], ids=["no-system", "system"])
+def test_qwen3_trains_the_empty_think_block_it_writes_into_a_last_reply(with_system):
+    tokenizer = qwen3_tokenizer()
+    template = load_chat_template(tokenizer, str(TEMPLATES / "qwen3.jinja"))
+    messages = [SYSTEM, *TURNS[:2]] if with_system else TURNS[:2]
+    result = render_conversation(messages, tokenizer, template)
+    text = render_text(tokenizer, template, messages)
+    start = text.index("<|im_start|>assistant\n") + len("<|im_start|>assistant\n")
+    end = text.index("<|im_end|>", start) + len("<|im_end|>")
+    prompt, reply, tail = (tokenizer(part, add_special_tokens=False)["input_ids"]
+                           for part in (text[:start], text[start:end], text[end:]))
+    assert text[start:end] == "<think>\n\n</think>\n\n" + TURNS[1]["content"] + "<|im_end|>"
+    assert result.input_ids == prompt + reply + tail
+    assert result.loss_mask == [0] * len(prompt) + [1] * len(reply) + [0] * len(tail)
+
+
+def test_qwen3_multi_turn_is_not_prefix_consistent():
+    """Qwen3 drops the think block of replies before the last user turn: rendered with later turns, reply 1 is
+    another text than the one its own render trained."""
+    tokenizer = qwen3_tokenizer()
+    template = load_chat_template(tokenizer, str(TEMPLATES / "qwen3.jinja"))
+    assert "<think>" in render_text(tokenizer, template, TURNS[:2])
+    assert render_text(tokenizer, template, TURNS).count("<think>") == 1
+    with pytest.raises(UsageError, match=r"qwen3\.jinja: renders of example 0 are not prefix-consistent at turn 1"):
+        render_conversation(TURNS, tokenizer, template)
 
 
 def test_prompt_completion_text_trains_the_completion_and_eos():

@@ -7,9 +7,10 @@ with or without `{% generation %}` markers (Llama 3, Qwen 2.5, Mistral and Gemma
 `messages[:i]` with the generation prompt ends where reply i starts, the text of `messages[:i + 1]` ends where it
 ends. Each render must be a prefix of the next and of the whole conversation; a template that renders an earlier
 turn differently once later turns follow (Mistral v0.3 moves the system message to the last user turn, and drops
-it when an assistant turn is last) is refused, naming the template and the turn, since no mask would be true for
-the text the model trains on. Where a template has generation markers, transformers' own assistant spans must
-agree with these.
+it when an assistant turn is last; Qwen3 drops the think blocks of earlier replies) is refused, naming the template
+and the turn, since no mask would be true for the text the model trains on. A reply is trained up to its last
+special token (the end of turn), not the newline some templates write after it, which is never generated. Where a
+template has generation markers, the tokens they mark (transformers' assistant spans) must be the same.
 
 The text is tokenized segment by segment (prompt, reply, prompt, ...), so that a reply's first token starts right
 after the generation prompt's tokens, as at inference: tokenizing the whole text at once lets a BPE merge across the
@@ -138,8 +139,9 @@ def render_conversation(messages: Sequence[dict], tokenizer, template: ChatTempl
                 f"{template.source}: renders of example {index} are not prefix-consistent at turn {i} (assistant): "
                 "the template renders earlier turns differently once later turns follow (it moves or drops a "
                 "message), so no loss mask matches the text trained on",
-                "use a template that renders a conversation turn by turn (--chat_template FILE), or drop the "
-                "system message if the template moves it")
+                "pass --chat_template FILE with a prefix-preserving template (adding a turn leaves the earlier "
+                "ones as they were, like TRL's *_training.jinja), or drop the system message if the template "
+                "moves it")
         replies.append((start, len(through)))
     pieces = _tokenize_pieces(full, replies, tokenizer)
     mask = _through_end_of_turn(pieces[0], pieces[2], tokenizer)

@@ -11,7 +11,7 @@ from typing import Any, Optional, Sequence
 
 from scaletrain import (checkpoint, distributed, engine as engine_lib, model as model_lib, moe, pipeline,
                         sequence_parallel, store_prep, tokenstore)
-from scaletrain.blocks import MixedBlocks, PackedBlocks, blocks_from_store, eval_batches
+from scaletrain.blocks import EvalBatches, MixedBlocks, PackedBlocks, blocks_from_store, eval_batches
 from scaletrain.errors import NonFiniteStop, UsageError
 from scaletrain.distributed import DistInfo
 from scaletrain.logs import silence_library_logs
@@ -48,7 +48,7 @@ class Run:
         self._zero3_keepalive: Any = None
         self.stores: list = []
         self.train_blocks: Optional[PackedBlocks] = None
-        self.eval_batches: Optional[list] = None
+        self.eval_batches: Optional[EvalBatches] = None
         self.order: Optional[GlobalOrder] = None
         self.schedule: Optional[LRSchedule] = None
         self.engine: Any = None
@@ -146,9 +146,9 @@ class Run:
             log.warning(changed)
         # Every store's validation blocks, the same fixed set on every run (each rank the same number of batches).
         validation = [blocks_from_store(s, "validation", size, data.attention_isolation) for s in self.stores]
-        self.eval_batches = [batch for blocks in validation if blocks is not None
-                             for batch in eval_batches(blocks, optim.per_device_eval_batch_size, dist.dp_rank,
-                                                       dist.dp_world_size, self.cfg.logging.max_eval_samples)] or None
+        self.eval_batches = EvalBatches.chain([
+            eval_batches(blocks, optim.per_device_eval_batch_size, dist.dp_rank, dist.dp_world_size,
+                         self.cfg.logging.max_eval_samples) for blocks in validation if blocks is not None]) or None
         b = self.train_blocks
         log.info("data: %d documents, %d tokens -> %d blocks of %d (last block %d real tokens, padded; none "
                  "dropped); global batch %d blocks = %d micro x %d accumulation x %d ranks; %d steps/epoch, "

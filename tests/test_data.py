@@ -1,9 +1,11 @@
 """Packing keeps every token; the global order is independent of world size; batches split as documented."""
 
 import json
+import math
 
 import numpy as np
 import pytest
+import torch
 from transformers import AutoTokenizer
 
 from scaletrain.blocks import EMPTY_SLOT, IGNORE_INDEX, MixedBlocks, PackedBlocks, blocks_from_store, eval_batches
@@ -286,3 +288,33 @@ def test_resumed_order_reproduces_the_batches_or_continues_the_epoch_with_a_new_
     assert rest == full.epoch_permutation(0)[consumed:].tolist()
     assert resharded.position(7) == (1, 0)
     assert resharded.total_steps(1.0) == 7 and resharded.total_steps(2.0) == 7 + 10
+
+
+def test_eval_batches_read_the_store_lazily_and_equal_the_blocks(tmp_path):
+    """The evaluation set holds block indices, not the split as tensors: building it for a 4M-token split
+    allocates well under the 64 MB its int64 inputs and labels would take, and each batch read is the very
+    tensors the blocks give for those indices (so the evaluation loss is unchanged)."""
+    import tracemalloc
+
+    n_tokens = 4_000_000
+    stream = np.memmap(tmp_path / "validation.tokens.bin", dtype=np.uint16, mode="w+", shape=(n_tokens,))
+    stream[:] = np.arange(n_tokens) % 5000
+    stream.flush()
+    blocks = PackedBlocks(np.memmap(tmp_path / "validation.tokens.bin", dtype=np.uint16, mode="r"),
+                          np.array([0, 1000, 123_457]), block_size=64, pad_id=0, isolate_documents=True)
+    tracemalloc.start()
+    try:
+        batches = eval_batches(blocks, batch_size=8, rank=1, world=2, limit=None)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert peak < 8 * 2**20, f"building the evaluation set allocated {peak / 2**20:.0f} MiB"
+    assert len(batches) == math.ceil(math.ceil(len(blocks) / 2) / 8)
+    owned = np.arange(1, len(blocks), 2)
+    for i in (0, 1, len(batches) - 1):
+        expected = blocks.batch(owned[i * 8: (i + 1) * 8])
+        got = batches[i]
+        assert set(got) == set(expected) == {"input_ids", "labels", "position_ids"}
+        for key in expected:
+            assert torch.equal(got[key], expected[key]), key
+    assert batches.targets() == sum(int((b["labels"][:, 1:] != IGNORE_INDEX).sum()) for b in batches)

@@ -44,7 +44,7 @@ def default_store_path(fingerprint) -> Path:
 def prepare_token_store(data: DataArgs, tokenizer, tokenizer_dir: str, block_size: int, store: Path,
                         num_proc: Optional[int], show_progress: bool = True) -> Path:
     """Tokenize the run's raw data into `store`, or reuse the store there when it was made from the same input."""
-    from scaletrain.tokenstore import MANIFEST, read_manifest, write_store
+    from scaletrain.tokenstore import MANIFEST, read_manifest, source_sha256, write_store
 
     fingerprint = store_fingerprint(data, tokenizer, block_size)
     if (store / MANIFEST).exists():
@@ -64,8 +64,10 @@ def prepare_token_store(data: DataArgs, tokenizer, tokenizer_dir: str, block_siz
         check_text_column(validation, data.text_column, f"{source} (validation)")
     workers = num_proc or os.cpu_count() or 1
     started = time.perf_counter()
+    # The content hash, once, here: the lookup (every rank, every start) goes by path, size and modification time.
+    content = None if data.dataset_name else source_sha256(local_data_files(data))
     write_store({"train": train, "validation": validation}, tokenizer, tokenizer_dir, fingerprint, store,
-                num_proc=workers, show_progress=show_progress)
+                num_proc=workers, show_progress=show_progress, content_sha256=content)
     log.info("token store %s: prepared in %.1fs, tokenizer parallelism %d", store, time.perf_counter() - started,
              workers)
     return store

@@ -1,7 +1,8 @@
 """The token store: a corpus tokenized once into memory-mapped files, with a fingerprinted manifest.
 
 Layout of a store folder:
-    manifest.json            format version, fingerprint (what it was made from), per-split token/document counts
+    manifest.json            format version, fingerprint (what it was made from), per-split token/document counts,
+                             the source files' SHA-256 (computed once, when the store is written)
     <split>.tokens.bin       every document's tokens followed by EOS, concatenated (uint16 or uint32)
     <split>.docs.npy         the offset where each document starts (int64), for attention isolation
 
@@ -58,12 +59,15 @@ def tokenizer_hash(tokenizer) -> str:
 
 def source_identity(files: Optional[dict], dataset_name: Optional[str], dataset_config: Optional[str],
                     revision: Optional[str] = None) -> dict:
-    """Local files by path, size and content hash; a hub or on-disk dataset by name, config and revision."""
+    """Local files by path, size and modification time; a hub or on-disk dataset by name, config and revision.
+
+    Every rank computes this at every start to find the cached store, so it reads no file's content: a file that
+    changes gets a new size or modification time. The preparer records the content hash (source_sha256) once.
+    """
     if files:
         return {"kind": "files", "splits": {
-            # Content, not location: the same files moved or mounted elsewhere are the same input.
-            split: [{"name": Path(p).name, "size": Path(p).stat().st_size, "sha256": file_sha256(Path(p))}
-                    for p in paths]
+            split: [{"path": str(Path(p).resolve()), "size": (st := Path(p).stat()).st_size,
+                     "mtime_ns": st.st_mtime_ns} for p in paths]
             for split, paths in files.items()}}
     path = Path(dataset_name)
     if path.is_dir() and ((path / "dataset_dict.json").exists() or (path / "dataset_info.json").exists()):
@@ -71,6 +75,11 @@ def source_identity(files: Optional[dict], dataset_name: Optional[str], dataset_
         return {"kind": "save_to_disk", "path": str(path.resolve()),
                 "arrow": [{"path": str(p.relative_to(path)), "size": p.stat().st_size} for p in state]}
     return {"kind": "hub", "name": dataset_name, "config": dataset_config, "revision": revision}
+
+
+def source_sha256(files: dict) -> dict:
+    """{split: {path: SHA-256 of its content}}: what the store was made from, kept in its manifest."""
+    return {split: {str(Path(p).resolve()): file_sha256(Path(p)) for p in paths} for split, paths in files.items()}
 
 
 @dataclass(frozen=True)
@@ -325,7 +334,8 @@ def _save_tokenizer(tokenizer, path: Path) -> None:
 
 
 def write_store(splits: dict, tokenizer, tokenizer_dir: str, fingerprint: Fingerprint, store: Path,
-                num_proc: int, show_progress: bool = True, batch_size: int = 1000) -> Path:
+                num_proc: int, show_progress: bool = True, batch_size: int = 1000,
+                content_sha256: Optional[dict] = None) -> Path:
     """Tokenize every split into `store`, atomically: a temporary folder renamed into place when complete."""
     store = Path(store)
     if not getattr(tokenizer, "is_fast", False):
@@ -363,6 +373,8 @@ def write_store(splits: dict, tokenizer, tokenizer_dir: str, fingerprint: Finger
         manifest = {"format_version": FORMAT_VERSION, "fingerprint": fingerprint.as_dict(), "dtype": dtype.str,
                     "eos_id": tokenizer.eos_token_id, "pad_id": tokenizer.pad_token_id, "splits": counts,
                     "prepared_seconds": round(time.perf_counter() - started, 2)}
+        if content_sha256 is not None:
+            manifest["source_sha256"] = content_sha256
         (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
         os.replace(tmp, store)  # onto nothing, or an empty folder (prepare_token_store refuses any other)
         finished = True

@@ -2,6 +2,7 @@
 
 import json
 import math
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -318,3 +319,39 @@ def test_eval_batches_read_the_store_lazily_and_equal_the_blocks(tmp_path):
         for key in expected:
             assert torch.equal(got[key], expected[key]), key
     assert batches.targets() == sum(int((b["labels"][:, 1:] != IGNORE_INDEX).sum()) for b in batches)
+
+
+def test_the_cached_store_is_found_by_path_size_and_mtime_and_the_content_hashed_once(tmp_path, tokenizer,
+                                                                                       monkeypatch):
+    """Every rank looks the store up at every start: by path, size and modification time, reading no content.
+    The preparer hashes each file once and keeps the hash in the manifest; a file with a new mtime gets a new store."""
+    import hashlib
+    import os
+
+    from scaletrain import tokenstore
+    from scaletrain.store_prep import ensure_token_store
+
+    monkeypatch.setenv("HF_DATASETS_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setenv("SCALETRAIN_CACHE", str(tmp_path / "stores"))
+    path = tmp_path / "docs.jsonl"
+    write_docs(path, DOCS, "jsonl")
+    cfg = raw_cfg(tmp_path, "--train_file", str(path))
+    hashed = []
+    real_sha256 = tokenstore.file_sha256
+    monkeypatch.setattr(tokenstore, "file_sha256", lambda p: hashed.append(Path(p)) or real_sha256(p))
+
+    store = ensure_token_store(cfg, tokenizer, str(TINY), 16, 0, False)
+    assert hashed == [path]  # once, by the preparer
+    manifest = json.loads((store / "manifest.json").read_text())
+    assert manifest["source_sha256"] == {"train": {str(path.resolve()): hashlib.sha256(path.read_bytes()).hexdigest()}}
+    hashed.clear()
+    for local_rank in (0, 1):  # a restart of the preparing rank, and a rank that waits: the store is found as is
+        assert ensure_token_store(cfg, tokenizer, str(TINY), 16, local_rank, False) == store
+    assert hashed == []
+
+    stat = path.stat()
+    os.utime(path, ns=(stat.st_atime_ns, stat.st_mtime_ns + 10**9))  # touched: it may have changed
+    touched = ensure_token_store(cfg, tokenizer, str(TINY), 16, 0, False)
+    assert touched != store and (touched / "manifest.json").exists() and hashed == [path]
+    write_docs(path, DOCS[:-1], "jsonl")  # another size
+    assert ensure_token_store(cfg, tokenizer, str(TINY), 16, 0, False) not in (store, touched)

@@ -121,7 +121,10 @@ class DataArgs:
         "Default: data/sample/train.jsonl.")
     validation_file: Optional[str] = _flag(None, "Local validation file(s), same formats as --train_file.")
     validation_split_percentage: int = _flag(
-        5, "When there is no validation file or split, hold out this percent of the training documents.")
+        5, "When there is no validation file or split, hold out this percent of the training documents, drawn at "
+        "random (by --seed).")
+    validation_split_max_tokens: int = _flag(
+        10_000_000, "Cap on that held-out split, in tokens (0: no cap).")
     text_column: str = _flag("text", "Column that holds the text.")
     block_size: Optional[int] = _flag(
         None, "Tokens per training sequence. Default: min(1024, model's max positions).")
@@ -168,7 +171,7 @@ class DataArgs:
         """The data-source checks train.py and data/prepare.py share."""
         if self.block_size is not None and self.block_size < 2:
             raise UsageError(f"--block_size {self.block_size}: must be at least 2 (one input and one target token)")
-        _check_not_negative(self, ("validation_split_percentage",))
+        _check_not_negative(self, ("validation_split_percentage", "validation_split_max_tokens"))
         if self.validation_split_percentage >= 100:
             raise UsageError(f"--validation_split_percentage {self.validation_split_percentage}: must be below 100")
         if self.preprocessing_num_workers is not None and self.preprocessing_num_workers < 1:

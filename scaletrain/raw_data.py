@@ -30,7 +30,7 @@ def _is_saved_dataset(path: str) -> bool:
 
 
 def load_raw_datasets(data: DataArgs):
-    """Return (train, validation or None) as `datasets.Dataset`s of documents."""
+    """Return (train, validation or None) as `datasets.Dataset`s of documents, as the source splits them."""
     import datasets
 
     if data.dataset_name and _is_saved_dataset(data.dataset_name):
@@ -46,12 +46,8 @@ def load_raw_datasets(data: DataArgs):
         raw = datasets.load_dataset(builder, data_files=files, **extra)
     if "train" not in raw:
         raise UsageError(f"--dataset_name {data.dataset_name}: no train split (splits: {', '.join(raw)})")
-    train, validation = raw["train"], raw.get("validation")
-    if validation is None and data.validation_split_percentage > 0 and len(train) > 1:
-        n_val = max(1, len(train) * data.validation_split_percentage // 100)
-        validation = train.select(range(n_val))
-        train = train.select(range(n_val, len(train)))
-    return train, validation
+    # Without a validation split the preparer draws one from train (--validation_split_percentage).
+    return raw["train"], raw.get("validation")
 
 
 def _load_hub_dataset(data: DataArgs):

@@ -113,7 +113,7 @@ class Run:
         if not paths:
             paths = [store_prep.ensure_token_store(
                 self.cfg.data, self.resolved.tokenizer, self.cfg.model.tokenizer_source, self.resolved.block_size,
-                self.dist.local_rank, show_progress=self.dist.is_main)]
+                self.dist.local_rank, show_progress=self.dist.is_main, seed=self.cfg.optim.seed)]
         self.stores = [tokenstore.open_store(p) for p in paths]
         log.info("token store(s): %s", ", ".join(map(str, paths)))
 

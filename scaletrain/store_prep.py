@@ -12,7 +12,7 @@ import time
 from pathlib import Path
 from typing import Optional
 
-from scaletrain.config import DataArgs
+from scaletrain.config import DataArgs, OptimArgs
 from scaletrain.errors import TokenStoreFailed, UsageError
 from scaletrain.raw_data import check_text_column, load_raw_datasets, local_data_files
 
@@ -21,7 +21,21 @@ log = logging.getLogger(__name__)
 STORE_CACHE_ENV = "SCALETRAIN_CACHE"
 
 
-def store_fingerprint(data: DataArgs, tokenizer, block_size: int):
+# The held-out split is drawn with the run's --seed; data/prepare.py takes the same flag with the same default.
+DEFAULT_SEED = OptimArgs.__dataclass_fields__["seed"].default
+
+
+def held_out_rule(data: DataArgs, seed: int) -> Optional[dict]:
+    """What decides the validation documents drawn from the training split, or None where none are drawn (a
+    validation file is given, or --validation_split_percentage 0). A hub dataset may bring its own split: the rule
+    is kept for it all the same, as which applies is known only once it is loaded."""
+    if data.validation_split_percentage == 0 or (not data.dataset_name and data.validation_data_file):
+        return None
+    return {"percentage": data.validation_split_percentage, "max_tokens": data.validation_split_max_tokens or None,
+            "seed": seed}
+
+
+def store_fingerprint(data: DataArgs, tokenizer, block_size: int, seed: int = DEFAULT_SEED):
     from scaletrain.tokenstore import Fingerprint, source_identity, tokenizer_hash
 
     files = None if data.dataset_name else local_data_files(data)
@@ -30,7 +44,7 @@ def store_fingerprint(data: DataArgs, tokenizer, block_size: int):
         tokenizer_sha256=tokenizer_hash(tokenizer),
         block_size=block_size,
         text_column=data.text_column,
-        validation_split_percentage=data.validation_split_percentage,
+        held_out=held_out_rule(data, seed),
     )
 
 
@@ -42,11 +56,13 @@ def default_store_path(fingerprint) -> Path:
 
 
 def prepare_token_store(data: DataArgs, tokenizer, tokenizer_dir: str, block_size: int, store: Path,
-                        num_proc: Optional[int], show_progress: bool = True) -> Path:
+                        num_proc: Optional[int], show_progress: bool = True, seed: int = DEFAULT_SEED) -> Path:
     """Tokenize the run's raw data into `store`, or reuse the store there when it was made from the same input."""
-    from scaletrain.tokenstore import MANIFEST, read_manifest, source_sha256, write_store
+    import numpy as np
 
-    fingerprint = store_fingerprint(data, tokenizer, block_size)
+    from scaletrain.tokenstore import MANIFEST, HeldOut, read_manifest, source_sha256, write_store
+
+    fingerprint = store_fingerprint(data, tokenizer, block_size, seed)
     if (store / MANIFEST).exists():
         differs = fingerprint.differences(read_manifest(store)["fingerprint"])
         if not differs:
@@ -62,12 +78,18 @@ def prepare_token_store(data: DataArgs, tokenizer, tokenizer_dir: str, block_siz
     check_text_column(train, data.text_column, source)
     if validation is not None:
         check_text_column(validation, data.text_column, f"{source} (validation)")
+    held_out = None
+    if validation is None and fingerprint.held_out and len(train) > 1:
+        # At random, not the corpus's first documents (often one source, or one period, of a concatenated corpus).
+        held_out = HeldOut(order=np.random.default_rng(seed).permutation(len(train)),
+                           documents=max(1, len(train) * data.validation_split_percentage // 100),
+                           max_tokens=fingerprint.held_out["max_tokens"])
     workers = num_proc or os.cpu_count() or 1
     started = time.perf_counter()
     # The content hash, once, here: the lookup (every rank, every start) goes by path, size and modification time.
     content = None if data.dataset_name else source_sha256(local_data_files(data))
     write_store({"train": train, "validation": validation}, tokenizer, tokenizer_dir, fingerprint, store,
-                num_proc=workers, show_progress=show_progress, content_sha256=content)
+                num_proc=workers, show_progress=show_progress, content_sha256=content, held_out=held_out)
     log.info("token store %s: prepared in %.1fs, tokenizer parallelism %d", store, time.perf_counter() - started,
              workers)
     return store
@@ -90,7 +112,7 @@ def _read_failure(path: Path) -> Optional[dict]:
 
 
 def ensure_token_store(data: DataArgs, tokenizer, tokenizer_dir: str, block_size: int, local_rank: int,
-                       show_progress: bool) -> Path:
+                       show_progress: bool, seed: int = DEFAULT_SEED) -> Path:
     """Raw data given to train.py: local rank 0 of each node prepares the store (under a file lock, so nodes
     sharing a file system prepare it once); the other ranks wait for its manifest by polling the file system,
     with no collective and so no timeout however long preparation takes. Runs before any process group exists.
@@ -100,7 +122,7 @@ def ensure_token_store(data: DataArgs, tokenizer, tokenizer_dir: str, block_size
 
     from scaletrain.tokenstore import MANIFEST
 
-    store = default_store_path(store_fingerprint(data, tokenizer, block_size))
+    store = default_store_path(store_fingerprint(data, tokenizer, block_size, seed))
     store.parent.mkdir(parents=True, exist_ok=True)
     # One marker per node: on a shared file system each node's local rank 0 reports to its own node's ranks.
     failed = store.parent / f"{store.name}.{socket.gethostname()}.failed"
@@ -110,7 +132,7 @@ def ensure_token_store(data: DataArgs, tokenizer, tokenizer_dir: str, block_size
             failed.unlink(missing_ok=True)
             try:
                 return prepare_token_store(data, tokenizer, tokenizer_dir, block_size, store,
-                                           data.preprocessing_num_workers, show_progress)
+                                           data.preprocessing_num_workers, show_progress, seed)
             except BaseException as err:
                 # Tell the waiting ranks, which no launcher is bound to kill (srun without --kill-on-bad-exit).
                 kind = "usage" if isinstance(err, UsageError) else "failed"

@@ -355,3 +355,75 @@ def test_the_cached_store_is_found_by_path_size_and_mtime_and_the_content_hashed
     assert touched != store and (touched / "manifest.json").exists() and hashed == [path]
     write_docs(path, DOCS[:-1], "jsonl")  # another size
     assert ensure_token_store(cfg, tokenizer, str(TINY), 16, 0, False) not in (store, touched)
+
+
+def _held_out_docs(store, tokenizer) -> list:
+    """The documents of a store's splits, as text, in stored order."""
+    opened = open_store(store)
+    out = {}
+    for name, part in opened["splits"].items():
+        ends = list(part.doc_starts[1:]) + [part.n_tokens]
+        out[name] = [tokenizer.decode(part.tokens[s: e - 1]) for s, e in zip(part.doc_starts, ends, strict=True)]
+    return out
+
+
+CORPUS = [f"doc{i} " + " ".join(f"w{(i * 13 + j) % 97}" for j in range(5 + i % 11)) for i in range(200)]
+
+
+def test_held_out_documents_are_drawn_at_random_by_the_seed_and_the_split_is_in_the_fingerprint(tmp_path, tokenizer,
+                                                                                                 monkeypatch):
+    from scaletrain.store_prep import default_store_path
+
+    monkeypatch.setenv("HF_DATASETS_CACHE", str(tmp_path / "cache"))
+    path = tmp_path / "docs.jsonl"
+    write_docs(path, CORPUS, "jsonl")
+    cfg = raw_cfg(tmp_path, "--train_file", str(path), "--validation_split_percentage", "10")
+
+    def held_out(name, seed):
+        store = prepare_token_store(cfg, tokenizer, str(TINY), 16, tmp_path / name, 1, show_progress=False,
+                                    seed=seed)
+        return _held_out_docs(store, tokenizer)
+
+    first, again, other = held_out("a", 7), held_out("b", 7), held_out("c", 8)
+    assert len(first["validation"]) == 20 and len(first["train"]) == 180
+    assert sorted(first["validation"] + first["train"]) == sorted(CORPUS)  # each document in exactly one split
+    assert set(first["validation"]) != set(CORPUS[:20])  # not the first 5% (here 10%) of the corpus
+    assert first["train"] == [d for d in CORPUS if d not in first["validation"]]  # training keeps the file's order
+    assert first == again  # the same seed: the same split, on every rank and at every restart
+    assert set(other["validation"]) != set(first["validation"])
+    # Whatever decides the split is in the fingerprint: another seed, percentage or cap is another cached store.
+    paths = {default_store_path(store_fingerprint(cfg, tokenizer, 16, seed)) for seed in (7, 8)}
+    paths.add(default_store_path(store_fingerprint(
+        raw_cfg(tmp_path, "--train_file", str(path), "--validation_split_percentage", "10",
+                "--validation_split_max_tokens", "100"), tokenizer, 16, 7)))
+    assert len(paths) == 3
+
+
+@pytest.mark.parametrize("num_proc", [1, 2])
+def test_the_held_out_split_is_capped_in_tokens(num_proc, tmp_path, tokenizer, monkeypatch):
+    """--validation_split_max_tokens caps the held-out split (the documents that do not fit stay in training); with
+    worker processes, the batches already sent when the cap is reached are dropped, not written."""
+    import functools
+
+    from scaletrain import tokenstore
+
+    monkeypatch.setenv("HF_DATASETS_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setenv("PYTHONPATH", str(REPO))  # spawned tokenizer workers import scaletrain
+    monkeypatch.setattr(tokenstore, "MAX_TOKENIZER_THREADS", 1)  # num_proc 2 -> two worker processes
+    monkeypatch.setattr(tokenstore, "write_store", functools.partial(tokenstore.write_store, batch_size=3))
+    path = tmp_path / "docs.jsonl"
+    write_docs(path, CORPUS, "jsonl")
+    cfg = raw_cfg(tmp_path, "--train_file", str(path), "--validation_split_percentage", "50",
+                  "--validation_split_max_tokens", "150")
+    store = prepare_token_store(cfg, tokenizer, str(TINY), 16, tmp_path / "store", num_proc, show_progress=False)
+    splits = open_store(store)["splits"]
+    docs = _held_out_docs(store, tokenizer)
+    assert 100 < splits["validation"].n_tokens <= 150  # the cap, not 50% of the corpus (about 3,000 tokens)
+    assert len(docs["validation"]) < 100
+    assert sorted(docs["validation"] + docs["train"]) == sorted(CORPUS)  # nothing lost, nothing twice
+    assert not list(store.glob("*.indices.arrow"))
+
+
+def test_a_negative_held_out_cap_is_refused(tmp_path):
+    with pytest.raises(UsageError, match="--validation_split_max_tokens -1"):
+        raw_cfg(tmp_path, "--validation_split_max_tokens", "-1")

@@ -4,6 +4,7 @@ heavy (every local file has documents, and its text column exists and holds text
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Optional
 
 from scaletrain.config import LOCAL_DATA_FORMATS, DataArgs, expand_data_files
 from scaletrain.errors import UsageError
@@ -29,8 +30,12 @@ def _is_saved_dataset(path: str) -> bool:
     return folder.is_dir() and ((folder / "dataset_dict.json").exists() or (folder / "dataset_info.json").exists())
 
 
-def load_raw_datasets(data: DataArgs):
-    """Return (train, validation or None) as `datasets.Dataset`s of documents, as the source splits them."""
+def load_raw_datasets(data: DataArgs, scratch_dir: Optional[Path] = None):
+    """Return (train, validation or None) as `datasets.Dataset`s of documents, as the source splits them.
+
+    Local files are converted to Arrow in `scratch_dir` (the caller removes it when done) instead of the Hugging Face
+    cache, which would keep a second full copy of the user's corpus there for good.
+    """
     import datasets
 
     if data.dataset_name and _is_saved_dataset(data.dataset_name):
@@ -43,7 +48,8 @@ def load_raw_datasets(data: DataArgs):
         builder = _local_builder([f for split in files.values() for f in split], "train_file/--validation_file")
         # Plain text: a blank line separates documents (one file may hold many; a paragraph is a document).
         extra = {"sample_by": "paragraph"} if builder == "text" else {}
-        raw = datasets.load_dataset(builder, data_files=files, **extra)
+        cache = {"cache_dir": str(scratch_dir)} if scratch_dir is not None else {}
+        raw = datasets.load_dataset(builder, data_files=files, **extra, **cache)
     if "train" not in raw:
         raise UsageError(f"--dataset_name {data.dataset_name}: no train split (splits: {', '.join(raw)})")
     # Without a validation split the preparer draws one from train (--validation_split_percentage).

@@ -4,13 +4,16 @@ file system, and a failure marker stops them when the preparation fails)."""
 
 from __future__ import annotations
 
+import glob
 import hashlib
 import json
 import logging
 import os
+import shutil
 import time
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Optional
+from typing import Iterator, Optional
 
 from scaletrain.config import DataArgs, OptimArgs
 from scaletrain.errors import TokenStoreFailed, UsageError
@@ -55,14 +58,66 @@ def default_store_path(fingerprint) -> Path:
     return root / key
 
 
+# A preparation of `store` works in two folders named for its process: the store being written, beside it (see
+# tokenstore.write_store), and the Arrow conversion of local files, in the Hugging Face datasets cache (the disk that
+# conversion always used), under a name derived from the store's path. A preparer killed half-way leaves both.
+def partial_folders(store: Path, pid: str = "*") -> list:
+    """[(folder, glob pattern of that folder's names)]: where `store`'s preparations write before it is complete."""
+    key = hashlib.sha256(str(store.resolve()).encode()).hexdigest()[:16]
+    return [(store.parent, f".{glob.escape(store.name)}.tmp-{pid}"), (scratch_root(), f"{key}.arrow-{pid}")]
+
+
+def scratch_root() -> Path:
+    import datasets
+
+    return Path(os.environ.get("HF_DATASETS_CACHE") or datasets.config.HF_DATASETS_CACHE) / "scaletrain-scratch"
+
+
+@contextmanager
+def exclusive_preparation(store: Path) -> Iterator[None]:
+    """One preparer of `store` at a time (a lock file beside it; nodes sharing the file system too). Holding it, any
+    partial folder of `store` was left by a preparer that died: it is removed, and so is the lock file at the end."""
+    import fcntl
+
+    store.parent.mkdir(parents=True, exist_ok=True)
+    lock_path = store.parent / f".{store.name}.prepare.lock"
+    while True:
+        lock = open(lock_path, "a")
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            if os.fstat(lock.fileno()).st_ino == os.stat(lock_path).st_ino:
+                break
+        except FileNotFoundError:
+            pass
+        lock.close()  # the holder before us removed that file at its end: lock the current one
+    try:
+        for folder, pattern in partial_folders(store):
+            for partial in folder.glob(pattern):
+                if partial.name.rsplit("-", 1)[1].isdigit():
+                    size = sum(f.stat().st_size for f in partial.rglob("*") if f.is_file())
+                    shutil.rmtree(partial, ignore_errors=True)
+                    log.warning("token store %s: removed %s (%.1f MB), left by a preparation that did not finish",
+                                store, partial.name, size / 1e6)
+        yield
+    finally:
+        lock_path.unlink(missing_ok=True)
+        lock.close()
+
+
 def prepare_token_store(data: DataArgs, tokenizer, tokenizer_dir: str, block_size: int, store: Path,
                         num_proc: Optional[int], show_progress: bool = True, seed: int = DEFAULT_SEED) -> Path:
     """Tokenize the run's raw data into `store`, or reuse the store there when it was made from the same input."""
+    fingerprint = store_fingerprint(data, tokenizer, block_size, seed)
+    with exclusive_preparation(store):
+        return _prepare(data, tokenizer, tokenizer_dir, fingerprint, store, num_proc, show_progress, seed)
+
+
+def _prepare(data: DataArgs, tokenizer, tokenizer_dir: str, fingerprint, store: Path, num_proc: Optional[int],
+             show_progress: bool, seed: int) -> Path:
     import numpy as np
 
     from scaletrain.tokenstore import MANIFEST, HeldOut, read_manifest, source_sha256, write_store
 
-    fingerprint = store_fingerprint(data, tokenizer, block_size, seed)
     if (store / MANIFEST).exists():
         differs = fingerprint.differences(read_manifest(store)["fingerprint"])
         if not differs:
@@ -73,23 +128,28 @@ def prepare_token_store(data: DataArgs, tokenizer, tokenizer_dir: str, block_siz
     if store.exists() and (not store.is_dir() or any(store.iterdir())):
         raise UsageError(f"{store}: exists and is not a token store (no {MANIFEST}); nothing there was changed",
                          "choose a new or empty folder for the store")
-    train, validation = load_raw_datasets(data)
-    source = data.dataset_name or ", ".join(local_data_files(data)["train"])
-    check_text_column(train, data.text_column, source)
-    if validation is not None:
-        check_text_column(validation, data.text_column, f"{source} (validation)")
-    held_out = None
-    if validation is None and fingerprint.held_out and len(train) > 1:
-        # At random, not the corpus's first documents (often one source, or one period, of a concatenated corpus).
-        held_out = HeldOut(order=np.random.default_rng(seed).permutation(len(train)),
-                           documents=max(1, len(train) * data.validation_split_percentage // 100),
-                           max_tokens=fingerprint.held_out["max_tokens"])
-    workers = num_proc or os.cpu_count() or 1
-    started = time.perf_counter()
-    # The content hash, once, here: the lookup (every rank, every start) goes by path, size and modification time.
-    content = None if data.dataset_name else source_sha256(local_data_files(data))
-    write_store({"train": train, "validation": validation}, tokenizer, tokenizer_dir, fingerprint, store,
-                num_proc=workers, show_progress=show_progress, content_sha256=content, held_out=held_out)
+    folder, name = partial_folders(store, str(os.getpid()))[1]
+    scratch = folder / name
+    try:
+        train, validation = load_raw_datasets(data, scratch_dir=None if data.dataset_name else scratch)
+        source = data.dataset_name or ", ".join(local_data_files(data)["train"])
+        check_text_column(train, data.text_column, source)
+        if validation is not None:
+            check_text_column(validation, data.text_column, f"{source} (validation)")
+        held_out = None
+        if validation is None and fingerprint.held_out and len(train) > 1:
+            # At random, not the corpus's first documents (often one source, or one period, of a concatenated corpus).
+            held_out = HeldOut(order=np.random.default_rng(seed).permutation(len(train)),
+                               documents=max(1, len(train) * data.validation_split_percentage // 100),
+                               max_tokens=fingerprint.held_out["max_tokens"])
+        workers = num_proc or os.cpu_count() or 1
+        started = time.perf_counter()
+        # The content hash, once, here: the lookup (every rank, every start) goes by path, size and modification time.
+        content = None if data.dataset_name else source_sha256(local_data_files(data))
+        write_store({"train": train, "validation": validation}, tokenizer, tokenizer_dir, fingerprint, store,
+                    num_proc=workers, show_progress=show_progress, content_sha256=content, held_out=held_out)
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)  # the Arrow copy of local files: the store is what is kept
     log.info("token store %s: prepared in %.1fs, tokenizer parallelism %d", store, time.perf_counter() - started,
              workers)
     return store

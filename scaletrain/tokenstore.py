@@ -389,7 +389,7 @@ def write_store(splits: dict, tokenizer, tokenizer_dir: str, fingerprint: Finger
     # RAYON_NUM_THREADS below is set, and --num_proc 1 would then still tokenize on every core.
     probe = tokenizer.backend_tokenizer.encode("x", add_special_tokens=True).ids
     add_special = not (probe and probe[-1] == tokenizer.eos_token_id)
-    tmp = store.parent / f".{store.name}.tmp-{os.getpid()}"
+    tmp = store.parent / f".{store.name}.tmp-{os.getpid()}"  # store_prep.partial_folders: removed if left
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
     tokenizer_file = tmp / "worker_tokenizer.json"

@@ -427,3 +427,57 @@ def test_the_held_out_split_is_capped_in_tokens(num_proc, tmp_path, tokenizer, m
 def test_a_negative_held_out_cap_is_refused(tmp_path):
     with pytest.raises(UsageError, match="--validation_split_max_tokens -1"):
         raw_cfg(tmp_path, "--validation_split_max_tokens", "-1")
+
+
+def _arrow_files(folder: Path) -> list:
+    return sorted(p for p in folder.rglob("*.arrow")) if folder.exists() else []
+
+
+def test_preparing_local_files_leaves_no_copy_of_the_corpus_in_the_datasets_cache(tmp_path):
+    """load_dataset converts local files to Arrow in the Hugging Face cache and keeps it there: a second full copy
+    of the user's corpus. The preparer converts in a scratch folder and removes it once the store is written."""
+    import subprocess
+    import sys
+
+    from tests.conftest import subprocess_env
+    from tests.test_prepare_failures import PREPARE, prepare_argv, write_corpus
+
+    corpus = write_corpus(tmp_path / "corpus.jsonl", 300)
+    env = subprocess_env(tmp_path)  # HF_DATASETS_CACHE: tmp_path / "datasets"
+    proc = subprocess.run([sys.executable, str(PREPARE), *prepare_argv(corpus, tmp_path / "store", "--num_proc", "1")],
+                          cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert open_store(tmp_path / "store")["splits"]["train"].n_documents == 300
+    assert _arrow_files(tmp_path / "datasets") == []
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["corpus.jsonl", "datasets", "store"]  # no lock, no scratch
+
+
+@pytest.mark.slow  # two preparations in fresh processes, one killed half-way: 15-25 s
+def test_a_preparer_killed_half_way_leaves_nothing_the_next_one_does_not_remove(tmp_path):
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from tests.conftest import subprocess_env
+    from tests.test_prepare_failures import PREPARE, prepare_argv, write_corpus
+
+    corpus = write_corpus(tmp_path / "corpus.jsonl", 60_000)
+    env = subprocess_env(tmp_path)
+    argv = [sys.executable, str(PREPARE), *prepare_argv(corpus, tmp_path / "store", "--num_proc", "1")]
+    first = subprocess.Popen(argv, cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    deadline = time.monotonic() + 120
+    while not any(p.stat().st_size for p in tmp_path.glob(".store.tmp-*/train.tokens.bin")):  # tokenizing
+        assert first.poll() is None, first.stderr.read().decode()[-3000:]
+        assert time.monotonic() < deadline, "the preparation never started writing"
+        time.sleep(0.01)
+    first.send_signal(signal.SIGKILL)
+    first.wait(timeout=30)
+    first.stderr.close()
+    assert list(tmp_path.glob(".store.tmp-*")) and _arrow_files(tmp_path / "datasets")  # what a kill leaves
+
+    second = subprocess.run(argv, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    assert second.returncode == 0, second.stderr[-3000:]
+    assert "left by a preparation that did not finish" in second.stdout + second.stderr
+    assert open_store(tmp_path / "store")["splits"]["train"].n_documents == 60_000
+    assert list(tmp_path.glob(".store.*")) == [] and _arrow_files(tmp_path / "datasets") == []

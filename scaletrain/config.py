@@ -116,6 +116,9 @@ class DataArgs:
 
     dataset_name: Optional[str] = _flag(None, "Hugging Face dataset name (hub or a local dataset script/folder).")
     dataset_config_name: Optional[str] = _flag(None, "Configuration of --dataset_name.")
+    dataset_revision: Optional[str] = _flag(
+        None, "Revision of a hub --dataset_name (branch, tag or commit; default: the main branch). Part of the token "
+        "store's fingerprint: a commit ties the store to exact data.")
     train_file: Optional[str] = _flag(
         None, "Local training file(s): json, jsonl, csv, txt, parquet; a glob or a comma-separated list. "
         "Default: data/sample/train.jsonl.")
@@ -174,6 +177,9 @@ class DataArgs:
         _check_not_negative(self, ("validation_split_percentage", "validation_split_max_tokens"))
         if self.validation_split_percentage >= 100:
             raise UsageError(f"--validation_split_percentage {self.validation_split_percentage}: must be below 100")
+        if self.dataset_revision is not None and not self.dataset_name:
+            raise UsageError(f"--dataset_revision {self.dataset_revision}: needs --dataset_name",
+                             "it names a revision of a hub dataset")
         if self.preprocessing_num_workers is not None and self.preprocessing_num_workers < 1:
             raise UsageError(f"--preprocessing_num_workers {self.preprocessing_num_workers}: must be at least 1")
         _check_data_sources(self)

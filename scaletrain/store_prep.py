@@ -43,7 +43,7 @@ def store_fingerprint(data: DataArgs, tokenizer, block_size: int, seed: int = DE
 
     files = None if data.dataset_name else local_data_files(data)
     return Fingerprint(
-        source=source_identity(files, data.dataset_name, data.dataset_config_name),
+        source=source_identity(files, data.dataset_name, data.dataset_config_name, data.dataset_revision),
         tokenizer_sha256=tokenizer_hash(tokenizer),
         block_size=block_size,
         text_column=data.text_column,
@@ -131,7 +131,7 @@ def _prepare(data: DataArgs, tokenizer, tokenizer_dir: str, fingerprint, store: 
     folder, name = partial_folders(store, str(os.getpid()))[1]
     scratch = folder / name
     try:
-        train, validation = load_raw_datasets(data, scratch_dir=None if data.dataset_name else scratch)
+        train, validation, revision = load_raw_datasets(data, scratch_dir=scratch)
         source = data.dataset_name or ", ".join(local_data_files(data)["train"])
         check_text_column(train, data.text_column, source)
         if validation is not None:
@@ -147,7 +147,8 @@ def _prepare(data: DataArgs, tokenizer, tokenizer_dir: str, fingerprint, store: 
         # The content hash, once, here: the lookup (every rank, every start) goes by path, size and modification time.
         content = None if data.dataset_name else source_sha256(local_data_files(data))
         write_store({"train": train, "validation": validation}, tokenizer, tokenizer_dir, fingerprint, store,
-                    num_proc=workers, show_progress=show_progress, content_sha256=content, held_out=held_out)
+                    num_proc=workers, show_progress=show_progress, content_sha256=content, held_out=held_out,
+                    source_revision=revision)
     finally:
         shutil.rmtree(scratch, ignore_errors=True)  # the Arrow copy of local files: the store is what is kept
     log.info("token store %s: prepared in %.1fs, tokenizer parallelism %d", store, time.perf_counter() - started,

@@ -59,7 +59,8 @@ def tokenizer_hash(tokenizer) -> str:
 
 def source_identity(files: Optional[dict], dataset_name: Optional[str], dataset_config: Optional[str],
                     revision: Optional[str] = None) -> dict:
-    """Local files by path, size and modification time; a hub or on-disk dataset by name, config and revision.
+    """Local files (or a local dataset folder's) by path, size and modification time; a save_to_disk folder by its
+    Arrow files; a hub dataset by name, config and revision.
 
     Every rank computes this at every start to find the cached store, so it reads no file's content: a file that
     changes gets a new size or modification time. The preparer records the content hash (source_sha256) once.
@@ -74,6 +75,11 @@ def source_identity(files: Optional[dict], dataset_name: Optional[str], dataset_
         state = sorted(p for p in path.rglob("*.arrow"))
         return {"kind": "save_to_disk", "path": str(path.resolve()),
                 "arrow": [{"path": str(p.relative_to(path)), "size": p.stat().st_size} for p in state]}
+    if path.is_dir():  # a folder of data files that load_dataset reads as a dataset: its files, as for --train_file
+        found = sorted(p for p in path.rglob("*") if p.is_file() and not p.relative_to(path).parts[0].startswith("."))
+        return {"kind": "folder", "path": str(path.resolve()), "config": dataset_config,
+                "files": [{"path": str(p.relative_to(path)), "size": (st := p.stat()).st_size,
+                           "mtime_ns": st.st_mtime_ns} for p in found]}
     return {"kind": "hub", "name": dataset_name, "config": dataset_config, "revision": revision}
 
 
@@ -376,7 +382,8 @@ def _save_tokenizer(tokenizer, path: Path) -> None:
 
 def write_store(splits: dict, tokenizer, tokenizer_dir: str, fingerprint: Fingerprint, store: Path,
                 num_proc: int, show_progress: bool = True, batch_size: int = 1000,
-                content_sha256: Optional[dict] = None, held_out: Optional[HeldOut] = None) -> Path:
+                content_sha256: Optional[dict] = None, held_out: Optional[HeldOut] = None,
+                source_revision: Optional[str] = None) -> Path:
     """Tokenize every split into `store`, atomically: a temporary folder renamed into place when complete. With
     `held_out`, the validation split is drawn from splits["train"] first."""
     store = Path(store)
@@ -424,6 +431,8 @@ def write_store(splits: dict, tokenizer, tokenizer_dir: str, fingerprint: Finger
                     "prepared_seconds": round(time.perf_counter() - started, 2)}
         if content_sha256 is not None:
             manifest["source_sha256"] = content_sha256
+        if source_revision is not None:
+            manifest["source_revision"] = source_revision  # the hub dataset's commit the store was made from
         (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
         os.replace(tmp, store)  # onto nothing, or an empty folder (prepare_token_store refuses any other)
         finished = True

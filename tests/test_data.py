@@ -481,3 +481,40 @@ def test_a_preparer_killed_half_way_leaves_nothing_the_next_one_does_not_remove(
     assert "left by a preparation that did not finish" in second.stdout + second.stderr
     assert open_store(tmp_path / "store")["splits"]["train"].n_documents == 60_000
     assert list(tmp_path.glob(".store.*")) == [] and _arrow_files(tmp_path / "datasets") == []
+
+
+def test_a_hub_datasets_revision_is_in_the_store_fingerprint(tmp_path, tokenizer):
+    """Two revisions of one hub dataset are two stores (the fingerprint is computed without the network)."""
+    from scaletrain.store_prep import default_store_path
+
+    def store_for(*revision):
+        cfg = raw_cfg(tmp_path, "--dataset_name", "someorg/corpus", *revision)
+        return default_store_path(store_fingerprint(cfg, tokenizer, 16))
+
+    stores = {store_for(), store_for("--dataset_revision", "v1"), store_for("--dataset_revision", "v2")}
+    assert len(stores) == 3
+    assert store_for("--dataset_revision", "v1") == store_for("--dataset_revision", "v1")
+    with pytest.raises(UsageError, match="--dataset_revision v1: needs --dataset_name"):
+        raw_cfg(tmp_path, "--dataset_revision", "v1")
+
+
+def test_a_local_dataset_folder_is_fingerprinted_by_its_files_and_loaded_at_the_revision(tmp_path, tokenizer):
+    """A folder of data files given as --dataset_name (the offline stand-in for a hub dataset: load_dataset reads
+    both through the same builder, here with --dataset_revision passed on) is identified by its files, so an edited
+    file gets a new store, as --train_file's do; no commit is recorded for it."""
+    import os
+
+    folder = tmp_path / "corpus"
+    folder.mkdir()
+    write_docs(folder / "train.jsonl", DOCS, "jsonl")
+    cfg = raw_cfg(tmp_path, "--dataset_name", str(folder), "--dataset_revision", "v1")
+    store = prepare(tmp_path, tokenizer, cfg, "store")
+    opened = open_store(store)
+    expected = [t for d in DOCS for t in tokenizer(d)["input_ids"] + [tokenizer.eos_token_id]]
+    assert opened["splits"]["train"].tokens.tolist() == expected
+    source = opened["manifest"]["fingerprint"]["source"]
+    assert source["kind"] == "folder" and [f["path"] for f in source["files"]] == ["train.jsonl"]
+    assert "source_revision" not in opened["manifest"]
+    stat = (folder / "train.jsonl").stat()
+    os.utime(folder / "train.jsonl", ns=(stat.st_atime_ns, stat.st_mtime_ns + 10**9))
+    assert store_fingerprint(cfg, tokenizer, 16).differences(opened["manifest"]["fingerprint"]) == ["source"]

@@ -127,7 +127,8 @@ class DataArgs:
         5, "When there is no validation file or split, hold out this percent of the training documents, drawn at "
         "random (by --seed).")
     validation_split_max_tokens: int = _flag(
-        10_000_000, "Cap on that held-out split, in tokens (0: no cap).")
+        10_000_000, "Cap, in tokens, on what --validation_split_percentage holds out (0: no cap); the documents past "
+        "it stay in training.")
     text_column: str = _flag("text", "Column that holds the text.")
     block_size: Optional[int] = _flag(
         None, "Tokens per training sequence. Default: min(1024, model's max positions).")

@@ -119,9 +119,11 @@ def _prepare(data: DataArgs, tokenizer, tokenizer_dir: str, fingerprint, store: 
     from scaletrain.tokenstore import MANIFEST, HeldOut, read_manifest, source_sha256, write_store
 
     if (store / MANIFEST).exists():
-        differs = fingerprint.differences(read_manifest(store)["fingerprint"])
+        manifest = read_manifest(store)
+        differs = fingerprint.differences(manifest["fingerprint"])
         if not differs:
-            log.info("token store %s: reusing it (same input, tokenizer and block size)", store)
+            made_from = f"; made from commit {manifest['source_revision']}" if "source_revision" in manifest else ""
+            log.info("token store %s: reusing it (same input, tokenizer and block size%s)", store, made_from)
             return store
         raise UsageError(f"{store}: holds a token store made from different input ({', '.join(differs)} differ)",
                          "choose another --output_dir, or delete that store")

@@ -116,12 +116,19 @@ class DataArgs:
 
     dataset_name: Optional[str] = _flag(None, "Hugging Face dataset name (hub or a local dataset script/folder).")
     dataset_config_name: Optional[str] = _flag(None, "Configuration of --dataset_name.")
+    dataset_revision: Optional[str] = _flag(
+        None, "Revision of a hub --dataset_name (branch, tag or commit; default: the main branch). Part of the token "
+        "store's fingerprint: a commit ties the store to exact data.")
     train_file: Optional[str] = _flag(
         None, "Local training file(s): json, jsonl, csv, txt, parquet; a glob or a comma-separated list. "
         "Default: data/sample/train.jsonl.")
     validation_file: Optional[str] = _flag(None, "Local validation file(s), same formats as --train_file.")
     validation_split_percentage: int = _flag(
-        5, "When there is no validation file or split, hold out this percent of the training documents.")
+        5, "When there is no validation file or split, hold out this percent of the training documents, drawn at "
+        "random (by --seed).")
+    validation_split_max_tokens: int = _flag(
+        10_000_000, "Cap, in tokens, on what --validation_split_percentage holds out (0: no cap); the documents past "
+        "it stay in training.")
     text_column: str = _flag("text", "Column that holds the text.")
     block_size: Optional[int] = _flag(
         None, "Tokens per training sequence. Default: min(1024, model's max positions).")
@@ -168,9 +175,12 @@ class DataArgs:
         """The data-source checks train.py and data/prepare.py share."""
         if self.block_size is not None and self.block_size < 2:
             raise UsageError(f"--block_size {self.block_size}: must be at least 2 (one input and one target token)")
-        _check_not_negative(self, ("validation_split_percentage",))
+        _check_not_negative(self, ("validation_split_percentage", "validation_split_max_tokens"))
         if self.validation_split_percentage >= 100:
             raise UsageError(f"--validation_split_percentage {self.validation_split_percentage}: must be below 100")
+        if self.dataset_revision is not None and not self.dataset_name:
+            raise UsageError(f"--dataset_revision {self.dataset_revision}: needs --dataset_name",
+                             "it names a revision of a hub dataset")
         if self.preprocessing_num_workers is not None and self.preprocessing_num_workers < 1:
             raise UsageError(f"--preprocessing_num_workers {self.preprocessing_num_workers}: must be at least 1")
         _check_data_sources(self)

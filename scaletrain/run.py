@@ -13,7 +13,7 @@ from typing import Any, Optional, Sequence
 
 from scaletrain import (checkpoint, distributed, engine as engine_lib, model as model_lib, moe, pipeline,
                         publish, sequence_parallel, store_prep, tokenstore)
-from scaletrain.blocks import MixedBlocks, PackedBlocks, blocks_from_store, eval_batches
+from scaletrain.blocks import EvalBatches, MixedBlocks, PackedBlocks, blocks_from_store, eval_batches
 from scaletrain.errors import NonFiniteStop, UsageError
 from scaletrain.distributed import DistInfo
 from scaletrain.logs import silence_library_logs
@@ -51,7 +51,7 @@ class Run:
         self._zero3_keepalive: Any = None
         self.stores: list = []
         self.train_blocks: Optional[PackedBlocks] = None
-        self.eval_batches: Optional[list] = None
+        self.eval_batches: Optional[EvalBatches] = None
         self.order: Optional[GlobalOrder] = None
         self.schedule: Optional[LRSchedule] = None
         self.engine: Any = None
@@ -116,7 +116,7 @@ class Run:
         if not paths:
             paths = [store_prep.ensure_token_store(
                 self.cfg.data, self.resolved.tokenizer, self.cfg.model.tokenizer_source, self.resolved.block_size,
-                self.dist.local_rank, show_progress=self.dist.is_main)]
+                self.dist.local_rank, show_progress=self.dist.is_main, seed=self.cfg.optim.seed)]
         self.stores = [tokenstore.open_store(p) for p in paths]
         log.info("token store(s): %s", ", ".join(map(str, paths)))
 
@@ -149,9 +149,9 @@ class Run:
             log.warning(changed)
         # Every store's validation blocks, the same fixed set on every run (each rank the same number of batches).
         validation = [blocks_from_store(s, "validation", size, data.attention_isolation) for s in self.stores]
-        self.eval_batches = [batch for blocks in validation if blocks is not None
-                             for batch in eval_batches(blocks, optim.per_device_eval_batch_size, dist.dp_rank,
-                                                       dist.dp_world_size, self.cfg.logging.max_eval_samples)] or None
+        self.eval_batches = EvalBatches.chain([
+            eval_batches(blocks, optim.per_device_eval_batch_size, dist.dp_rank, dist.dp_world_size,
+                         self.cfg.logging.max_eval_samples) for blocks in validation if blocks is not None]) or None
         b = self.train_blocks
         log.info("data: %d documents, %d tokens -> %d blocks of %d (last block %d real tokens, padded; none "
                  "dropped); global batch %d blocks = %d micro x %d accumulation x %d ranks; %d steps/epoch, "

@@ -206,8 +206,11 @@ class Run:
         self.state.wandb_run_id = self.metrics.wandb_run_id
 
     def save(self) -> Path:
+        planned = checkpoint.planned_checkpoint_bytes(self.resolved.n_params, self.resolved.ds.precision,
+                                                      self.resolved.ds.zero_stage, self.dist.tensor_parallel_size)
         return checkpoint.save_checkpoint(self.engine, self.cfg.run.output_dir, self.state, self.dist.rank,
-                                          self.cfg.checkpoint.save_total_limit, model_facts=self.resolved.model_facts)
+                                          self.cfg.checkpoint.save_total_limit, model_facts=self.resolved.model_facts,
+                                          planned_bytes=planned)
 
     def throughput_model(self) -> ThroughputModel:
         """FLOPs per token and the device peak, for TFLOP/s, MFU and HFU (the peak is calibrated on rank 0 only:

@@ -11,7 +11,8 @@ half-written checkpoint):
 A write that fails on any rank (a full disk: an OSError, or the RuntimeError of torch's zip writer) stops every
 rank with one message; the folder is removed, never committed.
 Loading trusts only committed checkpoints whose files match their commit.json; anything else is skipped with a
-warning that names it, and the newest good one is used.
+warning that names it, and the newest good one is used. At load time the ranks also check the files' SHA-256
+(verified_resume_checkpoint): a damaged file makes them all fall back to the previous committed checkpoint.
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ LATEST = "latest"
 COMMIT = "commit.json"
 PREFIX = "step"
 TMP_PREFIX = ".tmp-"
+DAMAGED_PREFIX = "damaged-"  # a committed checkpoint whose checksums failed, renamed so that no resume picks it
 # SHA-256 through hashlib.file_digest: standard, and the fastest of hashlib's here (1.7 GB/s with the CPU's SHA
 # instructions, against 1.2 GB/s for BLAKE2b; BENCHMARKS.md). A checksum catches damage; it is no signature.
 CHECKSUM = "sha256"
@@ -165,6 +167,97 @@ def resolve_resume(value: str, output_dir: str) -> Optional[Path]:
         raise UsageError(f"--resume_from_checkpoint {value}: not a committed checkpoint ({problem})",
                          "use another checkpoint, or auto to take the newest good one")
     return ckpt
+
+
+def checksum_shares(files: dict, world_size: int) -> list:
+    """The files of a commit record ({name: size}) split among the ranks by size, largest first, each to the rank
+    with the fewest bytes so far: every file is hashed once, each rank reads about 1/world_size of the bytes."""
+    shares, loads = [[] for _ in range(world_size)], [0] * world_size
+    for rel, size in sorted(files.items(), key=lambda item: (-item[1], item[0])):
+        least = loads.index(min(loads))
+        shares[least].append(rel)
+        loads[least] += size
+    return shares
+
+
+def find_damage(ckpt: Path, rank: int, world_size: int) -> Optional[str]:
+    """The first file of committed checkpoint `ckpt` whose SHA-256 differs from its commit record, found by any
+    rank (a collective: the same answer on every rank); None when all match. Each rank hashes its share
+    (checksum_shares), so the whole checkpoint is checked before anything, a universal conversion included, reads
+    it. A record from before checksums has sizes only, which verify() has checked: None."""
+    from scaletrain.distributed import all_gather_objects
+
+    commit = json.loads((ckpt / COMMIT).read_text())
+    sums = commit.get(CHECKSUM)
+    if sums is None:
+        log.info("%s: its %s has no checksums (an older checkpoint): sizes checked only", ckpt, COMMIT)
+        return None
+    started = time.perf_counter()
+    mine = [rel for rel in checksum_shares(commit["files"], world_size)[rank] if rel in sums]
+    bad = next((rel for rel in mine if file_checksum(ckpt / rel) != sums[rel]), None)
+    found = [rel for rel in all_gather_objects(bad) if rel]
+    log.info("checked the SHA-256 of %d of %s's files (%.1f MB) in %.2fs on rank %d", len(mine), ckpt,
+             sum(commit["files"][rel] for rel in mine) / 1e6, time.perf_counter() - started, rank)
+    return found[0] if found else None
+
+
+def _previous_committed(ckpt: Path) -> Optional[Path]:
+    """The newest committed checkpoint older than `ckpt` whose files match their sizes, or None."""
+    step = committed_step(ckpt)
+    if step is None:
+        return None
+    older = sorted((p for p in ckpt.parent.iterdir() if p.is_dir() and (committed_step(p) is not None) and
+                    committed_step(p) < step), key=committed_step, reverse=True)
+    for candidate in older:
+        problem = verify(candidate)
+        if problem is None:
+            return candidate
+        log.warning("skipping checkpoint %s: %s", candidate, problem)
+    return None
+
+
+def mark_damaged(ckpt: Path, fallback: Path) -> Path:
+    """Rank 0: rename a damaged checkpoint out of the resumable names (kept for inspection, never resumed, pruned or
+    counted again), drop any universal conversion of it, and point `latest` at the fallback if it named this one."""
+    target = ckpt.parent / f"{DAMAGED_PREFIX}{ckpt.name}"
+    n = 1
+    while target.exists():
+        target, n = ckpt.parent / f"{DAMAGED_PREFIX}{ckpt.name}.{n}", n + 1
+    os.replace(ckpt, target)
+    shutil.rmtree(universal_path(ckpt), ignore_errors=True)
+    (universal_path(ckpt).parent / f"{ckpt.name}.done").unlink(missing_ok=True)
+    latest = ckpt.parent / LATEST
+    if latest.is_file() and latest.read_text().strip() == ckpt.name:
+        _write_atomically(latest, fallback.name + "\n")
+    return target
+
+
+def verified_resume_checkpoint(ckpt: Path, auto: bool, rank: int, world_size: int) -> Path:
+    """The checkpoint to resume after every rank checked the SHA-256 of its files (find_damage): `ckpt`, or, when
+    it is damaged and was chosen by `auto`, the previous committed checkpoint that checks out (rank 0 chooses it
+    and marks the damaged one, mark_damaged; one warning). A damaged checkpoint asked for by path, or one with no
+    earlier committed checkpoint, stops every rank with one message (UsageError), the damaged one left in place."""
+    from scaletrain.distributed import all_gather_objects, barrier
+
+    while True:
+        bad = find_damage(ckpt, rank, world_size)
+        if bad is None:
+            return ckpt
+        damage = f"{bad} does not match its {CHECKSUM} in {COMMIT}"
+        if not auto:
+            raise UsageError(f"--resume_from_checkpoint {ckpt}: the checkpoint is damaged: {damage}",
+                             "resume from an earlier checkpoint of the run, or with auto (the newest good one)")
+        fallback = all_gather_objects(str(_previous_committed(ckpt) or "") if rank == 0 else None)[0]
+        if not fallback:
+            raise UsageError(f"checkpoint {ckpt} is damaged: {damage}, and no earlier committed checkpoint is left "
+                             "to fall back to", "restore its files from a copy, or start afresh with "
+                             "--resume_from_checkpoint none --overwrite_output_dir")
+        if rank == 0:
+            kept = mark_damaged(ckpt, Path(fallback))
+            log.warning("checkpoint %s is damaged: %s; falling back to %s (the damaged one is kept as %s, and no "
+                        "later resume picks it)", ckpt, damage, fallback, kept)
+        barrier()  # renamed before any rank looks at the folder again
+        ckpt = Path(fallback)
 
 
 def planned_checkpoint_bytes(n_params: int, precision: str, zero_stage: int, tensor_parallel_size: int = 1) -> int:

@@ -19,7 +19,7 @@ from scaletrain.loop import LoopHooks, LoopSettings, PipelineStep, evaluate, tra
 from scaletrain.flops import peak_tflops
 from scaletrain.metrics import MetricsLogger, StepProfiler, ThroughputModel
 from scaletrain.preflight import (ResolvedRun, describe_launch, peak_lr, print_config, print_memory_plan,
-                                  resolve_run, write_run_folder)
+                                  resolve_run, resume_elsewhere, write_run_folder)
 from scaletrain.sampling import BatchRamp, GlobalOrder, StepBatches
 from scaletrain.schedules import LRSchedule, describe_schedule_change, restart_schedule, warmup_steps_for
 from scaletrain.faults import PreemptionFlag
@@ -101,9 +101,18 @@ class Run:
                 self.model, self.dist.pipeline_parallel_size, self.cfg.parallel.pipeline_partition)
 
     def prepare_resume(self) -> None:
-        """A checkpoint from another number of ranks, layout or offload is converted to DeepSpeed's universal format
-        first (global rank 0 converts; the others wait on the file system, before any process group exists)."""
-        if self.resolved.resume_from is not None and self.resolved.reshard:
+        """The checkpoint's files checked against their SHA-256 by every rank (a share each) before anything reads
+        them: a damaged one falls back, on every rank, to the previous committed checkpoint (or stops the run).
+        Then a checkpoint from another number of ranks, layout or offload is converted to DeepSpeed's universal
+        format (global rank 0 converts; the others wait on the file system, in no collective)."""
+        chosen = self.resolved.resume_from
+        if chosen is None:
+            return
+        verified = checkpoint.verified_resume_checkpoint(
+            chosen, self.cfg.checkpoint.resume_from_checkpoint == "auto", self.dist.rank, self.dist.world_size)
+        if verified != chosen:
+            self.resolved = resume_elsewhere(self.resolved, verified)
+        if self.resolved.reshard:
             checkpoint.ensure_universal(self.resolved.resume_from, self.dist.rank)
 
     def prepare_data(self) -> None:

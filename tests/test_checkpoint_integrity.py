@@ -1,17 +1,95 @@
-"""Unwritable checkpoints, for real: a disk that fills during a save on 2 gloo ranks (issue 14 item 5)."""
+"""Damaged and unwritable checkpoints, for real: checksums recorded at save and verified on load (issue 14 item 3),
+and a disk that fills during a save on 2 gloo ranks (item 5)."""
 
 from __future__ import annotations
 
 import json
 import math
 import os
+import random
 import shutil
 from pathlib import Path
 
 import pytest
 
-from tests.conftest import freeze, logged_steps, small_tmpfs, thaw
-from tests.test_checkpoint import flags, latest_step, rank_processes, start, wait_for
+from tests.conftest import REPO, check_ok, freeze, launch, logged_steps, small_tmpfs, thaw
+from tests.test_checkpoint import flags, latest_step, rank_processes, start, step_losses, wait_for
+
+STEPS, SAVE_EVERY = 16, 8  # one rank saves at steps 8 and 16; the 2-rank resumes continue to step 16
+
+
+def per_rank_flags(ranks: int, run_dir: Path) -> list:
+    """The global batch of 4 blocks on 1 or 2 ranks (the resharded resumes of tests/test_checkpoint.py)."""
+    args = flags("zero2", run_dir, STEPS)
+    args[args.index("--per_device_train_batch_size") + 1] = str(4 // ranks)
+    return args
+
+
+@pytest.fixture(scope="module")
+def one_rank_run(tmp_path_factory, cache_dir) -> Path:
+    """An uninterrupted 1-rank run, committed at steps 8 and 16: the checkpoints to damage, and the losses a
+    resume from step 8 on 2 ranks must give again."""
+    run_dir = tmp_path_factory.mktemp("one_rank") / "run"
+    check_ok(launch(REPO / "train.py", per_rank_flags(1, run_dir), "python", cache_dir))
+    assert sorted(step_losses(run_dir)) == list(range(1, STEPS + 1))
+    return run_dir
+
+
+def damage_largest_file(ckpt: Path) -> Path:
+    """What the issue did: random bytes written into the middle of the largest file, its size unchanged (so the
+    sizes in commit.json still match)."""
+    largest = max((p for p in ckpt.iterdir() if p.is_file()), key=lambda p: p.stat().st_size)
+    size = largest.stat().st_size
+    with open(largest, "r+b") as f:
+        f.seek(size // 2)
+        f.write(random.Random(14).randbytes(4096))
+    assert largest.stat().st_size == size
+    return largest
+
+
+@pytest.mark.slow
+def test_a_damaged_checkpoint_falls_back_to_the_previous_one_on_every_rank(one_rank_run, tmp_path, cache_dir):
+    run_dir = tmp_path / "run"
+    shutil.copytree(one_rank_run, run_dir)
+    ckpts = run_dir / "checkpoints"
+    damaged = damage_largest_file(ckpts / f"step{STEPS}")
+
+    proc = launch(REPO / "train.py", per_rank_flags(2, run_dir), "deepspeed", cache_dir, nprocs=2)
+    check_ok(proc)
+    output = proc.stdout + proc.stderr
+    warning = f"checkpoint {ckpts / f'step{STEPS}'} is damaged: {damaged.name} does not match its sha256"
+    assert output.count(warning) == 1, output[-4000:]  # one warning, from rank 0, naming the file
+    assert f"falling back to {ckpts / f'step{SAVE_EVERY}'}" in output
+    assert f"resumed from {ckpts / f'step{SAVE_EVERY}'} (step {SAVE_EVERY}," in proc.stdout
+    # Marked, so that a later auto resume never picks it again; the run then committed a new step 16.
+    assert (ckpts / f"damaged-step{STEPS}" / damaged.name).is_file()
+    from scaletrain.checkpoint import verify
+
+    assert verify(ckpts / f"step{STEPS}") is None
+    losses, expected = step_losses(run_dir), step_losses(one_rank_run)
+    assert sorted(losses) == list(range(1, STEPS + 1))
+    for step in range(SAVE_EVERY + 1, STEPS + 1):  # 2 ranks after 1: equal to the resharded resumes' 1e-4
+        assert losses[step] == pytest.approx(expected[step], rel=1e-4), step
+
+
+@pytest.mark.slow
+def test_a_damaged_checkpoint_with_nothing_before_it_stops_every_rank(one_rank_run, tmp_path, cache_dir):
+    run_dir = tmp_path / "run"
+    shutil.copytree(one_rank_run, run_dir)
+    ckpts = run_dir / "checkpoints"
+    shutil.rmtree(ckpts / f"step{SAVE_EVERY}")
+    damaged = damage_largest_file(ckpts / f"step{STEPS}")
+    metrics = (run_dir / "metrics.jsonl").read_bytes()
+
+    proc = launch(REPO / "train.py", per_rank_flags(2, run_dir), "deepspeed", cache_dir, nprocs=2)
+    assert proc.returncode == 2, proc.stdout[-3000:] + proc.stderr[-3000:]
+    message = (f"train.py: error: checkpoint {ckpts / f'step{STEPS}'} is damaged: {damaged.name} does not match "
+               "its sha256 in commit.json, and no earlier committed checkpoint is left to fall back to")
+    assert proc.stderr.count(message) == 1, proc.stderr[-3000:]  # once, not per rank
+    assert "Traceback" not in proc.stderr
+    assert (run_dir / "metrics.jsonl").read_bytes() == metrics  # nothing overwritten
+    assert (ckpts / f"step{STEPS}").is_dir() and not (ckpts / ".universal").exists()  # kept, and never converted
+
 
 PAGE = 4096  # tmpfs allocates whole pages: what a file takes from the free space
 

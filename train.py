@@ -38,9 +38,9 @@ def main(argv=None) -> int:
         return 0
     exit_code = 1  # a crash, unless the run ends otherwise
     try:
-        run.prepare_resume()  # a checkpoint from another rank count: converted to DeepSpeed's universal format
         run.prepare_data()  # token store: --data_path, or raw data tokenized once (no collective while waiting)
         run.init_distributed()  # process group for whichever launcher started us
+        run.prepare_resume()  # checksums checked by all ranks (a damaged one: fall back); another rank count: converted
         run.build_model()  # ZeRO-3: built sharded, never whole on one rank
         run.build_data()  # packed blocks from the store, the global order read by this rank
         run.write_run_folder()  # resolved configs saved only after everything above succeeded

@@ -204,6 +204,17 @@ def any_rank(flag: bool) -> bool:
     return bool(tensor.item())
 
 
+def all_gather_objects(obj) -> list:
+    """Every rank's `obj`, in rank order, on every rank (a collective; without a process group, [obj])."""
+    import torch.distributed as torch_dist
+
+    if not (torch_dist.is_available() and torch_dist.is_initialized()):
+        return [obj]
+    gathered = [None] * torch_dist.get_world_size()
+    torch_dist.all_gather_object(gathered, obj)
+    return gathered
+
+
 def barrier() -> None:
     import deepspeed.comm as ds_comm
 

@@ -6,6 +6,7 @@ the run with exit code 2 and leaves the output folder as it was.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import logging
@@ -229,6 +230,21 @@ def _resolve_resume_point(cfg: RunConfig, ds: ResolvedDSConfig, model_facts: dic
     resume_from = resolve_resume(cfg.checkpoint.resume_from_checkpoint, cfg.run.output_dir)
     if resume_from is None:
         return None, None, False, None
+    return _resume_point(cfg, ds, model_facts, dist, resume_from)
+
+
+def resume_elsewhere(resolved: ResolvedRun, ckpt: Path) -> ResolvedRun:
+    """The run resolved to resume `ckpt` instead (the fallback from a damaged checkpoint): its train state,
+    whether it is resharded, the previous run's config, each checked as the pre-flight checks its choice."""
+    resolved.ds.config.get("checkpoint", {}).pop("load_universal", None)  # set again if `ckpt` needs it
+    resolved.ds.sources.pop("checkpoint.load_universal", None)
+    resume_from, resume_state, reshard, previous = _resume_point(resolved.cfg, resolved.ds, resolved.model_facts,
+                                                                 resolved.dist, ckpt)
+    return dataclasses.replace(resolved, resume_from=resume_from, resume_state=resume_state, reshard=reshard,
+                               previous_run_config=previous)
+
+
+def _resume_point(cfg: RunConfig, ds: ResolvedDSConfig, model_facts: dict, dist: DistInfo, resume_from: Path) -> tuple:
     previous = read_previous_run_config(resume_from)
     _check_peak_lr(cfg, ds, previous, resume_from)
     metrics_file = Path(cfg.run.output_dir) / METRICS_FILE

@@ -22,7 +22,7 @@ from scaletrain.flops import peak_tflops
 from scaletrain.generation import generate_samples
 from scaletrain.metrics import MetricsLogger, StepProfiler, ThroughputModel
 from scaletrain.preflight import (RUN_CONFIG_FILE, ResolvedRun, describe_launch, peak_lr, print_config,
-                                  print_memory_plan, resolve_run, write_run_folder)
+                                  print_memory_plan, resolve_run, resume_elsewhere, write_run_folder)
 from scaletrain.sampling import BatchRamp, GlobalOrder, StepBatches
 from scaletrain.schedules import LRSchedule, describe_schedule_change, restart_schedule, warmup_steps_for
 from scaletrain.faults import PreemptionFlag
@@ -104,9 +104,18 @@ class Run:
                 self.model, self.dist.pipeline_parallel_size, self.cfg.parallel.pipeline_partition)
 
     def prepare_resume(self) -> None:
-        """A checkpoint from another number of ranks, layout or offload is converted to DeepSpeed's universal format
-        first (global rank 0 converts; the others wait on the file system, before any process group exists)."""
-        if self.resolved.resume_from is not None and self.resolved.reshard:
+        """The checkpoint's files checked against their SHA-256 by every rank (a share each) before anything reads
+        them: a damaged one falls back, on every rank, to the previous committed checkpoint (or stops the run).
+        Then a checkpoint from another number of ranks, layout or offload is converted to DeepSpeed's universal
+        format (global rank 0 converts; the others wait on the file system, in no collective)."""
+        chosen = self.resolved.resume_from
+        if chosen is None:
+            return
+        verified = checkpoint.verified_resume_checkpoint(
+            chosen, self.cfg.checkpoint.resume_from_checkpoint == "auto", self.dist.rank, self.dist.world_size)
+        if verified != chosen:
+            self.resolved = resume_elsewhere(self.resolved, verified)
+        if self.resolved.reshard:
             checkpoint.ensure_universal(self.resolved.resume_from, self.dist.rank)
 
     def prepare_data(self) -> None:
@@ -209,8 +218,11 @@ class Run:
         self.state.wandb_run_id = self.metrics.wandb_run_id
 
     def save(self) -> Path:
+        planned = checkpoint.planned_checkpoint_bytes(self.resolved.n_params, self.resolved.ds.precision,
+                                                      self.resolved.ds.zero_stage, self.dist.tensor_parallel_size)
         return checkpoint.save_checkpoint(self.engine, self.cfg.run.output_dir, self.state, self.dist.rank,
-                                          self.cfg.checkpoint.save_total_limit, model_facts=self.resolved.model_facts)
+                                          self.cfg.checkpoint.save_total_limit, model_facts=self.resolved.model_facts,
+                                          planned_bytes=planned)
 
     def throughput_model(self) -> ThroughputModel:
         """FLOPs per token and the device peak, for TFLOP/s, MFU and HFU (the peak is calibrated on rank 0 only:

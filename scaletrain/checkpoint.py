@@ -369,6 +369,7 @@ def save_checkpoint(engine, output_dir: str, state: TrainState, rank: int, save_
             every_rank=True)
     if rank == 0:
         prune_checkpoints(root, save_total_limit, keep=final)
+        remove_universal_copies(root)
     barrier()
     log.info("saved checkpoint %s in %.2fs (of which SHA-256 %.2fs on rank %d)", final,
              time.perf_counter() - started, hashed, rank)
@@ -558,6 +559,16 @@ def ensure_universal(ckpt: Path, rank: int) -> Path:
     while not done.exists():
         time.sleep(1.0)
     return out
+
+
+def remove_universal_copies(root: Path) -> None:
+    """After a commit: a universal copy (as large as its checkpoint) is only read to resume, or roll back to, the
+    checkpoint it was converted from, and that one is no longer the newest; a resume from it converts again."""
+    universal = root / UNIVERSAL_DIR
+    if universal.is_dir():
+        size = sum(p.stat().st_size for p in universal.rglob("*") if p.is_file())
+        shutil.rmtree(universal, ignore_errors=True)
+        log.info("removed the universal checkpoint copies in %s (%.2f GB)", universal, size / 1e9)
 
 
 def prune_checkpoints(root: Path, limit: int, keep: Path) -> None:

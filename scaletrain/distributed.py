@@ -204,6 +204,35 @@ def any_rank(flag: bool) -> bool:
     return bool(tensor.item())
 
 
+def _grouped() -> bool:
+    import torch.distributed as torch_dist
+
+    return torch_dist.is_available() and torch_dist.is_initialized()
+
+
+def all_gather_objects(value) -> list:
+    """Every rank's `value`, in rank order (a collective; without a process group, [value])."""
+    if not _grouped():
+        return [value]
+    import torch.distributed as torch_dist
+
+    gathered = [None] * torch_dist.get_world_size()
+    torch_dist.all_gather_object(gathered, value)
+    return gathered
+
+
+def broadcast_from_main(value):
+    """Global rank 0's `value` on every rank (a collective; without a process group, `value`): a decision taken
+    once, so that ranks reading a shared file system at different moments cannot take different ones."""
+    if not _grouped():
+        return value
+    import torch.distributed as torch_dist
+
+    box = [value]
+    torch_dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
 def barrier() -> None:
     import deepspeed.comm as ds_comm
 

@@ -255,7 +255,9 @@ class Run:
     def rollback(self) -> None:
         """--max_consecutive_skips reached: back to the newest committed checkpoint, the data past the streak."""
         state = self.state
-        newest = checkpoint.newest_committed(self.cfg.run.output_dir)
+        # Chosen once, by rank 0: ranks scanning a shared folder at different moments could load different steps.
+        newest = distributed.broadcast_from_main(
+            checkpoint.newest_committed(self.cfg.run.output_dir) if self.dist.is_main else None)
         if newest is None:
             raise NonFiniteStop(f"step {state.step}: {state.consecutive_skips} updates skipped in a row and no "
                                 "committed checkpoint to roll back to; lower the learning rate or check the data "
@@ -290,7 +292,9 @@ class Run:
         if self.eval_batches:
             run_eval = self.pipeline_step.evaluate if self.pipeline_step else evaluate
             self.metrics.log({"step": self.state.step, **run_eval(self.engine, self.eval_batches)})
-        newest = checkpoint.newest_committed(self.cfg.run.output_dir)
+        # Decided once, by rank 0: ranks that disagreed about entering the collective save would hang in it.
+        newest = distributed.broadcast_from_main(
+            checkpoint.newest_committed(self.cfg.run.output_dir) if self.dist.is_main else None)
         if self.cfg.checkpoint.save_at_end and (newest is None or checkpoint.committed_step(newest) != self.state.step):
             self.save()
         if self.cfg.checkpoint.export_hf_at_end:

@@ -1,7 +1,8 @@
 """One DistInfo for every launcher (deepspeed, torchrun, srun, plain python), gathered once and passed down.
 
-`read_launch_env` reads the environment only (no torch), so a bad flag can be reported once, by rank 0,
-before any process group exists. `init_distributed` then builds the process group through DeepSpeed.
+`read_launch_env` reads the environment only (no torch), so a bad flag is found before any process group exists.
+`init_distributed` then builds the process group through DeepSpeed (every rank joins it, even one whose pre-flight
+failed, to tell the others: scaletrain.agreement).
 """
 
 from __future__ import annotations

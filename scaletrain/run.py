@@ -9,10 +9,10 @@ from functools import partial
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
-from scaletrain import (checkpoint, distributed, engine as engine_lib, model as model_lib, moe, pipeline,
+from scaletrain import (agreement, checkpoint, distributed, engine as engine_lib, model as model_lib, moe, pipeline,
                         sequence_parallel, store_prep, tokenstore)
 from scaletrain.blocks import MixedBlocks, PackedBlocks, blocks_from_store, eval_batches
-from scaletrain.errors import NonFiniteStop, UsageError
+from scaletrain.errors import NonFiniteStop, RunEnded, UsageError
 from scaletrain.distributed import DistInfo
 from scaletrain.logs import silence_library_logs
 from scaletrain.loop import LoopHooks, LoopSettings, PipelineStep, evaluate, train_loop
@@ -83,7 +83,11 @@ class Run:
         print_memory_plan(self.resolved)
 
     def init_distributed(self) -> None:
+        """The process group, then every rank's pre-flight verdict: a rank whose pre-flight failed joins too
+        (agreement.stop_with_the_others), so its mistake stops every rank here; the ranks also compare the resume
+        checkpoint, tokenizer and run configuration each found, before any rank acts on them."""
         self.dist = distributed.init_distributed(self.dist)
+        agreement.settle(self.dist, facts=agreement.preflight_facts(self.resolved))
         describe_launch(self.resolved, self.dist)
         seed_everything(self.cfg.optim.seed)
 
@@ -99,6 +103,17 @@ class Run:
         if self.dist.pipeline_parallel_size > 1:  # this rank keeps its stage's layers of the model it built
             self.model, self.pipeline_loss = pipeline.build_pipeline_module(
                 self.model, self.dist.pipeline_parallel_size, self.cfg.parallel.pipeline_partition)
+
+    def prepare_inputs(self) -> None:
+        """The resume conversion and the token store, then the ranks settle: a failure on any rank (a node whose
+        store could not be prepared) stops every rank, and so do token stores that differ between ranks."""
+        error = None
+        try:
+            self.prepare_resume()
+            self.prepare_data()
+        except RunEnded as err:
+            error = err
+        agreement.settle(self.dist, error, None if error else agreement.store_facts(self.stores))
 
     def prepare_resume(self) -> None:
         """A checkpoint from another number of ranks, layout or offload is converted to DeepSpeed's universal format

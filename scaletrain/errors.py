@@ -71,6 +71,15 @@ class TokenStoreFailed(RunEnded):
     reported_by = "nobody"
 
 
+class UniversalConversionFailed(RunEnded):
+    """Global rank 0 could not convert the checkpoint to resume into DeepSpeed's universal format. Rank 0 prints the
+    converter's output; a rank that waited for it (`waited`) says so once per node, from its local rank 0."""
+
+    def __init__(self, message: str, waited: bool = False):
+        super().__init__(message)
+        self.reported_by = "node" if waited else "every rank"
+
+
 class PeerStopped(RunEnded):
     """This rank's own phase went fine, another rank's did not: every rank stops with that rank's exit code, and
     global rank 0 (unless it has its own error to print) names the rank and host that stopped the run."""

@@ -117,7 +117,7 @@ class Run:
 
     def prepare_resume(self) -> None:
         """A checkpoint from another number of ranks, layout or offload is converted to DeepSpeed's universal format
-        first (global rank 0 converts; the others wait on the file system, before any process group exists)."""
+        first (global rank 0 converts; the others wait on the file system, with a way out if rank 0 fails)."""
         if self.resolved.resume_from is not None and self.resolved.reshard:
             checkpoint.ensure_universal(self.resolved.resume_from, self.dist.rank)
 

@@ -122,3 +122,54 @@ def test_a_mistake_on_one_node_is_printed_there_and_stops_every_node_at_once(tmp
     assert "Traceback" not in results[0][1] + results[1][1]
     assert not out.exists()
     assert elapsed < 180, f"{elapsed:.0f}s: the healthy node waited"
+
+
+UNIVERSAL_WAIT = """
+import os, sys, time
+from pathlib import Path
+import deepspeed
+from scaletrain.checkpoint import ensure_universal
+deepspeed.init_distributed(dist_backend="gloo", auto_mpi_discovery=False)
+started = time.monotonic()
+try:
+    ensure_universal(Path(sys.argv[1]), int(os.environ["RANK"]))
+except Exception as err:
+    print(f"ENDED after {time.monotonic() - started:.1f}s {type(err).__name__} "
+          f"reported_by={getattr(err, 'reported_by', None)}: {err}", flush=True)
+    sys.exit(1)
+print("CONVERTED", flush=True)
+"""
+
+
+@pytest.mark.slow  # DeepSpeed's converter and two ranks start: ~30 s
+def test_a_failed_universal_conversion_ends_every_rank_with_its_reason(tmp_path, cache_dir):
+    """Item 2: global rank 0's ds_to_universal fails (the step folder holds no DeepSpeed checkpoint). Before, the
+    other ranks polled for its done-marker forever."""
+    ckpt = tmp_path / "checkpoints" / "step4"
+    ckpt.mkdir(parents=True)
+    (ckpt / "train_state.json").write_text("{}\n")
+    port = free_port()
+    procs = [subprocess.Popen([sys.executable, "-c", UNIVERSAL_WAIT, str(ckpt)], cwd=REPO, text=True,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                              env={**subprocess_env(tmp_path / "cache"), "RANK": str(rank), "WORLD_SIZE": "2",
+                                   "LOCAL_RANK": str(rank), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)})
+             for rank in (0, 1)]
+    deadline, outputs = time.monotonic() + 240, []
+    try:
+        for proc in procs:
+            outputs.append(proc.communicate(timeout=max(1.0, deadline - time.monotonic())))
+    except subprocess.TimeoutExpired:
+        for proc in procs:
+            proc.kill()
+        pytest.fail("a rank still waits for the failed conversion:\n" + procs[1].communicate()[1][-3000:])
+    assert [p.returncode for p in procs] == [1, 1], outputs
+    converter, waiter = (out[out.index("ENDED"):] if "ENDED" in out else out for out, _ in outputs)
+    assert converter.startswith("ENDED") and "UniversalConversionFailed reported_by=every rank" in converter, \
+        outputs[0]
+    assert "can't find *_optim_states.pt files" in converter  # the converter's own output, for the user
+    assert f"converting {ckpt} to a universal checkpoint failed (DeepSpeed's ds_to_universal exited" in converter
+    assert waiter.startswith("ENDED") and "reported_by=node" in waiter, outputs[1]
+    assert f"waited for global rank 0's conversion of {ckpt} to a universal checkpoint: it failed (converting" \
+        in waiter
+    assert float(waiter.split()[2].rstrip("s")) < 60, waiter  # once rank 0 failed, not at some timeout
+    assert not (ckpt.parent / ".universal" / "step4.done").exists()

@@ -71,6 +71,13 @@ class TokenStoreFailed(RunEnded):
     reported_by = "nobody"
 
 
+class PreparerDied(TokenStoreFailed):
+    """Raised on a waiting rank when local rank 0 ended (killed: out of memory, a signal) while preparing the token
+    store, without leaving a failure marker: nobody else can say it, so every waiting rank does."""
+
+    reported_by = "every rank"
+
+
 class UniversalConversionFailed(RunEnded):
     """Global rank 0 could not convert the checkpoint to resume into DeepSpeed's universal format. Rank 0 prints the
     converter's output; a rank that waited for it (`waited`) says so once per node, from its local rank 0."""

@@ -123,7 +123,7 @@ class Run:
 
     def prepare_data(self) -> None:
         """Token stores: --data_path or --dataset_mix as given, or raw data prepared once (local rank 0 of each
-        node prepares; the others wait on the file system)."""
+        node prepares; the others wait on the file system, with a way out if it fails or dies)."""
         paths = [Path(p) for p in self.cfg.data.store_paths]
         if not paths:
             paths = [store_prep.ensure_token_store(

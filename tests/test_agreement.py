@@ -9,15 +9,19 @@ ranks stop by themselves, which is what a job needs where nothing else kills the
 from __future__ import annotations
 
 import json
+import os
+import signal
 import socket
 import subprocess
 import sys
 import time
 from pathlib import Path
 
+import psutil
 import pytest
 
-from tests.conftest import FAST_FLAGS, REPO, free_port, subprocess_env
+from tests.conftest import FAST_FLAGS, REPO, free_port, freeze, subprocess_env
+from tests.test_prepare_failures import write_corpus
 
 HOST = socket.gethostname()
 ZERO2 = REPO / "ds_configs" / "zero2.json"
@@ -173,3 +177,46 @@ def test_a_failed_universal_conversion_ends_every_rank_with_its_reason(tmp_path,
         in waiter
     assert float(waiter.split()[2].rstrip("s")) < 60, waiter  # once rank 0 failed, not at some timeout
     assert not (ckpt.parent / ".universal" / "step4.done").exists()
+
+
+@pytest.mark.slow  # two real ranks and a preparation long enough to be killed in: ~40 s
+def test_a_killed_preparer_under_srun_direct_mode_ends_the_waiting_rank(tmp_path, cache_dir):
+    """Item 2: local rank 0 is SIGKILLed (as the out-of-memory killer does) while it tokenizes; the ranks were
+    started as `srun python train.py` starts them (SLURM_* variables, no launcher to kill the others). Before,
+    local rank 1 polled for the store's manifest forever."""
+    corpus = write_corpus(tmp_path / "corpus.jsonl", 30_000)
+    cache = tmp_path / "cache"
+    args = ["--config", str(ZERO2), "--output_dir", str(tmp_path / "run"), "--train_file", str(corpus),
+            "--validation_split_percentage", "0", "--preprocessing_num_workers", "1", "--max_steps", "2", *FAST_FLAGS]
+    procs = start_ranks(cache, [REPO, REPO], args, slurm=True)
+    preparer, waiter = procs
+    stores = cache / "scaletrain" / "token_stores"
+    try:
+        deadline = time.monotonic() + 180
+        while not list(stores.glob(".*.tmp-*")):  # the store being written
+            assert preparer.poll() is None and waiter.poll() is None, [p.communicate() for p in procs]
+            assert time.monotonic() < deadline, "local rank 0 never started preparing"
+            time.sleep(0.05)
+        freeze(preparer.pid)  # stopped while it prepares: it cannot finish before the kill, however fast
+        assert not list(stores.glob("*/manifest.json"))
+        children = psutil.Process(preparer.pid).children(recursive=True)
+        os.kill(preparer.pid, signal.SIGKILL)
+        killed_at = time.monotonic()
+        for child in children:  # its tokenizer workers, if any (the OOM killer takes a process, not its pool)
+            child.kill()
+        try:
+            _, err = waiter.communicate(timeout=120)
+        except subprocess.TimeoutExpired:
+            pytest.fail("local rank 1 still waits for the killed preparer after 120 s")
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+    assert time.monotonic() - killed_at < 60, err[-3000:]
+    assert waiter.returncode == 1, err[-3000:]
+    lines = error_lines(err)
+    assert len(lines) == 1, err[-3000:]
+    assert lines[0].startswith(f"train.py: error: waited for local rank 0 (pid {preparer.pid}) to prepare the "
+                               "token store ")
+    assert "it ended without finishing it or saying why (killed? out of memory?)" in lines[0]
+    assert "Traceback" not in err, err[-3000:]

@@ -145,10 +145,8 @@ print("CONVERTED", flush=True)
 """
 
 
-@pytest.mark.slow  # DeepSpeed's converter and two ranks start: ~30 s
-def test_a_failed_universal_conversion_ends_every_rank_with_its_reason(tmp_path, cache_dir):
-    """Item 2: global rank 0's ds_to_universal fails (the step folder holds no DeepSpeed checkpoint). Before, the
-    other ranks polled for its done-marker forever."""
+def start_conversion(tmp_path: Path) -> tuple:
+    """Two ranks resuming a step folder that holds no DeepSpeed checkpoint: rank 0's converter fails on it."""
     ckpt = tmp_path / "checkpoints" / "step4"
     ckpt.mkdir(parents=True)
     (ckpt / "train_state.json").write_text("{}\n")
@@ -158,6 +156,14 @@ def test_a_failed_universal_conversion_ends_every_rank_with_its_reason(tmp_path,
                               env={**subprocess_env(tmp_path / "cache"), "RANK": str(rank), "WORLD_SIZE": "2",
                                    "LOCAL_RANK": str(rank), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)})
              for rank in (0, 1)]
+    return ckpt, procs
+
+
+@pytest.mark.slow  # DeepSpeed's converter and two ranks start: ~30 s
+def test_a_failed_universal_conversion_ends_every_rank_with_its_reason(tmp_path, cache_dir):
+    """Item 2: global rank 0's ds_to_universal fails (the step folder holds no DeepSpeed checkpoint). Before, the
+    other ranks polled for its done-marker forever."""
+    ckpt, procs = start_conversion(tmp_path)
     deadline, outputs = time.monotonic() + 240, []
     try:
         for proc in procs:
@@ -177,6 +183,44 @@ def test_a_failed_universal_conversion_ends_every_rank_with_its_reason(tmp_path,
         in waiter
     assert float(waiter.split()[2].rstrip("s")) < 60, waiter  # once rank 0 failed, not at some timeout
     assert not (ckpt.parent / ".universal" / "step4.done").exists()
+
+
+def is_converter(process: psutil.Process) -> bool:
+    try:
+        return any("ds_to_universal" in part for part in process.cmdline())
+    except psutil.Error:  # ended (or a zombie) while we looked
+        return False
+
+
+@pytest.mark.slow  # DeepSpeed's converter and two ranks start: ~30 s
+def test_a_rank_0_killed_while_converting_ends_the_waiting_rank(tmp_path, cache_dir):
+    """Item 2: global rank 0 is SIGKILLed while its converter runs, so it writes no failure marker: the waiting rank
+    sees the lock rank 0 held go free. Before, it polled for the done-marker forever."""
+    ckpt, (converter, waiter) = start_conversion(tmp_path)
+    try:
+        deadline, running = time.monotonic() + 180, []
+        while not running:
+            assert converter.poll() is None, converter.communicate()
+            assert time.monotonic() < deadline, "rank 0 never started the converter"
+            running = [c for c in psutil.Process(converter.pid).children(recursive=True) if is_converter(c)]
+            time.sleep(0.05)
+        os.kill(converter.pid, signal.SIGKILL)
+        killed_at = time.monotonic()
+        for child in running:
+            child.kill()
+        try:
+            out, err = waiter.communicate(timeout=120)
+        except subprocess.TimeoutExpired:
+            pytest.fail("rank 1 still waits for the killed rank 0 after 120 s")
+    finally:
+        for proc in (converter, waiter):
+            if proc.poll() is None:
+                proc.kill()
+    assert time.monotonic() - killed_at < 60
+    assert waiter.returncode == 1 and "ENDED" in out, err[-3000:]
+    assert out[out.index("ENDED"):].split(": ", 1)[1].strip() == (
+        f"waited for global rank 0's conversion of {ckpt} to a universal checkpoint: rank 0 ended without finishing "
+        "it (killed? out of memory?); see its node's log, then restart"), out
 
 
 @pytest.mark.slow  # two real ranks and a preparation long enough to be killed in: ~40 s

@@ -533,32 +533,96 @@ def universal_path(ckpt: Path) -> Path:
 
 
 def ensure_universal(ckpt: Path, rank: int) -> Path:
-    """Convert `ckpt` with DeepSpeed's ds_to_universal once (rank 0; the others wait for its done-marker)."""
-    import subprocess
+    """Convert `ckpt` with DeepSpeed's ds_to_universal once (global rank 0; the others wait for its done-marker).
 
+    Every way the wait can end is marked: rank 0 writes a failure marker when the conversion fails, and holds a
+    lock while it converts, which the waiters probe (a rank 0 killed by the out-of-memory killer releases it). A
+    barrier (the process group is up) orders rank 0's removal of an earlier attempt's markers, and its taking the
+    lock, before any rank looks."""
+    import fcntl
+
+    from scaletrain.distributed import barrier
     from scaletrain.ds_internals import universal_conversion_command
 
     out = universal_path(ckpt)
-    done = out.parent / f"{ckpt.name}.done"
+    done, failed, lock_path = (out.parent / f"{ckpt.name}.{kind}" for kind in ("done", "failed", "lock"))
     command = universal_conversion_command(ckpt, out)  # on every rank: a missing converter stops them all at once
-    if rank == 0 and not done.exists():
-        started = time.perf_counter()
-        shutil.rmtree(out, ignore_errors=True)
+    lock = None
+    if rank == 0:
         out.parent.mkdir(parents=True, exist_ok=True)
-        proc = subprocess.run(command, capture_output=True, text=True, check=False)  # its output goes in our error
-        if proc.returncode != 0:
-            raise RuntimeError(f"converting {ckpt} to a universal checkpoint failed:\n{proc.stdout[-3000:]}"
-                               f"\n{proc.stderr[-3000:]}")
-        if (ckpt / LAYER_MAP).exists():  # parameters named by pipeline layer: give them the model's names
-            from scaletrain.pipeline import rename_universal_parameters
-
-            rename_universal_parameters(out, json.loads((ckpt / LAYER_MAP).read_text()))
-        _write_atomically(done, "ok\n")
-        log.info("converted %s to a universal checkpoint (another rank count, layout or offload) in %.1fs", ckpt,
-                 time.perf_counter() - started)
-    while not done.exists():
-        time.sleep(1.0)
+        failed.unlink(missing_ok=True)
+        lock = open(lock_path, "w")
+        fcntl.flock(lock, fcntl.LOCK_EX)
+    barrier()
+    if rank == 0:
+        try:
+            if not done.exists():
+                _convert_to_universal(ckpt, out, command, done)
+        except BaseException as err:
+            _write_atomically(failed, json.dumps({"error": str(err) or type(err).__name__}) + "\n")
+            raise
+        finally:
+            lock.close()
+        return out
+    _wait_for_conversion(ckpt, done, failed, lock_path)
     return out
+
+
+def _convert_to_universal(ckpt: Path, out: Path, command: list, done: Path) -> None:
+    import subprocess
+
+    from scaletrain.errors import UniversalConversionFailed
+
+    started = time.perf_counter()
+    shutil.rmtree(out, ignore_errors=True)
+    proc = subprocess.run(command, capture_output=True, text=True, check=False)  # its output goes in our error
+    if proc.returncode != 0:
+        raise UniversalConversionFailed(
+            f"converting {ckpt} to a universal checkpoint failed (DeepSpeed's ds_to_universal exited "
+            f"{proc.returncode}); nothing was trained:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
+    if (ckpt / LAYER_MAP).exists():  # parameters named by pipeline layer: give them the model's names
+        from scaletrain.pipeline import rename_universal_parameters
+
+        rename_universal_parameters(out, json.loads((ckpt / LAYER_MAP).read_text()))
+    _write_atomically(done, "ok\n")
+    log.info("converted %s to a universal checkpoint (another rank count, layout or offload) in %.1fs", ckpt,
+             time.perf_counter() - started)
+
+
+def _held(lock_path: Path) -> bool:
+    """Whether some process holds the lock (a probe: taken and released at once when free)."""
+    import fcntl
+
+    try:
+        with open(lock_path) as probe:
+            fcntl.flock(probe, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return False  # closing the file releases it
+    except BlockingIOError:
+        return True
+    except FileNotFoundError:
+        return False
+
+
+def _wait_for_conversion(ckpt: Path, done: Path, failed: Path, lock_path: Path) -> None:
+    from scaletrain.errors import UniversalConversionFailed
+
+    what = f"global rank 0's conversion of {ckpt} to a universal checkpoint"
+    waited = 0.0
+    while not done.exists():
+        held = _held(lock_path)
+        if failed.exists():
+            try:
+                reason = json.loads(failed.read_text())["error"].splitlines()[0]
+            except (OSError, ValueError, KeyError, IndexError):
+                reason = "see global rank 0's output"
+            raise UniversalConversionFailed(f"waited for {what}: it failed ({reason})", waited=True)
+        if not held and not done.exists():  # rank 0 let go of the lock with neither marker: it was killed
+            raise UniversalConversionFailed(f"waited for {what}: rank 0 ended without finishing it (killed? out of "
+                                            "memory?); see its node's log, then restart", waited=True)
+        time.sleep(1.0)
+        waited += 1.0
+        if waited % 300 == 0:
+            log.warning("still waiting for %s (%.0f min)", what, waited / 60)
 
 
 def remove_universal_copies(root: Path) -> None:

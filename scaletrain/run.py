@@ -11,10 +11,10 @@ from functools import partial
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
-from scaletrain import (checkpoint, distributed, engine as engine_lib, model as model_lib, moe, pipeline,
+from scaletrain import (agreement, checkpoint, distributed, engine as engine_lib, model as model_lib, moe, pipeline,
                         publish, sequence_parallel, store_prep, tokenstore)
 from scaletrain.blocks import EvalBatches, MixedBlocks, PackedBlocks, blocks_from_store, eval_batches
-from scaletrain.errors import NonFiniteStop, UsageError
+from scaletrain.errors import NonFiniteStop, RunEnded, UsageError
 from scaletrain.distributed import DistInfo
 from scaletrain.logs import silence_library_logs
 from scaletrain.loop import LoopHooks, LoopSettings, PipelineStep, evaluate, train_loop
@@ -86,7 +86,11 @@ class Run:
         print_memory_plan(self.resolved)
 
     def init_distributed(self) -> None:
+        """The process group, then every rank's pre-flight verdict: a rank whose pre-flight failed joins too
+        (agreement.stop_with_the_others), so its mistake stops every rank here; the ranks also compare the resume
+        checkpoint, tokenizer and run configuration each found, before any rank acts on them."""
         self.dist = distributed.init_distributed(self.dist)
+        agreement.settle(self.dist, facts=agreement.preflight_facts(self.resolved))
         describe_launch(self.resolved, self.dist)
         seed_everything(self.cfg.optim.seed)
 
@@ -103,11 +107,22 @@ class Run:
             self.model, self.pipeline_loss = pipeline.build_pipeline_module(
                 self.model, self.dist.pipeline_parallel_size, self.cfg.parallel.pipeline_partition)
 
+    def prepare_inputs(self) -> None:
+        """The resume conversion and the token store, then the ranks settle: a failure on any rank (a node whose
+        store could not be prepared) stops every rank, and so do token stores that differ between ranks."""
+        error = None
+        try:
+            self.prepare_resume()
+            self.prepare_data()
+        except RunEnded as err:
+            error = err
+        agreement.settle(self.dist, error, None if error else agreement.store_facts(self.stores))
+
     def prepare_resume(self) -> None:
         """The checkpoint's files checked against their SHA-256 by every rank (a share each) before anything reads
         them: a damaged one falls back, on every rank, to the previous committed checkpoint (or stops the run).
         Then a checkpoint from another number of ranks, layout or offload is converted to DeepSpeed's universal
-        format (global rank 0 converts; the others wait on the file system, in no collective)."""
+        format (global rank 0 converts; the others wait on the file system, with a way out if rank 0 fails)."""
         chosen = self.resolved.resume_from
         if chosen is None:
             return
@@ -120,7 +135,7 @@ class Run:
 
     def prepare_data(self) -> None:
         """Token stores: --data_path or --dataset_mix as given, or raw data prepared once (local rank 0 of each
-        node prepares; the others wait on the file system)."""
+        node prepares; the others wait on the file system, with a way out if it fails or dies)."""
         paths = [Path(p) for p in self.cfg.data.store_paths]
         if not paths:
             paths = [store_prep.ensure_token_store(
@@ -278,7 +293,9 @@ class Run:
     def rollback(self) -> None:
         """--max_consecutive_skips reached: back to the newest committed checkpoint, the data past the streak."""
         state = self.state
-        newest = checkpoint.newest_committed(self.cfg.run.output_dir)
+        # Chosen once, by rank 0: ranks scanning a shared folder at different moments could load different steps.
+        newest = distributed.broadcast_from_main(
+            checkpoint.newest_committed(self.cfg.run.output_dir) if self.dist.is_main else None)
         if newest is None:
             raise NonFiniteStop(f"step {state.step}: {state.consecutive_skips} updates skipped in a row and no "
                                 "committed checkpoint to roll back to; lower the learning rate or check the data "
@@ -315,7 +332,9 @@ class Run:
             self.metrics.log({"step": self.state.step, **run_eval(self.engine, self.eval_batches)})
         if self.resolved.eval_prompts:
             self.generate_samples(self.state.step)
-        newest = checkpoint.newest_committed(self.cfg.run.output_dir)
+        # Decided once, by rank 0: ranks that disagreed about entering the collective save would hang in it.
+        newest = distributed.broadcast_from_main(
+            checkpoint.newest_committed(self.cfg.run.output_dir) if self.dist.is_main else None)
         if self.cfg.checkpoint.save_at_end and (newest is None or checkpoint.committed_step(newest) != self.state.step):
             self.save()
         if self.cfg.checkpoint.export_hf_at_end:

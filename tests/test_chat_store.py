@@ -9,6 +9,8 @@ The tiny test tokenizer has no chat template; the Mistral v0.2 template needs no
 from __future__ import annotations
 
 import json
+import traceback
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -22,7 +24,8 @@ from scaletrain.errors import UsageError
 from scaletrain.packing import best_fit_decreasing, blocks_for, pack_examples, print_samples
 from scaletrain.store_prep import default_store_path
 from scaletrain.tokenstore import open_store
-from tests.conftest import REPO, check_ok, subprocess_env
+from tests.conftest import REPO, check_ok, launch, read_metrics, subprocess_env
+from tests.test_bad_input import tree_digest
 
 TINY = REPO / "data" / "tiny-llama"
 CHATS = REPO / "tests" / "fixtures" / "chat" / "messages.jsonl"
@@ -275,3 +278,83 @@ def test_prepare_py_makes_the_chat_store_that_data_path_reads_with_its_template(
     chat = resolve_chat_data(parse_run_config(["--config", str(REPO / "ds_configs/zero2.json"), "--data_path",
                                                str(store)]).data, tokenizer)
     assert (chat.loss_mode, chat.template.text) == ("assistant_only", MISTRAL.read_text())  # the export carries it
+
+
+# --- bad input: one line, exit code 2, the output folder untouched ------------------------------------------------
+
+def write_jsonl(path: Path, rows: list) -> Path:
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+CHAT = [{"role": "user", "content": "Hi?"}, {"role": "assistant", "content": "Hello."}]
+BAD_INPUT = {
+    "no template anywhere": (lambda t: ["--train_file", str(CHATS), "--assistant_only_loss"],
+                             "data/tiny-llama has no chat template"),
+    "assistant-only loss on text": (
+        lambda t: ["--train_file", str(write_jsonl(t / "text.jsonl", [{"text": "plain text"}] * 4)),
+                   "--assistant_only_loss"], "--assistant_only_loss: --train_file"),
+    "samples of plain text": (
+        lambda t: ["--train_file", str(write_jsonl(t / "plain.jsonl", [{"text": "plain text"}] * 4)),
+                   "--print_samples", "2"], "--print_samples: --train_file"),
+    "unknown role in the first example": (
+        lambda t: ["--train_file", str(write_jsonl(t / "role.jsonl", [{"messages": [
+            {"role": "robot", "content": "Hi?"}, *CHAT[1:]]}] + [{"messages": CHAT}] * 3)),
+            "--chat_template", str(MISTRAL)], "example 0: messages[0] has role 'robot'"),
+    "unknown role deep in the file": (  # found when the store is prepared, before any model or process group
+        lambda t: ["--train_file", str(write_jsonl(t / "late.jsonl", [{"messages": CHAT}] * 5 + [{"messages": [
+            CHAT[0], {"role": "bot", "content": "Hello."}]}])), "--chat_template", str(MISTRAL)],
+        "example 5: messages[1] has role 'bot'"),
+    "nothing trained": (
+        lambda t: ["--train_file", str(write_jsonl(t / "mute.jsonl", [{"messages": CHAT[:1]}] * 4)),
+                   "--chat_template", str(MISTRAL), "--assistant_only_loss"],
+        f"chat data: no token of the 4 examples is trained with --chat_template {MISTRAL}"),
+}
+
+
+@pytest.mark.parametrize("name", list(BAD_INPUT))
+def test_bad_chat_input_is_one_line_exit_2_and_touches_nothing(name, tmp_path, offline, capsys):
+    from train import main
+
+    make_flags, expected = BAD_INPUT[name]
+    extra = make_flags(tmp_path)
+    out = tmp_path / "out"
+    before = tree_digest(out)
+    try:
+        code = main(["--config", str(REPO / "ds_configs/zero2.json"), "--output_dir", str(out),
+                     "--validation_split_percentage", "0", *extra])
+    except BaseException:
+        pytest.fail(f"{name}: raised instead of a clean error:\n{traceback.format_exc()}")
+    captured = capsys.readouterr()
+    assert code == 2, captured.out + captured.err
+    lines = [line for line in captured.err.strip().splitlines() if line.startswith(("train.py", "  hint"))]
+    assert 1 <= len(lines) <= 2 and lines[0].startswith("train.py: error: "), captured.err
+    assert expected in lines[0], lines
+    assert tree_digest(out) == before
+    stores = tmp_path / "cache" / "scaletrain" / "token_stores"
+    assert not any(p.name.startswith(".") or (p / "manifest.json").exists() for p in stores.glob("*")) \
+        if stores.exists() else True  # no store, and no half-written one, was kept
+
+
+# --- a real run ---------------------------------------------------------------------------------------------------
+
+@pytest.mark.slow
+def test_chat_run_trains_exactly_the_assistant_tokens_at_two_ranks(tmp_path, cache_dir, tokenizer):
+    """2 ranks (gloo, ZeRO-2), one epoch: the loop's count of trained tokens is the hand-found assistant tokens of
+    every conversation; the samples are printed; the export carries the chat template."""
+    out = tmp_path / "run"
+    proc = launch(REPO / "train.py", [
+        "--config", "ds_configs/zero2.json", "--output_dir", str(out), "--train_file", str(CHATS),
+        "--chat_template", str(MISTRAL), "--assistant_only_loss", "--print_samples", "2",
+        "--validation_split_percentage", "0", "--block_size", str(BLOCK), "--num_train_epochs", "1",
+        "--per_device_train_batch_size", "2", "--logging_steps", "1", "--disable_tqdm"],
+        "deepspeed", cache_dir, nprocs=2)
+    check_ok(proc)
+    hand_total = sum(sum(label != IGNORE_INDEX for label in hand_labels(*by_hand(m, tokenizer)))
+                     for m in conversations())
+    records = [r for r in read_metrics(out) if "loss" in r]
+    assert records and all(np.isfinite(r["loss"]) for r in records)
+    assert records[-1]["tokens_seen"] == hand_total
+    text = proc.stdout + proc.stderr
+    assert "[[" + conversations()[0][1]["content"] + "</s>]]" in text and "longer than the block" in text
+    assert AutoTokenizer.from_pretrained(out).chat_template == MISTRAL.read_text()

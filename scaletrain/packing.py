@@ -73,6 +73,7 @@ class PackedExamples:
     dropped: int = 0
     isolate_documents: bool = True  # always: examples never see each other
     bin_targets: np.ndarray = field(init=False)
+    _n_tokens: int = field(init=False)
 
     def __post_init__(self):
         # Targets of an example: its masked tokens but the first (cumulative sums, no loop over tokens).
@@ -83,13 +84,14 @@ class PackedExamples:
             s, n = self.starts[packed], self.lengths[packed]
             per_example[packed] = trained[s + n] - trained[s + 1]
         self.bin_targets = np.array([per_example[b].sum() for b in self.bins], dtype=np.int64)
+        self._n_tokens = int(self.lengths[packed].sum())
 
     def __len__(self) -> int:
         return len(self.bins)
 
     @property
     def n_tokens(self) -> int:
-        return int(sum(self.lengths[e] for b in self.bins for e in b))
+        return self._n_tokens
 
     @property
     def n_documents(self) -> int:

@@ -341,12 +341,14 @@ def test_bad_chat_input_is_one_line_exit_2_and_touches_nothing(name, tmp_path, o
 @pytest.mark.slow
 def test_chat_run_trains_exactly_the_assistant_tokens_at_two_ranks(tmp_path, cache_dir, tokenizer):
     """2 ranks (gloo, ZeRO-2), one epoch: the loop's count of trained tokens is the hand-found assistant tokens of
-    every conversation; the samples are printed; the export carries the chat template."""
+    every conversation; the validation file is evaluated; the samples are printed; the export carries the chat
+    template."""
     out = tmp_path / "run"
     proc = launch(REPO / "train.py", [
         "--config", "ds_configs/zero2.json", "--output_dir", str(out), "--train_file", str(CHATS),
         "--chat_template", str(MISTRAL), "--assistant_only_loss", "--print_samples", "2",
-        "--validation_split_percentage", "0", "--block_size", str(BLOCK), "--num_train_epochs", "1",
+        "--validation_file", str(CHATS), "--validation_split_percentage", "0", "--block_size", str(BLOCK),
+        "--num_train_epochs", "1",
         "--per_device_train_batch_size", "2", "--logging_steps", "1", "--disable_tqdm"],
         "deepspeed", cache_dir, nprocs=2)
     check_ok(proc)
@@ -355,6 +357,8 @@ def test_chat_run_trains_exactly_the_assistant_tokens_at_two_ranks(tmp_path, cac
     records = [r for r in read_metrics(out) if "loss" in r]
     assert records and all(np.isfinite(r["loss"]) for r in records)
     assert records[-1]["tokens_seen"] == hand_total
+    evaluated = [r["eval_loss"] for r in read_metrics(out) if "eval_loss" in r]  # whole-example validation blocks
+    assert evaluated and np.isfinite(evaluated[-1])
     text = proc.stdout + proc.stderr
     assert "[[" + conversations()[0][1]["content"] + "</s>]]" in text and "longer than the block" in text
     assert AutoTokenizer.from_pretrained(out).chat_template == MISTRAL.read_text()

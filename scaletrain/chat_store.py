@@ -270,6 +270,12 @@ def prepare_chat_store(data: DataArgs, tokenizer, block_size: int, store: Path, 
     return store
 
 
+def store_plan(data: DataArgs, tokenizer, block_size: int, chat: ChatData, show_progress: bool) -> dict:
+    """store_prep.ensure_token_store's arguments for a chat store: its fingerprint, and how to prepare it."""
+    return {"fingerprint": chat_fingerprint(data, tokenizer, block_size, chat),
+            "prepare": lambda store: prepare_chat_store(data, tokenizer, block_size, store, chat, show_progress)}
+
+
 def attach_masks(opened: dict, store: Path) -> dict:
     """A chat store's masks beside its opened splits (`opened["masks"]`); a plain store is returned as it is."""
     if not is_chat_store(opened):

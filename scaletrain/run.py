@@ -116,9 +116,12 @@ class Run:
         node prepares; the others wait on the file system)."""
         paths = [Path(p) for p in self.cfg.data.store_paths]
         if not paths:
+            chat = self.resolved.chat and chat_store.store_plan(  # chat data: tokens and a loss mask
+                self.cfg.data, self.resolved.tokenizer, self.resolved.block_size, self.resolved.chat,
+                show_progress=self.dist.is_main)
             paths = [store_prep.ensure_token_store(
                 self.cfg.data, self.resolved.tokenizer, self.cfg.model.tokenizer_source, self.resolved.block_size,
-                self.dist.local_rank, show_progress=self.dist.is_main, chat=self.resolved.chat)]
+                self.dist.local_rank, show_progress=self.dist.is_main, **(chat or {}))]
         self.stores = [tokenstore.open_store(p) for p in paths]
         self.stores = [chat_store.attach_masks(s, p) for s, p in zip(self.stores, paths, strict=True)]  # chat data
         log.info("token store(s): %s", ", ".join(map(str, paths)))

@@ -88,23 +88,18 @@ def _read_failure(path: Path) -> Optional[dict]:
 
 
 def ensure_token_store(data: DataArgs, tokenizer, tokenizer_dir: str, block_size: int, local_rank: int,
-                       show_progress: bool, chat=None) -> Path:
+                       show_progress: bool, fingerprint=None, prepare=None) -> Path:
     """Raw data given to train.py: local rank 0 of each node prepares the store (under a file lock, so nodes
     sharing a file system prepare it once); the other ranks wait for its manifest by polling the file system,
     with no collective and so no timeout however long preparation takes. Runs before any process group exists.
+    Another kind of store (chat data: scaletrain/chat_store.py) comes with its `fingerprint` and `prepare(store)`.
     """
     import fcntl
     import socket
 
     from scaletrain.tokenstore import MANIFEST
 
-    if chat is not None:  # chat data (scaletrain/chat_store.py): rendered with a template, a loss mask beside
-        from scaletrain.chat_store import chat_fingerprint, prepare_chat_store
-
-        fingerprint = chat_fingerprint(data, tokenizer, block_size, chat)
-    else:
-        fingerprint = store_fingerprint(data, tokenizer, block_size)
-    store = default_store_path(fingerprint)
+    store = default_store_path(fingerprint or store_fingerprint(data, tokenizer, block_size))
     store.parent.mkdir(parents=True, exist_ok=True)
     # One marker per node: on a shared file system each node's local rank 0 reports to its own node's ranks.
     failed = store.parent / f"{store.name}.{socket.gethostname()}.failed"
@@ -113,8 +108,8 @@ def ensure_token_store(data: DataArgs, tokenizer, tokenizer_dir: str, block_size
             fcntl.flock(lock, fcntl.LOCK_EX)
             failed.unlink(missing_ok=True)
             try:
-                if chat is not None:
-                    return prepare_chat_store(data, tokenizer, block_size, store, chat, show_progress)
+                if prepare is not None:
+                    return prepare(store)
                 return prepare_token_store(data, tokenizer, tokenizer_dir, block_size, store,
                                            data.preprocessing_num_workers, show_progress)
             except BaseException as err:

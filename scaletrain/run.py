@@ -13,7 +13,8 @@ from typing import Any, Optional, Sequence
 
 from scaletrain import (agreement, checkpoint, distributed, engine as engine_lib, model as model_lib, moe, pipeline,
                         publish, sequence_parallel, store_prep, tokenstore)
-from scaletrain.blocks import EvalBatches, MixedBlocks, PackedBlocks, blocks_from_store, eval_batches
+from scaletrain import chat_store, packing
+from scaletrain.blocks import EvalBatches, MixedBlocks, PackedBlocks, eval_batches
 from scaletrain.errors import NonFiniteStop, RunEnded, UsageError
 from scaletrain.distributed import DistInfo
 from scaletrain.logs import silence_library_logs
@@ -102,7 +103,8 @@ class Run:
         if self.dist.sequence_parallel_size > 1:
             sequence_parallel.register_ulysses(self.model, self.dist.sequence_parallel_size,
                                                self.resolved.ds.config["train_micro_batch_size_per_gpu"],
-                                               self.resolved.block_size, self.cfg.data.attention_isolation)
+                                               self.resolved.block_size,
+                                               self.cfg.data.attention_isolation or self.resolved.chat is not None)
         if self.dist.pipeline_parallel_size > 1:  # this rank keeps its stage's layers of the model it built
             self.model, self.pipeline_loss = pipeline.build_pipeline_module(
                 self.model, self.dist.pipeline_parallel_size, self.cfg.parallel.pipeline_partition)
@@ -138,21 +140,27 @@ class Run:
         node prepares; the others wait on the file system, with a way out if it fails or dies)."""
         paths = [Path(p) for p in self.cfg.data.store_paths]
         if not paths:
+            chat = self.resolved.chat and chat_store.store_plan(  # chat data: tokens and a loss mask
+                self.cfg.data, self.resolved.tokenizer, self.resolved.block_size, self.resolved.chat,
+                show_progress=self.dist.is_main)
             paths = [store_prep.ensure_token_store(
                 self.cfg.data, self.resolved.tokenizer, self.cfg.model.tokenizer_source, self.resolved.block_size,
-                self.dist.local_rank, show_progress=self.dist.is_main, seed=self.cfg.optim.seed)]
+                self.dist.local_rank, show_progress=self.dist.is_main, seed=self.cfg.optim.seed, **(chat or {}))]
         self.stores = [tokenstore.open_store(p) for p in paths]
+        self.stores = [chat_store.attach_masks(s, p) for s, p in zip(self.stores, paths, strict=True)]  # chat data
         log.info("token store(s): %s", ", ".join(map(str, paths)))
 
     def build_data(self) -> None:
         """Packed blocks from the stores, this rank's view of the global order, the LR schedule's length and the
         fixed evaluation set."""
         data, optim, dist, size = self.cfg.data, self.cfg.optim, self.dist, self.resolved.block_size
-        train = [blocks_from_store(s, "train", size, data.attention_isolation) for s in self.stores]
+        train = [packing.blocks_for(s, "train", size, data) for s in self.stores]  # chat data: whole examples
         if any(t is None for t in train):
             raise UsageError(f"{data.data_path or data.dataset_mix or data.train_data_file or data.dataset_name}: "
                              "no training tokens", "give data with at least one non-empty document")
         self.train_blocks = MixedBlocks(train, [w for _, w in data.mix], optim.seed) if data.mix else train[0]
+        if data.print_samples and isinstance(train[0], packing.PackedExamples):
+            packing.print_samples(train[0], data.print_samples, self.resolved.tokenizer)
         # Batch sizes as DeepSpeed will use them: an explicit JSON value stands where the flag was not typed.
         micro = self.resolved.ds.config["train_micro_batch_size_per_gpu"]
         accumulation = self.resolved.ds.config["gradient_accumulation_steps"]
@@ -172,7 +180,7 @@ class Run:
         if changed and dist.is_main:  # every rank computes the same: say it once
             log.warning(changed)
         # Every store's validation blocks, the same fixed set on every run (each rank the same number of batches).
-        validation = [blocks_from_store(s, "validation", size, data.attention_isolation) for s in self.stores]
+        validation = [packing.blocks_for(s, "validation", size, data) for s in self.stores]
         self.eval_batches = EvalBatches.chain([
             eval_batches(blocks, optim.per_device_eval_batch_size, dist.dp_rank, dist.dp_world_size,
                          self.cfg.logging.max_eval_samples) for blocks in validation if blocks is not None]) or None

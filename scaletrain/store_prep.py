@@ -175,19 +175,20 @@ def _read_failure(path: Path) -> Optional[dict]:
 
 
 def ensure_token_store(data: DataArgs, tokenizer, tokenizer_dir: str, block_size: int, local_rank: int,
-                       show_progress: bool, seed: int = DEFAULT_SEED) -> Path:
+                       show_progress: bool, seed: int = DEFAULT_SEED, fingerprint=None, prepare=None) -> Path:
     """Raw data given to train.py: local rank 0 of each node prepares the store (under a file lock, so nodes
     sharing a file system prepare it once); the other ranks wait for its manifest by polling the file system,
     with no collective and so no timeout however long preparation takes. The wait has two ways out: the failure
     marker local rank 0 writes when the preparation fails, and a lock it holds while it prepares, which a killed
     preparer (the out-of-memory killer, a signal) releases: under `srun` no launcher stops the waiting ranks.
+    Another kind of store (chat data: scaletrain/chat_store.py) comes with its `fingerprint` and `prepare(store)`.
     """
     import fcntl
     import socket
 
     from scaletrain.tokenstore import MANIFEST
 
-    store = default_store_path(store_fingerprint(data, tokenizer, block_size, seed))
+    store = default_store_path(fingerprint or store_fingerprint(data, tokenizer, block_size, seed))
     store.parent.mkdir(parents=True, exist_ok=True)
     # One marker per node: on a shared file system each node's local rank 0 reports to its own node's ranks.
     failed = store.parent / f"{store.name}.{socket.gethostname()}.failed"
@@ -201,6 +202,8 @@ def ensure_token_store(data: DataArgs, tokenizer, tokenizer_dir: str, block_size
             fcntl.flock(lock, fcntl.LOCK_EX)
             failed.unlink(missing_ok=True)
             try:
+                if prepare is not None:
+                    return prepare(store)
                 return prepare_token_store(data, tokenizer, tokenizer_dir, block_size, store,
                                            data.preprocessing_num_workers, show_progress, seed)
             except BaseException as err:

@@ -1,8 +1,9 @@
 """scaletrain.launcher, for real: a SIGTERM to the launcher (not the ranks) of a 2-rank gloo run saves and exits 85.
 
 DeepSpeed's own `deepspeed` command dies at once on a SIGTERM and leaves the ranks running, never told (exit 143),
-and its launch.py, when it is the one signalled, stops the ranks and exits 1 even when they saved: these tests fail
-with `deepspeed` in LAUNCHER's place.
+and its launch.py, when it is the one signalled, stops the ranks and exits 1 even when they saved: the train.py
+tests fail with `deepspeed` in LAUNCHER's place. The other tests run DeepSpeed's real launcher over a stand-in rank
+(tests/helpers/toy_rank.py: the pipeline's preemption flag and record, no model).
 """
 
 from __future__ import annotations
@@ -19,9 +20,10 @@ import pytest
 
 from tests.conftest import REPO, check_ok, free_port, logged_steps, read_metrics, subprocess_env
 
-pytestmark = pytest.mark.slow
+pytestmark = pytest.mark.slow  # the stand-in rank tests too: DeepSpeed's launcher alone takes 15-20 s here
 LAUNCHER = [sys.executable, "-m", "scaletrain.launcher"]  # the documented command: `deepspeed`'s arguments
 STEPS = 64
+TOY_RANK = REPO / "tests" / "helpers" / "toy_rank.py"
 
 
 def flags(run_dir: Path) -> list:
@@ -107,3 +109,51 @@ def test_sigterm_to_every_process_of_the_launch_still_saves_and_exits_85(tmp_pat
         p.send_signal(signal.SIGTERM)
     output = finish(proc)
     check_saved_and_resumes(proc, output, run_dir, signalled_at, cache_dir)
+
+
+def start_toy(cache: Path, **env: str) -> subprocess.Popen:
+    cmd = [*LAUNCHER, "--num_gpus", "2", "--master_port", str(free_port()), str(TOY_RANK)]
+    return subprocess.Popen(cmd, cwd=REPO, env={**subprocess_env(cache), **env}, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+
+
+def toy_ranks(proc: subprocess.Popen, timeout: float = 120) -> list:
+    deadline = time.monotonic() + timeout
+    while True:
+        ranks = [p for p in psutil.Process(proc.pid).children(recursive=True) if str(TOY_RANK) in p.cmdline()]
+        if len(ranks) == 2:
+            return ranks
+        assert proc.poll() is None and time.monotonic() < deadline, "the ranks did not start"
+        time.sleep(0.05)
+
+
+@pytest.mark.parametrize("code", [0, 3])
+def test_without_a_signal_the_ranks_exit_code_is_the_launchers(code, tmp_path):
+    """A finished run (0) and a failed one (3, a non-finite stop) are not turned into a requeue, or into 1."""
+    proc = start_toy(tmp_path, TOY_EXIT=str(code))
+    output = finish(proc, timeout=120)
+    assert proc.returncode == code, output[-3000:]
+
+
+def test_a_signal_before_the_ranks_handler_is_installed_is_relayed_again(tmp_path):
+    """A SIGTERM while the ranks still start up (their SIGUSR1 ignored until the flag is installed) neither kills
+    them nor is lost: the relay repeats until they take it, save and exit 85."""
+    proc = start_toy(tmp_path, TOY_STARTUP_S="3")
+    toy_ranks(proc)
+    proc.send_signal(signal.SIGTERM)
+    output = finish(proc, timeout=120)
+    assert proc.returncode == 85, output[-3000:]
+    assert "rank 0 got SIGUSR1" in output and "rank 1 got SIGUSR1" in output, output[-3000:]
+
+
+def test_ctrl_c_to_the_launcher_still_stops_the_run(tmp_path):
+    """DeepSpeed's launcher runs in a session of its own: SIGINT is passed on, as a terminal would have sent it."""
+    proc = start_toy(tmp_path, TOY_READY_DIR=str(tmp_path))
+    deadline = time.monotonic() + 120
+    while not all((tmp_path / f"rank{rank}").exists() for rank in (0, 1)):
+        assert proc.poll() is None and time.monotonic() < deadline, "the ranks did not start"
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGINT)
+    output = finish(proc, timeout=120)
+    assert proc.returncode not in (0, 85), output[-3000:]
+    assert "KeyboardInterrupt" in output, output[-3000:]

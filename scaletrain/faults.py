@@ -5,15 +5,31 @@ in the handler: a save started inside a signal handler would interleave with the
 boundary the ranks all-reduce the flag (loop.agree_step), so they all save the same step even when one rank got
 the signal.
 The run then exits with errors.SAVED_REQUEUE_EXIT_CODE (85), which a job script reads as "saved, please requeue".
+
+A signal sent to the launcher instead of the ranks: scaletrain.launcher relays it to the ranks as SIGUSR1 and reads
+the record each rank leaves once the preemption checkpoint is committed (record_preemption_saved), so that it can
+exit 85 even when DeepSpeed's launch.py, signalled too, reports 1.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import signal
 
 log = logging.getLogger(__name__)
 PREEMPTION_SIGNALS = (signal.SIGUSR1, signal.SIGTERM)
+RANK_PREEMPTION_SIGNAL = signal.SIGUSR1  # what scaletrain.launcher sends the ranks (DeepSpeed's launcher ignores it)
+PREEMPTION_RECORD_ENV = "SCALETRAIN_PREEMPTION_RECORD"  # set by scaletrain.launcher: the file the ranks append to
+
+
+def record_preemption_saved(step: int) -> None:
+    """After the preemption checkpoint of `step` is committed (every rank is past the commit's last barrier): one
+    line in the launcher's record, if a scaletrain.launcher started this rank."""
+    path = os.environ.get(PREEMPTION_RECORD_ENV)
+    if path:
+        with open(path, "a") as record:
+            record.write(f"checkpoint of step {step} committed (pid {os.getpid()})\n")
 
 
 class PreemptionFlag:

@@ -35,7 +35,7 @@ from typing import Any
 
 from scaletrain.blocks import IGNORE_INDEX, EvalBatches
 from scaletrain.errors import Preempted
-from scaletrain.faults import PreemptionFlag
+from scaletrain.faults import PreemptionFlag, record_preemption_saved
 from scaletrain.metrics import (
     LogWindow,
     MetricsLogger,
@@ -476,6 +476,7 @@ def _log_window(engine, window: LogWindow, bar, state: TrainState, settings: Loo
 
 def _save_for_preemption(step: int, settings: LoopSettings, hooks: LoopHooks, timers: StepTimers) -> None:
     seconds = timers.timed_save(hooks.save)
+    record_preemption_saved(step)  # for scaletrain.launcher, which may not see the ranks' exit code 85
     log.info("preemption (%s): checkpoint committed at step %d in %.1fs", hooks.preemption.signal_name or
              "signal on another rank", step, seconds)
     if seconds > settings.preemption_grace_seconds:

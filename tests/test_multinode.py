@@ -114,7 +114,8 @@ def test_sbatch_two_nodes_trains_commits_and_exports(slurm, tmp_path):
     assert metric_steps(run_dir) == [2, 4, 6]
 
 
-def test_preemption_signal_saves_requeues_once_and_resumes(slurm, tmp_path):
+@pytest.mark.parametrize("batch_signal", ["USR1", "TERM"])  # TERM: a scheduler that signals the batch step
+def test_preemption_signal_saves_requeues_once_and_resumes(batch_signal, slurm, tmp_path):
     run_dir = tmp_path / "run"
     job = slurm.submit(["--nodes=2", str(SBATCH)], [*TRAIN_FLAGS, "--output_dir", str(run_dir), "--max_steps", "40",
                                                     "--logging_steps", "1"])
@@ -132,7 +133,7 @@ def test_preemption_signal_saves_requeues_once_and_resumes(slurm, tmp_path):
     assert stopped_at + 2 < 40
     # What --signal=B:USR1@lead does at the lead time, delivered now (the scheduler's own timing is +-60 s): the
     # batch script forwards it to the job steps; once it waits in both stopped ranks, they may go on.
-    subprocess.run(["scancel", "--batch", "--signal=USR1", job], env=slurm.env, check=True)
+    subprocess.run(["scancel", "--batch", f"--signal={batch_signal}", job], env=slurm.env, check=True)
     deadline = time.monotonic() + 60
     while not all(signal_pending(pid, signal.SIGUSR1) for pid in ranks):
         assert time.monotonic() < deadline, f"SIGUSR1 did not reach both ranks\n{slurm.log(job)[-4000:]}"

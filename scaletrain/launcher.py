@@ -1,0 +1,156 @@
+"""`python -m scaletrain.launcher`: the `deepspeed` command with a preemption path for signals sent to the launcher.
+
+It takes the `deepspeed` command's arguments unchanged and runs DeepSpeed's launcher (deepspeed.launcher.runner)
+under it. Why a wrapper: DeepSpeed 0.19.8's launcher has no preemption path of its own. A SIGTERM to the `deepspeed`
+process kills it at once and leaves its per-node launch.py and the ranks running, never told; a SIGTERM to
+launch.py SIGTERMs the ranks one by one, SIGKILLs each after 30 s and exits 1 even when they saved and exited 85.
+
+Here a SIGTERM or SIGUSR1 to the launcher becomes SIGUSR1 to each rank process (the children of DeepSpeed's
+launch.py on this host), repeated every RELAY_INTERVAL_S until the run ends, so a rank still starting up (whose
+handler is not installed yet and which ignores SIGUSR1 meanwhile) gets it once it is. The ranks agree, save and
+exit 85 as for a signal of their own (scaletrain.faults). DeepSpeed's launcher runs in a session of its own and
+ignores SIGUSR1, so no signal meant for the job reaches it through this process's group; SIGINT (Ctrl-C) is passed
+to that session as a terminal would have, and stops the run as before.
+
+Where the scheduler signals every process at once (Slurm's time limit or `scancel`, through its process tracking),
+launch.py gets the SIGTERM too and gives the ranks its 30 s: the ranks record a committed preemption save in the
+file named by faults.PREEMPTION_RECORD_ENV, and this launcher exits 85 on that record whatever DeepSpeed's
+launcher reports. Without a record the launcher's own exit code passes through (128 + N for a signal N).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import psutil
+
+from scaletrain.errors import SAVED_REQUEUE_EXIT_CODE
+from scaletrain.faults import PREEMPTION_RECORD_ENV, RANK_PREEMPTION_SIGNAL
+
+log = logging.getLogger("scaletrain.launcher")
+RELAY_INTERVAL_S = 5.0
+DEEPSPEED_LAUNCH_MODULE = "deepspeed.launcher.launch"  # the per-node process whose children are the ranks
+
+
+def rank_processes(group: int) -> list:
+    """The rank processes of the DeepSpeed launch in process group `group`: the children of its launch.py.
+
+    Found by process group rather than as descendants of the runner, because under Slurm the runner may already be
+    gone (a SIGTERM to every process kills it) while launch.py and the ranks still run.
+    """
+    ranks = []
+    for proc in psutil.process_iter(["cmdline"]):
+        try:
+            if DEEPSPEED_LAUNCH_MODULE in (proc.info["cmdline"] or []) and os.getpgid(proc.pid) == group:
+                ranks.extend(proc.children())
+        except (psutil.Error, ProcessLookupError):
+            continue  # ended while we looked
+    return ranks
+
+
+class SignalRelay:
+    """Turns a preemption signal to this process into SIGUSR1 to the ranks, repeated until the run ends.
+
+    The handlers only take note: the relay itself (a scan of the process table) runs in the wait loop.
+    """
+
+    def __init__(self):
+        self.runner = None  # DeepSpeed's runner, once started
+        self.requested = None  # the name of the first preemption signal received
+        self._last_relay = None
+        self._warned = False
+
+    def install(self, *signals: int) -> None:
+        for sig in signals:
+            signal.signal(sig, self._interrupt if sig == signal.SIGINT else self._preempt)
+
+    def _preempt(self, signum, frame) -> None:
+        if self.requested is None:
+            self.requested = signal.Signals(signum).name
+            log.warning("launcher: %s: asking the ranks to save at the next step boundary (exit %d once saved)",
+                        self.requested, SAVED_REQUEUE_EXIT_CODE)
+
+    def _interrupt(self, signum, frame) -> None:
+        if self.runner is None:
+            raise KeyboardInterrupt
+        try:
+            os.killpg(self.runner.pid, signal.SIGINT)  # what Ctrl-C in a terminal does to a launcher in the foreground
+        except ProcessLookupError:
+            pass
+
+    def relay_if_due(self) -> None:
+        """SIGUSR1 to every rank on this host, at once and then every RELAY_INTERVAL_S (a rank handles it as often
+        as it comes; one still starting up ignores it until its handler is installed)."""
+        now = time.monotonic()
+        if self.requested is None or (self._last_relay is not None and now - self._last_relay < RELAY_INTERVAL_S):
+            return
+        self._last_relay = now
+        ranks = rank_processes(self.runner.pid)
+        if not ranks and not self._warned:
+            self._warned = True
+            log.warning("launcher: no rank process of DeepSpeed's launch.py on this host yet (still starting, or a "
+                        "multi-node launch through ssh: start this launcher on every node with --no_ssh, as "
+                        "scripts/train.sbatch does); trying again every %.0fs", RELAY_INTERVAL_S)
+        for rank in ranks:
+            try:
+                rank.send_signal(RANK_PREEMPTION_SIGNAL)
+            except psutil.NoSuchProcess:
+                pass
+
+
+def wait_for_run(runner: subprocess.Popen, relay: SignalRelay) -> int:
+    """The runner's exit status, once no process of its group is left (launch.py and the ranks outlive a runner
+    that a SIGTERM to every process killed)."""
+    while runner.poll() is None or _group_alive(runner.pid):
+        relay.relay_if_due()
+        time.sleep(0.2)
+    return runner.returncode if runner.returncode >= 0 else 128 - runner.returncode
+
+
+def _group_alive(group: int) -> bool:
+    try:
+        os.waitpid(-1, os.WNOHANG)  # orphans of the group reparent to us where we are PID 1 (a container): reap them
+    except ChildProcessError:
+        pass
+    try:
+        os.killpg(group, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+def exit_code(runner_code: int, record: Path) -> int:
+    """85 when a rank recorded a committed preemption save; otherwise DeepSpeed's launcher's exit code."""
+    saved = record.read_text().split("\n")[0] if record.exists() else ""
+    if saved:
+        log.warning("launcher: the ranks saved for preemption (%s); exit %d", saved, SAVED_REQUEUE_EXIT_CODE)
+        return SAVED_REQUEUE_EXIT_CODE
+    return runner_code
+
+
+def main(argv: list) -> int:
+    logging.basicConfig(format="[%(asctime)s] %(message)s", level=logging.INFO)
+    with tempfile.TemporaryDirectory(prefix="scaletrain-launcher-") as folder:
+        record = Path(folder) / "preempted"
+        env = {**os.environ, PREEMPTION_RECORD_ENV: str(record)}
+        relay = SignalRelay()
+        relay.install(signal.SIGTERM, signal.SIGINT)  # reset to the default in the child when it execs
+        # SIGUSR1 is ignored in DeepSpeed's launcher processes (an ignored signal stays ignored across exec; the
+        # ranks install their own handler): Slurm's `scancel --signal=USR1` reaches every process of the step, and
+        # its default action would kill them. So it is ignored here until the runner is started.
+        signal.signal(RANK_PREEMPTION_SIGNAL, signal.SIG_IGN)
+        relay.runner = subprocess.Popen([sys.executable, "-u", "-m", "deepspeed.launcher.runner", *argv], env=env,
+                                        start_new_session=True)
+        relay.install(RANK_PREEMPTION_SIGNAL)
+        return exit_code(wait_for_run(relay.runner, relay), record)
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

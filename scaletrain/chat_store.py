@@ -165,7 +165,9 @@ def chat_fingerprint(data: DataArgs, tokenizer, block_size: int, chat: ChatData)
     from scaletrain.store_prep import store_fingerprint
 
     base = store_fingerprint(data, tokenizer, block_size)
-    fields = {name: getattr(base, name) for name in base.__dataclass_fields__ if name != "packing"}
+    # No held-out draw: a chat store's validation comes from --validation_file only (nor does --seed change it).
+    fields = {name: getattr(base, name) for name in base.__dataclass_fields__ if name not in ("packing", "held_out")}
+    fields["held_out"] = None
     return ChatFingerprint(**fields, chat_template_sha256=chat.template.sha256 if chat.template else None,
                            loss_mode=chat.loss_mode)
 
@@ -246,25 +248,34 @@ def write_chat_store(splits: dict, tokenizer, fingerprint: ChatFingerprint, chat
 def prepare_chat_store(data: DataArgs, tokenizer, block_size: int, store: Path, chat: ChatData,
                        show_progress: bool = True) -> Path:
     """Render the run's chat data into `store`, or reuse the store there when it was made from the same input,
-    template and loss mode."""
+    template and loss mode. As for a text store: one preparer at a time (the leftovers of a killed one removed), and
+    the local corpus's Arrow copy in a scratch folder removed afterwards, not in the Hugging Face cache."""
     from scaletrain.raw_data import load_raw_datasets
+    from scaletrain.store_prep import exclusive_preparation, partial_folders
 
     fingerprint = chat_fingerprint(data, tokenizer, block_size, chat)
-    if (store / MANIFEST).exists():
-        differs = fingerprint.differences(read_manifest(store)["fingerprint"])
-        if not differs:
-            log.info("chat store %s: reusing it (same input, tokenizer, template and loss mode)", store)
-            return store
-        raise UsageError(f"{store}: holds a token store made from different input ({', '.join(differs)} differ)",
-                         "choose another --output_dir, or delete that store")
-    if store.exists() and (not store.is_dir() or any(store.iterdir())):
-        raise UsageError(f"{store}: exists and is not a token store (no {MANIFEST}); nothing there was changed",
-                         "choose a new or empty folder for the store")
-    train, validation = load_raw_datasets(data)
-    if len(train) == 0:
-        raise UsageError("chat data: the training set is empty", "give at least one example")
-    started = time.perf_counter()
-    write_chat_store({"train": train, "validation": validation}, tokenizer, fingerprint, chat, store, show_progress)
+    with exclusive_preparation(store):
+        if (store / MANIFEST).exists():
+            differs = fingerprint.differences(read_manifest(store)["fingerprint"])
+            if not differs:
+                log.info("chat store %s: reusing it (same input, tokenizer, template and loss mode)", store)
+                return store
+            raise UsageError(f"{store}: holds a token store made from different input ({', '.join(differs)} differ)",
+                             "choose another --output_dir, or delete that store")
+        if store.exists() and (not store.is_dir() or any(store.iterdir())):
+            raise UsageError(f"{store}: exists and is not a token store (no {MANIFEST}); nothing there was changed",
+                             "choose a new or empty folder for the store")
+        folder, name = partial_folders(store, str(os.getpid()))[1]
+        scratch = folder / name
+        try:
+            train, validation, _revision = load_raw_datasets(data, scratch_dir=scratch)
+            if len(train) == 0:
+                raise UsageError("chat data: the training set is empty", "give at least one example")
+            started = time.perf_counter()
+            write_chat_store({"train": train, "validation": validation}, tokenizer, fingerprint, chat, store,
+                             show_progress)
+        finally:
+            shutil.rmtree(scratch, ignore_errors=True)
     log.info("chat store %s: prepared in %.1fs (%s, loss on %s tokens)", store, time.perf_counter() - started,
              chat.template.source if chat.template else "no template", chat.loss_mode.replace("_", " "))
     return store

@@ -6,6 +6,7 @@ wandb 0.31 writes it from its Go core and ships no Python reader. The file is a 
 """
 
 import struct
+import time
 from pathlib import Path
 
 BLOCK = 32768
@@ -24,6 +25,8 @@ def wandb_records(path: Path) -> list:
             pos += left
             continue
         _crc, length, kind = struct.unpack("<IHB", data[pos:pos + HEADER])
+        if pos + HEADER + length > len(data):  # a chunk still being written
+            break
         chunk, pos = data[pos + HEADER:pos + HEADER + length], pos + HEADER + length
         if kind == 0:  # zero padding
             continue
@@ -36,10 +39,17 @@ def wandb_records(path: Path) -> list:
     return records
 
 
-def run_end(run_dir: Path) -> tuple:
-    """(exit code, whether the run was marked preempting) of the newest offline wandb run under run_dir."""
-    [path] = sorted((Path(run_dir) / "wandb").glob("offline-run-*/run-*.wandb"))[-1:]
-    kinds = [(r.WhichOneof("record_type"), r) for r in wandb_records(path)]
-    exits = [r.exit.exit_code for kind, r in kinds if kind == "exit"]
-    assert exits, f"{path}: no exit record (the run was not finished)"
-    return exits[-1], any(kind == "preempting" for kind, _ in kinds)
+def run_end(run_dir: Path, wait_s: float = 30.0) -> tuple:
+    """(exit code, whether the run was marked preempting) of the newest offline wandb run under run_dir.
+
+    wandb's core writes the file in the background: right after `finish()` returns (several runs in one process)
+    it can still be unwritten, so the exit record is waited for (the process's own teardown flushes it at exit)."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        [path] = sorted((Path(run_dir) / "wandb").glob("offline-run-*/run-*.wandb"))[-1:]
+        kinds = [(r.WhichOneof("record_type"), r) for r in wandb_records(path)]
+        exits = [r.exit.exit_code for kind, r in kinds if kind == "exit"]
+        if exits:
+            return exits[-1], any(kind == "preempting" for kind, _ in kinds)
+        assert time.monotonic() < deadline, f"{path}: no exit record (the run was not finished)"
+        time.sleep(0.2)

@@ -5,8 +5,8 @@
 Writes safetensors shards (with an index when sharded), config.json and the tokenizer; a LoRA checkpoint
 (--use_peft) exports its adapter folder instead, and with --merge_lora also the merged model in <out_dir>/merged.
 The fp32 master weights are read from the ZeRO shards lazily and written shard by shard (DeepSpeed's converter in
-lazy mode), so the whole model is never held twice in memory. A pipeline-parallel checkpoint is read from its per-
-layer files (the weights the stages held). The model and tokenizer come from the run's run_config.json.
+lazy mode), so the whole model is never held twice in memory. A pipeline-parallel checkpoint is read from its
+per-layer files (the weights the stages held). The model and tokenizer come from the run's run_config.json.
 """
 
 from __future__ import annotations

@@ -104,6 +104,7 @@ RECIPE_OVERRIDES = {
     "pretrain_small.yaml": lambda pretrained: [],
     "continue_pretrain_zero3_offload.yaml": lambda pretrained: ["--model_name_or_path", str(pretrained),
                                                                 "--block_size", "64"],
+    "lora_zero3.yaml": lambda pretrained: ["--model_name_or_path", str(pretrained), "--block_size", "64"],
 }
 
 
@@ -145,6 +146,10 @@ def test_print_config_says_which_values_came_from_the_recipe(name, tmp_path, pre
         assert f"learning_rate = 0.003  <- recipe {path}" in printed
         assert f"attention_isolation = True  <- recipe {path}" in printed
         assert "DeepSpeed config ds_configs/zero2.json" in printed
+    elif name == "lora_zero3.yaml":
+        assert f"use_peft = True  <- recipe {path}" in printed
+        assert f"lora_target_modules = 'all-linear'  <- recipe {path}" in printed
+        assert "DeepSpeed config ds_configs/zero3.json" in printed
     else:
         assert f"gradient_checkpointing = True  <- recipe {path}" in printed
         assert f"model_name_or_path = '{pretrained_tiny}'  <- --model_name_or_path" in printed
@@ -173,3 +178,8 @@ def test_pretrain_recipe_dry_run_runs_one_real_step(tmp_path, cache_dir, pretrai
 def test_continue_pretrain_recipe_dry_run_runs_one_real_step_under_zero3_offload(tmp_path, cache_dir,
                                                                                 pretrained_tiny, compiled_ops):
     dry_run("continue_pretrain_zero3_offload.yaml", tmp_path, cache_dir, pretrained_tiny)
+
+
+@pytest.mark.slow
+def test_lora_recipe_dry_run_runs_one_real_step_under_zero3(tmp_path, cache_dir, pretrained_tiny, compiled_ops):
+    dry_run("lora_zero3.yaml", tmp_path, cache_dir, pretrained_tiny)

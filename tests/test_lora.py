@@ -152,6 +152,9 @@ def check_only_the_adapter_trained(ckpt: Path, base: Path) -> None:
     from safetensors.torch import load_file
 
     saved = get_fp32_state_dict_from_zero_checkpoint(str(ckpt.parent), tag=ckpt.name)
+    if all(".lora_" in k for k in saved):  # ZeRO-1 keeps the frozen weights in the module's own state dict only
+        module = torch.load(ckpt / "mp_rank_00_model_states.pt", weights_only=False)["module"]
+        saved = {**{k: v for k, v in module.items() if ".lora_" not in k}, **saved}
     pretrained = load_file(base / "model.safetensors")
     adapter = {k: v for k, v in saved.items() if ".lora_" in k}
     assert len(adapter) == 2 * 7 * 4, sorted(adapter)[:4]  # A and B of the 7 linear layers of each of 4 layers

@@ -57,7 +57,7 @@ def main(argv=None) -> int:
         raise
     finally:
         run.close(exit_code)  # metrics sinks (wandb marks a non-zero end failed) and the process group
-    return 0
+    return run.publish()  # --push_to_hub: rank 0 uploads the export, no collective left to wait on
 
 
 if __name__ == "__main__":

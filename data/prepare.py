@@ -18,7 +18,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from scaletrain.config import DataArgs, ModelArgs, _Parser, add_flags, slices_from  # noqa: E402
+from scaletrain.config import DataArgs, ModelArgs, OptimArgs, _Parser, add_flags, slices_from  # noqa: E402
 from scaletrain.errors import PrepareError, UsageError  # noqa: E402
 from scaletrain.logs import setup_logging, silence_library_logs  # noqa: E402
 
@@ -28,8 +28,8 @@ TOKENIZER_FLAGS = ("tokenizer_name", "trust_remote_code")
 
 
 def parse(argv) -> tuple:
-    """(DataArgs, ModelArgs with the tokenizer flags, store folder): the data slice and the tokenizer, parsed by
-    the same flag definitions as train.py's."""
+    """(DataArgs, ModelArgs with the tokenizer flags, the seed, store folder): the data slice, the tokenizer and the
+    seed, parsed by the same flag definitions as train.py's."""
     parser = _Parser(prog="data/prepare.py", description=__doc__, allow_abbrev=False,
                      formatter_class=argparse.RawDescriptionHelpFormatter)
     add_flags(parser, ["data"], exclude=TRAINING_ONLY + ("preprocessing_num_workers",))
@@ -40,6 +40,10 @@ def parse(argv) -> tuple:
             tokenizer.add_argument(f"--{name}", action="store_true", help=f.metadata["help"])
         else:
             tokenizer.add_argument(f"--{name}", default=None, help=f.metadata["help"])
+    seed = OptimArgs.__dataclass_fields__["seed"]
+    parser.add_argument("--seed", type=int, default=seed.default,
+                        help="Seed of the held-out validation documents (--validation_split_percentage), as train.py's "
+                        "--seed.")
     parser.add_argument("--output_dir", required=True, help="Folder of the token store to write (or reuse).")
     parser.add_argument("--num_proc", "--preprocessing_num_workers", dest="preprocessing_num_workers", type=int,
                         default=None, metavar="N", help="Tokenizer parallelism (default: the CPU count): up to 8 as "
@@ -49,13 +53,13 @@ def parse(argv) -> tuple:
         raise UsageError(f"--num_proc {values['preprocessing_num_workers']}: must be at least 1")
     slices = slices_from(values, ["data", "model"])
     slices["data"].validate()
-    return slices["data"], slices["model"], Path(values["output_dir"])
+    return slices["data"], slices["model"], values["seed"], Path(values["output_dir"])
 
 
 def main(argv=None) -> int:
     setup_logging(0)
     try:
-        data, model, store = parse(argv)
+        data, model, seed, store = parse(argv)
         from scaletrain.model import load_model_config, load_tokenizer, max_positions
         from scaletrain.raw_data import check_data_files
         from scaletrain.store_prep import prepare_token_store
@@ -68,7 +72,7 @@ def main(argv=None) -> int:
             raise UsageError(f"--block_size {block_size}: above the model's maximum positions ({limit})")
         check_data_files(data)
         prepare_token_store(data, tokenizer, model.tokenizer_source, block_size, store,
-                            data.preprocessing_num_workers)
+                            data.preprocessing_num_workers, seed=seed)
     except (UsageError, PrepareError) as err:
         print(f"prepare.py: error: {err}", file=sys.stderr)
         return err.exit_code

@@ -8,6 +8,7 @@ padded and masked instead of dropped, so every token of the corpus is trained on
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Optional
 
@@ -89,18 +90,53 @@ def blocks_from_store(opened: dict, split: str, block_size: int, isolate_documen
     return PackedBlocks(part.tokens, part.doc_starts, block_size, opened["manifest"]["pad_id"], isolate_documents)
 
 
-def eval_batches(blocks: PackedBlocks, batch_size: int, rank: int, world: int, limit: Optional[int]) -> list:
+class EvalBatches(Sequence):
+    """This rank's evaluation micro-batches, each built when read from the store's memory map: only block indices
+    are held, never the split as tensors (at scale the held-out split alone is gigabytes of int64 per rank)."""
+
+    def __init__(self, parts: list, batch_size: int):
+        self.batch_size = batch_size
+        # (blocks, indices of one micro-batch) per batch, in reading order
+        self._batches = [(blocks, mine[i: i + batch_size]) for blocks, mine in parts
+                         for i in range(0, len(mine), batch_size)]
+
+    @classmethod
+    def chain(cls, several: list) -> "EvalBatches":
+        """One sequence of the batches of several stores' sets, in order."""
+        out = cls([], several[0].batch_size if several else 1)
+        out._batches = [entry for batches in several for entry in batches._batches]
+        return out
+
+    def __len__(self) -> int:
+        return len(self._batches)
+
+    def __getitem__(self, i):
+        if isinstance(i, slice):
+            return [self[j] for j in range(*i.indices(len(self)))]
+        blocks, indices = self._batches[i]
+        return blocks.batch(indices)
+
+    def rows(self, i: int) -> int:
+        """Rows of batch i, without building it (the last batch of a set may be smaller)."""
+        return len(self._batches[i][1])
+
+    def targets(self) -> int:
+        """Loss targets over all the batches, from the block lengths alone."""
+        return sum(blocks.targets_in(indices) for blocks, indices in self._batches)
+
+
+def eval_batches(blocks: PackedBlocks, batch_size: int, rank: int, world: int, limit: Optional[int]) -> EvalBatches:
     """A fixed set of validation blocks (the first `limit`, in order), split across ranks; same on every run.
 
     Every rank gets the same number of batches (short ranks get EMPTY_SLOT rows): under ZeRO-3 each forward
-    is a collective, so ranks must run the same number of them.
+    is a collective, so ranks must run the same number of them. The batches are read lazily (EvalBatches).
     """
     n = len(blocks) if limit is None else min(limit, len(blocks))
     per_rank = math.ceil(n / world)
     mine = np.full(per_rank, EMPTY_SLOT, dtype=np.int64)
     owned = np.arange(rank, n, world)
     mine[: len(owned)] = owned
-    return [blocks.batch(mine[i: i + batch_size]) for i in range(0, len(mine), batch_size)]
+    return EvalBatches([(blocks, mine)], batch_size)
 
 
 def smooth_schedule(weights: list, period: int) -> np.ndarray:

@@ -149,12 +149,19 @@ class DataArgs:
 
     dataset_name: Optional[str] = _flag(None, "Hugging Face dataset name (hub or a local dataset script/folder).")
     dataset_config_name: Optional[str] = _flag(None, "Configuration of --dataset_name.")
+    dataset_revision: Optional[str] = _flag(
+        None, "Revision of a hub --dataset_name (branch, tag or commit; default: the main branch). Part of the token "
+        "store's fingerprint: a commit ties the store to exact data.")
     train_file: Optional[str] = _flag(
         None, "Local training file(s): json, jsonl, csv, txt, parquet; a glob or a comma-separated list. "
         "Default: data/sample/train.jsonl.")
     validation_file: Optional[str] = _flag(None, "Local validation file(s), same formats as --train_file.")
     validation_split_percentage: int = _flag(
-        5, "When there is no validation file or split, hold out this percent of the training documents.")
+        5, "When there is no validation file or split, hold out this percent of the training documents, drawn at "
+        "random (by --seed).")
+    validation_split_max_tokens: int = _flag(
+        10_000_000, "Cap, in tokens, on what --validation_split_percentage holds out (0: no cap); the documents past "
+        "it stay in training.")
     text_column: str = _flag("text", "Column that holds the text.")
     block_size: Optional[int] = _flag(
         None, "Tokens per training sequence. Default: min(1024, model's max positions).")
@@ -201,9 +208,12 @@ class DataArgs:
         """The data-source checks train.py and data/prepare.py share."""
         if self.block_size is not None and self.block_size < 2:
             raise UsageError(f"--block_size {self.block_size}: must be at least 2 (one input and one target token)")
-        _check_not_negative(self, ("validation_split_percentage",))
+        _check_not_negative(self, ("validation_split_percentage", "validation_split_max_tokens"))
         if self.validation_split_percentage >= 100:
             raise UsageError(f"--validation_split_percentage {self.validation_split_percentage}: must be below 100")
+        if self.dataset_revision is not None and not self.dataset_name:
+            raise UsageError(f"--dataset_revision {self.dataset_revision}: needs --dataset_name",
+                             "it names a revision of a hub dataset")
         if self.preprocessing_num_workers is not None and self.preprocessing_num_workers < 1:
             raise UsageError(f"--preprocessing_num_workers {self.preprocessing_num_workers}: must be at least 1")
         _check_data_sources(self)
@@ -313,6 +323,12 @@ class CheckpointArgs:
     save_at_end: bool = _flag(
         True, "Commit a checkpoint of the last step at the end; --no-save_at_end skips it (benchmarks, sweeps: the "
         "run cannot then be continued from its last step).")
+    push_to_hub: Optional[str] = _flag(
+        None, "After the run, rank 0 uploads the end-of-run export (weights, config, tokenizer, generation config, "
+        "model card; not the checkpoints or logs) to this Hub repository (owner/name), with HF_TOKEN from the "
+        "environment; retried, and a repeated upload resumes.")
+    hub_private_repo: bool = _flag(False, "--push_to_hub creates the repository private (an existing one keeps "
+                                   "its visibility).")
 
     def validate(self) -> None:
         _check_not_negative(self, ("save_steps", "save_interval_minutes", "save_total_limit",
@@ -347,6 +363,10 @@ class LoggingArgs:
     logging_steps: int = _flag(10, "Log metrics every N optimizer steps.")
     eval_steps: int = _flag(0, "Evaluate every N optimizer steps (0: only at the end).")
     max_eval_samples: Optional[int] = _flag(None, "Cap on validation blocks per evaluation.")
+    eval_prompts: Optional[str] = _flag(
+        None, "At each evaluation, a greedy generation of these prompts into metrics.jsonl and wandb: JSONL of "
+        "{\"prompt\": text} or {\"messages\": [...]} (chat template), or one prompt per line of text.")
+    eval_max_new_tokens: int = _flag(64, "Tokens generated per --eval_prompts prompt.")
     peak_tflops: Optional[float] = _flag(
         None, "Peak TFLOP/s of one device for MFU (default: a table for A100/H100/H200, a calibration on CPU).")
     report_to: str = _flag("none", "Extra metrics sinks, comma-separated: wandb, tensorboard (JSONL and console are "
@@ -374,6 +394,8 @@ class LoggingArgs:
     def validate(self) -> None:
         if self.logging_steps < 1:
             raise UsageError(f"--logging_steps {self.logging_steps}: must be at least 1")
+        if self.eval_max_new_tokens < 1:
+            raise UsageError(f"--eval_max_new_tokens {self.eval_max_new_tokens}: must be at least 1")
         _check_not_negative(self, ("eval_steps",))
         for name in ("max_eval_samples", "peak_tflops"):
             if getattr(self, name) is not None and getattr(self, name) <= 0:

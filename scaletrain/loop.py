@@ -33,7 +33,7 @@ from dataclasses import dataclass
 from functools import partial
 from typing import Any
 
-from scaletrain.blocks import IGNORE_INDEX
+from scaletrain.blocks import IGNORE_INDEX, EvalBatches
 from scaletrain.errors import Preempted
 from scaletrain.faults import PreemptionFlag
 from scaletrain.metrics import (
@@ -139,13 +139,14 @@ class LoopHooks:
     metrics: MetricsLogger
     save: Callable[[], Any]  # commits a checkpoint of the current step (a collective: every rank calls it)
     preemption: PreemptionFlag
-    eval_batches: list | None = None
+    eval_batches: EvalBatches | None = None  # read lazily from the store
     profiler: StepProfiler | None = None
     guard: NonFiniteGuard | None = None
     switch: SkipSwitch | None = None  # lets the guard skip an update through DeepSpeed's overflow path
     rollback: Callable[[], None] | None = None  # the guard's "rollback": back to the last committed checkpoint
     pipeline: Any = None  # a PipelineStep: the step runs through DeepSpeed's pipe schedule (train_batch)
     comm_log: Any = None  # --comms_log: scaletrain.comm_log.CommLog, read once per logging window
+    generate: Callable[[int], None] | None = None  # --eval_prompts: greedy generations at each evaluation
 
 
 @dataclass(frozen=True)
@@ -200,7 +201,7 @@ class StepTimers:
         return seconds, self.clock.phases if self.clock.measured else None
 
 
-def evaluate(engine, batches: list) -> dict:
+def evaluate(engine, batches: EvalBatches) -> dict:
     """Mean loss over a fixed set of validation blocks, across ranks, and its perplexity."""
     import deepspeed.comm as ds_comm
     import torch
@@ -363,7 +364,7 @@ class PipelineStep:
         return StepResult(self.loss.loss_sum, targets, blocks, agreed["global_loss"], agreed["preempted"],
                           agreed["interval_due"], agreed["forced"], applied=engine.was_step_applied())
 
-    def evaluate(self, engine, batches: list) -> dict:
+    def evaluate(self, engine, batches: EvalBatches) -> dict:
         """Mean loss over the evaluation blocks through the pipe's inference schedule, across ranks."""
         import deepspeed.comm as ds_comm
         import torch
@@ -373,16 +374,18 @@ class PipelineStep:
         self.loss.scale, self.loss.loss_sum = 1.0, 0.0
         # The stages agree on an activation's shape once per schedule, so each run of equal-shaped batches (the
         # last evaluation batch may be smaller) is its own eval_batch; training's shape is agreed again after.
-        for _, same_shape in itertools.groupby(batches, key=lambda batch: tuple(batch["input_ids"].shape)):
+        # Each batch is built from the store as the schedule reads it (a run holds indices, not tensors).
+        for _, same_shape in itertools.groupby(range(len(batches)), key=batches.rows):
             group = list(same_shape)
             engine.reset_activation_shape()
-            engine.eval_batch(data_iter=iter(pipe_micro_batches(group)), num_micro_batches=len(group))
+            engine.eval_batch(data_iter=(pipe_micro_batches([batches[i]])[0] for i in group),
+                              num_micro_batches=len(group))
         engine.reset_activation_shape()
         engine.train()
         sums = torch.zeros(2, dtype=torch.float64, device=engine.device)
         if engine.is_last_stage():  # one rank per data-parallel replica counts its batches
             sums[0] += self.loss.loss_sum.double() if torch.is_tensor(self.loss.loss_sum) else self.loss.loss_sum
-            sums[1] += sum(int((batch["labels"][:, 1:] != IGNORE_INDEX).sum()) for batch in batches)
+            sums[1] += batches.targets()
         ds_comm.all_reduce(sums)
         loss = (sums[0] / sums[1].clamp(min=1)).item()
         return {"eval_loss": loss, "eval_perplexity": math.exp(min(loss, 50.0))}
@@ -484,6 +487,8 @@ def _evaluate_when_due(engine, step: int, settings: LoopSettings, hooks: LoopHoo
     if hooks.eval_batches and settings.eval_steps and step % settings.eval_steps == 0:
         run_eval = hooks.pipeline.evaluate if hooks.pipeline else evaluate
         hooks.metrics.log({"step": step, **run_eval(engine, hooks.eval_batches)})
+    if hooks.generate is not None and settings.eval_steps and step % settings.eval_steps == 0:
+        hooks.generate(step)
 
 
 def _save_when_due(step: int, settings: LoopSettings, hooks: LoopHooks, timers: StepTimers,

@@ -228,6 +228,7 @@ class MetricsLogger:
         self._wandb = None
         self._tensorboard = None
         self.last_record: Optional[dict] = None
+        self.latest: dict = {}  # each key's newest value (the model card's final losses)
         self.wandb_run_id = wandb_run_id
         if not is_main or not write_files:  # --dry_run writes nothing: console only
             return
@@ -258,6 +259,7 @@ class MetricsLogger:
             return
         record = {k: v for k, v in record.items() if v is not None}
         self.last_record = record
+        self.latest.update(record)
         if self._file is not None:
             self._file.write(json.dumps(record) + "\n")
             self._file.flush()
@@ -268,6 +270,23 @@ class MetricsLogger:
                 if key not in ("step", "time") and isinstance(value, (int, float)):
                     self._tensorboard.add_scalar(key, value, record["step"])
         log.info("  ".join(_fmt(k, v) for k, v in record.items() if k != "time"))
+
+    def log_generations(self, step: int, rows: list) -> None:
+        """--eval_prompts: one metrics.jsonl record {"step", "generations": [{"prompt", "completion"}]}, a wandb
+        table, and a console line per prompt (rank 0 only)."""
+        if not self.is_main:
+            return
+        if self._file is not None:
+            self._file.write(json.dumps({"step": step, "generations": rows}) + "\n")
+            self._file.flush()
+        if self._wandb is not None:
+            import wandb
+
+            table = wandb.Table(columns=["step", "prompt", "completion"],
+                                data=[[step, row["prompt"], row["completion"]] for row in rows])
+            self._wandb.log({"generations": table}, step=step)
+        for row in rows:
+            log.info("step %d: %r -> %r", step, row["prompt"][-80:], row["completion"][:200])
 
     def rewind(self, step: int) -> None:
         """A rollback: the records after `step` are of steps that will be trained again (rank 0 rewrites the file;

@@ -23,11 +23,13 @@ from scaletrain.distributed import DistInfo
 from scaletrain.dsconfig import HardwareFacts, ResolvedDSConfig, load_ds_config, resolve_ds_config
 from scaletrain.engine import check_compile, compile_requested
 from scaletrain.flops import ModelFlops, model_flops
+from scaletrain.generation import load_eval_prompts
 from scaletrain.lora import check_lora, describe as describe_adapter
 from scaletrain.layout import (apply_layout, check_model_layout, check_pipeline_run, check_planned_layout,
                                check_sequence_layout, describe_layout, resolve_layout)
 from scaletrain.pipeline import check_pipeline_model
 from scaletrain.moe import resolve_router_loss
+from scaletrain.publish import check_push_target
 from scaletrain.metrics import METRICS_FILE, read_records
 from scaletrain.model import (check_attention_isolation, load_model_config, load_tokenizer, max_positions,
                               meta_model)
@@ -58,6 +60,7 @@ class ResolvedRun:
     model_shape: Any = None  # --plan: the memory planner's view of the model (memory_planner.ModelShape)
     previous_run_config: Optional[dict] = None  # run_config.json of the run being resumed, where there is one
     router_loss: Any = None  # a mixture-of-experts model's load-balancing loss (scaletrain.moe.RouterLoss) or None
+    eval_prompts: Any = None  # --eval_prompts read and tokenized (scaletrain.generation.EvalPrompts) or None
 
 
 def hardware_facts() -> HardwareFacts:
@@ -260,6 +263,7 @@ def resolve_run(argv: Optional[Sequence[str]], dist: DistInfo) -> ResolvedRun:
     check_model_layout(cfg.parallel, model_config)
     tokenizer = load_tokenizer(cfg.model)
     check_data_files(cfg.data)
+    check_push_target(cfg.checkpoint.push_to_hub, cfg.checkpoint.export_hf_at_end)
     _check_tokenizer_fits(cfg.model, model_config, tokenizer)
     store_block_size = _check_stores(cfg.data, cfg.model.tokenizer_source, tokenizer)
     block_size = _block_size(cfg.data, model_config, store_block_size)
@@ -292,6 +296,10 @@ def resolve_run(argv: Optional[Sequence[str]], dist: DistInfo) -> ResolvedRun:
                              block_size)
         check_pipeline_run(cfg.parallel, cfg.data.attention_isolation, ds.precision, ds.zero_stage,
                            cfg.engine.config)
+    eval_prompts = load_eval_prompts(cfg.logging.eval_prompts, tokenizer, cfg.logging.eval_max_new_tokens,
+                                     max_positions(model_config), (dist.tensor_parallel_size,
+                                                                   dist.sequence_parallel_size,
+                                                                   dist.pipeline_parallel_size))
     resume_from, resume_state, reshard, previous = _resolve_resume_point(cfg, ds, model_facts, dist)
     if reshard and cfg.peft.use_peft:
         raise UsageError(f"checkpoint {resume_from}: a LoRA run resumes with the ranks and ZeRO settings that saved "
@@ -307,7 +315,7 @@ def resolve_run(argv: Optional[Sequence[str]], dist: DistInfo) -> ResolvedRun:
     return ResolvedRun(cfg, ds, dist, model_config, tokenizer, block_size, model_facts["n_params"],
                        resume_from=resume_from, model_facts=model_facts, resume_state=resume_state, reshard=reshard,
                        flops=model_flops(skeleton, model_config, block_size), model_shape=model_shape,
-                       previous_run_config=previous, router_loss=router_loss)
+                       previous_run_config=previous, router_loss=router_loss, eval_prompts=eval_prompts)
 
 
 def explain_resolved_run(resolved: ResolvedRun, dp_world_size: int) -> str:

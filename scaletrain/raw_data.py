@@ -4,6 +4,7 @@ heavy (every local file has documents, and its text column exists and holds text
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Optional
 
 from scaletrain.config import LOCAL_DATA_FORMATS, DataArgs, expand_data_files
 from scaletrain.errors import UsageError
@@ -29,42 +30,53 @@ def _is_saved_dataset(path: str) -> bool:
     return folder.is_dir() and ((folder / "dataset_dict.json").exists() or (folder / "dataset_info.json").exists())
 
 
-def load_raw_datasets(data: DataArgs):
-    """Return (train, validation or None) as `datasets.Dataset`s of documents."""
+def load_raw_datasets(data: DataArgs, scratch_dir: Optional[Path] = None) -> tuple:
+    """(train, validation or None, the hub commit or None) as `datasets.Dataset`s of documents, as the source
+    splits them.
+
+    A local corpus (files, or a folder given as --dataset_name) is converted to Arrow in `scratch_dir` (the caller
+    removes it when done) instead of the Hugging Face cache, which would keep a second full copy of it there for good.
+    A hub dataset is cached there as usual (a download kept for the next preparation).
+    """
     import datasets
 
+    scratch = {"cache_dir": str(scratch_dir)} if scratch_dir is not None else {}
+    revision = None
     if data.dataset_name and _is_saved_dataset(data.dataset_name):
         raw = datasets.load_from_disk(data.dataset_name)
         raw = raw if isinstance(raw, datasets.DatasetDict) else datasets.DatasetDict({"train": raw})
     elif data.dataset_name:
-        raw = _load_hub_dataset(data)
+        raw, revision = _load_hub_dataset(data, scratch if Path(data.dataset_name).is_dir() else {})
     else:
         files = local_data_files(data)
         builder = _local_builder([f for split in files.values() for f in split], "train_file/--validation_file")
         # Plain text: a blank line separates documents (one file may hold many; a paragraph is a document).
         extra = {"sample_by": "paragraph"} if builder == "text" else {}
-        raw = datasets.load_dataset(builder, data_files=files, **extra)
+        raw = datasets.load_dataset(builder, data_files=files, **extra, **scratch)
     if "train" not in raw:
         raise UsageError(f"--dataset_name {data.dataset_name}: no train split (splits: {', '.join(raw)})")
-    train, validation = raw["train"], raw.get("validation")
-    if validation is None and data.validation_split_percentage > 0 and len(train) > 1:
-        n_val = max(1, len(train) * data.validation_split_percentage // 100)
-        validation = train.select(range(n_val))
-        train = train.select(range(n_val, len(train)))
-    return train, validation
+    # Without a validation split the preparer draws one from train (--validation_split_percentage).
+    return raw["train"], raw.get("validation"), revision
 
 
-def _load_hub_dataset(data: DataArgs):
-    """A hub dataset: one line naming it when it cannot be reached or found (the model and tokenizer get the same)."""
+def _load_hub_dataset(data: DataArgs, cache: dict) -> tuple:
+    """(A hub dataset at --dataset_revision, the commit it resolved to); one line naming it when it cannot be reached
+    or found (the model and tokenizer get the same)."""
     import datasets
 
     try:
-        return datasets.load_dataset(data.dataset_name, data.dataset_config_name)
+        # load_dataset's own steps, keeping the builder: its hash is the commit the revision resolved to.
+        builder = datasets.load_dataset_builder(data.dataset_name, data.dataset_config_name,
+                                                revision=data.dataset_revision, **cache)
+        builder.download_and_prepare()
+        raw = builder.as_dataset()
     except (ConnectionError, FileNotFoundError) as exc:  # no network, offline mode, or no such dataset
         detail = str(exc).strip().splitlines()[0][:200] if str(exc).strip() else type(exc).__name__
         raise UsageError(f"--dataset_name {data.dataset_name}: cannot load it ({detail})",
                          "check the name and the network (a hub dataset is downloaded once, then read from the "
                          "Hugging Face cache), or give local files with --train_file") from exc
+    local = Path(data.dataset_name).is_dir()  # a local folder's hash is of its files, not a commit
+    return raw, None if local else builder.hash
 
 
 def check_data_files(data: DataArgs) -> None:

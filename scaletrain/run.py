@@ -3,23 +3,26 @@ what one phase hands to the next, so train.py can read as a table of contents.""
 
 from __future__ import annotations
 
+import json
 import logging
 import random
+import sys
 from functools import partial
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
 from scaletrain import (checkpoint, distributed, engine as engine_lib, lora, model as model_lib, moe, pipeline,
-                        sequence_parallel, store_prep, tokenstore)
-from scaletrain.blocks import MixedBlocks, PackedBlocks, blocks_from_store, eval_batches
+                        publish, sequence_parallel, store_prep, tokenstore)
+from scaletrain.blocks import EvalBatches, MixedBlocks, PackedBlocks, blocks_from_store, eval_batches
 from scaletrain.errors import NonFiniteStop, UsageError
 from scaletrain.distributed import DistInfo
 from scaletrain.logs import silence_library_logs
 from scaletrain.loop import LoopHooks, LoopSettings, PipelineStep, evaluate, train_loop
 from scaletrain.flops import peak_tflops
+from scaletrain.generation import generate_samples
 from scaletrain.metrics import MetricsLogger, StepProfiler, ThroughputModel
-from scaletrain.preflight import (ResolvedRun, describe_launch, peak_lr, print_config, print_memory_plan,
-                                  resolve_run, write_run_folder)
+from scaletrain.preflight import (RUN_CONFIG_FILE, ResolvedRun, describe_launch, peak_lr, print_config,
+                                  print_memory_plan, resolve_run, write_run_folder)
 from scaletrain.sampling import BatchRamp, GlobalOrder, StepBatches
 from scaletrain.schedules import LRSchedule, describe_schedule_change, restart_schedule, warmup_steps_for
 from scaletrain.faults import PreemptionFlag
@@ -48,7 +51,7 @@ class Run:
         self._zero3_keepalive: Any = None
         self.stores: list = []
         self.train_blocks: Optional[PackedBlocks] = None
-        self.eval_batches: Optional[list] = None
+        self.eval_batches: Optional[EvalBatches] = None
         self.order: Optional[GlobalOrder] = None
         self.schedule: Optional[LRSchedule] = None
         self.engine: Any = None
@@ -115,7 +118,7 @@ class Run:
         if not paths:
             paths = [store_prep.ensure_token_store(
                 self.cfg.data, self.resolved.tokenizer, self.cfg.model.tokenizer_source, self.resolved.block_size,
-                self.dist.local_rank, show_progress=self.dist.is_main)]
+                self.dist.local_rank, show_progress=self.dist.is_main, seed=self.cfg.optim.seed)]
         self.stores = [tokenstore.open_store(p) for p in paths]
         log.info("token store(s): %s", ", ".join(map(str, paths)))
 
@@ -148,9 +151,9 @@ class Run:
             log.warning(changed)
         # Every store's validation blocks, the same fixed set on every run (each rank the same number of batches).
         validation = [blocks_from_store(s, "validation", size, data.attention_isolation) for s in self.stores]
-        self.eval_batches = [batch for blocks in validation if blocks is not None
-                             for batch in eval_batches(blocks, optim.per_device_eval_batch_size, dist.dp_rank,
-                                                       dist.dp_world_size, self.cfg.logging.max_eval_samples)] or None
+        self.eval_batches = EvalBatches.chain([
+            eval_batches(blocks, optim.per_device_eval_batch_size, dist.dp_rank, dist.dp_world_size,
+                         self.cfg.logging.max_eval_samples) for blocks in validation if blocks is not None]) or None
         b = self.train_blocks
         log.info("data: %d documents, %d tokens -> %d blocks of %d (last block %d real tokens, padded; none "
                  "dropped); global batch %d blocks = %d micro x %d accumulation x %d ranks; %d steps/epoch, "
@@ -251,8 +254,16 @@ class Run:
             metrics=self.metrics, save=self.save, preemption=self.preemption, eval_batches=self.eval_batches,
             profiler=StepProfiler(self.cfg.logging.profile_range, self.cfg.run.output_dir, self.dist.rank),
             guard=self.guard, switch=SkipSwitch(self.engine.optimizer) if policy.action == "skip" else None,
-            rollback=self.rollback, pipeline=self.pipeline_step, comm_log=self.comm_log)
+            rollback=self.rollback, pipeline=self.pipeline_step, comm_log=self.comm_log,
+            generate=self.generate_samples if self.resolved.eval_prompts else None)
         train_loop(self.engine, batches, self.state, settings, hooks)
+
+    def generate_samples(self, step: int) -> None:
+        """--eval_prompts: every rank generates (ZeRO-3 gathers in each forward); rank 0 records the text."""
+        tokenizer = self.resolved.tokenizer
+        rows = generate_samples(self.engine, self.resolved.eval_prompts, tokenizer, publish.reply_end_ids(tokenizer),
+                                synced=self.dist.world_size > 1)
+        self.metrics.log_generations(step, rows)
 
     def rollback(self) -> None:
         """--max_consecutive_skips reached: back to the newest committed checkpoint, the data past the streak."""
@@ -292,16 +303,40 @@ class Run:
         if self.eval_batches:
             run_eval = self.pipeline_step.evaluate if self.pipeline_step else evaluate
             self.metrics.log({"step": self.state.step, **run_eval(self.engine, self.eval_batches)})
+        if self.resolved.eval_prompts:
+            self.generate_samples(self.state.step)
         newest = checkpoint.newest_committed(self.cfg.run.output_dir)
         if self.cfg.checkpoint.save_at_end and (newest is None or checkpoint.committed_step(newest) != self.state.step):
             self.save()
         if self.cfg.checkpoint.export_hf_at_end:
             checkpoint.export_hf_model(self.engine, self.resolved.tokenizer, self.cfg.run.output_dir, self.dist.is_main,
                                        self.cfg.peft.merge_lora, self.cfg.model.trust_remote_code)
+            if self.dist.is_main:  # generation config and model card: the folder is complete and publishable
+                run_config = json.loads((Path(self.cfg.run.output_dir) / RUN_CONFIG_FILE).read_text())
+                out = self.cfg.run.output_dir
+                for folder in (out, *([lora.merged_dir(out)] if self.cfg.peft.merge_lora else [])):
+                    publish.complete_export(folder, self.resolved.tokenizer, self.resolved.model_config, run_config,
+                                            self.metrics.latest)
         if self.comm_log is not None:
             log.info(self.comm_log.summary())
         log.info("done: %d steps, %d tokens trained; outputs in %s", self.state.step, self.state.tokens_seen,
                  self.cfg.run.output_dir)
+
+    def publish(self) -> int:
+        """--push_to_hub: rank 0 uploads the export (after close(): outside any collective); the exit code."""
+        repo = self.cfg.checkpoint.push_to_hub
+        if not repo or not self.dist.is_main or self.cfg.run.dry_run:
+            return 0
+        out = self.cfg.run.output_dir
+        try:
+            publish.push_to_hub(out, repo, private=self.cfg.checkpoint.hub_private_repo)
+        except Exception as err:
+            excludes = " ".join(f"--exclude '{p}'" for p in publish.RUN_FILES)
+            print(f"train.py: push failed: --push_to_hub {repo}: {type(err).__name__}: {str(err).splitlines()[0]}; "
+                  f"the trained model in {out} is complete; push it again with: hf upload {repo} {out} {excludes}",
+                  file=sys.stderr)
+            return 1
+        return 0
 
     def close(self, exit_code: int = 0) -> None:
         """Free everything the run holds, on the error path too; `exit_code` (the process's) goes to wandb."""

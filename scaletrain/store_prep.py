@@ -4,15 +4,18 @@ file system, and a failure marker stops them when the preparation fails)."""
 
 from __future__ import annotations
 
+import glob
 import hashlib
 import json
 import logging
 import os
+import shutil
 import time
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Optional
+from typing import Iterator, Optional
 
-from scaletrain.config import DataArgs
+from scaletrain.config import DataArgs, OptimArgs
 from scaletrain.errors import TokenStoreFailed, UsageError
 from scaletrain.raw_data import check_text_column, load_raw_datasets, local_data_files
 
@@ -21,16 +24,30 @@ log = logging.getLogger(__name__)
 STORE_CACHE_ENV = "SCALETRAIN_CACHE"
 
 
-def store_fingerprint(data: DataArgs, tokenizer, block_size: int):
+# The held-out split is drawn with the run's --seed; data/prepare.py takes the same flag with the same default.
+DEFAULT_SEED = OptimArgs.__dataclass_fields__["seed"].default
+
+
+def held_out_rule(data: DataArgs, seed: int) -> Optional[dict]:
+    """What decides the validation documents drawn from the training split, or None where none are drawn (a
+    validation file is given, or --validation_split_percentage 0). A hub dataset may bring its own split: the rule
+    is kept for it all the same, as which applies is known only once it is loaded."""
+    if data.validation_split_percentage == 0 or (not data.dataset_name and data.validation_data_file):
+        return None
+    return {"percentage": data.validation_split_percentage, "max_tokens": data.validation_split_max_tokens or None,
+            "seed": seed}
+
+
+def store_fingerprint(data: DataArgs, tokenizer, block_size: int, seed: int = DEFAULT_SEED):
     from scaletrain.tokenstore import Fingerprint, source_identity, tokenizer_hash
 
     files = None if data.dataset_name else local_data_files(data)
     return Fingerprint(
-        source=source_identity(files, data.dataset_name, data.dataset_config_name),
+        source=source_identity(files, data.dataset_name, data.dataset_config_name, data.dataset_revision),
         tokenizer_sha256=tokenizer_hash(tokenizer),
         block_size=block_size,
         text_column=data.text_column,
-        validation_split_percentage=data.validation_split_percentage,
+        held_out=held_out_rule(data, seed),
     )
 
 
@@ -41,31 +58,101 @@ def default_store_path(fingerprint) -> Path:
     return root / key
 
 
-def prepare_token_store(data: DataArgs, tokenizer, tokenizer_dir: str, block_size: int, store: Path,
-                        num_proc: Optional[int], show_progress: bool = True) -> Path:
-    """Tokenize the run's raw data into `store`, or reuse the store there when it was made from the same input."""
-    from scaletrain.tokenstore import MANIFEST, read_manifest, write_store
+# A preparation of `store` works in two folders named for its process: the store being written, beside it (see
+# tokenstore.write_store), and the Arrow conversion of local files, in the Hugging Face datasets cache (the disk that
+# conversion always used), under a name derived from the store's path. A preparer killed half-way leaves both.
+def partial_folders(store: Path, pid: str = "*") -> list:
+    """[(folder, glob pattern of that folder's names)]: where `store`'s preparations write before it is complete."""
+    key = hashlib.sha256(str(store.resolve()).encode()).hexdigest()[:16]
+    return [(store.parent, f".{glob.escape(store.name)}.tmp-{pid}"), (scratch_root(), f"{key}.arrow-{pid}")]
 
-    fingerprint = store_fingerprint(data, tokenizer, block_size)
+
+def scratch_root() -> Path:
+    import datasets
+
+    return Path(os.environ.get("HF_DATASETS_CACHE") or datasets.config.HF_DATASETS_CACHE) / "scaletrain-scratch"
+
+
+@contextmanager
+def exclusive_preparation(store: Path) -> Iterator[None]:
+    """One preparer of `store` at a time (a lock file beside it; nodes sharing the file system too). Holding it, any
+    partial folder of `store` was left by a preparer that died: it is removed, and so is the lock file at the end."""
+    import fcntl
+
+    store.parent.mkdir(parents=True, exist_ok=True)
+    lock_path = store.parent / f".{store.name}.prepare.lock"
+    while True:
+        lock = open(lock_path, "a")
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            if os.fstat(lock.fileno()).st_ino == os.stat(lock_path).st_ino:
+                break
+        except FileNotFoundError:
+            pass
+        lock.close()  # the holder before us removed that file at its end: lock the current one
+    try:
+        for folder, pattern in partial_folders(store):
+            for partial in folder.glob(pattern):
+                if partial.name.rsplit("-", 1)[1].isdigit():
+                    size = sum(f.stat().st_size for f in partial.rglob("*") if f.is_file())
+                    shutil.rmtree(partial, ignore_errors=True)
+                    log.warning("token store %s: removed %s (%.1f MB), left by a preparation that did not finish",
+                                store, partial.name, size / 1e6)
+        yield
+    finally:
+        lock_path.unlink(missing_ok=True)
+        lock.close()
+
+
+def prepare_token_store(data: DataArgs, tokenizer, tokenizer_dir: str, block_size: int, store: Path,
+                        num_proc: Optional[int], show_progress: bool = True, seed: int = DEFAULT_SEED) -> Path:
+    """Tokenize the run's raw data into `store`, or reuse the store there when it was made from the same input."""
+    fingerprint = store_fingerprint(data, tokenizer, block_size, seed)
+    with exclusive_preparation(store):
+        return _prepare(data, tokenizer, tokenizer_dir, fingerprint, store, num_proc, show_progress, seed)
+
+
+def _prepare(data: DataArgs, tokenizer, tokenizer_dir: str, fingerprint, store: Path, num_proc: Optional[int],
+             show_progress: bool, seed: int) -> Path:
+    import numpy as np
+
+    from scaletrain.tokenstore import MANIFEST, HeldOut, read_manifest, source_sha256, write_store
+
     if (store / MANIFEST).exists():
-        differs = fingerprint.differences(read_manifest(store)["fingerprint"])
+        manifest = read_manifest(store)
+        differs = fingerprint.differences(manifest["fingerprint"])
         if not differs:
-            log.info("token store %s: reusing it (same input, tokenizer and block size)", store)
+            made_from = f"; made from commit {manifest['source_revision']}" if "source_revision" in manifest else ""
+            log.info("token store %s: reusing it (same input, tokenizer and block size%s)", store, made_from)
             return store
         raise UsageError(f"{store}: holds a token store made from different input ({', '.join(differs)} differ)",
                          "choose another --output_dir, or delete that store")
     if store.exists() and (not store.is_dir() or any(store.iterdir())):
         raise UsageError(f"{store}: exists and is not a token store (no {MANIFEST}); nothing there was changed",
                          "choose a new or empty folder for the store")
-    train, validation = load_raw_datasets(data)
-    source = data.dataset_name or ", ".join(local_data_files(data)["train"])
-    check_text_column(train, data.text_column, source)
-    if validation is not None:
-        check_text_column(validation, data.text_column, f"{source} (validation)")
-    workers = num_proc or os.cpu_count() or 1
-    started = time.perf_counter()
-    write_store({"train": train, "validation": validation}, tokenizer, tokenizer_dir, fingerprint, store,
-                num_proc=workers, show_progress=show_progress)
+    folder, name = partial_folders(store, str(os.getpid()))[1]
+    scratch = folder / name
+    try:
+        train, validation, revision = load_raw_datasets(data, scratch_dir=scratch)
+        source = data.dataset_name or ", ".join(local_data_files(data)["train"])
+        check_text_column(train, data.text_column, source)
+        if validation is not None:
+            check_text_column(validation, data.text_column, f"{source} (validation)")
+        held_out = None
+        if validation is None and fingerprint.held_out and len(train) > 1:
+            # At random, not the corpus's first documents (often one source, or one period, of a concatenated corpus).
+            held_out = HeldOut(order=np.random.default_rng(seed).permutation(len(train)),
+                               documents=max(1, len(train) * data.validation_split_percentage // 100),
+                               max_tokens=fingerprint.held_out["max_tokens"])
+        workers = num_proc or os.cpu_count() or 1
+        started = time.perf_counter()
+        # The content hash, once, here: the lookup (every rank, every start) goes by path, size and modification time.
+        content = None if data.dataset_name else source_sha256(local_data_files(data))
+        write_store({"train": train, "validation": validation}, tokenizer, tokenizer_dir, fingerprint, store,
+                    num_proc=workers, show_progress=show_progress, content_sha256=content, held_out=held_out,
+                    source_revision=revision)
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)  # the Arrow copy of local files: the store is what is kept
     log.info("token store %s: prepared in %.1fs, tokenizer parallelism %d", store, time.perf_counter() - started,
              workers)
     return store
@@ -88,7 +175,7 @@ def _read_failure(path: Path) -> Optional[dict]:
 
 
 def ensure_token_store(data: DataArgs, tokenizer, tokenizer_dir: str, block_size: int, local_rank: int,
-                       show_progress: bool) -> Path:
+                       show_progress: bool, seed: int = DEFAULT_SEED) -> Path:
     """Raw data given to train.py: local rank 0 of each node prepares the store (under a file lock, so nodes
     sharing a file system prepare it once); the other ranks wait for its manifest by polling the file system,
     with no collective and so no timeout however long preparation takes. Runs before any process group exists.
@@ -98,7 +185,7 @@ def ensure_token_store(data: DataArgs, tokenizer, tokenizer_dir: str, block_size
 
     from scaletrain.tokenstore import MANIFEST
 
-    store = default_store_path(store_fingerprint(data, tokenizer, block_size))
+    store = default_store_path(store_fingerprint(data, tokenizer, block_size, seed))
     store.parent.mkdir(parents=True, exist_ok=True)
     # One marker per node: on a shared file system each node's local rank 0 reports to its own node's ranks.
     failed = store.parent / f"{store.name}.{socket.gethostname()}.failed"
@@ -108,7 +195,7 @@ def ensure_token_store(data: DataArgs, tokenizer, tokenizer_dir: str, block_size
             failed.unlink(missing_ok=True)
             try:
                 return prepare_token_store(data, tokenizer, tokenizer_dir, block_size, store,
-                                           data.preprocessing_num_workers, show_progress)
+                                           data.preprocessing_num_workers, show_progress, seed)
             except BaseException as err:
                 # Tell the waiting ranks, which no launcher is bound to kill (srun without --kill-on-bad-exit).
                 kind = "usage" if isinstance(err, UsageError) else "failed"

@@ -1,7 +1,8 @@
 """The token store: a corpus tokenized once into memory-mapped files, with a fingerprinted manifest.
 
 Layout of a store folder:
-    manifest.json            format version, fingerprint (what it was made from), per-split token/document counts
+    manifest.json            format version, fingerprint (what it was made from), per-split token/document counts,
+                             the source files' SHA-256 (computed once, when the store is written)
     <split>.tokens.bin       every document's tokens followed by EOS, concatenated (uint16 or uint32)
     <split>.docs.npy         the offset where each document starts (int64), for attention isolation
 
@@ -58,19 +59,33 @@ def tokenizer_hash(tokenizer) -> str:
 
 def source_identity(files: Optional[dict], dataset_name: Optional[str], dataset_config: Optional[str],
                     revision: Optional[str] = None) -> dict:
-    """Local files by path, size and content hash; a hub or on-disk dataset by name, config and revision."""
+    """Local files (or a local dataset folder's) by path, size and modification time; a save_to_disk folder by its
+    Arrow files; a hub dataset by name, config and revision.
+
+    Every rank computes this at every start to find the cached store, so it reads no file's content: a file that
+    changes gets a new size or modification time. The preparer records the content hash (source_sha256) once.
+    """
     if files:
         return {"kind": "files", "splits": {
-            # Content, not location: the same files moved or mounted elsewhere are the same input.
-            split: [{"name": Path(p).name, "size": Path(p).stat().st_size, "sha256": file_sha256(Path(p))}
-                    for p in paths]
+            split: [{"path": str(Path(p).resolve()), "size": (st := Path(p).stat()).st_size,
+                     "mtime_ns": st.st_mtime_ns} for p in paths]
             for split, paths in files.items()}}
     path = Path(dataset_name)
     if path.is_dir() and ((path / "dataset_dict.json").exists() or (path / "dataset_info.json").exists()):
         state = sorted(p for p in path.rglob("*.arrow"))
         return {"kind": "save_to_disk", "path": str(path.resolve()),
                 "arrow": [{"path": str(p.relative_to(path)), "size": p.stat().st_size} for p in state]}
+    if path.is_dir():  # a folder of data files that load_dataset reads as a dataset: its files, as for --train_file
+        found = sorted(p for p in path.rglob("*") if p.is_file() and not p.relative_to(path).parts[0].startswith("."))
+        return {"kind": "folder", "path": str(path.resolve()), "config": dataset_config,
+                "files": [{"path": str(p.relative_to(path)), "size": (st := p.stat()).st_size,
+                           "mtime_ns": st.st_mtime_ns} for p in found]}
     return {"kind": "hub", "name": dataset_name, "config": dataset_config, "revision": revision}
+
+
+def source_sha256(files: dict) -> dict:
+    """{split: {path: SHA-256 of its content}}: what the store was made from, kept in its manifest."""
+    return {split: {str(Path(p).resolve()): file_sha256(Path(p)) for p in paths} for split, paths in files.items()}
 
 
 @dataclass(frozen=True)
@@ -79,13 +94,13 @@ class Fingerprint:
     tokenizer_sha256: str
     block_size: int
     text_column: str
-    validation_split_percentage: int
+    held_out: Optional[dict]  # how validation is drawn from the training documents (percentage, max_tokens, seed)
     packing: str = PACKING
     format_version: int = FORMAT_VERSION
 
     def as_dict(self) -> dict:
         return {"source": self.source, "tokenizer_sha256": self.tokenizer_sha256, "block_size": self.block_size,
-                "text_column": self.text_column, "validation_split_percentage": self.validation_split_percentage,
+                "text_column": self.text_column, "held_out": self.held_out,
                 "packing": self.packing, "format_version": self.format_version}
 
     def differences(self, other: dict) -> list:
@@ -297,14 +312,33 @@ class _WorkerPool:
             conn.close()
 
 
-def _write_split(ds, out: Path, split: str, column: str, batch_size: int, encode, show_progress: bool) -> dict:
+def _write_split(ds, out: Path, split: str, column: str, batch_size: int, encode, show_progress: bool,
+                 max_tokens: Optional[int] = None) -> dict:
+    """Tokenize `ds` into `split`'s files; with max_tokens, only its first documents up to that many tokens (at least
+    one document), and the rest is not read."""
     from tqdm.auto import tqdm
 
     doc_lengths = []
     n_tokens = 0
+    full = False
+
+    def batches() -> Iterator[list]:
+        for batch in _batches(ds, column, batch_size):
+            if full:
+                return
+            yield batch
+
     with tqdm(total=len(ds), desc=f"tokenizing {split}", unit="doc", disable=not show_progress) as bar, \
             open(out / f"{split}.tokens.bin", "wb") as f:  # the bar ends its line even on an error
-        for flat, lengths in encode(_batches(ds, column, batch_size)):
+        for flat, lengths in encode(batches()):
+            if full:
+                continue  # batches already with the worker processes when the cap was reached
+            if max_tokens is not None:
+                ends = np.cumsum(lengths)
+                keep = max(int(np.searchsorted(ends, max_tokens - n_tokens, side="right")), int(n_tokens == 0))
+                if keep < len(lengths):
+                    full = True
+                    flat, lengths = flat[: int(ends[keep - 1]) if keep else 0], lengths[:keep]
             f.write(flat.tobytes())
             doc_lengths.append(lengths)
             n_tokens += len(flat)
@@ -313,6 +347,28 @@ def _write_split(ds, out: Path, split: str, column: str, batch_size: int, encode
     starts = np.concatenate([[0], np.cumsum(lengths)[:-1]]) if len(lengths) else lengths
     np.save(out / f"{split}.docs.npy", starts.astype(np.int64))
     return {"n_tokens": n_tokens, "n_documents": int(len(lengths))}
+
+
+@dataclass(frozen=True)
+class HeldOut:
+    """Validation documents drawn from the training split: the first `documents` of a seeded random order of its
+    documents, as long as they fit in `max_tokens` tokens (None: no cap); the training split keeps the rest."""
+
+    order: np.ndarray  # a permutation of the training split's document indices
+    documents: int
+    max_tokens: Optional[int]
+
+
+def _write_held_out(documents, held_out: HeldOut, out: Path, column: str, batch_size: int, encode,
+                    show_progress: bool) -> tuple:
+    """(validation's counts, the training split without the held-out documents, in their original order)."""
+    # Index mappings in the temporary store (removed with it), never beside the user's own dataset files.
+    candidates = documents.select(held_out.order[: held_out.documents],
+                                  indices_cache_file_name=str(out / "validation.indices.arrow"))
+    counts = _write_split(candidates, out, "validation", column, batch_size, encode, show_progress,
+                          max_tokens=held_out.max_tokens)
+    rest = np.sort(held_out.order[counts["n_documents"]:])
+    return counts, documents.select(rest, indices_cache_file_name=str(out / "train.indices.arrow"))
 
 
 def _save_tokenizer(tokenizer, path: Path) -> None:
@@ -325,8 +381,11 @@ def _save_tokenizer(tokenizer, path: Path) -> None:
 
 
 def write_store(splits: dict, tokenizer, tokenizer_dir: str, fingerprint: Fingerprint, store: Path,
-                num_proc: int, show_progress: bool = True, batch_size: int = 1000) -> Path:
-    """Tokenize every split into `store`, atomically: a temporary folder renamed into place when complete."""
+                num_proc: int, show_progress: bool = True, batch_size: int = 1000,
+                content_sha256: Optional[dict] = None, held_out: Optional[HeldOut] = None,
+                source_revision: Optional[str] = None) -> Path:
+    """Tokenize every split into `store`, atomically: a temporary folder renamed into place when complete. With
+    `held_out`, the validation split is drawn from splits["train"] first."""
     store = Path(store)
     if not getattr(tokenizer, "is_fast", False):
         raise UsageError(f"tokenizer {tokenizer_dir}: the token store needs a fast (Rust) tokenizer",
@@ -337,7 +396,7 @@ def write_store(splits: dict, tokenizer, tokenizer_dir: str, fingerprint: Finger
     # RAYON_NUM_THREADS below is set, and --num_proc 1 would then still tokenize on every core.
     probe = tokenizer.backend_tokenizer.encode("x", add_special_tokens=True).ids
     add_special = not (probe and probe[-1] == tokenizer.eos_token_id)
-    tmp = store.parent / f".{store.name}.tmp-{os.getpid()}"
+    tmp = store.parent / f".{store.name}.tmp-{os.getpid()}"  # store_prep.partial_folders: removed if left
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
     tokenizer_file = tmp / "worker_tokenizer.json"
@@ -357,12 +416,23 @@ def write_store(splits: dict, tokenizer, tokenizer_dir: str, fingerprint: Finger
             os.environ.setdefault("RAYON_NUM_THREADS", str(num_proc))
             _init_worker(*init_args, None)
             encode = lambda batches: map(_encode_texts, batches)  # noqa: E731
-        counts = {name: _write_split(ds, tmp, name, fingerprint.text_column, batch_size, encode, show_progress)
-                  for name, ds in splits.items() if ds is not None}
+        counts = {}
+        if held_out is not None:
+            counts["validation"], train = _write_held_out(splits["train"], held_out, tmp, fingerprint.text_column,
+                                                          batch_size, encode, show_progress)
+            splits = {"train": train}
+        counts.update({name: _write_split(ds, tmp, name, fingerprint.text_column, batch_size, encode, show_progress)
+                       for name, ds in splits.items() if ds is not None})
         tokenizer_file.unlink()
+        for mapping in tmp.glob("*.indices.arrow"):
+            mapping.unlink()
         manifest = {"format_version": FORMAT_VERSION, "fingerprint": fingerprint.as_dict(), "dtype": dtype.str,
                     "eos_id": tokenizer.eos_token_id, "pad_id": tokenizer.pad_token_id, "splits": counts,
                     "prepared_seconds": round(time.perf_counter() - started, 2)}
+        if content_sha256 is not None:
+            manifest["source_sha256"] = content_sha256
+        if source_revision is not None:
+            manifest["source_revision"] = source_revision  # the hub dataset's commit the store was made from
         (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
         os.replace(tmp, store)  # onto nothing, or an empty folder (prepare_token_store refuses any other)
         finished = True

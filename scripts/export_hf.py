@@ -2,8 +2,9 @@
 
     python scripts/export_hf.py runs/default/checkpoints/step300 exported/ [--dtype bfloat16]
 
-Writes safetensors shards (with an index when sharded), config.json and the tokenizer; a LoRA checkpoint
-(--use_peft) exports its adapter folder instead, and with --merge_lora also the merged model in <out_dir>/merged.
+Writes safetensors shards (with an index when sharded), config.json, the tokenizer, generation_config.json and a
+model card (scaletrain.publish); --push_to_hub owner/name then uploads the folder. A LoRA checkpoint (--use_peft)
+exports its adapter folder instead of the weights, and with --merge_lora also the merged model in <out_dir>/merged.
 The fp32 master weights are read from the ZeRO shards lazily and written shard by shard (DeepSpeed's converter in
 lazy mode), so the whole model is never held twice in memory. A pipeline-parallel checkpoint is read from its
 per-layer files (the weights the stages held). The model and tokenizer come from the run's run_config.json.
@@ -18,24 +19,23 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from scaletrain.checkpoint import export_pipeline_checkpoint, read_train_state, verify  # noqa: E402
+from scaletrain.checkpoint import committed_step, export_pipeline_checkpoint, read_train_state, verify  # noqa: E402
 from scaletrain.config import DEFAULT_MODEL_DIR, UsageError  # noqa: E402
-from scaletrain.lora import peft_args_of  # noqa: E402
+from scaletrain.lora import merged_dir, peft_args_of  # noqa: E402
+from scaletrain.metrics import METRICS_FILE, read_records  # noqa: E402
+from scaletrain.publish import check_push_target, push_to_hub, write_generation_config, write_model_card  # noqa: E402
 
 
-def export_lora(ckpt: Path, out: Path, peft_args, model_source: str, tokenizer_source: str, trust: bool, dtype,
+def export_lora(ckpt: Path, out: Path, peft_args, model_config, model_source: str, tokenizer, trust: bool, dtype,
                 max_shard_size: str, merge_lora: bool) -> None:
     """A LoRA checkpoint: its adapter (the trainable parameters of the ZeRO shards) as an adapter folder, and with
     --merge_lora the merged model in <out>/merged."""
     from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
-    from transformers import AutoConfig, AutoTokenizer
 
     from scaletrain import lora
 
     adapter = get_fp32_state_dict_from_zero_checkpoint(str(ckpt.parent), tag=ckpt.name,
                                                        exclude_frozen_parameters=True)
-    model_config = AutoConfig.from_pretrained(model_source, trust_remote_code=trust)
-    tokenizer = AutoTokenizer.from_pretrained(tokenizer_source, trust_remote_code=trust)
     model = lora.meta_lora_model(model_config, peft_args, model_source, trust)
     lora.save_adapter(model, {name: tensor.to(dtype) for name, tensor in adapter.items()}, out, tokenizer)
     if merge_lora:
@@ -67,21 +67,35 @@ def export(ckpt: Path, out: Path, dtype: str, max_shard_size: str, merge_lora: b
     tokenizer_source = run_config.get("tokenizer_name") or model_source
     trust = bool(run_config.get("trust_remote_code"))
     peft_args = peft_args_of(run_config)
-    if peft_args is not None:
-        export_lora(ckpt, out, peft_args, model_source, tokenizer_source, trust, getattr(torch, dtype), max_shard_size,
-                    merge_lora)
-        return
-    if merge_lora:
+    if merge_lora and peft_args is None:
         raise UsageError(f"--merge_lora: {ckpt} is not from a LoRA run (--use_peft)", "drop --merge_lora")
-    if read_train_state(ckpt).get("pipeline_parallel_size", 1) > 1:
-        export_pipeline_checkpoint(ckpt, out, AutoConfig.from_pretrained(model_source, trust_remote_code=trust),
-                                   AutoTokenizer.from_pretrained(tokenizer_source, trust_remote_code=trust),
-                                   dtype=getattr(torch, dtype), max_shard_size=max_shard_size)
-        return
-    convert_zero_checkpoint_to_state_dict(str(ckpt.parent), str(out), dtype=getattr(torch, dtype),
-                                          max_shard_size=max_shard_size, safe_serialization=True, tag=ckpt.name)
-    AutoConfig.from_pretrained(model_source, trust_remote_code=trust).save_pretrained(out)
-    AutoTokenizer.from_pretrained(tokenizer_source, trust_remote_code=trust).save_pretrained(out)
+    model_config = AutoConfig.from_pretrained(model_source, trust_remote_code=trust)
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_source, trust_remote_code=trust)
+    if peft_args is not None:
+        export_lora(ckpt, out, peft_args, model_config, model_source, tokenizer, trust, getattr(torch, dtype),
+                    max_shard_size, merge_lora)
+    elif read_train_state(ckpt).get("pipeline_parallel_size", 1) > 1:
+        export_pipeline_checkpoint(ckpt, out, model_config, tokenizer, dtype=getattr(torch, dtype),
+                                   max_shard_size=max_shard_size)
+    else:
+        convert_zero_checkpoint_to_state_dict(str(ckpt.parent), str(out), dtype=getattr(torch, dtype),
+                                              max_shard_size=max_shard_size, safe_serialization=True, tag=ckpt.name)
+        model_config.save_pretrained(out)
+        tokenizer.save_pretrained(out)
+    final = _final_metrics(ckpt.parent.parent / METRICS_FILE, committed_step(ckpt))
+    for folder in (out, *([merged_dir(out)] if merge_lora else [])):
+        write_generation_config(folder, tokenizer, model_config)
+        write_model_card(folder, run_config, final)
+
+
+def _final_metrics(path: Path, step: int) -> dict:
+    """Each metric's newest value up to the checkpoint's step (the model card's final losses)."""
+    latest: dict = {}
+    if path.exists():
+        for record in read_records(path)[0]:
+            if record["step"] <= step:
+                latest.update(record)
+    return latest
 
 
 def main(argv=None) -> int:
@@ -92,13 +106,24 @@ def main(argv=None) -> int:
     parser.add_argument("--max_shard_size", default="5GB")
     parser.add_argument("--merge_lora", action="store_true",
                         help="A LoRA checkpoint: also write the merged model (base + adapter) to <out_dir>/merged.")
+    parser.add_argument("--push_to_hub", metavar="REPO", help="then upload the folder to this Hub repository "
+                        "(owner/name), with HF_TOKEN from the environment")
+    parser.add_argument("--hub_private_repo", action="store_true", help="create the repository private")
     args = parser.parse_args(argv)
     try:
+        check_push_target(args.push_to_hub, export_at_end=True)
         export(args.checkpoint, args.out_dir, args.dtype, args.max_shard_size, args.merge_lora)
     except UsageError as err:
         print(f"export_hf.py: error: {err}", file=sys.stderr)
         return 2
     print(f"exported {args.checkpoint} -> {args.out_dir}")
+    if args.push_to_hub:
+        try:
+            print(f"pushed: {push_to_hub(args.out_dir, args.push_to_hub, private=args.hub_private_repo)}")
+        except Exception as err:
+            print(f"export_hf.py: push failed: {args.push_to_hub}: {type(err).__name__}: {str(err).splitlines()[0]}; "
+                  f"the export in {args.out_dir} is complete: run the same command again to resume", file=sys.stderr)
+            return 1
     return 0
 
 

@@ -218,6 +218,10 @@ CASES = {
                                         "--tensor_parallel_size 2 does not divide the world size 1"),
     "sequence parallel above the world": (lambda t: ["--sequence_parallel_size", "2"], "--sequence_parallel_size",
                                           "--sequence_parallel_size 2 does not divide the world size 1"),
+    "push to a malformed repository id": (lambda t: ["--push_to_hub", "not a/valid id"], "--push_to_hub",
+                                          "not a repository id"),
+    "eval prompts file missing": (lambda t: ["--eval_prompts", str(t / "prompts.jsonl")], "--eval_prompts",
+                                  "prompts.jsonl: no such file"),
     "ramp-up lr scaling alone": (lambda t: ["--rampup_lr_scaling", "sqrt"], "--rampup_lr_scaling",
                                  "--rampup_lr_scaling sqrt: only acts with --rampup_batch_size"),
 }

@@ -1,9 +1,12 @@
 """Packing keeps every token; the global order is independent of world size; batches split as documented."""
 
 import json
+import math
+from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 from transformers import AutoTokenizer
 
 from scaletrain.blocks import EMPTY_SLOT, IGNORE_INDEX, MixedBlocks, PackedBlocks, blocks_from_store, eval_batches
@@ -286,3 +289,232 @@ def test_resumed_order_reproduces_the_batches_or_continues_the_epoch_with_a_new_
     assert rest == full.epoch_permutation(0)[consumed:].tolist()
     assert resharded.position(7) == (1, 0)
     assert resharded.total_steps(1.0) == 7 and resharded.total_steps(2.0) == 7 + 10
+
+
+def test_eval_batches_read_the_store_lazily_and_equal_the_blocks(tmp_path):
+    """The evaluation set holds block indices, not the split as tensors: building it for a 4M-token split
+    allocates well under the 64 MB its int64 inputs and labels would take, and each batch read is the very
+    tensors the blocks give for those indices (so the evaluation loss is unchanged)."""
+    import tracemalloc
+
+    n_tokens = 4_000_000
+    stream = np.memmap(tmp_path / "validation.tokens.bin", dtype=np.uint16, mode="w+", shape=(n_tokens,))
+    stream[:] = np.arange(n_tokens) % 5000
+    stream.flush()
+    blocks = PackedBlocks(np.memmap(tmp_path / "validation.tokens.bin", dtype=np.uint16, mode="r"),
+                          np.array([0, 1000, 123_457]), block_size=64, pad_id=0, isolate_documents=True)
+    tracemalloc.start()
+    try:
+        batches = eval_batches(blocks, batch_size=8, rank=1, world=2, limit=None)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert peak < 8 * 2**20, f"building the evaluation set allocated {peak / 2**20:.0f} MiB"
+    assert len(batches) == math.ceil(math.ceil(len(blocks) / 2) / 8)
+    owned = np.arange(1, len(blocks), 2)
+    for i in (0, 1, len(batches) - 1):
+        expected = blocks.batch(owned[i * 8: (i + 1) * 8])
+        got = batches[i]
+        assert set(got) == set(expected) == {"input_ids", "labels", "position_ids"}
+        for key in expected:
+            assert torch.equal(got[key], expected[key]), key
+    assert batches.targets() == sum(int((b["labels"][:, 1:] != IGNORE_INDEX).sum()) for b in batches)
+
+
+def test_the_cached_store_is_found_by_path_size_and_mtime_and_the_content_hashed_once(tmp_path, tokenizer,
+                                                                                       monkeypatch):
+    """Every rank looks the store up at every start: by path, size and modification time, reading no content.
+    The preparer hashes each file once and keeps the hash in the manifest; a file with a new mtime gets a new store."""
+    import hashlib
+    import os
+
+    from scaletrain import tokenstore
+    from scaletrain.store_prep import ensure_token_store
+
+    monkeypatch.setenv("HF_DATASETS_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setenv("SCALETRAIN_CACHE", str(tmp_path / "stores"))
+    path = tmp_path / "docs.jsonl"
+    write_docs(path, DOCS, "jsonl")
+    cfg = raw_cfg(tmp_path, "--train_file", str(path))
+    hashed = []
+    real_sha256 = tokenstore.file_sha256
+    monkeypatch.setattr(tokenstore, "file_sha256", lambda p: hashed.append(Path(p)) or real_sha256(p))
+
+    store = ensure_token_store(cfg, tokenizer, str(TINY), 16, 0, False)
+    assert hashed == [path]  # once, by the preparer
+    manifest = json.loads((store / "manifest.json").read_text())
+    assert manifest["source_sha256"] == {"train": {str(path.resolve()): hashlib.sha256(path.read_bytes()).hexdigest()}}
+    hashed.clear()
+    for local_rank in (0, 1):  # a restart of the preparing rank, and a rank that waits: the store is found as is
+        assert ensure_token_store(cfg, tokenizer, str(TINY), 16, local_rank, False) == store
+    assert hashed == []
+
+    stat = path.stat()
+    os.utime(path, ns=(stat.st_atime_ns, stat.st_mtime_ns + 10**9))  # touched: it may have changed
+    touched = ensure_token_store(cfg, tokenizer, str(TINY), 16, 0, False)
+    assert touched != store and (touched / "manifest.json").exists() and hashed == [path]
+    write_docs(path, DOCS[:-1], "jsonl")  # another size
+    assert ensure_token_store(cfg, tokenizer, str(TINY), 16, 0, False) not in (store, touched)
+
+
+def _held_out_docs(store, tokenizer) -> list:
+    """The documents of a store's splits, as text, in stored order."""
+    opened = open_store(store)
+    out = {}
+    for name, part in opened["splits"].items():
+        ends = list(part.doc_starts[1:]) + [part.n_tokens]
+        out[name] = [tokenizer.decode(part.tokens[s: e - 1]) for s, e in zip(part.doc_starts, ends, strict=True)]
+    return out
+
+
+CORPUS = [f"doc{i} " + " ".join(f"w{(i * 13 + j) % 97}" for j in range(5 + i % 11)) for i in range(200)]
+
+
+def test_held_out_documents_are_drawn_at_random_by_the_seed_and_the_split_is_in_the_fingerprint(tmp_path, tokenizer,
+                                                                                                 monkeypatch):
+    from scaletrain.store_prep import default_store_path
+
+    monkeypatch.setenv("HF_DATASETS_CACHE", str(tmp_path / "cache"))
+    path = tmp_path / "docs.jsonl"
+    write_docs(path, CORPUS, "jsonl")
+    cfg = raw_cfg(tmp_path, "--train_file", str(path), "--validation_split_percentage", "10")
+
+    def held_out(name, seed):
+        store = prepare_token_store(cfg, tokenizer, str(TINY), 16, tmp_path / name, 1, show_progress=False,
+                                    seed=seed)
+        return _held_out_docs(store, tokenizer)
+
+    first, again, other = held_out("a", 7), held_out("b", 7), held_out("c", 8)
+    assert len(first["validation"]) == 20 and len(first["train"]) == 180
+    assert sorted(first["validation"] + first["train"]) == sorted(CORPUS)  # each document in exactly one split
+    assert set(first["validation"]) != set(CORPUS[:20])  # not the first 5% (here 10%) of the corpus
+    assert first["train"] == [d for d in CORPUS if d not in first["validation"]]  # training keeps the file's order
+    assert first == again  # the same seed: the same split, on every rank and at every restart
+    assert set(other["validation"]) != set(first["validation"])
+    # Whatever decides the split is in the fingerprint: another seed, percentage or cap is another cached store.
+    paths = {default_store_path(store_fingerprint(cfg, tokenizer, 16, seed)) for seed in (7, 8)}
+    paths.add(default_store_path(store_fingerprint(
+        raw_cfg(tmp_path, "--train_file", str(path), "--validation_split_percentage", "10",
+                "--validation_split_max_tokens", "100"), tokenizer, 16, 7)))
+    assert len(paths) == 3
+
+
+@pytest.mark.parametrize("num_proc", [1, 2])
+def test_the_held_out_split_is_capped_in_tokens(num_proc, tmp_path, tokenizer, monkeypatch):
+    """--validation_split_max_tokens caps the held-out split (the documents that do not fit stay in training); with
+    worker processes, the batches already sent when the cap is reached are dropped, not written."""
+    import functools
+
+    from scaletrain import tokenstore
+
+    monkeypatch.setenv("HF_DATASETS_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setenv("PYTHONPATH", str(REPO))  # spawned tokenizer workers import scaletrain
+    monkeypatch.setattr(tokenstore, "MAX_TOKENIZER_THREADS", 1)  # num_proc 2 -> two worker processes
+    monkeypatch.setattr(tokenstore, "write_store", functools.partial(tokenstore.write_store, batch_size=3))
+    path = tmp_path / "docs.jsonl"
+    write_docs(path, CORPUS, "jsonl")
+    cfg = raw_cfg(tmp_path, "--train_file", str(path), "--validation_split_percentage", "50",
+                  "--validation_split_max_tokens", "150")
+    store = prepare_token_store(cfg, tokenizer, str(TINY), 16, tmp_path / "store", num_proc, show_progress=False)
+    splits = open_store(store)["splits"]
+    docs = _held_out_docs(store, tokenizer)
+    assert 100 < splits["validation"].n_tokens <= 150  # the cap, not 50% of the corpus (about 3,000 tokens)
+    assert len(docs["validation"]) < 100
+    assert sorted(docs["validation"] + docs["train"]) == sorted(CORPUS)  # nothing lost, nothing twice
+    assert not list(store.glob("*.indices.arrow"))
+
+
+def test_a_negative_held_out_cap_is_refused(tmp_path):
+    with pytest.raises(UsageError, match="--validation_split_max_tokens -1"):
+        raw_cfg(tmp_path, "--validation_split_max_tokens", "-1")
+
+
+def _arrow_files(folder: Path) -> list:
+    return sorted(p for p in folder.rglob("*.arrow")) if folder.exists() else []
+
+
+def test_preparing_local_files_leaves_no_copy_of_the_corpus_in_the_datasets_cache(tmp_path):
+    """load_dataset converts local files to Arrow in the Hugging Face cache and keeps it there: a second full copy
+    of the user's corpus. The preparer converts in a scratch folder and removes it once the store is written."""
+    import subprocess
+    import sys
+
+    from tests.conftest import subprocess_env
+    from tests.test_prepare_failures import PREPARE, prepare_argv, write_corpus
+
+    corpus = write_corpus(tmp_path / "corpus.jsonl", 300)
+    env = subprocess_env(tmp_path)  # HF_DATASETS_CACHE: tmp_path / "datasets"
+    proc = subprocess.run([sys.executable, str(PREPARE), *prepare_argv(corpus, tmp_path / "store", "--num_proc", "1")],
+                          cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert open_store(tmp_path / "store")["splits"]["train"].n_documents == 300
+    assert _arrow_files(tmp_path / "datasets") == []
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["corpus.jsonl", "datasets", "store"]  # no lock, no scratch
+
+
+@pytest.mark.slow  # two preparations in fresh processes, one killed half-way: 15-25 s
+def test_a_preparer_killed_half_way_leaves_nothing_the_next_one_does_not_remove(tmp_path):
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from tests.conftest import subprocess_env
+    from tests.test_prepare_failures import PREPARE, prepare_argv, write_corpus
+
+    corpus = write_corpus(tmp_path / "corpus.jsonl", 60_000)
+    env = subprocess_env(tmp_path)
+    argv = [sys.executable, str(PREPARE), *prepare_argv(corpus, tmp_path / "store", "--num_proc", "1")]
+    first = subprocess.Popen(argv, cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    deadline = time.monotonic() + 120
+    while not any(p.stat().st_size for p in tmp_path.glob(".store.tmp-*/train.tokens.bin")):  # tokenizing
+        assert first.poll() is None, first.stderr.read().decode()[-3000:]
+        assert time.monotonic() < deadline, "the preparation never started writing"
+        time.sleep(0.01)
+    first.send_signal(signal.SIGKILL)
+    first.wait(timeout=30)
+    first.stderr.close()
+    assert list(tmp_path.glob(".store.tmp-*")) and _arrow_files(tmp_path / "datasets")  # what a kill leaves
+
+    second = subprocess.run(argv, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    assert second.returncode == 0, second.stderr[-3000:]
+    assert "left by a preparation that did not finish" in second.stdout + second.stderr
+    assert open_store(tmp_path / "store")["splits"]["train"].n_documents == 60_000
+    assert list(tmp_path.glob(".store.*")) == [] and _arrow_files(tmp_path / "datasets") == []
+
+
+def test_a_hub_datasets_revision_is_in_the_store_fingerprint(tmp_path, tokenizer):
+    """Two revisions of one hub dataset are two stores (the fingerprint is computed without the network)."""
+    from scaletrain.store_prep import default_store_path
+
+    def store_for(*revision):
+        cfg = raw_cfg(tmp_path, "--dataset_name", "someorg/corpus", *revision)
+        return default_store_path(store_fingerprint(cfg, tokenizer, 16))
+
+    stores = {store_for(), store_for("--dataset_revision", "v1"), store_for("--dataset_revision", "v2")}
+    assert len(stores) == 3
+    assert store_for("--dataset_revision", "v1") == store_for("--dataset_revision", "v1")
+    with pytest.raises(UsageError, match="--dataset_revision v1: needs --dataset_name"):
+        raw_cfg(tmp_path, "--dataset_revision", "v1")
+
+
+def test_a_local_dataset_folder_is_fingerprinted_by_its_files_and_loaded_at_the_revision(tmp_path, tokenizer):
+    """A folder of data files given as --dataset_name (the offline stand-in for a hub dataset: load_dataset reads
+    both through the same builder, here with --dataset_revision passed on) is identified by its files, so an edited
+    file gets a new store, as --train_file's do; no commit is recorded for it."""
+    import os
+
+    folder = tmp_path / "corpus"
+    folder.mkdir()
+    write_docs(folder / "train.jsonl", DOCS, "jsonl")
+    cfg = raw_cfg(tmp_path, "--dataset_name", str(folder), "--dataset_revision", "v1")
+    store = prepare(tmp_path, tokenizer, cfg, "store")
+    opened = open_store(store)
+    expected = [t for d in DOCS for t in tokenizer(d)["input_ids"] + [tokenizer.eos_token_id]]
+    assert opened["splits"]["train"].tokens.tolist() == expected
+    source = opened["manifest"]["fingerprint"]["source"]
+    assert source["kind"] == "folder" and [f["path"] for f in source["files"]] == ["train.jsonl"]
+    assert "source_revision" not in opened["manifest"]
+    stat = (folder / "train.jsonl").stat()
+    os.utime(folder / "train.jsonl", ns=(stat.st_atime_ns, stat.st_mtime_ns + 10**9))
+    assert store_fingerprint(cfg, tokenizer, 16).differences(opened["manifest"]["fingerprint"]) == ["source"]

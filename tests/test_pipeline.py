@@ -67,6 +67,10 @@ def test_two_ranks_train_checkpoint_and_export(ds_config, tmp_path, cache_dir):
     with torch.no_grad():
         logits = AutoModelForCausalLM.from_pretrained(exported).eval()(input_ids=probe["input_ids"]).logits
     torch.testing.assert_close(logits, probe["logits"], rtol=1e-4, atol=1e-4)
+    # both exports are complete: a generation config and a model card with the losses up to the checkpoint
+    for folder in (run_dir, exported):
+        assert (folder / "generation_config.json").exists(), folder
+        assert "final training loss" in (folder / "README.md").read_text(), folder
     saved = json.loads((run_dir / "ds_config.json").read_text())
     assert saved["train_batch_size"] == 4 * 1 * 2 and "auto" not in json.dumps(saved)
     assert json.loads((run_dir / "run_config.json").read_text())["world_size"] == 2

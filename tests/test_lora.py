@@ -175,6 +175,8 @@ def check_export(run_dir: Path, base: Path) -> None:
     peft_model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base), run_dir)
     adapted = probe_logits(peft_model, probe["input_ids"])
     torch.testing.assert_close(adapted, probe["logits"], rtol=1e-5, atol=1e-5)
+    through_transformers = AutoModelForCausalLM.from_pretrained(run_dir)  # peft's loader inside transformers
+    torch.testing.assert_close(probe_logits(through_transformers, probe["input_ids"]), adapted, rtol=1e-6, atol=1e-6)
     plain = probe_logits(AutoModelForCausalLM.from_pretrained(base), probe["input_ids"])
     assert (adapted - plain).abs().max() > 1e-3  # the adapter changes the model: the comparison above can fail
     merged = AutoModelForCausalLM.from_pretrained(run_dir / "merged")

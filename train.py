@@ -16,8 +16,8 @@ from scaletrain.logs import setup_logging
 
 def report(err: RunEnded, dist) -> int:
     """A planned end: its message from the ranks that should say it (a usage error once, not once per rank)."""
-    if err.reports_here(dist.is_main):
-        print(f"train.py: {err.prefix}: {err}", file=sys.stderr)
+    if err.reports_here(dist):
+        print(f"train.py: {err.prefix}: {f'[{err.node}] ' if err.node else ''}{err}", file=sys.stderr)
     return err.exit_code
 
 
@@ -29,7 +29,9 @@ def main(argv=None) -> int:
 
         run = Run.from_flags(argv, dist)  # flags, recipe, DeepSpeed JSON, model config, tokenizer: exit 2 on a mistake
     except RunEnded as err:
-        return report(err, dist)
+        from scaletrain.agreement import stop_with_the_others
+
+        return report(stop_with_the_others(err, dist, argv), dist)  # the other ranks learn of it at the rendezvous
     if run.cfg.run.print_config:
         run.print_config()  # every "auto" filled, with where each value came from
         return 0
@@ -38,9 +40,8 @@ def main(argv=None) -> int:
         return 0
     exit_code = 1  # a crash, unless the run ends otherwise
     try:
-        run.prepare_resume()  # a checkpoint from another rank count: converted to DeepSpeed's universal format
-        run.prepare_data()  # token store: --data_path, or raw data tokenized once (no collective while waiting)
-        run.init_distributed()  # process group for whichever launcher started us
+        run.init_distributed()  # process group; the ranks share their pre-flight verdicts and compare what they found
+        run.prepare_inputs()  # checkpoint checksums (a damaged one: fall back), universal conversion, token store
         run.build_model()  # ZeRO-3: built sharded, never whole on one rank
         run.build_data()  # packed blocks from the store, the global order read by this rank
         run.write_run_folder()  # resolved configs saved only after everything above succeeded

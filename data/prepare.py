@@ -63,6 +63,7 @@ def main(argv=None) -> int:
         from scaletrain.model import load_model_config, load_tokenizer, max_positions
         from scaletrain.raw_data import check_data_files
         from scaletrain.store_prep import prepare_token_store
+        from scaletrain.chat_store import prepare_chat_store, resolve_chat_data
 
         silence_library_logs()
         tokenizer = load_tokenizer(model)
@@ -70,9 +71,13 @@ def main(argv=None) -> int:
         block_size = data.block_size or min(1024, limit or 1024)
         if limit is not None and block_size > limit:
             raise UsageError(f"--block_size {block_size}: above the model's maximum positions ({limit})")
-        check_data_files(data)
-        prepare_token_store(data, tokenizer, model.tokenizer_source, block_size, store,
-                            data.preprocessing_num_workers, seed=seed)
+        chat = resolve_chat_data(data, tokenizer)
+        if chat is not None:  # a messages or prompt/completion dataset: tokens and a loss mask
+            prepare_chat_store(data, tokenizer, block_size, store, chat)
+        else:
+            check_data_files(data)
+            prepare_token_store(data, tokenizer, model.tokenizer_source, block_size, store,
+                                data.preprocessing_num_workers, seed=seed)
     except (UsageError, PrepareError) as err:
         print(f"prepare.py: error: {err}", file=sys.stderr)
         return err.exit_code

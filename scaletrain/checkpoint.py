@@ -3,15 +3,22 @@
 Commit protocol (DeepSpeed alone writes its `latest` before its last barrier, so a kill can leave it naming a
 half-written checkpoint):
   1. every rank writes its shards, its RNG state and (rank 0) the train state into checkpoints/.tmp-stepN;
-  2. after a barrier, rank 0 writes commit.json (every file with its size), fsyncs, renames the folder to
-     checkpoints/stepN, then replaces checkpoints/latest atomically (temporary file, fsync, rename);
+     each rank then hashes the files it wrote (SHA-256, read back from the page cache);
+  2. the ranks gather (a collective: every file is on disk, and every rank learns whether any write failed); rank 0
+     writes commit.json (every file with its size and SHA-256), fsyncs, renames the folder to checkpoints/stepN,
+     then replaces checkpoints/latest atomically (temporary file, fsync, rename); the ranks agree that it worked;
   3. only then are checkpoints beyond --save_total_limit deleted (never the newest).
+A write that fails on any rank (a full disk: an OSError, or the RuntimeError of torch's zip writer) stops every
+rank with one message; the folder is removed, never committed.
 Loading trusts only committed checkpoints whose files match their commit.json; anything else is skipped with a
-warning that names it, and the newest good one is used.
+warning that names it, and the newest good one is used. At load time the ranks also check the files' SHA-256
+(verified_resume_checkpoint): a damaged file makes them all fall back to the previous committed checkpoint.
 """
 
 from __future__ import annotations
 
+import errno
+import hashlib
 import json
 import logging
 import os
@@ -31,6 +38,14 @@ LATEST = "latest"
 COMMIT = "commit.json"
 PREFIX = "step"
 TMP_PREFIX = ".tmp-"
+DAMAGED_PREFIX = "damaged-"  # a committed checkpoint whose checksums failed, renamed so that no resume picks it
+# SHA-256 through hashlib.file_digest: standard, and the fastest of hashlib's here (1.7 GB/s with the CPU's SHA
+# instructions, against 1.2 GB/s for BLAKE2b; BENCHMARKS.md). A checksum catches damage; it is no signature.
+CHECKSUM = "sha256"
+# The first save has no earlier checkpoint to measure: its planned size (planned_checkpoint_bytes) must fit with
+# this margin, for pickled metadata, RNG states and the recovery scripts. Measured against the test suite's
+# checkpoints: +0.2% (ZeRO-1/2, 1.8M parameters) to +1.8% (ZeRO-3, 0.3M); fixed costs, less on larger models.
+FIRST_SAVE_MARGIN = 1.05
 
 
 def _fsync_dir(path: Path) -> None:
@@ -70,6 +85,34 @@ def _set_rng_state(state: dict) -> None:
     torch.set_rng_state(state["torch"])
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state(state["cuda"])
+
+
+def file_checksum(path: Path) -> str:
+    with open(path, "rb") as f:
+        return hashlib.file_digest(f, CHECKSUM).hexdigest()
+
+
+def is_write_failure(err: BaseException) -> bool:
+    """An error of writing a file: any OSError (ENOSPC, EDQUOT, EIO), or the RuntimeError torch's zip writer
+    raises when the disk fills (torch 2.13: "[enforce fail at inline_container.cc:672] . unexpected pos ...", from
+    "basic_ios::clear: iostream error"; it carries no errno)."""
+    if isinstance(err, OSError):
+        return True
+    text = f"{err} {err.__context__ or ''}"
+    return isinstance(err, RuntimeError) and any(
+        marker in text for marker in ("inline_container", "PytorchStreamWriter", "iostream error", "file write failed"))
+
+
+def describe_write_failure(err: BaseException, folder: Path) -> str:
+    """Why a write failed, in a few words, with the free space left."""
+    try:
+        free = shutil.disk_usage(folder).free
+    except OSError:
+        free = None
+    full = getattr(err, "errno", None) in (errno.ENOSPC, errno.EDQUOT) or (
+        not isinstance(err, OSError) and free is not None and free < 16 * 2**20)  # torch's writer gives no errno
+    reason = "no space left on device" if full else (getattr(err, "strerror", None) or str(err).splitlines()[0])
+    return reason if free is None else f"{reason}, {free / 1e9:.2f} GB free"
 
 
 def committed_step(path: Path) -> Optional[int]:
@@ -126,6 +169,109 @@ def resolve_resume(value: str, output_dir: str) -> Optional[Path]:
     return ckpt
 
 
+def checksum_shares(files: dict, world_size: int) -> list:
+    """The files of a commit record ({name: size}) split among the ranks by size, largest first, each to the rank
+    with the fewest bytes so far: every file is hashed once, each rank reads about 1/world_size of the bytes."""
+    shares, loads = [[] for _ in range(world_size)], [0] * world_size
+    for rel, size in sorted(files.items(), key=lambda item: (-item[1], item[0])):
+        least = loads.index(min(loads))
+        shares[least].append(rel)
+        loads[least] += size
+    return shares
+
+
+def find_damage(ckpt: Path, rank: int, world_size: int) -> Optional[str]:
+    """The first file of committed checkpoint `ckpt` whose SHA-256 differs from its commit record, found by any
+    rank (a collective: the same answer on every rank); None when all match. Each rank hashes its share
+    (checksum_shares), so the whole checkpoint is checked before anything, a universal conversion included, reads
+    it. A record from before checksums has sizes only, which verify() has checked: None."""
+    from scaletrain.distributed import all_gather_objects
+
+    commit = json.loads((ckpt / COMMIT).read_text())
+    sums = commit.get(CHECKSUM)
+    if sums is None:
+        log.info("%s: its %s has no checksums (an older checkpoint): sizes checked only", ckpt, COMMIT)
+        return None
+    started = time.perf_counter()
+    mine = [rel for rel in checksum_shares(commit["files"], world_size)[rank] if rel in sums]
+    bad = next((rel for rel in mine if file_checksum(ckpt / rel) != sums[rel]), None)
+    found = [rel for rel in all_gather_objects(bad) if rel]
+    log.info("checked the SHA-256 of %d of %s's files (%.1f MB) in %.2fs on rank %d", len(mine), ckpt,
+             sum(commit["files"][rel] for rel in mine) / 1e6, time.perf_counter() - started, rank)
+    return found[0] if found else None
+
+
+def _previous_committed(ckpt: Path) -> Optional[Path]:
+    """The newest committed checkpoint older than `ckpt` whose files match their sizes, or None."""
+    step = committed_step(ckpt)
+    if step is None:
+        return None
+    older = sorted((p for p in ckpt.parent.iterdir() if p.is_dir() and (committed_step(p) is not None) and
+                    committed_step(p) < step), key=committed_step, reverse=True)
+    for candidate in older:
+        problem = verify(candidate)
+        if problem is None:
+            return candidate
+        log.warning("skipping checkpoint %s: %s", candidate, problem)
+    return None
+
+
+def mark_damaged(ckpt: Path, fallback: Path) -> Path:
+    """Rank 0: rename a damaged checkpoint out of the resumable names (kept for inspection, never resumed, pruned or
+    counted again), drop any universal conversion of it, and point `latest` at the fallback if it named this one."""
+    target = ckpt.parent / f"{DAMAGED_PREFIX}{ckpt.name}"
+    n = 1
+    while target.exists():
+        target, n = ckpt.parent / f"{DAMAGED_PREFIX}{ckpt.name}.{n}", n + 1
+    os.replace(ckpt, target)
+    shutil.rmtree(universal_path(ckpt), ignore_errors=True)
+    (universal_path(ckpt).parent / f"{ckpt.name}.done").unlink(missing_ok=True)
+    latest = ckpt.parent / LATEST
+    if latest.is_file() and latest.read_text().strip() == ckpt.name:
+        _write_atomically(latest, fallback.name + "\n")
+    return target
+
+
+def verified_resume_checkpoint(ckpt: Path, auto: bool, rank: int, world_size: int) -> Path:
+    """The checkpoint to resume after every rank checked the SHA-256 of its files (find_damage): `ckpt`, or, when
+    it is damaged and was chosen by `auto`, the previous committed checkpoint that checks out (rank 0 chooses it
+    and marks the damaged one, mark_damaged; one warning). A damaged checkpoint asked for by path, or one with no
+    earlier committed checkpoint, stops every rank with one message (UsageError), the damaged one left in place."""
+    from scaletrain.distributed import all_gather_objects, barrier
+
+    while True:
+        bad = find_damage(ckpt, rank, world_size)
+        if bad is None:
+            return ckpt
+        damage = f"{bad} does not match its {CHECKSUM} in {COMMIT}"
+        if not auto:
+            raise UsageError(f"--resume_from_checkpoint {ckpt}: the checkpoint is damaged: {damage}",
+                             "resume from an earlier checkpoint of the run, or with auto (the newest good one)")
+        fallback = all_gather_objects(str(_previous_committed(ckpt) or "") if rank == 0 else None)[0]
+        if not fallback:
+            raise UsageError(f"checkpoint {ckpt} is damaged: {damage}, and no earlier committed checkpoint is left "
+                             "to fall back to", "restore its files from a copy, or start afresh with "
+                             "--resume_from_checkpoint none --overwrite_output_dir")
+        if rank == 0:
+            kept = mark_damaged(ckpt, Path(fallback))
+            log.warning("checkpoint %s is damaged: %s; falling back to %s (the damaged one is kept as %s, and no "
+                        "later resume picks it)", ckpt, damage, fallback, kept)
+        barrier()  # renamed before any rank looks at the folder again
+        ckpt = Path(fallback)
+
+
+def planned_checkpoint_bytes(n_params: int, precision: str, zero_stage: int, tensor_parallel_size: int = 1) -> int:
+    """The size of a checkpoint before the first one exists, as the memory planner counts the states: ZeRO's fp32
+    master weights and Adam moments (12 bytes a parameter, partitioned or not) plus the module's weights in the
+    training dtype, which ZeRO-3 does not write (its model files hold placeholders). Each tensor-parallel rank
+    writes its own model file, the replicated weights included: counted as whole weights per TP rank (an upper
+    bound; the tiny Llama at TP 2 writes 1.30x the plain estimate, this counts 1.25x, 1.31x with the margin)."""
+    from scaletrain.memory_planner import OPTIMIZER_BYTES, weight_bytes
+
+    weights = 0 if zero_stage == 3 else weight_bytes(precision) * tensor_parallel_size
+    return n_params * (OPTIMIZER_BYTES + weights)
+
+
 def read_train_state(ckpt: Path) -> dict:
     return json.loads((ckpt / "train_state.json").read_text())
 
@@ -149,16 +295,17 @@ def _intact(previous: Optional[Path]) -> str:
 
 
 def save_checkpoint(engine, output_dir: str, state: TrainState, rank: int, save_total_limit: int,
-                    model_facts: Optional[dict] = None) -> Path:
+                    model_facts: Optional[dict] = None, planned_bytes: int = 0) -> Path:
     """Save and commit checkpoint stepN on every rank; returns its path. See the module docstring.
 
     Before writing, every rank checks that the file system has room for another checkpoint of the size of the
-    last one, and the ranks agree: a full disk stops the run with a clear error before anything is written.
+    last one (the first save: `planned_bytes` x FIRST_SAVE_MARGIN), and the ranks agree: a full disk stops the run
+    with a clear error before anything is written. A write that fails later stops every rank the same way.
     """
     import torch
 
-    from scaletrain.distributed import any_rank, barrier
-    from scaletrain.ds_internals import universal_checkpoint_info
+    from scaletrain.distributed import all_gather_objects, any_rank, barrier
+    from scaletrain.ds_internals import recorded_checkpoint_writes, universal_checkpoint_info
 
     root = Path(output_dir) / CHECKPOINT_DIR
     tag = f"{PREFIX}{state.step}"
@@ -169,42 +316,97 @@ def save_checkpoint(engine, output_dir: str, state: TrainState, rank: int, save_
         shutil.rmtree(tmp, ignore_errors=True)  # leftovers of a save that was killed
     barrier()
     previous, needed = _last_committed_size(root)
+    what = "the last checkpoint took"
+    if previous is None and planned_bytes:
+        needed, what = int(planned_bytes * FIRST_SAVE_MARGIN), "the first checkpoint needs about"
     free = shutil.disk_usage(root).free
     if any_rank(free < needed):
         raise CheckpointWriteError(
-            f"checkpoint {tag}: not enough disk space in {root} ({free / 1e9:.2f} GB free, the last checkpoint "
-            f"took {needed / 1e9:.2f} GB); nothing was written, {_intact(previous)}. Free space or lower "
+            f"checkpoint {tag}: not enough disk space in {root} ({free / 1e9:.2f} GB free, {what} "
+            f"{needed / 1e9:.2f} GB); nothing was written, {_intact(previous)}. Free space or lower "
             "--save_total_limit, then restart", every_rank=True)
     # universal_checkpoint_info lets DeepSpeed's ds_to_universal convert this checkpoint for another rank count.
     client_state = {"train_state": state.state_dict(), **universal_checkpoint_info(state.tensor_parallel_size)}
-    try:
+    with recorded_checkpoint_writes(engine, is_write_failure) as writes:
         engine.save_checkpoint(str(root), tag=tmp.name, client_state=client_state, save_latest=False)
-        torch.save(_rng_state(), tmp / f"rng_state_rank{rank}.pt")
+    written, failed = [Path(p) for p in writes.paths], writes.failed
+    if failed is None:
+        try:
+            ours = _write_own_files(engine, tmp, state, rank, model_facts, torch)
+            written += ours
+        except (OSError, RuntimeError) as err:
+            if not is_write_failure(err):
+                raise
+            failed = (str(tmp), err)
+    hashing = time.perf_counter()
+    checksums = {} if failed else {str(p.relative_to(tmp)): file_checksum(p) for p in written if tmp in p.parents}
+    hashed = time.perf_counter() - hashing
+    failure = failed and f"rank {rank} could not write {failed[0]} ({describe_write_failure(failed[1], tmp)})"
+    # A collective: every rank's files are on disk, and every rank learns whether any write failed.
+    reports = all_gather_objects((failure, checksums))
+    failures = [f for f, _ in reports if f]
+    if failures:
         if rank == 0:
-            info = {**state.state_dict(), "model": model_facts or {}}
-            (tmp / "train_state.json").write_text(json.dumps(info, indent=2) + "\n")
-            if hasattr(engine.module, "scaletrain_layers"):  # a pipeline's layer files, by Hugging Face name
-                from scaletrain.pipeline import layer_map
-
-                (tmp / LAYER_MAP).write_text(json.dumps(layer_map(engine.module), indent=1) + "\n")
-    except OSError as err:  # the disk filled up during the write (the launcher then stops the other ranks)
+            shutil.rmtree(tmp, ignore_errors=True)  # never committed; removed to give the space back
         raise CheckpointWriteError(
-            f"checkpoint {tag}: writing {tmp} failed ({err.strerror or err}); it was not committed, "
-            f"{_intact(previous)}", every_rank=False) from err
-    barrier()  # every rank's files are on disk
+            f"checkpoint {tag}: {failures[0]}; it was not committed and its folder was removed, {_intact(previous)}."
+            " Free space or lower --save_total_limit, then restart", every_rank=True)
     final = root / tag
+    commit_failure = None
     if rank == 0:
-        files = {str(p.relative_to(tmp)): p.stat().st_size for p in sorted(tmp.rglob("*")) if p.is_file()}
-        _write_atomically(tmp / COMMIT, json.dumps({"step": state.step, "files": files}, indent=1) + "\n")
-        if final.exists():
-            shutil.rmtree(final)
-        os.replace(tmp, final)
-        _fsync_dir(root)
-        _write_atomically(root / LATEST, tag + "\n")
+        try:
+            hashed += _commit(tmp, final, root, state.step, {k: v for _, sums in reports for k, v in sums.items()})
+        except OSError as err:
+            if (final / COMMIT).is_file():  # renamed with its record: committed, only `latest` is stale
+                log.warning("checkpoint %s is committed, but %s could not be updated (%s); resumes do not read it",
+                            final, root / LATEST, describe_write_failure(err, root))
+            else:
+                commit_failure = describe_write_failure(err, root)
+                shutil.rmtree(tmp, ignore_errors=True)
+    if any_rank(commit_failure is not None):  # the others must not go on as if it were committed
+        raise CheckpointWriteError(
+            f"checkpoint {tag}: committing it failed ({commit_failure}); it was not committed, {_intact(previous)}",
+            every_rank=True)
+    if rank == 0:
         prune_checkpoints(root, save_total_limit, keep=final)
+        remove_universal_copies(root)
     barrier()
-    log.info("saved checkpoint %s in %.2fs", final, time.perf_counter() - started)
+    log.info("saved checkpoint %s in %.2fs (of which SHA-256 %.2fs on rank %d)", final,
+             time.perf_counter() - started, hashed, rank)
     return final
+
+
+def _write_own_files(engine, tmp: Path, state: TrainState, rank: int, model_facts: Optional[dict], torch) -> list:
+    """This rank's RNG state, and on rank 0 the train state and a pipeline's layer map; the paths written."""
+    rng = tmp / f"rng_state_rank{rank}.pt"
+    torch.save(_rng_state(), rng)
+    written = [rng]
+    if rank == 0:
+        info = {**state.state_dict(), "model": model_facts or {}}
+        (tmp / "train_state.json").write_text(json.dumps(info, indent=2) + "\n")
+        written.append(tmp / "train_state.json")
+        if hasattr(engine.module, "scaletrain_layers"):  # a pipeline's layer files, by Hugging Face name
+            from scaletrain.pipeline import layer_map
+
+            (tmp / LAYER_MAP).write_text(json.dumps(layer_map(engine.module), indent=1) + "\n")
+            written.append(tmp / LAYER_MAP)
+    return written
+
+
+def _commit(tmp: Path, final: Path, root: Path, step: int, checksums: dict) -> float:
+    """Rank 0: commit.json (sizes and SHA-256 of every file; a file no rank recorded, such as DeepSpeed's recovery
+    script, is hashed here), the rename to its final name and the `latest` pointer. Returns the seconds hashing."""
+    files = {str(p.relative_to(tmp)): p.stat().st_size for p in sorted(tmp.rglob("*")) if p.is_file()}
+    started = time.perf_counter()
+    sums = {rel: checksums.get(rel) or file_checksum(tmp / rel) for rel in files}
+    hashed = time.perf_counter() - started
+    _write_atomically(tmp / COMMIT, json.dumps({"step": step, "files": files, CHECKSUM: sums}, indent=1) + "\n")
+    if final.exists():
+        shutil.rmtree(final)
+    os.replace(tmp, final)
+    _fsync_dir(root)
+    _write_atomically(root / LATEST, final.name + "\n")
+    return hashed
 
 
 def clear_previous_run(output_dir: str) -> None:
@@ -331,32 +533,106 @@ def universal_path(ckpt: Path) -> Path:
 
 
 def ensure_universal(ckpt: Path, rank: int) -> Path:
-    """Convert `ckpt` with DeepSpeed's ds_to_universal once (rank 0; the others wait for its done-marker)."""
-    import subprocess
+    """Convert `ckpt` with DeepSpeed's ds_to_universal once (global rank 0; the others wait for its done-marker).
 
+    Every way the wait can end is marked: rank 0 writes a failure marker when the conversion fails, and holds a
+    lock while it converts, which the waiters probe (a rank 0 killed by the out-of-memory killer releases it). A
+    barrier (the process group is up) orders rank 0's removal of an earlier attempt's markers, and its taking the
+    lock, before any rank looks."""
+    import fcntl
+
+    from scaletrain.distributed import barrier
     from scaletrain.ds_internals import universal_conversion_command
 
     out = universal_path(ckpt)
-    done = out.parent / f"{ckpt.name}.done"
+    done, failed, lock_path = (out.parent / f"{ckpt.name}.{kind}" for kind in ("done", "failed", "lock"))
     command = universal_conversion_command(ckpt, out)  # on every rank: a missing converter stops them all at once
-    if rank == 0 and not done.exists():
-        started = time.perf_counter()
-        shutil.rmtree(out, ignore_errors=True)
+    lock = None
+    if rank == 0:
         out.parent.mkdir(parents=True, exist_ok=True)
-        proc = subprocess.run(command, capture_output=True, text=True, check=False)  # its output goes in our error
-        if proc.returncode != 0:
-            raise RuntimeError(f"converting {ckpt} to a universal checkpoint failed:\n{proc.stdout[-3000:]}"
-                               f"\n{proc.stderr[-3000:]}")
-        if (ckpt / LAYER_MAP).exists():  # parameters named by pipeline layer: give them the model's names
-            from scaletrain.pipeline import rename_universal_parameters
-
-            rename_universal_parameters(out, json.loads((ckpt / LAYER_MAP).read_text()))
-        _write_atomically(done, "ok\n")
-        log.info("converted %s to a universal checkpoint (another rank count, layout or offload) in %.1fs", ckpt,
-                 time.perf_counter() - started)
-    while not done.exists():
-        time.sleep(1.0)
+        failed.unlink(missing_ok=True)
+        lock = open(lock_path, "w")
+        fcntl.flock(lock, fcntl.LOCK_EX)
+    barrier()
+    if rank == 0:
+        try:
+            if not done.exists():
+                _convert_to_universal(ckpt, out, command, done)
+        except BaseException as err:
+            _write_atomically(failed, json.dumps({"error": str(err) or type(err).__name__}) + "\n")
+            raise
+        finally:
+            lock.close()
+        return out
+    _wait_for_conversion(ckpt, done, failed, lock_path)
     return out
+
+
+def _convert_to_universal(ckpt: Path, out: Path, command: list, done: Path) -> None:
+    import subprocess
+
+    from scaletrain.errors import UniversalConversionFailed
+
+    started = time.perf_counter()
+    shutil.rmtree(out, ignore_errors=True)
+    proc = subprocess.run(command, capture_output=True, text=True, check=False)  # its output goes in our error
+    if proc.returncode != 0:
+        raise UniversalConversionFailed(
+            f"converting {ckpt} to a universal checkpoint failed (DeepSpeed's ds_to_universal exited "
+            f"{proc.returncode}); nothing was trained:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
+    if (ckpt / LAYER_MAP).exists():  # parameters named by pipeline layer: give them the model's names
+        from scaletrain.pipeline import rename_universal_parameters
+
+        rename_universal_parameters(out, json.loads((ckpt / LAYER_MAP).read_text()))
+    _write_atomically(done, "ok\n")
+    log.info("converted %s to a universal checkpoint (another rank count, layout or offload) in %.1fs", ckpt,
+             time.perf_counter() - started)
+
+
+def _held(lock_path: Path) -> bool:
+    """Whether some process holds the lock (a probe: taken and released at once when free)."""
+    import fcntl
+
+    try:
+        with open(lock_path) as probe:
+            fcntl.flock(probe, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return False  # closing the file releases it
+    except BlockingIOError:
+        return True
+    except FileNotFoundError:
+        return False
+
+
+def _wait_for_conversion(ckpt: Path, done: Path, failed: Path, lock_path: Path) -> None:
+    from scaletrain.errors import UniversalConversionFailed
+
+    what = f"global rank 0's conversion of {ckpt} to a universal checkpoint"
+    waited = 0.0
+    while not done.exists():
+        held = _held(lock_path)
+        if failed.exists():
+            try:
+                reason = json.loads(failed.read_text())["error"].splitlines()[0]
+            except (OSError, ValueError, KeyError, IndexError):
+                reason = "see global rank 0's output"
+            raise UniversalConversionFailed(f"waited for {what}: it failed ({reason})", waited=True)
+        if not held and not done.exists():  # rank 0 let go of the lock with neither marker: it was killed
+            raise UniversalConversionFailed(f"waited for {what}: rank 0 ended without finishing it (killed? out of "
+                                            "memory?); see its node's log, then restart", waited=True)
+        time.sleep(1.0)
+        waited += 1.0
+        if waited % 300 == 0:
+            log.warning("still waiting for %s (%.0f min)", what, waited / 60)
+
+
+def remove_universal_copies(root: Path) -> None:
+    """After a commit: a universal copy (as large as its checkpoint) is only read to resume, or roll back to, the
+    checkpoint it was converted from, and that one is no longer the newest; a resume from it converts again."""
+    universal = root / UNIVERSAL_DIR
+    if universal.is_dir():
+        size = sum(p.stat().st_size for p in universal.rglob("*") if p.is_file())
+        shutil.rmtree(universal, ignore_errors=True)
+        log.info("removed the universal checkpoint copies in %s (%.2f GB)", universal, size / 1e9)
 
 
 def prune_checkpoints(root: Path, limit: int, keep: Path) -> None:

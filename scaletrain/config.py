@@ -174,6 +174,16 @@ class DataArgs:
         training_only=True)
     attention_isolation: bool = _flag(
         False, "No token attends across a document boundary (position ids restart per document).", training_only=True)
+    # Chat data (a `messages` column, or `prompt` and `completion` columns): scaletrain/chat_store.py.
+    chat_template: Optional[str] = _flag(
+        None, "Chat data: a Jinja chat template file to render the conversations with (default: the tokenizer's).")
+    assistant_only_loss: bool = _flag(
+        False, "Chat data: train only on the assistant turns, each with its end-of-turn token.")
+    truncation: str = _flag(
+        "truncate", "Chat data: an example longer than --block_size is truncated to it (counted in the log) or "
+        "dropped.", choices=("truncate", "drop"), training_only=True)
+    print_samples: int = _flag(
+        0, "Chat data: print N rendered training examples with their trained tokens marked.", training_only=True)
 
     @property
     def uses_default_data(self) -> bool:
@@ -208,7 +218,7 @@ class DataArgs:
         """The data-source checks train.py and data/prepare.py share."""
         if self.block_size is not None and self.block_size < 2:
             raise UsageError(f"--block_size {self.block_size}: must be at least 2 (one input and one target token)")
-        _check_not_negative(self, ("validation_split_percentage", "validation_split_max_tokens"))
+        _check_not_negative(self, ("validation_split_percentage", "validation_split_max_tokens", "print_samples"))
         if self.validation_split_percentage >= 100:
             raise UsageError(f"--validation_split_percentage {self.validation_split_percentage}: must be below 100")
         if self.dataset_revision is not None and not self.dataset_name:

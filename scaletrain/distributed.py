@@ -1,7 +1,8 @@
 """One DistInfo for every launcher (deepspeed, torchrun, srun, plain python), gathered once and passed down.
 
-`read_launch_env` reads the environment only (no torch), so a bad flag can be reported once, by rank 0,
-before any process group exists. `init_distributed` then builds the process group through DeepSpeed.
+`read_launch_env` reads the environment only (no torch), so a bad flag is found before any process group exists.
+`init_distributed` then builds the process group through DeepSpeed (every rank joins it, even one whose pre-flight
+failed, to tell the others: scaletrain.agreement).
 """
 
 from __future__ import annotations
@@ -151,6 +152,7 @@ def init_distributed(dist: DistInfo) -> DistInfo:
     if accelerator != "cpu":
         get_accelerator().set_device(dist.local_rank)
     deepspeed.init_distributed(dist_backend=backend, auto_mpi_discovery=False)
+    _start_object_group(backend)
     return dataclasses.replace(dist, accelerator=accelerator)
 
 
@@ -204,6 +206,48 @@ def any_rank(flag: bool) -> bool:
     return bool(tensor.item())
 
 
+_OBJECT_GROUP = None  # where objects travel: None (the default group) under gloo, a gloo group beside NCCL
+
+
+def _start_object_group(backend: str) -> None:
+    """Objects (verdicts, decisions) travel over gloo: a peer that died closes its sockets, so a gloo collective
+    fails at once where an NCCL one would wait for its timeout; and they need no device copies. Called by every
+    rank at the same point (new_group is a collective)."""
+    global _OBJECT_GROUP
+    import torch.distributed as torch_dist
+
+    _OBJECT_GROUP = None if backend == "gloo" else torch_dist.new_group(backend="gloo")
+
+
+def _grouped() -> bool:
+    import torch.distributed as torch_dist
+
+    return torch_dist.is_available() and torch_dist.is_initialized()
+
+
+def all_gather_objects(value) -> list:
+    """Every rank's `value`, in rank order (a collective; without a process group, [value])."""
+    if not _grouped():
+        return [value]
+    import torch.distributed as torch_dist
+
+    gathered = [None] * torch_dist.get_world_size()
+    torch_dist.all_gather_object(gathered, value, group=_OBJECT_GROUP)
+    return gathered
+
+
+def broadcast_from_main(value):
+    """Global rank 0's `value` on every rank (a collective; without a process group, `value`): a decision taken
+    once, so that ranks reading a shared file system at different moments cannot take different ones."""
+    if not _grouped():
+        return value
+    import torch.distributed as torch_dist
+
+    box = [value]
+    torch_dist.broadcast_object_list(box, src=0, group=_OBJECT_GROUP)
+    return box[0]
+
+
 def barrier() -> None:
     import deepspeed.comm as ds_comm
 
@@ -211,8 +255,10 @@ def barrier() -> None:
 
 
 def teardown_distributed(rank: int = 0) -> None:
+    global _OBJECT_GROUP
     import torch.distributed as torch_dist
 
+    _OBJECT_GROUP = None  # destroyed with the others below; no reference may keep its gloo threads alive
     if torch_dist.is_available() and torch_dist.is_initialized():
         import deepspeed.comm as ds_comm
 

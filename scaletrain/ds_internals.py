@@ -45,6 +45,11 @@ Hooks, why we need them, and the test that proves they still act:
   replaces the instance's append with one that keeps each op's own time (and refuses a total that shrinks: a
   fixed DeepSpeed). tests/test_comm_log.py (per-op latencies against wall-clock times of known collectives, and
   that DeepSpeed's own figures are still running totals).
+- engine.checkpoint_engine.save (every shard DeepSpeed writes, on an instance) and
+  DeepSpeedEngine._copy_recovery_script (rank 0's copy of zero_to_fp32.py): recorded_checkpoint_writes keeps each
+  rank's list of written files (checksummed into commit.json) and turns a failed write (a full disk) into a recorded
+  error instead of a raise, so that the failing rank still reaches DeepSpeed's barriers inside save_checkpoint with
+  the others. tests/test_checkpoint_integrity.py (a disk filled during a save, at 2 ranks).
 
 Importing this module imports neither torch nor DeepSpeed; each function imports what it touches.
 """
@@ -55,8 +60,9 @@ import importlib
 import importlib.util
 import logging
 import sys
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
 from typing import Any
 
 log = logging.getLogger(__name__)
@@ -254,12 +260,15 @@ PIPE_P2P_GROUPS = Hook("deepspeed.runtime.pipe.p2p", "_groups", _RELEASE)
 PIPE_P2P_GRID = Hook("deepspeed.runtime.pipe.p2p", "_grid", _RELEASE)
 PIPE_SPECS = Hook("deepspeed.runtime.pipe.module:PipelineModule", "_layer_specs", _PP, _PP_INSTEAD)  # instance
 PIPE_CLIP = Hook("deepspeed.runtime.engine:DeepSpeedEngine", "clip_fp32_gradients", _PP, _PP_INSTEAD)
+_SAVE = "checksums and full-disk handling of checkpoint saves"
+CHECKPOINT_WRITE = Hook("deepspeed.runtime.checkpoint_engine.checkpoint_engine:CheckpointEngine", "save", _SAVE)
+RECOVERY_SCRIPT = Hook("deepspeed.runtime.engine:DeepSpeedEngine", "_copy_recovery_script", _SAVE)
 
 # What check_hooks() resolves from the classes; the instance-only ones are checked where they are used.
 HOOKS = (STAGE3_CHECK, STAGE3_CLEANUP, STAGE12_CHECK, STAGE12_INIT, FWD_MODULE_STACK, PARAMS_TO_RELEASE,
          BUILD_DIRECTORY, INSTALLED_OPS, CREATE_OP_BUILDER, BUILDER_LOAD, BUILDER_COMPATIBLE, SHM_BUILD,
          UNIVERSAL_CONVERTER, UNIVERSAL_VERSION, TP_GROUPS, TP_GATHER, PIPE_INSTRUCTIONS, PIPE_OPTIMIZER_STEP,
-         PIPE_CLIP, PIPE_P2P_GROUPS, PIPE_P2P_GRID, COMMS_LOGGER, COMMS_APPEND)
+         PIPE_CLIP, PIPE_P2P_GROUPS, PIPE_P2P_GRID, COMMS_LOGGER, COMMS_APPEND, CHECKPOINT_WRITE, RECOVERY_SCRIPT)
 
 
 def check_hooks() -> list[str]:
@@ -419,6 +428,51 @@ def universal_checkpoint_info(tensor_parallel_size: int = 1) -> dict:
     if tensor_parallel_size > 1:
         return {}
     return {"universal_checkpoint_info": {"universal_checkpoint_version": UNIVERSAL_CHECKPOINT_VERSION}}
+
+
+@dataclass
+class CheckpointWrites:
+    """What one rank wrote during engine.save_checkpoint: the files, and the first write that failed (or None)."""
+
+    paths: list = field(default_factory=list)
+    failed: tuple | None = None  # (path, exception)
+
+
+@contextmanager
+def recorded_checkpoint_writes(engine, is_write_failure: Callable[[BaseException], bool]
+                               ) -> Iterator[CheckpointWrites]:
+    """Record this rank's checkpoint files while DeepSpeed saves. A write failure (`is_write_failure`: a full disk)
+    is kept instead of raised, and later writes are skipped: raising would leave this rank out of the barriers that
+    DeepSpeed's save_checkpoint runs after the writes, with the other ranks waiting in them for ever."""
+    writes = CheckpointWrites()
+    checkpoint_engine = engine.checkpoint_engine
+    write = CHECKPOINT_WRITE.on(checkpoint_engine)
+    copy_script = RECOVERY_SCRIPT.on(engine)
+
+    def guarded(action: Callable[..., Any], where: str, *args: Any, **kwargs: Any) -> bool:
+        if writes.failed is not None:
+            return False
+        try:
+            action(*args, **kwargs)
+        except (OSError, RuntimeError) as err:
+            if not is_write_failure(err):
+                raise
+            writes.failed = (str(where), err)
+            return False
+        return True
+
+    def save(state_dict, path, *args, **kwargs):
+        if guarded(write, path, state_dict, path, *args, **kwargs):
+            writes.paths.append(str(path))
+
+    def copy_recovery_script(save_path, *args, **kwargs):  # its files are not recorded: rank 0 hashes those
+        guarded(copy_script, save_path, save_path, *args, **kwargs)
+
+    checkpoint_engine.save, engine._copy_recovery_script = save, copy_recovery_script
+    try:
+        yield writes
+    finally:
+        del checkpoint_engine.save, engine._copy_recovery_script  # the class's methods again
 
 
 def tensor_parallel_mpu(tensor_parallel_size: int):

@@ -15,21 +15,27 @@ SAVED_REQUEUE_EXIT_CODE = 85  # preempted, checkpoint committed: "saved, please 
 
 class RunEnded(Exception):
     """Base of the planned ends of a run. `exit_code` is the process's; `reported_by` says which ranks print it:
-    "main" (the same message on every rank, printed once), "every rank" (a rank's own trouble), or "nobody"."""
+    "main" (the same message on every rank, printed once), "node" (printed by each node's local rank 0), "every
+    rank" (a rank's own trouble), or "nobody"."""
 
     exit_code = FAILED_EXIT_CODE
     reported_by = "every rank"
     prefix = "error"
+    node: Optional[str] = None  # the host the message is prefixed with, where the ranks span several hosts
 
-    def reports_here(self, is_main: bool) -> bool:
-        return self.reported_by == "every rank" or (self.reported_by == "main" and is_main)
+    def reports_here(self, dist) -> bool:
+        """`dist`: this rank's DistInfo. "node" messages are printed by each node's local rank 0."""
+        return self.reported_by == "every rank" or (self.reported_by == "main" and dist.is_main) or \
+            (self.reported_by == "node" and dist.local_rank == 0)
 
 
 class UsageError(RunEnded):
     """A user mistake: one line naming the flag, key or file, and an optional hint line. Exit code 2."""
 
     exit_code = USAGE_EXIT_CODE
-    reported_by = "main"  # the same mistake is found on every rank; say it once
+    # Said once per node: the same mistake is found by every rank of a node, and one that exists on one node only (a
+    # node-local folder missing) must be seen in that node's output too.
+    reported_by = "node"
 
     def __init__(self, message: str, hint: Optional[str] = None):
         super().__init__(message)
@@ -50,8 +56,8 @@ class CheckpointWriteError(RunEnded):
         super().__init__(message)
         self.every_rank = every_rank
 
-    def reports_here(self, is_main: bool) -> bool:
-        return is_main or not self.every_rank
+    def reports_here(self, dist) -> bool:
+        return dist.is_main or not self.every_rank
 
 
 class PrepareError(RunEnded):
@@ -63,6 +69,42 @@ class TokenStoreFailed(RunEnded):
     the preparing rank has printed why."""
 
     reported_by = "nobody"
+
+
+class PreparerDied(TokenStoreFailed):
+    """Raised on a waiting rank when local rank 0 ended (killed: out of memory, a signal) while preparing the token
+    store, without leaving a failure marker: nobody else can say it, so every waiting rank does."""
+
+    reported_by = "every rank"
+
+
+class UniversalConversionFailed(RunEnded):
+    """Global rank 0 could not convert the checkpoint to resume into DeepSpeed's universal format. Rank 0 prints the
+    converter's output; a rank that waited for it (`waited`) says so once per node, from its local rank 0."""
+
+    def __init__(self, message: str, waited: bool = False):
+        super().__init__(message)
+        self.reported_by = "node" if waited else "every rank"
+
+
+class PeerStopped(RunEnded):
+    """This rank's own phase went fine, another rank's did not: every rank stops with that rank's exit code, and
+    global rank 0 (unless it has its own error to print) names the rank and host that stopped the run."""
+
+    reported_by = "main"
+    prefix = "stopped"
+
+    def __init__(self, message: str, exit_code: int):
+        super().__init__(message)
+        self.exit_code = exit_code
+
+
+class RanksDisagree(RunEnded):
+    """Ranks see different inputs (resume checkpoint, token store, tokenizer, run configuration): training them
+    together would diverge silently or hang, so every rank stops; the message is the same on all, printed once."""
+
+    exit_code = USAGE_EXIT_CODE
+    reported_by = "main"
 
 
 class NonFiniteStop(RunEnded):

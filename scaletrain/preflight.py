@@ -6,6 +6,7 @@ the run with exit code 2 and leaves the output folder as it was.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import logging
@@ -18,6 +19,7 @@ from scaletrain.checkpoint import check_resumable, offload_setting, read_train_s
 from scaletrain.config import DataArgs, ModelArgs, RunConfig, explain_run_config, parse_run_config
 from scaletrain.errors import UsageError
 from scaletrain.raw_data import check_data_files
+from scaletrain.chat_store import resolve_chat_data
 from scaletrain import distributed
 from scaletrain.distributed import DistInfo
 from scaletrain.dsconfig import HardwareFacts, ResolvedDSConfig, load_ds_config, resolve_ds_config
@@ -61,6 +63,7 @@ class ResolvedRun:
     previous_run_config: Optional[dict] = None  # run_config.json of the run being resumed, where there is one
     router_loss: Any = None  # a mixture-of-experts model's load-balancing loss (scaletrain.moe.RouterLoss) or None
     eval_prompts: Any = None  # --eval_prompts read and tokenized (scaletrain.generation.EvalPrompts) or None
+    chat: Any = None  # chat data (scaletrain.chat_store.ChatData): its template and loss mode, or None for text
 
 
 def hardware_facts() -> HardwareFacts:
@@ -230,6 +233,21 @@ def _resolve_resume_point(cfg: RunConfig, ds: ResolvedDSConfig, model_facts: dic
     resume_from = resolve_resume(cfg.checkpoint.resume_from_checkpoint, cfg.run.output_dir)
     if resume_from is None:
         return None, None, False, None
+    return _resume_point(cfg, ds, model_facts, dist, resume_from)
+
+
+def resume_elsewhere(resolved: ResolvedRun, ckpt: Path) -> ResolvedRun:
+    """The run resolved to resume `ckpt` instead (the fallback from a damaged checkpoint): its train state,
+    whether it is resharded, the previous run's config, each checked as the pre-flight checks its choice."""
+    resolved.ds.config.get("checkpoint", {}).pop("load_universal", None)  # set again if `ckpt` needs it
+    resolved.ds.sources.pop("checkpoint.load_universal", None)
+    resume_from, resume_state, reshard, previous = _resume_point(resolved.cfg, resolved.ds, resolved.model_facts,
+                                                                 resolved.dist, ckpt)
+    return dataclasses.replace(resolved, resume_from=resume_from, resume_state=resume_state, reshard=reshard,
+                               previous_run_config=previous)
+
+
+def _resume_point(cfg: RunConfig, ds: ResolvedDSConfig, model_facts: dict, dist: DistInfo, resume_from: Path) -> tuple:
     previous = read_previous_run_config(resume_from)
     _check_peak_lr(cfg, ds, previous, resume_from)
     metrics_file = Path(cfg.run.output_dir) / METRICS_FILE
@@ -262,7 +280,12 @@ def resolve_run(argv: Optional[Sequence[str]], dist: DistInfo) -> ResolvedRun:
     model_config = load_model_config(cfg.model)
     check_model_layout(cfg.parallel, model_config)
     tokenizer = load_tokenizer(cfg.model)
-    check_data_files(cfg.data)
+    chat = resolve_chat_data(cfg.data, tokenizer)
+    if chat is None:
+        check_data_files(cfg.data)
+    elif chat.template is not None:  # the export carries the template the model was trained with
+        tokenizer.chat_template = chat.template.text
+    isolates_documents = cfg.data.attention_isolation or chat is not None  # chat data packs whole examples, isolated
     check_push_target(cfg.checkpoint.push_to_hub, cfg.checkpoint.export_hf_at_end)
     _check_tokenizer_fits(cfg.model, model_config, tokenizer)
     store_block_size = _check_stores(cfg.data, cfg.model.tokenizer_source, tokenizer)
@@ -279,7 +302,7 @@ def resolve_run(argv: Optional[Sequence[str]], dist: DistInfo) -> ResolvedRun:
     if cfg.nonfinite.on_nonfinite == "skip" and ds.zero_stage == 0 and ds.precision != "fp32":
         raise UsageError(f"--on_nonfinite skip: updates of ZeRO stage 0 in {ds.precision} cannot be skipped",
                          "use a ZeRO stage 1-3 config, or --on_nonfinite stop")
-    check_attention_isolation(cfg.model.attn_implementation, cfg.data.attention_isolation,
+    check_attention_isolation(cfg.model.attn_implementation, isolates_documents,
                               ds.config["train_micro_batch_size_per_gpu"], cfg.optim.per_device_eval_batch_size)
     if cfg.model.gradient_checkpointing and not getattr(skeleton, "supports_gradient_checkpointing", False):
         raise UsageError(f"--gradient_checkpointing: {type(skeleton).__name__} does not support it",
@@ -294,7 +317,7 @@ def resolve_run(argv: Optional[Sequence[str]], dist: DistInfo) -> ResolvedRun:
     if not cfg.planning.plan:
         check_pipeline_model(cfg.parallel.pipeline_parallel_size, model_config, skeleton.config._attn_implementation,
                              block_size)
-        check_pipeline_run(cfg.parallel, cfg.data.attention_isolation, ds.precision, ds.zero_stage,
+        check_pipeline_run(cfg.parallel, isolates_documents, ds.precision, ds.zero_stage,
                            cfg.engine.config)
     eval_prompts = load_eval_prompts(cfg.logging.eval_prompts, tokenizer, cfg.logging.eval_max_new_tokens,
                                      max_positions(model_config), (dist.tensor_parallel_size,
@@ -315,7 +338,8 @@ def resolve_run(argv: Optional[Sequence[str]], dist: DistInfo) -> ResolvedRun:
     return ResolvedRun(cfg, ds, dist, model_config, tokenizer, block_size, model_facts["n_params"],
                        resume_from=resume_from, model_facts=model_facts, resume_state=resume_state, reshard=reshard,
                        flops=model_flops(skeleton, model_config, block_size), model_shape=model_shape,
-                       previous_run_config=previous, router_loss=router_loss, eval_prompts=eval_prompts)
+                       previous_run_config=previous, router_loss=router_loss, eval_prompts=eval_prompts,
+                       chat=chat)
 
 
 def explain_resolved_run(resolved: ResolvedRun, dp_world_size: int) -> str:

@@ -11,10 +11,11 @@ from functools import partial
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
-from scaletrain import (checkpoint, distributed, engine as engine_lib, lora, model as model_lib, moe, pipeline,
-                        publish, sequence_parallel, store_prep, tokenstore)
-from scaletrain.blocks import EvalBatches, MixedBlocks, PackedBlocks, blocks_from_store, eval_batches
-from scaletrain.errors import NonFiniteStop, UsageError
+from scaletrain import (agreement, checkpoint, distributed, engine as engine_lib, lora, model as model_lib, moe,
+                        pipeline, publish, sequence_parallel, store_prep, tokenstore)
+from scaletrain import chat_store, packing
+from scaletrain.blocks import EvalBatches, MixedBlocks, PackedBlocks, eval_batches
+from scaletrain.errors import NonFiniteStop, RunEnded, UsageError
 from scaletrain.distributed import DistInfo
 from scaletrain.logs import silence_library_logs
 from scaletrain.loop import LoopHooks, LoopSettings, PipelineStep, evaluate, train_loop
@@ -22,7 +23,7 @@ from scaletrain.flops import peak_tflops
 from scaletrain.generation import generate_samples
 from scaletrain.metrics import MetricsLogger, StepProfiler, ThroughputModel
 from scaletrain.preflight import (RUN_CONFIG_FILE, ResolvedRun, describe_launch, peak_lr, print_config,
-                                  print_memory_plan, resolve_run, write_run_folder)
+                                  print_memory_plan, resolve_run, resume_elsewhere, write_run_folder)
 from scaletrain.sampling import BatchRamp, GlobalOrder, StepBatches
 from scaletrain.schedules import LRSchedule, describe_schedule_change, restart_schedule, warmup_steps_for
 from scaletrain.faults import PreemptionFlag
@@ -86,7 +87,11 @@ class Run:
         print_memory_plan(self.resolved)
 
     def init_distributed(self) -> None:
+        """The process group, then every rank's pre-flight verdict: a rank whose pre-flight failed joins too
+        (agreement.stop_with_the_others), so its mistake stops every rank here; the ranks also compare the resume
+        checkpoint, tokenizer and run configuration each found, before any rank acts on them."""
         self.dist = distributed.init_distributed(self.dist)
+        agreement.settle(self.dist, facts=agreement.preflight_facts(self.resolved))
         describe_launch(self.resolved, self.dist)
         seed_everything(self.cfg.optim.seed)
 
@@ -100,37 +105,64 @@ class Run:
         if self.dist.sequence_parallel_size > 1:
             sequence_parallel.register_ulysses(self.model, self.dist.sequence_parallel_size,
                                                self.resolved.ds.config["train_micro_batch_size_per_gpu"],
-                                               self.resolved.block_size, self.cfg.data.attention_isolation)
+                                               self.resolved.block_size,
+                                               self.cfg.data.attention_isolation or self.resolved.chat is not None)
         if self.dist.pipeline_parallel_size > 1:  # this rank keeps its stage's layers of the model it built
             self.model, self.pipeline_loss = pipeline.build_pipeline_module(
                 self.model, self.dist.pipeline_parallel_size, self.cfg.parallel.pipeline_partition)
 
+    def prepare_inputs(self) -> None:
+        """The resume conversion and the token store, then the ranks settle: a failure on any rank (a node whose
+        store could not be prepared) stops every rank, and so do token stores that differ between ranks."""
+        error = None
+        try:
+            self.prepare_resume()
+            self.prepare_data()
+        except RunEnded as err:
+            error = err
+        agreement.settle(self.dist, error, None if error else agreement.store_facts(self.stores))
+
     def prepare_resume(self) -> None:
-        """A checkpoint from another number of ranks, layout or offload is converted to DeepSpeed's universal format
-        first (global rank 0 converts; the others wait on the file system, before any process group exists)."""
-        if self.resolved.resume_from is not None and self.resolved.reshard:
+        """The checkpoint's files checked against their SHA-256 by every rank (a share each) before anything reads
+        them: a damaged one falls back, on every rank, to the previous committed checkpoint (or stops the run).
+        Then a checkpoint from another number of ranks, layout or offload is converted to DeepSpeed's universal
+        format (global rank 0 converts; the others wait on the file system, with a way out if rank 0 fails)."""
+        chosen = self.resolved.resume_from
+        if chosen is None:
+            return
+        verified = checkpoint.verified_resume_checkpoint(
+            chosen, self.cfg.checkpoint.resume_from_checkpoint == "auto", self.dist.rank, self.dist.world_size)
+        if verified != chosen:
+            self.resolved = resume_elsewhere(self.resolved, verified)
+        if self.resolved.reshard:
             checkpoint.ensure_universal(self.resolved.resume_from, self.dist.rank)
 
     def prepare_data(self) -> None:
         """Token stores: --data_path or --dataset_mix as given, or raw data prepared once (local rank 0 of each
-        node prepares; the others wait on the file system)."""
+        node prepares; the others wait on the file system, with a way out if it fails or dies)."""
         paths = [Path(p) for p in self.cfg.data.store_paths]
         if not paths:
+            chat = self.resolved.chat and chat_store.store_plan(  # chat data: tokens and a loss mask
+                self.cfg.data, self.resolved.tokenizer, self.resolved.block_size, self.resolved.chat,
+                show_progress=self.dist.is_main)
             paths = [store_prep.ensure_token_store(
                 self.cfg.data, self.resolved.tokenizer, self.cfg.model.tokenizer_source, self.resolved.block_size,
-                self.dist.local_rank, show_progress=self.dist.is_main, seed=self.cfg.optim.seed)]
+                self.dist.local_rank, show_progress=self.dist.is_main, seed=self.cfg.optim.seed, **(chat or {}))]
         self.stores = [tokenstore.open_store(p) for p in paths]
+        self.stores = [chat_store.attach_masks(s, p) for s, p in zip(self.stores, paths, strict=True)]  # chat data
         log.info("token store(s): %s", ", ".join(map(str, paths)))
 
     def build_data(self) -> None:
         """Packed blocks from the stores, this rank's view of the global order, the LR schedule's length and the
         fixed evaluation set."""
         data, optim, dist, size = self.cfg.data, self.cfg.optim, self.dist, self.resolved.block_size
-        train = [blocks_from_store(s, "train", size, data.attention_isolation) for s in self.stores]
+        train = [packing.blocks_for(s, "train", size, data) for s in self.stores]  # chat data: whole examples
         if any(t is None for t in train):
             raise UsageError(f"{data.data_path or data.dataset_mix or data.train_data_file or data.dataset_name}: "
                              "no training tokens", "give data with at least one non-empty document")
         self.train_blocks = MixedBlocks(train, [w for _, w in data.mix], optim.seed) if data.mix else train[0]
+        if data.print_samples and isinstance(train[0], packing.PackedExamples):
+            packing.print_samples(train[0], data.print_samples, self.resolved.tokenizer)
         # Batch sizes as DeepSpeed will use them: an explicit JSON value stands where the flag was not typed.
         micro = self.resolved.ds.config["train_micro_batch_size_per_gpu"]
         accumulation = self.resolved.ds.config["gradient_accumulation_steps"]
@@ -150,7 +182,7 @@ class Run:
         if changed and dist.is_main:  # every rank computes the same: say it once
             log.warning(changed)
         # Every store's validation blocks, the same fixed set on every run (each rank the same number of batches).
-        validation = [blocks_from_store(s, "validation", size, data.attention_isolation) for s in self.stores]
+        validation = [packing.blocks_for(s, "validation", size, data) for s in self.stores]
         self.eval_batches = EvalBatches.chain([
             eval_batches(blocks, optim.per_device_eval_batch_size, dist.dp_rank, dist.dp_world_size,
                          self.cfg.logging.max_eval_samples) for blocks in validation if blocks is not None]) or None
@@ -211,8 +243,11 @@ class Run:
         self.state.wandb_run_id = self.metrics.wandb_run_id
 
     def save(self) -> Path:
+        planned = checkpoint.planned_checkpoint_bytes(self.resolved.n_params, self.resolved.ds.precision,
+                                                      self.resolved.ds.zero_stage, self.dist.tensor_parallel_size)
         return checkpoint.save_checkpoint(self.engine, self.cfg.run.output_dir, self.state, self.dist.rank,
-                                          self.cfg.checkpoint.save_total_limit, model_facts=self.resolved.model_facts)
+                                          self.cfg.checkpoint.save_total_limit, model_facts=self.resolved.model_facts,
+                                          planned_bytes=planned)
 
     def throughput_model(self) -> ThroughputModel:
         """FLOPs per token and the device peak, for TFLOP/s, MFU and HFU (the peak is calibrated on rank 0 only:
@@ -268,7 +303,9 @@ class Run:
     def rollback(self) -> None:
         """--max_consecutive_skips reached: back to the newest committed checkpoint, the data past the streak."""
         state = self.state
-        newest = checkpoint.newest_committed(self.cfg.run.output_dir)
+        # Chosen once, by rank 0: ranks scanning a shared folder at different moments could load different steps.
+        newest = distributed.broadcast_from_main(
+            checkpoint.newest_committed(self.cfg.run.output_dir) if self.dist.is_main else None)
         if newest is None:
             raise NonFiniteStop(f"step {state.step}: {state.consecutive_skips} updates skipped in a row and no "
                                 "committed checkpoint to roll back to; lower the learning rate or check the data "
@@ -305,7 +342,9 @@ class Run:
             self.metrics.log({"step": self.state.step, **run_eval(self.engine, self.eval_batches)})
         if self.resolved.eval_prompts:
             self.generate_samples(self.state.step)
-        newest = checkpoint.newest_committed(self.cfg.run.output_dir)
+        # Decided once, by rank 0: ranks that disagreed about entering the collective save would hang in it.
+        newest = distributed.broadcast_from_main(
+            checkpoint.newest_committed(self.cfg.run.output_dir) if self.dist.is_main else None)
         if self.cfg.checkpoint.save_at_end and (newest is None or checkpoint.committed_step(newest) != self.state.step):
             self.save()
         if self.cfg.checkpoint.export_hf_at_end:

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Iterator, Optional
 
 from scaletrain.config import DataArgs, OptimArgs
-from scaletrain.errors import TokenStoreFailed, UsageError
+from scaletrain.errors import PreparerDied, TokenStoreFailed, UsageError
 from scaletrain.raw_data import check_text_column, load_raw_datasets, local_data_files
 
 log = logging.getLogger(__name__)
@@ -175,25 +175,35 @@ def _read_failure(path: Path) -> Optional[dict]:
 
 
 def ensure_token_store(data: DataArgs, tokenizer, tokenizer_dir: str, block_size: int, local_rank: int,
-                       show_progress: bool, seed: int = DEFAULT_SEED) -> Path:
+                       show_progress: bool, seed: int = DEFAULT_SEED, fingerprint=None, prepare=None) -> Path:
     """Raw data given to train.py: local rank 0 of each node prepares the store (under a file lock, so nodes
     sharing a file system prepare it once); the other ranks wait for its manifest by polling the file system,
-    with no collective and so no timeout however long preparation takes. Runs before any process group exists.
+    with no collective and so no timeout however long preparation takes. The wait has two ways out: the failure
+    marker local rank 0 writes when the preparation fails, and a lock it holds while it prepares, which a killed
+    preparer (the out-of-memory killer, a signal) releases: under `srun` no launcher stops the waiting ranks.
+    Another kind of store (chat data: scaletrain/chat_store.py) comes with its `fingerprint` and `prepare(store)`.
     """
     import fcntl
     import socket
 
     from scaletrain.tokenstore import MANIFEST
 
-    store = default_store_path(store_fingerprint(data, tokenizer, block_size, seed))
+    store = default_store_path(fingerprint or store_fingerprint(data, tokenizer, block_size, seed))
     store.parent.mkdir(parents=True, exist_ok=True)
     # One marker per node: on a shared file system each node's local rank 0 reports to its own node's ranks.
     failed = store.parent / f"{store.name}.{socket.gethostname()}.failed"
+    preparer = store.parent / f"{store.name}.{socket.gethostname()}.preparer"
     if local_rank == 0:
-        with open(store.parent / f"{store.name}.lock", "w") as lock:
+        with open(preparer, "a+") as alive, open(store.parent / f"{store.name}.lock", "w") as lock:
+            fcntl.flock(alive, fcntl.LOCK_EX)  # held until this preparer returns or dies
+            alive.truncate(0)
+            alive.write(json.dumps({"launch": launch_identity(), "pid": os.getpid()}) + "\n")
+            alive.flush()
             fcntl.flock(lock, fcntl.LOCK_EX)
             failed.unlink(missing_ok=True)
             try:
+                if prepare is not None:
+                    return prepare(store)
                 return prepare_token_store(data, tokenizer, tokenizer_dir, block_size, store,
                                            data.preprocessing_num_workers, show_progress, seed)
             except BaseException as err:
@@ -204,13 +214,36 @@ def ensure_token_store(data: DataArgs, tokenizer, tokenizer_dir: str, block_size
                 raise
     waited = 0.0
     while not (store / MANIFEST).exists():
+        gone = _preparer_gone(preparer)  # looked at first: a preparer that ends leaves a manifest or a marker
         report = _read_failure(failed)
         if report is not None and report.get("launch") == launch_identity():  # not an earlier launch's failure
             if report["kind"] == "usage":
                 raise UsageError(report["error"])
             raise TokenStoreFailed(f"local rank 0 could not prepare the token store {store}: {report['error']}")
+        if gone is not None and not (store / MANIFEST).exists():
+            raise PreparerDied(f"waited for local rank 0 (pid {gone}) to prepare the token store {store}: it ended "
+                               "without finishing it or saying why (killed? out of memory?); nothing of the store "
+                               "is used. Restart the job (lower --preprocessing_num_workers if memory ran out)")
         time.sleep(1.0)
         waited += 1.0
         if waited % 300 == 0:
             log.warning("still waiting for local rank 0 to prepare the token store %s (%.0f min)", store, waited / 60)
     return store
+
+
+def _preparer_gone(record: Path) -> Optional[int]:
+    """The pid of this launch's preparer when it no longer holds its lock (it ended), else None. A record of
+    another launch (a preparer not yet started, or another job's on this host) says nothing about ours."""
+    import fcntl
+
+    try:
+        with open(record) as probe:
+            owner = json.loads(probe.read() or "{}")
+            if owner.get("launch") != launch_identity():
+                return None
+            fcntl.flock(probe, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return owner.get("pid")  # free: closing the file releases it again
+    except BlockingIOError:
+        return None
+    except (OSError, ValueError):  # not written yet
+        return None

@@ -4,7 +4,8 @@ early and at a late data position (equal within noise: a resume seeks to its pos
     python scripts/bench_checkpoint.py            # prints Markdown rows for BENCHMARKS.md and JSON lines
 
 Sizes: the tiny Llama widened (hidden 128 / 512 / 1024), ZeRO-2, 2 ranks, fp32, one committed checkpoint each;
-the save and load seconds are the ones train.py logs (DeepSpeed save + commit; DeepSpeed load + train state).
+the save and load seconds are the ones train.py logs (DeepSpeed save + commit; DeepSpeed load + train state), and
+within the save, rank 0's SHA-256 of its files; on load, rank 0's SHA-256 check of its share (before the load).
 Resume position: one 2-rank run of the tiny Llama saves at step 2 (early) and at step --late (late, late in the
 first epoch); each is resumed in a fresh process timed from Popen to the wall-clock stamp of its first step.
 """
@@ -60,6 +61,7 @@ def main() -> None:
     parser.add_argument("--late", type=int, default=400, help="the late save step (the first epoch has 435)")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--positions_only", action="store_true", help="skip the save/load sizes part")
+    parser.add_argument("--sizes_only", action="store_true", help="skip the resume-position part")
     args = parser.parse_args()
     tmp = Path(tempfile.mkdtemp(prefix="bench_ckpt_"))
     rows = []
@@ -70,17 +72,24 @@ def main() -> None:
                         "--max_steps", "2", "--per_device_train_batch_size", "2"])
         size = dir_bytes(out / "checkpoints" / "step2")
         save = seconds(r"saved checkpoint \S+ in ([\d.]+)s", log)[-1]
-        loads = []
+        save_hash = seconds(r"saved checkpoint \S+ in [\d.]+s \(of which SHA-256 ([\d.]+)s on rank 0", log)[-1]
+        loads, checks = [], []
         for _ in range(args.rounds):
             _, log = train(["--config_name", str(folder), "--tokenizer_name", str(folder), "--output_dir", str(out),
                             "--max_steps", "2", "--per_device_train_batch_size", "2",
                             "--resume_from_checkpoint", str(out / "checkpoints" / "step2")])
             loads += seconds(r"resumed from \S+ \(step \d+, \d+ samples seen\) in ([\d.]+)s", log)[:1]
+            checks += seconds(r"checked the SHA-256 of \d+ of \S+ files \([\d.]+ MB\) in ([\d.]+)s on rank 0",
+                              log)[:1]
         rows.append({"hidden": hidden, "layers": layers, "checkpoint_mb": size / 2**20, "save_s": save,
-                     "load_s": statistics.median(loads)})
+                     "save_sha256_s": save_hash, "load_s": statistics.median(loads),
+                     "load_sha256_check_s": statistics.median(checks)})
         print(json.dumps(rows[-1]), flush=True)
         shutil.rmtree(out)
 
+    if args.sizes_only:
+        shutil.rmtree(tmp)
+        return
     # Start-to-first-step after resume, early against late data position (the tiny Llama, 4 blocks x 2 ranks).
     saved = {}
     for label, step in (("early", 2), ("late", args.late)):

@@ -289,6 +289,7 @@ def test_real_process_exits_2_without_traceback(tmp_path, cache_dir):
     assert not (tmp_path / "out").exists()
 
 
+@pytest.mark.slow  # the ranks join the rendezvous to share the error (DeepSpeed's CPU ops, gloo): ~40 s loaded
 def test_error_is_printed_once_under_a_two_rank_launch(tmp_path, cache_dir):
     out = tmp_path / "out"
     proc = launch(REPO / "train.py", ["--config", "ds_configs/missing.json", "--output_dir", str(out)],

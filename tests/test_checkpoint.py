@@ -354,6 +354,8 @@ def test_resume_on_another_rank_count_converts_and_continues(ds_config, saved_on
     # Each parameter group kept its own weight decay through the universal load (DeepSpeed 0.19.8's ZeRO-3 loader
     # copies group 0's onto every group; the effect on these few steps' losses is below the tolerance above).
     assert saved_weight_decays(run_dir / "checkpoints" / f"step{STEPS}") == [0.1, 0.0]
+    # the universal copy went once the resumed run committed a checkpoint of its own (it leaked the disk before)
+    assert not (run_dir / "checkpoints" / ".universal").exists()
 
 
 def saved_weight_decays(ckpt: Path) -> list:

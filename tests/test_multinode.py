@@ -47,7 +47,7 @@ def slurm(tmp_path_factory, cache_dir):
         assert up.returncode == 0, f"local Slurm did not start:\n{up.stdout[-3000:]}\n{up.stderr[-3000:]}"
         job_env = {**subprocess_env(cache_dir), "SLURM_CONF": str(state / "etc" / "slurm.conf"),
                    "PATH": f"{VENV_BIN}:{os.environ['PATH']}", "SCALETRAIN_PYTHON": sys.executable}
-        yield Cluster(job_env, tmp_path_factory.mktemp("slurm_jobs"))
+        yield Cluster(job_env, tmp_path_factory.mktemp("slurm_jobs"), state)
     finally:
         subprocess.run(["bash", str(REPO / "scripts" / "local_slurm" / "down.sh")], env=env, capture_output=True,
                        timeout=120)
@@ -55,9 +55,15 @@ def slurm(tmp_path_factory, cache_dir):
 
 
 class Cluster:
-    def __init__(self, env: dict, logs: Path):
+    def __init__(self, env: dict, logs: Path, state: Path):
         self.env = env
         self.logs = logs
+        self.state = state  # up.sh's folder: configs, logs, pid files
+
+    def on_node(self, node: str, *command: str) -> None:
+        """Run `command` in emulated node `node`'s own mount namespace (its slurmd's): what only that node sees."""
+        pid = (self.state / "run" / f"slurmd-{node}.pid").read_text().strip()
+        subprocess.run(["nsenter", "--target", pid, "--mount", "--", *command], check=True, timeout=30)
 
     def submit(self, sbatch_args: list, script_args: list = (), env: dict = None) -> str:
         cmd = ["sbatch", "--parsable", "--time=15", f"--output={self.logs}/job-%j.out", *sbatch_args, *script_args]
@@ -169,6 +175,33 @@ def test_sbatch_bad_input_fails_once_and_early(slurm, tmp_path):
         assert log.count(message) == 1, log[-3000:]
         assert "starts 1 rank(s)" not in log and "Traceback" not in log  # nothing was launched
     assert not any((tmp_path / name).exists() for name in "abc")
+
+
+def test_a_model_folder_missing_on_one_node_is_printed_there_and_fails_the_job_fast(slurm, tmp_path):
+    """Issue 14, item 4: the model folder is node-local and n2's copy is missing (an empty folder mounted over it in
+    n2's mount namespace only; the batch script's --print_config check runs on n1 and passes). Before, n2's rank
+    exited 2 without a word (usage errors were printed by global rank 0 only) and n1's rank waited for it at the
+    rendezvous until the job's time limit."""
+    model, empty = tmp_path / "model", tmp_path / "empty"
+    shutil.copytree(REPO / "data" / "tiny-llama", model)
+    empty.mkdir()
+    slurm.on_node("n2", "mount", "--bind", str(empty), str(model))
+    try:
+        run_dir = tmp_path / "run"
+        job = slurm.submit(["--nodes=2", str(SBATCH)], [*TRAIN_FLAGS, "--config_name", str(model), "--output_dir",
+                                                        str(run_dir), "--max_steps", "4"])
+        started = time.monotonic()
+        facts, log = slurm.wait(job, timeout=300), slurm.log(job)
+    finally:
+        slurm.on_node("n2", "umount", str(model))
+    assert (facts["JobState"], facts["ExitCode"]) == ("FAILED", "2:0"), log[-4000:]
+    assert time.monotonic() - started < 180, log[-4000:]  # not the rendezvous timeout
+    errors = [line for line in log.splitlines() if line.startswith("train.py: ")]
+    assert len(errors) == 2, log[-4000:]
+    assert errors[0].startswith(f"train.py: error: [n2] --config_name {model}: ") or \
+        errors[1].startswith(f"train.py: error: [n2] --config_name {model}: "), log[-4000:]
+    assert f"train.py: stopped: [n1] rank 1 on n2 could not go on: --config_name {model}: " in log, log[-4000:]
+    assert "Traceback" not in log and not run_dir.exists()
 
 
 def test_train_sbatch_outside_slurm_says_so(tmp_path):

@@ -105,6 +105,10 @@ RECIPE_OVERRIDES = {
     "continue_pretrain_zero3_offload.yaml": lambda pretrained: ["--model_name_or_path", str(pretrained),
                                                                 "--block_size", "64"],
     "lora_zero3.yaml": lambda pretrained: ["--model_name_or_path", str(pretrained), "--block_size", "64"],
+    # the tiny tokenizer has no chat template: the Mistral v0.2 one renders with its tokens
+    "sft_chat.yaml": lambda pretrained: ["--model_name_or_path", str(pretrained), "--block_size", "128",
+                                         "--train_file", "tests/fixtures/chat/messages.jsonl", "--chat_template",
+                                         "tests/fixtures/chat_templates/mistral-7b-instruct-v0.2.jinja"],
 }
 
 
@@ -150,6 +154,11 @@ def test_print_config_says_which_values_came_from_the_recipe(name, tmp_path, pre
         assert f"use_peft = True  <- recipe {path}" in printed
         assert f"lora_target_modules = 'all-linear'  <- recipe {path}" in printed
         assert "DeepSpeed config ds_configs/zero3.json" in printed
+    elif name == "sft_chat.yaml":
+        assert f"assistant_only_loss = True  <- recipe {path}" in printed
+        assert f"print_samples = 2  <- recipe {path}" in printed
+        assert "chat_template = 'tests/fixtures/chat_templates/mistral-7b-instruct-v0.2.jinja'  <- --chat_template" \
+            in printed
     else:
         assert f"gradient_checkpointing = True  <- recipe {path}" in printed
         assert f"model_name_or_path = '{pretrained_tiny}'  <- --model_name_or_path" in printed
@@ -172,6 +181,10 @@ def dry_run(name, tmp_path, cache_dir, pretrained):
 
 def test_pretrain_recipe_dry_run_runs_one_real_step(tmp_path, cache_dir, pretrained_tiny):
     dry_run("pretrain_small.yaml", tmp_path, cache_dir, pretrained_tiny)
+
+
+def test_sft_chat_recipe_dry_run_runs_one_real_step_on_chat_data(tmp_path, cache_dir, pretrained_tiny):
+    dry_run("sft_chat.yaml", tmp_path, cache_dir, pretrained_tiny)
 
 
 @pytest.mark.slow

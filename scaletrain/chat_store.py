@@ -1,0 +1,291 @@
+"""Chat data as a token store: each example (a `messages` conversation, or a `prompt`/`completion` record) rendered
+by scaletrain/chat_data.py into its tokens and a loss mask, written beside the tokens.
+
+Layout of a chat store folder (a token store, see scaletrain/tokenstore.py, plus the mask):
+    manifest.json            the fingerprint also names the chat template's hash and the loss mode
+    <split>.tokens.bin       every example's tokens, concatenated (no EOS added: the template writes its own)
+    <split>.mask.bin         1 byte per token: 1 where the token is a target of the loss, 0 where it is context
+    <split>.docs.npy         the offset where each example starts; scaletrain/packing.py packs whole examples
+
+Loss modes: `assistant_only` (--assistant_only_loss: the assistant replies and their end-of-turn tokens),
+`completion_only` (a prompt/completion dataset: the completion), `all` (a conversation without
+--assistant_only_loss: every token, as TRL does). The rows are rendered in this process, so a bad row is a
+UsageError (exit code 2) on every path, and the masks are checked (nothing or everything trained is refused,
+naming the template) before the store is renamed into place: a refused dataset leaves nothing behind.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional
+
+import numpy as np
+
+from scaletrain.chat_data import ChatTemplate, check_masks, check_messages, load_chat_template, render_example
+from scaletrain.config import DataArgs
+from scaletrain.errors import UsageError
+from scaletrain.tokenstore import FORMAT_VERSION, MANIFEST, Fingerprint, read_manifest
+
+log = logging.getLogger(__name__)
+
+CHAT_PACKING = "whole_examples"  # the fingerprint's packing of a chat store: whole examples, best fit
+MASK_DTYPE = np.dtype(np.uint8)
+
+
+@dataclass(frozen=True)
+class ChatData:
+    """What the pre-flight found: the kind of chat dataset, the template that renders it and what the loss trains."""
+
+    kind: str  # "messages" or "prompt_completion"
+    template: Optional[ChatTemplate]  # None for a prompt/completion of plain strings (no template needed)
+    loss_mode: str  # "assistant_only", "completion_only" or "all"
+
+
+@dataclass(frozen=True)
+class ChatFingerprint(Fingerprint):
+    """A token store's fingerprint, plus what makes a chat store's masks: another template is another store."""
+
+    chat_template_sha256: Optional[str] = None
+    loss_mode: str = "all"
+    packing: str = CHAT_PACKING
+
+    def as_dict(self) -> dict:
+        return {**super().as_dict(), "chat_template_sha256": self.chat_template_sha256, "loss_mode": self.loss_mode}
+
+
+def is_chat_store(opened_or_manifest: dict) -> bool:
+    manifest = opened_or_manifest.get("manifest", opened_or_manifest)
+    return manifest.get("fingerprint", {}).get("packing") == CHAT_PACKING
+
+
+def record_kind(record: dict) -> Optional[str]:
+    """"messages", "prompt_completion", or None for a record of plain text."""
+    if "messages" in record:
+        return "messages"
+    if "prompt" in record and "completion" in record:
+        return "prompt_completion"
+    return None
+
+
+def _first_records(data: DataArgs) -> list:
+    """(where, first record) of each local file, or of a save_to_disk folder; [] for a hub dataset (not looked at
+    before it is loaded) and for the built-in sample."""
+    import datasets
+
+    from scaletrain.raw_data import _is_saved_dataset, _local_builder, local_data_files
+
+    if data.dataset_name:
+        if not _is_saved_dataset(data.dataset_name):
+            return []
+        raw = datasets.load_from_disk(data.dataset_name)  # memory-mapped: reads no rows
+        train = raw["train"] if isinstance(raw, datasets.DatasetDict) and "train" in raw else raw
+        if isinstance(train, datasets.DatasetDict) or len(train) == 0:
+            return []
+        return [(f"--dataset_name {data.dataset_name}", train[0])]
+    if data.uses_default_data:
+        return []
+    records = []
+    for split, paths in local_data_files(data).items():
+        flag = "--train_file" if split == "train" else "--validation_file"
+        for path in paths:
+            builder = _local_builder([path], flag.lstrip("-"))
+            if builder == "text":
+                records.append((f"{flag} {path}", {"text": ""}))
+                continue
+            try:
+                stream = datasets.load_dataset(builder, data_files={"train": path}, split="train", streaming=True)
+                first = next(iter(stream), None)
+            except Exception:  # unreadable: check_data_files names the file and the reason
+                return []
+            if first is not None:
+                records.append((f"{flag} {path}", first))
+    return records
+
+
+def resolve_chat_data(data: DataArgs, tokenizer) -> Optional[ChatData]:
+    """Pre-flight, before anything heavy: whether the run's data is chat data and how it is rendered; None for
+    plain text. Refuses chat flags on data without conversations, a conversation with no template anywhere, and a
+    first example that no template can render (an unknown role). Prepared stores say it in their manifest."""
+    if data.store_paths:
+        return _chat_data_of_stores(data)
+    records = _first_records(data)
+    kinds = {record_kind(record) for _, record in records}
+    if len(kinds) > 1:
+        raise UsageError(f"{', '.join(where for where, _ in records)}: some files hold chat data and some do not",
+                         "give files of one kind")
+    kind = kinds.pop() if kinds else None
+    if kind is None:
+        for flag, given in (("--assistant_only_loss", data.assistant_only_loss),
+                            ("--chat_template", data.chat_template), ("--print_samples", data.print_samples)):
+            if given:
+                where = records[0][0] if records else "the data"
+                raise UsageError(f"{flag}: {where} holds no conversations (no messages column, nor prompt and "
+                                 "completion columns)", "give a dataset with a messages column (TRL's "
+                                 "conversational format), or drop the flag")
+        return None
+    where, first = records[0]
+    if kind == "messages":
+        check_messages(first["messages"], 0)
+        template = load_chat_template(tokenizer, data.chat_template)
+        return ChatData(kind, template, "assistant_only" if data.assistant_only_loss else "all")
+    conversational = not isinstance(first["prompt"], str)
+    if conversational:
+        check_messages(first["prompt"], 0, "prompt")
+        check_messages(first["completion"], 0, "completion")
+    elif data.assistant_only_loss:
+        raise UsageError(f"--assistant_only_loss: {where} holds prompt/completion text, not conversations",
+                         "drop the flag: a prompt/completion dataset trains on the completion only anyway")
+    template = load_chat_template(tokenizer, data.chat_template) if conversational or data.chat_template else None
+    return ChatData(kind, template, "completion_only")
+
+
+def _chat_data_of_stores(data: DataArgs) -> Optional[ChatData]:
+    manifests = [read_manifest(Path(p)) for p in data.store_paths]
+    chat = [m for m in manifests if is_chat_store(m)]
+    if not chat:
+        if data.assistant_only_loss or data.chat_template:
+            raise UsageError(f"{data.store_flag}: a store of plain text; --assistant_only_loss and --chat_template "
+                             "apply when the store is prepared", "prepare a store from chat data")
+        return None
+    if len(chat) != len(manifests):
+        raise UsageError(f"{data.store_flag}: mixes chat stores with stores of plain text", "mix stores of one kind")
+    first = chat[0]
+    text = first.get("chat_template")
+    template = ChatTemplate(text, f"the chat template of store {data.store_paths[0]}") if text else None
+    return ChatData(first.get("chat_kind", "messages"), template, first["fingerprint"]["loss_mode"])
+
+
+def chat_fingerprint(data: DataArgs, tokenizer, block_size: int, chat: ChatData) -> ChatFingerprint:
+    from scaletrain.store_prep import store_fingerprint
+
+    base = store_fingerprint(data, tokenizer, block_size)
+    fields = {name: getattr(base, name) for name in base.__dataclass_fields__ if name != "packing"}
+    return ChatFingerprint(**fields, chat_template_sha256=chat.template.sha256 if chat.template else None,
+                           loss_mode=chat.loss_mode)
+
+
+def _check_rows(ds, kind: str, split: str) -> None:
+    """Every row's messages, before any is rendered: a bad row deep in the file is refused as early as the first."""
+    columns = ("messages",) if kind == "messages" else ("prompt", "completion")
+    for name in columns:
+        if name not in ds.column_names:
+            raise UsageError(f"{split} data: no {name} column (columns: {', '.join(ds.column_names)})",
+                             "every file of a chat dataset has the same columns")
+    if kind == "prompt_completion" and ds.features["prompt"].__class__.__name__ == "Value":
+        return  # plain strings: nothing to check
+    for index, row in enumerate(ds.select_columns(list(columns))):
+        for name in columns:
+            check_messages(row[name], index, name)
+
+
+def render_split(ds, tokenizer, chat: ChatData, split: str, show_progress: bool) -> tuple:
+    """(token ids, mask, example lengths) of every row of `ds`, as flat arrays."""
+    from tqdm.auto import tqdm
+
+    from scaletrain.tokenstore import _dtype_for
+
+    _check_rows(ds, chat.kind, split)
+    ids, masks, lengths = [], [], []
+    for index, row in enumerate(tqdm(ds, desc=f"rendering {split}", unit="example", disable=not show_progress)):
+        example = render_example(row, tokenizer, chat.template, index)
+        ids.append(np.asarray(example.input_ids, dtype=_dtype_for(len(tokenizer))))
+        mask = example.loss_mask if chat.loss_mode != "all" else [1] * len(example.input_ids)
+        masks.append(np.asarray(mask, dtype=MASK_DTYPE))
+        lengths.append(len(example.input_ids))
+    if not ids:
+        return np.zeros(0, _dtype_for(len(tokenizer))), np.zeros(0, MASK_DTYPE), np.zeros(0, np.int64)
+    return np.concatenate(ids), np.concatenate(masks), np.asarray(lengths, dtype=np.int64)
+
+
+def write_chat_store(splits: dict, tokenizer, fingerprint: ChatFingerprint, chat: ChatData, store: Path,
+                     show_progress: bool = True) -> Path:
+    """Render every split into `store`, atomically (a temporary folder renamed into place when complete)."""
+    from scaletrain.tokenstore import _dtype_for
+
+    started = time.perf_counter()
+    rendered = {name: render_split(ds, tokenizer, chat, name, show_progress)
+                for name, ds in splits.items() if ds is not None}
+    train_ids, train_mask, train_lengths = rendered["train"]
+    if chat.loss_mode != "all":  # before anything is written: a refused dataset leaves nothing behind
+        bounds = np.cumsum(train_lengths)[:-1]
+        summary = check_masks((m.astype(np.int64) for m in np.split(train_mask, bounds)), chat.template)
+        if summary.examples_without_trained_tokens:
+            log.warning("chat data: %d of %d training examples have no trained token", summary
+                        .examples_without_trained_tokens, summary.examples)
+    tmp = store.parent / f".{store.name}.tmp-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    try:
+        counts = {}
+        for name, (ids, mask, lengths) in rendered.items():
+            (tmp / f"{name}.tokens.bin").write_bytes(ids.tobytes())
+            (tmp / f"{name}.mask.bin").write_bytes(mask.tobytes())
+            starts = np.concatenate([[0], np.cumsum(lengths)[:-1]]) if len(lengths) else lengths
+            np.save(tmp / f"{name}.docs.npy", starts.astype(np.int64))
+            counts[name] = {"n_tokens": int(len(ids)), "n_documents": int(len(lengths)),
+                            "n_trained_tokens": int(mask.sum(dtype=np.int64))}
+        manifest = {"format_version": FORMAT_VERSION, "fingerprint": fingerprint.as_dict(),
+                    "dtype": _dtype_for(len(tokenizer)).str, "eos_id": tokenizer.eos_token_id,
+                    "pad_id": tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id,
+                    "splits": counts, "chat_kind": chat.kind,
+                    "chat_template": chat.template.text if chat.template else None,
+                    "prepared_seconds": round(time.perf_counter() - started, 2)}
+        (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
+        os.replace(tmp, store)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return store
+
+
+def prepare_chat_store(data: DataArgs, tokenizer, block_size: int, store: Path, chat: ChatData,
+                       show_progress: bool = True) -> Path:
+    """Render the run's chat data into `store`, or reuse the store there when it was made from the same input,
+    template and loss mode."""
+    from scaletrain.raw_data import load_raw_datasets
+
+    fingerprint = chat_fingerprint(data, tokenizer, block_size, chat)
+    if (store / MANIFEST).exists():
+        differs = fingerprint.differences(read_manifest(store)["fingerprint"])
+        if not differs:
+            log.info("chat store %s: reusing it (same input, tokenizer, template and loss mode)", store)
+            return store
+        raise UsageError(f"{store}: holds a token store made from different input ({', '.join(differs)} differ)",
+                         "choose another --output_dir, or delete that store")
+    if store.exists() and (not store.is_dir() or any(store.iterdir())):
+        raise UsageError(f"{store}: exists and is not a token store (no {MANIFEST}); nothing there was changed",
+                         "choose a new or empty folder for the store")
+    train, validation = load_raw_datasets(data)
+    if len(train) == 0:
+        raise UsageError("chat data: the training set is empty", "give at least one example")
+    started = time.perf_counter()
+    write_chat_store({"train": train, "validation": validation}, tokenizer, fingerprint, chat, store, show_progress)
+    log.info("chat store %s: prepared in %.1fs (%s, loss on %s tokens)", store, time.perf_counter() - started,
+             chat.template.source if chat.template else "no template", chat.loss_mode.replace("_", " "))
+    return store
+
+
+def store_plan(data: DataArgs, tokenizer, block_size: int, chat: ChatData, show_progress: bool) -> dict:
+    """store_prep.ensure_token_store's arguments for a chat store: its fingerprint, and how to prepare it."""
+    return {"fingerprint": chat_fingerprint(data, tokenizer, block_size, chat),
+            "prepare": lambda store: prepare_chat_store(data, tokenizer, block_size, store, chat, show_progress)}
+
+
+def attach_masks(opened: dict, store: Path) -> dict:
+    """A chat store's masks beside its opened splits (`opened["masks"]`); a plain store is returned as it is."""
+    if not is_chat_store(opened):
+        return opened
+    masks = {}
+    for split, part in opened["splits"].items():
+        path = Path(store) / f"{split}.mask.bin"
+        size = path.stat().st_size if path.exists() else -1
+        if size != part.n_tokens * MASK_DTYPE.itemsize:
+            raise UsageError(f"--data_path {store}: {path.name} holds {size} bytes, the store has {part.n_tokens} "
+                             "tokens (truncated or corrupt)", "prepare the store again")
+        masks[split] = np.memmap(path, dtype=MASK_DTYPE, mode="r") if part.n_tokens else np.zeros(0, MASK_DTYPE)
+    return {**opened, "masks": masks}

@@ -675,8 +675,9 @@ def state_is_sharded_by_tp(engine) -> bool:
     return int(engine.autotp_size() or 0) > 1
 
 
-def _full_state_dict_on_rank0(engine, is_main: bool) -> dict:
-    """The trained weights as one CPU state dict on rank 0 (empty elsewhere).
+def _full_state_dict_on_rank0(engine, is_main: bool, trainable_only: bool = False) -> dict:
+    """The trained weights as one CPU state dict on rank 0 (empty elsewhere); with trainable_only, the parameters
+    that train (a LoRA adapter's) and nothing else.
 
     Under ZeRO-3 each rank holds a slice of every parameter; gathering them one at a time keeps the peak to one
     full parameter per rank, and the CPU copy on rank 0 is the only whole model anywhere. (Saving the module's
@@ -690,14 +691,19 @@ def _full_state_dict_on_rank0(engine, is_main: bool) -> dict:
 
         state = gathered_state_dict(engine)
         return {k: v.detach().cpu().clone() for k, v in state.items()} if is_main else {}
+    params = [(name, p) for name, p in module.named_parameters() if p.requires_grad or not trainable_only]
     if engine.zero_optimization_stage() != 3:
-        return {k: v.detach().cpu().clone() for k, v in module.state_dict().items()} if is_main else {}
+        if not is_main:
+            return {}
+        if trainable_only:
+            return {name: p.detach().cpu().clone() for name, p in params}
+        return {k: v.detach().cpu().clone() for k, v in module.state_dict().items()}
     state = {}
-    for name, param in module.named_parameters():
+    for name, param in params:
         with deepspeed.zero.GatheredParameters([param], modifier_rank=None):
             if is_main:
                 state[name] = param.detach().cpu().clone()
-    if is_main:
+    if is_main and not trainable_only:
         for name, buf in module.named_buffers():
             # Non-persistent buffers (rotary tables) are rebuilt from the config; only persistent ones are saved.
             if name in module.state_dict():
@@ -728,10 +734,21 @@ def export_pipeline_checkpoint(ckpt: Path, out_dir, model_config, tokenizer, dty
     tokenizer.save_pretrained(out_dir)
 
 
-def export_hf_model(engine, tokenizer, out_dir: str, is_main: bool) -> None:
-    """Write safetensors weights, config and tokenizer that `AutoModelForCausalLM.from_pretrained` loads."""
+def export_hf_model(engine, tokenizer, out_dir: str, is_main: bool, merge_lora: bool = False,
+                    trust_remote_code: bool = False) -> None:
+    """Write safetensors weights, config and tokenizer that `AutoModelForCausalLM.from_pretrained` loads; for a
+    LoRA model the adapter folder instead (and with merge_lora the merged model in <out_dir>/merged)."""
+    from scaletrain import lora
     from scaletrain.distributed import barrier
 
+    if lora.is_lora_model(engine.module):
+        adapter = _full_state_dict_on_rank0(engine, is_main, trainable_only=True)  # gathered: never placeholders
+        if is_main:
+            lora.save_adapter(engine.module, adapter, out_dir, tokenizer)
+            if merge_lora:
+                lora.merge_adapter(out_dir, lora.merged_dir(out_dir), tokenizer, trust_remote_code)
+        barrier()
+        return
     if hasattr(engine.module, "scaletrain_layers"):  # a pipeline: rank 0 reads every stage's layer files
         if is_main:
             export_pipeline_checkpoint(newest_committed(Path(out_dir)), out_dir, engine.module.hf_config, tokenizer)

@@ -111,6 +111,39 @@ class ModelArgs:
 
 
 @dataclass(frozen=True)
+class PeftArgs:
+    """LoRA through peft (TRL's flag spellings): only the adapter trains; the export is an adapter folder."""
+
+    use_peft: bool = _flag(False, "Train a LoRA adapter on the frozen pretrained model (--model_name_or_path).")
+    lora_r: int = _flag(16, "LoRA rank.")
+    lora_alpha: int = _flag(32, "LoRA alpha: the adapter's update is scaled by alpha / r.")
+    lora_dropout: float = _flag(0.05, "Dropout on the adapter's input.")
+    lora_target_modules: str = _flag(
+        "all-linear", "Modules that get an adapter: all-linear (every linear layer but the LM head) or names, "
+                      "comma-separated (q_proj,v_proj); a name matches a module whose path ends with it.")
+    merge_lora: bool = _flag(False, "Also export the merged full model (base + adapter) to <output_dir>/merged.")
+    load_in_4bit: bool = _flag(False, "QLoRA: 4-bit base weights through bitsandbytes (refused without a CUDA GPU).")
+
+    @property
+    def target_modules(self):
+        """peft's target_modules: "all-linear" as it is, names as a list."""
+        if self.lora_target_modules.strip() == "all-linear":
+            return "all-linear"
+        return [name.strip() for name in self.lora_target_modules.split(",") if name.strip()]
+
+    def validate(self) -> None:
+        if self.lora_r < 1:
+            raise UsageError(f"--lora_r {self.lora_r}: must be at least 1", "e.g. 8, 16 or 64")
+        if not self.lora_alpha > 0:
+            raise UsageError(f"--lora_alpha {self.lora_alpha}: must be positive", "e.g. twice --lora_r")
+        if not 0.0 <= self.lora_dropout < 1.0:
+            raise UsageError(f"--lora_dropout {self.lora_dropout}: must be at least 0 and below 1")
+        if not self.target_modules:
+            raise UsageError(f"--lora_target_modules {self.lora_target_modules!r}: names no module",
+                             "give all-linear or module names such as q_proj,v_proj")
+
+
+@dataclass(frozen=True)
 class DataArgs:
     """Raw data and how it becomes a token store (data/prepare.py parses these alone), and how training reads it."""
 
@@ -438,7 +471,7 @@ class PlanningArgs:
 
 # Slice name -> its dataclass: the order of --help and of --print_config. A new concern adds a line here.
 SLICES = {
-    "run": RunArgs, "model": ModelArgs, "data": DataArgs, "optim": OptimArgs, "engine": EngineArgs,
+    "run": RunArgs, "model": ModelArgs, "peft": PeftArgs, "data": DataArgs, "optim": OptimArgs, "engine": EngineArgs,
     "parallel": ParallelArgs, "checkpoint": CheckpointArgs, "nonfinite": NonFiniteArgs, "logging": LoggingArgs,
     "planning": PlanningArgs,
 }
@@ -449,6 +482,7 @@ FLAG_ALIASES = {"deepspeed": "config"}  # Hugging Face's spelling of the DeepSpe
 class RunConfig:
     run: RunArgs = field(default_factory=RunArgs)
     model: ModelArgs = field(default_factory=ModelArgs)
+    peft: PeftArgs = field(default_factory=PeftArgs)
     data: DataArgs = field(default_factory=DataArgs)
     optim: OptimArgs = field(default_factory=OptimArgs)
     engine: EngineArgs = field(default_factory=EngineArgs)
@@ -783,6 +817,26 @@ def _check_data_sources(data: DataArgs) -> None:
         raise UsageError(f"--data_path {data.data_path}: no such folder", "prepare it with python data/prepare.py")
 
 
+def _check_peft_run(cfg: RunConfig) -> None:
+    """LoRA adapts pretrained weights on data parallelism; its flags act only with --use_peft."""
+    peft_flags = [f.name for f in dataclasses.fields(PeftArgs) if f.name != "use_peft"]
+    if not cfg.peft.use_peft:
+        given = [name for name in peft_flags if name in cfg.sources]
+        if given:
+            raise UsageError(f"--{given[0]}: only acts with --use_peft", "add --use_peft, or drop the flag")
+        return
+    if not cfg.model.model_name_or_path:
+        raise UsageError("--use_peft: needs --model_name_or_path (LoRA adapts a pretrained model's weights)",
+                         "give the pretrained model's folder or hub id")
+    parallel = cfg.parallel
+    for name in ("tensor_parallel_size", "sequence_parallel_size", "pipeline_parallel_size"):
+        if getattr(parallel, name) > 1:
+            raise UsageError(f"--use_peft with --{name} {getattr(parallel, name)}: not supported here (untested)",
+                             "train the adapter with data parallelism and a ZeRO stage")
+    if cfg.engine.torch_compile:
+        raise UsageError("--use_peft with --torch_compile: not supported here (untested)", "drop --torch_compile")
+
+
 def _check_output_dir(cfg: RunConfig) -> None:
     """A folder holding another run (other model or data) is refused; so is starting afresh over a previous run."""
     run = cfg.run
@@ -813,6 +867,7 @@ def _check_output_dir(cfg: RunConfig) -> None:
 def validate_run_config(cfg: RunConfig) -> None:
     """The checks that need no model, data or process group, slice by slice. Raises UsageError on the first."""
     for slice_name in ("optim", "parallel", "nonfinite", "checkpoint", "data", "logging", "planning", "engine",
-                       "model"):
+                       "model", "peft"):
         getattr(cfg, slice_name).validate()
+    _check_peft_run(cfg)
     _check_output_dir(cfg)

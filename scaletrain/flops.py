@@ -59,7 +59,10 @@ def calibrate_cpu_tflops(seconds: float = 0.5, size: int = 1024) -> float:
     """Measured fp32 matrix-product rate of this CPU (all its threads), in TFLOP/s."""
     import torch
 
-    a, b = torch.randn(size, size), torch.randn(size, size)
+    # A generator of its own: the calibration runs after a resume restored the RNG, and drawing from the global one
+    # would shift every later random draw (dropout) away from the uninterrupted run's.
+    generator = torch.Generator().manual_seed(0)
+    a, b = torch.randn(size, size, generator=generator), torch.randn(size, size, generator=generator)
     torch.mm(a, b)  # warm up
     runs, started = 0, time.perf_counter()
     while time.perf_counter() - started < seconds:

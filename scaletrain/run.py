@@ -11,8 +11,8 @@ from functools import partial
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
-from scaletrain import (agreement, checkpoint, distributed, engine as engine_lib, model as model_lib, moe, pipeline,
-                        publish, sequence_parallel, store_prep, tokenstore)
+from scaletrain import (agreement, checkpoint, distributed, engine as engine_lib, lora, model as model_lib, moe,
+                        pipeline, publish, sequence_parallel, store_prep, tokenstore)
 from scaletrain import chat_store, packing
 from scaletrain.blocks import EvalBatches, MixedBlocks, PackedBlocks, eval_batches
 from scaletrain.errors import NonFiniteStop, RunEnded, UsageError
@@ -98,6 +98,8 @@ class Run:
     def build_model(self) -> None:
         self.model, self._zero3_keepalive = model_lib.build_model(
             self.cfg.model, self.resolved.model_config, self.resolved.ds.config, self.resolved.ds.zero_stage)
+        if self.cfg.peft.use_peft:  # LoRA: peft wraps the built (ZeRO-3: partitioned) model; only the adapter trains
+            self.model = lora.apply_lora(self.model, self.cfg.peft)
         if self.resolved.ds.zero_stage == 3:  # before deepspeed.initialize, which installs the gather hooks
             moe.mark_leaf_modules(self.model, self.resolved.model_config)
         if self.dist.sequence_parallel_size > 1:
@@ -346,11 +348,14 @@ class Run:
         if self.cfg.checkpoint.save_at_end and (newest is None or checkpoint.committed_step(newest) != self.state.step):
             self.save()
         if self.cfg.checkpoint.export_hf_at_end:
-            checkpoint.export_hf_model(self.engine, self.resolved.tokenizer, self.cfg.run.output_dir, self.dist.is_main)
+            checkpoint.export_hf_model(self.engine, self.resolved.tokenizer, self.cfg.run.output_dir, self.dist.is_main,
+                                       self.cfg.peft.merge_lora, self.cfg.model.trust_remote_code)
             if self.dist.is_main:  # generation config and model card: the folder is complete and publishable
                 run_config = json.loads((Path(self.cfg.run.output_dir) / RUN_CONFIG_FILE).read_text())
-                publish.complete_export(self.cfg.run.output_dir, self.resolved.tokenizer, self.resolved.model_config,
-                                        run_config, self.metrics.latest)
+                out = self.cfg.run.output_dir
+                for folder in (out, *([lora.merged_dir(out)] if self.cfg.peft.merge_lora else [])):
+                    publish.complete_export(folder, self.resolved.tokenizer, self.resolved.model_config, run_config,
+                                            self.metrics.latest)
         if self.comm_log is not None:
             log.info(self.comm_log.summary())
         log.info("done: %d steps, %d tokens trained; outputs in %s", self.state.step, self.state.tokens_seen,

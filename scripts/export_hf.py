@@ -2,11 +2,12 @@
 
     python scripts/export_hf.py runs/default/checkpoints/step300 exported/ [--dtype bfloat16]
 
-Writes safetensors shards (with an index when sharded), config.json, the tokenizer, generation_config.json and a model
-card (scaletrain.publish); --push_to_hub owner/name then uploads the folder. The fp32 master weights are
-read from the ZeRO shards lazily and written shard by shard (DeepSpeed's converter in lazy mode), so the whole
-model is never held twice in memory. A pipeline-parallel checkpoint is read from its per-layer files (the weights the
-stages held). The model and tokenizer come from the run's run_config.json.
+Writes safetensors shards (with an index when sharded), config.json, the tokenizer, generation_config.json and a
+model card (scaletrain.publish); --push_to_hub owner/name then uploads the folder. A LoRA checkpoint (--use_peft)
+exports its adapter folder instead of the weights, and with --merge_lora also the merged model in <out_dir>/merged.
+The fp32 master weights are read from the ZeRO shards lazily and written shard by shard (DeepSpeed's converter in
+lazy mode), so the whole model is never held twice in memory. A pipeline-parallel checkpoint is read from its
+per-layer files (the weights the stages held). The model and tokenizer come from the run's run_config.json.
 """
 
 from __future__ import annotations
@@ -20,11 +21,28 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from scaletrain.checkpoint import committed_step, export_pipeline_checkpoint, read_train_state, verify  # noqa: E402
 from scaletrain.config import DEFAULT_MODEL_DIR, UsageError  # noqa: E402
+from scaletrain.lora import merged_dir, peft_args_of  # noqa: E402
 from scaletrain.metrics import METRICS_FILE, read_records  # noqa: E402
 from scaletrain.publish import check_push_target, push_to_hub, write_generation_config, write_model_card  # noqa: E402
 
 
-def export(ckpt: Path, out: Path, dtype: str, max_shard_size: str) -> None:
+def export_lora(ckpt: Path, out: Path, peft_args, model_config, model_source: str, tokenizer, trust: bool, dtype,
+                max_shard_size: str, merge_lora: bool) -> None:
+    """A LoRA checkpoint: its adapter (the trainable parameters of the ZeRO shards) as an adapter folder, and with
+    --merge_lora the merged model in <out>/merged."""
+    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+    from scaletrain import lora
+
+    adapter = get_fp32_state_dict_from_zero_checkpoint(str(ckpt.parent), tag=ckpt.name,
+                                                       exclude_frozen_parameters=True)
+    model = lora.meta_lora_model(model_config, peft_args, model_source, trust)
+    lora.save_adapter(model, {name: tensor.to(dtype) for name, tensor in adapter.items()}, out, tokenizer)
+    if merge_lora:
+        lora.merge_adapter(out, lora.merged_dir(out), tokenizer, trust, dtype, max_shard_size)
+
+
+def export(ckpt: Path, out: Path, dtype: str, max_shard_size: str, merge_lora: bool = False) -> None:
     import torch
     from deepspeed.utils.zero_to_fp32 import convert_zero_checkpoint_to_state_dict
     from transformers import AutoConfig, AutoTokenizer
@@ -48,9 +66,15 @@ def export(ckpt: Path, out: Path, dtype: str, max_shard_size: str) -> None:
     model_source = run_config.get("model_name_or_path") or run_config.get("config_name") or str(DEFAULT_MODEL_DIR)
     tokenizer_source = run_config.get("tokenizer_name") or model_source
     trust = bool(run_config.get("trust_remote_code"))
+    peft_args = peft_args_of(run_config)
+    if merge_lora and peft_args is None:
+        raise UsageError(f"--merge_lora: {ckpt} is not from a LoRA run (--use_peft)", "drop --merge_lora")
     model_config = AutoConfig.from_pretrained(model_source, trust_remote_code=trust)
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_source, trust_remote_code=trust)
-    if read_train_state(ckpt).get("pipeline_parallel_size", 1) > 1:
+    if peft_args is not None:
+        export_lora(ckpt, out, peft_args, model_config, model_source, tokenizer, trust, getattr(torch, dtype),
+                    max_shard_size, merge_lora)
+    elif read_train_state(ckpt).get("pipeline_parallel_size", 1) > 1:
         export_pipeline_checkpoint(ckpt, out, model_config, tokenizer, dtype=getattr(torch, dtype),
                                    max_shard_size=max_shard_size)
     else:
@@ -58,8 +82,10 @@ def export(ckpt: Path, out: Path, dtype: str, max_shard_size: str) -> None:
                                               max_shard_size=max_shard_size, safe_serialization=True, tag=ckpt.name)
         model_config.save_pretrained(out)
         tokenizer.save_pretrained(out)
-    write_generation_config(out, tokenizer, model_config)
-    write_model_card(out, run_config, _final_metrics(ckpt.parent.parent / METRICS_FILE, committed_step(ckpt)))
+    final = _final_metrics(ckpt.parent.parent / METRICS_FILE, committed_step(ckpt))
+    for folder in (out, *([merged_dir(out)] if merge_lora else [])):
+        write_generation_config(folder, tokenizer, model_config)
+        write_model_card(folder, run_config, final)
 
 
 def _final_metrics(path: Path, step: int) -> dict:
@@ -78,13 +104,15 @@ def main(argv=None) -> int:
     parser.add_argument("out_dir", type=Path)
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     parser.add_argument("--max_shard_size", default="5GB")
+    parser.add_argument("--merge_lora", action="store_true",
+                        help="A LoRA checkpoint: also write the merged model (base + adapter) to <out_dir>/merged.")
     parser.add_argument("--push_to_hub", metavar="REPO", help="then upload the folder to this Hub repository "
                         "(owner/name), with HF_TOKEN from the environment")
     parser.add_argument("--hub_private_repo", action="store_true", help="create the repository private")
     args = parser.parse_args(argv)
     try:
         check_push_target(args.push_to_hub, export_at_end=True)
-        export(args.checkpoint, args.out_dir, args.dtype, args.max_shard_size)
+        export(args.checkpoint, args.out_dir, args.dtype, args.max_shard_size, args.merge_lora)
     except UsageError as err:
         print(f"export_hf.py: error: {err}", file=sys.stderr)
         return 2

@@ -32,3 +32,14 @@ def test_cpu_calibration_measures_a_positive_rate():
     assert 1e-4 < rate < 100
     peak, source = peak_tflops("cpu", "fp32", override=None)
     assert peak > 0 and source.startswith("measured")
+
+
+def test_the_cpu_calibration_leaves_the_global_rng_alone():
+    """It runs after a resume restored the RNG: a draw from the global generator would shift the resumed run's
+    dropout masks away from the uninterrupted run's (test_lora's kill-and-resume caught it)."""
+    import torch
+
+    torch.manual_seed(7)
+    before = torch.get_rng_state()
+    calibrate_cpu_tflops(seconds=0.01, size=64)
+    assert torch.equal(torch.get_rng_state(), before)

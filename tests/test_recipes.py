@@ -104,6 +104,7 @@ RECIPE_OVERRIDES = {
     "pretrain_small.yaml": lambda pretrained: [],
     "continue_pretrain_zero3_offload.yaml": lambda pretrained: ["--model_name_or_path", str(pretrained),
                                                                 "--block_size", "64"],
+    "lora_zero3.yaml": lambda pretrained: ["--model_name_or_path", str(pretrained), "--block_size", "64"],
     # the tiny tokenizer has no chat template: the Mistral v0.2 one renders with its tokens
     "sft_chat.yaml": lambda pretrained: ["--model_name_or_path", str(pretrained), "--block_size", "128",
                                          "--train_file", "tests/fixtures/chat/messages.jsonl", "--chat_template",
@@ -149,6 +150,10 @@ def test_print_config_says_which_values_came_from_the_recipe(name, tmp_path, pre
         assert f"learning_rate = 0.003  <- recipe {path}" in printed
         assert f"attention_isolation = True  <- recipe {path}" in printed
         assert "DeepSpeed config ds_configs/zero2.json" in printed
+    elif name == "lora_zero3.yaml":
+        assert f"use_peft = True  <- recipe {path}" in printed
+        assert f"lora_target_modules = 'all-linear'  <- recipe {path}" in printed
+        assert "DeepSpeed config ds_configs/zero3.json" in printed
     elif name == "sft_chat.yaml":
         assert f"assistant_only_loss = True  <- recipe {path}" in printed
         assert f"print_samples = 2  <- recipe {path}" in printed
@@ -186,3 +191,8 @@ def test_sft_chat_recipe_dry_run_runs_one_real_step_on_chat_data(tmp_path, cache
 def test_continue_pretrain_recipe_dry_run_runs_one_real_step_under_zero3_offload(tmp_path, cache_dir,
                                                                                 pretrained_tiny, compiled_ops):
     dry_run("continue_pretrain_zero3_offload.yaml", tmp_path, cache_dir, pretrained_tiny)
+
+
+@pytest.mark.slow
+def test_lora_recipe_dry_run_runs_one_real_step_under_zero3(tmp_path, cache_dir, pretrained_tiny, compiled_ops):
+    dry_run("lora_zero3.yaml", tmp_path, cache_dir, pretrained_tiny)

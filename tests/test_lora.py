@@ -1,0 +1,277 @@
+"""LoRA (--use_peft) for real: 2 gloo ranks under the deepspeed launcher, ZeRO-1/2/3, with activation checkpointing
+and offload; killed and restarted; the adapter export reloaded with peft and compared with the engine's logits.
+
+The base is a tiny Llama with seeded random weights saved as a pretrained folder (no hub model can be downloaded
+here). Bad input is checked in-process, as tests/test_bad_input.py does.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import traceback
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.conftest import PROBE, REPO, check_ok, freeze, launch, logged_steps, subprocess_env, thaw
+from tests.test_bad_input import names, offline, tree_digest  # noqa: F401 (offline: a fixture, used by name)
+from tests.test_checkpoint import latest_step, rank_processes, start, step_losses, wait_for
+
+STEPS, SAVE_EVERY = 10, 4
+TINY = REPO / "data" / "tiny-llama"
+ZERO2 = REPO / "ds_configs" / "zero2.json"
+
+
+@pytest.fixture(scope="module")
+def base_model(tmp_path_factory) -> Path:
+    """A pretrained folder: the tiny Llama with seeded random weights, as from_pretrained reads it."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    folder = tmp_path_factory.mktemp("lora_base")
+    torch.manual_seed(1234)
+    AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(TINY)).save_pretrained(folder)
+    AutoTokenizer.from_pretrained(TINY).save_pretrained(folder)
+    return folder
+
+
+def lora_flags(ds_config: str, run_dir: Path, base: Path, *extra: str) -> list:
+    # A dropout on the adapter: the resumed run must restore the RNG to repeat its masks.
+    return ["--config", f"ds_configs/{ds_config}.json", "--output_dir", str(run_dir), "--model_name_or_path",
+            str(base), "--use_peft", "--lora_r", "4", "--lora_alpha", "8", "--lora_dropout", "0.1",
+            "--max_steps", str(STEPS), "--save_steps", str(SAVE_EVERY), "--logging_steps", "1", "--block_size", "64",
+            "--per_device_train_batch_size", "2", "--learning_rate", "1e-2", "--max_eval_samples", "8",
+            "--disable_tqdm", *extra]
+
+
+# --- bad input: one line, exit 2, nothing written --------------------------------------------------------------
+
+BAD = {
+    # name: (flags after the base model's, the flag the error names, text of the error line, text of the hint or None)
+    "target module that does not exist": (["--use_peft", "--lora_target_modules", "q_proj,qkv_proj"],
+                                          "--lora_target_modules", "LlamaForCausalLM has no layer named qkv_proj",
+                                          "its layers: down_proj, embed_tokens, gate_proj, k_proj, lm_head, o_proj, "
+                                          "q_proj, up_proj, v_proj (or all-linear)"),
+    "target module that is no layer": (["--use_peft", "--lora_target_modules", "mlp"], "--lora_target_modules",
+                                       "has no layer named mlp", None),
+    "lora flag without use_peft": (["--lora_r", "8"], "--lora_r", "--lora_r: only acts with --use_peft", None),
+    "rank zero": (["--use_peft", "--lora_r", "0"], "--lora_r", "--lora_r 0: must be at least 1", None),
+    "dropout of one": (["--use_peft", "--lora_dropout", "1"], "--lora_dropout", "--lora_dropout 1.0: must be", None),
+    "qlora on a cpu": (["--use_peft", "--load_in_4bit"], "--load_in_4bit", "QLoRA needs a CUDA GPU", None),
+    "lora with tensor parallelism": (["--use_peft", "--tensor_parallel_size", "2"], "--tensor_parallel_size",
+                                     "--use_peft with --tensor_parallel_size 2: not supported", None),
+    "lora with pipeline parallelism": (["--use_peft", "--pipeline_parallel_size", "2"], "--pipeline_parallel_size",
+                                       "--use_peft with --pipeline_parallel_size 2: not supported", None),
+}
+
+
+@pytest.mark.usefixtures("offline")
+@pytest.mark.parametrize("name", list(BAD))
+def test_bad_lora_input_is_one_line_exit_2_and_touches_nothing(name, base_model, tmp_path, capsys):
+    from train import main
+
+    extra, culprit, expected, hint = BAD[name]
+    out = tmp_path / "out"
+    before = tree_digest(out)
+    try:
+        code = main(["--config", str(ZERO2), "--output_dir", str(out), "--model_name_or_path", str(base_model), *extra])
+    except BaseException:
+        pytest.fail(f"{name}: raised instead of a clean error:\n{traceback.format_exc()}")
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2, err
+    assert 1 <= len(err) <= 2 and err[0].startswith("train.py: error: ") and expected in err[0], err
+    assert names(culprit, err[0]), f"the error does not name {culprit}: {err[0]}"
+    if hint is not None:
+        assert err[1] == f"  hint: {hint}", err
+    assert tree_digest(out) == before
+
+
+@pytest.mark.usefixtures("offline")
+def test_use_peft_needs_a_pretrained_model(tmp_path, capsys):
+    from train import main
+
+    code = main(["--config", str(ZERO2), "--output_dir", str(tmp_path / "out"), "--use_peft"])
+    err = capsys.readouterr().err
+    assert code == 2 and "--use_peft: needs --model_name_or_path" in err
+    assert not (tmp_path / "out").exists()
+
+
+def fake_checkpoint(run_dir: Path, base: Path, adapter) -> None:
+    """A committed checkpoint folder whose train state says it was saved with `adapter` (the resume check reads only
+    that, before anything is built)."""
+    import json
+
+    from transformers import AutoConfig
+
+    from scaletrain.model import meta_model
+    from scaletrain.preflight import _model_facts
+
+    config = AutoConfig.from_pretrained(base)
+    facts = {**_model_facts(meta_model(config, False), config), "adapter": adapter}
+    ckpt = run_dir / "checkpoints" / "step4"
+    ckpt.mkdir(parents=True)
+    state = {"step": 4, "world_size": 1, "zero_stage": 2, "offload": "optimizer=none,param=none", "model": facts}
+    (ckpt / "train_state.json").write_text(json.dumps(state))
+    (ckpt / "commit.json").write_text(json.dumps({"step": 4, "files": {"train_state.json":
+                                                                        (ckpt / "train_state.json").stat().st_size}}))
+
+
+@pytest.mark.usefixtures("offline")
+@pytest.mark.parametrize("saved, flags, change", [
+    ("lora r=4 alpha=8 targets=all-linear", ["--use_peft", "--lora_r", "8", "--lora_alpha", "8"],
+     "adapter lora r=4 alpha=8 targets=all-linear -> lora r=8 alpha=8 targets=all-linear"),
+    ("lora r=4 alpha=8 targets=all-linear", [], "adapter lora r=4 alpha=8 targets=all-linear -> None"),
+    (None, ["--use_peft"], "adapter None -> lora r=16 alpha=32 targets=all-linear"),
+])
+def test_a_resume_with_another_adapter_or_none_is_refused(saved, flags, change, base_model, tmp_path, capsys):
+    from train import main
+
+    run_dir = tmp_path / "run"
+    fake_checkpoint(run_dir, base_model, saved)
+    before = tree_digest(run_dir)
+    code = main(["--config", str(ZERO2), "--output_dir", str(run_dir), "--model_name_or_path", str(base_model),
+                 *flags])
+    err = capsys.readouterr().err
+    assert code == 2 and f"is from a different model ({change})" in err, err
+    assert tree_digest(run_dir) == before
+
+
+# --- training, export, resume at 2 ranks -------------------------------------------------------------------------
+
+def probe_logits(model, input_ids: torch.Tensor) -> torch.Tensor:
+    model.eval()
+    with torch.no_grad():
+        return model(input_ids=input_ids).logits.float()
+
+
+def check_only_the_adapter_trained(ckpt: Path, base: Path) -> None:
+    """The checkpoint's fp32 weights: every base weight exactly the pretrained one, every adapter B moved off its
+    zero initialisation."""
+    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+    from safetensors.torch import load_file
+
+    saved = get_fp32_state_dict_from_zero_checkpoint(str(ckpt.parent), tag=ckpt.name)
+    if all(".lora_" in k for k in saved):  # ZeRO-1 keeps the frozen weights in the module's own state dict only
+        module = torch.load(ckpt / "mp_rank_00_model_states.pt", weights_only=False)["module"]
+        saved = {**{k: v for k, v in module.items() if ".lora_" not in k}, **saved}
+    pretrained = load_file(base / "model.safetensors")
+    adapter = {k: v for k, v in saved.items() if ".lora_" in k}
+    assert len(adapter) == 2 * 7 * 4, sorted(adapter)[:4]  # A and B of the 7 linear layers of each of 4 layers
+    assert all(v.abs().max() > 0 for k, v in adapter.items() if ".lora_B." in k)  # B starts at zero
+    frozen = {k.removeprefix("base_model.model.").replace(".base_layer.", "."): v for k, v in saved.items()
+              if ".lora_" not in k}
+    assert set(frozen) == set(pretrained)
+    for name, value in pretrained.items():
+        assert torch.equal(frozen[name], value), f"{name} changed: the frozen base trained"
+
+
+def check_export(run_dir: Path, base: Path) -> None:
+    """The adapter folder reloads with peft and gives the engine's logits; the merged model gives the same."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    probe = torch.load(run_dir / "probe_logits.pt")
+    peft_model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base), run_dir)
+    adapted = probe_logits(peft_model, probe["input_ids"])
+    torch.testing.assert_close(adapted, probe["logits"], rtol=1e-5, atol=1e-5)
+    through_transformers = AutoModelForCausalLM.from_pretrained(run_dir)  # peft's loader inside transformers
+    torch.testing.assert_close(probe_logits(through_transformers, probe["input_ids"]), adapted, rtol=1e-6, atol=1e-6)
+    plain = probe_logits(AutoModelForCausalLM.from_pretrained(base), probe["input_ids"])
+    assert (adapted - plain).abs().max() > 1e-3  # the adapter changes the model: the comparison above can fail
+    merged = AutoModelForCausalLM.from_pretrained(run_dir / "merged")
+    assert not any("lora" in name for name, _ in merged.named_parameters())  # a plain model: the adapter is inside
+    torch.testing.assert_close(probe_logits(merged, probe["input_ids"]), adapted, rtol=1e-5, atol=1e-5)
+
+
+class Uninterrupted:
+    """The uninterrupted 2-rank LoRA run of each ZeRO config (probe_run: train.py's phases, then the engine's logits
+    on a probe input), made on first use and shared by the tests of this module."""
+
+    def __init__(self, tmp_path_factory, cache_dir: Path, base: Path):
+        self._factory, self._cache, self._base, self._made = tmp_path_factory, cache_dir, base, {}
+
+    def run_dir(self, ds_config: str, *extra: str) -> Path:
+        key = (ds_config, *extra)
+        if key not in self._made:
+            run_dir = self._factory.mktemp(f"lora_{ds_config}") / "run"
+            check_ok(launch(PROBE, lora_flags(ds_config, run_dir, self._base, "--merge_lora", *extra), "deepspeed",
+                            self._cache, nprocs=2))
+            assert sorted(step_losses(run_dir)) == list(range(1, STEPS + 1))
+            self._made[key] = run_dir
+        return self._made[key]
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory, cache_dir, base_model) -> Uninterrupted:
+    return Uninterrupted(tmp_path_factory, cache_dir, base_model)
+
+
+VARIANTS = {  # name: (DeepSpeed config, extra flags)
+    "zero1": ("zero1", ()),
+    "zero2": ("zero2", ()),
+    "zero3": ("zero3", ()),
+    "zero3-activation-checkpointing": ("zero3", ("--gradient_checkpointing",)),
+    "zero2-offload-activation-checkpointing": ("zero2_offload", ("--gradient_checkpointing",)),
+    "zero3-offload": ("zero3_offload", ()),
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_only_the_adapter_trains_and_its_export_reproduces_the_engine(variant, uninterrupted, base_model):
+    ds_config, extra = VARIANTS[variant]
+    run_dir = uninterrupted.run_dir(ds_config, *extra)
+    check_only_the_adapter_trained(run_dir / "checkpoints" / f"step{STEPS}", base_model)
+    check_export(run_dir, base_model)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("ds_config", ["zero1", "zero2", "zero3"])
+def test_lora_sigkill_one_rank_then_restart_resumes_exactly(ds_config, tmp_path, cache_dir, uninterrupted,
+                                                            base_model):
+    from safetensors.torch import load_file
+
+    run_dir = tmp_path / "run"
+    args = lora_flags(ds_config, run_dir, base_model)
+    proc = start(args, cache_dir)
+    ranks = rank_processes(proc)
+    wait_for(lambda: any(step > SAVE_EVERY for step in logged_steps(run_dir)), proc)  # past the step-4 checkpoint
+    freeze(*(rank.pid for rank in ranks))
+    saved, logged = latest_step(run_dir), max(logged_steps(run_dir))
+    assert SAVE_EVERY <= saved < logged < STEPS, f"stopped at step {logged}, newest checkpoint step{saved}"
+    ranks[1].kill()
+    thaw(ranks[0].pid)
+    proc.wait(timeout=120)
+    assert proc.returncode != 0 and latest_step(run_dir) == saved
+
+    restarted = launch(REPO / "train.py", args, "deepspeed", cache_dir, nprocs=2)
+    check_ok(restarted)
+    assert f"resumed from {run_dir / 'checkpoints' / f'step{saved}'} (step {saved}," in restarted.stdout
+    reference_dir = uninterrupted.run_dir(ds_config)
+    losses, reference = step_losses(run_dir), step_losses(reference_dir)
+    assert sorted(losses) == list(range(1, STEPS + 1))
+    for step in range(1, STEPS + 1):
+        assert losses[step] == pytest.approx(reference[step], rel=1e-6, abs=1e-7), step
+    adapter, expected = (load_file(d / "adapter_model.safetensors") for d in (run_dir, reference_dir))
+    assert sorted(adapter) == sorted(expected)
+    for name in expected:
+        torch.testing.assert_close(adapter[name], expected[name], rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.slow
+def test_export_script_writes_the_runs_adapter_and_merged_model(uninterrupted, tmp_path, cache_dir):
+    """scripts/export_hf.py on the last ZeRO-3 checkpoint: the same adapter and merged weights as the run's end."""
+    from safetensors.torch import load_file
+
+    run_dir = uninterrupted.run_dir("zero3")
+    out = tmp_path / "export"
+    proc = subprocess.run([sys.executable, str(REPO / "scripts" / "export_hf.py"),
+                           str(run_dir / "checkpoints" / f"step{STEPS}"), str(out), "--merge_lora"],
+                          cwd=REPO, env=subprocess_env(cache_dir), capture_output=True, text=True, timeout=600)
+    check_ok(proc)
+    for relative in ("adapter_model.safetensors", "merged/model.safetensors"):
+        exported, at_end = load_file(out / relative), load_file(run_dir / relative)
+        assert sorted(exported) == sorted(at_end), relative
+        for name in at_end:
+            torch.testing.assert_close(exported[name], at_end[name], rtol=1e-6, atol=1e-7)

@@ -79,8 +79,10 @@ def write_model_card(out_dir, run_config: dict, final: dict) -> None:
 
     base = run_config.get("model_name_or_path")
     data = run_config.get("dataset_name")
-    card_data = ModelCardData(library_name="transformers", pipeline_tag="text-generation",
-                              tags=["scaletrain", "deepspeed"], base_model=base if _on_hub(base) else None,
+    adapter = (Path(out_dir) / "adapter_config.json").exists()  # a LoRA adapter folder: peft loads it
+    card_data = ModelCardData(library_name="peft" if adapter else "transformers", pipeline_tag="text-generation",
+                              tags=["scaletrain", "deepspeed", *(["lora"] if adapter else [])],
+                              base_model=base if _on_hub(base) else None,
                               datasets=[data] if _on_hub(data) else None)
     flags = "\n".join(f"| `--{k}` | `{run_config[k]}` |" for k in CARD_FLAGS if run_config.get(k) not in (None, ""))
     results = "\n".join(f"| {name} | {final[key]:.4f} |" for key, name in

@@ -62,6 +62,11 @@ def test_model_card_names_base_model_data_flags_and_final_losses(tmp_path):
     # a local model folder is not a Hub id: no base_model claim in the metadata
     write_model_card(tmp_path, {"model_name_or_path": str(tmp_path)}, {})
     assert ModelCard.load(tmp_path / "README.md").data.base_model is None
+    assert card.data.library_name == "transformers"
+    (tmp_path / "adapter_config.json").write_text("{}")  # a LoRA adapter folder is loaded by peft
+    write_model_card(tmp_path, run_config, {})
+    adapter_card = ModelCard.load(tmp_path / "README.md").data
+    assert adapter_card.library_name == "peft" and "lora" in adapter_card.tags
 
 
 def test_push_target_is_checked_before_the_run(monkeypatch, tmp_path):

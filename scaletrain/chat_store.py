@@ -251,20 +251,13 @@ def prepare_chat_store(data: DataArgs, tokenizer, block_size: int, store: Path, 
     template and loss mode. As for a text store: one preparer at a time (the leftovers of a killed one removed), and
     the local corpus's Arrow copy in a scratch folder removed afterwards, not in the Hugging Face cache."""
     from scaletrain.raw_data import load_raw_datasets
-    from scaletrain.store_prep import exclusive_preparation, partial_folders
+    from scaletrain.store_prep import exclusive_preparation, partial_folders, reusable_store
 
     fingerprint = chat_fingerprint(data, tokenizer, block_size, chat)
     with exclusive_preparation(store):
-        if (store / MANIFEST).exists():
-            differs = fingerprint.differences(read_manifest(store)["fingerprint"])
-            if not differs:
-                log.info("chat store %s: reusing it (same input, tokenizer, template and loss mode)", store)
-                return store
-            raise UsageError(f"{store}: holds a token store made from different input ({', '.join(differs)} differ)",
-                             "choose another --output_dir, or delete that store")
-        if store.exists() and (not store.is_dir() or any(store.iterdir())):
-            raise UsageError(f"{store}: exists and is not a token store (no {MANIFEST}); nothing there was changed",
-                             "choose a new or empty folder for the store")
+        if reusable_store(store, fingerprint) is not None:
+            log.info("chat store %s: reusing it (same input, tokenizer, template and loss mode)", store)
+            return store
         folder, name = partial_folders(store, str(os.getpid()))[1]
         scratch = folder / name
         try:

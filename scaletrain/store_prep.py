@@ -112,24 +112,35 @@ def prepare_token_store(data: DataArgs, tokenizer, tokenizer_dir: str, block_siz
         return _prepare(data, tokenizer, tokenizer_dir, fingerprint, store, num_proc, show_progress, seed)
 
 
-def _prepare(data: DataArgs, tokenizer, tokenizer_dir: str, fingerprint, store: Path, num_proc: Optional[int],
-             show_progress: bool, seed: int) -> Path:
-    import numpy as np
-
-    from scaletrain.tokenstore import MANIFEST, HeldOut, read_manifest, source_sha256, write_store
+def reusable_store(store: Path, fingerprint) -> Optional[dict]:
+    """The manifest of the store at `store` when it was made from the same input (reuse it); None when there is no
+    store yet. A store from other input, or a folder that is not a store, is refused: nothing there is touched."""
+    from scaletrain.tokenstore import MANIFEST, read_manifest
 
     if (store / MANIFEST).exists():
         manifest = read_manifest(store)
         differs = fingerprint.differences(manifest["fingerprint"])
         if not differs:
-            made_from = f"; made from commit {manifest['source_revision']}" if "source_revision" in manifest else ""
-            log.info("token store %s: reusing it (same input, tokenizer and block size%s)", store, made_from)
-            return store
+            return manifest
         raise UsageError(f"{store}: holds a token store made from different input ({', '.join(differs)} differ)",
                          "choose another --output_dir, or delete that store")
     if store.exists() and (not store.is_dir() or any(store.iterdir())):
         raise UsageError(f"{store}: exists and is not a token store (no {MANIFEST}); nothing there was changed",
                          "choose a new or empty folder for the store")
+    return None
+
+
+def _prepare(data: DataArgs, tokenizer, tokenizer_dir: str, fingerprint, store: Path, num_proc: Optional[int],
+             show_progress: bool, seed: int) -> Path:
+    import numpy as np
+
+    from scaletrain.tokenstore import HeldOut, source_sha256, write_store
+
+    manifest = reusable_store(store, fingerprint)
+    if manifest is not None:
+        made_from = f"; made from commit {manifest['source_revision']}" if "source_revision" in manifest else ""
+        log.info("token store %s: reusing it (same input, tokenizer and block size%s)", store, made_from)
+        return store
     folder, name = partial_folders(store, str(os.getpid()))[1]
     scratch = folder / name
     try:

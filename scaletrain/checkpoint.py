@@ -140,10 +140,14 @@ def verify(ckpt: Path) -> Optional[str]:
 def newest_committed(output_dir: str) -> Optional[Path]:
     """The newest checkpoint that verifies; newer broken ones are skipped with a warning naming them."""
     root = Path(output_dir) / CHECKPOINT_DIR
-    if not root.is_dir():
-        return None
-    candidates = sorted((p for p in root.iterdir() if p.is_dir() and committed_step(p) is not None),
-                        key=committed_step, reverse=True)
+    return _newest_intact(root) if root.is_dir() else None
+
+
+def _newest_intact(root: Path, below: Optional[int] = None) -> Optional[Path]:
+    """The newest committed checkpoint in `root` (older than step `below`, when given) that verifies; broken ones
+    on the way are skipped with a warning naming them."""
+    candidates = sorted((p for p in root.iterdir() if p.is_dir() and committed_step(p) is not None
+                         and (below is None or committed_step(p) < below)), key=committed_step, reverse=True)
     for ckpt in candidates:
         problem = verify(ckpt)
         if problem is None:
@@ -204,16 +208,7 @@ def find_damage(ckpt: Path, rank: int, world_size: int) -> Optional[str]:
 def _previous_committed(ckpt: Path) -> Optional[Path]:
     """The newest committed checkpoint older than `ckpt` whose files match their sizes, or None."""
     step = committed_step(ckpt)
-    if step is None:
-        return None
-    older = sorted((p for p in ckpt.parent.iterdir() if p.is_dir() and (committed_step(p) is not None) and
-                    committed_step(p) < step), key=committed_step, reverse=True)
-    for candidate in older:
-        problem = verify(candidate)
-        if problem is None:
-            return candidate
-        log.warning("skipping checkpoint %s: %s", candidate, problem)
-    return None
+    return None if step is None else _newest_intact(ckpt.parent, below=step)
 
 
 def mark_damaged(ckpt: Path, fallback: Path) -> Path:

@@ -265,7 +265,7 @@ def prepare_chat_store(data: DataArgs, tokenizer, block_size: int, store: Path, 
             if len(train) == 0:
                 raise UsageError("chat data: the training set is empty", "give at least one example")
             started = time.perf_counter()
-            write_chat_store({"train": train, "validation": validation}, tokenizer, fingerprint, chat, store,
+            write_chat_store({"train": train, **validation}, tokenizer, fingerprint, chat, store,
                              show_progress)
         finally:
             shutil.rmtree(scratch, ignore_errors=True)

@@ -19,6 +19,7 @@ import difflib
 import glob
 import json
 import os
+import re
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -155,7 +156,9 @@ class DataArgs:
     train_file: Optional[str] = _flag(
         None, "Local training file(s): json, jsonl, csv, txt, parquet; a glob or a comma-separated list. "
         "Default: data/sample/train.jsonl.")
-    validation_file: Optional[str] = _flag(None, "Local validation file(s), same formats as --train_file.")
+    validation_file: Optional[str] = _flag(
+        None, "Local validation file(s), same formats as --train_file; several named sets, each with its own loss "
+        "(eval_<name>_loss): name=path,name2=path2 (a glob per name).")
     validation_split_percentage: int = _flag(
         5, "When there is no validation file or split, hold out this percent of the training documents, drawn at "
         "random (by --seed).")
@@ -197,6 +200,12 @@ class DataArgs:
     @property
     def validation_data_file(self) -> Optional[str]:
         return str(DEFAULT_VALIDATION_FILE) if self.uses_default_data else self.validation_file
+
+    @property
+    def validation_sets(self) -> dict:
+        """{store split: [files]} of the validation files: "validation" for unnamed ones, "validation.<name>" for each
+        named set; {} without any."""
+        return parse_validation_sets(self.validation_data_file)
 
     @property
     def mix(self) -> list:
@@ -779,8 +788,42 @@ def expand_data_files(value: Optional[str]) -> list:
     return files
 
 
-def _check_data_file(flag: str, value: Optional[str]) -> None:
-    for file in expand_data_files(value):
+VALIDATION_SPLIT = "validation"
+_SET_NAME = re.compile(r"^([A-Za-z0-9_]+)=(.+)$")
+
+
+def parse_validation_sets(value: Optional[str]) -> dict:
+    """--validation_file as {store split: [files]}: plain paths make one set (split "validation", metric eval_loss);
+    name=path items make one set each (split "validation.<name>", metric eval_<name>_loss)."""
+    if not value:
+        return {}
+    parts = [p.strip() for p in value.split(",") if p.strip()]
+    named = [_SET_NAME.match(p) for p in parts]
+    if not any(named):
+        return {VALIDATION_SPLIT: expand_data_files(value)}
+    if not all(named):
+        plain = next(p for p, m in zip(parts, named, strict=True) if not m)
+        raise UsageError(f"--validation_file {value}: {plain} has no set name, the others do",
+                         "name every set (name=path; a glob such as name=dir/*.jsonl joins files into one set), "
+                         "or none")
+    sets = {}
+    for match in named:
+        name, path = match.groups()
+        split = f"{VALIDATION_SPLIT}.{name}"
+        if split in sets:
+            raise UsageError(f"--validation_file: the set {name} is named twice",
+                             f"give each set one entry (a glob such as {name}=dir/*.jsonl joins several files)")
+        sets[split] = expand_data_files(path)
+    return sets
+
+
+def eval_metric_prefix(split: str) -> str:
+    """The metric names of a validation split's loss: eval_loss for the unnamed set, eval_<name>_loss for a named."""
+    return "eval_" if split == VALIDATION_SPLIT else f"eval_{split.split('.', 1)[1]}_"
+
+
+def _check_data_files(flag: str, files: list) -> None:
+    for file in files:
         path = Path(file)
         if glob.has_magic(file):
             raise UsageError(f"--{flag} {file}: the pattern matches no file", "check the glob")
@@ -800,8 +843,8 @@ def _check_data_sources(data: DataArgs) -> None:
         raise UsageError("--dataset_name and --train_file: choose one data source")
     if data.validation_file and not (data.train_file or data.dataset_name):
         raise UsageError("--validation_file needs --train_file (or --dataset_name) too")
-    _check_data_file("train_file", data.train_file)
-    _check_data_file("validation_file", data.validation_file)
+    _check_data_files("train_file", expand_data_files(data.train_file))
+    _check_data_files("validation_file", [f for files in data.validation_sets.values() for f in files])
     if data.dataset_name and _looks_local(data.dataset_name) and not Path(data.dataset_name).expanduser().exists():
         raise UsageError(f"--dataset_name {data.dataset_name}: no such folder", "give a hub dataset name or a folder")
     if data.data_path and (data.train_file or data.dataset_name):

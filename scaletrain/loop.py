@@ -34,6 +34,7 @@ from functools import partial
 from typing import Any
 
 from scaletrain.blocks import IGNORE_INDEX, EvalBatches
+from scaletrain.config import eval_metric_prefix
 from scaletrain.errors import Preempted
 from scaletrain.faults import PreemptionFlag, record_preemption_saved
 from scaletrain.metrics import (
@@ -139,7 +140,7 @@ class LoopHooks:
     metrics: MetricsLogger
     save: Callable[[], Any]  # commits a checkpoint of the current step (a collective: every rank calls it)
     preemption: PreemptionFlag
-    eval_batches: EvalBatches | None = None  # read lazily from the store
+    eval_sets: dict | None = None  # {validation split: EvalBatches}, read lazily from the store
     profiler: StepProfiler | None = None
     guard: NonFiniteGuard | None = None
     switch: SkipSwitch | None = None  # lets the guard skip an update through DeepSpeed's overflow path
@@ -201,7 +202,15 @@ class StepTimers:
         return seconds, self.clock.phases if self.clock.measured else None
 
 
-def evaluate(engine, batches: EvalBatches) -> dict:
+def evaluate_sets(engine, sets: dict, pipeline=None) -> dict:
+    """Each validation set's mean loss and perplexity: eval_loss for the unnamed set, eval_<name>_loss for each
+    named one (--validation_file name=path,...), in the order given."""
+    run_eval = pipeline.evaluate if pipeline else evaluate
+    return {key: value for split, batches in sets.items()
+            for key, value in run_eval(engine, batches, eval_metric_prefix(split)).items()}
+
+
+def evaluate(engine, batches: EvalBatches, prefix: str = "eval_") -> dict:
     """Mean loss over a fixed set of validation blocks, across ranks, and its perplexity."""
     import deepspeed.comm as ds_comm
     import torch
@@ -215,7 +224,7 @@ def evaluate(engine, batches: EvalBatches) -> dict:
     engine.train()
     ds_comm.all_reduce(sums)
     loss = (sums[0] / sums[1].clamp(min=1)).item()
-    return {"eval_loss": loss, "eval_perplexity": math.exp(min(loss, 50.0))}
+    return {f"{prefix}loss": loss, f"{prefix}perplexity": math.exp(min(loss, 50.0))}
 
 
 def train_loop(engine, batches: StepBatches, state: TrainState, settings: LoopSettings, hooks: LoopHooks) -> None:
@@ -364,7 +373,7 @@ class PipelineStep:
         return StepResult(self.loss.loss_sum, targets, blocks, agreed["global_loss"], agreed["preempted"],
                           agreed["interval_due"], agreed["forced"], applied=engine.was_step_applied())
 
-    def evaluate(self, engine, batches: EvalBatches) -> dict:
+    def evaluate(self, engine, batches: EvalBatches, prefix: str = "eval_") -> dict:
         """Mean loss over the evaluation blocks through the pipe's inference schedule, across ranks."""
         import deepspeed.comm as ds_comm
         import torch
@@ -388,7 +397,7 @@ class PipelineStep:
             sums[1] += batches.targets()
         ds_comm.all_reduce(sums)
         loss = (sums[0] / sums[1].clamp(min=1)).item()
-        return {"eval_loss": loss, "eval_perplexity": math.exp(min(loss, 50.0))}
+        return {f"{prefix}loss": loss, f"{prefix}perplexity": math.exp(min(loss, 50.0))}
 
 
 def set_accumulation(engine, micro_batches: int) -> None:
@@ -485,9 +494,8 @@ def _save_for_preemption(step: int, settings: LoopSettings, hooks: LoopHooks, ti
 
 
 def _evaluate_when_due(engine, step: int, settings: LoopSettings, hooks: LoopHooks) -> None:
-    if hooks.eval_batches and settings.eval_steps and step % settings.eval_steps == 0:
-        run_eval = hooks.pipeline.evaluate if hooks.pipeline else evaluate
-        hooks.metrics.log({"step": step, **run_eval(engine, hooks.eval_batches)})
+    if hooks.eval_sets and settings.eval_steps and step % settings.eval_steps == 0:
+        hooks.metrics.log({"step": step, **evaluate_sets(engine, hooks.eval_sets, hooks.pipeline)})
     if hooks.generate is not None and settings.eval_steps and step % settings.eval_steps == 0:
         hooks.generate(step)
 

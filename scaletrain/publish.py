@@ -85,8 +85,7 @@ def write_model_card(out_dir, run_config: dict, final: dict) -> None:
                               base_model=base if _on_hub(base) else None,
                               datasets=[data] if _on_hub(data) else None)
     flags = "\n".join(f"| `--{k}` | `{run_config[k]}` |" for k in CARD_FLAGS if run_config.get(k) not in (None, ""))
-    results = "\n".join(f"| {name} | {final[key]:.4f} |" for key, name in
-                        (("loss", "final training loss"), ("eval_loss", "final evaluation loss")) if key in final)
+    results = "\n".join(f"| {name} | {value:.4f} |" for name, value in final_losses(final))
     body = "\n".join([
         "---", card_data.to_yaml(), "---", "",
         f"# {Path(out_dir).resolve().name}", "",
@@ -97,6 +96,17 @@ def write_model_card(out_dir, run_config: dict, final: dict) -> None:
         *(["## Results", "", "| metric | value |", "|---|---|", results, ""] if results else []),
     ])
     ModelCard(body).save(Path(out_dir) / "README.md")
+
+
+def final_losses(final: dict) -> list:
+    """[(name, value)]: the final training loss, then each evaluation set's (eval_loss, or eval_<name>_loss for a
+    named set)."""
+    rows = [("final training loss", final["loss"])] if "loss" in final else []
+    for key, value in final.items():
+        if key.startswith("eval_") and key.endswith("loss"):
+            name = key[len("eval_"):-len("loss")].rstrip("_")
+            rows.append((f"final evaluation loss ({name})" if name else "final evaluation loss", value))
+    return rows
 
 
 def complete_export(out_dir, tokenizer, model_config, run_config: dict, final: dict) -> None:

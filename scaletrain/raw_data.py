@@ -18,11 +18,10 @@ def _local_builder(files: list, flag: str) -> str:
 
 
 def local_data_files(data: DataArgs) -> dict:
-    """{split: [files]} of the run's local data (the built-in sample when no data flag is given)."""
-    files = {"train": expand_data_files(data.train_data_file)}
-    if data.validation_data_file:
-        files["validation"] = expand_data_files(data.validation_data_file)
-    return files
+    """{split: [files]} of the run's local files (the built-in sample when no data flag is given): "train" (none
+    with --dataset_name), then each validation set ("validation", or "validation.<name>" for a named one)."""
+    files = {"train": expand_data_files(data.train_data_file)} if not data.dataset_name else {}
+    return {**files, **data.validation_sets}
 
 
 def _is_saved_dataset(path: str) -> bool:
@@ -31,8 +30,9 @@ def _is_saved_dataset(path: str) -> bool:
 
 
 def load_raw_datasets(data: DataArgs, scratch_dir: Optional[Path] = None) -> tuple:
-    """(train, validation or None, the hub commit or None) as `datasets.Dataset`s of documents, as the source
-    splits them.
+    """(train, {validation split: dataset}, the hub commit or None) as `datasets.Dataset`s of documents: the
+    --validation_file sets where given (beside any source, a hub dataset's too), else the source's own validation
+    split ({} when it has none: the preparer may hold some training documents out).
 
     A local corpus (files, or a folder given as --dataset_name) is converted to Arrow in `scratch_dir` (the caller
     removes it when done) instead of the Hugging Face cache, which would keep a second full copy of it there for good.
@@ -55,8 +55,14 @@ def load_raw_datasets(data: DataArgs, scratch_dir: Optional[Path] = None) -> tup
         raw = datasets.load_dataset(builder, data_files=files, **extra, **scratch)
     if "train" not in raw:
         raise UsageError(f"--dataset_name {data.dataset_name}: no train split (splits: {', '.join(raw)})")
-    # Without a validation split the preparer draws one from train (--validation_split_percentage).
-    return raw["train"], raw.get("validation"), revision
+    sets = data.validation_sets
+    if sets and data.dataset_name:  # local validation files beside a dataset's training split
+        builder = _local_builder([f for files in sets.values() for f in files], "validation_file")
+        extra = {"sample_by": "paragraph"} if builder == "text" else {}
+        raw = {**raw, **datasets.load_dataset(builder, data_files=sets, **extra, **scratch)}
+    validation = {split: raw[split] for split in sets} if sets else (
+        {"validation": raw["validation"]} if "validation" in raw else {})
+    return raw["train"], validation, revision
 
 
 def _load_hub_dataset(data: DataArgs, cache: dict) -> tuple:
@@ -82,14 +88,15 @@ def _load_hub_dataset(data: DataArgs, cache: dict) -> tuple:
 def check_data_files(data: DataArgs) -> None:
     """Before anything is built: each local file has documents, and its --text_column exists and holds text.
 
-    Reads only the first record, streaming (no Arrow cache is written). Hub datasets are checked when loaded.
+    Reads only the first record, streaming (no Arrow cache is written). A --dataset_name is checked when loaded
+    (its --validation_file sets here).
     """
     import datasets
 
-    if data.dataset_name or data.data_path:
+    if data.data_path:
         return
-    for flag, split_files in local_data_files(data).items():
-        flag = "train_file" if flag == "train" else "validation_file"
+    for split, split_files in local_data_files(data).items():
+        flag = "train_file" if split == "train" else "validation_file"
         for path in split_files:
             builder = _local_builder([path], flag)
             extra = {"sample_by": "paragraph"} if builder == "text" else {}

@@ -15,10 +15,11 @@ from scaletrain import (agreement, checkpoint, distributed, engine as engine_lib
                         pipeline, publish, sequence_parallel, store_prep, tokenstore)
 from scaletrain import chat_store, packing
 from scaletrain.blocks import EvalBatches, MixedBlocks, PackedBlocks, eval_batches
+from scaletrain.config import VALIDATION_SPLIT, eval_metric_prefix
 from scaletrain.errors import NonFiniteStop, RunEnded, UsageError
 from scaletrain.distributed import DistInfo
 from scaletrain.logs import silence_library_logs
-from scaletrain.loop import LoopHooks, LoopSettings, PipelineStep, evaluate, train_loop
+from scaletrain.loop import LoopHooks, LoopSettings, PipelineStep, evaluate_sets, train_loop
 from scaletrain.flops import peak_tflops
 from scaletrain.generation import generate_samples
 from scaletrain.metrics import MetricsLogger, StepProfiler, ThroughputModel
@@ -52,7 +53,7 @@ class Run:
         self._zero3_keepalive: Any = None
         self.stores: list = []
         self.train_blocks: Optional[PackedBlocks] = None
-        self.eval_batches: Optional[EvalBatches] = None
+        self.eval_sets: dict = {}  # {validation split: EvalBatches}
         self.order: Optional[GlobalOrder] = None
         self.schedule: Optional[LRSchedule] = None
         self.engine: Any = None
@@ -181,11 +182,7 @@ class Run:
             resumed.get("skipped_steps", 0))
         if changed and dist.is_main:  # every rank computes the same: say it once
             log.warning(changed)
-        # Every store's validation blocks, the same fixed set on every run (each rank the same number of batches).
-        validation = [packing.blocks_for(s, "validation", size, data) for s in self.stores]
-        self.eval_batches = EvalBatches.chain([
-            eval_batches(blocks, optim.per_device_eval_batch_size, dist.dp_rank, dist.dp_world_size,
-                         self.cfg.logging.max_eval_samples) for blocks in validation if blocks is not None]) or None
+        self.eval_sets = self.validation_sets()
         b = self.train_blocks
         log.info("data: %d documents, %d tokens -> %d blocks of %d (last block %d real tokens, padded; none "
                  "dropped); global batch %d blocks = %d micro x %d accumulation x %d ranks; %d steps/epoch, "
@@ -195,6 +192,24 @@ class Run:
         if ramp:
             stages = self.order.stages
             log.info("batch ramp-up: %s", ", ".join(f"{s.global_batch} from step {s.start_step}" for s in stages))
+
+    def validation_sets(self) -> dict:
+        """{validation split: EvalBatches}: each set's blocks, the same fixed set on every run (each rank the same
+        number of batches). A set that several stores hold (a --dataset_mix) is one set: their blocks in turn."""
+        data, dist, size = self.cfg.data, self.dist, self.resolved.block_size
+        splits = dict.fromkeys(name for s in self.stores for name in s["splits"] if name.startswith(VALIDATION_SPLIT))
+        sets = {}
+        for split in splits:
+            parts = [packing.blocks_for(s, split, size, data) for s in self.stores if split in s["splits"]]
+            batches = EvalBatches.chain([
+                eval_batches(blocks, self.cfg.optim.per_device_eval_batch_size, dist.dp_rank, dist.dp_world_size,
+                             self.cfg.logging.max_eval_samples) for blocks in parts if blocks is not None])
+            if batches:
+                sets[split] = batches
+        if len(sets) > 1 or set(sets) - {VALIDATION_SPLIT}:
+            log.info("evaluation sets: %s", ", ".join(f"{eval_metric_prefix(split)}loss ({len(b)} batches per rank)"
+                                                      for split, b in sets.items()))
+        return sets
 
     def write_run_folder(self) -> None:
         if self.cfg.run.dry_run:
@@ -286,7 +301,7 @@ class Run:
         self.guard = NonFiniteGuard(policy, self.state, self.cfg.run.output_dir, self.dist.is_main,
                                     write_files=not dry)
         hooks = LoopHooks(
-            metrics=self.metrics, save=self.save, preemption=self.preemption, eval_batches=self.eval_batches,
+            metrics=self.metrics, save=self.save, preemption=self.preemption, eval_sets=self.eval_sets,
             profiler=StepProfiler(self.cfg.logging.profile_range, self.cfg.run.output_dir, self.dist.rank),
             guard=self.guard, switch=SkipSwitch(self.engine.optimizer) if policy.action == "skip" else None,
             rollback=self.rollback, pipeline=self.pipeline_step, comm_log=self.comm_log,
@@ -337,9 +352,9 @@ class Run:
                      ", ".join(f"{k} {record[k]:.2f}" for k in ("gpu_peak_gb", "gpu_allocated_gb", "cpu_rss_gb")
                                if k in record))
             return
-        if self.eval_batches:
-            run_eval = self.pipeline_step.evaluate if self.pipeline_step else evaluate
-            self.metrics.log({"step": self.state.step, **run_eval(self.engine, self.eval_batches)})
+        if self.eval_sets:
+            self.metrics.log({"step": self.state.step, **evaluate_sets(self.engine, self.eval_sets,
+                                                                       self.pipeline_step)})
         if self.resolved.eval_prompts:
             self.generate_samples(self.state.step)
         # Decided once, by rank 0: ranks that disagreed about entering the collective save would hang in it.

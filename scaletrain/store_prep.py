@@ -32,7 +32,7 @@ def held_out_rule(data: DataArgs, seed: int) -> Optional[dict]:
     """What decides the validation documents drawn from the training split, or None where none are drawn (a
     validation file is given, or --validation_split_percentage 0). A hub dataset may bring its own split: the rule
     is kept for it all the same, as which applies is known only once it is loaded."""
-    if data.validation_split_percentage == 0 or (not data.dataset_name and data.validation_data_file):
+    if data.validation_split_percentage == 0 or data.validation_sets:
         return None
     return {"percentage": data.validation_split_percentage, "max_tokens": data.validation_split_max_tokens or None,
             "seed": seed}
@@ -41,9 +41,13 @@ def held_out_rule(data: DataArgs, seed: int) -> Optional[dict]:
 def store_fingerprint(data: DataArgs, tokenizer, block_size: int, seed: int = DEFAULT_SEED):
     from scaletrain.tokenstore import Fingerprint, source_identity, tokenizer_hash
 
-    files = None if data.dataset_name else local_data_files(data)
+    files = local_data_files(data)
+    source = source_identity(None if data.dataset_name else files, data.dataset_name, data.dataset_config_name,
+                             data.dataset_revision)
+    if data.dataset_name and files:  # --validation_file sets beside a dataset's training split
+        source = {**source, "validation_files": source_identity(files, None, None)["splits"]}
     return Fingerprint(
-        source=source_identity(files, data.dataset_name, data.dataset_config_name, data.dataset_revision),
+        source=source,
         tokenizer_sha256=tokenizer_hash(tokenizer),
         block_size=block_size,
         text_column=data.text_column,
@@ -145,12 +149,13 @@ def _prepare(data: DataArgs, tokenizer, tokenizer_dir: str, fingerprint, store: 
     scratch = folder / name
     try:
         train, validation, revision = load_raw_datasets(data, scratch_dir=scratch)
-        source = data.dataset_name or ", ".join(local_data_files(data)["train"])
+        files = local_data_files(data)
+        source = data.dataset_name or ", ".join(files["train"])
         check_text_column(train, data.text_column, source)
-        if validation is not None:
-            check_text_column(validation, data.text_column, f"{source} (validation)")
+        for split, documents in validation.items():
+            check_text_column(documents, data.text_column, ", ".join(files.get(split, [])) or f"{source} ({split})")
         held_out = None
-        if validation is None and fingerprint.held_out and len(train) > 1:
+        if not validation and fingerprint.held_out and len(train) > 1:
             # At random, not the corpus's first documents (often one source, or one period, of a concatenated corpus).
             held_out = HeldOut(order=np.random.default_rng(seed).permutation(len(train)),
                                documents=max(1, len(train) * data.validation_split_percentage // 100),
@@ -158,8 +163,8 @@ def _prepare(data: DataArgs, tokenizer, tokenizer_dir: str, fingerprint, store: 
         workers = num_proc or os.cpu_count() or 1
         started = time.perf_counter()
         # The content hash, once, here: the lookup (every rank, every start) goes by path, size and modification time.
-        content = None if data.dataset_name else source_sha256(local_data_files(data))
-        write_store({"train": train, "validation": validation}, tokenizer, tokenizer_dir, fingerprint, store,
+        content = source_sha256(files) or None
+        write_store({"train": train, **validation}, tokenizer, tokenizer_dir, fingerprint, store,
                     num_proc=workers, show_progress=show_progress, content_sha256=content, held_out=held_out,
                     source_revision=revision)
     finally:

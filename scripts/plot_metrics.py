@@ -20,7 +20,7 @@ def load(run_dir: Path) -> tuple:
         sys.exit(f"plot_metrics.py: error: {path}: no such file (is {run_dir} a run folder?)")
     records = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
     train = [r for r in records if "loss" in r]
-    evals = [r for r in records if "eval_loss" in r]
+    evals = [r for r in records if any(k.startswith("eval_") and k.endswith("loss") for k in r)]
     if not train:
         sys.exit(f"plot_metrics.py: error: {path} holds no training records yet")
     return train, evals
@@ -41,8 +41,11 @@ def plot(run_dir: Path, out: Path) -> Path:
     fig, axes = plt.subplots(3, 2, figsize=(13, 11))
     ax = axes[0, 0]
     ax.plot(steps, series("loss"), label="train loss")
-    if evals:
-        ax.plot([r["step"] for r in evals], [r["eval_loss"] for r in evals], "o-", label="eval loss")
+    # One line per evaluation set: eval_loss, or eval_<name>_loss for each named --validation_file set.
+    for key in dict.fromkeys(k for r in evals for k in r if k.startswith("eval_") and k.endswith("loss")):
+        points = [(r["step"], r[key]) for r in evals if key in r]
+        name = key[len("eval_"):-len("loss")].rstrip("_")
+        ax.plot(*zip(*points, strict=True), "o-", label=f"eval loss ({name})" if name else "eval loss")
     ax.set_title("loss")
     ax.legend()
     axes[0, 1].plot(steps, series("lr"))

@@ -7,6 +7,12 @@ N: parameters of the matrix multiplications (every nn.Linear, the output head in
 norms do no matmul), L layers, H attention heads, Q head dimension, T sequence length (the block size). The
 attention term counts QK^T and attention x V over the full T x T square, as PaLM does.
 
+Frozen weights (LoRA's base) skip their weight gradient, a third of their training work: each of the F frozen
+matmul parameters costs 4 (forward 2, input gradient 2), or 6 with the recomputed forward, instead of 6 or 8:
+    model FLOPs    = 6 * (N - F) + 4 * F + 12 * L * H * Q * T
+    hardware FLOPs = 8 * (N - F) + 6 * F + 16 * L * H * Q * T
+N then counts the adapter's matrices too (they train).
+
 Peak: a table of dense (no sparsity) tensor-core figures by device name and dtype; --peak_tflops overrides it; on
 a CPU a short fp32 matrix-product calibration measures it (and the log says so); an unknown accelerator gives a
 warning and no MFU rather than an invented one.
@@ -36,23 +42,29 @@ class ModelFlops:
     heads: int
     head_dim: int
     seq_len: int
+    frozen_matmul_params: int = 0  # of matmul_params, those that train no weight gradient (LoRA's base)
 
     def per_token(self, recompute: bool = False) -> float:
         """Training FLOPs per token: model FLOPs (recompute=False) or hardware FLOPs (recompute=True)."""
         attention = self.layers * self.heads * self.head_dim * self.seq_len
-        return (8 * self.matmul_params + 16 * attention) if recompute else (6 * self.matmul_params + 12 * attention)
+        trained, frozen = self.matmul_params - self.frozen_matmul_params, self.frozen_matmul_params
+        if recompute:
+            return 8 * trained + 6 * frozen + 16 * attention
+        return 6 * trained + 4 * frozen + 12 * attention
 
 
 def model_flops(meta_model, model_config, seq_len: int) -> ModelFlops:
     import torch
 
-    matmul = sum(m.weight.numel() for m in meta_model.modules() if isinstance(m, torch.nn.Linear))
+    linear = [m.weight for m in meta_model.modules() if isinstance(m, torch.nn.Linear)]
+    matmul = sum(w.numel() for w in linear)
+    frozen = sum(w.numel() for w in linear if not w.requires_grad)
     text = model_config.get_text_config() if hasattr(model_config, "get_text_config") else model_config
     heads = getattr(text, "num_attention_heads", None) or getattr(text, "n_head", 0)
     hidden = getattr(text, "hidden_size", None) or getattr(text, "n_embd", 0)
     head_dim = getattr(text, "head_dim", None) or (hidden // heads if heads else 0)
     layers = getattr(text, "num_hidden_layers", None) or getattr(text, "n_layer", 0)
-    return ModelFlops(matmul, layers, heads, head_dim, seq_len)
+    return ModelFlops(matmul, layers, heads, head_dim, seq_len, frozen)
 
 
 def calibrate_cpu_tflops(seconds: float = 0.5, size: int = 1024) -> float:

@@ -337,9 +337,19 @@ def resolve_run(argv: Optional[Sequence[str]], dist: DistInfo) -> ResolvedRun:
         model_shape = memory_planner.ModelShape.from_meta_model(skeleton, model_config)
     return ResolvedRun(cfg, ds, dist, model_config, tokenizer, block_size, model_facts["n_params"],
                        resume_from=resume_from, model_facts=model_facts, resume_state=resume_state, reshard=reshard,
-                       flops=model_flops(skeleton, model_config, block_size), model_shape=model_shape,
+                       flops=model_flops(_trained_model(cfg, skeleton, model_config), model_config, block_size),
+                       model_shape=model_shape,
                        previous_run_config=previous, router_loss=router_loss, eval_prompts=eval_prompts,
                        chat=chat)
+
+
+def _trained_model(cfg: RunConfig, skeleton, model_config):
+    """The meta model as it trains: with --use_peft, the base frozen and the adapter's matrices added (its FLOPs)."""
+    if not cfg.peft.use_peft:
+        return skeleton
+    from scaletrain.lora import meta_lora_model
+
+    return meta_lora_model(model_config, cfg.peft, cfg.model.model_name_or_path, cfg.model.trust_remote_code)
 
 
 def explain_resolved_run(resolved: ResolvedRun, dp_world_size: int) -> str:

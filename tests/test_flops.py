@@ -1,5 +1,8 @@
 """FLOPs per token against a hand count, the peak table, and the CPU calibration."""
 
+import dataclasses
+
+import pytest
 from transformers import AutoConfig
 
 from scaletrain.flops import calibrate_cpu_tflops, model_flops, peak_from_name, peak_tflops
@@ -43,3 +46,32 @@ def test_the_cpu_calibration_leaves_the_global_rng_alone():
     before = torch.get_rng_state()
     calibrate_cpu_tflops(seconds=0.01, size=64)
     assert torch.equal(torch.get_rng_state(), before)
+
+
+def test_lora_flops_per_token_match_a_counted_training_step():
+    """A real LoRA model's forward and backward, its matmuls counted by torch's FlopCounterMode (eager attention, so
+    the attention products are counted too): the frozen base costs 4 per parameter, not 6. The formula ignores that
+    the first layer's frozen projections need no input gradient either (about 1% here); 6 per parameter would be
+    over by more than 25%."""
+    import torch
+    from torch.utils.flop_counter import FlopCounterMode
+    from transformers import AutoModelForCausalLM
+
+    from scaletrain.config import PeftArgs
+    from scaletrain.lora import apply_lora, meta_lora_model
+
+    config = AutoConfig.from_pretrained(REPO / "data" / "tiny-llama")
+    args, seq = PeftArgs(use_peft=True, lora_r=16, lora_target_modules="all-linear"), 128
+    flops = model_flops(meta_lora_model(config, args, "base", False), config, seq_len=seq)
+    base = model_flops(meta_model(config, False), config, seq_len=seq)
+    assert flops.frozen_matmul_params == base.matmul_params < flops.matmul_params
+    torch.manual_seed(0)
+    model = apply_lora(AutoModelForCausalLM.from_config(config, attn_implementation="eager"), args)
+    ids = torch.randint(0, config.vocab_size, (1, seq))
+    with FlopCounterMode(display=False) as counter:
+        model(input_ids=ids, labels=ids).loss.backward()
+    counted = counter.get_total_flops() / seq
+    assert counted == pytest.approx(flops.per_token(), rel=0.03)
+    assert dataclasses.replace(flops, frozen_matmul_params=0).per_token() > 1.25 * counted  # every weight trained
+    assert flops.per_token(recompute=True) - flops.per_token() == 2 * flops.matmul_params + 4 * (
+        flops.layers * flops.heads * flops.head_dim * seq)  # the recomputed forward, frozen weights included

@@ -239,12 +239,25 @@ def render_prompt_completion(prompt, completion, tokenizer, template: Optional[C
                      f"(got {type(prompt).__name__} and {type(completion).__name__})")
 
 
-def render_example(example: dict, tokenizer, template: Optional[ChatTemplate], index: int) -> MaskedTokens:
-    """A dataset row: a `messages` conversation or a `prompt`/`completion` record."""
+def render_whole_conversation(messages: Sequence[dict], tokenizer, template: ChatTemplate,
+                              index: int = 0) -> MaskedTokens:
+    """The conversation's tokens, every one trained (no --assistant_only_loss, as TRL does): one render of the whole
+    conversation, so a template need not be prefix-consistent (Qwen3's dropped think blocks are fine here)."""
+    check_messages(messages, index)
+    ids = tokenizer(_render(tokenizer, template, messages, False, index), add_special_tokens=False)["input_ids"]
+    return MaskedTokens(ids, [1] * len(ids))
+
+
+def render_example(example: dict, tokenizer, template: Optional[ChatTemplate], index: int,
+                   assistant_only: bool = True) -> MaskedTokens:
+    """A dataset row: a `messages` conversation (its assistant replies trained, or with assistant_only=False every
+    token) or a `prompt`/`completion` record (its completion trained)."""
     if "messages" in example:
         if template is None:
             raise UsageError(f"example {index}: a conversation needs a chat template",
                              "pass --chat_template FILE, or use a tokenizer that has one")
+        if not assistant_only:
+            return render_whole_conversation(example["messages"], tokenizer, template, index)
         return render_conversation(example["messages"], tokenizer, template, index)
     if "prompt" in example and "completion" in example:
         return render_prompt_completion(example["prompt"], example["completion"], tokenizer, template, index)

@@ -195,10 +195,9 @@ def render_split(ds, tokenizer, chat: ChatData, split: str, show_progress: bool)
     _check_rows(ds, chat.kind, split)
     ids, masks, lengths = [], [], []
     for index, row in enumerate(tqdm(ds, desc=f"rendering {split}", unit="example", disable=not show_progress)):
-        example = render_example(row, tokenizer, chat.template, index)
+        example = render_example(row, tokenizer, chat.template, index, assistant_only=chat.loss_mode != "all")
         ids.append(np.asarray(example.input_ids, dtype=_dtype_for(len(tokenizer))))
-        mask = example.loss_mask if chat.loss_mode != "all" else [1] * len(example.input_ids)
-        masks.append(np.asarray(mask, dtype=MASK_DTYPE))
+        masks.append(np.asarray(example.loss_mask, dtype=MASK_DTYPE))
         lengths.append(len(example.input_ids))
     if not ids:
         return np.zeros(0, _dtype_for(len(tokenizer))), np.zeros(0, MASK_DTYPE), np.zeros(0, np.int64)

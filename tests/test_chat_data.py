@@ -251,6 +251,19 @@ def test_qwen3_multi_turn_is_not_prefix_consistent():
         render_conversation(TURNS, tokenizer, template)
 
 
+def test_whole_conversation_training_renders_once_and_needs_no_prefix_consistency():
+    """Without --assistant_only_loss every token trains: one render of the whole conversation, tokenized as it is
+    (what TRL does), so Qwen3's multi-turn template, refused for masks above, is fine here."""
+    tokenizer = qwen3_tokenizer()
+    template = load_chat_template(tokenizer, str(TEMPLATES / "qwen3.jinja"))
+    result = render_example({"messages": TURNS}, tokenizer, template, 0, assistant_only=False)
+    text = render_text(tokenizer, template, TURNS)
+    assert result.input_ids == tokenizer(text, add_special_tokens=False)["input_ids"]
+    assert result.loss_mask == [1] * len(result.input_ids)
+    with pytest.raises(UsageError, match="not prefix-consistent"):
+        render_example({"messages": TURNS}, tokenizer, template, 0)
+
+
 def test_prompt_completion_text_trains_the_completion_and_eos():
     tokenizer = AutoTokenizer.from_pretrained(TINY)
     prompt, completion = "The capital of France is", " Paris."

@@ -9,9 +9,10 @@ Layout of a chat store folder (a token store, see scaletrain/tokenstore.py, plus
 
 Loss modes: `assistant_only` (--assistant_only_loss: the assistant replies and their end-of-turn tokens),
 `completion_only` (a prompt/completion dataset: the completion), `all` (a conversation without
---assistant_only_loss: every token, as TRL does). The rows are rendered in this process, so a bad row is a
-UsageError (exit code 2) on every path, and the masks are checked (nothing or everything trained is refused,
-naming the template) before the store is renamed into place: a refused dataset leaves nothing behind.
+--assistant_only_loss: every token, as TRL does). The rows are rendered by worker processes (batches read back in
+order); a bad row is a UsageError (exit code 2) on every path, raised again in the preparer, and the masks are
+checked (nothing or everything trained is refused, naming the template) before the store is renamed into place: a
+refused dataset leaves nothing behind.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ import numpy as np
 
 from scaletrain.chat_data import ChatTemplate, check_masks, check_messages, load_chat_template, render_example
 from scaletrain.config import DataArgs
-from scaletrain.errors import UsageError
+from scaletrain.errors import PrepareError, UsageError
 from scaletrain.tokenstore import FORMAT_VERSION, MANIFEST, Fingerprint, read_manifest
 
 log = logging.getLogger(__name__)
@@ -186,32 +187,102 @@ def _check_rows(ds, kind: str, split: str) -> None:
             check_messages(row[name], index, name)
 
 
-def render_split(ds, tokenizer, chat: ChatData, split: str, show_progress: bool) -> tuple:
-    """(token ids, mask, example lengths) of every row of `ds`, as flat arrays."""
+# Rows per batch a rendering worker gets, and the fewest rows worth starting workers for (each imports transformers
+# and loads the tokenizer: a few seconds).
+RENDER_BATCH = 256
+PARALLEL_MIN_ROWS = 4 * RENDER_BATCH
+_RENDERER: dict = {}
+
+
+def _init_renderer(tokenizer_dir: str, template: Optional[ChatTemplate], assistant_only: bool,
+                   parent_pid: Optional[int]) -> None:
+    """A rendering worker: the run's tokenizer from its saved folder, one tokenizer thread."""
+    from transformers import AutoTokenizer
+
+    from scaletrain.tokenstore import _die_with_parent
+
+    os.environ["TOKENIZERS_PARALLELISM"] = "false"
+    if parent_pid is not None:
+        _die_with_parent(parent_pid)
+    _RENDERER.update(tokenizer=AutoTokenizer.from_pretrained(tokenizer_dir), template=template,
+                     assistant_only=assistant_only)
+
+
+def _render_rows(batch: tuple) -> list:
+    """[(ids, mask)] of rows numbered from `first` (the numbers errors name)."""
+    first, rows = batch
+    w = _RENDERER
+    rendered = [render_example(row, w["tokenizer"], w["template"], first + k, assistant_only=w["assistant_only"])
+                for k, row in enumerate(rows)]
+    return [(r.input_ids, r.loss_mask) for r in rendered]
+
+
+def _row_batches(ds):
+    """(index of the first row, the rows) of `ds`, RENDER_BATCH rows at a time."""
+    for first in range(0, len(ds), RENDER_BATCH):
+        part = ds[first: first + RENDER_BATCH]
+        yield first, [dict(zip(part, values, strict=True)) for values in zip(*part.values(), strict=True)]
+
+
+def render_split(ds, tokenizer, chat: ChatData, split: str, show_progress: bool, workers: int = 1) -> tuple:
+    """(token ids, mask, example lengths) of every row of `ds`, as flat arrays. With workers > 1 (and enough rows)
+    worker processes render batches of rows, read back in order: the same arrays for any number of workers."""
+    import tempfile
+
     from tqdm.auto import tqdm
 
-    from scaletrain.tokenstore import _dtype_for
+    from scaletrain.tokenstore import WorkerPool, _dtype_for
 
     _check_rows(ds, chat.kind, split)
+    assistant_only = chat.loss_mode != "all"
     ids, masks, lengths = [], [], []
-    for index, row in enumerate(tqdm(ds, desc=f"rendering {split}", unit="example", disable=not show_progress)):
-        example = render_example(row, tokenizer, chat.template, index, assistant_only=chat.loss_mode != "all")
-        ids.append(np.asarray(example.input_ids, dtype=_dtype_for(len(tokenizer))))
-        masks.append(np.asarray(example.loss_mask, dtype=MASK_DTYPE))
-        lengths.append(len(example.input_ids))
+    dtype = _dtype_for(len(tokenizer))
+    with tqdm(total=len(ds), desc=f"rendering {split}", unit="example", disable=not show_progress) as bar, \
+            tempfile.TemporaryDirectory(prefix="scaletrain-render-") as tokenizer_dir:
+        pool = None
+        try:
+            if workers > 1 and len(ds) >= PARALLEL_MIN_ROWS:
+                tokenizer.save_pretrained(tokenizer_dir)
+                pool = WorkerPool(min(workers, len(ds) // RENDER_BATCH), (tokenizer_dir, chat.template,
+                                                                          assistant_only), _init_renderer, _render_rows)
+                results = pool.map(_row_batches(ds))
+            else:
+                _RENDERER.update(tokenizer=tokenizer, template=chat.template, assistant_only=assistant_only)
+                results = map(_render_rows, _row_batches(ds))
+            for examples in results:
+                for example_ids, mask in examples:
+                    ids.append(np.asarray(example_ids, dtype=dtype))
+                    masks.append(np.asarray(mask, dtype=MASK_DTYPE))
+                    lengths.append(len(example_ids))
+                bar.update(len(examples))
+            finished = True
+        except BaseException:
+            finished = False
+            raise
+        finally:
+            if pool is not None:
+                pool.close(finished)
+            _RENDERER.clear()
     if not ids:
-        return np.zeros(0, _dtype_for(len(tokenizer))), np.zeros(0, MASK_DTYPE), np.zeros(0, np.int64)
+        return np.zeros(0, dtype), np.zeros(0, MASK_DTYPE), np.zeros(0, np.int64)
     return np.concatenate(ids), np.concatenate(masks), np.asarray(lengths, dtype=np.int64)
 
 
 def write_chat_store(splits: dict, tokenizer, fingerprint: ChatFingerprint, chat: ChatData, store: Path,
-                     show_progress: bool = True) -> Path:
-    """Render every split into `store`, atomically (a temporary folder renamed into place when complete)."""
-    from scaletrain.tokenstore import _dtype_for
+                     show_progress: bool = True, workers: int = 1) -> Path:
+    """Render every split into `store` (`workers` processes), atomically (a temporary folder renamed into place when
+    complete)."""
+    from scaletrain.tokenstore import WorkerDied, _dtype_for
 
     started = time.perf_counter()
-    rendered = {name: render_split(ds, tokenizer, chat, name, show_progress)
-                for name, ds in splits.items() if ds is not None}
+    try:
+        rendered = {name: render_split(ds, tokenizer, chat, name, show_progress, workers)
+                    for name, ds in splits.items() if ds is not None}
+    except WorkerDied as err:
+        what, sigkill = err.args
+        raise PrepareError(f"chat store {store}: a rendering worker process died ({what}); nothing was kept. "
+                           + ("The usual cause is the out-of-memory killer: retry with a smaller "
+                              "--preprocessing_num_workers" if sigkill else "Its own error is printed above")) from None
     train_ids, train_mask, train_lengths = rendered["train"]
     if chat.loss_mode != "all":  # before anything is written: a refused dataset leaves nothing behind
         bounds = np.cumsum(train_lengths)[:-1]
@@ -265,7 +336,7 @@ def prepare_chat_store(data: DataArgs, tokenizer, block_size: int, store: Path, 
                 raise UsageError("chat data: the training set is empty", "give at least one example")
             started = time.perf_counter()
             write_chat_store({"train": train, **validation}, tokenizer, fingerprint, chat, store,
-                             show_progress)
+                             show_progress, data.preprocessing_num_workers or os.cpu_count() or 1)
         finally:
             shutil.rmtree(scratch, ignore_errors=True)
     log.info("chat store %s: prepared in %.1fs (%s, loss on %s tokens)", store, time.perf_counter() - started,

@@ -45,6 +45,9 @@ class UsageError(RunEnded):
     def __str__(self) -> str:
         return self.message if not self.hint else f"{self.message}\n  hint: {self.hint}"
 
+    def __reduce__(self):  # raised in a worker process and again in its parent: the hint survives the pickle
+        return type(self), (self.message, self.hint)
+
 
 class CheckpointWriteError(RunEnded):
     """A save could not be written (disk full, I/O error); the previous committed checkpoint is intact.

@@ -225,9 +225,9 @@ class WorkerDied(Exception):
     """A tokenizer worker process ended without returning its batch: (what happened, whether SIGKILL ended it)."""
 
 
-def _worker_main(conn, init_args: tuple, parent_pid: int) -> None:
+def _worker_main(conn, init, work, init_args: tuple, parent_pid: int) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to handle: it stops the workers
-    _init_worker(*init_args, parent_pid)
+    init(*init_args, parent_pid)
     while True:
         try:
             batch = conn.recv()
@@ -235,24 +235,31 @@ def _worker_main(conn, init_args: tuple, parent_pid: int) -> None:
             return
         if batch is None:
             return
-        conn.send(_encode_texts(batch))
+        try:
+            result = (True, work(batch))
+        except Exception as err:  # the batch's own error (a bad row): raised again in the parent, the worker lives
+            result = (False, err)
+        conn.send(result)
 
 
-class _WorkerPool:
-    """Tokenizer worker processes fed round robin: batch k goes to worker k % n and results are read back in that
-    order, so the store is the same for any --num_proc. Each worker holds one batch at a time, so no pipe can fill
-    up both ways. A worker that dies (the out-of-memory killer) shows at once as a closed pipe, never waited on:
+class WorkerPool:
+    """Worker processes fed round robin: batch k goes to worker k % n and results are read back in that order, so
+    a store is the same for any --num_proc. Each worker holds one batch at a time, so no pipe can fill up both ways.
+    A worker that dies (the out-of-memory killer) shows at once as a closed pipe, never waited on:
     multiprocessing.Pool.imap waits forever for such a batch, and concurrent.futures' pool races its own
-    bookkeeping when a worker dies while others start (CPython 3.11). Workers die with this process."""
+    bookkeeping when a worker dies while others start (CPython 3.11). Workers die with this process. A worker runs
+    `init(*init_args, parent_pid)` once, then `work(batch)` per batch (module-level functions: spawned workers
+    import them); an exception `work` raises is raised again here, in the batch's turn.
+    """
 
-    def __init__(self, n: int, init_args: tuple):
+    def __init__(self, n: int, init_args: tuple, init=_init_worker, work=_encode_texts):
         import multiprocessing as mp
 
         ctx = mp.get_context("spawn")
         self.conns, self.procs = [], []
         for _ in range(n):
             ours, theirs = ctx.Pipe()
-            proc = ctx.Process(target=_worker_main, args=(theirs, init_args, os.getpid()), daemon=True)
+            proc = ctx.Process(target=_worker_main, args=(theirs, init, work, init_args, os.getpid()), daemon=True)
             proc.start()
             theirs.close()  # only the worker holds its end: its death closes the pipe for us
             self.conns.append(ours)
@@ -266,9 +273,12 @@ class _WorkerPool:
 
     def _recv(self, k: int) -> tuple:
         try:
-            return self.conns[k % len(self.conns)].recv()
+            ok, result = self.conns[k % len(self.conns)].recv()
         except (EOFError, OSError):  # closed before or in the middle of a message: it died
             self._died(k % len(self.conns))
+        if not ok:
+            raise result
+        return result
 
     def _died(self, worker: int):
         proc = self.procs[worker]
@@ -408,7 +418,7 @@ def write_store(splits: dict, tokenizer, tokenizer_dir: str, fingerprint: Finger
         init_args = (str(tokenizer_file), tokenizer.eos_token_id, dtype.str, add_special)
         started = time.perf_counter()
         if num_proc > MAX_TOKENIZER_THREADS:
-            pool = _WorkerPool(num_proc, init_args)
+            pool = WorkerPool(num_proc, init_args)
             encode = pool.map
         else:
             # One process: the Rust tokenizer spreads each batch over num_proc threads itself, which beats worker

@@ -30,6 +30,9 @@ def setup_logging(rank: int, level: int = logging.INFO) -> None:
     # probes, for one) are held to warnings, which still reach the same handler.
     root.setLevel(logging.WARNING)
     logging.getLogger("scaletrain").setLevel(level)
+    # bitsandbytes (imported by peft wherever it is installed) warns at import, on every rank, that an optional
+    # faster CPU kernel package is missing; no run here computes 4-bit products on the CPU.
+    logging.getLogger("bitsandbytes.backends.cpu.ops").setLevel(logging.ERROR)
     # Python warnings (libraries' included) go through the same handler, with the rank, under Python's default
     # filters (the first occurrence of each, deprecations hidden) on every rank: a warning that only one rank hits
     # (its data, its disk) is not hidden.

@@ -41,13 +41,7 @@ def _adaptable_modules(model) -> dict:
 
 def check_lora(args: PeftArgs, skeleton, accelerator: str, is_moe: bool) -> None:
     """On the meta model, before anything heavy: every --lora_target_modules name is a layer of the model (else the
-    names there are), QLoRA only on a CUDA GPU, no mixture-of-experts model (untested)."""
-    if args.load_in_4bit:
-        if accelerator != "cuda":
-            raise UsageError(f"--load_in_4bit: QLoRA needs a CUDA GPU (bitsandbytes 4-bit weights); this machine "
-                             f"trains on {accelerator}", "drop --load_in_4bit: LoRA on full-precision weights runs")
-        raise UsageError("--load_in_4bit: QLoRA is not built in this pipeline yet (no GPU test of bitsandbytes with "
-                         "ZeRO has been run)", "drop --load_in_4bit, and use ZeRO-3 with offload to fit the base")
+    names there are), no mixture-of-experts model (untested). --load_in_4bit: qlora.check_qlora."""
     if is_moe:
         raise UsageError("--use_peft with a mixture-of-experts model: not supported here (untested)",
                          "train a dense model's adapter, or train the MoE model without --use_peft")

@@ -27,6 +27,7 @@ from scaletrain.engine import check_compile, compile_requested
 from scaletrain.flops import ModelFlops, model_flops
 from scaletrain.generation import load_eval_prompts
 from scaletrain.lora import check_lora, describe as describe_adapter
+from scaletrain.qlora import check_qlora
 from scaletrain.layout import (apply_layout, check_model_layout, check_pipeline_run, check_planned_layout,
                                check_sequence_layout, describe_layout, resolve_layout)
 from scaletrain.pipeline import check_pipeline_model
@@ -309,6 +310,8 @@ def resolve_run(argv: Optional[Sequence[str]], dist: DistInfo) -> ResolvedRun:
                          "drop the flag, or use ZeRO-3 / offload to save memory instead")
     router_loss = resolve_router_loss(cfg.model, cfg.parallel, model_config, skeleton)
     if cfg.peft.use_peft:
+        if cfg.peft.load_in_4bit:
+            check_qlora(cfg, ds, hardware)
         check_lora(cfg.peft, skeleton, hardware.accelerator, router_loss is not None)
     check_sequence_layout(cfg.parallel, block_size, skeleton.config._attn_implementation)
     check_compile(compile_requested(cfg.engine.torch_compile, ds.config),

@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any, Optional, Sequence
 
 from scaletrain import (agreement, checkpoint, distributed, engine as engine_lib, lora, model as model_lib, moe,
-                        pipeline, publish, sequence_parallel, store_prep, tokenstore)
+                        pipeline, publish, qlora, sequence_parallel, store_prep, tokenstore)
 from scaletrain import chat_store, packing
 from scaletrain.blocks import EvalBatches, MixedBlocks, PackedBlocks, eval_batches
 from scaletrain.config import VALIDATION_SPLIT, eval_metric_prefix
@@ -97,8 +97,12 @@ class Run:
         seed_everything(self.cfg.optim.seed)
 
     def build_model(self) -> None:
-        self.model, self._zero3_keepalive = model_lib.build_model(
-            self.cfg.model, self.resolved.model_config, self.resolved.ds.config, self.resolved.ds.zero_stage)
+        if self.cfg.peft.load_in_4bit:  # QLoRA: the base in 4 bits on this rank's GPU, then LoRA as below
+            self.model, self._zero3_keepalive = qlora.build_model(self.cfg.model, self.resolved.model_config,
+                                                                  self.resolved.ds)
+        else:
+            self.model, self._zero3_keepalive = model_lib.build_model(
+                self.cfg.model, self.resolved.model_config, self.resolved.ds.config, self.resolved.ds.zero_stage)
         if self.cfg.peft.use_peft:  # LoRA: peft wraps the built (ZeRO-3: partitioned) model; only the adapter trains
             self.model = lora.apply_lora(self.model, self.cfg.peft)
         if self.resolved.ds.zero_stage == 3:  # before deepspeed.initialize, which installs the gather hooks

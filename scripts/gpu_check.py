@@ -16,6 +16,10 @@ Runs, in order (one GPU, `deepspeed --num_gpus 1 train.py ...`, each logging eve
 - the speed matrix, ZeRO-2, 10 steps (steady figures from step 6 on): `sdpa` is `zero2` itself;
   `sdpa_ckpt` (--gradient_checkpointing), `sdpa_compile` (--torch_compile), `flash` and `flash_ckpt`
   (--attn_implementation flash_attention_2, only where `flash_attn` imports; else the row says "not installed").
+- `qlora`: the ~1B Llama saved as a pretrained folder (its random init, bf16), then `--use_peft --load_in_4bit
+  --gradient_checkpointing` under ZeRO-3 in bf16 for 20 steps (bitsandbytes NF4 base, LoRA r 16 on every linear
+  layer). Check: finite losses, and a peak GPU memory below the `zero3` run's (a 4-bit frozen base and an adapter's
+  optimizer states against full training).
 - `hf`: scripts/compare_hf_trainer.py --measure throughput --ranks 1 --precision bf16 on the same model, batch,
   ZeRO-2 and sdpa (one round: train.py, then the HF Trainer + DeepSpeed): steady tokens/s and the ratio.
 
@@ -25,8 +29,8 @@ peak at most MEMORY_MARGIN (25%) above the plan's figure for the run's ZeRO stag
 
 Estimated GPU time (not yet measured on a GPU): each 1B run ~30-50 s (start-up, model init, 20 steps of ~0.3 s;
 --no-save_at_end: no end-of-run checkpoint of ~14 GB), the default job ~40 s, the compiled run ~90 s, `hf` ~2
-minutes: ~8 minutes without flash attention. `--skip` trims it (e.g. `--skip sdpa_compile,default`); each row
-prints its seconds and the table the total.
+minutes, `qlora` ~1 minute (saving the 1B weights, then the run): ~9 minutes without flash attention. `--skip`
+trims it (e.g. `--skip sdpa_compile,default`); each row prints its seconds and the table the total.
 
 Prints one Markdown table (run | what | steps | tokens/s | MFU | peak GPU GB | planned GB | check | status) and
 writes it as JSON (--json, default WORK_DIR/gpu_check.json). Exit code 1 if a run failed or a check failed, 2 for
@@ -61,6 +65,7 @@ from scripts.bench_overhead import BIN  # noqa: E402
 LOSS_RTOL = 2e-2  # bf16 against fp32 over the first steps: bf16 rounds to ~3 significant digits
 MEMORY_MARGIN = 0.25  # the plan's working memory is an estimate; allocator slack and buffers come on top
 OK, FAILED, CHECK_FAILED = "ok", "FAILED", "check failed"
+PRETRAINED = "pretrained"  # the check's model with its random init saved as weights: what --load_in_4bit loads
 
 
 @dataclass(frozen=True)
@@ -163,10 +168,27 @@ def specs(setup: Setup, model: Path, work: Path, flash: bool, extra: tuple) -> l
         speed("flash", "flash_attention_2", ("--attn_implementation", "flash_attention_2"), (2, False), no_flash),
         speed("flash_ckpt", "flash_attention_2 + activation checkpointing",
               ("--attn_implementation", "flash_attention_2", "--gradient_checkpointing"), (2, True), no_flash),
+        Spec("qlora", f"QLoRA: ZeRO-3, {setup.precision}, 4-bit base + LoRA r 16, activation checkpointing, {size}",
+             "train", ("--config", "ds_configs/zero3.json", "--model_name_or_path", str(work / PRETRAINED),
+                       "--use_peft", "--load_in_4bit", "--gradient_checkpointing", *common[2:], *precision),
+             setup.zero_steps, unavailable=gpu_only),
         Spec("hf", f"HF Trainer + DeepSpeed, ZeRO-2, {setup.precision}, sdpa, {size} (compare_hf_trainer.py)", "hf",
              steps=setup.speed_steps),
     ]
     return [dataclasses.replace(s, args=(*s.args, *extra)) if s.kind == "train" else s for s in runs]
+
+
+def save_pretrained_base(model: Path, folder: Path) -> None:
+    """The check's model (a config and tokenizer folder) with seeded random weights, saved in bf16 as a pretrained
+    folder: QLoRA adapts a pretrained model (--model_name_or_path), and no hub model can be assumed."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    if (folder / "config.json").exists():
+        return
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model), dtype=torch.bfloat16).save_pretrained(folder)
+    AutoTokenizer.from_pretrained(model).save_pretrained(folder)
 
 
 def fp32_config(work: Path) -> Path:
@@ -330,6 +352,17 @@ def apply_checks(rows: dict, specs_by_name: dict, planned: dict, reference: Opti
         if spec.plan_key and planned:
             row.planned_gb = planned.get(spec.plan_key)
             _record(row, *memory_check(row.peak_gb, row.planned_gb))
+        if name == "qlora" and rows.get("zero3") is not None and rows["zero3"].status in (OK, CHECK_FAILED):
+            _record(row, *qlora_memory_check(row.peak_gb, rows["zero3"].peak_gb))
+
+
+def qlora_memory_check(qlora_gb: Optional[float], zero3_gb: Optional[float]) -> tuple:
+    """(passed, text): QLoRA's peak below the full ZeRO-3 run's on the same model and batch; (True, '') when either
+    is missing (a CPU, or zero3 not run)."""
+    if qlora_gb is None or zero3_gb is None:
+        return True, ""
+    passed = qlora_gb < zero3_gb
+    return passed, f"peak vs zero3 {qlora_gb:.2f} {'<' if passed else '>='} {zero3_gb:.2f} GB"
 
 
 def _record(row: Row, passed: bool, text: str) -> None:
@@ -424,6 +457,8 @@ def main(argv=None) -> int:
         elif spec.kind == "hf":
             run_hf(spec, setup, work, env, args.timeout, row)
         else:
+            if "--load_in_4bit" in spec.args:
+                save_pretrained_base(model, work / PRETRAINED)
             run_train(spec, setup, work, env, args.timeout, row)
             if spec.name == "fp32_ref" and row.status == OK:
                 reference = row.losses[:setup.ref_steps]

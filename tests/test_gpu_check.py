@@ -91,7 +91,7 @@ def test_the_exit_code_counts_failures_not_skips():
 
 def test_the_runs_cpu_mode_skips_gpu_rows_and_extra_flags_reach_train_runs_only(tmp_path):
     cpu = {s.name: s for s in gc.specs(gc.CPU_SETUP, tmp_path, tmp_path, flash=True, extra=("--seed", "7"))}
-    assert [n for n, s in cpu.items() if s.unavailable] == ["ops", "sdpa_compile", "flash", "flash_ckpt"]
+    assert [n for n, s in cpu.items() if s.unavailable] == ["ops", "sdpa_compile", "flash", "flash_ckpt", "qlora"]
     assert cpu["zero3"].args[-2:] == ("--seed", "7") and "--seed" not in cpu["plan"].args
     gpu = {s.name: s for s in gc.specs(gc.GPU_SETUP, tmp_path, tmp_path, flash=False, extra=())}
     assert gpu["flash"].unavailable.startswith("not installed") and gpu["sdpa_compile"].unavailable is None
@@ -99,6 +99,15 @@ def test_the_runs_cpu_mode_skips_gpu_rows_and_extra_flags_reach_train_runs_only(
     reference_config = json.loads((tmp_path / "zero2_fp32.json").read_text())
     assert reference_config["bf16"]["enabled"] is False and reference_config["fp16"]["enabled"] is False
     assert gpu["zero2"].steps == 20 and gpu["fp32_ref"].steps == 5 and gpu["sdpa_ckpt"].steps == 10
+    qlora = gpu["qlora"].args
+    assert qlora[:2] == ("--config", "ds_configs/zero3.json") and "--config_name" not in qlora
+    assert {"--use_peft", "--load_in_4bit", "--gradient_checkpointing", "--bf16"} <= set(qlora)
+    assert qlora[qlora.index("--model_name_or_path") + 1] == str(tmp_path / gc.PRETRAINED)
+
+
+def test_the_qlora_row_must_use_less_memory_than_full_zero3():
+    assert gc.qlora_memory_check(9.0, 30.0)[0] and not gc.qlora_memory_check(31.0, 30.0)[0]
+    assert gc.qlora_memory_check(None, 30.0) == (True, "")
 
 
 def test_bad_options_exit_2_before_any_run(tmp_path, capsys):
@@ -130,11 +139,11 @@ def test_cpu_mode_runs_the_plan_a_zero_run_and_the_reference_and_checks_them(tmp
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     rows = {r["run"]: r for r in result["rows"]}
     assert list(rows) == ["ops", "plan", "default", "zero1", "zero2", "zero3", "fp32_ref", "sdpa_ckpt",
-                          "sdpa_compile", "flash", "flash_ckpt", "hf"]
+                          "sdpa_compile", "flash", "flash_ckpt", "qlora", "hf"]
     assert {n: r["status"] for n, r in rows.items() if r["status"] != "ok"} == {
         "ops": "not needed on a CPU", "default": "skipped", "zero1": "skipped", "zero2": "skipped",
         "sdpa_ckpt": "skipped", "sdpa_compile": "needs a GPU", "flash": "needs a GPU", "flash_ckpt": "needs a GPU",
-        "hf": "skipped"}
+        "qlora": "needs a GPU", "hf": "skipped"}
     assert set(result["planned_gb"]) == {"zero1", "zero1_ckpt", "zero2", "zero2_ckpt", "zero3", "zero3_ckpt"}
     zero3 = rows["zero3"]
     assert zero3["planned_gb"] == result["planned_gb"]["zero3"] > 0

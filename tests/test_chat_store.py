@@ -365,28 +365,33 @@ def test_chat_run_trains_exactly_the_assistant_tokens_at_two_ranks(tmp_path, cac
 
 
 @pytest.mark.slow
-def test_rendering_workers_give_the_same_store_and_name_a_bad_row(tmp_path, tokenizer):
+def test_rendering_workers_give_the_same_store_and_name_a_bad_row(tmp_path, tokenizer, monkeypatch):
     """--preprocessing_num_workers: worker processes render batches of rows, read back in order, so the arrays are
-    those of one process; a bad row deep in the data stops it with that row's number and its hint."""
+    those of one process; a bad row deep in the data stops it with that row's number and its hint. (Workers start
+    from 20,000 rows; the test lowers that to 1,024 to stay small.)"""
     import datasets
 
-    from scaletrain.chat_store import PARALLEL_MIN_ROWS, ChatData, render_split
+    from scaletrain import chat_store
+    from scaletrain.chat_store import ChatData, render_split
     from scaletrain.chat_data import load_chat_template
+
+    monkeypatch.setattr(chat_store, "PARALLEL_MIN_ROWS", 1024)
+    min_rows = chat_store.PARALLEL_MIN_ROWS
 
     template = load_chat_template(tokenizer, str(MISTRAL))
     chat = ChatData("messages", template, "assistant_only")
     rows = [{"messages": m} for m in conversations()]
-    ds = datasets.Dataset.from_list((rows * (PARALLEL_MIN_ROWS // len(rows) + 1))[: PARALLEL_MIN_ROWS + 7])
+    ds = datasets.Dataset.from_list((rows * (min_rows // len(rows) + 1))[: min_rows + 7])
     alone = render_split(ds, tokenizer, chat, "train", False, workers=1)
     shared = render_split(ds, tokenizer, chat, "train", False, workers=2)
     for one, two in zip(alone, shared, strict=True):
         np.testing.assert_array_equal(one, two)
     assert len(alone[2]) == len(ds) and alone[1].sum() > 0
     bad = ds.to_list()
-    bad[PARALLEL_MIN_ROWS - 3]["messages"] = [{"role": "user", "content": "hi"},
+    bad[min_rows - 3]["messages"] = [{"role": "user", "content": "hi"},
                                               {"role": "assistant", "content": "a"},
                                               {"role": "user", "content": "b"},
                                               {"role": "user", "content": "c"}]  # the template refuses it
-    with pytest.raises(UsageError, match=f"refuses example {PARALLEL_MIN_ROWS - 3}") as caught:
+    with pytest.raises(UsageError, match=f"refuses example {min_rows - 3}") as caught:
         render_split(datasets.Dataset.from_list(bad), tokenizer, chat, "train", False, workers=2)
     assert caught.value.hint and "--chat_template" in caught.value.hint

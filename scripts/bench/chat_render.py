@@ -1,0 +1,46 @@
+"""Chat rendering throughput: one process against N worker processes on the same rows (issue 15).
+
+    python scripts/bench/chat_render.py [--copies 2000] [--workers 2]
+
+Rows: the 24 conversations of tests/fixtures/chat/messages.jsonl repeated --copies times, rendered with the
+Mistral v0.2 template fixture and the tiny tokenizer, with --assistant_only_loss masks (prefix by prefix), through
+scaletrain.chat_store.render_split. Prints conversations/s for each and the ratio. Both include the workers' start.
+"""
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO))
+
+
+def main() -> None:
+    import datasets
+    from transformers import AutoTokenizer
+
+    from scaletrain.chat_data import load_chat_template
+    from scaletrain.chat_store import ChatData, render_split
+
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--copies", type=int, default=2000)
+    parser.add_argument("--workers", type=int, default=2)
+    args = parser.parse_args()
+    tokenizer = AutoTokenizer.from_pretrained(REPO / "data" / "tiny-llama")
+    template = load_chat_template(tokenizer, str(REPO / "tests/fixtures/chat_templates/mistral-7b-instruct-v0.2.jinja"))
+    rows = [json.loads(line) for line in (REPO / "tests/fixtures/chat/messages.jsonl").read_text().splitlines()]
+    ds = datasets.Dataset.from_list(rows * args.copies)
+    chat = ChatData("messages", template, "assistant_only")
+    rates = {}
+    for workers in (1, args.workers):
+        started = time.perf_counter()
+        render_split(ds, tokenizer, chat, "train", False, workers=workers)
+        rates[workers] = len(ds) / (time.perf_counter() - started)
+        print(f"workers={workers}: {len(ds)} conversations, {rates[workers]:.0f}/s")
+    print(f"ratio {args.workers} workers / 1 process: {rates[args.workers] / rates[1]:.2f}")
+
+
+if __name__ == "__main__":
+    main()

@@ -73,16 +73,22 @@ def record_kind(record: dict) -> Optional[str]:
     return None
 
 
+# The value of a column that the features say is there but that was not read (the features-only look of a dataset
+# whose first row could not be streamed): its kind is known, its content is not, so it is not checked here.
+NOT_READ = object()
+
+
 def _first_records(data: DataArgs) -> list:
-    """(where, first record) of each local file, or of a save_to_disk folder; [] for a hub dataset (not looked at
-    before it is loaded) and for the built-in sample."""
+    """(where, first record) of each local file, of a save_to_disk folder, or of the train split of --dataset_name
+    (a hub dataset or a local folder of data files); [] for the built-in sample and where nothing could be looked
+    at (the loader then reports why, when the data is loaded)."""
     import datasets
 
     from scaletrain.raw_data import _is_saved_dataset, _local_builder, local_data_files
 
     if data.dataset_name:
         if not _is_saved_dataset(data.dataset_name):
-            return []
+            return _first_record_of_dataset(data)
         raw = datasets.load_from_disk(data.dataset_name)  # memory-mapped: reads no rows
         train = raw["train"] if isinstance(raw, datasets.DatasetDict) and "train" in raw else raw
         if isinstance(train, datasets.DatasetDict) or len(train) == 0:
@@ -108,6 +114,35 @@ def _first_records(data: DataArgs) -> list:
     return records
 
 
+def _first_record_of_dataset(data: DataArgs) -> list:
+    """The first training record of a hub dataset or a local folder of data files, streamed: what that costs (the
+    dataset's metadata and the start of its first file), never a download of the whole. Where it cannot be
+    streamed, the builder's features stand in for it (known without reading a row: a hub dataset's card or
+    exported infos, a cached download's dataset_info.json), with NOT_READ for every non-string column."""
+    import datasets
+
+    where = f"--dataset_name {data.dataset_name}"
+    try:
+        stream = datasets.load_dataset(data.dataset_name, data.dataset_config_name, revision=data.dataset_revision,
+                                       split="train", streaming=True)
+        first = next(iter(stream), None)
+        return [(where, first)] if first is not None else []
+    except Exception:  # a look ahead only: the loader names the dataset and the reason if it fails too
+        pass
+    if Path(data.dataset_name).is_dir():
+        return []  # a folder's builder knows its features only once it has read the files
+    try:
+        features = datasets.load_dataset_builder(data.dataset_name, data.dataset_config_name,
+                                                 revision=data.dataset_revision).info.features
+    except Exception:  # not reachable, not cached: as above
+        return []
+    if not features:
+        return []
+    log.info("%s: its first record could not be streamed; its kind of data is taken from its features", where)
+    return [(where, {name: "" if getattr(feature, "dtype", None) in ("string", "large_string") else NOT_READ
+                     for name, feature in features.items()})]
+
+
 def resolve_chat_data(data: DataArgs, tokenizer) -> Optional[ChatData]:
     """Pre-flight, before anything heavy: whether the run's data is chat data and how it is rendered; None for
     plain text. Refuses chat flags on data without conversations, a conversation with no template anywhere, and a
@@ -131,13 +166,15 @@ def resolve_chat_data(data: DataArgs, tokenizer) -> Optional[ChatData]:
         return None
     where, first = records[0]
     if kind == "messages":
-        check_messages(first["messages"], 0)
+        if first["messages"] is not NOT_READ:
+            check_messages(first["messages"], 0)
         template = load_chat_template(tokenizer, data.chat_template)
         return ChatData(kind, template, "assistant_only" if data.assistant_only_loss else "all")
     conversational = not isinstance(first["prompt"], str)
     if conversational:
-        check_messages(first["prompt"], 0, "prompt")
-        check_messages(first["completion"], 0, "completion")
+        for name in ("prompt", "completion"):
+            if first[name] is not NOT_READ:
+                check_messages(first[name], 0, name)
     elif data.assistant_only_loss:
         raise UsageError(f"--assistant_only_loss: {where} holds prompt/completion text, not conversations",
                          "drop the flag: a prompt/completion dataset trains on the completion only anyway")

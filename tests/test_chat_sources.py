@@ -1,0 +1,192 @@
+"""Chat data from every source.
+
+Sources: a local folder of chat files given as --dataset_name, and a hub dataset. The hub cannot be reached here,
+so the hub dataset is one that the Hugging Face cache holds once it was downloaded: the layout datasets itself
+writes for `<namespace>/<name>` (`<namespace>___<name>/<config>/<version>/<commit>/<name>-train.arrow` and its
+dataset_info.json), made by datasets' own builder from a local file, and read through load_dataset's offline path
+to that cache (the same calls as online: load_dataset, load_dataset_builder). Hub access itself is not tested.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+from transformers import AutoTokenizer
+
+from scaletrain.chat_store import attach_masks, prepare_chat_store, resolve_chat_data
+from scaletrain.config import parse_run_config
+from scaletrain.errors import UsageError
+from scaletrain.tokenstore import open_store
+from tests.conftest import REPO, subprocess_env
+from tests.test_chat_store import BLOCK, CHAT, CHATS, MISTRAL, TINY, by_hand
+
+HUB_NAME = "scaletrain-tests/chats"  # only ever read from the test's own cache, offline
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return AutoTokenizer.from_pretrained(TINY)
+
+
+@pytest.fixture
+def offline(monkeypatch, tmp_path):
+    """Offline, with the test's own datasets cache: the environment of a run, and datasets' module-level settings
+    (read when datasets was imported, before the environment could say so)."""
+    import datasets
+
+    monkeypatch.chdir(REPO)
+    env = subprocess_env(tmp_path / "cache")
+    for key, value in env.items():
+        if key.startswith(("HF_", "WANDB_", "SCALETRAIN_")):
+            monkeypatch.setenv(key, value)
+    monkeypatch.setattr(datasets.config, "HF_HUB_OFFLINE", True)
+    monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", Path(env["HF_DATASETS_CACHE"]))
+    return Path(env["HF_DATASETS_CACHE"])
+
+
+def write_jsonl(path: Path, rows: list) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def cache_hub_dataset(cache: Path, rows: list, name: str = HUB_NAME) -> None:
+    """Put `rows` into the datasets cache as the download of hub dataset `name` (config default) would leave them."""
+    import datasets
+
+    source = write_jsonl(cache.parent / "hub-source" / f"{name.replace('/', '_')}.jsonl", rows)
+    builder = datasets.load_dataset_builder("json", data_files={"train": str(source)},
+                                            cache_dir=str(cache.parent / "hub-build"))
+    builder.download_and_prepare()
+    namespace, short = name.split("/")
+    entry = cache / f"{namespace}___{short}" / "default" / "0.0.0" / ("0123abcd" * 5)  # the commit it resolved to
+    entry.mkdir(parents=True)
+    shutil.copy(Path(builder.cache_dir) / "json-train.arrow", entry / f"{short}-train.arrow")
+    info = json.loads((Path(builder.cache_dir) / "dataset_info.json").read_text())
+    info.update(builder_name="parquet", dataset_name=short, config_name="default")
+    info["splits"]["train"]["dataset_name"] = short
+    (entry / "dataset_info.json").write_text(json.dumps(info))
+
+
+def data_args(tmp_path, *flags):
+    return parse_run_config(["--config", str(REPO / "ds_configs/zero2.json"), "--output_dir", str(tmp_path / "o"),
+                             "--validation_split_percentage", "0", *flags]).data
+
+
+def chats() -> list:
+    return [json.loads(line)["messages"] for line in CHATS.read_text().splitlines()]
+
+
+def assert_hand_masks(store: Path, conversations: list, tokenizer) -> None:
+    """The store holds each conversation's tokens, and the assistant-only mask found by hand in its rendered text."""
+    opened = attach_masks(open_store(store), store)
+    split, mask = opened["splits"]["train"], opened["masks"]["train"]
+    ends = list(split.doc_starts[1:]) + [split.n_tokens]
+    assert split.n_documents == len(conversations)
+    for messages, start, end in zip(conversations, split.doc_starts, ends, strict=True):
+        ids, hand = by_hand(messages, tokenizer)
+        assert split.tokens[start:end].tolist() == ids
+        assert mask[start:end].tolist() == hand
+
+
+ASSISTANT_ONLY = ("--chat_template", str(MISTRAL), "--assistant_only_loss")
+
+
+# --- every source: the pre-flight recognises the chat data, the store renders it with assistant-only masks --------
+
+def test_a_local_folder_of_chat_files_given_as_dataset_name_is_rendered_as_chat_data(tmp_path, tokenizer, offline):
+    folder = tmp_path / "chat-folder"
+    folder.mkdir()
+    shutil.copy(CHATS, folder / "train.jsonl")
+    data = data_args(tmp_path, "--dataset_name", str(folder), *ASSISTANT_ONLY)
+    chat = resolve_chat_data(data, tokenizer)
+    assert chat is not None and (chat.kind, chat.loss_mode) == ("messages", "assistant_only")
+    store = prepare_chat_store(data, tokenizer, BLOCK, tmp_path / "store", chat, show_progress=False)
+    assert_hand_masks(store, chats(), tokenizer)
+    assert not list(offline.glob("json*"))  # the look ahead and the scratch conversion left nothing in the cache
+
+
+def test_a_cached_hub_chat_dataset_is_streamed_from_the_cache_and_rendered(tmp_path, tokenizer, offline):
+    cache_hub_dataset(offline, [{"messages": m} for m in chats()])
+    data = data_args(tmp_path, "--dataset_name", HUB_NAME, *ASSISTANT_ONLY)
+    chat = resolve_chat_data(data, tokenizer)
+    assert chat is not None and (chat.kind, chat.loss_mode) == ("messages", "assistant_only")
+    store = prepare_chat_store(data, tokenizer, BLOCK, tmp_path / "store", chat, show_progress=False)
+    assert_hand_masks(store, chats(), tokenizer)
+
+
+def test_the_first_hub_record_is_checked_before_anything_heavy(tmp_path, tokenizer, offline):
+    """Read, not only classified: an unknown role in the first record of a hub dataset is refused in the pre-flight."""
+    cache_hub_dataset(offline, [{"messages": [{"role": "robot", "content": "Hi?"}, *CHAT[1:]]}, {"messages": CHAT}])
+    with pytest.raises(UsageError, match="example 0: messages\\[0\\] has role 'robot'"):
+        resolve_chat_data(data_args(tmp_path, "--dataset_name", HUB_NAME, "--chat_template", str(MISTRAL)), tokenizer)
+
+
+def test_a_plain_text_hub_dataset_stays_plain_text(tmp_path, tokenizer, offline):
+    cache_hub_dataset(offline, [{"text": f"plain document {i}."} for i in range(4)])
+    assert resolve_chat_data(data_args(tmp_path, "--dataset_name", HUB_NAME), tokenizer) is None
+    with pytest.raises(UsageError, match=f"--assistant_only_loss: --dataset_name {HUB_NAME} holds no conversations"):
+        resolve_chat_data(data_args(tmp_path, "--dataset_name", HUB_NAME, *ASSISTANT_ONLY), tokenizer)
+
+
+@pytest.fixture
+def streaming_refused(monkeypatch):
+    """MOCK of one call only: datasets.load_dataset(..., streaming=True) fails, as for a hub dataset that cannot be
+    streamed (a format or server that does not stream). With datasets 5.2 a cached download streams offline, so no
+    real dataset here fails that way; every other call, load_dataset_builder included, is the real one."""
+    import datasets
+
+    real = datasets.load_dataset
+
+    def load_dataset(*args, **kwargs):
+        if kwargs.get("streaming"):
+            raise ConnectionError("streaming refused by the test's mock")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(datasets, "load_dataset", load_dataset)
+
+
+CONVERSATIONAL_PC = [{"prompt": [{"role": "user", "content": f"What is {i} plus {i}?"}],
+                      "completion": [{"role": "assistant", "content": f"It is {2 * i}."}]} for i in range(4)]
+FEATURE_CASES = {  # rows -> (kind, loss mode, whether a template renders them), or None for plain text
+    "messages": ([{"messages": m} for m in chats()[:4]], ("messages", "assistant_only", True), ASSISTANT_ONLY),
+    "prompt/completion text": ([{"prompt": f"Q{i}?", "completion": f" A{i}."} for i in range(4)],
+                               ("prompt_completion", "completion_only", False), ()),
+    "conversational prompt/completion": (CONVERSATIONAL_PC, ("prompt_completion", "completion_only", True),
+                                         ("--chat_template", str(MISTRAL))),
+    "plain text": ([{"text": f"doc {i}", "n": i} for i in range(4)], None, ()),
+}
+
+
+@pytest.mark.parametrize("case", list(FEATURE_CASES))
+def test_without_streaming_the_builders_features_tell_the_kind_of_data(case, tmp_path, tokenizer, offline,
+                                                                       streaming_refused):
+    rows, expected, flags = FEATURE_CASES[case]
+    cache_hub_dataset(offline, rows)
+    data = data_args(tmp_path, "--dataset_name", HUB_NAME, *flags)
+    chat = resolve_chat_data(data, tokenizer)
+    found = chat and (chat.kind, chat.loss_mode, chat.template is not None)
+    assert found == expected
+    if case == "messages":  # the rows the features stood in for are checked and rendered when the store is made
+        store = prepare_chat_store(data, tokenizer, BLOCK, tmp_path / "store", chat, show_progress=False)
+        assert_hand_masks(store, chats()[:4], tokenizer)
+
+
+def test_chat_columns_read_as_text_get_an_error_that_says_so():
+    import datasets
+
+    from scaletrain.raw_data import check_text_column
+
+    for rows, columns in (([{"messages": CHAT}], "a messages column"),
+                          ([{"prompt": "Q?", "completion": "A."}], "prompt and completion columns")):
+        with pytest.raises(UsageError) as err:
+            check_text_column(datasets.Dataset.from_list(rows), "text", f"--dataset_name {HUB_NAME}")
+        assert f"--text_column text: not a column of --dataset_name {HUB_NAME}, which has {columns}: chat data " \
+            "that the pre-flight could not recognise" in err.value.message
+        assert "save_to_disk" in err.value.hint and "--train_file" in err.value.hint
+    with pytest.raises(UsageError) as err:  # other data: as before
+        check_text_column(datasets.Dataset.from_list([{"body": "words"}]), "text", "x")
+    assert (err.value.message, err.value.hint) == ("--text_column text: not a column of x", "columns there: body")

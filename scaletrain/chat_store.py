@@ -183,19 +183,50 @@ def resolve_chat_data(data: DataArgs, tokenizer) -> Optional[ChatData]:
 
 
 def _chat_data_of_stores(data: DataArgs) -> Optional[ChatData]:
-    manifests = [read_manifest(Path(p)) for p in data.store_paths]
-    chat = [m for m in manifests if is_chat_store(m)]
+    """The chat data of prepared stores, from their manifests. A --dataset_mix of chat stores must agree on what a
+    run of one of them would be: one chat template (the one the export carries; none for every store, or the same
+    for all), and the same kind of loss: whole conversations, or the replies only (an assistant-only conversation
+    store and a prompt/completion store both train only the replies: they mix). Refused otherwise, naming both."""
+    paths = list(data.store_paths)
+    manifests = [read_manifest(Path(p)) for p in paths]
+    chat = [(path, m) for path, m in zip(paths, manifests, strict=True) if is_chat_store(m)]
     if not chat:
         if data.assistant_only_loss or data.chat_template:
             raise UsageError(f"{data.store_flag}: a store of plain text; --assistant_only_loss and --chat_template "
                              "apply when the store is prepared", "prepare a store from chat data")
         return None
     if len(chat) != len(manifests):
-        raise UsageError(f"{data.store_flag}: mixes chat stores with stores of plain text", "mix stores of one kind")
-    first = chat[0]
-    text = first.get("chat_template")
-    template = ChatTemplate(text, f"the chat template of store {data.store_paths[0]}") if text else None
+        text = [path for path, m in zip(paths, manifests, strict=True) if not is_chat_store(m)]
+        raise UsageError(f"{data.store_flag}: mixes chat stores ({', '.join(p for p, _ in chat)}) with stores of "
+                         f"plain text ({', '.join(text)})", "mix stores of one kind: prepare the text as chat data "
+                         "(a messages or prompt/completion file), or train the two kinds in separate runs")
+    first_path, first = chat[0]
+    for path, manifest in chat[1:]:
+        _check_same_chat(first_path, first, path, manifest, data.store_flag)
+    text = first.get("chat_template")  # every store's, as checked
+    template = ChatTemplate(text, f"the chat template of store {first_path}") if text else None
     return ChatData(first.get("chat_kind", "messages"), template, first["fingerprint"]["loss_mode"])
+
+
+def _template_name(manifest: dict) -> str:
+    sha = manifest["fingerprint"].get("chat_template_sha256")
+    return f"chat template sha256 {sha[:12]}" if sha else "no chat template"
+
+
+def _check_same_chat(first_path: str, first: dict, path: str, manifest: dict, flag: str) -> None:
+    a, b = first["fingerprint"], manifest["fingerprint"]
+    if a.get("chat_template_sha256") != b.get("chat_template_sha256"):
+        raise UsageError(f"{flag}: the stores were rendered with different chat templates ({first_path}: "
+                         f"{_template_name(first)}; {path}: {_template_name(manifest)})",
+                         "prepare every store with the same --chat_template (the model learns one format, and the "
+                         "export carries one template)")
+    whole = {a["loss_mode"], b["loss_mode"]}
+    if "all" in whole and len(whole) > 1:
+        raise UsageError(f"{flag}: the stores train different tokens ({first_path}: {a['loss_mode']}; {path}: "
+                         f"{b['loss_mode']}): whole conversations in one, only the replies in the other",
+                         "prepare the conversation store with --assistant_only_loss (a prompt/completion store "
+                         "trains only its completions)" if "completion_only" in whole else
+                         "prepare both stores with --assistant_only_loss, or both without")
 
 
 def chat_fingerprint(data: DataArgs, tokenizer, block_size: int, chat: ChatData) -> ChatFingerprint:

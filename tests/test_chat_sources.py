@@ -1,27 +1,36 @@
-"""Chat data from every source.
+"""Chat data from every source, and --dataset_mix of chat stores.
 
 Sources: a local folder of chat files given as --dataset_name, and a hub dataset. The hub cannot be reached here,
 so the hub dataset is one that the Hugging Face cache holds once it was downloaded: the layout datasets itself
 writes for `<namespace>/<name>` (`<namespace>___<name>/<config>/<version>/<commit>/<name>-train.arrow` and its
 dataset_info.json), made by datasets' own builder from a local file, and read through load_dataset's offline path
 to that cache (the same calls as online: load_dataset, load_dataset_builder). Hub access itself is not tested.
+
+Mixes: two chat stores made by data/prepare.py pack whole conversations per store with their own masks, and a real
+run over one epoch of the mix counts exactly the hand-found assistant tokens of both; a chat store with a text
+store, or stores rendered with different templates or training different tokens, are refused (exit 2) naming both.
 """
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import shutil
 from pathlib import Path
 
+import numpy as np
 import pytest
 from transformers import AutoTokenizer
 
+from scaletrain.blocks import IGNORE_INDEX, MixedBlocks
 from scaletrain.chat_store import attach_masks, prepare_chat_store, resolve_chat_data
 from scaletrain.config import parse_run_config
 from scaletrain.errors import UsageError
+from scaletrain.packing import blocks_for
 from scaletrain.tokenstore import open_store
-from tests.conftest import REPO, subprocess_env
-from tests.test_chat_store import BLOCK, CHAT, CHATS, MISTRAL, TINY, by_hand
+from tests.conftest import REPO, check_ok, launch, read_metrics, subprocess_env
+from tests.test_bad_input import tree_digest
+from tests.test_chat_store import BLOCK, CHAT, CHATS, MISTRAL, TEMPLATES, TINY, by_hand, hand_labels, packed_pieces
 
 HUB_NAME = "scaletrain-tests/chats"  # only ever read from the test's own cache, offline
 
@@ -190,3 +199,132 @@ def test_chat_columns_read_as_text_get_an_error_that_says_so():
     with pytest.raises(UsageError) as err:  # other data: as before
         check_text_column(datasets.Dataset.from_list([{"body": "words"}]), "text", "x")
     assert (err.value.message, err.value.hint) == ("--text_column text: not a column of x", "columns there: body")
+
+
+# --- --dataset_mix of chat stores --------------------------------------------------------------------------------
+
+def numbers_chats() -> list:
+    """A second chat dataset, other words and turn counts than CHATS."""
+    out = []
+    for i in range(24):  # 12 blocks of 128, as many as CHATS makes
+        turns = []
+        for j in range(1 + i % 3):
+            a, b = i + j, 2 * i + 1
+            turns += [{"role": "user", "content": f"How much is {a} plus {b}?"},
+                      {"role": "assistant", "content": f"{a} plus {b} makes {a + b}."}]
+        out.append(turns)
+    return out
+
+
+def run_prepare(*flags) -> int:
+    spec = importlib.util.spec_from_file_location("prepare_py", REPO / "data" / "prepare.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.main(["--tokenizer_name", str(TINY), "--block_size", str(BLOCK), "--validation_split_percentage",
+                        "0", *flags])
+
+
+@pytest.fixture(scope="module")
+def stores(tmp_path_factory):
+    """Stores made by data/prepare.py: {name: folder}."""
+    import datasets
+
+    root = tmp_path_factory.mktemp("chat-mix")
+    numbers = write_jsonl(root / "numbers.jsonl", [{"messages": m} for m in numbers_chats()])
+    pc = write_jsonl(root / "pc.jsonl", CONVERSATIONAL_PC)
+    text = write_jsonl(root / "text.jsonl", [{"text": f"a plain document, number {i}."} for i in range(30)])
+    plans = {"chats": (CHATS, *ASSISTANT_ONLY), "numbers": (numbers, *ASSISTANT_ONLY),
+             "llama": (CHATS, "--chat_template", str(TEMPLATES / "llama-3.1-instruct.jinja"), "--assistant_only_loss"),
+             "whole": (CHATS, "--chat_template", str(MISTRAL)), "pc": (pc, "--chat_template", str(MISTRAL)),
+             "text": (text,)}
+    with pytest.MonkeyPatch.context() as mp:
+        env = subprocess_env(root / "cache")
+        mp.setenv("HF_DATASETS_CACHE", env["HF_DATASETS_CACHE"])
+        mp.setattr(datasets.config, "HF_DATASETS_CACHE", Path(env["HF_DATASETS_CACHE"]))
+        for name, (source, *flags) in plans.items():
+            assert run_prepare("--train_file", str(source), *flags, "--output_dir", str(root / name)) == 0, name
+    return {name: root / name for name in plans}
+
+
+def mix_args(tmp_path, *names, stores):
+    return data_args(tmp_path, "--dataset_mix", ",".join(f"{stores[n]}:1" for n in names))
+
+
+def test_mixed_chat_stores_pack_whole_conversations_of_one_store_with_their_masks(tmp_path, stores, tokenizer):
+    data = mix_args(tmp_path, "chats", "numbers", stores=stores)
+    chat = resolve_chat_data(data, tokenizer)
+    assert (chat.loss_mode, chat.template.text) == ("assistant_only", MISTRAL.read_text())
+    sources = [blocks_for(attach_masks(open_store(stores[n]), stores[n]), "train", BLOCK, data)
+               for n in ("chats", "numbers")]
+    assert len(sources[0]) == len(sources[1])  # weights 1:1 over one epoch then draw every block of both once
+    mixed = MixedBlocks(sources, [0.5, 0.5], seed=3)
+    hand = [{tuple(ids): hand_labels(ids, mask) for ids, mask in (by_hand(m, tokenizer) for m in conversations)}
+            for conversations in (chats(), numbers_chats())]
+    batch = mixed.batch(np.arange(len(mixed)))
+    seen = []
+    for row in range(len(mixed)):
+        k = mixed.locate(row)[0]
+        for _, a, b in packed_pieces({"position_ids": batch["position_ids"][row:row + 1]}):
+            ids = tuple(batch["input_ids"][row, a:b].tolist())
+            if ids in hand[k]:  # a whole conversation of this row's store, with that store's mask
+                assert batch["labels"][row, a:b].tolist() == hand[k][ids]
+                seen.append((k, ids))
+            else:  # the padding after the last one
+                assert b == BLOCK and (batch["labels"][row, a:b] == IGNORE_INDEX).all()
+    expected = [(k, tuple(by_hand(m, tokenizer)[0])) for k, c in enumerate((chats(), numbers_chats())) for m in c]
+    assert sorted(seen) == sorted(expected)  # each conversation of both stores once, whole, in a block of its store
+
+
+def test_an_assistant_only_store_and_a_prompt_completion_store_mix(tmp_path, stores, tokenizer):
+    """Both train only the replies, with one template: the mix is what each store would train alone."""
+    chat = resolve_chat_data(mix_args(tmp_path, "chats", "pc", stores=stores), tokenizer)
+    assert chat.template.text == MISTRAL.read_text()
+
+
+MIX_REFUSALS = {
+    "chat and text": (("chats", "text"), "mixes chat stores ({chats}) with stores of plain text ({text})"),
+    "text and chat": (("text", "numbers"), "mixes chat stores ({numbers}) with stores of plain text ({text})"),
+    "different templates": (("chats", "llama"), "the stores were rendered with different chat templates ({chats}: "
+                            "chat template sha256 "),
+    "whole and assistant-only": (("whole", "chats"), "the stores train different tokens ({whole}: all; {chats}: "
+                                 "assistant_only)"),
+}
+
+
+@pytest.mark.parametrize("case", list(MIX_REFUSALS))
+def test_a_mix_of_unlike_stores_is_refused_with_exit_2_naming_both(case, tmp_path, stores, monkeypatch, capsys):
+    from train import main
+
+    names, expected = MIX_REFUSALS[case]
+    monkeypatch.chdir(REPO)
+    out = tmp_path / "out"
+    before = tree_digest(out)
+    code = main(["--config", str(REPO / "ds_configs/zero2.json"), "--output_dir", str(out), "--dataset_mix",
+                 ",".join(f"{stores[n]}:1" for n in names)])
+    err = capsys.readouterr().err
+    assert code == 2, err
+    lines = [line for line in err.strip().splitlines() if line.startswith(("train.py", "  hint"))]
+    assert 1 <= len(lines) <= 2 and lines[0].startswith("train.py: error: --dataset_mix: "), err
+    assert expected.format(**{n: stores[n] for n in stores}) in lines[0]
+    assert tree_digest(out) == before
+
+
+@pytest.mark.slow
+def test_a_run_over_a_mix_of_two_chat_stores_trains_exactly_the_assistant_tokens_of_both(tmp_path, cache_dir,
+                                                                                          stores, tokenizer):
+    """One rank, one epoch of a 1:1 mix of two chat stores of as many blocks: every block of both is drawn once, so
+    the loop's count of trained tokens is the hand-found assistant tokens of every conversation of both."""
+    out = tmp_path / "run"
+    proc = launch(REPO / "train.py", [
+        "--config", "ds_configs/zero2.json", "--output_dir", str(out), "--dataset_mix",
+        f"{stores['chats']}:1,{stores['numbers']}:1", "--num_train_epochs", "1", "--per_device_train_batch_size", "2",
+        "--logging_steps", "1", "--no-export_hf_at_end", "--disable_tqdm"], "python", cache_dir)
+    check_ok(proc)
+    hand_total = sum(sum(label != IGNORE_INDEX for label in hand_labels(*by_hand(m, tokenizer)))
+                     for m in chats() + numbers_chats())
+    records = [r for r in read_metrics(out) if "loss" in r]
+    assert records and all(np.isfinite(r["loss"]) for r in records)
+    assert records[-1]["tokens_seen"] == hand_total
+    log = proc.stdout + proc.stderr
+    assert f"chat data (train): {len(chats())} examples packed whole" in log
+    assert f"chat data (train): {len(numbers_chats())} examples packed whole" in log

@@ -115,32 +115,35 @@ def _first_records(data: DataArgs) -> list:
 
 
 def _first_record_of_dataset(data: DataArgs) -> list:
-    """The first training record of a hub dataset or a local folder of data files, streamed: what that costs (the
-    dataset's metadata and the start of its first file), never a download of the whole. Where it cannot be
-    streamed, the builder's features stand in for it (known without reading a row: a hub dataset's card or
-    exported infos, a cached download's dataset_info.json), with NOT_READ for every non-string column."""
+    """The first training record of a hub dataset or a local folder of data files, by load_dataset's own two steps
+    (its builder, then a stream of the train split). The builder's features, where it knows them without reading a
+    row (a hub dataset's card or exported infos, a cached download's dataset_info.json), say plain text at no cost:
+    nothing is streamed then, on any rank (streaming a row can read a whole first parquet row group, or a json file).
+    Chat data, or data of unknown features, is streamed for its first record; where it cannot be (an unstreamable
+    format), the features stand in for it, with NOT_READ for every non-string column (its rows are checked when the
+    store is made)."""
     import datasets
 
     where = f"--dataset_name {data.dataset_name}"
     try:
-        stream = datasets.load_dataset(data.dataset_name, data.dataset_config_name, revision=data.dataset_revision,
-                                       split="train", streaming=True)
-        first = next(iter(stream), None)
-        return [(where, first)] if first is not None else []
-    except Exception:  # a look ahead only: the loader names the dataset and the reason if it fails too
-        pass
-    if Path(data.dataset_name).is_dir():
-        return []  # a folder's builder knows its features only once it has read the files
-    try:
-        features = datasets.load_dataset_builder(data.dataset_name, data.dataset_config_name,
-                                                 revision=data.dataset_revision).info.features
-    except Exception:  # not reachable, not cached: as above
+        builder = datasets.load_dataset_builder(data.dataset_name, data.dataset_config_name,
+                                                revision=data.dataset_revision)
+    except Exception:  # a look ahead only: not reachable, not cached; the loader names the dataset and the reason
         return []
-    if not features:
+    features = builder.info.features
+    described = features and {name: "" if getattr(feature, "dtype", None) in ("string", "large_string") else NOT_READ
+                              for name, feature in features.items()}
+    if described and record_kind(described) is None:
+        return [(where, described)]  # plain text: as before, nothing read
+    try:
+        first = next(iter(builder.as_streaming_dataset(split="train")), None)
+        return [(where, first)] if first is not None else []
+    except Exception:  # as above
+        pass
+    if not described:
         return []
     log.info("%s: its first record could not be streamed; its kind of data is taken from its features", where)
-    return [(where, {name: "" if getattr(feature, "dtype", None) in ("string", "large_string") else NOT_READ
-                     for name, feature in features.items()})]
+    return [(where, described)]
 
 
 def resolve_chat_data(data: DataArgs, tokenizer) -> Optional[ChatData]:

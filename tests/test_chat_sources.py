@@ -115,7 +115,7 @@ def test_a_local_folder_of_chat_files_given_as_dataset_name_is_rendered_as_chat_
     assert chat is not None and (chat.kind, chat.loss_mode) == ("messages", "assistant_only")
     store = prepare_chat_store(data, tokenizer, BLOCK, tmp_path / "store", chat, show_progress=False)
     assert_hand_masks(store, chats(), tokenizer)
-    assert not list(offline.glob("json*"))  # the look ahead and the scratch conversion left nothing in the cache
+    assert not list(offline.rglob("*.arrow"))  # the look ahead streamed; the conversion was to a scratch folder
 
 
 def test_a_cached_hub_chat_dataset_is_streamed_from_the_cache_and_rendered(tmp_path, tokenizer, offline):
@@ -143,19 +143,20 @@ def test_a_plain_text_hub_dataset_stays_plain_text(tmp_path, tokenizer, offline)
 
 @pytest.fixture
 def streaming_refused(monkeypatch):
-    """MOCK of one call only: datasets.load_dataset(..., streaming=True) fails, as for a hub dataset that cannot be
-    streamed (a format or server that does not stream). With datasets 5.2 a cached download streams offline, so no
-    real dataset here fails that way; every other call, load_dataset_builder included, is the real one."""
+    """MOCK of one call only: a builder's as_streaming_dataset (load_dataset's streaming step) fails, as for a hub
+    dataset in a format that does not stream (tgz). With datasets 5.2 a cached download streams offline, so no
+    real dataset here fails that way; load_dataset_builder and everything else is the real one. Returns the list of
+    the streams asked for."""
     import datasets
 
-    real = datasets.load_dataset
+    asked = []
 
-    def load_dataset(*args, **kwargs):
-        if kwargs.get("streaming"):
-            raise ConnectionError("streaming refused by the test's mock")
-        return real(*args, **kwargs)
+    def as_streaming_dataset(self, split=None, base_path=None):
+        asked.append(split)
+        raise NotImplementedError("streaming refused by the test's mock")
 
-    monkeypatch.setattr(datasets, "load_dataset", load_dataset)
+    monkeypatch.setattr(datasets.DatasetBuilder, "as_streaming_dataset", as_streaming_dataset)
+    return asked
 
 
 CONVERSATIONAL_PC = [{"prompt": [{"role": "user", "content": f"What is {i} plus {i}?"}],
@@ -179,6 +180,7 @@ def test_without_streaming_the_builders_features_tell_the_kind_of_data(case, tmp
     chat = resolve_chat_data(data, tokenizer)
     found = chat and (chat.kind, chat.loss_mode, chat.template is not None)
     assert found == expected
+    assert streaming_refused == ([] if expected is None else ["train"])  # plain text by its features: not streamed
     if case == "messages":  # the rows the features stood in for are checked and rendered when the store is made
         store = prepare_chat_store(data, tokenizer, BLOCK, tmp_path / "store", chat, show_progress=False)
         assert_hand_masks(store, chats()[:4], tokenizer)

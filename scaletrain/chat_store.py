@@ -30,6 +30,7 @@ import numpy as np
 from scaletrain.chat_data import ChatTemplate, check_masks, check_messages, load_chat_template, render_example
 from scaletrain.config import DataArgs
 from scaletrain.errors import UsageError
+from scaletrain.raw_data import record_kind
 from scaletrain.tokenstore import FORMAT_VERSION, MANIFEST, Fingerprint, read_manifest
 
 log = logging.getLogger(__name__)
@@ -62,15 +63,6 @@ class ChatFingerprint(Fingerprint):
 def is_chat_store(opened_or_manifest: dict) -> bool:
     manifest = opened_or_manifest.get("manifest", opened_or_manifest)
     return manifest.get("fingerprint", {}).get("packing") == CHAT_PACKING
-
-
-def record_kind(record: dict) -> Optional[str]:
-    """"messages", "prompt_completion", or None for a record of plain text."""
-    if "messages" in record:
-        return "messages"
-    if "prompt" in record and "completion" in record:
-        return "prompt_completion"
-    return None
 
 
 # The value of a column that the features say is there but that was not read (the features-only look of a dataset

@@ -31,6 +31,7 @@ import numpy as np
 from scaletrain.chat_data import ChatTemplate, check_masks, check_messages, load_chat_template, render_example
 from scaletrain.config import DataArgs
 from scaletrain.errors import PrepareError, UsageError
+from scaletrain.raw_data import record_kind
 from scaletrain.tokenstore import FORMAT_VERSION, MANIFEST, Fingerprint, read_manifest
 
 log = logging.getLogger(__name__)
@@ -65,34 +66,30 @@ def is_chat_store(opened_or_manifest: dict) -> bool:
     return manifest.get("fingerprint", {}).get("packing") == CHAT_PACKING
 
 
-def record_kind(record: dict) -> Optional[str]:
-    """"messages", "prompt_completion", or None for a record of plain text."""
-    if "messages" in record:
-        return "messages"
-    if "prompt" in record and "completion" in record:
-        return "prompt_completion"
-    return None
+# The value of a column that the features say is there but that was not read (the features-only look of a dataset
+# whose first row could not be streamed): its kind is known, its content is not, so it is not checked here.
+NOT_READ = object()
 
 
 def _first_records(data: DataArgs) -> list:
-    """(where, first record) of each local file, or of a save_to_disk folder; [] for a hub dataset (not looked at
-    before it is loaded) and for the built-in sample."""
+    """(where, first record) of each local file, of a save_to_disk folder, or of the train split of --dataset_name
+    (a hub dataset or a local folder of data files); [] for the built-in sample and where nothing could be looked
+    at (the loader then reports why, when the data is loaded)."""
     import datasets
 
     from scaletrain.raw_data import _is_saved_dataset, _local_builder, local_data_files
 
-    if data.dataset_name:
-        if not _is_saved_dataset(data.dataset_name):
-            return []
+    records = []
+    if data.dataset_name and not _is_saved_dataset(data.dataset_name):
+        records = _first_record_of_dataset(data)
+    elif data.dataset_name:
         raw = datasets.load_from_disk(data.dataset_name)  # memory-mapped: reads no rows
         train = raw["train"] if isinstance(raw, datasets.DatasetDict) and "train" in raw else raw
-        if isinstance(train, datasets.DatasetDict) or len(train) == 0:
-            return []
-        return [(f"--dataset_name {data.dataset_name}", train[0])]
-    if data.uses_default_data:
+        if not isinstance(train, datasets.DatasetDict) and len(train) > 0:
+            records = [(f"--dataset_name {data.dataset_name}", train[0])]
+    elif data.uses_default_data:
         return []
-    records = []
-    for split, paths in local_data_files(data).items():
+    for split, paths in local_data_files(data).items():  # --validation_file sets beside a --dataset_name too
         flag = "--train_file" if split == "train" else "--validation_file"
         for path in paths:
             builder = _local_builder([path], flag.lstrip("-"))
@@ -107,6 +104,38 @@ def _first_records(data: DataArgs) -> list:
             if first is not None:
                 records.append((f"{flag} {path}", first))
     return records
+
+
+def _first_record_of_dataset(data: DataArgs) -> list:
+    """The first training record of a hub dataset or a local folder of data files, by load_dataset's own two steps
+    (its builder, then a stream of the train split). The builder's features, where it knows them without reading a
+    row (a hub dataset's card or exported infos, a cached download's dataset_info.json), say plain text at no cost:
+    nothing is streamed then, on any rank (streaming a row can read a whole first parquet row group, or a json file).
+    Chat data, or data of unknown features, is streamed for its first record; where it cannot be (an unstreamable
+    format), the features stand in for it, with NOT_READ for every non-string column (its rows are checked when the
+    store is made)."""
+    import datasets
+
+    where = f"--dataset_name {data.dataset_name}"
+    try:
+        builder = datasets.load_dataset_builder(data.dataset_name, data.dataset_config_name,
+                                                revision=data.dataset_revision)
+    except Exception:  # a look ahead only: not reachable, not cached; the loader names the dataset and the reason
+        return []
+    features = builder.info.features
+    described = features and {name: "" if getattr(feature, "dtype", None) in ("string", "large_string") else NOT_READ
+                              for name, feature in features.items()}
+    if described and record_kind(described) is None:
+        return [(where, described)]  # plain text: as before, nothing read
+    try:
+        first = next(iter(builder.as_streaming_dataset(split="train")), None)
+        return [(where, first)] if first is not None else []
+    except Exception:  # as above
+        pass
+    if not described:
+        return []
+    log.info("%s: its first record could not be streamed; its kind of data is taken from its features", where)
+    return [(where, described)]
 
 
 def resolve_chat_data(data: DataArgs, tokenizer) -> Optional[ChatData]:
@@ -132,13 +161,15 @@ def resolve_chat_data(data: DataArgs, tokenizer) -> Optional[ChatData]:
         return None
     where, first = records[0]
     if kind == "messages":
-        check_messages(first["messages"], 0)
+        if first["messages"] is not NOT_READ:
+            check_messages(first["messages"], 0)
         template = load_chat_template(tokenizer, data.chat_template)
         return ChatData(kind, template, "assistant_only" if data.assistant_only_loss else "all")
     conversational = not isinstance(first["prompt"], str)
     if conversational:
-        check_messages(first["prompt"], 0, "prompt")
-        check_messages(first["completion"], 0, "completion")
+        for name in ("prompt", "completion"):
+            if first[name] is not NOT_READ:
+                check_messages(first[name], 0, name)
     elif data.assistant_only_loss:
         raise UsageError(f"--assistant_only_loss: {where} holds prompt/completion text, not conversations",
                          "drop the flag: a prompt/completion dataset trains on the completion only anyway")
@@ -147,19 +178,50 @@ def resolve_chat_data(data: DataArgs, tokenizer) -> Optional[ChatData]:
 
 
 def _chat_data_of_stores(data: DataArgs) -> Optional[ChatData]:
-    manifests = [read_manifest(Path(p)) for p in data.store_paths]
-    chat = [m for m in manifests if is_chat_store(m)]
+    """The chat data of prepared stores, from their manifests. A --dataset_mix of chat stores must agree on what a
+    run of one of them would be: one chat template (the one the export carries; none for every store, or the same
+    for all), and the same kind of loss: whole conversations, or the replies only (an assistant-only conversation
+    store and a prompt/completion store both train only the replies: they mix). Refused otherwise, naming both."""
+    paths = list(data.store_paths)
+    manifests = [read_manifest(Path(p)) for p in paths]
+    chat = [(path, m) for path, m in zip(paths, manifests, strict=True) if is_chat_store(m)]
     if not chat:
         if data.assistant_only_loss or data.chat_template:
             raise UsageError(f"{data.store_flag}: a store of plain text; --assistant_only_loss and --chat_template "
                              "apply when the store is prepared", "prepare a store from chat data")
         return None
     if len(chat) != len(manifests):
-        raise UsageError(f"{data.store_flag}: mixes chat stores with stores of plain text", "mix stores of one kind")
-    first = chat[0]
-    text = first.get("chat_template")
-    template = ChatTemplate(text, f"the chat template of store {data.store_paths[0]}") if text else None
+        text = [path for path, m in zip(paths, manifests, strict=True) if not is_chat_store(m)]
+        raise UsageError(f"{data.store_flag}: mixes chat stores ({', '.join(p for p, _ in chat)}) with stores of "
+                         f"plain text ({', '.join(text)})", "mix stores of one kind: prepare the text as chat data "
+                         "(a messages or prompt/completion file), or train the two kinds in separate runs")
+    first_path, first = chat[0]
+    for path, manifest in chat[1:]:
+        _check_same_chat(first_path, first, path, manifest, data.store_flag)
+    text = first.get("chat_template")  # every store's, as checked
+    template = ChatTemplate(text, f"the chat template of store {first_path}") if text else None
     return ChatData(first.get("chat_kind", "messages"), template, first["fingerprint"]["loss_mode"])
+
+
+def _template_name(manifest: dict) -> str:
+    sha = manifest["fingerprint"].get("chat_template_sha256")
+    return f"chat template sha256 {sha[:12]}" if sha else "no chat template"
+
+
+def _check_same_chat(first_path: str, first: dict, path: str, manifest: dict, flag: str) -> None:
+    a, b = first["fingerprint"], manifest["fingerprint"]
+    if a.get("chat_template_sha256") != b.get("chat_template_sha256"):
+        raise UsageError(f"{flag}: the stores were rendered with different chat templates ({first_path}: "
+                         f"{_template_name(first)}; {path}: {_template_name(manifest)})",
+                         "prepare every store with the same --chat_template (the model learns one format, and the "
+                         "export carries one template)")
+    whole = {a["loss_mode"], b["loss_mode"]}
+    if "all" in whole and len(whole) > 1:
+        raise UsageError(f"{flag}: the stores train different tokens ({first_path}: {a['loss_mode']}; {path}: "
+                         f"{b['loss_mode']}): whole conversations in one, only the replies in the other",
+                         "prepare the conversation store with --assistant_only_loss (a prompt/completion store "
+                         "trains only its completions)" if "completion_only" in whole else
+                         "prepare both stores with --assistant_only_loss, or both without")
 
 
 def chat_fingerprint(data: DataArgs, tokenizer, block_size: int, chat: ChatData) -> ChatFingerprint:

@@ -10,6 +10,15 @@ from scaletrain.config import LOCAL_DATA_FORMATS, DataArgs, expand_data_files
 from scaletrain.errors import UsageError
 
 
+def record_kind(record: dict) -> Optional[str]:
+    """"messages", "prompt_completion", or None for a record of plain text (chat data: scaletrain/chat_store.py)."""
+    if "messages" in record:
+        return "messages"
+    if "prompt" in record and "completion" in record:
+        return "prompt_completion"
+    return None
+
+
 def _local_builder(files: list, flag: str) -> str:
     kinds = {LOCAL_DATA_FORMATS[Path(f).suffix.lower()] for f in files}
     if len(kinds) != 1:
@@ -126,6 +135,15 @@ def check_text_column(ds, column: str, source: str) -> None:
     if len(ds) == 0:
         raise UsageError(f"{source}: the dataset is empty", "give a file or dataset with at least one document")
     if column not in ds.column_names:
+        kind = record_kind(dict.fromkeys(ds.column_names))
+        if kind is not None:  # chat data whose first record the pre-flight could not read, taken for plain text
+            columns = "a messages column" if kind == "messages" else "prompt and completion columns"
+            raise UsageError(
+                f"--text_column {column}: not a column of {source}, which has {columns}: chat data that the "
+                "pre-flight could not recognise (its first record could not be read ahead), so it was read as text",
+                "save it with datasets' save_to_disk and give that folder as --dataset_name, or its files as "
+                "--train_file: their first record is read before loading and they are rendered as chat data",
+            )
         raise UsageError(
             f"--text_column {column}: not a column of {source}",
             f"columns there: {', '.join(ds.column_names)}",

@@ -46,6 +46,11 @@ CHECKSUM = "sha256"
 # this margin, for pickled metadata, RNG states and the recovery scripts. Measured against the test suite's
 # checkpoints: +0.2% (ZeRO-1/2, 1.8M parameters) to +1.8% (ZeRO-3, 0.3M); fixed costs, less on larger models.
 FIRST_SAVE_MARGIN = 1.05
+# torch.save writes each tensor as a zip record with its pickled metadata: 0.66 KB (a tensor of ZeRO-1/2's module
+# state) to 0.78 KB (a ZeRO-3 placeholder) in a model-states file, measured on the LoRA test's 56 adapter tensors;
+# and each file has its own pickled fields (the config, the LR schedule, the shapes: 2-8 KB measured).
+TENSOR_RECORD_BYTES = 1024
+FILE_BYTES = 8192
 
 
 def _fsync_dir(path: Path) -> None:
@@ -255,16 +260,42 @@ def verified_resume_checkpoint(ckpt: Path, auto: bool, rank: int, world_size: in
         ckpt = Path(fallback)
 
 
-def planned_checkpoint_bytes(n_params: int, precision: str, zero_stage: int, tensor_parallel_size: int = 1) -> int:
+def planned_checkpoint_bytes(n_params: int, precision: str, zero_stage: int, tensor_parallel_size: int = 1,
+                             n_tensors: int = 0, world_size: int = 1) -> int:
     """The size of a checkpoint before the first one exists, as the memory planner counts the states: ZeRO's fp32
     master weights and Adam moments (12 bytes a parameter, partitioned or not) plus the module's weights in the
     training dtype, which ZeRO-3 does not write (its model files hold placeholders). Each tensor-parallel rank
     writes its own model file, the replicated weights included: counted as whole weights per TP rank (an upper
-    bound; the tiny Llama at TP 2 writes 1.30x the plain estimate, this counts 1.25x, 1.31x with the margin)."""
+    bound; the tiny Llama at TP 2 writes 1.30x the plain estimate, this counts 1.25x, 1.31x with the margin).
+
+    n_params and n_tensors are the parameters that the checkpoint holds: a LoRA model's trainable ones alone
+    (save_checkpoint leaves its frozen base out). Beside the states come fixed costs (TENSOR_RECORD_BYTES,
+    FILE_BYTES, each rank's RNG states): nothing for a full model, but a sixth to a third of a small adapter's
+    checkpoint (the test's 37K-parameter adapter at 2 ranks: 0.60 MB under ZeRO-3 for 0.45 MB of states)."""
     from scaletrain.memory_planner import OPTIMIZER_BYTES, weight_bytes
 
     weights = 0 if zero_stage == 3 else weight_bytes(precision) * tensor_parallel_size
-    return n_params * (OPTIMIZER_BYTES + weights)
+    model_files = world_size if zero_stage == 3 else tensor_parallel_size
+    fixed = model_files * (TENSOR_RECORD_BYTES * n_tensors + FILE_BYTES) + world_size * (FILE_BYTES + _rng_bytes())
+    return n_params * (OPTIMIZER_BYTES + weights) + fixed
+
+
+def _rng_bytes() -> int:
+    """The size of one rank's RNG state file (the same states on every rank: their sizes do not differ)."""
+    import io
+
+    import torch
+
+    buffer = io.BytesIO()
+    torch.save(_rng_state(), buffer)
+    return buffer.getbuffer().nbytes
+
+
+def checkpoint_parameters(module, adapter_only: bool) -> tuple:
+    """(parameters, tensors) that a checkpoint of `module` holds: with adapter_only (LoRA) the trainable ones alone;
+    ZeRO-3 partitions are counted at their full size."""
+    params = [p for p in module.parameters() if p.requires_grad or not adapter_only]
+    return sum(getattr(p, "ds_numel", p.numel()) for p in params), len(params)
 
 
 def read_train_state(ckpt: Path) -> dict:
@@ -322,8 +353,12 @@ def save_checkpoint(engine, output_dir: str, state: TrainState, rank: int, save_
             "--save_total_limit, then restart", every_rank=True)
     # universal_checkpoint_info lets DeepSpeed's ds_to_universal convert this checkpoint for another rank count.
     client_state = {"train_state": state.state_dict(), **universal_checkpoint_info(state.tensor_parallel_size)}
+    # A LoRA model's frozen base is built from --model_name_or_path at every start (its identity is in the train
+    # state, lora.check_same_base): the checkpoint holds the adapter and its optimizer state alone. Without this
+    # ZeRO-1 wrote the base once, ZeRO-2 twice (module state and "frozen_param_fragments"), ZeRO-3 each rank's slice.
     with recorded_checkpoint_writes(engine, is_write_failure) as writes:
-        engine.save_checkpoint(str(root), tag=tmp.name, client_state=client_state, save_latest=False)
+        engine.save_checkpoint(str(root), tag=tmp.name, client_state=client_state, save_latest=False,
+                               exclude_frozen_parameters=_is_lora(engine))
     written, failed = [Path(p) for p in writes.paths], writes.failed
     if failed is None:
         try:
@@ -369,6 +404,12 @@ def save_checkpoint(engine, output_dir: str, state: TrainState, rank: int, save_
     log.info("saved checkpoint %s in %.2fs (of which SHA-256 %.2fs on rank %d)", final,
              time.perf_counter() - started, hashed, rank)
     return final
+
+
+def _is_lora(engine) -> bool:
+    from scaletrain.lora import is_lora_model
+
+    return is_lora_model(engine.module)
 
 
 def _write_own_files(engine, tmp: Path, state: TrainState, rank: int, model_facts: Optional[dict], torch) -> list:
@@ -497,7 +538,10 @@ def check_resumable(ckpt: Path, dp_world_size: int, layout: tuple, zero_stage: i
             "resume with the same layout, or use a ZeRO config (stage 1-3 checkpoints are resharded)",
         )
     before = saved.get("model") or {}
-    differs = [k for k in model_facts if k in before and before[k] != model_facts[k]]
+    from scaletrain.lora import check_same_base
+
+    check_same_base(ckpt, before.get("base"), model_facts.get("base"))  # a LoRA checkpoint carries no base
+    differs = [k for k in model_facts if k in before and k != "base" and before[k] != model_facts[k]]
     if differs:
         detail = ", ".join(f"{k} {before[k]} -> {model_facts[k]}" for k in differs)
         raise UsageError(f"checkpoint {ckpt} is from a different model ({detail})",
@@ -652,8 +696,12 @@ def load_checkpoint(engine, ckpt: Path, state: TrainState, rank: int, universal:
 
     started = time.perf_counter()
     source = universal_path(ckpt) if universal else ckpt
+    from scaletrain.lora import load_adapter_state
+
+    # A LoRA checkpoint lacks the frozen base (save_checkpoint): the built base stays, the rest must fit exactly.
     path, client = engine.load_checkpoint(str(source.parent), tag=source.name, load_optimizer_states=True,
-                                          load_lr_scheduler_states=True)
+                                          load_lr_scheduler_states=True,
+                                          custom_load_fn=load_adapter_state if _is_lora(engine) else None)
     if path is None:
         raise RuntimeError(f"DeepSpeed could not load checkpoint {ckpt}")
     state.load_state_dict(client["train_state"])

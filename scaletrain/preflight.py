@@ -26,7 +26,7 @@ from scaletrain.dsconfig import HardwareFacts, ResolvedDSConfig, load_ds_config,
 from scaletrain.engine import check_compile, compile_requested
 from scaletrain.flops import ModelFlops, model_flops
 from scaletrain.generation import load_eval_prompts
-from scaletrain.lora import check_lora, describe as describe_adapter
+from scaletrain.lora import base_identity, check_lora, describe as describe_adapter
 from scaletrain.layout import (apply_layout, check_model_layout, check_pipeline_run, check_planned_layout,
                                check_sequence_layout, describe_layout, resolve_layout)
 from scaletrain.pipeline import check_pipeline_model
@@ -293,6 +293,8 @@ def resolve_run(argv: Optional[Sequence[str]], dist: DistInfo) -> ResolvedRun:
     skeleton = meta_model(model_config, cfg.model.trust_remote_code, cfg.model.attn_implementation)
     model_facts = {**_model_facts(skeleton, model_config), "adapter": describe_adapter(cfg.peft) if cfg.peft.use_peft
                    else None}
+    if cfg.peft.use_peft:  # a LoRA checkpoint holds no base: which one it was trained on
+        model_facts["base"] = base_identity(cfg.model.model_name_or_path)
     hardware = hardware_facts()
     ds = resolve_ds_config(raw_ds_config, cfg.engine, cfg.optim, cfg.explicit_flags, dist.dp_world_size,
                            _hidden_size(model_config), hardware, model_facts["n_params"])
@@ -324,10 +326,6 @@ def resolve_run(argv: Optional[Sequence[str]], dist: DistInfo) -> ResolvedRun:
                                                                    dist.sequence_parallel_size,
                                                                    dist.pipeline_parallel_size))
     resume_from, resume_state, reshard, previous = _resolve_resume_point(cfg, ds, model_facts, dist)
-    if reshard and cfg.peft.use_peft:
-        raise UsageError(f"checkpoint {resume_from}: a LoRA run resumes with the ranks and ZeRO settings that saved "
-                         "it (the universal-checkpoint conversion of an adapter is untested)",
-                         "resume with the saving run's launch and --config, or export it (scripts/export_hf.py)")
     if not (cfg.run.print_config or cfg.planning.plan):
         _check_disk_space(cfg.run.output_dir, model_facts["n_params"], ds.precision)
     model_shape = None

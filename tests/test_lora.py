@@ -194,6 +194,21 @@ def test_a_lora_checkpoint_resumes_on_the_base_it_was_trained_on_only(name, base
                      "--resume_from_checkpoint none", err
 
 
+@pytest.mark.parametrize("saved_source, now_source, refused", [
+    ("org/base", "org/base", False), ("org/base", "org/other", True)])
+def test_a_base_whose_weights_are_not_on_this_machine_is_told_by_its_name(saved_source, now_source, refused):
+    """Where either side's weights are unknown (a hub id not downloaded yet), the names decide."""
+    from scaletrain.errors import UsageError
+    from scaletrain.lora import check_same_base
+
+    saved, now = {"source": saved_source, "weights": "ab" * 16}, {"source": now_source, "weights": None}
+    if not refused:
+        check_same_base(Path("ckpt"), saved, now)
+        return
+    with pytest.raises(UsageError, match="another name, and weights that cannot be compared"):
+        check_same_base(Path("ckpt"), saved, now)
+
+
 # --- training, export, resume at 2 ranks -------------------------------------------------------------------------
 
 def probe_logits(model, input_ids: torch.Tensor) -> torch.Tensor:

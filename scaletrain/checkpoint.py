@@ -356,7 +356,8 @@ def save_checkpoint(engine, output_dir: str, state: TrainState, rank: int, save_
     client_state = {"train_state": state.state_dict(), **universal_checkpoint_info(state.tensor_parallel_size)}
     # A LoRA model's frozen base is built from --model_name_or_path at every start (its identity is in the train
     # state, lora.check_same_base): the checkpoint holds the adapter and its optimizer state alone. Without this
-    # ZeRO-1 wrote the base once, ZeRO-2 twice (module state and "frozen_param_fragments"), ZeRO-3 each rank's slice.
+    # ZeRO-1/2 wrote the base in the module state (ZeRO-2 again as "frozen_param_fragments", CPU copies that on a GPU
+    # share no storage with the module's), ZeRO-3 each rank's slice: 7.9 MB against 0.7 MB for the test's adapter.
     with recorded_checkpoint_writes(engine, is_write_failure) as writes:
         engine.save_checkpoint(str(root), tag=tmp.name, client_state=client_state, save_latest=False,
                                exclude_frozen_parameters=_is_lora(engine))

@@ -329,8 +329,6 @@ def save_checkpoint(engine, output_dir: str, state: TrainState, rank: int, save_
     last one (the first save: `planned_bytes` x FIRST_SAVE_MARGIN), and the ranks agree: a full disk stops the run
     with a clear error before anything is written. A write that fails later stops every rank the same way.
     """
-    import torch
-
     from scaletrain.distributed import all_gather_objects, any_rank, barrier
     from scaletrain.ds_internals import recorded_checkpoint_writes, universal_checkpoint_info
 
@@ -354,17 +352,13 @@ def save_checkpoint(engine, output_dir: str, state: TrainState, rank: int, save_
             "--save_total_limit, then restart", every_rank=True)
     # universal_checkpoint_info lets DeepSpeed's ds_to_universal convert this checkpoint for another rank count.
     client_state = {"train_state": state.state_dict(), **universal_checkpoint_info(state.tensor_parallel_size)}
-    # A LoRA model's frozen base is built from --model_name_or_path at every start (its identity is in the train
-    # state, lora.check_same_base): the checkpoint holds the adapter and its optimizer state alone. Without this
-    # ZeRO-1/2 wrote the base in the module state (ZeRO-2 again as "frozen_param_fragments", CPU copies that on a GPU
-    # share no storage with the module's), ZeRO-3 each rank's slice: 7.9 MB against 0.7 MB for the test's adapter.
     with recorded_checkpoint_writes(engine, is_write_failure) as writes:
         engine.save_checkpoint(str(root), tag=tmp.name, client_state=client_state, save_latest=False,
-                               exclude_frozen_parameters=_is_lora(engine))
+                               exclude_frozen_parameters=_without_frozen_base(engine))
     written, failed = [Path(p) for p in writes.paths], writes.failed
     if failed is None:
         try:
-            ours = _write_own_files(engine, tmp, state, rank, model_facts, torch)
+            ours = _write_own_files(engine, tmp, state, rank, model_facts)
             written += ours
         except (OSError, RuntimeError) as err:
             if not is_write_failure(err):
@@ -408,14 +402,21 @@ def save_checkpoint(engine, output_dir: str, state: TrainState, rank: int, save_
     return final
 
 
-def _is_lora(engine) -> bool:
+def _without_frozen_base(engine) -> bool:
+    """Whether checkpoints leave the frozen parameters out: a LoRA model's, whose base is built from
+    --model_name_or_path at every start (its identity is in the train state, lora.check_same_base), so that the
+    checkpoint holds the adapter and its optimizer state alone. Otherwise ZeRO-1/2 write the base in the module
+    state (ZeRO-2 again as "frozen_param_fragments": CPU copies, which on a GPU share no storage with the module's),
+    ZeRO-3 each rank's slice: 7.9 MB against 0.7 MB for the test's adapter on the tiny Llama."""
     from scaletrain.lora import is_lora_model
 
     return is_lora_model(engine.module)
 
 
-def _write_own_files(engine, tmp: Path, state: TrainState, rank: int, model_facts: Optional[dict], torch) -> list:
+def _write_own_files(engine, tmp: Path, state: TrainState, rank: int, model_facts: Optional[dict]) -> list:
     """This rank's RNG state, and on rank 0 the train state and a pipeline's layer map; the paths written."""
+    import torch
+
     rng = tmp / f"rng_state_rank{rank}.pt"
     torch.save(_rng_state(), rng)
     written = [rng]
@@ -703,7 +704,7 @@ def load_checkpoint(engine, ckpt: Path, state: TrainState, rank: int, universal:
     # A LoRA checkpoint lacks the frozen base (save_checkpoint): the built base stays, the rest must fit exactly.
     path, client = engine.load_checkpoint(str(source.parent), tag=source.name, load_optimizer_states=True,
                                           load_lr_scheduler_states=True,
-                                          custom_load_fn=load_adapter_state if _is_lora(engine) else None)
+                                          custom_load_fn=load_adapter_state if _without_frozen_base(engine) else None)
     if path is None:
         raise RuntimeError(f"DeepSpeed could not load checkpoint {ckpt}")
     state.load_state_dict(client["train_state"])

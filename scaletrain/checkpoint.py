@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Optional
 
 from scaletrain.errors import CheckpointWriteError, UsageError
+from scaletrain.lora import check_same_base
 from scaletrain.pipeline import LAYER_MAP
 from scaletrain.state import TrainState
 
@@ -541,8 +542,6 @@ def check_resumable(ckpt: Path, dp_world_size: int, layout: tuple, zero_stage: i
             "resume with the same layout, or use a ZeRO config (stage 1-3 checkpoints are resharded)",
         )
     before = saved.get("model") or {}
-    from scaletrain.lora import check_same_base
-
     check_same_base(ckpt, before.get("base"), model_facts.get("base"))  # a LoRA checkpoint carries no base
     differs = [k for k in model_facts if k in before and k != "base" and before[k] != model_facts[k]]
     if differs:
@@ -697,10 +696,10 @@ def load_checkpoint(engine, ckpt: Path, state: TrainState, rank: int, universal:
     """
     import torch
 
-    started = time.perf_counter()
-    source = universal_path(ckpt) if universal else ckpt
     from scaletrain.lora import load_adapter_state
 
+    started = time.perf_counter()
+    source = universal_path(ckpt) if universal else ckpt
     # A LoRA checkpoint lacks the frozen base (save_checkpoint): the built base stays, the rest must fit exactly.
     path, client = engine.load_checkpoint(str(source.parent), tag=source.name, load_optimizer_states=True,
                                           load_lr_scheduler_states=True,

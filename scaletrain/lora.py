@@ -3,7 +3,9 @@
     checked before anything heavy (check_lora) -> get_peft_model on the built model (apply_lora; ZeRO-3: the base is
     already partitioned, and deepspeed.initialize partitions the new adapter weights, broadcast from rank 0)
     -> the engine's optimizer gets the adapter's parameters only (engine.parameter_groups skips frozen ones)
-    -> checkpoints: DeepSpeed's, holding the adapter's weights and optimizer states (and the frozen base)
+    -> checkpoints: DeepSpeed's, holding the adapter's weights and optimizer states, not the frozen base
+       (exclude_frozen_parameters): a resume builds the base from --model_name_or_path again, and a checkpoint
+       records which base that was (base_identity), so a resume on another base is refused (check_same_base)
     -> export: an adapter folder `PeftModel.from_pretrained` loads (save_adapter), with --merge_lora also the
        merged full model (merge_adapter).
 
@@ -13,6 +15,8 @@ trl#4416): the export gathers the adapter's parameters first (checkpoint._full_s
 
 from __future__ import annotations
 
+import hashlib
+import json
 import logging
 from contextlib import contextmanager
 from pathlib import Path
@@ -150,3 +154,105 @@ def peft_args_of(run_config: dict) -> Optional[PeftArgs]:
 
 def merged_dir(out_dir) -> Path:
     return Path(out_dir) / MERGED_DIR
+
+
+# --- checkpoints without the frozen base ------------------------------------------------------------------------
+
+# A sampled fingerprint of the base's weight files: for each safetensors file its header (every tensor's name, dtype,
+# shape and place) and a window at the start, middle and end of every tensor's bytes; other weight files (.bin) in
+# 64 windows spread over the file. Any other pretrained model or fine-tune differs there (a fine-tune moves every
+# tensor; added tokens show at a tensor's end, a new shape in the header), and it reads about 12 KiB a tensor
+# (3.5 MiB for a 7B Llama) where a full SHA-256 would read every byte at every start (8 s for 14 GB at 1.7 GB/s,
+# on each rank). An edit confined to the middle of a tensor between windows would pass: not a base swap.
+BASE_WINDOW = 4096
+FILE_WINDOWS, FILE_WINDOW = 64, 65536
+
+
+def _base_folder(source: str) -> Optional[Path]:
+    """The folder with the base's weight files: --model_name_or_path itself, or its snapshot in the Hub cache
+    (never downloaded here); None when neither is on this machine yet."""
+    folder = Path(source)
+    if folder.is_dir():
+        return folder
+    try:
+        from huggingface_hub import snapshot_download
+
+        return Path(snapshot_download(source, local_files_only=True))
+    except Exception:  # not cached (or no hub id): the identity falls back to the name
+        return None
+
+
+def _weight_files(folder: Path) -> list:
+    """What from_pretrained reads: the safetensors files, or else the pickled ones (an adapter's excepted)."""
+    for pattern in ("*.safetensors", "*.bin"):
+        files = sorted(p for p in folder.glob(pattern) if p.is_file() and not p.name.startswith(("adapter_",
+                                                                                                    "training_")))
+        if files:
+            return files
+    return []
+
+
+def _digest_safetensors(f, size: int, digest) -> None:
+    header_len = int.from_bytes(f.read(8), "little")
+    header = f.read(header_len)
+    digest.update(header)
+    start = 8 + header_len
+    for name, entry in sorted(json.loads(header).items()):
+        if name == "__metadata__":
+            continue
+        begin, end = entry["data_offsets"]
+        for offset in sorted({begin, max(begin, (begin + end) // 2 - BASE_WINDOW // 2), max(begin, end - BASE_WINDOW)}):
+            f.seek(start + offset)
+            digest.update(f.read(min(BASE_WINDOW, end - offset)))
+
+
+def _digest_file(f, size: int, digest) -> None:
+    for i in range(FILE_WINDOWS):
+        f.seek(max(0, (size - FILE_WINDOW) * i // (FILE_WINDOWS - 1)))
+        digest.update(f.read(FILE_WINDOW))
+
+
+def base_identity(source: str) -> dict:
+    """Which base a LoRA run trains on, as its checkpoints record it: {"source": --model_name_or_path, "weights": a
+    sampled SHA-256 of its weight files (see BASE_WINDOW), or None when they are not on this machine}."""
+    folder = _base_folder(source)
+    files = _weight_files(folder) if folder is not None else []
+    if not files:
+        return {"source": source, "weights": None}
+    digest = hashlib.sha256()
+    for path in files:
+        size = path.stat().st_size
+        digest.update(f"{path.name}:{size}\n".encode())
+        with open(path, "rb") as f:
+            (_digest_safetensors if path.suffix == ".safetensors" else _digest_file)(f, size, digest)
+    return {"source": source, "weights": digest.hexdigest()[:32]}
+
+
+def check_same_base(ckpt: Path, saved: Optional[dict], now: Optional[dict]) -> None:
+    """A LoRA checkpoint holds no base: refuse to resume it on other base weights than it was trained on (the
+    weights decide: the same files moved elsewhere resume; where the weights of either are unknown, the names)."""
+    if not saved or not now:
+        return  # not a LoRA resume (the adapter fact refuses a change), or a checkpoint from before the record
+    if saved.get("weights") and now.get("weights"):
+        if saved["weights"] == now["weights"]:
+            return
+        what = f"other weights (fingerprint {saved['weights'][:12]} -> {now['weights'][:12]})"
+    elif saved["source"] == now["source"]:
+        return
+    else:
+        what = "another name, and weights that cannot be compared (not on this machine)"
+    raise UsageError(f"--model_name_or_path {now['source']}: checkpoint {ckpt} holds a LoRA adapter trained on the "
+                     f"base {saved['source']}, not the base itself, and this base has {what}",
+                     f"resume with --model_name_or_path {saved['source']}, or start afresh with "
+                     "--resume_from_checkpoint none")
+
+
+def load_adapter_state(src: dict, dst) -> None:
+    """DeepSpeed's module load for a checkpoint without the frozen base (custom_load_fn): the frozen parameters are
+    the ones built from --model_name_or_path, and anything else missing or left over is an error."""
+    result = dst.load_state_dict(src, strict=False)
+    frozen = {name for name, p in dst.named_parameters() if not p.requires_grad}
+    missing = [k for k in result.missing_keys if k not in frozen]
+    if missing or result.unexpected_keys:
+        raise RuntimeError(f"the checkpoint's module state does not fit the LoRA model: missing {missing[:3]}, "
+                           f"unexpected {result.unexpected_keys[:3]}")

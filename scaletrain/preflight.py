@@ -26,7 +26,7 @@ from scaletrain.dsconfig import HardwareFacts, ResolvedDSConfig, load_ds_config,
 from scaletrain.engine import check_compile, compile_requested
 from scaletrain.flops import ModelFlops, model_flops
 from scaletrain.generation import load_eval_prompts
-from scaletrain.lora import check_lora, describe as describe_adapter
+from scaletrain.lora import base_identity, check_lora, describe as describe_adapter
 from scaletrain.qlora import check_qlora
 from scaletrain.layout import (apply_layout, check_model_layout, check_pipeline_run, check_planned_layout,
                                check_sequence_layout, describe_layout, resolve_layout)
@@ -122,20 +122,28 @@ def _block_size(data: DataArgs, model_config, store_block_size: Optional[int]) -
     return data.block_size
 
 
-def checkpoint_bytes(n_params: int, precision: str) -> tuple:
-    """(bytes of one checkpoint plus the HF export, the arithmetic in words) for AdamW under DeepSpeed."""
+def checkpoint_bytes(n_params: int, precision: str, trainable: Optional[int] = None, merged: bool = False) -> tuple:
+    """(bytes of one checkpoint plus the HF export, the arithmetic in words) for AdamW under DeepSpeed. With LoRA
+    (`trainable` adapter parameters of n_params) the checkpoint and the export hold the adapter only, plus the
+    merged model with --merge_lora."""
     # fp32 weights (the master copy under bf16/fp16) + Adam's two fp32 moments, plus 16-bit module weights
     # under bf16/fp16; the Hugging Face export adds the weights once more in the training dtype.
-    per_param = 12 + (2 if precision != "fp32" else 0) + (4 if precision == "fp32" else 2)
-    return n_params * per_param, f"{n_params / 1e9:.2f}B parameters x {per_param} bytes"
+    weight = 4 if precision == "fp32" else 2
+    per_param = 12 + (2 if precision != "fp32" else 0) + weight
+    if trainable is None:
+        return n_params * per_param, f"{n_params / 1e9:.2f}B parameters x {per_param} bytes"
+    extra = n_params * weight if merged else 0
+    return trainable * per_param + extra, (f"an adapter of {trainable / 1e6:.1f}M parameters x {per_param} bytes"
+                                           + (f", the merged {n_params / 1e9:.2f}B x {weight}" if merged else ""))
 
 
-def _check_disk_space(output_dir: str, n_params: int, precision: str) -> None:
+def _check_disk_space(output_dir: str, n_params: int, precision: str, trainable: Optional[int] = None,
+                      merged: bool = False) -> None:
     folder = Path(output_dir).resolve()
     while not folder.exists():
         folder = folder.parent
     free = shutil.disk_usage(folder).free
-    needed, how = checkpoint_bytes(n_params, precision)
+    needed, how = checkpoint_bytes(n_params, precision, trainable, merged)
     if free < needed:
         raise UsageError(
             f"--output_dir {output_dir}: {free / 1e9:.1f} GB free on its disk, one checkpoint and the export "
@@ -294,6 +302,8 @@ def resolve_run(argv: Optional[Sequence[str]], dist: DistInfo) -> ResolvedRun:
     skeleton = meta_model(model_config, cfg.model.trust_remote_code, cfg.model.attn_implementation)
     model_facts = {**_model_facts(skeleton, model_config), "adapter": describe_adapter(cfg.peft) if cfg.peft.use_peft
                    else None}
+    if cfg.peft.use_peft:  # a LoRA checkpoint holds no base: which one it was trained on
+        model_facts["base"] = base_identity(cfg.model.model_name_or_path)
     hardware = hardware_facts()
     ds = resolve_ds_config(raw_ds_config, cfg.engine, cfg.optim, cfg.explicit_flags, dist.dp_world_size,
                            _hidden_size(model_config), hardware, model_facts["n_params"])
@@ -327,12 +337,10 @@ def resolve_run(argv: Optional[Sequence[str]], dist: DistInfo) -> ResolvedRun:
                                                                    dist.sequence_parallel_size,
                                                                    dist.pipeline_parallel_size))
     resume_from, resume_state, reshard, previous = _resolve_resume_point(cfg, ds, model_facts, dist)
-    if reshard and cfg.peft.use_peft:
-        raise UsageError(f"checkpoint {resume_from}: a LoRA run resumes with the ranks and ZeRO settings that saved "
-                         "it (the universal-checkpoint conversion of an adapter is untested)",
-                         "resume with the saving run's launch and --config, or export it (scripts/export_hf.py)")
+    trained = _trained_model(cfg, skeleton, model_config)
     if not (cfg.run.print_config or cfg.planning.plan):
-        _check_disk_space(cfg.run.output_dir, model_facts["n_params"], ds.precision)
+        adapter = sum(p.numel() for p in trained.parameters() if p.requires_grad) if cfg.peft.use_peft else None
+        _check_disk_space(cfg.run.output_dir, model_facts["n_params"], ds.precision, adapter, cfg.peft.merge_lora)
     model_shape = None
     if cfg.planning.plan:
         from scaletrain import memory_planner
@@ -340,14 +348,14 @@ def resolve_run(argv: Optional[Sequence[str]], dist: DistInfo) -> ResolvedRun:
         model_shape = memory_planner.ModelShape.from_meta_model(skeleton, model_config)
     return ResolvedRun(cfg, ds, dist, model_config, tokenizer, block_size, model_facts["n_params"],
                        resume_from=resume_from, model_facts=model_facts, resume_state=resume_state, reshard=reshard,
-                       flops=model_flops(_trained_model(cfg, skeleton, model_config), model_config, block_size),
+                       flops=model_flops(trained, model_config, block_size),
                        model_shape=model_shape,
                        previous_run_config=previous, router_loss=router_loss, eval_prompts=eval_prompts,
                        chat=chat)
 
 
 def _trained_model(cfg: RunConfig, skeleton, model_config):
-    """The meta model as it trains: with --use_peft, the base frozen and the adapter's matrices added (its FLOPs)."""
+    """The meta model as it trains: with --use_peft, the base frozen and the adapter added (FLOPs, disk space)."""
     if not cfg.peft.use_peft:
         return skeleton
     from scaletrain.lora import meta_lora_model

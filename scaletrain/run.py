@@ -262,10 +262,17 @@ class Run:
         self.state.wandb_run_id = self.metrics.wandb_run_id
 
     def save(self) -> Path:
-        planned = checkpoint.planned_checkpoint_bytes(self.resolved.n_params, self.resolved.ds.precision,
-                                                      self.resolved.ds.zero_stage, self.dist.tensor_parallel_size)
+        facts, adapter_only = self.resolved.model_facts, self.cfg.peft.use_peft  # LoRA: the base is not saved
+        n_params, n_tensors = checkpoint.checkpoint_parameters(self.engine.module, adapter_only)
+        if not adapter_only:
+            n_params = self.resolved.n_params  # the whole model (a pipeline stage's module holds its layers alone)
+        if facts and facts.get("base") and facts["base"]["weights"] is None:  # a hub base first downloaded by this run
+            facts["base"] = lora.base_identity(facts["base"]["source"])
+        planned = checkpoint.planned_checkpoint_bytes(n_params, self.resolved.ds.precision,
+                                                      self.resolved.ds.zero_stage, self.dist.tensor_parallel_size,
+                                                      n_tensors, self.dist.world_size)
         return checkpoint.save_checkpoint(self.engine, self.cfg.run.output_dir, self.state, self.dist.rank,
-                                          self.cfg.checkpoint.save_total_limit, model_facts=self.resolved.model_facts,
+                                          self.cfg.checkpoint.save_total_limit, model_facts=facts,
                                           planned_bytes=planned)
 
     def throughput_model(self) -> ThroughputModel:

@@ -11,6 +11,7 @@ import subprocess
 import sys
 import traceback
 from pathlib import Path
+from typing import Optional
 
 import pytest
 import torch
@@ -97,9 +98,9 @@ def test_use_peft_needs_a_pretrained_model(tmp_path, capsys):
     assert not (tmp_path / "out").exists()
 
 
-def fake_checkpoint(run_dir: Path, base: Path, adapter) -> None:
-    """A committed checkpoint folder whose train state says it was saved with `adapter` (the resume check reads only
-    that, before anything is built)."""
+def fake_checkpoint(run_dir: Path, base: Path, adapter, base_identity: Optional[dict] = None) -> None:
+    """A committed checkpoint folder whose train state says it was saved with `adapter` (and, when given, on the
+    base `base_identity`): the resume check reads only that, before anything is built."""
     import json
 
     from transformers import AutoConfig
@@ -109,6 +110,8 @@ def fake_checkpoint(run_dir: Path, base: Path, adapter) -> None:
 
     config = AutoConfig.from_pretrained(base)
     facts = {**_model_facts(meta_model(config, False), config), "adapter": adapter}
+    if base_identity is not None:
+        facts["base"] = base_identity
     ckpt = run_dir / "checkpoints" / "step4"
     ckpt.mkdir(parents=True)
     state = {"step": 4, "world_size": 1, "zero_stage": 2, "offload": "optimizer=none,param=none", "model": facts}
@@ -137,6 +140,75 @@ def test_a_resume_with_another_adapter_or_none_is_refused(saved, flags, change, 
     assert tree_digest(run_dir) == before
 
 
+def other_base(folder: Path, source: Path, edit) -> Path:
+    """A pretrained folder: `source`'s files with `edit` applied to its weights ({name: tensor} -> same)."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(source, folder)
+    weights = load_file(source / "model.safetensors")
+    save_file(edit(weights), folder / "model.safetensors", metadata={"format": "pt"})
+    return folder
+
+
+def last_token_row_changed(weights: dict) -> dict:
+    """A token's embedding trained, nothing else: the bytes at the very end of one tensor differ."""
+    embed = weights["model.embed_tokens.weight"].clone()
+    embed[-1] += 0.01
+    return {**weights, "model.embed_tokens.weight": embed}
+
+
+BASES = {  # name: (how the base given at resume differs from the one the checkpoint was trained on, refused)
+    "another model of the same architecture": (lambda w: {k: torch.randn_like(v) for k, v in w.items()}, True),
+    "one token's embedding changed": (last_token_row_changed, True),
+    "the same weights in another folder": (lambda w: w, False),
+}
+
+
+@pytest.mark.usefixtures("offline")
+@pytest.mark.parametrize("name", list(BASES))
+def test_a_lora_checkpoint_resumes_on_the_base_it_was_trained_on_only(name, base_model, tmp_path, capsys):
+    """A LoRA checkpoint holds no base: a resume on other base weights is one line, exit 2, nothing touched; the
+    same weights elsewhere resume (--print_config: the whole pre-flight, the resume check included)."""
+    from scaletrain.lora import base_identity
+    from train import main
+
+    edit, refused = BASES[name]
+    given = other_base(tmp_path / "given_base", base_model, edit)
+    run_dir = tmp_path / "run"
+    fake_checkpoint(run_dir, base_model, "lora r=4 alpha=8 targets=all-linear", base_identity(str(base_model)))
+    before = tree_digest(run_dir)
+    code = main(["--config", str(ZERO2), "--output_dir", str(run_dir), "--model_name_or_path", str(given),
+                 "--use_peft", "--lora_r", "4", "--lora_alpha", "8", "--print_config"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert tree_digest(run_dir) == before
+    if not refused:
+        assert code == 0, err
+        return
+    assert code == 2 and len(err) == 2, err
+    assert err[0].startswith(f"train.py: error: --model_name_or_path {given}: checkpoint {run_dir / 'checkpoints'}"
+                             f"/step4 holds a LoRA adapter trained on the base {base_model}, not the base itself, "
+                             "and this base has other weights"), err
+    assert err[1] == f"  hint: resume with --model_name_or_path {base_model}, or start afresh with " \
+                     "--resume_from_checkpoint none", err
+
+
+@pytest.mark.parametrize("saved_source, now_source, refused", [
+    ("org/base", "org/base", False), ("org/base", "org/other", True)])
+def test_a_base_whose_weights_are_not_on_this_machine_is_told_by_its_name(saved_source, now_source, refused):
+    """Where either side's weights are unknown (a hub id not downloaded yet), the names decide."""
+    from scaletrain.errors import UsageError
+    from scaletrain.lora import check_same_base
+
+    saved, now = {"source": saved_source, "weights": "ab" * 16}, {"source": now_source, "weights": None}
+    if not refused:
+        check_same_base(Path("ckpt"), saved, now)
+        return
+    with pytest.raises(UsageError, match="another name, and weights that cannot be compared"):
+        check_same_base(Path("ckpt"), saved, now)
+
+
 # --- training, export, resume at 2 ranks -------------------------------------------------------------------------
 
 def probe_logits(model, input_ids: torch.Tensor) -> torch.Tensor:
@@ -145,25 +217,29 @@ def probe_logits(model, input_ids: torch.Tensor) -> torch.Tensor:
         return model(input_ids=input_ids).logits.float()
 
 
-def check_only_the_adapter_trained(ckpt: Path, base: Path) -> None:
-    """The checkpoint's fp32 weights: every base weight exactly the pretrained one, every adapter B moved off its
-    zero initialisation."""
+def check_the_checkpoint_holds_the_adapter_alone(ckpt: Path, base: Path, run_dir: Path, zero_stage: int) -> None:
+    """The checkpoint: the adapter's fp32 weights (every B moved off its zero initialisation) and optimizer states,
+    no frozen base weight in any file, and a size as planned for the adapter's parameters (counted in the run's
+    exported adapter), below one copy of the base's weights. (That the base stayed the pretrained one, check_export
+    shows: the pretrained base with the exported adapter gives the engine's logits.)"""
     from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
     from safetensors.torch import load_file
 
-    saved = get_fp32_state_dict_from_zero_checkpoint(str(ckpt.parent), tag=ckpt.name)
-    if all(".lora_" in k for k in saved):  # ZeRO-1 keeps the frozen weights in the module's own state dict only
-        module = torch.load(ckpt / "mp_rank_00_model_states.pt", weights_only=False)["module"]
-        saved = {**{k: v for k, v in module.items() if ".lora_" not in k}, **saved}
-    pretrained = load_file(base / "model.safetensors")
-    adapter = {k: v for k, v in saved.items() if ".lora_" in k}
-    assert len(adapter) == 2 * 7 * 4, sorted(adapter)[:4]  # A and B of the 7 linear layers of each of 4 layers
-    assert all(v.abs().max() > 0 for k, v in adapter.items() if ".lora_B." in k)  # B starts at zero
-    frozen = {k.removeprefix("base_model.model.").replace(".base_layer.", "."): v for k, v in saved.items()
-              if ".lora_" not in k}
-    assert set(frozen) == set(pretrained)
-    for name, value in pretrained.items():
-        assert torch.equal(frozen[name], value), f"{name} changed: the frozen base trained"
+    from scaletrain.checkpoint import FIRST_SAVE_MARGIN, planned_checkpoint_bytes
+
+    saved = get_fp32_state_dict_from_zero_checkpoint(str(ckpt.parent), tag=ckpt.name)  # frozen ones too, if saved
+    assert len(saved) == 2 * 7 * 4 and all(".lora_" in k for k in saved), sorted(saved)[:4]  # A, B of 7 x 4 layers
+    assert all(v.abs().max() > 0 for k, v in saved.items() if ".lora_B." in k)  # B starts at zero
+    for model_states in ckpt.glob("*model_states.pt"):
+        states = torch.load(model_states, weights_only=False)
+        assert all(".lora_" in k for k in states["module"]), model_states  # ZeRO-1/2: the weights; ZeRO-3: placeholders
+        assert not states.get("frozen_param_fragments"), model_states
+    adapter = load_file(run_dir / "adapter_model.safetensors")
+    n_params, n_tensors = sum(v.numel() for v in adapter.values()), len(adapter)
+    real = sum(p.stat().st_size for p in ckpt.iterdir() if p.is_file())
+    planned = planned_checkpoint_bytes(n_params, "fp32", zero_stage, n_tensors=n_tensors, world_size=2)
+    assert planned / FIRST_SAVE_MARGIN <= real <= planned * FIRST_SAVE_MARGIN, (real, planned)
+    assert real < (base / "model.safetensors").stat().st_size, real  # the base once would not fit
 
 
 def check_export(run_dir: Path, base: Path) -> None:
@@ -222,7 +298,8 @@ VARIANTS = {  # name: (DeepSpeed config, extra flags)
 def test_only_the_adapter_trains_and_its_export_reproduces_the_engine(variant, uninterrupted, base_model):
     ds_config, extra = VARIANTS[variant]
     run_dir = uninterrupted.run_dir(ds_config, *extra)
-    check_only_the_adapter_trained(run_dir / "checkpoints" / f"step{STEPS}", base_model)
+    check_the_checkpoint_holds_the_adapter_alone(run_dir / "checkpoints" / f"step{STEPS}", base_model, run_dir,
+                                                 3 if ds_config.startswith("zero3") else 2)
     check_export(run_dir, base_model)
 
 
@@ -249,6 +326,9 @@ def test_lora_sigkill_one_rank_then_restart_resumes_exactly(ds_config, tmp_path,
     check_ok(restarted)
     assert f"resumed from {run_dir / 'checkpoints' / f'step{saved}'} (step {saved}," in restarted.stdout
     reference_dir = uninterrupted.run_dir(ds_config)
+    # It resumed exactly (below) from a checkpoint without the base: the base came from --model_name_or_path.
+    check_the_checkpoint_holds_the_adapter_alone(run_dir / "checkpoints" / f"step{saved}", base_model, reference_dir,
+                                                 int(ds_config[-1]))
     losses, reference = step_losses(run_dir), step_losses(reference_dir)
     assert sorted(losses) == list(range(1, STEPS + 1))
     for step in range(1, STEPS + 1):
@@ -275,3 +355,60 @@ def test_export_script_writes_the_runs_adapter_and_merged_model(uninterrupted, t
         assert sorted(exported) == sorted(at_end), relative
         for name in at_end:
             torch.testing.assert_close(exported[name], at_end[name], rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("ds_config", ["zero2", "zero3"])
+def test_a_lora_checkpoint_resumes_resharded_on_one_rank_with_its_adapter_and_moments(ds_config, tmp_path, cache_dir,
+                                                                                    uninterrupted, base_model):
+    """The last 2-rank checkpoint resumed on 1 rank (a universal conversion: DeepSpeed's ds_to_universal converts
+    the optimizer's parameters, the adapter, and the base comes from --model_name_or_path), for no more steps: the
+    end-of-run export is the 2-rank run's adapter, and the 1-rank checkpoint it saves holds the same fp32 weights
+    and Adam moments, parameter by parameter, as the 2-rank one (both converted to the universal form)."""
+    import shutil
+
+    from safetensors.torch import load_file
+
+    from scaletrain.checkpoint import universal_path
+    from scaletrain.ds_internals import universal_conversion_command
+
+    reference_dir = uninterrupted.run_dir(ds_config)
+    source = tmp_path / "saved" / "checkpoints" / f"step{STEPS}"  # a copy: the conversion writes beside it
+    shutil.copytree(reference_dir / "checkpoints" / f"step{STEPS}", source)
+    run_dir = tmp_path / "run"
+    args = lora_flags(ds_config, run_dir, base_model, "--gradient_accumulation_steps", "2",
+                      "--resume_from_checkpoint", str(source))
+    resumed = launch(REPO / "train.py", args, "python", cache_dir)
+    check_ok(resumed)
+    assert f"resumed from {source} (step {STEPS}," in resumed.stdout + resumed.stderr
+    adapter, expected = (load_file(d / "adapter_model.safetensors") for d in (run_dir, reference_dir))
+    assert sorted(adapter) == sorted(expected)
+    for name in expected:
+        assert torch.equal(adapter[name], expected[name]), name
+    mine = tmp_path / "mine"
+    check_ok(subprocess.run(universal_conversion_command(run_dir / "checkpoints" / f"step{STEPS}", mine),
+                            env=subprocess_env(cache_dir), capture_output=True, text=True, timeout=300))
+    theirs = universal_path(source) / "zero"  # the resume's own conversion of the 2-rank checkpoint
+    names = sorted(p.name for p in theirs.iterdir() if p.is_dir())
+    assert len(names) == 2 * 7 * 4 and names == sorted(p.name for p in (mine / "zero").iterdir() if p.is_dir())
+    for name in names:
+        for kind in ("fp32.pt", "exp_avg.pt", "exp_avg_sq.pt"):
+            a, b = (torch.load(root / name / kind, weights_only=False) for root in (theirs, mine / "zero"))
+            a, b = (x["param"] if isinstance(x, dict) else x for x in (a, b))
+            assert torch.equal(a, b), (name, kind)
+
+
+def test_the_disk_check_plans_an_adapter_checkpoint_and_the_merged_model(tmp_path):
+    """On a real 16 MB file system: a 10M-parameter model's full checkpoint (160 MB in fp32) does not fit, the
+    checkpoint and export of a 100k-parameter adapter do, and with --merge_lora the merged model (40 MB) does not."""
+    from scaletrain.errors import UsageError
+    from scaletrain.preflight import _check_disk_space
+    from tests.conftest import small_tmpfs
+
+    with small_tmpfs(tmp_path / "disk", "16m") as disk:
+        out = str(disk / "run")
+        with pytest.raises(UsageError, match="one checkpoint and the export need about 0.2 GB"):
+            _check_disk_space(out, 10_000_000, "fp32")
+        _check_disk_space(out, 10_000_000, "fp32", trainable=100_000)
+        with pytest.raises(UsageError, match=r"the merged 0\.01B x 4"):
+            _check_disk_space(out, 10_000_000, "fp32", trainable=100_000, merged=True)

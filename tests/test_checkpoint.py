@@ -111,7 +111,9 @@ def run_flags(name: str, run_dir: Path) -> list:
     return [*flags(config, run_dir), "--per_device_train_batch_size", "4", "--pipeline_parallel_size", layout[2:]]
 
 
-@pytest.mark.parametrize("ds_config", ["zero1", "zero2", "zero3", "zero1_pp2"])
+# ZeRO-1 alone is left out to keep CI in its budget: its optimizer is DeepSpeed's ZeRO-2 one (stage_1_and_2.py)
+# without gradient partitioning, and test_lora.py kills and resumes a ZeRO-1 run (zero1_pp2: ZeRO-1 under the pipe).
+@pytest.mark.parametrize("ds_config", ["zero2", "zero3", "zero1_pp2"])
 def test_sigkill_one_rank_then_restart_resumes_exactly(ds_config, tmp_path, cache_dir, uninterrupted):
     run_dir = tmp_path / "run"
     args = run_flags(ds_config, run_dir)
@@ -305,8 +307,10 @@ def test_resume_refuses_a_missing_checkpoint_and_another_model(tmp_path, cache_d
     assert not os.path.exists(tmp_path / "third")
 
 
-@pytest.mark.parametrize("ds_config", ["zero1", "zero2", "zero3"])
-@pytest.mark.parametrize("saved_on, resumed_on", [(2, 1), (1, 2)])
+# ZeRO-3 both ways; ZeRO-1 and -2 (one optimizer, stage_1_and_2.py, one conversion) one way each: the other two
+# cases were dropped to keep CI in its budget.
+@pytest.mark.parametrize("ds_config, saved_on, resumed_on", [("zero3", 2, 1), ("zero3", 1, 2), ("zero1", 2, 1),
+                                                              ("zero2", 1, 2)])
 def test_resume_on_another_rank_count_converts_and_continues(ds_config, saved_on, resumed_on, tmp_path, cache_dir,
                                                             uninterrupted):
     """Same global batch (4 blocks) on 1 or 2 ranks: the resumed run's losses follow the uninterrupted 2-rank run."""

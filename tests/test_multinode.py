@@ -114,19 +114,17 @@ def test_sbatch_two_nodes_trains_commits_and_exports(slurm, tmp_path):
     assert metric_steps(run_dir) == [2, 4, 6]
 
 
-@pytest.mark.parametrize("batch_signal", ["USR1", "TERM"])  # TERM: a scheduler that signals the batch step
-def test_preemption_signal_saves_requeues_once_and_resumes(batch_signal, slurm, tmp_path):
-    run_dir = tmp_path / "run"
-    job = slurm.submit(["--nodes=2", str(SBATCH)], [*TRAIN_FLAGS, "--output_dir", str(run_dir), "--max_steps", "40",
-                                                    "--logging_steps", "1"])
+def _preempt_when(slurm, job: str, run_dir: Path, ready, batch_signal: str) -> int:
+    """Once `ready(logged steps)`, stop both ranks, signal the batch step as a scheduler would, let them go on once
+    SIGUSR1 waits in both; the step they were stopped at."""
     deadline = time.monotonic() + 600
-    while len(logged_steps(run_dir)) < 6:
+    while not ready(logged_steps(run_dir)):
         assert time.monotonic() < deadline and slurm.queued(job), slurm.log(job)[-4000:]
         time.sleep(0.05)
     # Stop both ranks there, so the job cannot end before the signal reaches them, however fast the machine.
     ranks = [p.pid for p in psutil.process_iter(["cmdline"])
              if str(run_dir) in (p.info["cmdline"] or []) and any(a.startswith("--local_rank")
-                                                                   for a in p.info["cmdline"])]
+                                                                  for a in p.info["cmdline"])]
     assert len(ranks) == 2, ranks
     freeze(*ranks)
     stopped_at = max(logged_steps(run_dir))
@@ -139,15 +137,35 @@ def test_preemption_signal_saves_requeues_once_and_resumes(batch_signal, slurm, 
         assert time.monotonic() < deadline, f"SIGUSR1 did not reach both ranks\n{slurm.log(job)[-4000:]}"
         time.sleep(0.05)
     thaw(*ranks)
+    return stopped_at
+
+
+def test_preemption_signals_save_requeue_and_resume_each_time(slurm, tmp_path):
+    """One job preempted twice: USR1 (what --signal=B:USR1@lead sends), then, in the requeued run, TERM (a scheduler
+    that signals the batch step). Each time the ranks commit a checkpoint at the next step boundary, exit 85, the job
+    requeues itself and the next run resumes there; over the three runs every step is trained exactly once."""
+    run_dir = tmp_path / "run"
+    job = slurm.submit(["--nodes=2", str(SBATCH)], [*TRAIN_FLAGS, "--output_dir", str(run_dir), "--max_steps", "40",
+                                                    "--logging_steps", "1"])
+    first = _preempt_when(slurm, job, run_dir, lambda steps: len(steps) >= 6, "USR1")
+    pattern = r"preemption \(SIGUSR1\): checkpoint committed at step (\d+)"
+    deadline = time.monotonic() + 600
+    while not re.search(r"resumed from \S+/step\d+", slurm.log(job)):  # the requeued run is training
+        assert time.monotonic() < deadline and slurm.queued(job), slurm.log(job)[-4000:]
+        time.sleep(0.2)
+    saved_first = int(re.search(pattern, slurm.log(job)).group(1))
+    second = _preempt_when(slurm, job, run_dir, lambda steps: steps and max(steps) >= saved_first + 4, "TERM")
     facts, log = slurm.wait(job), slurm.log(job)
-    assert (facts["JobState"], facts["ExitCode"], facts["Restarts"]) == ("COMPLETED", "0:0", "1"), log[-4000:]
-    saved = re.search(r"preemption \(SIGUSR1\): checkpoint committed at step (\d+)", log)
-    assert saved, log[-4000:]
+    assert (facts["JobState"], facts["ExitCode"], facts["Restarts"]) == ("COMPLETED", "0:0", "2"), log[-4000:]
+    saved = [int(step) for step in re.findall(pattern, log)]
+    assert len(saved) == 2, log[-4000:]
     # the step boundary after the signal (or the next one, for a rank stopped inside that step's agreement)
-    assert stopped_at < int(saved.group(1)) <= stopped_at + 2, (stopped_at, saved.group(1))
-    assert "exit 85): requeueing job" in log and f"job {job} (restart 1)" in log  # SLURM_RESTART_COUNT=1
-    assert re.search(rf"resumed from \S+/step{saved.group(1)} \(step {saved.group(1)},", log)
-    assert metric_steps(run_dir) == list(range(1, 41))  # every step exactly once across both runs
+    for stopped_at, step in zip((first, second), saved, strict=True):
+        assert stopped_at < step <= stopped_at + 2, (stopped_at, step)
+        assert re.search(rf"resumed from \S+/step{step} \(step {step},", log)
+    assert log.count("exit 85): requeueing job") == 2, log[-4000:]
+    assert f"job {job} (restart 1)" in log and f"job {job} (restart 2)" in log  # SLURM_RESTART_COUNT
+    assert metric_steps(run_dir) == list(range(1, 41))  # every step exactly once across the three runs
 
 
 def test_srun_direct_mode_maps_slurm_ranks(slurm, tmp_path):

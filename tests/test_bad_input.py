@@ -13,6 +13,7 @@ import re
 import shutil
 import traceback
 from pathlib import Path
+from typing import Optional
 
 import pytest
 
@@ -264,6 +265,26 @@ def test_bad_input_is_one_line_exit_2_and_touches_nothing(name, tmp_path, offlin
     assert names(culprit, lines[0]), f"the error does not name {culprit}: {lines[0]}"
     if len(lines) == 2:
         assert lines[1].startswith("  hint: ")
+    assert tree_digest(out) == before
+
+
+def assert_refused(name: str, argv: list, out: Path, capsys, culprit: str, expected: str,
+                   hint: Optional[str] = None) -> None:
+    """train.py's main on `argv` exits 2 with one error line naming `culprit` and holding `expected` (then the
+    `hint` line, where given), no traceback, and `out` untouched."""
+    from train import main
+
+    before = tree_digest(out)
+    try:
+        code = main(argv)
+    except BaseException:
+        pytest.fail(f"{name}: raised instead of a clean error:\n{traceback.format_exc()}")
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2, err
+    assert 1 <= len(err) <= 2 and err[0].startswith("train.py: error: ") and expected in err[0], err
+    assert names(culprit, err[0]), f"the error does not name {culprit}: {err[0]}"
+    if hint is not None:
+        assert err[1] == f"  hint: {hint}", err
     assert tree_digest(out) == before
 
 

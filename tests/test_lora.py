@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import subprocess
 import sys
-import traceback
 from pathlib import Path
 from typing import Optional
 
@@ -17,7 +16,7 @@ import pytest
 import torch
 
 from tests.conftest import PROBE, REPO, check_ok, freeze, launch, logged_steps, subprocess_env, thaw
-from tests.test_bad_input import names, offline, tree_digest  # noqa: F401 (offline: a fixture, used by name)
+from tests.test_bad_input import assert_refused, offline, tree_digest  # noqa: F401 (offline: a fixture)
 from tests.test_checkpoint import latest_step, rank_processes, start, step_losses, wait_for
 
 STEPS, SAVE_EVERY = 10, 4
@@ -70,22 +69,10 @@ BAD = {
 @pytest.mark.usefixtures("offline")
 @pytest.mark.parametrize("name", list(BAD))
 def test_bad_lora_input_is_one_line_exit_2_and_touches_nothing(name, base_model, tmp_path, capsys):
-    from train import main
-
     extra, culprit, expected, hint = BAD[name]
     out = tmp_path / "out"
-    before = tree_digest(out)
-    try:
-        code = main(["--config", str(ZERO2), "--output_dir", str(out), "--model_name_or_path", str(base_model), *extra])
-    except BaseException:
-        pytest.fail(f"{name}: raised instead of a clean error:\n{traceback.format_exc()}")
-    err = capsys.readouterr().err.strip().splitlines()
-    assert code == 2, err
-    assert 1 <= len(err) <= 2 and err[0].startswith("train.py: error: ") and expected in err[0], err
-    assert names(culprit, err[0]), f"the error does not name {culprit}: {err[0]}"
-    if hint is not None:
-        assert err[1] == f"  hint: {hint}", err
-    assert tree_digest(out) == before
+    assert_refused(name, ["--config", str(ZERO2), "--output_dir", str(out), "--model_name_or_path", str(base_model),
+                          *extra], out, capsys, culprit, expected, hint)
 
 
 @pytest.mark.usefixtures("offline")

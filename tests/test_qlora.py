@@ -8,7 +8,6 @@ data, and the build test calls the build function directly on the CPU (see its d
 from __future__ import annotations
 
 import json
-import traceback
 from pathlib import Path
 
 import pytest
@@ -19,7 +18,7 @@ from scaletrain.config import parse_run_config
 from scaletrain.dsconfig import HardwareFacts, load_ds_config, resolve_ds_config
 from scaletrain.errors import UsageError
 from tests.conftest import REPO
-from tests.test_bad_input import names, offline, tree_digest  # noqa: F401 (offline: a fixture, used by name)
+from tests.test_bad_input import assert_refused, offline  # noqa: F401 (offline: a fixture, used by name)
 
 TINY = REPO / "data" / "tiny-llama"
 CONFIGS = REPO / "ds_configs"
@@ -94,23 +93,10 @@ REFUSALS = list(refusals({"zero_quantized_weights": None, "zero_quantized_nontra
 @pytest.mark.usefixtures("offline")
 @pytest.mark.parametrize("name", REFUSALS)
 def test_qlora_refusals_are_one_line_exit_2_and_touch_nothing(name, base_model, zero3_variants, tmp_path, capsys):
-    from train import main
-
     ds_config, extra, culprit, expected, hint = refusals(zero3_variants)[name]
     out = tmp_path / "out"
-    before = tree_digest(out)
-    try:
-        code = main(["--config", str(ds_config), "--output_dir", str(out), "--model_name_or_path", str(base_model),
-                     *extra])
-    except BaseException:
-        pytest.fail(f"{name}: raised instead of a clean error:\n{traceback.format_exc()}")
-    err = capsys.readouterr().err.strip().splitlines()
-    assert code == 2, err
-    assert 1 <= len(err) <= 2 and err[0].startswith("train.py: error: ") and expected in err[0], err
-    assert names(culprit, err[0]), f"the error does not name {culprit}: {err[0]}"
-    if hint is not None:
-        assert err[1] == f"  hint: {hint}", err
-    assert tree_digest(out) == before
+    assert_refused(name, ["--config", str(ds_config), "--output_dir", str(out), "--model_name_or_path",
+                          str(base_model), *extra], out, capsys, culprit, expected, hint)
 
 
 # --- the checks a CUDA machine gets (its facts given as data) -----------------------------------------------------

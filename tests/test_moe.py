@@ -202,7 +202,7 @@ def _run(run_dir: Path, folder: Path, config: str, nprocs: int, cache: Path, *ex
 
 
 @pytest.mark.slow  # a 1-rank and a 2-rank run of 4 steps each
-@pytest.mark.parametrize("config", ["zero3", "zero2"])
+@pytest.mark.parametrize("config", ["zero3"])  # the case; ZeRO-2 was dropped to keep CI in its budget
 def test_two_ranks_train_a_mixtral_as_one_rank_does(config, tmp_path, cache_dir):
     folder = tiny_mixtral_folder(tmp_path / "tiny-mixtral")
     proc, two = _run(tmp_path / "two", folder, config, 2, cache_dir)

@@ -39,7 +39,9 @@ def assert_checkpoint_written(run_dir: Path, step: int) -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("ds_config", ["zero1", "zero2", "zero3", "zero2_offload", "zero3_offload"])
+# (zero2_offload was dropped to keep CI in its budget: zero3_offload offloads the optimizer too, and test_checkpoint
+# resumes a ZeRO-2 run under zero2_offload)
+@pytest.mark.parametrize("ds_config", ["zero1", "zero2", "zero3", "zero3_offload"])
 def test_two_ranks_train_checkpoint_and_export(ds_config, tmp_path, cache_dir):
     import glob
 
@@ -254,8 +256,7 @@ def test_loss_and_update_do_not_depend_on_accumulation_or_rank_count(tmp_path, c
     splits = {  # name: (ranks, micro batch, accumulation)
         "1rank_gas1": (1, 8, 1),
         "1rank_gas4": (1, 2, 4),
-        "2ranks_gas1": (2, 4, 1),
-        "2ranks_gas2": (2, 2, 2),
+        "2ranks_gas2": (2, 2, 2),  # ranks and accumulation together (2 ranks alone was dropped for CI time)
     }
     results = {}
     for name, (ranks, micro, gas) in splits.items():

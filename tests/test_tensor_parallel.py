@@ -73,7 +73,8 @@ def _assert_same_export(run_dir: Path, reference: Path) -> None:
 
 
 @pytest.mark.slow  # a 1-rank reference, two 2-rank runs and a 4-rank run of 8 steps
-@pytest.mark.parametrize("config,nprocs", [("zero1", 2), ("zero2", 2), ("zero1", 4)])
+# (TP 2 under ZeRO-2 was dropped to keep CI in its budget: ZeRO-1 and -2 are one optimizer in DeepSpeed)
+@pytest.mark.parametrize("config,nprocs", [("zero1", 2), ("zero1", 4)])
 def test_tensor_parallel_matches_one_rank(config, nprocs, reference, tp2_zero1, tmp_path, cache_dir):
     """TP 2 alone, and TP 2 x DP 2 (4 ranks: each TP group reads half of the global batch of 4)."""
     if (config, nprocs) == ("zero1", 2):

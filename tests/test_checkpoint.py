@@ -202,9 +202,11 @@ def test_sigusr1_saves_exits_for_requeue_and_continues_exactly(tmp_path, cache_d
         assert losses[step] == pytest.approx(reference[step], rel=1e-6, abs=1e-7), step
 
 
-@pytest.mark.parametrize("layout", ["--tensor_parallel_size", "--sequence_parallel_size", "--pipeline_parallel_size"])
+# (TP 2 was dropped to keep CI in its budget: test_tensor_parallel.py saves and resumes TP checkpoints, and the signal
+# path does not depend on the layout)
+@pytest.mark.parametrize("layout", ["--sequence_parallel_size", "--pipeline_parallel_size"])
 def test_sigusr1_under_a_parallel_layout_saves_and_the_restart_continues(layout, tmp_path, cache_dir, uninterrupted):
-    """TP 2, SP 2 or PP 2 (one replica reads the 4 blocks of the uninterrupted 2-rank data-parallel run's global
+    """SP 2 or PP 2 (one replica reads the 4 blocks of the uninterrupted 2-rank data-parallel run's global
     batch): a preemption signal to one rank saves and exits 85; the restart on the same layout ends as the reference.
     The pipeline runs ZeRO-1 (its engine takes no ZeRO-2), the same update as the reference's ZeRO-2."""
     run_dir = tmp_path / "run"

@@ -16,10 +16,10 @@ Runs, in order (one GPU, `deepspeed --num_gpus 1 train.py ...`, each logging eve
 - the speed matrix, ZeRO-2, 10 steps (steady figures from step 6 on): `sdpa` is `zero2` itself;
   `sdpa_ckpt` (--gradient_checkpointing), `sdpa_compile` (--torch_compile), `flash` and `flash_ckpt`
   (--attn_implementation flash_attention_2, only where `flash_attn` imports; else the row says "not installed").
-- `qlora`: the ~1B Llama saved as a pretrained folder (its random init, bf16), then `--use_peft --load_in_4bit
-  --gradient_checkpointing` under ZeRO-3 in bf16 for 20 steps (bitsandbytes NF4 base, LoRA r 16 on every linear
-  layer). Check: finite losses, and a peak GPU memory below the `zero3` run's (a 4-bit frozen base and an adapter's
-  optimizer states against full training).
+- `qlora` (with --qlora): the ~1B Llama saved as a pretrained folder (its random init, bf16), then `--use_peft
+  --load_in_4bit --gradient_checkpointing` under ZeRO-3 in bf16 for 20 steps (bitsandbytes NF4 base, LoRA r 16 on
+  every linear layer). Check: finite losses, and a peak GPU memory below the `zero3` run's (a 4-bit frozen base and
+  an adapter's optimizer states against full training).
 - `hf`: scripts/compare_hf_trainer.py --measure throughput --ranks 1 --precision bf16 on the same model, batch,
   ZeRO-2 and sdpa (one round: train.py, then the HF Trainer + DeepSpeed): steady tokens/s and the ratio.
 
@@ -29,8 +29,8 @@ peak at most MEMORY_MARGIN (25%) above the plan's figure for the run's ZeRO stag
 
 Estimated GPU time (not yet measured on a GPU): each 1B run ~30-50 s (start-up, model init, 20 steps of ~0.3 s;
 --no-save_at_end: no end-of-run checkpoint of ~14 GB), the default job ~40 s, the compiled run ~90 s, `hf` ~2
-minutes, `qlora` ~1 minute (saving the 1B weights, then the run): ~9 minutes without flash attention. `--skip`
-trims it (e.g. `--skip sdpa_compile,default`); each row prints its seconds and the table the total.
+minutes: ~8 minutes without flash attention. `qlora` (~1 minute: saving the 1B weights, then the run) runs only with
+--qlora. `--skip` trims it (e.g. `--skip sdpa_compile,default`); each row prints its seconds and the table the total.
 
 Prints one Markdown table (run | what | steps | tokens/s | MFU | peak GPU GB | planned GB | check | status) and
 writes it as JSON (--json, default WORK_DIR/gpu_check.json). Exit code 1 if a run failed or a check failed, 2 for
@@ -399,6 +399,15 @@ def render(rows: dict, header: str) -> str:
 # --- main ----------------------------------------------------------------------------------------------------------
 
 
+def runs_to_skip(args: argparse.Namespace) -> list:
+    """--skip's runs, and the qlora row unless asked for (--qlora, or --only naming it): the default check keeps to
+    its 8 minutes."""
+    skip = [n for n in args.skip.split(",") if n]
+    if not (args.qlora or "qlora" in args.only.split(",")):
+        skip.append("qlora")  # its memory check compares with zero3: --only qlora,zero3
+    return skip
+
+
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--cpu_test", action="store_true",
@@ -406,6 +415,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--work_dir", help="a new or empty folder for the runs (default: a new one under $TMPDIR)")
     p.add_argument("--only", default="", help="comma-separated run names to run (the others show as skipped)")
     p.add_argument("--skip", default="", help="comma-separated run names to leave out")
+    p.add_argument("--qlora", action="store_true",
+                   help="also run the qlora row (~1 minute more: the default check stays within its 8 minutes)")
     p.add_argument("--json", help="write the rows here (default: WORK_DIR/gpu_check.json)")
     p.add_argument("--timeout", type=float, default=600, help="seconds per run before it counts as failed")
     p.add_argument("--train_args", default="", help="extra flags for every train.py run (quoted, as one string)")
@@ -426,7 +437,7 @@ def main(argv=None) -> int:
     all_specs = specs(setup, model, work, flash, tuple(shlex.split(args.train_args)))
     names = [s.name for s in all_specs]
     only = [n for n in args.only.split(",") if n]
-    skip = [n for n in args.skip.split(",") if n]
+    skip = runs_to_skip(args)
     unknown = sorted(set(only + skip) - set(names))
     if unknown:
         print(f"error: --only/--skip: unknown run(s) {', '.join(unknown)}; the runs are {', '.join(names)}",

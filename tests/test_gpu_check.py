@@ -105,6 +105,13 @@ def test_the_runs_cpu_mode_skips_gpu_rows_and_extra_flags_reach_train_runs_only(
     assert qlora[qlora.index("--model_name_or_path") + 1] == str(tmp_path / gc.PRETRAINED)
 
 
+def test_the_qlora_row_runs_only_when_asked_for():
+    assert gc.runs_to_skip(gc.parse_args([])) == ["qlora"]
+    assert gc.runs_to_skip(gc.parse_args(["--skip", "hf"])) == ["hf", "qlora"]
+    assert gc.runs_to_skip(gc.parse_args(["--qlora"])) == []
+    assert gc.runs_to_skip(gc.parse_args(["--only", "qlora,zero3"])) == []
+
+
 def test_the_qlora_row_must_use_less_memory_than_full_zero3():
     assert gc.qlora_memory_check(9.0, 30.0)[0] and not gc.qlora_memory_check(31.0, 30.0)[0]
     assert gc.qlora_memory_check(None, 30.0) == (True, "")

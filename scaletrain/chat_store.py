@@ -30,7 +30,7 @@ import numpy as np
 
 from scaletrain.chat_data import ChatTemplate, check_masks, check_messages, load_chat_template, render_example
 from scaletrain.config import DataArgs
-from scaletrain.errors import PrepareError, UsageError
+from scaletrain.errors import UsageError
 from scaletrain.raw_data import record_kind
 from scaletrain.tokenstore import FORMAT_VERSION, MANIFEST, Fingerprint, read_manifest
 
@@ -302,11 +302,11 @@ def render_split(ds, tokenizer, chat: ChatData, split: str, show_progress: bool,
     assistant_only = chat.loss_mode != "all"
     ids, masks, lengths = [], [], []
     dtype = _dtype_for(len(tokenizer))
-    with tqdm(total=len(ds), desc=f"rendering {split}", unit="example", disable=not show_progress) as bar, \
-            tempfile.TemporaryDirectory(prefix="scaletrain-render-") as tokenizer_dir:
-        pool = None
+    pool, tokenizer_dir, finished = None, None, False
+    with tqdm(total=len(ds), desc=f"rendering {split}", unit="example", disable=not show_progress) as bar:
         try:
-            if workers > 1 and len(ds) >= PARALLEL_MIN_ROWS:
+            if workers > 1 and len(ds) >= PARALLEL_MIN_ROWS:  # the workers load the tokenizer from a saved copy
+                tokenizer_dir = tempfile.mkdtemp(prefix="scaletrain-render-")
                 tokenizer.save_pretrained(tokenizer_dir)
                 pool = WorkerPool(min(workers, len(ds) // RENDER_BATCH), (tokenizer_dir, chat.template,
                                                                           assistant_only), _init_renderer, _render_rows)
@@ -320,12 +320,11 @@ def render_split(ds, tokenizer, chat: ChatData, split: str, show_progress: bool,
                 lengths.append(batch_lengths)
                 bar.update(len(batch_lengths))
             finished = True
-        except BaseException:
-            finished = False
-            raise
         finally:
             if pool is not None:
                 pool.close(finished)
+            if tokenizer_dir is not None:
+                shutil.rmtree(tokenizer_dir, ignore_errors=True)
             _RENDERER.clear()
     if not ids:
         return np.zeros(0, dtype), np.zeros(0, MASK_DTYPE), np.zeros(0, np.int64)
@@ -343,10 +342,7 @@ def write_chat_store(splits: dict, tokenizer, fingerprint: ChatFingerprint, chat
         rendered = {name: render_split(ds, tokenizer, chat, name, show_progress, workers)
                     for name, ds in splits.items() if ds is not None}
     except WorkerDied as err:
-        what, sigkill = err.args
-        raise PrepareError(f"chat store {store}: a rendering worker process died ({what}); nothing was kept. "
-                           + ("The usual cause is the out-of-memory killer: retry with a smaller "
-                              "--preprocessing_num_workers" if sigkill else "Its own error is printed above")) from None
+        raise err.as_prepare_error(f"chat store {store}", "rendering", "--preprocessing_num_workers") from None
     train_ids, train_mask, train_lengths = rendered["train"]
     if chat.loss_mode != "all":  # before anything is written: a refused dataset leaves nothing behind
         bounds = np.cumsum(train_lengths)[:-1]

@@ -222,7 +222,14 @@ def _batches(ds, column: str, batch_size: int) -> Iterator[list]:
 
 
 class WorkerDied(Exception):
-    """A tokenizer worker process ended without returning its batch: (what happened, whether SIGKILL ended it)."""
+    """A worker process ended without returning its batch: (what happened, whether SIGKILL ended it)."""
+
+    def as_prepare_error(self, store: str, worker: str, flag: str) -> PrepareError:
+        """The preparation's one-line failure: `store` names it, `worker` the kind of worker, `flag` the knob."""
+        what, sigkill = self.args
+        hint = (f"The usual cause is the out-of-memory killer: retry with a smaller {flag}" if sigkill else
+                "Its own error is printed above")
+        return PrepareError(f"{store}: a {worker} worker process died ({what}); nothing was kept. " + hint)
 
 
 def _worker_main(conn, init, work, init_args: tuple, parent_pid: int) -> None:
@@ -447,11 +454,7 @@ def write_store(splits: dict, tokenizer, tokenizer_dir: str, fingerprint: Finger
         os.replace(tmp, store)  # onto nothing, or an empty folder (prepare_token_store refuses any other)
         finished = True
     except WorkerDied as err:
-        what, sigkill = err.args
-        hint = ("The usual cause is the out-of-memory killer: retry with a smaller --num_proc" if sigkill else
-                "Its own error is printed above")
-        raise PrepareError(f"token store {store}: a tokenizer worker process died ({what}); nothing was kept. "
-                           + hint) from None
+        raise err.as_prepare_error(f"token store {store}", "tokenizer", "--num_proc") from None
     except OSError as err:
         if err.errno != errno.ENOSPC:
             raise

@@ -822,6 +822,14 @@ def eval_metric_prefix(split: str) -> str:
     return "eval_" if split == VALIDATION_SPLIT else f"eval_{split.split('.', 1)[1]}_"
 
 
+def eval_loss_set(metric: str) -> Optional[str]:
+    """The evaluation set whose loss a metric key is ("" for eval_loss, the name for eval_<name>_loss), or None for
+    a key that is no evaluation loss: eval_metric_prefix read backwards."""
+    if not (metric.startswith("eval_") and metric.endswith("loss")):
+        return None
+    return metric[len("eval_"):-len("loss")].rstrip("_")
+
+
 def _check_data_files(flag: str, files: list) -> None:
     for file in files:
         path = Path(file)

@@ -20,6 +20,7 @@ import time
 from pathlib import Path
 from typing import Callable, Optional
 
+from scaletrain.config import eval_loss_set
 from scaletrain.errors import UsageError
 
 log = logging.getLogger(__name__)
@@ -103,8 +104,8 @@ def final_losses(final: dict) -> list:
     named set)."""
     rows = [("final training loss", final["loss"])] if "loss" in final else []
     for key, value in final.items():
-        if key.startswith("eval_") and key.endswith("loss"):
-            name = key[len("eval_"):-len("loss")].rstrip("_")
+        name = eval_loss_set(key)
+        if name is not None:
             rows.append((f"final evaluation loss ({name})" if name else "final evaluation loss", value))
     return rows
 

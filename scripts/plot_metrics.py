@@ -11,6 +11,10 @@ import json
 import sys
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from scaletrain.config import eval_loss_set  # noqa: E402
+
 PHASES = ("data_wait", "forward", "backward", "pipeline", "optimizer", "sync", "checkpoint")
 
 
@@ -20,7 +24,7 @@ def load(run_dir: Path) -> tuple:
         sys.exit(f"plot_metrics.py: error: {path}: no such file (is {run_dir} a run folder?)")
     records = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
     train = [r for r in records if "loss" in r]
-    evals = [r for r in records if any(k.startswith("eval_") and k.endswith("loss") for k in r)]
+    evals = [r for r in records if any(eval_loss_set(k) is not None for k in r)]
     if not train:
         sys.exit(f"plot_metrics.py: error: {path} holds no training records yet")
     return train, evals
@@ -42,9 +46,9 @@ def plot(run_dir: Path, out: Path) -> Path:
     ax = axes[0, 0]
     ax.plot(steps, series("loss"), label="train loss")
     # One line per evaluation set: eval_loss, or eval_<name>_loss for each named --validation_file set.
-    for key in dict.fromkeys(k for r in evals for k in r if k.startswith("eval_") and k.endswith("loss")):
+    for key in dict.fromkeys(k for r in evals for k in r if eval_loss_set(k) is not None):
         points = [(r["step"], r[key]) for r in evals if key in r]
-        name = key[len("eval_"):-len("loss")].rstrip("_")
+        name = eval_loss_set(key)
         ax.plot(*zip(*points, strict=True), "o-", label=f"eval loss ({name})" if name else "eval loss")
     ax.set_title("loss")
     ax.legend()

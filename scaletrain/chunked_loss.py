@@ -59,23 +59,29 @@ class ChunkedCrossEntropy(torch.autograd.Function):
         grad_bias = (torch.zeros(bias.shape, dtype=torch.float32, device=bias.device)
                      if with_grad and bias is not None and bias.requires_grad else None)
         for start in range(0, hidden.size(0), chunk):
-            h, t = hidden[start:start + chunk], targets[start:start + chunk]
-            logits = F.linear(h, weight, bias).float()
+            t = targets[start:start + chunk]
             ignored = t == IGNORE_INDEX
             safe_targets = t.masked_fill(ignored, 0)
-            log_norm = torch.logsumexp(logits, dim=-1)
-            total += (log_norm - logits.gather(1, safe_targets.unsqueeze(1)).squeeze(1)).masked_fill(ignored, 0).sum()
+            # Ignored tokens are masked on the [tokens, hidden] side, never on [tokens, vocabulary]: their hidden
+            # states enter the head as zeros (finite logits whatever the model produced there), so they reach
+            # neither the weight's gradient nor, zeroed below, the hidden states'.
+            skipped = ignored.unsqueeze(1)
+            h = hidden[start:start + chunk].masked_fill(skipped, 0)
+            # One fused pass over the chunk's logits (max, sum of exponentials, subtraction) instead of
+            # logsumexp's several; the softmax for the gradient is its exponential, in place.
+            log_probs = F.log_softmax(F.linear(h, weight, bias), dim=-1, dtype=torch.float32)
+            total -= log_probs.gather(1, safe_targets.unsqueeze(1)).squeeze(1).masked_fill(ignored, 0).sum()
             if not with_grad:
                 continue
-            # d(summed loss)/d(logits) = softmax - one_hot(target), zero for ignored targets; in the logits' buffer
-            d_logits = logits.sub_(log_norm.unsqueeze(1)).exp_()
+            # d(summed loss)/d(logits) = softmax - one_hot(target)
+            d_logits = log_probs.exp_()
             d_logits[torch.arange(t.size(0), device=t.device), safe_targets] -= 1.0
-            d_logits.masked_fill_(ignored.unsqueeze(1), 0.0)
             if grad_bias is not None:
-                grad_bias += d_logits.sum(0)
+                grad_bias += torch.mv(d_logits.t(), (~ignored).to(d_logits.dtype))
             d_logits = d_logits.to(h.dtype)
             if grad_hidden is not None:
                 torch.mm(d_logits, weight, out=grad_hidden[start:start + chunk])
+                grad_hidden[start:start + chunk].masked_fill_(skipped, 0)
             if grad_weight is not None:
                 grad_weight.addmm_(d_logits.t(), h.to(grad_weight.dtype))
         ctx.grads = (grad_hidden, grad_weight, grad_bias)

@@ -145,6 +145,36 @@ def test_every_target_ignored_gives_zero_and_zero_gradients():
     assert loss.item() == 0 and not hidden.grad.any() and not weight.grad.any()
 
 
+def test_non_finite_hidden_states_at_ignored_targets_reach_no_gradient():
+    """Ignored tokens are masked on the hidden-state side: whatever the model produced there (here inf and NaN)
+    gives the loss and gradients of the counted tokens alone."""
+    generator = torch.Generator().manual_seed(3)
+    hidden = torch.randn(7, 4, generator=generator)
+    weight, bias = torch.randn(9, 4, generator=generator), torch.randn(9, generator=generator)
+    targets = torch.randint(0, 9, (7,), generator=generator)
+    targets[[1, 4]] = IGNORE_INDEX
+    poisoned = hidden.clone()
+    poisoned[1], poisoned[4] = float("nan"), float("inf")
+
+    def gradients(h, chunk):
+        h, w, b = (x.clone().requires_grad_() for x in (h, weight, bias))
+        loss = ChunkedCrossEntropy.apply(h, w, b, targets, chunk, True)
+        loss.backward()
+        return loss.detach(), h.grad, w.grad, b.grad
+
+    kept = targets != IGNORE_INDEX
+    h, w, b = (x.clone().requires_grad_() for x in (hidden[kept], weight, bias))
+    reference = F.cross_entropy(F.linear(h, w, b), targets[kept], reduction="sum")
+    reference.backward()
+    for chunk in (3, 7):
+        loss, grad_hidden, grad_weight, grad_bias = gradients(poisoned, chunk)
+        assert loss.item() == pytest.approx(reference.item(), rel=1e-6)
+        assert not grad_hidden[~kept].any()
+        torch.testing.assert_close(grad_hidden[kept], h.grad)
+        torch.testing.assert_close(grad_weight, w.grad)
+        torch.testing.assert_close(grad_bias, b.grad)
+
+
 def test_auto_chunk_keeps_a_chunks_fp32_logits_under_256_mib():
     assert auto_loss_chunk(128_256) == 523  # 523 x 128,256 x 4 bytes = 255.9 MiB
     assert auto_loss_chunk(128_256) * 128_256 * 4 <= 256 * 2**20 < (auto_loss_chunk(128_256) + 1) * 128_256 * 4

@@ -55,6 +55,7 @@ def test_both_sides_train_the_same_tokens_and_report_figures(tmp_path):
     # The same config and seed, so the same initial weights: after a few steps the eval losses are close.
     assert abs(ours["eval_losses"][0] - theirs["eval_losses"][0]) < 0.1
     assert set(result["ratio"]) >= {"max_rss_kb", "tokens_per_s"} and all(v > 0 for v in result["ratio"].values())
+    assert result["round_ratios"] == pytest.approx([ours["tokens_per_s"] / theirs["tokens_per_s"]])
     assert "| memory: peak RSS" in proc.stdout and "| memory: steady tokens/s" in proc.stdout
 
 

@@ -3,7 +3,9 @@
 2 ranks (deepspeed launcher), the 5.0M-parameter Llama of scripts/bench_overhead.py, 4 x 256 tokens per rank per step,
 60 steps, fp32; steady tokens/s from the end of step 10 (metrics.jsonl stamps); variants alternate, --rounds times.
 
-    python scripts/bench/zero2_ablation.py [--variants default,unfused,no_overlap,allreduce,bucket5e8] [--rounds 2]
+    python scripts/bench/zero2_ablation.py [--variants default,bucket_model,...] [--rounds 2]
+
+Variants: default, unfused, no_overlap, allreduce, bucket5e8, bucket_model, reduce_per_rank (VARIANTS below).
 """
 
 from __future__ import annotations
@@ -27,6 +29,10 @@ VARIANTS = {  # (zero_optimization changes, optimizer.params changes)
     "no_overlap": ({"overlap_comm": False}, {}),
     "allreduce": ({"reduce_scatter": False}, {}),
     "bucket5e8": ({"reduce_bucket_size": 500_000_000, "allgather_bucket_size": 500_000_000}, {}),
+    "bucket_model": ({"reduce_bucket_size": 5_000_000, "allgather_bucket_size": 5_000_000}, {}),  # one bucket
+    # each rank's gradient partition reduced to it alone (one reduce per destination) instead of the whole bucket
+    # all-reduced and every rank keeping its slice: half the bytes, one collective per rank and bucket
+    "reduce_per_rank": ({"use_multi_rank_bucket_allreduce": False}, {}),
 }
 STEPS, WARMUP, BATCH, BLOCK, RANKS = 60, 10, 4, 256, 2
 

@@ -1,0 +1,74 @@
+"""Time of the token loss through the LM head, forward and backward, in one process: train.py's chunked loss
+(scaletrain/chunked_loss.py) against the whole-logits loss (the Hugging Face way: F.linear, F.cross_entropy on the
+fp32 logits, autograd's backward). Both include the head's three matrix products. fp32 on the CPU, one thread;
+the two alternate, --rounds times; medians.
+
+    python scripts/bench/chunked_loss_speed.py [--tokens 1024] [--hidden 256] [--vocab 4096,32768] [--rounds 15]
+
+The default shapes: one micro-batch of scripts/compare_hf_trainer.py --measure throughput (4 x 256 tokens, hidden 256,
+vocabulary 4096), and the same with a 32k vocabulary. Run it in a checkout of an earlier commit to compare versions.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from functools import partial
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+from scaletrain.blocks import IGNORE_INDEX  # noqa: E402
+from scaletrain.chunked_loss import chunked_token_loss  # noqa: E402
+from scaletrain.memory_planner import auto_loss_chunk  # noqa: E402
+
+
+def whole_logits_loss(hidden, weight, targets):
+    return F.cross_entropy(F.linear(hidden, weight).float(), targets, ignore_index=IGNORE_INDEX, reduction="sum")
+
+
+def timed(loss_fn, hidden, weight) -> float:
+    hidden.grad = weight.grad = None
+    started = time.perf_counter()
+    loss_fn().backward()
+    return time.perf_counter() - started
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--tokens", type=int, default=1024)
+    parser.add_argument("--hidden", type=int, default=256)
+    parser.add_argument("--vocab", default="4096,32768")
+    parser.add_argument("--rounds", type=int, default=15)
+    parser.add_argument("--threads", type=int, default=1)
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    print("| tokens x hidden x vocabulary | chunk | chunked loss (ms) | whole logits (ms) | chunked / whole |")
+    print("|---|---|---|---|---|")
+    for vocab in map(int, args.vocab.split(",")):
+        torch.manual_seed(0)
+        hidden = torch.randn(args.tokens, args.hidden, requires_grad=True)
+        weight = (torch.randn(vocab, args.hidden) * 0.02).requires_grad_()
+        targets = torch.randint(0, vocab, (args.tokens,))
+        targets[-args.tokens // 256:] = IGNORE_INDEX  # the last token of each block has no target
+        chunk = auto_loss_chunk(vocab)
+        sides = {"chunked": partial(chunked_token_loss, hidden, weight, None, targets, chunk),
+                 "whole": partial(whole_logits_loss, hidden, weight, targets)}
+        times = {name: [] for name in sides}
+        for fn in sides.values():  # warm-up
+            timed(fn, hidden, weight)
+        for _ in range(args.rounds):
+            for name, fn in sides.items():
+                times[name].append(timed(fn, hidden, weight))
+        chunked, whole = (statistics.median(times[name]) * 1e3 for name in ("chunked", "whole"))
+        print(f"| {args.tokens} x {args.hidden} x {vocab} | {min(chunk, args.tokens)} | {chunked:.1f} | {whole:.1f} "
+              f"| {chunked / whole:.2f} |", flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -29,7 +29,8 @@ VARIANTS = {  # (zero_optimization changes, optimizer.params changes)
     "no_overlap": ({"overlap_comm": False}, {}),
     "allreduce": ({"reduce_scatter": False}, {}),
     "bucket5e8": ({"reduce_bucket_size": 500_000_000, "allgather_bucket_size": 500_000_000}, {}),
-    "bucket_model": ({"reduce_bucket_size": 5_000_000, "allgather_bucket_size": 5_000_000}, {}),  # one bucket
+    # one bucket: 5M elements hold all 4,999,424 parameters of bench_model (a larger model needs a larger figure)
+    "bucket_model": ({"reduce_bucket_size": 5_000_000, "allgather_bucket_size": 5_000_000}, {}),
     # each rank's gradient partition reduced to it alone (one reduce per destination) instead of the whole bucket
     # all-reduced and every rank keeping its slice: half the bytes, one collective per rank and bucket
     "reduce_per_rank": ({"use_multi_rank_bucket_allreduce": False}, {}),

@@ -71,7 +71,7 @@ def is_chat_store(opened_or_manifest: dict) -> bool:
 NOT_READ = object()
 
 
-def _first_records(data: DataArgs) -> list:
+def _first_records(data: DataArgs, reads_first_row: bool = True) -> list:
     """(where, first record) of each local file, of a save_to_disk folder, or of the train split of --dataset_name
     (a hub dataset or a local folder of data files); [] for the built-in sample and where nothing could be looked
     at (the loader then reports why, when the data is loaded)."""
@@ -81,7 +81,7 @@ def _first_records(data: DataArgs) -> list:
 
     records = []
     if data.dataset_name and not _is_saved_dataset(data.dataset_name):
-        records = _first_record_of_dataset(data)
+        records = _first_record_of_dataset(data, reads_first_row)
     elif data.dataset_name:
         raw = datasets.load_from_disk(data.dataset_name)  # memory-mapped: reads no rows
         train = raw["train"] if isinstance(raw, datasets.DatasetDict) and "train" in raw else raw
@@ -106,14 +106,16 @@ def _first_records(data: DataArgs) -> list:
     return records
 
 
-def _first_record_of_dataset(data: DataArgs) -> list:
+def _first_record_of_dataset(data: DataArgs, reads_first_row: bool = True) -> list:
     """The first training record of a hub dataset or a local folder of data files, by load_dataset's own two steps
     (its builder, then a stream of the train split). The builder's features, where it knows them without reading a
     row (a hub dataset's card or exported infos, a cached download's dataset_info.json), say plain text at no cost:
     nothing is streamed then, on any rank (streaming a row can read a whole first parquet row group, or a json file).
     Chat data, or data of unknown features, is streamed for its first record; where it cannot be (an unstreamable
     format), the features stand in for it, with NOT_READ for every non-string column (its rows are checked when the
-    store is made)."""
+    store is made). Chat data whose features say so is streamed only where `reads_first_row` (global rank 0): the
+    other ranks take its kind from the features, so 512 ranks make one request to the hub, not 512, and a first
+    record that rank 0 refuses stops them all at the rendezvous."""
     import datasets
 
     where = f"--dataset_name {data.dataset_name}"
@@ -125,8 +127,8 @@ def _first_record_of_dataset(data: DataArgs) -> list:
     features = builder.info.features
     described = features and {name: "" if getattr(feature, "dtype", None) in ("string", "large_string") else NOT_READ
                               for name, feature in features.items()}
-    if described and record_kind(described) is None:
-        return [(where, described)]  # plain text: as before, nothing read
+    if described and (record_kind(described) is None or not reads_first_row):
+        return [(where, described)]  # plain text: as before, nothing read; chat: rank 0 reads its first record
     try:
         first = next(iter(builder.as_streaming_dataset(split="train")), None)
         return [(where, first)] if first is not None else []
@@ -138,13 +140,15 @@ def _first_record_of_dataset(data: DataArgs) -> list:
     return [(where, described)]
 
 
-def resolve_chat_data(data: DataArgs, tokenizer) -> Optional[ChatData]:
+def resolve_chat_data(data: DataArgs, tokenizer, reads_first_row: bool = True) -> Optional[ChatData]:
     """Pre-flight, before anything heavy: whether the run's data is chat data and how it is rendered; None for
     plain text. Refuses chat flags on data without conversations, a conversation with no template anywhere, and a
-    first example that no template can render (an unknown role). Prepared stores say it in their manifest."""
+    first example that no template can render (an unknown role). Prepared stores say it in their manifest.
+    `reads_first_row`: False on every rank but global rank 0, which alone streams a dataset's first record where the
+    dataset's features already say it is chat data (see _first_record_of_dataset)."""
     if data.store_paths:
         return _chat_data_of_stores(data)
-    records = _first_records(data)
+    records = _first_records(data, reads_first_row)
     kinds = {record_kind(record) for _, record in records}
     if len(kinds) > 1:
         raise UsageError(f"{', '.join(where for where, _ in records)}: some files hold chat data and some do not",

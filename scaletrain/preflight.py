@@ -289,7 +289,7 @@ def resolve_run(argv: Optional[Sequence[str]], dist: DistInfo) -> ResolvedRun:
     model_config = load_model_config(cfg.model)
     check_model_layout(cfg.parallel, model_config)
     tokenizer = load_tokenizer(cfg.model)
-    chat = resolve_chat_data(cfg.data, tokenizer)
+    chat = resolve_chat_data(cfg.data, tokenizer, reads_first_row=dist.rank == 0)  # one hub request, not one a rank
     if chat is None:
         check_data_files(cfg.data)
     elif chat.template is not None:  # the export carries the template the model was trained with

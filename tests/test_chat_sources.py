@@ -134,6 +134,48 @@ def test_the_first_hub_record_is_checked_before_anything_heavy(tmp_path, tokeniz
         resolve_chat_data(data_args(tmp_path, "--dataset_name", HUB_NAME, "--chat_template", str(MISTRAL)), tokenizer)
 
 
+@pytest.fixture
+def streams_asked(monkeypatch):
+    """The real as_streaming_dataset, recording the splits it is asked for (a spy, not a mock: it streams)."""
+    import datasets
+
+    asked, real = [], datasets.DatasetBuilder.as_streaming_dataset
+
+    def as_streaming_dataset(self, split=None, base_path=None):
+        asked.append(split)
+        return real(self, split=split, base_path=base_path)
+
+    monkeypatch.setattr(datasets.DatasetBuilder, "as_streaming_dataset", as_streaming_dataset)
+    return asked
+
+
+def test_only_global_rank_0_streams_the_first_record_of_a_hub_chat_dataset(tmp_path, tokenizer, offline,
+                                                                           streams_asked):
+    """At 512 ranks, one hub request for the first record, not 512: the other ranks take the kind from the features.
+    A first record that rank 0 refuses stops them all at the rendezvous (as a mistake on one node does:
+    test_agreement.py), so they need not check it themselves."""
+    from scaletrain.distributed import DistInfo
+    from scaletrain.preflight import resolve_run
+
+    cache_hub_dataset(offline, [{"messages": [{"role": "robot", "content": "Hi?"}, *CHAT[1:]]}, {"messages": CHAT}])
+    data = data_args(tmp_path, "--dataset_name", HUB_NAME, "--chat_template", str(MISTRAL))
+    chat = resolve_chat_data(data, tokenizer, reads_first_row=False)
+    assert chat is not None and chat.kind == "messages" and chat.template is not None
+    assert streams_asked == []
+    with pytest.raises(UsageError, match="example 0: messages\\[0\\] has role 'robot'"):
+        resolve_chat_data(data, tokenizer, reads_first_row=True)
+    assert streams_asked == ["train"]
+
+    argv = ["--config", str(REPO / "ds_configs/zero2.json"), "--output_dir", str(tmp_path / "run"),
+            "--validation_split_percentage", "0", "--dataset_name", HUB_NAME, "--chat_template", str(MISTRAL)]
+    streams_asked.clear()
+    resolved = resolve_run(argv, DistInfo(rank=1, local_rank=1, world_size=2, launcher="torchrun/deepspeed"))
+    assert resolved.chat == chat and streams_asked == []  # a rank but 0: the features, no request
+    with pytest.raises(UsageError, match="has role 'robot'"):
+        resolve_run(argv, DistInfo(rank=0, local_rank=0, world_size=2, launcher="torchrun/deepspeed"))
+    assert streams_asked == ["train"]
+
+
 def test_a_plain_text_hub_dataset_stays_plain_text(tmp_path, tokenizer, offline):
     cache_hub_dataset(offline, [{"text": f"plain document {i}."} for i in range(4)])
     assert resolve_chat_data(data_args(tmp_path, "--dataset_name", HUB_NAME), tokenizer) is None

@@ -304,6 +304,9 @@ class EngineArgs:
     torch_compile: bool = _flag(
         False, "Compile the model with torch.compile through DeepSpeed's engine.compile (a \"compile\" section in "
                "the JSON turns it on too, with its DeepCompile options).")
+    cpu_shm_allreduce: bool = _flag(
+        True, "CPU ranks all on one host: all-reduce gradient buckets through DeepSpeed's shared-memory kernel "
+              "instead of gloo (3-14x faster on 2 cores; used where it can be: the log's first lines say).")
     torch_compile_backend: str = _flag("inductor", "torch.compile backend for --torch_compile.")
     torch_compile_mode: Optional[str] = _flag(
         None, "torch.compile mode for --torch_compile (default, reduce-overhead, max-autotune, ...).")

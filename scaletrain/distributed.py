@@ -156,6 +156,51 @@ def init_distributed(dist: DistInfo) -> DistInfo:
     return dataclasses.replace(dist, accelerator=accelerator)
 
 
+# The shared-memory kernel is 3-14x faster than gloo at every size from 64 KB to 64 MB on this 2-core box
+# (BENCHMARKS.md, "gloo against shared memory"), but a rank waiting in it for a dead peer spins until the launcher
+# kills it, where gloo raises (and the run says which peer is gone). So only gradient buckets (a model's are MBs)
+# take it; the small all-reduces of norms and flags, where most waits on a failed rank happen, stay on gloo.
+SHM_MIN_BYTES = 2**20
+
+
+def shm_allreduce_refusal(dist: DistInfo, environ: Mapping[str, str], cores: int) -> Optional[str]:
+    """Why --cpu_shm_allreduce cannot be used by this launch (None: it can). DeepSpeed's kernel maps every rank's
+    buffer into shared memory only when LOCAL_SIZE (the deepspeed launcher's ranks on this host) is the world size,
+    and its ranks wait for each other by spinning: one core each, never more ranks than cores."""
+    if dist.accelerator != "cpu":
+        return f"the {dist.accelerator} backend's collectives are used"
+    if dist.world_size == 1:
+        return "one rank"
+    if environ.get("LOCAL_SIZE") != str(dist.world_size):
+        return (f"the kernel needs every rank on one host, launched by the deepspeed launcher (LOCAL_SIZE "
+                f"{environ.get('LOCAL_SIZE', 'unset')}, world size {dist.world_size})")
+    if dist.world_size > cores:
+        return f"{dist.world_size} ranks on {cores} cores: its ranks spin while they wait, one core each"
+    return None
+
+
+def use_shm_allreduce(dist: DistInfo):
+    """Large gradient all-reduces through DeepSpeed's shared-memory kernel where shm_allreduce_refusal allows:
+    the installed ds_internals.ShmAllReduce (its counters say how much it carried), or None with the reason logged."""
+    from scaletrain import ds_internals
+
+    log = logging.getLogger(__name__)
+    refusal = shm_allreduce_refusal(dist, os.environ, len(os.sched_getaffinity(0)))
+    router = None
+    if refusal is None:
+        router = ds_internals.ShmAllReduce(dist.world_size, SHM_MIN_BYTES)
+        if not router.usable:
+            refusal, router = "DeepSpeed's kernel is not loaded, or this CPU lacks AVX2", None
+    if router is None:
+        if dist.accelerator == "cpu" and dist.world_size > 1:
+            log.info("cpu: all-reduce through gloo (--cpu_shm_allreduce: %s)", refusal)
+        return None
+    router.install()
+    log.info("cpu: all-reduces of %d MB or more over all %d ranks through DeepSpeed's shared-memory kernel, the "
+             "rest through gloo (--no-cpu_shm_allreduce: gloo for all)", SHM_MIN_BYTES // 2**20, dist.world_size)
+    return router
+
+
 def cpu_threads_per_rank(environ: Mapping[str, str], cores: int) -> Optional[int]:
     """Intra-op threads for each CPU rank: the node's cores shared among its ranks, unless OMP_NUM_THREADS is set.
 

@@ -23,6 +23,11 @@ Hooks, why we need them, and the test that proves they still act:
   tests/test_ops.py::test_stale_build_locks_are_removed_and_a_two_rank_offload_run_finishes.
 - deepspeed.comm.torch.build_shm_op: replaced by a no-op on a single CPU rank, which never communicates, to skip a
   build of minutes. Only speed depends on it; tests/test_ds_internals.py checks that it resolves.
+- deepspeed.comm.comm.cdb (the process group backend DeepSpeed's collectives go through), its instance method
+  all_reduce and attribute shm_vector_kernel_level, and the op torch.ops.deepspeed.inference_all_reduce_ (DeepSpeed's
+  shared-memory all-reduce of CPU ranks on one host, built for inference): --cpu_shm_allreduce sends large
+  synchronous sums over the whole world through it instead of gloo.
+  tests/test_pipeline.py::test_loss_and_update_do_not_depend_on_accumulation_or_rank_count (its 2-rank run).
 - deepspeed.checkpoint.ds_to_universal (run with python -m) and its checkpoint version
   deepspeed.checkpoint.constants.UNIVERSAL_CHECKPOINT_VERSION_VALUE (scaletrain writes 0.4 into every checkpoint):
   resuming on another rank count. tests/test_checkpoint.py::test_resume_on_another_rank_count_converts_and_continues.
@@ -242,6 +247,10 @@ BUILDER_LOAD = Hook("deepspeed.ops.op_builder.builder:OpBuilder", "load", _OPS)
 BUILDER_COMPATIBLE = Hook("deepspeed.ops.op_builder.builder:OpBuilder", "is_compatible", _OPS)
 BUILDER_NAME = Hook("deepspeed.ops.op_builder.builder:OpBuilder", "name", _OPS)  # on the instance only
 SHM_BUILD = Hook("deepspeed.comm.torch", "build_shm_op", "skipping the shm all-reduce build on one CPU rank")
+_SHM, _SHM_INSTEAD = "the shared-memory all-reduce of CPU ranks (--cpu_shm_allreduce)", "pass --no-cpu_shm_allreduce"
+COMM_BACKEND = Hook("deepspeed.comm.comm", "cdb", _SHM, _SHM_INSTEAD)
+BACKEND_ALL_REDUCE = Hook("deepspeed.comm.torch:TorchBackend", "all_reduce", _SHM, _SHM_INSTEAD)
+SHM_KERNEL_LEVEL = Hook("deepspeed.comm.torch:TorchBackend", "shm_vector_kernel_level", _SHM, _SHM_INSTEAD)  # instance
 UNIVERSAL_CONVERTER = Hook("deepspeed.checkpoint.ds_to_universal", None, _UNIVERSAL, _UNIVERSAL_INSTEAD)
 UNIVERSAL_VERSION = Hook("deepspeed.checkpoint.constants", "UNIVERSAL_CHECKPOINT_VERSION_VALUE", _UNIVERSAL,
                          _UNIVERSAL_INSTEAD, problem=_not_ours)
@@ -267,6 +276,7 @@ RECOVERY_SCRIPT = Hook("deepspeed.runtime.engine:DeepSpeedEngine", "_copy_recove
 # What check_hooks() resolves from the classes; the instance-only ones are checked where they are used.
 HOOKS = (STAGE3_CHECK, STAGE3_CLEANUP, STAGE12_CHECK, STAGE12_INIT, FWD_MODULE_STACK, PARAMS_TO_RELEASE,
          BUILD_DIRECTORY, INSTALLED_OPS, CREATE_OP_BUILDER, BUILDER_LOAD, BUILDER_COMPATIBLE, SHM_BUILD,
+         COMM_BACKEND, BACKEND_ALL_REDUCE,
          UNIVERSAL_CONVERTER, UNIVERSAL_VERSION, TP_GROUPS, TP_GATHER, PIPE_INSTRUCTIONS, PIPE_OPTIMIZER_STEP,
          PIPE_CLIP, PIPE_P2P_GROUPS, PIPE_P2P_GRID, COMMS_LOGGER, COMMS_APPEND, CHECKPOINT_WRITE, RECOVERY_SCRIPT)
 
@@ -419,6 +429,72 @@ def skip_shm_op_build() -> None:
     # importlib (in Hook): `import deepspeed.comm.torch` would resolve to the torch package re-exported there.
     SHM_BUILD.resolve()
     SHM_BUILD.owner_object().build_shm_op = lambda: None
+
+
+class ShmAllReduce:
+    """Large synchronous all-reduce sums over every rank, sent through DeepSpeed's shared-memory kernel instead of
+    the backend's (gloo) all_reduce; everything else (other groups, other ops, async calls, small or strided tensors,
+    types the host's kernel cannot sum) goes to the original. Installed on DeepSpeed's backend instance after
+    deepspeed.init_distributed, so the comms logger still sees each call as an all_reduce.
+
+    Every rank routes a call the same way: the tests below depend only on what all ranks of an all-reduce share
+    (its group, op, dtype and size), so a call never meets gloo on one rank and shared memory on another."""
+
+    def __init__(self, world_size: int, min_bytes: int):
+        import torch
+
+        self.world_size, self.min_bytes = world_size, min_bytes
+        self.calls, self.bytes = 0, 0
+        backend = COMM_BACKEND.resolve()
+        if backend is None:
+            raise RuntimeError("ShmAllReduce: deepspeed.init_distributed has not run")
+        self._original = BACKEND_ALL_REDUCE.on(backend)
+        level = SHM_KERNEL_LEVEL.on(backend)
+        self._kernel = getattr(getattr(torch.ops, "deepspeed", None), "inference_all_reduce_", None)
+        # The kernel's fp32 sums need AVX2 (level 1), its bf16/fp16 ones AVX-512BW (level 2).
+        self.dtypes = {torch.float32} if level == 1 else {torch.float32, torch.bfloat16, torch.float16} \
+            if level >= 2 else set()
+        self.usable = self._kernel is not None and bool(self.dtypes)
+        self._backend = backend
+
+    def install(self) -> None:
+        import torch
+
+        route = self.routes
+        kernel, original = self._kernel, self._original
+
+        @torch.compiler.disable
+        def all_reduce(tensor, op=None, group=None, async_op=False):
+            if route(tensor, op, group, async_op):
+                kernel(tensor)
+                return None
+            return original(tensor=tensor, op=torch.distributed.ReduceOp.SUM if op is None else op, group=group,
+                            async_op=async_op)
+
+        self._backend.all_reduce = all_reduce
+
+    def uninstall(self) -> None:
+        self._backend.__dict__.pop("all_reduce", None)
+
+    def routes(self, tensor, op, group, async_op) -> bool:
+        """Whether this all-reduce goes through shared memory (and counts it)."""
+        import torch.distributed as tdist
+
+        nbytes = tensor.numel() * tensor.element_size()
+        if (async_op or nbytes < self.min_bytes or tensor.dtype not in self.dtypes or tensor.device.type != "cpu"
+                or not tensor.is_contiguous() or not _is_sum(op)):
+            return False
+        if group is not None and group is not tdist.GroupMember.WORLD and tdist.get_world_size(group) != \
+                self.world_size:
+            return False
+        self.calls += 1
+        self.bytes += nbytes
+        return True
+
+
+def _is_sum(op) -> bool:
+    """DeepSpeed's ReduceOp.SUM (an Enum), torch's (a pybind enum: also named), or the default (None)."""
+    return op is None or getattr(op, "name", None) == "SUM"
 
 
 def universal_checkpoint_info(tensor_parallel_size: int = 1) -> dict:

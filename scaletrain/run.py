@@ -51,6 +51,7 @@ class Run:
         self.dist = dist = resolved.dist  # the launch with this run's layout
         self.model: Any = None
         self._zero3_keepalive: Any = None
+        self._shm_allreduce: Any = None  # ds_internals.ShmAllReduce where --cpu_shm_allreduce is in use
         self.stores: list = []
         self.train_blocks: Optional[PackedBlocks] = None
         self.eval_sets: dict = {}  # {validation split: EvalBatches}
@@ -93,6 +94,8 @@ class Run:
         checkpoint, tokenizer and run configuration each found, before any rank acts on them."""
         self.dist = distributed.init_distributed(self.dist)
         agreement.settle(self.dist, facts=agreement.preflight_facts(self.resolved))
+        if self.cfg.engine.cpu_shm_allreduce:  # after the rendezvous: every rank decides on the same facts
+            self._shm_allreduce = distributed.use_shm_allreduce(self.dist)
         describe_launch(self.resolved, self.dist)
         seed_everything(self.cfg.optim.seed)
 
@@ -414,6 +417,11 @@ class Run:
         # The engine, optimizer and ZeRO-3 parameters hold process groups, so destroy_process_group alone left
         # gloo's threads running until the interpreter tore the objects down at exit, which now and then aborted
         # a finished run (SIGABRT, "terminate called without an active exception"). Free them here instead.
+        if self._shm_allreduce is not None:
+            log.info("cpu: %d all-reduces (%.2f GB) went through shared memory", self._shm_allreduce.calls,
+                     self._shm_allreduce.bytes / 1e9)
+            self._shm_allreduce.uninstall()
+            self._shm_allreduce = None
         if self.engine is not None:
             try:
                 engine_lib.release_engine(self.engine)

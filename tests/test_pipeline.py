@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from pathlib import Path
 
 import pytest
@@ -248,7 +249,9 @@ def _corpus_of_blocks(path: Path, block_size: int, n_blocks: int) -> None:
 
 @pytest.mark.slow
 def test_loss_and_update_do_not_depend_on_accumulation_or_rank_count(tmp_path, cache_dir):
-    """One global batch of 8 blocks (the last one partly padding), split four ways: same loss, same update."""
+    """One global batch of 8 blocks (the last one partly padding), split three ways: same loss, same update. The
+    2-rank run sums its gradients through shared memory (the CPU default on one host), so a kernel that dropped,
+    doubled or misplaced a rank's gradient would change its norm and update."""
     from safetensors.torch import load_file
 
     data = tmp_path / "eight_blocks.jsonl"
@@ -270,6 +273,10 @@ def test_loss_and_update_do_not_depend_on_accumulation_or_rank_count(tmp_path, c
             "--learning_rate", "1e-2", "--adam_epsilon", "1e-3", "--disable_tqdm"], "deepspeed", cache_dir,
             nprocs=ranks)
         check_ok(proc)
+        if ranks > 1:  # the gradient buckets were summed by DeepSpeed's shared-memory kernel (--cpu_shm_allreduce)
+            carried = re.search(r"cpu: (\d+) all-reduces \(([\d.]+) GB\) went through shared memory",
+                                proc.stdout + proc.stderr)
+            assert carried is not None and int(carried.group(1)) >= gas, (proc.stdout + proc.stderr)[-3000:]
         record = read_metrics(run_dir)[0]
         results[name] = (record["loss"], record["grad_norm"], load_file(run_dir / "model.safetensors"))
     ref_loss, ref_norm, ref_weights = results["1rank_gas1"]

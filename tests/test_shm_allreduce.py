@@ -1,0 +1,34 @@
+"""--cpu_shm_allreduce: gradient all-reduces of CPU ranks on one host through DeepSpeed's shared-memory kernel.
+
+The decision (where the kernel can work) is tested here; the kernel's sums in a real run are tested by
+tests/test_pipeline.py::test_loss_and_update_do_not_depend_on_accumulation_or_rank_count, whose 2-rank ZeRO-2 run
+(the kernel on, the default) must train exactly as one rank does, having sent its gradient buckets through it.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from scaletrain.distributed import DistInfo, shm_allreduce_refusal
+
+
+def _dist(world_size: int, accelerator: str = "cpu") -> DistInfo:
+    return DistInfo(rank=0, local_rank=0, world_size=world_size, launcher="torchrun/deepspeed",
+                    accelerator=accelerator)
+
+
+@pytest.mark.parametrize("dist,environ,cores,refused", [
+    (_dist(2), {"LOCAL_SIZE": "2"}, 2, None),  # the deepspeed launcher, 2 ranks on 2 cores
+    (_dist(8), {"LOCAL_SIZE": "8"}, 64, None),
+    (_dist(2, "cuda"), {"LOCAL_SIZE": "2"}, 2, "the cuda backend's collectives are used"),
+    (_dist(1), {"LOCAL_SIZE": "1"}, 2, "one rank"),
+    (_dist(2), {}, 2, "LOCAL_SIZE unset, world size 2"),  # torchrun (LOCAL_WORLD_SIZE only), srun
+    (_dist(4), {"LOCAL_SIZE": "2"}, 2, "LOCAL_SIZE 2, world size 4"),  # two nodes
+    (_dist(4), {"LOCAL_SIZE": "4"}, 2, "4 ranks on 2 cores"),  # oversubscribed: spinning ranks starve the others
+])
+def test_the_shared_memory_all_reduce_is_used_only_where_its_kernel_works(dist, environ, cores, refused):
+    refusal = shm_allreduce_refusal(dist, environ, cores)
+    if refused is None:
+        assert refusal is None
+    else:
+        assert refusal is not None and refused in refusal

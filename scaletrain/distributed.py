@@ -163,37 +163,43 @@ def init_distributed(dist: DistInfo) -> DistInfo:
 SHM_MIN_BYTES = 2**20
 
 
-def shm_allreduce_refusal(dist: DistInfo, environ: Mapping[str, str], cores: int) -> Optional[str]:
-    """Why --cpu_shm_allreduce cannot be used by this launch (None: it can). DeepSpeed's kernel maps every rank's
-    buffer into shared memory only when LOCAL_SIZE (the deepspeed launcher's ranks on this host) is the world size,
-    and its ranks wait for each other by spinning: one core each, never more ranks than cores."""
+def shm_allreduce_refusal(dist: DistInfo, local_sizes: list, cores: int, usable: list) -> Optional[str]:
+    """Why --cpu_shm_allreduce cannot be used by this launch (None: it can), from what every rank found (in rank
+    order): its LOCAL_SIZE, whether DeepSpeed's kernel is loaded there, and the distinct cores the ranks may run on
+    together. The kernel maps every rank's buffer into shared memory only when LOCAL_SIZE (the deepspeed launcher's
+    ranks on this host) is the world size, and its ranks wait for each other by spinning: never more ranks than
+    cores. Decided on the same facts on every rank: no all-reduce meets gloo on one rank and the kernel on another."""
     if dist.accelerator != "cpu":
         return f"the {dist.accelerator} backend's collectives are used"
     if dist.world_size == 1:
         return "one rank"
-    if environ.get("LOCAL_SIZE") != str(dist.world_size):
-        return (f"the kernel needs every rank on one host, launched by the deepspeed launcher (LOCAL_SIZE "
-                f"{environ.get('LOCAL_SIZE', 'unset')}, world size {dist.world_size})")
+    for rank, local_size in enumerate(local_sizes):
+        if local_size != str(dist.world_size):
+            return (f"the kernel needs every rank on one host, launched by the deepspeed launcher (rank {rank}: "
+                    f"LOCAL_SIZE {local_size or 'unset'}, world size {dist.world_size})")
     if dist.world_size > cores:
         return f"{dist.world_size} ranks on {cores} cores: its ranks spin while they wait, one core each"
+    for rank, loaded in enumerate(usable):
+        if not loaded:
+            return f"rank {rank}: DeepSpeed's kernel is not loaded, or the CPU lacks AVX2"
     return None
 
 
 def use_shm_allreduce(dist: DistInfo):
-    """Large gradient all-reduces through DeepSpeed's shared-memory kernel where shm_allreduce_refusal allows:
-    the installed ds_internals.ShmAllReduce (its counters say how much it carried), or None with the reason logged."""
+    """Large gradient all-reduces through DeepSpeed's shared-memory kernel where shm_allreduce_refusal allows: the
+    installed ds_internals.ShmAllReduce (its counters say how much it carried), or None with the reason logged.
+    A collective on CPU ranks (every rank's facts); nothing to do, and no collective, on a GPU or a single rank."""
     from scaletrain import ds_internals
 
+    if dist.accelerator != "cpu" or dist.world_size == 1:
+        return None
     log = logging.getLogger(__name__)
-    refusal = shm_allreduce_refusal(dist, os.environ, len(os.sched_getaffinity(0)))
-    router = None
-    if refusal is None:
-        router = ds_internals.ShmAllReduce(dist.world_size, SHM_MIN_BYTES)
-        if not router.usable:
-            refusal, router = "DeepSpeed's kernel is not loaded, or this CPU lacks AVX2", None
-    if router is None:
-        if dist.accelerator == "cpu" and dist.world_size > 1:
-            log.info("cpu: all-reduce through gloo (--cpu_shm_allreduce: %s)", refusal)
+    router = ds_internals.ShmAllReduce(dist.world_size, SHM_MIN_BYTES)
+    facts = all_gather_objects((os.environ.get("LOCAL_SIZE"), sorted(os.sched_getaffinity(0)), router.usable))
+    cores = len(set().union(*(set(affinity) for _, affinity, _ in facts)))
+    refusal = shm_allreduce_refusal(dist, [size for size, _, _ in facts], cores, [ok for _, _, ok in facts])
+    if refusal is not None:
+        log.info("cpu: all-reduce through gloo (--cpu_shm_allreduce: %s)", refusal)
         return None
     router.install()
     log.info("cpu: all-reduces of %d MB or more over all %d ranks through DeepSpeed's shared-memory kernel, the "

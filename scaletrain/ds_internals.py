@@ -24,9 +24,9 @@ Hooks, why we need them, and the test that proves they still act:
 - deepspeed.comm.torch.build_shm_op: replaced by a no-op on a single CPU rank, which never communicates, to skip a
   build of minutes. Only speed depends on it; tests/test_ds_internals.py checks that it resolves.
 - deepspeed.comm.comm.cdb (the process group backend DeepSpeed's collectives go through), its instance method
-  all_reduce and attribute shm_vector_kernel_level, and the op torch.ops.deepspeed.inference_all_reduce_ (DeepSpeed's
-  shared-memory all-reduce of CPU ranks on one host, built for inference): --cpu_shm_allreduce sends large
-  synchronous sums over the whole world through it instead of gloo.
+  all_reduce and attributes shm_comm_op and shm_vector_kernel_level, and the op
+  torch.ops.deepspeed.inference_all_reduce_ (DeepSpeed's shared-memory all-reduce of CPU ranks on one host, built
+  for inference): --cpu_shm_allreduce sends large synchronous sums over the whole world through it instead of gloo.
   tests/test_pipeline.py::test_loss_and_update_do_not_depend_on_accumulation_or_rank_count (its 2-rank run).
 - deepspeed.checkpoint.ds_to_universal (run with python -m) and its checkpoint version
   deepspeed.checkpoint.constants.UNIVERSAL_CHECKPOINT_VERSION_VALUE (scaletrain writes 0.4 into every checkpoint):
@@ -251,6 +251,7 @@ _SHM, _SHM_INSTEAD = "the shared-memory all-reduce of CPU ranks (--cpu_shm_allre
 COMM_BACKEND = Hook("deepspeed.comm.comm", "cdb", _SHM, _SHM_INSTEAD)
 BACKEND_ALL_REDUCE = Hook("deepspeed.comm.torch:TorchBackend", "all_reduce", _SHM, _SHM_INSTEAD)
 SHM_KERNEL_LEVEL = Hook("deepspeed.comm.torch:TorchBackend", "shm_vector_kernel_level", _SHM, _SHM_INSTEAD)  # instance
+SHM_COMM_OP = Hook("deepspeed.comm.torch:TorchBackend", "shm_comm_op", _SHM, _SHM_INSTEAD)  # instance
 UNIVERSAL_CONVERTER = Hook("deepspeed.checkpoint.ds_to_universal", None, _UNIVERSAL, _UNIVERSAL_INSTEAD)
 UNIVERSAL_VERSION = Hook("deepspeed.checkpoint.constants", "UNIVERSAL_CHECKPOINT_VERSION_VALUE", _UNIVERSAL,
                          _UNIVERSAL_INSTEAD, problem=_not_ours)
@@ -449,7 +450,8 @@ class ShmAllReduce:
         if backend is None:
             raise RuntimeError("ShmAllReduce: deepspeed.init_distributed has not run")
         self._original = BACKEND_ALL_REDUCE.on(backend)
-        level = SHM_KERNEL_LEVEL.on(backend)
+        # Both set on the instance; the level only where DeepSpeed built and loaded the kernel.
+        level = SHM_KERNEL_LEVEL.on(backend) if SHM_COMM_OP.on(backend) is not None else 0
         self._kernel = getattr(getattr(torch.ops, "deepspeed", None), "inference_all_reduce_", None)
         # The kernel's fp32 sums need AVX2 (level 1), its bf16/fp16 ones AVX-512BW (level 2).
         self.dtypes = {torch.float32} if level == 1 else {torch.float32, torch.bfloat16, torch.float16} \

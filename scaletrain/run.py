@@ -414,14 +414,14 @@ class Run:
             self.comm_log = None
         if self.metrics is not None:
             self.metrics.close(exit_code)
-        # The engine, optimizer and ZeRO-3 parameters hold process groups, so destroy_process_group alone left
-        # gloo's threads running until the interpreter tore the objects down at exit, which now and then aborted
-        # a finished run (SIGABRT, "terminate called without an active exception"). Free them here instead.
         if self._shm_allreduce is not None:
             log.info("cpu: %d all-reduces (%.2f GB) went through shared memory", self._shm_allreduce.calls,
                      self._shm_allreduce.bytes / 1e9)
             self._shm_allreduce.uninstall()
             self._shm_allreduce = None
+        # The engine, optimizer and ZeRO-3 parameters hold process groups, so destroy_process_group alone left
+        # gloo's threads running until the interpreter tore the objects down at exit, which now and then aborted
+        # a finished run (SIGABRT, "terminate called without an active exception"). Free them here instead.
         if self.engine is not None:
             try:
                 engine_lib.release_engine(self.engine)

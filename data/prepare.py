@@ -30,8 +30,12 @@ TOKENIZER_FLAGS = ("tokenizer_name", "trust_remote_code")
 def parse(argv) -> tuple:
     """(DataArgs, ModelArgs with the tokenizer flags, the seed, store folder): the data slice, the tokenizer and the
     seed, parsed by the same flag definitions as train.py's."""
-    parser = _Parser(prog="data/prepare.py", description=__doc__, allow_abbrev=False,
-                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = _Parser(
+        prog="data/prepare.py",
+        description=__doc__,
+        allow_abbrev=False,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     add_flags(parser, ["data"], exclude=TRAINING_ONLY + ("preprocessing_num_workers",))
     tokenizer = parser.add_argument_group("tokenizer")
     for name in TOKENIZER_FLAGS:
@@ -41,13 +45,23 @@ def parse(argv) -> tuple:
         else:
             tokenizer.add_argument(f"--{name}", default=None, help=f.metadata["help"])
     seed = OptimArgs.__dataclass_fields__["seed"]
-    parser.add_argument("--seed", type=int, default=seed.default,
-                        help="Seed of the held-out validation documents (--validation_split_percentage), as train.py's "
-                        "--seed.")
+    parser.add_argument(
+        "--seed",
+        type=int,
+        default=seed.default,
+        help="Seed of the held-out validation documents (--validation_split_percentage), as train.py's --seed.",
+    )
     parser.add_argument("--output_dir", required=True, help="Folder of the token store to write (or reuse).")
-    parser.add_argument("--num_proc", "--preprocessing_num_workers", dest="preprocessing_num_workers", type=int,
-                        default=None, metavar="N", help="Tokenizer parallelism (default: the CPU count): up to 8 as "
-                        "Rust threads in one process, more as worker processes.")
+    parser.add_argument(
+        "--num_proc",
+        "--preprocessing_num_workers",
+        dest="preprocessing_num_workers",
+        type=int,
+        default=None,
+        metavar="N",
+        help="Tokenizer parallelism (default: the CPU count): up to 8 as "
+        "Rust threads in one process, more as worker processes.",
+    )
     values = vars(parser.parse_args(argv))
     if values["preprocessing_num_workers"] is not None and values["preprocessing_num_workers"] < 1:
         raise UsageError(f"--num_proc {values['preprocessing_num_workers']}: must be at least 1")
@@ -76,8 +90,9 @@ def main(argv=None) -> int:
             prepare_chat_store(data, tokenizer, block_size, store, chat)
         else:
             check_data_files(data)
-            prepare_token_store(data, tokenizer, model.tokenizer_source, block_size, store,
-                                data.preprocessing_num_workers, seed=seed)
+            prepare_token_store(
+                data, tokenizer, model.tokenizer_source, block_size, store, data.preprocessing_num_workers, seed=seed
+            )
     except (UsageError, PrepareError) as err:
         print(f"prepare.py: error: {err}", file=sys.stderr)
         return err.exit_code

@@ -24,11 +24,11 @@ READ_ONLY_FLAGS = ("--print_config", "--plan")
 
 HINTS = {
     "resume checkpoint": "every rank must see the same --output_dir (one shared folder at the same path); a file "
-                         "system that shows the nodes different listings for a while (NFS attribute caching) "
-                         "can do this: restart, or name the checkpoint with --resume_from_checkpoint",
+    "system that shows the nodes different listings for a while (NFS attribute caching) "
+    "can do this: restart, or name the checkpoint with --resume_from_checkpoint",
     "tokenizer": "every node must load the same tokenizer (the same model folder, or the same --tokenizer_name)",
     "run configuration": "every node must run the same code and configs (the same checkout, recipe and DeepSpeed "
-                         "JSON; relative paths resolve in each node's working directory)",
+    "JSON; relative paths resolve in each node's working directory)",
     "token store": "every node must read the same data: the same files (or the same prepared --data_path)",
 }
 
@@ -61,8 +61,13 @@ def settle(dist: DistInfo, error: Optional[RunEnded] = None, facts: Optional[dic
     Raises on every rank when any rank failed (its own error, or PeerStopped naming the first rank that failed), or
     when a rank's facts differ from global rank 0's (RanksDisagree); returns when all agree."""
     host = socket.gethostname()
-    mine = {"rank": dist.rank, "host": host, "local_rank": dist.local_rank, "facts": facts or {},
-            "error": None if error is None else {"message": str(error), "exit_code": error.exit_code}}
+    mine = {
+        "rank": dist.rank,
+        "host": host,
+        "local_rank": dist.local_rank,
+        "facts": facts or {},
+        "error": None if error is None else {"message": str(error), "exit_code": error.exit_code},
+    }
     try:
         records = distributed.all_gather_objects(mine)
     except Exception:  # a rank died (gloo: connection closed by peer); one that failed still says why itself
@@ -74,8 +79,10 @@ def settle(dist: DistInfo, error: Optional[RunEnded] = None, facts: Optional[dic
     if failed:
         if error is None:
             first = failed[0]
-            error = PeerStopped(f"rank {first['rank']} on {first['host']} could not go on: "
-                                f"{first['error']['message'].splitlines()[0]}", first["error"]["exit_code"])
+            error = PeerStopped(
+                f"rank {first['rank']} on {first['host']} could not go on: {first['error']['message'].splitlines()[0]}",
+                first["error"]["exit_code"],
+            )
         if several_nodes:
             error.node = host
         raise error
@@ -92,12 +99,16 @@ def disagreement(records: list) -> Optional[str]:
             expected = main["facts"].get(name)
             if value == expected:
                 continue
-            detail = first_difference(value, expected) if isinstance(value, dict) and isinstance(expected, dict) \
+            detail = (
+                first_difference(value, expected)
+                if isinstance(value, dict) and isinstance(expected, dict)
                 else (value, expected)
+            )
             hint = HINTS.get(name)
-            return (f"ranks disagree on the {name}: rank {record['rank']} on {record['host']} has {detail[0]}, "
-                    f"rank 0 on {main['host']} has {detail[1]}; nothing was trained"
-                    + (f"\n  hint: {hint}" if hint else ""))
+            return (
+                f"ranks disagree on the {name}: rank {record['rank']} on {record['host']} has {detail[0]}, "
+                f"rank 0 on {main['host']} has {detail[1]}; nothing was trained" + (f"\n  hint: {hint}" if hint else "")
+            )
     return None
 
 

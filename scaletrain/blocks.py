@@ -72,7 +72,7 @@ class PackedBlocks:
         for row, index in enumerate(indices):
             if index == EMPTY_SLOT:
                 continue
-            chunk = self.stream[index * b: (index + 1) * b]
+            chunk = self.stream[index * b : (index + 1) * b]
             rows[row, : len(chunk)] = chunk
             labels[row, : len(chunk)] = chunk
             if self.isolate_documents:
@@ -97,8 +97,9 @@ class EvalBatches(Sequence):
     def __init__(self, parts: list, batch_size: int):
         self.batch_size = batch_size
         # (blocks, indices of one micro-batch) per batch, in reading order
-        self._batches = [(blocks, mine[i: i + batch_size]) for blocks, mine in parts
-                         for i in range(0, len(mine), batch_size)]
+        self._batches = [
+            (blocks, mine[i : i + batch_size]) for blocks, mine in parts for i in range(0, len(mine), batch_size)
+        ]
 
     @classmethod
     def chain(cls, several: list) -> "EvalBatches":

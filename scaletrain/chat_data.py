@@ -75,16 +75,20 @@ def load_chat_template(tokenizer, chat_template_file: Optional[str] = None) -> C
     if chat_template_file is not None:
         path = Path(chat_template_file)
         if not path.is_file():
-            raise UsageError(f"--chat_template {chat_template_file}: no such file",
-                             "pass a Jinja chat template file (e.g. a model's chat_template.jinja)")
+            raise UsageError(
+                f"--chat_template {chat_template_file}: no such file",
+                "pass a Jinja chat template file (e.g. a model's chat_template.jinja)",
+            )
         template = ChatTemplate(path.read_text(encoding="utf-8"), f"--chat_template {chat_template_file}")
     else:
         text = tokenizer.chat_template
         if isinstance(text, dict):  # a tokenizer with named templates: the default one renders chats
             text = text.get("default")
         if not text:
-            raise UsageError(f"the tokenizer {tokenizer.name_or_path} has no chat template",
-                             "pass --chat_template FILE with the model family's Jinja chat template")
+            raise UsageError(
+                f"the tokenizer {tokenizer.name_or_path} has no chat template",
+                "pass --chat_template FILE with the model family's Jinja chat template",
+            )
         template = ChatTemplate(text, f"the chat template of tokenizer {tokenizer.name_or_path}")
     _check_syntax(template)
     return template
@@ -105,27 +109,36 @@ def check_messages(messages, index: int, field: str = "messages") -> None:
     outside system/user/assistant, and a conversation that opens with the assistant (its reply has no prompt)."""
     where = f"example {index}: {field}"
     if not isinstance(messages, (list, tuple)) or not messages:
-        raise UsageError(f"{where} is not a non-empty list of messages",
-                         'each message is {"role": ..., "content": ...} (the TRL / OpenAI conversational format)')
+        raise UsageError(
+            f"{where} is not a non-empty list of messages",
+            'each message is {"role": ..., "content": ...} (the TRL / OpenAI conversational format)',
+        )
     for j, message in enumerate(messages):
         if not isinstance(message, dict) or not isinstance(message.get("role"), str):
             raise UsageError(f"{where}[{j}] has no role", 'each message is {"role": ..., "content": "..."}')
         if message["role"] not in ROLES:
-            raise UsageError(f"{where}[{j}] has role {message['role']!r}; the allowed roles are {', '.join(ROLES)}",
-                             "fix or drop the example")
+            raise UsageError(
+                f"{where}[{j}] has role {message['role']!r}; the allowed roles are {', '.join(ROLES)}",
+                "fix or drop the example",
+            )
         if not isinstance(message.get("content"), str):
-            raise UsageError(f"{where}[{j}] ({message['role']}) has no string content",
-                             'each message is {"role": ..., "content": "..."}')
+            raise UsageError(
+                f"{where}[{j}] ({message['role']}) has no string content",
+                'each message is {"role": ..., "content": "..."}',
+            )
 
 
-def render_conversation(messages: Sequence[dict], tokenizer, template: ChatTemplate, index: int = 0,
-                        train_from: int = 0) -> MaskedTokens:
+def render_conversation(
+    messages: Sequence[dict], tokenizer, template: ChatTemplate, index: int = 0, train_from: int = 0
+) -> MaskedTokens:
     """The conversation's tokens, with its assistant replies (from message `train_from` on) and their end-of-turn
     tokens trained. `index` names the example in errors."""
     check_messages(messages, index)
     if messages[0]["role"] == "assistant":
-        raise UsageError(f"example {index}: messages[0] is an assistant turn; a conversation starts with a system "
-                         "or user message", "drop the example or add the prompt it answers")
+        raise UsageError(
+            f"example {index}: messages[0] is an assistant turn; a conversation starts with a system or user message",
+            "drop the example or add the prompt it answers",
+        )
     full = _render(tokenizer, template, messages, False, index)
     replies = []  # (start, end) of each trained reply in the text of the whole conversation
     for i, message in enumerate(messages):
@@ -141,7 +154,8 @@ def render_conversation(messages: Sequence[dict], tokenizer, template: ChatTempl
                 "message), so no loss mask matches the text trained on",
                 "pass --chat_template FILE with a prefix-preserving template (adding a turn leaves the earlier "
                 "ones as they were, like TRL's *_training.jinja), or drop the system message if the template "
-                "moves it")
+                "moves it",
+            )
         replies.append((start, len(through)))
     pieces = _tokenize_pieces(full, replies, tokenizer)
     mask = _through_end_of_turn(pieces[0], pieces[2], tokenizer)
@@ -150,16 +164,20 @@ def render_conversation(messages: Sequence[dict], tokenizer, template: ChatTempl
     return MaskedTokens(pieces[0], mask)
 
 
-def _render(tokenizer, template: ChatTemplate, messages: Sequence[dict], add_generation_prompt: bool,
-            index: int) -> str:
+def _render(
+    tokenizer, template: ChatTemplate, messages: Sequence[dict], add_generation_prompt: bool, index: int
+) -> str:
     from jinja2 import TemplateError
 
     try:
-        return tokenizer.apply_chat_template(list(messages), chat_template=template.text, tokenize=False,
-                                             add_generation_prompt=add_generation_prompt)
+        return tokenizer.apply_chat_template(
+            list(messages), chat_template=template.text, tokenize=False, add_generation_prompt=add_generation_prompt
+        )
     except TemplateError as exc:  # the template's own raise_exception, e.g. "roles must alternate"
-        raise UsageError(f"{template.source} refuses example {index}: {exc}",
-                         "fix the example, or pass --chat_template FILE with a template that accepts it") from exc
+        raise UsageError(
+            f"{template.source} refuses example {index}: {exc}",
+            "fix the example, or pass --chat_template FILE with a template that accepts it",
+        ) from exc
 
 
 def _end_of_turn_ids(tokenizer) -> set:
@@ -174,7 +192,7 @@ def _tokenize_pieces(text: str, replies: list, tokenizer) -> tuple:
     ids, offsets, in_reply = [], [], []
     for k in range(len(bounds) - 1):
         start = bounds[k]
-        piece = tokenizer(text[start:bounds[k + 1]], add_special_tokens=False, return_offsets_mapping=True)
+        piece = tokenizer(text[start : bounds[k + 1]], add_special_tokens=False, return_offsets_mapping=True)
         ids += piece["input_ids"]
         offsets += [(start + a, start + b) for a, b in piece["offset_mapping"]]
         in_reply += [k % 2 == 1] * len(piece["input_ids"])  # pieces alternate prompt, reply, ..., tail
@@ -195,30 +213,39 @@ def _through_end_of_turn(ids: list, marked: list, tokenizer) -> list:
     return mask
 
 
-def _check_generation_markers(messages, tokenizer, template: ChatTemplate, index: int, full: str,
-                              pieces: tuple, mask: list) -> None:
+def _check_generation_markers(
+    messages, tokenizer, template: ChatTemplate, index: int, full: str, pieces: tuple, mask: list
+) -> None:
     """A template with `{% generation %}` markers says itself which text is the assistant's: the tokens it marks,
     up to each end-of-turn token, must be the ones the prefix renders train (markers that leave out the end-of-turn
     token would teach the model never to stop)."""
     from transformers.utils.chat_template_utils import render_jinja_template
 
-    rendered, spans = render_jinja_template(conversations=[list(messages)], chat_template=template.text,
-                                            return_assistant_tokens_mask=True, **tokenizer.special_tokens_map)
+    rendered, spans = render_jinja_template(
+        conversations=[list(messages)],
+        chat_template=template.text,
+        return_assistant_tokens_mask=True,
+        **tokenizer.special_tokens_map,
+    )
     assert rendered[0] == full, "transformers renders the template another way than apply_chat_template"
     ids, offsets = pieces[0], pieces[1]
     marked = [any(a < end and b > start for start, end in spans[0]) for a, b in offsets]
     by_markers = _through_end_of_turn(ids, marked, tokenizer)
     if by_markers != mask:
+
         def text(m):
             return tokenizer.decode([t for t, on in zip(ids, m, strict=True) if on], skip_special_tokens=False)
 
-        raise UsageError(f"{template.source}: its {{% generation %}} markers disagree with the assistant turns of "
-                         f"example {index}: marked {text(by_markers)!r}, replies {text(mask)!r}",
-                         "the markers must wrap each reply and its end-of-turn token")
+        raise UsageError(
+            f"{template.source}: its {{% generation %}} markers disagree with the assistant turns of "
+            f"example {index}: marked {text(by_markers)!r}, replies {text(mask)!r}",
+            "the markers must wrap each reply and its end-of-turn token",
+        )
 
 
-def render_prompt_completion(prompt, completion, tokenizer, template: Optional[ChatTemplate],
-                             index: int = 0) -> MaskedTokens:
+def render_prompt_completion(
+    prompt, completion, tokenizer, template: Optional[ChatTemplate], index: int = 0
+) -> MaskedTokens:
     """A prompt/completion record (TRL's columns), trained on the completion only. Both strings: the text
     prompt + completion + EOS, no template (TRL's standard format). Both message lists: the conversation
     prompt + completion rendered with the template, its completion's assistant turns trained."""
@@ -232,15 +259,20 @@ def render_prompt_completion(prompt, completion, tokenizer, template: Optional[C
         check_messages(prompt, index, "prompt")
         check_messages(completion, index, "completion")
         if template is None:
-            raise UsageError(f"example {index}: a conversational prompt/completion needs a chat template",
-                             "pass --chat_template FILE, or use a tokenizer that has one")
+            raise UsageError(
+                f"example {index}: a conversational prompt/completion needs a chat template",
+                "pass --chat_template FILE, or use a tokenizer that has one",
+            )
         return render_conversation([*prompt, *completion], tokenizer, template, index, train_from=len(prompt))
-    raise UsageError(f"example {index}: prompt and completion must both be strings or both be message lists "
-                     f"(got {type(prompt).__name__} and {type(completion).__name__})")
+    raise UsageError(
+        f"example {index}: prompt and completion must both be strings or both be message lists "
+        f"(got {type(prompt).__name__} and {type(completion).__name__})"
+    )
 
 
-def render_whole_conversation(messages: Sequence[dict], tokenizer, template: ChatTemplate,
-                              index: int = 0) -> MaskedTokens:
+def render_whole_conversation(
+    messages: Sequence[dict], tokenizer, template: ChatTemplate, index: int = 0
+) -> MaskedTokens:
     """The conversation's tokens, every one trained (no --assistant_only_loss, as TRL does): one render of the whole
     conversation, so a template need not be prefix-consistent (Qwen3's dropped think blocks are fine here)."""
     check_messages(messages, index)
@@ -248,21 +280,26 @@ def render_whole_conversation(messages: Sequence[dict], tokenizer, template: Cha
     return MaskedTokens(ids, [1] * len(ids))
 
 
-def render_example(example: dict, tokenizer, template: Optional[ChatTemplate], index: int,
-                   assistant_only: bool = True) -> MaskedTokens:
+def render_example(
+    example: dict, tokenizer, template: Optional[ChatTemplate], index: int, assistant_only: bool = True
+) -> MaskedTokens:
     """A dataset row: a `messages` conversation (its assistant replies trained, or with assistant_only=False every
     token) or a `prompt`/`completion` record (its completion trained)."""
     if "messages" in example:
         if template is None:
-            raise UsageError(f"example {index}: a conversation needs a chat template",
-                             "pass --chat_template FILE, or use a tokenizer that has one")
+            raise UsageError(
+                f"example {index}: a conversation needs a chat template",
+                "pass --chat_template FILE, or use a tokenizer that has one",
+            )
         if not assistant_only:
             return render_whole_conversation(example["messages"], tokenizer, template, index)
         return render_conversation(example["messages"], tokenizer, template, index)
     if "prompt" in example and "completion" in example:
         return render_prompt_completion(example["prompt"], example["completion"], tokenizer, template, index)
-    raise UsageError(f"example {index} has neither a messages column nor prompt and completion columns "
-                     f"(columns: {', '.join(sorted(example))})")
+    raise UsageError(
+        f"example {index} has neither a messages column nor prompt and completion columns "
+        f"(columns: {', '.join(sorted(example))})"
+    )
 
 
 @dataclass(frozen=True)
@@ -285,12 +322,15 @@ def check_masks(masks: Iterable[Sequence[int]], template: Optional[ChatTemplate]
         untrained_examples += count == 0
     name = template.source if template is not None else "no chat template (prompt/completion text)"
     if trained == 0:
-        raise UsageError(f"chat data: no token of the {examples} examples is trained with {name}",
-                         "check that the examples have assistant replies (or completions) and that the template "
-                         "renders them")
+        raise UsageError(
+            f"chat data: no token of the {examples} examples is trained with {name}",
+            "check that the examples have assistant replies (or completions) and that the template renders them",
+        )
     if trained == tokens:
-        raise UsageError(f"chat data: every token of the {examples} examples is trained with {name}: nothing is "
-                         "prompt", "pass --chat_template FILE with the model's own template")
+        raise UsageError(
+            f"chat data: every token of the {examples} examples is trained with {name}: nothing is prompt",
+            "pass --chat_template FILE with the model's own template",
+        )
     return MaskSummary(examples, tokens, trained, untrained_examples)
 
 

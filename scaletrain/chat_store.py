@@ -120,13 +120,16 @@ def _first_record_of_dataset(data: DataArgs, reads_first_row: bool = True) -> li
 
     where = f"--dataset_name {data.dataset_name}"
     try:
-        builder = datasets.load_dataset_builder(data.dataset_name, data.dataset_config_name,
-                                                revision=data.dataset_revision)
+        builder = datasets.load_dataset_builder(
+            data.dataset_name, data.dataset_config_name, revision=data.dataset_revision
+        )
     except Exception:  # a look ahead only: not reachable, not cached; the loader names the dataset and the reason
         return []
     features = builder.info.features
-    described = features and {name: "" if getattr(feature, "dtype", None) in ("string", "large_string") else NOT_READ
-                              for name, feature in features.items()}
+    described = features and {
+        name: "" if getattr(feature, "dtype", None) in ("string", "large_string") else NOT_READ
+        for name, feature in features.items()
+    }
     if described and (record_kind(described) is None or not reads_first_row):
         return [(where, described)]  # plain text: as before, nothing read; chat: rank 0 reads its first record
     try:
@@ -151,17 +154,23 @@ def resolve_chat_data(data: DataArgs, tokenizer, reads_first_row: bool = True) -
     records = _first_records(data, reads_first_row)
     kinds = {record_kind(record) for _, record in records}
     if len(kinds) > 1:
-        raise UsageError(f"{', '.join(where for where, _ in records)}: some files hold chat data and some do not",
-                         "give files of one kind")
+        raise UsageError(
+            f"{', '.join(where for where, _ in records)}: some files hold chat data and some do not",
+            "give files of one kind",
+        )
     kind = kinds.pop() if kinds else None
     if kind is None:
-        for flag, given in (("--assistant_only_loss", data.assistant_only_loss),
-                            ("--chat_template", data.chat_template), ("--print_samples", data.print_samples)):
+        for flag, given in (
+            ("--assistant_only_loss", data.assistant_only_loss),
+            ("--chat_template", data.chat_template),
+            ("--print_samples", data.print_samples),
+        ):
             if given:
                 where = records[0][0] if records else "the data"
-                raise UsageError(f"{flag}: {where} holds no conversations (no messages column, nor prompt and "
-                                 "completion columns)", "give a dataset with a messages column (TRL's "
-                                 "conversational format), or drop the flag")
+                raise UsageError(
+                    f"{flag}: {where} holds no conversations (no messages column, nor prompt and completion columns)",
+                    "give a dataset with a messages column (TRL's conversational format), or drop the flag",
+                )
         return None
     where, first = records[0]
     if kind == "messages":
@@ -175,8 +184,10 @@ def resolve_chat_data(data: DataArgs, tokenizer, reads_first_row: bool = True) -
             if first[name] is not NOT_READ:
                 check_messages(first[name], 0, name)
     elif data.assistant_only_loss:
-        raise UsageError(f"--assistant_only_loss: {where} holds prompt/completion text, not conversations",
-                         "drop the flag: a prompt/completion dataset trains on the completion only anyway")
+        raise UsageError(
+            f"--assistant_only_loss: {where} holds prompt/completion text, not conversations",
+            "drop the flag: a prompt/completion dataset trains on the completion only anyway",
+        )
     template = load_chat_template(tokenizer, data.chat_template) if conversational or data.chat_template else None
     return ChatData(kind, template, "completion_only")
 
@@ -191,14 +202,20 @@ def _chat_data_of_stores(data: DataArgs) -> Optional[ChatData]:
     chat = [(path, m) for path, m in zip(paths, manifests, strict=True) if is_chat_store(m)]
     if not chat:
         if data.assistant_only_loss or data.chat_template:
-            raise UsageError(f"{data.store_flag}: a store of plain text; --assistant_only_loss and --chat_template "
-                             "apply when the store is prepared", "prepare a store from chat data")
+            raise UsageError(
+                f"{data.store_flag}: a store of plain text; --assistant_only_loss and --chat_template "
+                "apply when the store is prepared",
+                "prepare a store from chat data",
+            )
         return None
     if len(chat) != len(manifests):
         text = [path for path, m in zip(paths, manifests, strict=True) if not is_chat_store(m)]
-        raise UsageError(f"{data.store_flag}: mixes chat stores ({', '.join(p for p, _ in chat)}) with stores of "
-                         f"plain text ({', '.join(text)})", "mix stores of one kind: prepare the text as chat data "
-                         "(a messages or prompt/completion file), or train the two kinds in separate runs")
+        raise UsageError(
+            f"{data.store_flag}: mixes chat stores ({', '.join(p for p, _ in chat)}) with stores of "
+            f"plain text ({', '.join(text)})",
+            "mix stores of one kind: prepare the text as chat data "
+            "(a messages or prompt/completion file), or train the two kinds in separate runs",
+        )
     first_path, first = chat[0]
     for path, manifest in chat[1:]:
         _check_same_chat(first_path, first, path, manifest, data.store_flag)
@@ -215,17 +232,22 @@ def _template_name(manifest: dict) -> str:
 def _check_same_chat(first_path: str, first: dict, path: str, manifest: dict, flag: str) -> None:
     a, b = first["fingerprint"], manifest["fingerprint"]
     if a.get("chat_template_sha256") != b.get("chat_template_sha256"):
-        raise UsageError(f"{flag}: the stores were rendered with different chat templates ({first_path}: "
-                         f"{_template_name(first)}; {path}: {_template_name(manifest)})",
-                         "prepare every store with the same --chat_template (the model learns one format, and the "
-                         "export carries one template)")
+        raise UsageError(
+            f"{flag}: the stores were rendered with different chat templates ({first_path}: "
+            f"{_template_name(first)}; {path}: {_template_name(manifest)})",
+            "prepare every store with the same --chat_template (the model learns one format, and the "
+            "export carries one template)",
+        )
     whole = {a["loss_mode"], b["loss_mode"]}
     if "all" in whole and len(whole) > 1:
-        raise UsageError(f"{flag}: the stores train different tokens ({first_path}: {a['loss_mode']}; {path}: "
-                         f"{b['loss_mode']}): whole conversations in one, only the replies in the other",
-                         "prepare the conversation store with --assistant_only_loss (a prompt/completion store "
-                         "trains only its completions)" if "completion_only" in whole else
-                         "prepare both stores with --assistant_only_loss, or both without")
+        raise UsageError(
+            f"{flag}: the stores train different tokens ({first_path}: {a['loss_mode']}; {path}: "
+            f"{b['loss_mode']}): whole conversations in one, only the replies in the other",
+            "prepare the conversation store with --assistant_only_loss (a prompt/completion store "
+            "trains only its completions)"
+            if "completion_only" in whole
+            else "prepare both stores with --assistant_only_loss, or both without",
+        )
 
 
 def chat_fingerprint(data: DataArgs, tokenizer, block_size: int, chat: ChatData) -> ChatFingerprint:
@@ -235,8 +257,9 @@ def chat_fingerprint(data: DataArgs, tokenizer, block_size: int, chat: ChatData)
     # No held-out draw: a chat store's validation comes from --validation_file only (nor does --seed change it).
     fields = {name: getattr(base, name) for name in base.__dataclass_fields__ if name not in ("packing", "held_out")}
     fields["held_out"] = None
-    return ChatFingerprint(**fields, chat_template_sha256=chat.template.sha256 if chat.template else None,
-                           loss_mode=chat.loss_mode)
+    return ChatFingerprint(
+        **fields, chat_template_sha256=chat.template.sha256 if chat.template else None, loss_mode=chat.loss_mode
+    )
 
 
 def _check_rows(ds, kind: str, split: str) -> None:
@@ -244,8 +267,10 @@ def _check_rows(ds, kind: str, split: str) -> None:
     columns = ("messages",) if kind == "messages" else ("prompt", "completion")
     for name in columns:
         if name not in ds.column_names:
-            raise UsageError(f"{split} data: no {name} column (columns: {', '.join(ds.column_names)})",
-                             "every file of a chat dataset has the same columns")
+            raise UsageError(
+                f"{split} data: no {name} column (columns: {', '.join(ds.column_names)})",
+                "every file of a chat dataset has the same columns",
+            )
     if kind == "prompt_completion" and ds.features["prompt"].__class__.__name__ == "Value":
         return  # plain strings: nothing to check
     for index, row in enumerate(ds.select_columns(list(columns))):
@@ -260,8 +285,9 @@ PARALLEL_MIN_ROWS = 20_000
 _RENDERER: dict = {}
 
 
-def _init_renderer(tokenizer_dir: str, template: Optional[ChatTemplate], assistant_only: bool,
-                   parent_pid: Optional[int]) -> None:
+def _init_renderer(
+    tokenizer_dir: str, template: Optional[ChatTemplate], assistant_only: bool, parent_pid: Optional[int]
+) -> None:
     """A rendering worker: the run's tokenizer from its saved folder, one tokenizer thread."""
     from transformers import AutoTokenizer
 
@@ -270,8 +296,9 @@ def _init_renderer(tokenizer_dir: str, template: Optional[ChatTemplate], assista
     os.environ["TOKENIZERS_PARALLELISM"] = "false"
     if parent_pid is not None:
         _die_with_parent(parent_pid)
-    _RENDERER.update(tokenizer=AutoTokenizer.from_pretrained(tokenizer_dir), template=template,
-                     assistant_only=assistant_only)
+    _RENDERER.update(
+        tokenizer=AutoTokenizer.from_pretrained(tokenizer_dir), template=template, assistant_only=assistant_only
+    )
 
 
 def _render_rows(batch: tuple) -> tuple:
@@ -279,8 +306,10 @@ def _render_rows(batch: tuple) -> tuple:
     back from a worker."""
     first, rows = batch
     w = _RENDERER
-    rendered = [render_example(row, w["tokenizer"], w["template"], first + k, assistant_only=w["assistant_only"])
-                for k, row in enumerate(rows)]
+    rendered = [
+        render_example(row, w["tokenizer"], w["template"], first + k, assistant_only=w["assistant_only"])
+        for k, row in enumerate(rows)
+    ]
     ids = np.fromiter((i for r in rendered for i in r.input_ids), dtype=np.int64)
     mask = np.fromiter((m for r in rendered for m in r.loss_mask), dtype=MASK_DTYPE)
     return ids, mask, np.fromiter((len(r.input_ids) for r in rendered), dtype=np.int64, count=len(rendered))
@@ -289,7 +318,7 @@ def _render_rows(batch: tuple) -> tuple:
 def _row_batches(ds):
     """(index of the first row, the rows) of `ds`, RENDER_BATCH rows at a time."""
     for first in range(0, len(ds), RENDER_BATCH):
-        part = ds[first: first + RENDER_BATCH]
+        part = ds[first : first + RENDER_BATCH]
         yield first, [dict(zip(part, values, strict=True)) for values in zip(*part.values(), strict=True)]
 
 
@@ -312,8 +341,12 @@ def render_split(ds, tokenizer, chat: ChatData, split: str, show_progress: bool,
             if workers > 1 and len(ds) >= PARALLEL_MIN_ROWS:  # the workers load the tokenizer from a saved copy
                 tokenizer_dir = tempfile.mkdtemp(prefix="scaletrain-render-")
                 tokenizer.save_pretrained(tokenizer_dir)
-                pool = WorkerPool(min(workers, len(ds) // RENDER_BATCH), (tokenizer_dir, chat.template,
-                                                                          assistant_only), _init_renderer, _render_rows)
+                pool = WorkerPool(
+                    min(workers, len(ds) // RENDER_BATCH),
+                    (tokenizer_dir, chat.template, assistant_only),
+                    _init_renderer,
+                    _render_rows,
+                )
                 results = pool.map(_row_batches(ds))
             else:
                 _RENDERER.update(tokenizer=tokenizer, template=chat.template, assistant_only=assistant_only)
@@ -335,16 +368,26 @@ def render_split(ds, tokenizer, chat: ChatData, split: str, show_progress: bool,
     return np.concatenate(ids), np.concatenate(masks), np.concatenate(lengths)
 
 
-def write_chat_store(splits: dict, tokenizer, fingerprint: ChatFingerprint, chat: ChatData, store: Path,
-                     show_progress: bool = True, workers: int = 1) -> Path:
+def write_chat_store(
+    splits: dict,
+    tokenizer,
+    fingerprint: ChatFingerprint,
+    chat: ChatData,
+    store: Path,
+    show_progress: bool = True,
+    workers: int = 1,
+) -> Path:
     """Render every split into `store` (`workers` processes), atomically (a temporary folder renamed into place when
     complete)."""
     from scaletrain.tokenstore import WorkerDied, _dtype_for
 
     started = time.perf_counter()
     try:
-        rendered = {name: render_split(ds, tokenizer, chat, name, show_progress, workers)
-                    for name, ds in splits.items() if ds is not None}
+        rendered = {
+            name: render_split(ds, tokenizer, chat, name, show_progress, workers)
+            for name, ds in splits.items()
+            if ds is not None
+        }
     except WorkerDied as err:
         raise err.as_prepare_error(f"chat store {store}", "rendering", "--preprocessing_num_workers") from None
     train_ids, train_mask, train_lengths = rendered["train"]
@@ -352,8 +395,11 @@ def write_chat_store(splits: dict, tokenizer, fingerprint: ChatFingerprint, chat
         bounds = np.cumsum(train_lengths)[:-1]
         summary = check_masks((m.astype(np.int64) for m in np.split(train_mask, bounds)), chat.template)
         if summary.examples_without_trained_tokens:
-            log.warning("chat data: %d of %d training examples have no trained token", summary
-                        .examples_without_trained_tokens, summary.examples)
+            log.warning(
+                "chat data: %d of %d training examples have no trained token",
+                summary.examples_without_trained_tokens,
+                summary.examples,
+            )
     tmp = store.parent / f".{store.name}.tmp-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
@@ -364,14 +410,22 @@ def write_chat_store(splits: dict, tokenizer, fingerprint: ChatFingerprint, chat
             (tmp / f"{name}.mask.bin").write_bytes(mask.tobytes())
             starts = np.concatenate([[0], np.cumsum(lengths)[:-1]]) if len(lengths) else lengths
             np.save(tmp / f"{name}.docs.npy", starts.astype(np.int64))
-            counts[name] = {"n_tokens": int(len(ids)), "n_documents": int(len(lengths)),
-                            "n_trained_tokens": int(mask.sum(dtype=np.int64))}
-        manifest = {"format_version": FORMAT_VERSION, "fingerprint": fingerprint.as_dict(),
-                    "dtype": _dtype_for(len(tokenizer)).str, "eos_id": tokenizer.eos_token_id,
-                    "pad_id": tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id,
-                    "splits": counts, "chat_kind": chat.kind,
-                    "chat_template": chat.template.text if chat.template else None,
-                    "prepared_seconds": round(time.perf_counter() - started, 2)}
+            counts[name] = {
+                "n_tokens": int(len(ids)),
+                "n_documents": int(len(lengths)),
+                "n_trained_tokens": int(mask.sum(dtype=np.int64)),
+            }
+        manifest = {
+            "format_version": FORMAT_VERSION,
+            "fingerprint": fingerprint.as_dict(),
+            "dtype": _dtype_for(len(tokenizer)).str,
+            "eos_id": tokenizer.eos_token_id,
+            "pad_id": tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id,
+            "splits": counts,
+            "chat_kind": chat.kind,
+            "chat_template": chat.template.text if chat.template else None,
+            "prepared_seconds": round(time.perf_counter() - started, 2),
+        }
         (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
         os.replace(tmp, store)
     finally:
@@ -379,8 +433,9 @@ def write_chat_store(splits: dict, tokenizer, fingerprint: ChatFingerprint, chat
     return store
 
 
-def prepare_chat_store(data: DataArgs, tokenizer, block_size: int, store: Path, chat: ChatData,
-                       show_progress: bool = True) -> Path:
+def prepare_chat_store(
+    data: DataArgs, tokenizer, block_size: int, store: Path, chat: ChatData, show_progress: bool = True
+) -> Path:
     """Render the run's chat data into `store`, or reuse the store there when it was made from the same input,
     template and loss mode. As for a text store: one preparer at a time (the leftovers of a killed one removed), and
     the local corpus's Arrow copy in a scratch folder removed afterwards, not in the Hugging Face cache."""
@@ -399,19 +454,33 @@ def prepare_chat_store(data: DataArgs, tokenizer, block_size: int, store: Path, 
             if len(train) == 0:
                 raise UsageError("chat data: the training set is empty", "give at least one example")
             started = time.perf_counter()
-            write_chat_store({"train": train, **validation}, tokenizer, fingerprint, chat, store,
-                             show_progress, data.preprocessing_num_workers or os.cpu_count() or 1)
+            write_chat_store(
+                {"train": train, **validation},
+                tokenizer,
+                fingerprint,
+                chat,
+                store,
+                show_progress,
+                data.preprocessing_num_workers or os.cpu_count() or 1,
+            )
         finally:
             shutil.rmtree(scratch, ignore_errors=True)
-    log.info("chat store %s: prepared in %.1fs (%s, loss on %s tokens)", store, time.perf_counter() - started,
-             chat.template.source if chat.template else "no template", chat.loss_mode.replace("_", " "))
+    log.info(
+        "chat store %s: prepared in %.1fs (%s, loss on %s tokens)",
+        store,
+        time.perf_counter() - started,
+        chat.template.source if chat.template else "no template",
+        chat.loss_mode.replace("_", " "),
+    )
     return store
 
 
 def store_plan(data: DataArgs, tokenizer, block_size: int, chat: ChatData, show_progress: bool) -> dict:
     """store_prep.ensure_token_store's arguments for a chat store: its fingerprint, and how to prepare it."""
-    return {"fingerprint": chat_fingerprint(data, tokenizer, block_size, chat),
-            "prepare": lambda store: prepare_chat_store(data, tokenizer, block_size, store, chat, show_progress)}
+    return {
+        "fingerprint": chat_fingerprint(data, tokenizer, block_size, chat),
+        "prepare": lambda store: prepare_chat_store(data, tokenizer, block_size, store, chat, show_progress),
+    }
 
 
 def attach_masks(opened: dict, store: Path) -> dict:
@@ -423,7 +492,10 @@ def attach_masks(opened: dict, store: Path) -> dict:
         path = Path(store) / f"{split}.mask.bin"
         size = path.stat().st_size if path.exists() else -1
         if size != part.n_tokens * MASK_DTYPE.itemsize:
-            raise UsageError(f"--data_path {store}: {path.name} holds {size} bytes, the store has {part.n_tokens} "
-                             "tokens (truncated or corrupt)", "prepare the store again")
+            raise UsageError(
+                f"--data_path {store}: {path.name} holds {size} bytes, the store has {part.n_tokens} "
+                "tokens (truncated or corrupt)",
+                "prepare the store again",
+            )
         masks[split] = np.memmap(path, dtype=MASK_DTYPE, mode="r") if part.n_tokens else np.zeros(0, MASK_DTYPE)
     return {**opened, "masks": masks}

@@ -107,7 +107,8 @@ def is_write_failure(err: BaseException) -> bool:
         return True
     text = f"{err} {err.__context__ or ''}"
     return isinstance(err, RuntimeError) and any(
-        marker in text for marker in ("inline_container", "PytorchStreamWriter", "iostream error", "file write failed"))
+        marker in text for marker in ("inline_container", "PytorchStreamWriter", "iostream error", "file write failed")
+    )
 
 
 def describe_write_failure(err: BaseException, folder: Path) -> str:
@@ -117,14 +118,15 @@ def describe_write_failure(err: BaseException, folder: Path) -> str:
     except OSError:
         free = None
     full = getattr(err, "errno", None) in (errno.ENOSPC, errno.EDQUOT) or (
-        not isinstance(err, OSError) and free is not None and free < 16 * 2**20)  # torch's writer gives no errno
+        not isinstance(err, OSError) and free is not None and free < 16 * 2**20
+    )  # torch's writer gives no errno
     reason = "no space left on device" if full else (getattr(err, "strerror", None) or str(err).splitlines()[0])
     return reason if free is None else f"{reason}, {free / 1e9:.2f} GB free"
 
 
 def committed_step(path: Path) -> Optional[int]:
     name = path.name
-    return int(name[len(PREFIX):]) if name.startswith(PREFIX) and name[len(PREFIX):].isdigit() else None
+    return int(name[len(PREFIX) :]) if name.startswith(PREFIX) and name[len(PREFIX) :].isdigit() else None
 
 
 def verify(ckpt: Path) -> Optional[str]:
@@ -153,8 +155,15 @@ def newest_committed(output_dir: str) -> Optional[Path]:
 def _newest_intact(root: Path, below: Optional[int] = None) -> Optional[Path]:
     """The newest committed checkpoint in `root` (older than step `below`, when given) that verifies; broken ones
     on the way are skipped with a warning naming them."""
-    candidates = sorted((p for p in root.iterdir() if p.is_dir() and committed_step(p) is not None
-                         and (below is None or committed_step(p) < below)), key=committed_step, reverse=True)
+    candidates = sorted(
+        (
+            p
+            for p in root.iterdir()
+            if p.is_dir() and committed_step(p) is not None and (below is None or committed_step(p) < below)
+        ),
+        key=committed_step,
+        reverse=True,
+    )
     for ckpt in candidates:
         problem = verify(ckpt)
         if problem is None:
@@ -171,12 +180,16 @@ def resolve_resume(value: str, output_dir: str) -> Optional[Path]:
         return newest_committed(output_dir)
     ckpt = Path(value)
     if not ckpt.is_dir():
-        raise UsageError(f"--resume_from_checkpoint {value}: no such folder",
-                         "give a checkpoint folder (checkpoints/stepN), auto or none")
+        raise UsageError(
+            f"--resume_from_checkpoint {value}: no such folder",
+            "give a checkpoint folder (checkpoints/stepN), auto or none",
+        )
     problem = verify(ckpt)
     if problem:
-        raise UsageError(f"--resume_from_checkpoint {value}: not a committed checkpoint ({problem})",
-                         "use another checkpoint, or auto to take the newest good one")
+        raise UsageError(
+            f"--resume_from_checkpoint {value}: not a committed checkpoint ({problem})",
+            "use another checkpoint, or auto to take the newest good one",
+        )
     return ckpt
 
 
@@ -207,8 +220,14 @@ def find_damage(ckpt: Path, rank: int, world_size: int) -> Optional[str]:
     mine = [rel for rel in checksum_shares(commit["files"], world_size)[rank] if rel in sums]
     bad = next((rel for rel in mine if file_checksum(ckpt / rel) != sums[rel]), None)
     found = [rel for rel in all_gather_objects(bad) if rel]
-    log.info("checked the SHA-256 of %d of %s's files (%.1f MB) in %.2fs on rank %d", len(mine), ckpt,
-             sum(commit["files"][rel] for rel in mine) / 1e6, time.perf_counter() - started, rank)
+    log.info(
+        "checked the SHA-256 of %d of %s's files (%.1f MB) in %.2fs on rank %d",
+        len(mine),
+        ckpt,
+        sum(commit["files"][rel] for rel in mine) / 1e6,
+        time.perf_counter() - started,
+        rank,
+    )
     return found[0] if found else None
 
 
@@ -247,23 +266,39 @@ def verified_resume_checkpoint(ckpt: Path, auto: bool, rank: int, world_size: in
             return ckpt
         damage = f"{bad} does not match its {CHECKSUM} in {COMMIT}"
         if not auto:
-            raise UsageError(f"--resume_from_checkpoint {ckpt}: the checkpoint is damaged: {damage}",
-                             "resume from an earlier checkpoint of the run, or with auto (the newest good one)")
+            raise UsageError(
+                f"--resume_from_checkpoint {ckpt}: the checkpoint is damaged: {damage}",
+                "resume from an earlier checkpoint of the run, or with auto (the newest good one)",
+            )
         fallback = all_gather_objects(str(_previous_committed(ckpt) or "") if rank == 0 else None)[0]
         if not fallback:
-            raise UsageError(f"checkpoint {ckpt} is damaged: {damage}, and no earlier committed checkpoint is left "
-                             "to fall back to", "restore its files from a copy, or start afresh with "
-                             "--resume_from_checkpoint none --overwrite_output_dir")
+            raise UsageError(
+                f"checkpoint {ckpt} is damaged: {damage}, and no earlier committed checkpoint is left to fall back to",
+                "restore its files from a copy, or start afresh with "
+                "--resume_from_checkpoint none --overwrite_output_dir",
+            )
         if rank == 0:
             kept = mark_damaged(ckpt, Path(fallback))
-            log.warning("checkpoint %s is damaged: %s; falling back to %s (the damaged one is kept as %s, and no "
-                        "later resume picks it)", ckpt, damage, fallback, kept)
+            log.warning(
+                "checkpoint %s is damaged: %s; falling back to %s (the damaged one is kept as %s, and no "
+                "later resume picks it)",
+                ckpt,
+                damage,
+                fallback,
+                kept,
+            )
         barrier()  # renamed before any rank looks at the folder again
         ckpt = Path(fallback)
 
 
-def planned_checkpoint_bytes(n_params: int, precision: str, zero_stage: int, tensor_parallel_size: int = 1,
-                             n_tensors: int = 0, world_size: int = 1) -> int:
+def planned_checkpoint_bytes(
+    n_params: int,
+    precision: str,
+    zero_stage: int,
+    tensor_parallel_size: int = 1,
+    n_tensors: int = 0,
+    world_size: int = 1,
+) -> int:
     """The size of a checkpoint before the first one exists, as the memory planner counts the states: ZeRO's fp32
     master weights and Adam moments (12 bytes a parameter, partitioned or not) plus the module's weights in the
     training dtype, which ZeRO-3 does not write (its model files hold placeholders). Each tensor-parallel rank
@@ -308,8 +343,7 @@ def _last_committed_size(root: Path) -> tuple:
     """(newest checkpoint with a commit record, its bytes): the size the next save will need again."""
     if not root.is_dir():
         return None, 0
-    for ckpt in sorted((p for p in root.iterdir() if committed_step(p) is not None), key=committed_step,
-                       reverse=True):
+    for ckpt in sorted((p for p in root.iterdir() if committed_step(p) is not None), key=committed_step, reverse=True):
         try:
             return ckpt, sum(json.loads((ckpt / COMMIT).read_text())["files"].values())
         except (OSError, ValueError, KeyError):
@@ -318,12 +352,22 @@ def _last_committed_size(root: Path) -> tuple:
 
 
 def _intact(previous: Optional[Path]) -> str:
-    return (f"the previous committed checkpoint {previous} is intact and a restart resumes from it" if previous
-            else "no checkpoint of this run was committed yet")
+    return (
+        f"the previous committed checkpoint {previous} is intact and a restart resumes from it"
+        if previous
+        else "no checkpoint of this run was committed yet"
+    )
 
 
-def save_checkpoint(engine, output_dir: str, state: TrainState, rank: int, save_total_limit: int,
-                    model_facts: Optional[dict] = None, planned_bytes: int = 0) -> Path:
+def save_checkpoint(
+    engine,
+    output_dir: str,
+    state: TrainState,
+    rank: int,
+    save_total_limit: int,
+    model_facts: Optional[dict] = None,
+    planned_bytes: int = 0,
+) -> Path:
     """Save and commit checkpoint stepN on every rank; returns its path. See the module docstring.
 
     Before writing, every rank checks that the file system has room for another checkpoint of the size of the
@@ -350,12 +394,19 @@ def save_checkpoint(engine, output_dir: str, state: TrainState, rank: int, save_
         raise CheckpointWriteError(
             f"checkpoint {tag}: not enough disk space in {root} ({free / 1e9:.2f} GB free, {what} "
             f"{needed / 1e9:.2f} GB); nothing was written, {_intact(previous)}. Free space or lower "
-            "--save_total_limit, then restart", every_rank=True)
+            "--save_total_limit, then restart",
+            every_rank=True,
+        )
     # universal_checkpoint_info lets DeepSpeed's ds_to_universal convert this checkpoint for another rank count.
     client_state = {"train_state": state.state_dict(), **universal_checkpoint_info(state.tensor_parallel_size)}
     with recorded_checkpoint_writes(engine, is_write_failure) as writes:
-        engine.save_checkpoint(str(root), tag=tmp.name, client_state=client_state, save_latest=False,
-                               exclude_frozen_parameters=_without_frozen_base(engine))
+        engine.save_checkpoint(
+            str(root),
+            tag=tmp.name,
+            client_state=client_state,
+            save_latest=False,
+            exclude_frozen_parameters=_without_frozen_base(engine),
+        )
     written, failed = [Path(p) for p in writes.paths], writes.failed
     if failed is None:
         try:
@@ -377,7 +428,9 @@ def save_checkpoint(engine, output_dir: str, state: TrainState, rank: int, save_
             shutil.rmtree(tmp, ignore_errors=True)  # never committed; removed to give the space back
         raise CheckpointWriteError(
             f"checkpoint {tag}: {failures[0]}; it was not committed and its folder was removed, {_intact(previous)}."
-            " Free space or lower --save_total_limit, then restart", every_rank=True)
+            " Free space or lower --save_total_limit, then restart",
+            every_rank=True,
+        )
     final = root / tag
     commit_failure = None
     if rank == 0:
@@ -385,21 +438,31 @@ def save_checkpoint(engine, output_dir: str, state: TrainState, rank: int, save_
             hashed += _commit(tmp, final, root, state.step, {k: v for _, sums in reports for k, v in sums.items()})
         except OSError as err:
             if (final / COMMIT).is_file():  # renamed with its record: committed, only `latest` is stale
-                log.warning("checkpoint %s is committed, but %s could not be updated (%s); resumes do not read it",
-                            final, root / LATEST, describe_write_failure(err, root))
+                log.warning(
+                    "checkpoint %s is committed, but %s could not be updated (%s); resumes do not read it",
+                    final,
+                    root / LATEST,
+                    describe_write_failure(err, root),
+                )
             else:
                 commit_failure = describe_write_failure(err, root)
                 shutil.rmtree(tmp, ignore_errors=True)
     if any_rank(commit_failure is not None):  # the others must not go on as if it were committed
         raise CheckpointWriteError(
             f"checkpoint {tag}: committing it failed ({commit_failure}); it was not committed, {_intact(previous)}",
-            every_rank=True)
+            every_rank=True,
+        )
     if rank == 0:
         prune_checkpoints(root, save_total_limit, keep=final)
         remove_universal_copies(root)
     barrier()
-    log.info("saved checkpoint %s in %.2fs (of which SHA-256 %.2fs on rank %d)", final,
-             time.perf_counter() - started, hashed, rank)
+    log.info(
+        "saved checkpoint %s in %.2fs (of which SHA-256 %.2fs on rank %d)",
+        final,
+        time.perf_counter() - started,
+        hashed,
+        rank,
+    )
     return final
 
 
@@ -459,8 +522,9 @@ def clear_previous_run(output_dir: str) -> None:
 def offload_setting(ds) -> str:
     """A run's offload devices as its checkpoints record them: "optimizer=<device>,param=<device>"."""
     zero = ds.config.get("zero_optimization", {})
-    return ",".join(f"{kind}={zero.get(f'offload_{kind}', {}).get('device') or 'none'}" for kind in ("optimizer",
-                                                                                                  "param"))
+    return ",".join(
+        f"{kind}={zero.get(f'offload_{kind}', {}).get('device') or 'none'}" for kind in ("optimizer", "param")
+    )
 
 
 def saved_zero_stage(ckpt: Path, saved: dict) -> Optional[int]:
@@ -492,7 +556,8 @@ def zero_setting_change(ckpt: Path, saved: dict, zero_stage: int, offload: Optio
         raise UsageError(
             f"checkpoint {ckpt} was saved with ZeRO stage {0 if before is None else before}, this run has stage "
             f"{zero_stage}: a checkpoint converts between ZeRO stages 1-3 only (stage 0 holds no ZeRO partitions)",
-            f"resume with a ZeRO stage {0 if before is None else before} config")
+            f"resume with a ZeRO stage {0 if before is None else before} config",
+        )
     if zero_stage == 0:
         return None
     if (before == 3) != (zero_stage == 3):  # DeepSpeed's universal optimizer files differ between the two as well
@@ -502,19 +567,28 @@ def zero_setting_change(ckpt: Path, saved: dict, zero_stage: int, offload: Optio
             "loader asserts on the other stage's files, and the universal optimizer state of stages 1/2 is not the "
             "one stage 3 reads)",
             f"resume with a stage-{before if before == 3 else '1/2'} config (offload may change), or export the "
-            "weights (scripts/export_hf.py) and start from them with --model_name_or_path")
+            "weights (scripts/export_hf.py) and start from them with --model_name_or_path",
+        )
     if saved.get("offload") not in (None, offload):
         if zero_stage == 3:  # converted and loaded, but the losses left the uninterrupted run's (7e-4 in 4 steps)
             raise UsageError(
                 f"checkpoint {ckpt} was saved under ZeRO-3 with {saved['offload']}, this run has {offload}: a ZeRO-3 "
                 "checkpoint does not resume exactly under another offload setting (tested: the losses drift)",
-                f"resume with the offload of the saving run ({saved['offload']})")
+                f"resume with the offload of the saving run ({saved['offload']})",
+            )
         return f"offload {saved['offload']} -> {offload}"
     return None
 
 
-def check_resumable(ckpt: Path, dp_world_size: int, layout: tuple, zero_stage: int, model_facts: dict,
-                    pipeline_parallel_size: int = 1, offload: Optional[str] = None) -> bool:
+def check_resumable(
+    ckpt: Path,
+    dp_world_size: int,
+    layout: tuple,
+    zero_stage: int,
+    model_facts: dict,
+    pipeline_parallel_size: int = 1,
+    offload: Optional[str] = None,
+) -> bool:
     """Before anything is built: the checkpoint fits this run's model. Returns whether it must be resharded (saved
     with another number of data-parallel ranks or another (tensor, sequence) parallel layout, or under ZeRO settings
     this run's cannot load directly (zero_setting_change), which ZeRO-1/2/3 handle through a universal checkpoint).
@@ -528,11 +602,13 @@ def check_resumable(ckpt: Path, dp_world_size: int, layout: tuple, zero_stage: i
         raise UsageError(
             f"checkpoint {ckpt} was saved with {saved['world_size']} data-parallel ranks per pipeline stage, this "
             f"run has {dp_world_size}: a pipeline checkpoint resumes on the same layout only",
-            f"launch {saved['world_size'] * pipeline_parallel_size} ranks")
+            f"launch {saved['world_size'] * pipeline_parallel_size} ranks",
+        )
     saved_dp = saved.get("world_size")
     saved_layout = (saved.get("tensor_parallel_size", 1), saved.get("sequence_parallel_size", 1))
-    reshard = saved_dp not in (None, 0, dp_world_size) or saved_layout != tuple(layout) or \
-        saved_pp != pipeline_parallel_size
+    reshard = (
+        saved_dp not in (None, 0, dp_world_size) or saved_layout != tuple(layout) or saved_pp != pipeline_parallel_size
+    )
     if zero_setting_change(ckpt, saved, zero_stage, offload) is not None:
         reshard = True
     if reshard and zero_stage == 0:
@@ -546,8 +622,10 @@ def check_resumable(ckpt: Path, dp_world_size: int, layout: tuple, zero_stage: i
     differs = [k for k in model_facts if k in before and k != "base" and before[k] != model_facts[k]]
     if differs:
         detail = ", ".join(f"{k} {before[k]} -> {model_facts[k]}" for k in differs)
-        raise UsageError(f"checkpoint {ckpt} is from a different model ({detail})",
-                         "resume with the model it was trained with, or start fresh with --resume_from_checkpoint none")
+        raise UsageError(
+            f"checkpoint {ckpt} is from a different model ({detail})",
+            "resume with the model it was trained with, or start fresh with --resume_from_checkpoint none",
+        )
     return reshard
 
 
@@ -558,12 +636,14 @@ def _check_pipeline_change(ckpt: Path, saved_pp: int, pp: int, layout: tuple, ze
         raise UsageError(
             f"checkpoint {ckpt} was saved with --pipeline_parallel_size {saved_pp}, this run has {now}: a change of "
             "pipeline layout is supported only from pipeline stages to plain data parallelism",
-            f"resume with --pipeline_parallel_size {saved_pp}, or without any model-parallel flag")
+            f"resume with --pipeline_parallel_size {saved_pp}, or without any model-parallel flag",
+        )
     if zero_stage == 0 or not any(ckpt.glob("zero_pp_rank_*_optim_states.pt")):
         raise UsageError(
             f"checkpoint {ckpt} (--pipeline_parallel_size {saved_pp}) resumes without pipeline parallelism only "
             "from ZeRO-1 and with a ZeRO config (its optimizer state is converted to a universal checkpoint)",
-            f"resume with --pipeline_parallel_size {saved_pp}, or export it (scripts/export_hf.py)")
+            f"resume with --pipeline_parallel_size {saved_pp}, or export it (scripts/export_hf.py)",
+        )
 
 
 UNIVERSAL_DIR = ".universal"
@@ -620,14 +700,18 @@ def _convert_to_universal(ckpt: Path, out: Path, command: list, done: Path) -> N
     if proc.returncode != 0:
         raise UniversalConversionFailed(
             f"converting {ckpt} to a universal checkpoint failed (DeepSpeed's ds_to_universal exited "
-            f"{proc.returncode}); nothing was trained:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
+            f"{proc.returncode}); nothing was trained:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+        )
     if (ckpt / LAYER_MAP).exists():  # parameters named by pipeline layer: give them the model's names
         from scaletrain.pipeline import rename_universal_parameters
 
         rename_universal_parameters(out, json.loads((ckpt / LAYER_MAP).read_text()))
     _write_atomically(done, "ok\n")
-    log.info("converted %s to a universal checkpoint (another rank count, layout or offload) in %.1fs", ckpt,
-             time.perf_counter() - started)
+    log.info(
+        "converted %s to a universal checkpoint (another rank count, layout or offload) in %.1fs",
+        ckpt,
+        time.perf_counter() - started,
+    )
 
 
 def _held(lock_path: Path) -> bool:
@@ -658,8 +742,11 @@ def _wait_for_conversion(ckpt: Path, done: Path, failed: Path, lock_path: Path) 
                 reason = "see global rank 0's output"
             raise UniversalConversionFailed(f"waited for {what}: it failed ({reason})", waited=True)
         if not held and not done.exists():  # rank 0 let go of the lock with neither marker: it was killed
-            raise UniversalConversionFailed(f"waited for {what}: rank 0 ended without finishing it (killed? out of "
-                                            "memory?); see its node's log, then restart", waited=True)
+            raise UniversalConversionFailed(
+                f"waited for {what}: rank 0 ended without finishing it (killed? out of "
+                "memory?); see its node's log, then restart",
+                waited=True,
+            )
         time.sleep(1.0)
         waited += 1.0
         if waited % 300 == 0:
@@ -680,8 +767,9 @@ def prune_checkpoints(root: Path, limit: int, keep: Path) -> None:
     """Keep the newest `limit` committed checkpoints (0: keep all); `keep` (the one just committed) always stays."""
     if limit <= 0:
         return
-    committed = sorted((p for p in root.iterdir() if p.is_dir() and committed_step(p) is not None),
-                       key=committed_step, reverse=True)
+    committed = sorted(
+        (p for p in root.iterdir() if p.is_dir() and committed_step(p) is not None), key=committed_step, reverse=True
+    )
     for old in committed[limit:]:
         if old != keep:
             shutil.rmtree(old, ignore_errors=True)
@@ -701,9 +789,13 @@ def load_checkpoint(engine, ckpt: Path, state: TrainState, rank: int, universal:
     started = time.perf_counter()
     source = universal_path(ckpt) if universal else ckpt
     # A LoRA checkpoint lacks the frozen base (save_checkpoint): the built base stays, the rest must fit exactly.
-    path, client = engine.load_checkpoint(str(source.parent), tag=source.name, load_optimizer_states=True,
-                                          load_lr_scheduler_states=True,
-                                          custom_load_fn=load_adapter_state if _without_frozen_base(engine) else None)
+    path, client = engine.load_checkpoint(
+        str(source.parent),
+        tag=source.name,
+        load_optimizer_states=True,
+        load_lr_scheduler_states=True,
+        custom_load_fn=load_adapter_state if _without_frozen_base(engine) else None,
+    )
     if path is None:
         raise RuntimeError(f"DeepSpeed could not load checkpoint {ckpt}")
     state.load_state_dict(client["train_state"])
@@ -712,8 +804,13 @@ def load_checkpoint(engine, ckpt: Path, state: TrainState, rank: int, universal:
         log.info("resharded resume: RNG states start fresh (they do not map to another rank count)")
     elif rng.exists():
         _set_rng_state(torch.load(rng, weights_only=False))
-    log.info("resumed from %s (step %d, %d samples seen) in %.2fs", ckpt, state.step, state.samples_seen,
-             time.perf_counter() - started)
+    log.info(
+        "resumed from %s (step %d, %d samples seen) in %.2fs",
+        ckpt,
+        state.step,
+        state.samples_seen,
+        time.perf_counter() - started,
+    )
 
 
 def state_is_sharded_by_tp(engine) -> bool:
@@ -756,8 +853,9 @@ def _full_state_dict_on_rank0(engine, is_main: bool, trainable_only: bool = Fals
     return state
 
 
-def export_pipeline_checkpoint(ckpt: Path, out_dir, model_config, tokenizer, dtype=None,
-                               max_shard_size: str = "5GB") -> None:
+def export_pipeline_checkpoint(
+    ckpt: Path, out_dir, model_config, tokenizer, dtype=None, max_shard_size: str = "5GB"
+) -> None:
     """A Hugging Face folder from a pipeline checkpoint's layer files (the weights each stage holds)."""
     import torch
     from transformers import AutoModelForCausalLM
@@ -770,8 +868,10 @@ def export_pipeline_checkpoint(ckpt: Path, out_dir, model_config, tokenizer, dty
     missing, unexpected = model.load_state_dict(state, strict=False, assign=True)
     tied = {"lm_head.weight"} if getattr(model_config, "tie_word_embeddings", False) else set()
     if set(missing) - tied or unexpected:
-        raise ValueError(f"{ckpt}: the layer files do not match the model (missing {sorted(set(missing) - tied)}, "
-                         f"unexpected {sorted(unexpected)})")
+        raise ValueError(
+            f"{ckpt}: the layer files do not match the model (missing {sorted(set(missing) - tied)}, "
+            f"unexpected {sorted(unexpected)})"
+        )
     model.tie_weights()
     if dtype is not None:
         model = model.to(dtype)
@@ -779,8 +879,9 @@ def export_pipeline_checkpoint(ckpt: Path, out_dir, model_config, tokenizer, dty
     tokenizer.save_pretrained(out_dir)
 
 
-def export_hf_model(engine, tokenizer, out_dir: str, is_main: bool, merge_lora: bool = False,
-                    trust_remote_code: bool = False) -> None:
+def export_hf_model(
+    engine, tokenizer, out_dir: str, is_main: bool, merge_lora: bool = False, trust_remote_code: bool = False
+) -> None:
     """Write safetensors weights, config and tokenizer that `AutoModelForCausalLM.from_pretrained` loads; for a
     LoRA model the adapter folder instead (and with merge_lora the merged model in <out_dir>/merged)."""
     from scaletrain import lora

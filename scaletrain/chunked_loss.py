@@ -56,17 +56,20 @@ class ChunkedCrossEntropy(torch.autograd.Function):
         # of a weight used several times: an fp32 accumulator would add V x H x 4 bytes (4.2 GB for a 128k x 8192
         # head) beside the gradient itself.
         grad_weight = torch.zeros_like(weight) if with_grad and weight.requires_grad else None
-        grad_bias = (torch.zeros(bias.shape, dtype=torch.float32, device=bias.device)
-                     if with_grad and bias is not None and bias.requires_grad else None)
+        grad_bias = (
+            torch.zeros(bias.shape, dtype=torch.float32, device=bias.device)
+            if with_grad and bias is not None and bias.requires_grad
+            else None
+        )
         for start in range(0, hidden.size(0), chunk):
-            t = targets[start:start + chunk]
+            t = targets[start : start + chunk]
             ignored = t == IGNORE_INDEX
             safe_targets = t.masked_fill(ignored, 0)
             # Ignored tokens are masked on the [tokens, hidden] side, never on [tokens, vocabulary]: their hidden
             # states enter the head as zeros (finite logits whatever the model produced there), so they reach
             # neither the weight's gradient nor, zeroed below, the hidden states'.
             skipped = ignored.unsqueeze(1)
-            h = hidden[start:start + chunk].masked_fill(skipped, 0)
+            h = hidden[start : start + chunk].masked_fill(skipped, 0)
             # One fused pass over the chunk's logits (max, sum of exponentials, subtraction) instead of
             # logsumexp's several; the softmax for the gradient is its exponential, in place.
             log_probs = F.log_softmax(F.linear(h, weight, bias), dim=-1, dtype=torch.float32)
@@ -80,8 +83,8 @@ class ChunkedCrossEntropy(torch.autograd.Function):
                 grad_bias += torch.mv(d_logits.t(), (~ignored).to(d_logits.dtype))
             d_logits = d_logits.to(h.dtype)
             if grad_hidden is not None:
-                torch.mm(d_logits, weight, out=grad_hidden[start:start + chunk])
-                grad_hidden[start:start + chunk].masked_fill_(skipped, 0)
+                torch.mm(d_logits, weight, out=grad_hidden[start : start + chunk])
+                grad_hidden[start : start + chunk].masked_fill_(skipped, 0)
             if grad_weight is not None:
                 grad_weight.addmm_(d_logits.t(), h.to(grad_weight.dtype))
         ctx.grads = (grad_hidden, grad_weight, grad_bias)
@@ -91,8 +94,10 @@ class ChunkedCrossEntropy(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_output):
         # in place: the stored gradients are this function's own (a V x H copy would double the head's gradient)
-        grads = [None if grad is None else grad.mul_(grad_output).to(dtype)
-                 for grad, dtype in zip(ctx.grads, ctx.dtypes, strict=True)]
+        grads = [
+            None if grad is None else grad.mul_(grad_output).to(dtype)
+            for grad, dtype in zip(ctx.grads, ctx.dtypes, strict=True)
+        ]
         ctx.grads = None
         return (*grads, None, None, None)
 
@@ -126,8 +131,10 @@ class ChunkedLossHead(torch.nn.Linear):
         if targets is None:
             return super().forward(hidden)
         if hidden.shape[:-1] != targets.shape:
-            raise RuntimeError(f"chunked loss: the head received hidden states of shape {tuple(hidden.shape)} for "
-                               f"targets of shape {tuple(targets.shape)}; run with --loss_chunk_size 0")
+            raise RuntimeError(
+                f"chunked loss: the head received hidden states of shape {tuple(hidden.shape)} for "
+                f"targets of shape {tuple(targets.shape)}; run with --loss_chunk_size 0"
+            )
         loss = chunked_token_loss(hidden, self.weight, self.bias, targets, self.chunk_tokens)
         self.__dict__["_returned"] = loss.data_ptr()
         return loss
@@ -138,7 +145,8 @@ class ChunkedLossHead(torch.nn.Linear):
             raise RuntimeError(
                 "--loss_chunk_size: this model changes the LM head's output before returning it (scaling or "
                 "soft-capping the logits), so the loss cannot be computed inside the head; run with "
-                "--loss_chunk_size 0")
+                "--loss_chunk_size 0"
+            )
 
 
 def chunked_loss_head(model) -> Optional[ChunkedLossHead]:

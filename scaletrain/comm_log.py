@@ -20,14 +20,25 @@ log = logging.getLogger(__name__)
 
 # deepspeed.comm's op names (its log names) -> the collective type reported
 COLLECTIVE_TYPES = {
-    "all_reduce": "all_reduce", "inference_all_reduce": "all_reduce", "all_reduce_coalesced": "all_reduce",
-    "reduce_scatter_tensor": "reduce_scatter", "reduce_scatter": "reduce_scatter",
+    "all_reduce": "all_reduce",
+    "inference_all_reduce": "all_reduce",
+    "all_reduce_coalesced": "all_reduce",
+    "reduce_scatter_tensor": "reduce_scatter",
+    "reduce_scatter": "reduce_scatter",
     "reduce_scatter_coalesced": "reduce_scatter",
-    "all_gather": "all_gather", "all_gather_into_tensor": "all_gather", "all_gather_object": "all_gather",
-    "allgather_fn": "all_gather", "all_gather_coalesced": "all_gather",
-    "broadcast": "broadcast", "broadcast_object_list": "broadcast",
-    "all_to_all_single": "all_to_all", "all_to_all": "all_to_all",
-    "send": "send_recv", "recv": "send_recv", "isend": "send_recv", "irecv": "send_recv",
+    "all_gather": "all_gather",
+    "all_gather_into_tensor": "all_gather",
+    "all_gather_object": "all_gather",
+    "allgather_fn": "all_gather",
+    "all_gather_coalesced": "all_gather",
+    "broadcast": "broadcast",
+    "broadcast_object_list": "broadcast",
+    "all_to_all_single": "all_to_all",
+    "all_to_all": "all_to_all",
+    "send": "send_recv",
+    "recv": "send_recv",
+    "isend": "send_recv",
+    "irecv": "send_recv",
     "batch_isend_irecv": "send_recv",
 }
 TYPES = ("all_reduce", "reduce_scatter", "all_gather", "broadcast", "all_to_all", "send_recv", "other")
@@ -47,9 +58,13 @@ class CollectiveTotals:
         self.busbw_ms += other.busbw_ms
 
     def as_metrics(self, name: str) -> dict:
-        return {f"comm_{name}_count": self.count, f"comm_{name}_bytes": self.bytes, f"comm_{name}_ms": self.ms,
-                f"comm_{name}_mean_ms": self.ms / self.count if self.count else 0.0,
-                f"comm_{name}_busbw_gbps": self.busbw_ms / self.ms if self.ms else 0.0}
+        return {
+            f"comm_{name}_count": self.count,
+            f"comm_{name}_bytes": self.bytes,
+            f"comm_{name}_ms": self.ms,
+            f"comm_{name}_mean_ms": self.ms / self.count if self.count else 0.0,
+            f"comm_{name}_busbw_gbps": self.busbw_ms / self.ms if self.ms else 0.0,
+        }
 
 
 def collective_type(record_name: str) -> str:
@@ -82,8 +97,14 @@ def totals_by_type(raw: dict) -> dict:
     for name, by_size in raw.items():
         bucket = totals.setdefault(collective_type(name), CollectiveTotals())
         for size, (count, latencies, _, busbws) in by_size.items():
-            bucket.add(CollectiveTotals(count, count * int(size), float(sum(latencies)),
-                                        float(sum(b * ms for b, ms in zip(busbws, latencies, strict=True)))))
+            bucket.add(
+                CollectiveTotals(
+                    count,
+                    count * int(size),
+                    float(sum(latencies)),
+                    float(sum(b * ms for b, ms in zip(busbws, latencies, strict=True))),
+                )
+            )
     return totals
 
 
@@ -119,8 +140,10 @@ class CommLog:
         for name in TYPES:
             if name in self.run_totals:
                 t = self.run_totals[name]
-                lines.append(f"  {name} | {t.count} | {t.bytes} | {t.ms:.1f} | {t.ms / t.count:.3f} | "
-                             f"{t.busbw_ms / t.ms if t.ms else 0.0:.3f}")
+                lines.append(
+                    f"  {name} | {t.count} | {t.bytes} | {t.ms:.1f} | {t.ms / t.count:.3f} | "
+                    f"{t.busbw_ms / t.ms if t.ms else 0.0:.3f}"
+                )
         return "\n".join(lines)
 
     def close(self) -> None:

@@ -50,6 +50,7 @@ def _flag(default, help: str, **argparse_kwargs):
 
 # --- the slices -------------------------------------------------------------------------------------------------
 
+
 @dataclass(frozen=True)
 class RunArgs:
     """The run as a whole: where it writes, and the modes that stop before training."""
@@ -58,9 +59,11 @@ class RunArgs:
     overwrite_output_dir: bool = _flag(False, "Allow a fresh run in a folder that holds a previous run.")
     run_name: Optional[str] = _flag(None, "Run name for wandb. Default: the output folder's name.")
     recipe: Optional[str] = _flag(
-        None, "A YAML file of flag values (keys are flag names); flags typed on the command line win over it.")
-    dry_run: bool = _flag(False, "Build everything, run one full step, report memory and step time, exit; "
-                                 "nothing is saved.")
+        None, "A YAML file of flag values (keys are flag names); flags typed on the command line win over it."
+    )
+    dry_run: bool = _flag(
+        False, "Build everything, run one full step, report memory and step time, exit; nothing is saved."
+    )
     print_config: bool = _flag(False, "Print the resolved run and DeepSpeed configs, with sources, and exit.")
     local_rank: int = _flag(-1, "Set by the deepspeed launcher; leave it alone.")
 
@@ -71,20 +74,27 @@ class ModelArgs:
 
     model_name_or_path: Optional[str] = _flag(None, "Pretrained model: hub id or local folder (from_pretrained).")
     config_name: Optional[str] = _flag(
-        None, "Model config (hub id or local folder/file) to train from scratch. Default: data/tiny-llama.")
+        None, "Model config (hub id or local folder/file) to train from scratch. Default: data/tiny-llama."
+    )
     tokenizer_name: Optional[str] = _flag(None, "Tokenizer (hub id or local folder). Default: the model's.")
     trust_remote_code: bool = _flag(False, "Allow model/tokenizer code from the hub to run. Off unless asked.")
     gradient_checkpointing: bool = _flag(False, "Recompute activations in backward to save memory.")
     attn_implementation: str = _flag(
-        "sdpa", "Attention backend, by transformers' name: sdpa, eager, flash_attention_2, flash_attention_3, "
-                "flex_attention, or a hub kernel (e.g. kernels-community/flash-attn); checked before anything heavy.")
+        "sdpa",
+        "Attention backend, by transformers' name: sdpa, eager, flash_attention_2, flash_attention_3, "
+        "flex_attention, or a hub kernel (e.g. kernels-community/flash-attn); checked before anything heavy.",
+    )
     loss_chunk_size: Optional[int] = _flag(
-        None, "Tokens per chunk of the loss through the LM head, so the whole [tokens, vocabulary] logits never exist "
-              "(training and evaluation). Default: auto, a chunk's fp32 logits at most 256 MiB. 0: the whole logits "
-              "at once (as the Hugging Face loss does).")
+        None,
+        "Tokens per chunk of the loss through the LM head, so the whole [tokens, vocabulary] logits never exist "
+        "(training and evaluation). Default: auto, a chunk's fp32 logits at most 256 MiB. 0: the whole logits "
+        "at once (as the Hugging Face loss does).",
+    )
     router_aux_loss_coef: Optional[float] = _flag(
-        None, "Mixture-of-experts models: the weight of the router's load-balancing loss added to the token loss "
-              "(logged as aux_loss). Default: the model config's router_aux_loss_coef. 0: no load-balancing loss.")
+        None,
+        "Mixture-of-experts models: the weight of the router's load-balancing loss added to the token loss "
+        "(logged as aux_loss). Default: the model config's router_aux_loss_coef. 0: no load-balancing loss.",
+    )
 
     @property
     def model_source(self) -> str:
@@ -104,11 +114,15 @@ class ModelArgs:
         for flag in ("model_name_or_path", "config_name", "tokenizer_name"):
             _check_model_path(flag, getattr(self, flag))
         if self.loss_chunk_size is not None and self.loss_chunk_size < 0:
-            raise UsageError(f"--loss_chunk_size {self.loss_chunk_size}: must not be negative",
-                             "give tokens per chunk, 0 for the whole logits, or leave it unset (auto)")
+            raise UsageError(
+                f"--loss_chunk_size {self.loss_chunk_size}: must not be negative",
+                "give tokens per chunk, 0 for the whole logits, or leave it unset (auto)",
+            )
         if self.router_aux_loss_coef is not None and not self.router_aux_loss_coef >= 0:
-            raise UsageError(f"--router_aux_loss_coef {self.router_aux_loss_coef}: must not be negative",
-                             "give a weight such as 0.01, 0 for no load-balancing loss, or leave it unset")
+            raise UsageError(
+                f"--router_aux_loss_coef {self.router_aux_loss_coef}: must not be negative",
+                "give a weight such as 0.01, 0 for no load-balancing loss, or leave it unset",
+            )
 
 
 @dataclass(frozen=True)
@@ -120,8 +134,10 @@ class PeftArgs:
     lora_alpha: int = _flag(32, "LoRA alpha: the adapter's update is scaled by alpha / r.")
     lora_dropout: float = _flag(0.05, "Dropout on the adapter's input.")
     lora_target_modules: str = _flag(
-        "all-linear", "Modules that get an adapter: all-linear (every linear layer but the LM head) or names, "
-                      "comma-separated (q_proj,v_proj); a name matches a module whose path ends with it.")
+        "all-linear",
+        "Modules that get an adapter: all-linear (every linear layer but the LM head) or names, "
+        "comma-separated (q_proj,v_proj); a name matches a module whose path ends with it.",
+    )
     merge_lora: bool = _flag(False, "Also export the merged full model (base + adapter) to <output_dir>/merged.")
     load_in_4bit: bool = _flag(False, "QLoRA: 4-bit base weights through bitsandbytes (refused without a CUDA GPU).")
 
@@ -140,8 +156,10 @@ class PeftArgs:
         if not 0.0 <= self.lora_dropout < 1.0:
             raise UsageError(f"--lora_dropout {self.lora_dropout}: must be at least 0 and below 1")
         if not self.target_modules:
-            raise UsageError(f"--lora_target_modules {self.lora_target_modules!r}: names no module",
-                             "give all-linear or module names such as q_proj,v_proj")
+            raise UsageError(
+                f"--lora_target_modules {self.lora_target_modules!r}: names no module",
+                "give all-linear or module names such as q_proj,v_proj",
+            )
 
 
 @dataclass(frozen=True)
@@ -151,47 +169,70 @@ class DataArgs:
     dataset_name: Optional[str] = _flag(None, "Hugging Face dataset name (hub or a local dataset script/folder).")
     dataset_config_name: Optional[str] = _flag(None, "Configuration of --dataset_name.")
     dataset_revision: Optional[str] = _flag(
-        None, "Revision of a hub --dataset_name (branch, tag or commit; default: the main branch). Part of the token "
-        "store's fingerprint: a commit ties the store to exact data.")
+        None,
+        "Revision of a hub --dataset_name (branch, tag or commit; default: the main branch). Part of the token "
+        "store's fingerprint: a commit ties the store to exact data.",
+    )
     train_file: Optional[str] = _flag(
-        None, "Local training file(s): json, jsonl, csv, txt, parquet; a glob or a comma-separated list. "
-        "Default: data/sample/train.jsonl.")
+        None,
+        "Local training file(s): json, jsonl, csv, txt, parquet; a glob or a comma-separated list. "
+        "Default: data/sample/train.jsonl.",
+    )
     validation_file: Optional[str] = _flag(
-        None, "Local validation file(s), same formats as --train_file; several named sets, each with its own loss "
-        "(eval_<name>_loss): name=path,name2=path2 (a glob per name).")
+        None,
+        "Local validation file(s), same formats as --train_file; several named sets, each with its own loss "
+        "(eval_<name>_loss): name=path,name2=path2 (a glob per name).",
+    )
     validation_split_percentage: int = _flag(
-        5, "When there is no validation file or split, hold out this percent of the training documents, drawn at "
-        "random (by --seed).")
+        5,
+        "When there is no validation file or split, hold out this percent of the training documents, drawn at "
+        "random (by --seed).",
+    )
     validation_split_max_tokens: int = _flag(
-        10_000_000, "Cap, in tokens, on what --validation_split_percentage holds out (0: no cap); the documents past "
-        "it stay in training.")
+        10_000_000,
+        "Cap, in tokens, on what --validation_split_percentage holds out (0: no cap); the documents past "
+        "it stay in training.",
+    )
     text_column: str = _flag("text", "Column that holds the text.")
-    block_size: Optional[int] = _flag(
-        None, "Tokens per training sequence. Default: min(1024, model's max positions).")
+    block_size: Optional[int] = _flag(None, "Tokens per training sequence. Default: min(1024, model's max positions).")
     preprocessing_num_workers: Optional[int] = _flag(None, "Processes for tokenization (default: the CPU count).")
     # Training-time reading: prepared stores instead of raw data, and how blocks are fed to the model.
-    data_path: Optional[str] = _flag(None, "A token store made by data/prepare.py (instead of raw data).",
-                                     training_only=True)
+    data_path: Optional[str] = _flag(
+        None, "A token store made by data/prepare.py (instead of raw data).", training_only=True
+    )
     dataset_mix: Optional[str] = _flag(
-        None, "Several token stores mixed by weight: store_a:0.7,store_b:0.3 (deterministic, by --seed).",
-        training_only=True)
+        None,
+        "Several token stores mixed by weight: store_a:0.7,store_b:0.3 (deterministic, by --seed).",
+        training_only=True,
+    )
     attention_isolation: bool = _flag(
-        False, "No token attends across a document boundary (position ids restart per document).", training_only=True)
+        False, "No token attends across a document boundary (position ids restart per document).", training_only=True
+    )
     # Chat data (a `messages` column, or `prompt` and `completion` columns): scaletrain/chat_store.py.
     chat_template: Optional[str] = _flag(
-        None, "Chat data: a Jinja chat template file to render the conversations with (default: the tokenizer's).")
+        None, "Chat data: a Jinja chat template file to render the conversations with (default: the tokenizer's)."
+    )
     assistant_only_loss: bool = _flag(
-        False, "Chat data: train only on the assistant turns, each with its end-of-turn token.")
+        False, "Chat data: train only on the assistant turns, each with its end-of-turn token."
+    )
     truncation: str = _flag(
-        "truncate", "Chat data: an example longer than --block_size is truncated to it (counted in the log) or "
-        "dropped.", choices=("truncate", "drop"), training_only=True)
+        "truncate",
+        "Chat data: an example longer than --block_size is truncated to it (counted in the log) or dropped.",
+        choices=("truncate", "drop"),
+        training_only=True,
+    )
     print_samples: int = _flag(
-        0, "Chat data: print N rendered training examples with their trained tokens marked.", training_only=True)
+        0, "Chat data: print N rendered training examples with their trained tokens marked.", training_only=True
+    )
 
     @property
     def uses_default_data(self) -> bool:
-        return (self.dataset_name is None and self.train_file is None and self.data_path is None
-                and self.dataset_mix is None)
+        return (
+            self.dataset_name is None
+            and self.train_file is None
+            and self.data_path is None
+            and self.dataset_mix is None
+        )
 
     @property
     def train_data_file(self) -> Optional[str]:
@@ -231,8 +272,10 @@ class DataArgs:
         if self.validation_split_percentage >= 100:
             raise UsageError(f"--validation_split_percentage {self.validation_split_percentage}: must be below 100")
         if self.dataset_revision is not None and not self.dataset_name:
-            raise UsageError(f"--dataset_revision {self.dataset_revision}: needs --dataset_name",
-                             "it names a revision of a hub dataset")
+            raise UsageError(
+                f"--dataset_revision {self.dataset_revision}: needs --dataset_name",
+                "it names a revision of a hub dataset",
+            )
         if self.preprocessing_num_workers is not None and self.preprocessing_num_workers < 1:
             raise UsageError(f"--preprocessing_num_workers {self.preprocessing_num_workers}: must be at least 1")
         _check_data_sources(self)
@@ -260,12 +303,16 @@ class OptimArgs:
     num_train_epochs: float = _flag(3.0, "Epochs over the training blocks when --max_steps is not set.")
     seed: int = _flag(42, "Seed for initialisation and the data order.")
     rampup_batch_size: Optional[tuple[int, int, int]] = _flag(
-        None, "Batch-size ramp-up (Megatron's meaning): the global batch grows from START by INCREMENT blocks to its "
+        None,
+        "Batch-size ramp-up (Megatron's meaning): the global batch grows from START by INCREMENT blocks to its "
         "full size over SAMPLES blocks; the accumulation steps change at step boundaries only.",
-        metavar=("START", "INCREMENT", "SAMPLES"))
+        metavar=("START", "INCREMENT", "SAMPLES"),
+    )
     rampup_lr_scaling: str = _flag(
-        "none", "With --rampup_batch_size: scale the LR with the batch (x (batch/full)^0.5 or ^1), or not.",
-        choices=RAMPUP_LR_SCALINGS)
+        "none",
+        "With --rampup_batch_size: scale the LR with the batch (x (batch/full)^0.5 or ^1), or not.",
+        choices=RAMPUP_LR_SCALINGS,
+    )
 
     def validate(self) -> None:
         if self.rampup_batch_size is not None:
@@ -274,10 +321,13 @@ class OptimArgs:
                 if value < 1:
                     raise UsageError(f"--rampup_batch_size {start} {increment} {samples}: {name} must be at least 1")
         elif self.rampup_lr_scaling != "none":
-            raise UsageError(f"--rampup_lr_scaling {self.rampup_lr_scaling}: only acts with --rampup_batch_size",
-                             "add --rampup_batch_size START INCREMENT SAMPLES, or drop the flag")
-        _check_at_least_one(self, ("per_device_train_batch_size", "per_device_eval_batch_size",
-                                   "gradient_accumulation_steps"))
+            raise UsageError(
+                f"--rampup_lr_scaling {self.rampup_lr_scaling}: only acts with --rampup_batch_size",
+                "add --rampup_batch_size START INCREMENT SAMPLES, or drop the flag",
+            )
+        _check_at_least_one(
+            self, ("per_device_train_batch_size", "per_device_eval_batch_size", "gradient_accumulation_steps")
+        )
         if self.warmup_steps < 0:
             raise UsageError(f"--warmup_steps {self.warmup_steps}: must not be negative")
         if self.learning_rate <= 0:
@@ -286,8 +336,10 @@ class OptimArgs:
             if not 0.0 <= getattr(self, name) <= 1.0:
                 raise UsageError(f"--{name} {getattr(self, name)}: must be between 0 and 1")
         if self.max_steps == 0 or self.max_steps < -1:
-            raise UsageError(f"--max_steps {self.max_steps}: give a positive number of steps",
-                             "or leave it unset (-1) to train for --num_train_epochs")
+            raise UsageError(
+                f"--max_steps {self.max_steps}: give a positive number of steps",
+                "or leave it unset (-1) to train for --num_train_epochs",
+            )
         if self.max_steps == -1 and self.num_train_epochs <= 0:
             raise UsageError("--max_steps and --num_train_epochs: set one of them to a positive number")
 
@@ -296,20 +348,24 @@ class OptimArgs:
 class EngineArgs:
     """The DeepSpeed JSON and what the flags decide in it beyond the optimizer: precision and NVMe offload."""
 
-    config: str = _flag(DEFAULT_DS_CONFIG, "DeepSpeed JSON config; values set to \"auto\" are filled from these flags.")
-    bf16: bool = _flag(False, "Train in bf16 (overrides the JSON's \"auto\").")
-    fp16: bool = _flag(False, "Train in fp16 with dynamic loss scaling (overrides the JSON's \"auto\").")
-    nvme_path: Optional[str] = _flag(
-        None, f"Folder for NVMe offload (zero3_nvme.json). Default: ${NVME_PATH_ENV}.")
+    config: str = _flag(DEFAULT_DS_CONFIG, 'DeepSpeed JSON config; values set to "auto" are filled from these flags.')
+    bf16: bool = _flag(False, 'Train in bf16 (overrides the JSON\'s "auto").')
+    fp16: bool = _flag(False, 'Train in fp16 with dynamic loss scaling (overrides the JSON\'s "auto").')
+    nvme_path: Optional[str] = _flag(None, f"Folder for NVMe offload (zero3_nvme.json). Default: ${NVME_PATH_ENV}.")
     torch_compile: bool = _flag(
-        False, "Compile the model with torch.compile through DeepSpeed's engine.compile (a \"compile\" section in "
-               "the JSON turns it on too, with its DeepCompile options).")
+        False,
+        'Compile the model with torch.compile through DeepSpeed\'s engine.compile (a "compile" section in '
+        "the JSON turns it on too, with its DeepCompile options).",
+    )
     cpu_shm_allreduce: bool = _flag(
-        True, "CPU ranks all on one host: all-reduce gradient buckets through DeepSpeed's shared-memory kernel "
-              "instead of gloo (3-14x faster on 2 cores; used where it can be: the log's first lines say).")
+        True,
+        "CPU ranks all on one host: all-reduce gradient buckets through DeepSpeed's shared-memory kernel "
+        "instead of gloo (3-14x faster on 2 cores; used where it can be: the log's first lines say).",
+    )
     torch_compile_backend: str = _flag("inductor", "torch.compile backend for --torch_compile.")
     torch_compile_mode: Optional[str] = _flag(
-        None, "torch.compile mode for --torch_compile (default, reduce-overhead, max-autotune, ...).")
+        None, "torch.compile mode for --torch_compile (default, reduce-overhead, max-autotune, ...)."
+    )
 
     @property
     def resolved_nvme_path(self) -> Optional[str]:
@@ -333,28 +389,40 @@ class CheckpointArgs:
     save_interval_minutes: float = _flag(0.0, "Also save when this many minutes passed since the last save (0: off).")
     save_total_limit: int = _flag(0, "Keep only the newest K committed checkpoints (0: keep all).")
     resume_from_checkpoint: str = _flag(
-        "auto", "auto: newest committed checkpoint in --output_dir if any; none: start fresh; or a checkpoint path.")
+        "auto", "auto: newest committed checkpoint in --output_dir if any; none: start fresh; or a checkpoint path."
+    )
     allow_schedule_change: bool = _flag(
-        False, "Resume with another peak --learning_rate than the run being resumed (refused without it; another "
-        "--max_steps, warmup or schedule is only warned about).")
+        False,
+        "Resume with another peak --learning_rate than the run being resumed (refused without it; another "
+        "--max_steps, warmup or schedule is only warned about).",
+    )
     preemption_grace_seconds: float = _flag(
-        120.0, "Seconds a scheduler allows between its signal and the kill; a slower save is warned about.")
+        120.0, "Seconds a scheduler allows between its signal and the kill; a slower save is warned about."
+    )
     export_hf_at_end: bool = _flag(
-        True, "Write the Hugging Face model (safetensors, config, tokenizer) to --output_dir at the end; "
-        "--no-export_hf_at_end skips it (scripts/export_hf.py can export any checkpoint later).")
+        True,
+        "Write the Hugging Face model (safetensors, config, tokenizer) to --output_dir at the end; "
+        "--no-export_hf_at_end skips it (scripts/export_hf.py can export any checkpoint later).",
+    )
     save_at_end: bool = _flag(
-        True, "Commit a checkpoint of the last step at the end; --no-save_at_end skips it (benchmarks, sweeps: the "
-        "run cannot then be continued from its last step).")
+        True,
+        "Commit a checkpoint of the last step at the end; --no-save_at_end skips it (benchmarks, sweeps: the "
+        "run cannot then be continued from its last step).",
+    )
     push_to_hub: Optional[str] = _flag(
-        None, "After the run, rank 0 uploads the end-of-run export (weights, config, tokenizer, generation config, "
+        None,
+        "After the run, rank 0 uploads the end-of-run export (weights, config, tokenizer, generation config, "
         "model card; not the checkpoints or logs) to this Hub repository (owner/name), with HF_TOKEN from the "
-        "environment; retried, and a repeated upload resumes.")
-    hub_private_repo: bool = _flag(False, "--push_to_hub creates the repository private (an existing one keeps "
-                                   "its visibility).")
+        "environment; retried, and a repeated upload resumes.",
+    )
+    hub_private_repo: bool = _flag(
+        False, "--push_to_hub creates the repository private (an existing one keeps its visibility)."
+    )
 
     def validate(self) -> None:
-        _check_not_negative(self, ("save_steps", "save_interval_minutes", "save_total_limit",
-                                   "preemption_grace_seconds"))
+        _check_not_negative(
+            self, ("save_steps", "save_interval_minutes", "save_total_limit", "preemption_grace_seconds")
+        )
 
 
 @dataclass(frozen=True)
@@ -362,20 +430,29 @@ class NonFiniteArgs:
     """What a non-finite loss or gradient norm, or a loss spike, does to the run."""
 
     on_nonfinite: str = _flag(
-        "skip", "A non-finite loss or gradient norm, or a loss spike: skip the update on every rank (and roll back "
-        "after --max_consecutive_skips), or stop with a message.", choices=("skip", "stop"))
+        "skip",
+        "A non-finite loss or gradient norm, or a loss spike: skip the update on every rank (and roll back "
+        "after --max_consecutive_skips), or stop with a message.",
+        choices=("skip", "stop"),
+    )
     max_consecutive_skips: int = _flag(
-        5, "After this many skipped updates in a row, roll back to the last committed checkpoint and continue "
-        "past the offending samples (0: never roll back).")
+        5,
+        "After this many skipped updates in a row, roll back to the last committed checkpoint and continue "
+        "past the offending samples (0: never roll back).",
+    )
     loss_spike_factor: float = _flag(
-        0.0, "Treat a step whose loss exceeds this multiple of the running mean loss like a non-finite one "
-        "(0: off; e.g. 3).")
+        0.0,
+        "Treat a step whose loss exceeds this multiple of the running mean loss like a non-finite one "
+        "(0: off; e.g. 3).",
+    )
 
     def validate(self) -> None:
         _check_not_negative(self, ("max_consecutive_skips",))
         if self.loss_spike_factor != 0 and self.loss_spike_factor <= 1:
-            raise UsageError(f"--loss_spike_factor {self.loss_spike_factor}: must be above 1 (or 0 to turn it off)",
-                             "e.g. 3: a step with three times the running mean loss is skipped")
+            raise UsageError(
+                f"--loss_spike_factor {self.loss_spike_factor}: must be above 1 (or 0 to turn it off)",
+                "e.g. 3: a step with three times the running mean loss is skipped",
+            )
 
 
 @dataclass(frozen=True)
@@ -386,21 +463,28 @@ class LoggingArgs:
     eval_steps: int = _flag(0, "Evaluate every N optimizer steps (0: only at the end).")
     max_eval_samples: Optional[int] = _flag(None, "Cap on validation blocks per evaluation.")
     eval_prompts: Optional[str] = _flag(
-        None, "At each evaluation, a greedy generation of these prompts into metrics.jsonl and wandb: JSONL of "
-        "{\"prompt\": text} or {\"messages\": [...]} (chat template), or one prompt per line of text.")
+        None,
+        "At each evaluation, a greedy generation of these prompts into metrics.jsonl and wandb: JSONL of "
+        '{"prompt": text} or {"messages": [...]} (chat template), or one prompt per line of text.',
+    )
     eval_max_new_tokens: int = _flag(64, "Tokens generated per --eval_prompts prompt.")
     peak_tflops: Optional[float] = _flag(
-        None, "Peak TFLOP/s of one device for MFU (default: a table for A100/H100/H200, a calibration on CPU).")
-    report_to: str = _flag("none", "Extra metrics sinks, comma-separated: wandb, tensorboard (JSONL and console are "
-                           "always on).")
+        None, "Peak TFLOP/s of one device for MFU (default: a table for A100/H100/H200, a calibration on CPU)."
+    )
+    report_to: str = _flag(
+        "none", "Extra metrics sinks, comma-separated: wandb, tensorboard (JSONL and console are always on)."
+    )
     profile_steps: Optional[str] = _flag(
-        None, "A torch profiler trace of these steps (e.g. 5-7) in <output_dir>/profile.")
+        None, "A torch profiler trace of these steps (e.g. 5-7) in <output_dir>/profile."
+    )
     disable_tqdm: bool = _flag(False, "No progress bar.")
     comms_log: bool = _flag(
-        False, "Communication log: per collective type (all-reduce, reduce-scatter, all-gather, broadcast, "
-               "all-to-all, send/recv) the count, bytes, latency and bus bandwidth of this rank's DeepSpeed "
-               "collectives, per logging window in the metrics and as a summary at the end. Each collective then "
-               "synchronises the device: for diagnostic runs, not for production speed.")
+        False,
+        "Communication log: per collective type (all-reduce, reduce-scatter, all-gather, broadcast, "
+        "all-to-all, send/recv) the count, bytes, latency and bus bandwidth of this rank's DeepSpeed "
+        "collectives, per logging window in the metrics and as a summary at the end. Each collective then "
+        "synchronises the device: for diagnostic runs, not for production speed.",
+    )
 
     @property
     def report_sinks(self) -> tuple:
@@ -425,14 +509,21 @@ class LoggingArgs:
         for sink in self.report_sinks:
             if sink not in REPORT_SINKS:
                 close = difflib.get_close_matches(sink, REPORT_SINKS, n=1)
-                raise UsageError(f"--report_to {self.report_to}: unknown sink \"{sink}\"",
-                                 f"did you mean {close[0]}?" if close else f"use {', '.join(REPORT_SINKS)}")
+                raise UsageError(
+                    f'--report_to {self.report_to}: unknown sink "{sink}"',
+                    f"did you mean {close[0]}?" if close else f"use {', '.join(REPORT_SINKS)}",
+                )
         if self.profile_steps is not None:
             first, sep, last = self.profile_steps.partition("-")
-            if not (first.isdigit() and (not sep or last.isdigit())) or int(first) < 1 or \
-                    (sep and int(last) < int(first)):
-                raise UsageError(f"--profile_steps {self.profile_steps}: give a step or a range of steps like 5-7",
-                                 "steps count from 1")
+            if (
+                not (first.isdigit() and (not sep or last.isdigit()))
+                or int(first) < 1
+                or (sep and int(last) < int(first))
+            ):
+                raise UsageError(
+                    f"--profile_steps {self.profile_steps}: give a step or a range of steps like 5-7",
+                    "steps count from 1",
+                )
 
 
 @dataclass(frozen=True)
@@ -440,21 +531,29 @@ class ParallelArgs:
     """How the ranks split the model beyond data parallelism (the data-parallel size is what remains)."""
 
     tensor_parallel_size: int = _flag(
-        1, "Tensor parallelism (DeepSpeed AutoTP, the model's own TP plan where it has one) over this many "
-           "consecutive ranks, which read the same batches; keep it within a node.")
+        1,
+        "Tensor parallelism (DeepSpeed AutoTP, the model's own TP plan where it has one) over this many "
+        "consecutive ranks, which read the same batches; keep it within a node.",
+    )
 
     sequence_parallel_size: int = _flag(
-        1, "Sequence parallelism (DeepSpeed Ulysses) over this many consecutive ranks: each holds 1/N of every "
-           "block's tokens, and attention all-to-alls trade tokens for heads; for blocks too long for one rank.")
+        1,
+        "Sequence parallelism (DeepSpeed Ulysses) over this many consecutive ranks: each holds 1/N of every "
+        "block's tokens, and attention all-to-alls trade tokens for heads; for blocks too long for one rank.",
+    )
 
     pipeline_parallel_size: int = _flag(
-        1, "Pipeline parallelism (deepspeed.pipe, 1F1B schedule) over this many stages of the model's own layers; "
-           "the stages' data-parallel replicas are consecutive ranks, so stage-to-stage transfers cross nodes.")
+        1,
+        "Pipeline parallelism (deepspeed.pipe, 1F1B schedule) over this many stages of the model's own layers; "
+        "the stages' data-parallel replicas are consecutive ranks, so stage-to-stage transfers cross nodes.",
+    )
 
     pipeline_partition: str = _flag(
-        "parameters", "How the layers are cut into pipeline stages: balanced by parameter count (the embedding and "
-                      "head weigh in), or uniform (the same number of decoder layers per stage).",
-        choices=("parameters", "uniform"))
+        "parameters",
+        "How the layers are cut into pipeline stages: balanced by parameter count (the embedding and "
+        "head weigh in), or uniform (the same number of decoder layers per stage).",
+        choices=("parameters", "uniform"),
+    )
 
     def validate(self) -> None:
         _check_at_least_one(self, ("tensor_parallel_size", "sequence_parallel_size", "pipeline_parallel_size"))
@@ -464,8 +563,11 @@ class ParallelArgs:
 class PlanningArgs:
     """--plan, the memory planner: the cluster to plan for."""
 
-    plan: bool = _flag(False, "Memory planner: per-GPU memory of each ZeRO stage and offload option for the model "
-                              "(built on the meta device) on --num_nodes x --num_gpus GPUs, a recommendation, exit.")
+    plan: bool = _flag(
+        False,
+        "Memory planner: per-GPU memory of each ZeRO stage and offload option for the model "
+        "(built on the meta device) on --num_nodes x --num_gpus GPUs, a recommendation, exit.",
+    )
     num_gpus: int = _flag(1, "--plan: GPUs per node.")
     num_nodes: int = _flag(1, "--plan: nodes.")
     gpu_memory_gb: float = _flag(80.0, "--plan: memory of one GPU, GB.")
@@ -483,8 +585,16 @@ class PlanningArgs:
 
 # Slice name -> its dataclass: the order of --help and of --print_config. A new concern adds a line here.
 SLICES = {
-    "run": RunArgs, "model": ModelArgs, "peft": PeftArgs, "data": DataArgs, "optim": OptimArgs, "engine": EngineArgs,
-    "parallel": ParallelArgs, "checkpoint": CheckpointArgs, "nonfinite": NonFiniteArgs, "logging": LoggingArgs,
+    "run": RunArgs,
+    "model": ModelArgs,
+    "peft": PeftArgs,
+    "data": DataArgs,
+    "optim": OptimArgs,
+    "engine": EngineArgs,
+    "parallel": ParallelArgs,
+    "checkpoint": CheckpointArgs,
+    "nonfinite": NonFiniteArgs,
+    "logging": LoggingArgs,
     "planning": PlanningArgs,
 }
 FLAG_ALIASES = {"deepspeed": "config"}  # Hugging Face's spelling of the DeepSpeed JSON flag
@@ -520,6 +630,7 @@ class RunConfig:
 
 
 # --- the flat command line ------------------------------------------------------------------------------------
+
 
 def flag_fields(slices: Optional[Sequence[str]] = None) -> list:
     """[(slice name, dataclass field)] of every flag, in --help order."""
@@ -569,8 +680,13 @@ class _Parser(argparse.ArgumentParser):
         raise UsageError(message, f"see {self.prog} --help")
 
 
-def add_flags(parser: argparse.ArgumentParser, slices: Optional[Sequence[str]] = None, suppress_defaults=False,
-              defaults: Optional[dict] = None, exclude: Sequence[str] = ()) -> None:
+def add_flags(
+    parser: argparse.ArgumentParser,
+    slices: Optional[Sequence[str]] = None,
+    suppress_defaults=False,
+    defaults: Optional[dict] = None,
+    exclude: Sequence[str] = (),
+) -> None:
     """Add the flags of `slices` (all by default), one argparse group per slice; `defaults` replace the fields'."""
     defaults = defaults or {}
     for slice_name in slices or SLICES:
@@ -584,14 +700,16 @@ def add_flags(parser: argparse.ArgumentParser, slices: Optional[Sequence[str]] =
             value = defaults.get(f.name, f.default)
             default = argparse.SUPPRESS if suppress_defaults else value
             if _value_type(owner, f) is bool:  # --name / --no-name: the command line can undo a recipe's true
-                group.add_argument(f"--{f.name}", action=argparse.BooleanOptionalAction, help=help_text,
-                                   default=default)
+                group.add_argument(
+                    f"--{f.name}", action=argparse.BooleanOptionalAction, help=help_text, default=default
+                )
                 continue
             default_text = "" if value is None else f" (default: {value})"
             if _nargs(owner, f):
                 meta["nargs"] = _nargs(owner, f)
-            group.add_argument(f"--{f.name}", type=_value_type(owner, f), default=default,
-                               help=help_text + default_text, **meta)
+            group.add_argument(
+                f"--{f.name}", type=_value_type(owner, f), default=default, help=help_text + default_text, **meta
+            )
 
 
 def build_parser(suppress_defaults: bool = False, defaults: Optional[dict] = None) -> argparse.ArgumentParser:
@@ -603,18 +721,22 @@ def build_parser(suppress_defaults: bool = False, defaults: Optional[dict] = Non
     )
     add_flags(parser, suppress_defaults=suppress_defaults, defaults=defaults)
     for alias, name in FLAG_ALIASES.items():
-        parser.add_argument(f"--{alias}", dest=name, default=argparse.SUPPRESS,
-                            help=f"Alias of --{name} (Hugging Face spelling).")
+        parser.add_argument(
+            f"--{alias}", dest=name, default=argparse.SUPPRESS, help=f"Alias of --{name} (Hugging Face spelling)."
+        )
     return parser
 
 
 def slices_from(values: dict, slices: Optional[Sequence[str]] = None) -> dict:
     """{slice name: slice instance} from flat {flag: value} (flags absent from `values` keep their defaults)."""
+
     def value(f):  # argparse gives a tuple flag as a list; the slices are frozen, so hold a tuple
         return tuple(values[f.name]) if isinstance(values[f.name], list) else values[f.name]
 
-    return {name: SLICES[name](**{f.name: value(f) for f in dataclasses.fields(SLICES[name]) if f.name in values})
-            for name in (slices or SLICES)}
+    return {
+        name: SLICES[name](**{f.name: value(f) for f in dataclasses.fields(SLICES[name]) if f.name in values})
+        for name in (slices or SLICES)
+    }
 
 
 def parse_run_config(argv: Optional[Sequence[str]] = None) -> RunConfig:
@@ -632,6 +754,7 @@ def parse_run_config(argv: Optional[Sequence[str]] = None) -> RunConfig:
 
 
 # --- recipes ----------------------------------------------------------------------------------------------------
+
 
 def _recipe_flag(argv: Optional[Sequence[str]]) -> Optional[str]:
     """The --recipe value, read before the full parse (its values become the parser's defaults)."""
@@ -655,13 +778,17 @@ def load_recipe(path: str) -> dict:
     except yaml.YAMLError as err:
         where = getattr(err, "problem_mark", None)
         line = f" at line {where.line + 1}" if where is not None else ""
-        raise UsageError(f"--recipe {path}: not valid YAML{line} ({getattr(err, 'problem', None) or err})",
-                         "write one `flag_name: value` per line") from err
+        raise UsageError(
+            f"--recipe {path}: not valid YAML{line} ({getattr(err, 'problem', None) or err})",
+            "write one `flag_name: value` per line",
+        ) from err
     if content is None:
         return {}
     if not isinstance(content, dict):
-        raise UsageError(f"--recipe {path}: must be a mapping of flag names to values, not a "
-                         f"{type(content).__name__}", "write one `flag_name: value` per line")
+        raise UsageError(
+            f"--recipe {path}: must be a mapping of flag names to values, not a {type(content).__name__}",
+            "write one `flag_name: value` per line",
+        )
     fields = {f.name: (SLICES[slice_name], f) for slice_name, f in flag_fields()}
     values = {}
     for key, value in content.items():
@@ -670,8 +797,10 @@ def load_recipe(path: str) -> dict:
             raise UsageError(f"--recipe {path}: a recipe cannot name another recipe", "merge the two files")
         if name not in fields:
             close = difflib.get_close_matches(str(key), list(fields) + list(FLAG_ALIASES), n=1)
-            raise UsageError(f"--recipe {path}: unknown key \"{key}\"",
-                             f"did you mean {close[0]}?" if close else "keys are train.py's flag names, without --")
+            raise UsageError(
+                f'--recipe {path}: unknown key "{key}"',
+                f"did you mean {close[0]}?" if close else "keys are train.py's flag names, without --",
+            )
         values[name] = _recipe_value(path, name, value, *fields[name])
     return values
 
@@ -683,7 +812,7 @@ def _recipe_value(path: str, name: str, value, owner: type, f: dataclasses.Field
     if value is None:
         if f.default is None:
             return None
-        raise UsageError(f"{where}: needs a value (it has no \"unset\")", f"remove the key for the default {f.default}")
+        raise UsageError(f'{where}: needs a value (it has no "unset")', f"remove the key for the default {f.default}")
     if kind is bool:
         if not isinstance(value, bool):
             raise UsageError(f"{where}: {value!r} is not true or false")
@@ -714,10 +843,18 @@ def _recipe_scalar(where: str, value, kind: type, choices):
 
 # --- checks -----------------------------------------------------------------------------------------------------
 
+
 def run_identity(cfg_dict: dict) -> dict:
     """What makes two runs the same run: the model and the training data (not batch sizes or step counts)."""
-    keys = ("model_name_or_path", "config_name", "dataset_name", "dataset_config_name", "train_file", "data_path",
-            "dataset_mix")
+    keys = (
+        "model_name_or_path",
+        "config_name",
+        "dataset_name",
+        "dataset_config_name",
+        "train_file",
+        "data_path",
+        "dataset_mix",
+    )
     return {k: cfg_dict.get(k) for k in keys}
 
 
@@ -743,8 +880,10 @@ def parse_dataset_mix(value: str) -> list:
         except ValueError:
             w = -1.0
         if not sep or not path or w <= 0:
-            raise UsageError(f"--dataset_mix {value}: \"{part}\" is not path:weight with a positive weight",
-                             "write it as store_a:0.7,store_b:0.3")
+            raise UsageError(
+                f'--dataset_mix {value}: "{part}" is not path:weight with a positive weight',
+                "write it as store_a:0.7,store_b:0.3",
+            )
         pairs.append((path, w))
     if len(pairs) < 2:
         raise UsageError(f"--dataset_mix {value}: give at least two stores", "or use --data_path for one")
@@ -806,16 +945,19 @@ def parse_validation_sets(value: Optional[str]) -> dict:
         return {VALIDATION_SPLIT: expand_data_files(value)}
     if not all(named):
         plain = next(p for p, m in zip(parts, named, strict=True) if not m)
-        raise UsageError(f"--validation_file {value}: {plain} has no set name, the others do",
-                         "name every set (name=path; a glob such as name=dir/*.jsonl joins files into one set), "
-                         "or none")
+        raise UsageError(
+            f"--validation_file {value}: {plain} has no set name, the others do",
+            "name every set (name=path; a glob such as name=dir/*.jsonl joins files into one set), or none",
+        )
     sets = {}
     for match in named:
         name, path = match.groups()
         split = f"{VALIDATION_SPLIT}.{name}"
         if split in sets:
-            raise UsageError(f"--validation_file: the set {name} is named twice",
-                             f"give each set one entry (a glob such as {name}=dir/*.jsonl joins several files)")
+            raise UsageError(
+                f"--validation_file: the set {name} is named twice",
+                f"give each set one entry (a glob such as {name}=dir/*.jsonl joins several files)",
+            )
         sets[split] = expand_data_files(path)
     return sets
 
@@ -830,7 +972,7 @@ def eval_loss_set(metric: str) -> Optional[str]:
     a key that is no evaluation loss: eval_metric_prefix read backwards."""
     if not (metric.startswith("eval_") and metric.endswith("loss")):
         return None
-    return metric[len("eval_"):-len("loss")].rstrip("_")
+    return metric[len("eval_") : -len("loss")].rstrip("_")
 
 
 def _check_data_files(flag: str, files: list) -> None:
@@ -859,11 +1001,14 @@ def _check_data_sources(data: DataArgs) -> None:
     if data.dataset_name and _looks_local(data.dataset_name) and not Path(data.dataset_name).expanduser().exists():
         raise UsageError(f"--dataset_name {data.dataset_name}: no such folder", "give a hub dataset name or a folder")
     if data.data_path and (data.train_file or data.dataset_name):
-        raise UsageError("--data_path and --train_file/--dataset_name: choose one data source",
-                         "--data_path is a store that data/prepare.py made; the others are raw data")
+        raise UsageError(
+            "--data_path and --train_file/--dataset_name: choose one data source",
+            "--data_path is a store that data/prepare.py made; the others are raw data",
+        )
     if data.dataset_mix and (data.data_path or data.train_file or data.dataset_name):
-        raise UsageError("--dataset_mix and another data source: choose one",
-                         "--dataset_mix already names every store the run reads")
+        raise UsageError(
+            "--dataset_mix and another data source: choose one", "--dataset_mix already names every store the run reads"
+        )
     for path, _ in data.mix:
         if not Path(path).is_dir():
             raise UsageError(f"--dataset_mix: {path} is not a folder", "give stores made by data/prepare.py")
@@ -880,13 +1025,17 @@ def _check_peft_run(cfg: RunConfig) -> None:
             raise UsageError(f"--{given[0]}: only acts with --use_peft", "add --use_peft, or drop the flag")
         return
     if not cfg.model.model_name_or_path:
-        raise UsageError("--use_peft: needs --model_name_or_path (LoRA adapts a pretrained model's weights)",
-                         "give the pretrained model's folder or hub id")
+        raise UsageError(
+            "--use_peft: needs --model_name_or_path (LoRA adapts a pretrained model's weights)",
+            "give the pretrained model's folder or hub id",
+        )
     parallel = cfg.parallel
     for name in ("tensor_parallel_size", "sequence_parallel_size", "pipeline_parallel_size"):
         if getattr(parallel, name) > 1:
-            raise UsageError(f"--use_peft with --{name} {getattr(parallel, name)}: not supported here (untested)",
-                             "train the adapter with data parallelism and a ZeRO stage")
+            raise UsageError(
+                f"--use_peft with --{name} {getattr(parallel, name)}: not supported here (untested)",
+                "train the adapter with data parallelism and a ZeRO stage",
+            )
     if cfg.engine.torch_compile:
         raise UsageError("--use_peft with --torch_compile: not supported here (untested)", "drop --torch_compile")
 
@@ -920,8 +1069,18 @@ def _check_output_dir(cfg: RunConfig) -> None:
 
 def validate_run_config(cfg: RunConfig) -> None:
     """The checks that need no model, data or process group, slice by slice. Raises UsageError on the first."""
-    for slice_name in ("optim", "parallel", "nonfinite", "checkpoint", "data", "logging", "planning", "engine",
-                       "model", "peft"):
+    for slice_name in (
+        "optim",
+        "parallel",
+        "nonfinite",
+        "checkpoint",
+        "data",
+        "logging",
+        "planning",
+        "engine",
+        "model",
+        "peft",
+    ):
         getattr(cfg, slice_name).validate()
     _check_peft_run(cfg)
     _check_output_dir(cfg)

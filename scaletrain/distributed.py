@@ -121,11 +121,14 @@ def first_node(nodelist: str) -> str:
     if not nodelist:
         raise RuntimeError("srun launch: no SLURM_JOB_NODELIST; set MASTER_ADDR to the first node of the job")
     try:
-        out = subprocess.run(["scontrol", "show", "hostnames", nodelist], capture_output=True, text=True,
-                             check=True, timeout=60).stdout.split()
+        out = subprocess.run(
+            ["scontrol", "show", "hostnames", nodelist], capture_output=True, text=True, check=True, timeout=60
+        ).stdout.split()
     except (OSError, subprocess.SubprocessError) as err:
-        raise RuntimeError(f"srun launch: cannot expand SLURM_JOB_NODELIST={nodelist} with scontrol ({err}); "
-                           "set MASTER_ADDR to the first node of the job") from err
+        raise RuntimeError(
+            f"srun launch: cannot expand SLURM_JOB_NODELIST={nodelist} with scontrol ({err}); "
+            "set MASTER_ADDR to the first node of the job"
+        ) from err
     return out[0]
 
 
@@ -175,8 +178,10 @@ def shm_allreduce_refusal(dist: DistInfo, local_sizes: list, cores: int, usable:
         return "one rank"
     for rank, local_size in enumerate(local_sizes):
         if local_size != str(dist.world_size):
-            return (f"the kernel needs every rank on one host, launched by the deepspeed launcher (rank {rank}: "
-                    f"LOCAL_SIZE {local_size or 'unset'}, world size {dist.world_size})")
+            return (
+                f"the kernel needs every rank on one host, launched by the deepspeed launcher (rank {rank}: "
+                f"LOCAL_SIZE {local_size or 'unset'}, world size {dist.world_size})"
+            )
     if dist.world_size > cores:
         return f"{dist.world_size} ranks on {cores} cores: its ranks spin while they wait, one core each"
     for rank, loaded in enumerate(usable):
@@ -202,8 +207,12 @@ def use_shm_allreduce(dist: DistInfo):
         log.info("cpu: all-reduce through gloo (--cpu_shm_allreduce: %s)", refusal)
         return None
     router.install()
-    log.info("cpu: all-reduces of %d MB or more over all %d ranks through DeepSpeed's shared-memory kernel, the "
-             "rest through gloo (--no-cpu_shm_allreduce: gloo for all)", SHM_MIN_BYTES // 2**20, dist.world_size)
+    log.info(
+        "cpu: all-reduces of %d MB or more over all %d ranks through DeepSpeed's shared-memory kernel, the "
+        "rest through gloo (--no-cpu_shm_allreduce: gloo for all)",
+        SHM_MIN_BYTES // 2**20,
+        dist.world_size,
+    )
     return router
 
 
@@ -215,8 +224,12 @@ def cpu_threads_per_rank(environ: Mapping[str, str], cores: int) -> Optional[int
     ranks; the deepspeed launcher sets it only with --bind_cores_to_rank; srun never."""
     if environ.get("OMP_NUM_THREADS"):
         return None
-    local_ranks = int(environ.get("LOCAL_WORLD_SIZE") or environ.get("LOCAL_SIZE") or
-                      environ.get("SLURM_NTASKS_PER_NODE", "1").split("(")[0] or 1)
+    local_ranks = int(
+        environ.get("LOCAL_WORLD_SIZE")
+        or environ.get("LOCAL_SIZE")
+        or environ.get("SLURM_NTASKS_PER_NODE", "1").split("(")[0]
+        or 1
+    )
     return max(1, cores // max(1, local_ranks))
 
 
@@ -226,8 +239,10 @@ def share_cpu_cores() -> None:
     threads = cpu_threads_per_rank(os.environ, len(os.sched_getaffinity(0)))
     if threads is not None and threads != torch.get_num_threads():
         torch.set_num_threads(threads)
-        logging.getLogger(__name__).info("cpu: %d intra-op thread(s) per rank (this node's cores shared among its "
-                                         "ranks; OMP_NUM_THREADS overrides)", threads)
+        logging.getLogger(__name__).info(
+            "cpu: %d intra-op thread(s) per rank (this node's cores shared among its ranks; OMP_NUM_THREADS overrides)",
+            threads,
+        )
 
 
 def rank_hosts() -> list:

@@ -96,9 +96,11 @@ def check_version() -> str | None:
     installed = deepspeed.__version__
     if installed.split("+")[0] in CHECKED_DEEPSPEED_VERSIONS:
         return None
-    message = (f"DeepSpeed {installed} is not a version scaletrain's DeepSpeed hooks were checked against "
-               f"({', '.join(CHECKED_DEEPSPEED_VERSIONS)}): a hook that moved stops the run with "
-               f"DeepSpeedInternalsMoved; pin deepspeed=={CHECKED_DEEPSPEED_VERSIONS[-1]} to be safe")
+    message = (
+        f"DeepSpeed {installed} is not a version scaletrain's DeepSpeed hooks were checked against "
+        f"({', '.join(CHECKED_DEEPSPEED_VERSIONS)}): a hook that moved stops the run with "
+        f"DeepSpeedInternalsMoved; pin deepspeed=={CHECKED_DEEPSPEED_VERSIONS[-1]} to be safe"
+    )
     log.warning(message)
     return message
 
@@ -120,7 +122,8 @@ def moved(where: str, problem: str, purpose: str, instead: str = "") -> DeepSpee
     todo = f"install {library}=={checked[-1]}" + (f", or {instead}" if instead else "")
     return DeepSpeedInternalsMoved(
         f"{label} {installed}: {where} {problem}, which scaletrain needs for {purpose} (checked against {label} "
-        f"{', '.join(checked)}); {todo}, or update scaletrain/ds_internals.py")
+        f"{', '.join(checked)}); {todo}, or update scaletrain/ds_internals.py"
+    )
 
 
 def require(owner: Any, name: str, purpose: str, instead: str = "") -> Any:
@@ -238,8 +241,12 @@ STAGE12_INIT = Hook(_STAGE12, "__init__", _SKIP, _SKIP_INSTEAD, problem=_no_chec
 STAGE12_CHECKED = Hook(_STAGE12, "check_grad_overflow", _SKIP, _SKIP_INSTEAD)  # on the instance only
 OVERFLOW = Hook(_STAGE12, "overflow", _SKIP, _SKIP_INSTEAD)  # on the instance only (either ZeRO optimizer)
 FWD_MODULE_STACK = Hook("deepspeed.runtime.zero.parameter_offload", "FWD_MODULE_STACK", _RELEASE)
-PARAMS_TO_RELEASE = Hook("deepspeed.runtime.zero.partitioned_param_coordinator:PartitionedParameterCoordinator",
-                         "_PartitionedParameterCoordinator__params_to_release", _RELEASE, problem=_no_cache)
+PARAMS_TO_RELEASE = Hook(
+    "deepspeed.runtime.zero.partitioned_param_coordinator:PartitionedParameterCoordinator",
+    "_PartitionedParameterCoordinator__params_to_release",
+    _RELEASE,
+    problem=_no_cache,
+)
 BUILD_DIRECTORY = Hook("torch.utils.cpp_extension", "_get_build_directory", _OPS)
 INSTALLED_OPS = Hook("deepspeed.git_version_info", "installed_ops", _OPS)
 CREATE_OP_BUILDER = Hook("deepspeed.accelerator.abstract_accelerator:DeepSpeedAccelerator", "create_op_builder", _OPS)
@@ -253,8 +260,13 @@ BACKEND_ALL_REDUCE = Hook("deepspeed.comm.torch:TorchBackend", "all_reduce", _SH
 SHM_KERNEL_LEVEL = Hook("deepspeed.comm.torch:TorchBackend", "shm_vector_kernel_level", _SHM, _SHM_INSTEAD)  # instance
 SHM_COMM_OP = Hook("deepspeed.comm.torch:TorchBackend", "shm_comm_op", _SHM, _SHM_INSTEAD)  # instance
 UNIVERSAL_CONVERTER = Hook("deepspeed.checkpoint.ds_to_universal", None, _UNIVERSAL, _UNIVERSAL_INSTEAD)
-UNIVERSAL_VERSION = Hook("deepspeed.checkpoint.constants", "UNIVERSAL_CHECKPOINT_VERSION_VALUE", _UNIVERSAL,
-                         _UNIVERSAL_INSTEAD, problem=_not_ours)
+UNIVERSAL_VERSION = Hook(
+    "deepspeed.checkpoint.constants",
+    "UNIVERSAL_CHECKPOINT_VERSION_VALUE",
+    _UNIVERSAL,
+    _UNIVERSAL_INSTEAD,
+    problem=_not_ours,
+)
 _TP, _TP_INSTEAD = "tensor parallelism (--tensor_parallel_size)", "train without --tensor_parallel_size"
 TP_GROUPS = Hook("deepspeed.utils.groups", "_init_tp_mesh_device", _TP, _TP_INSTEAD)
 TP_GATHER = Hook("deepspeed.runtime.engine:DeepSpeedEngine", "_consolidated_16bit_state_dict", _TP, _TP_INSTEAD)
@@ -275,11 +287,35 @@ CHECKPOINT_WRITE = Hook("deepspeed.runtime.checkpoint_engine.checkpoint_engine:C
 RECOVERY_SCRIPT = Hook("deepspeed.runtime.engine:DeepSpeedEngine", "_copy_recovery_script", _SAVE)
 
 # What check_hooks() resolves from the classes; the instance-only ones are checked where they are used.
-HOOKS = (STAGE3_CHECK, STAGE3_CLEANUP, STAGE12_CHECK, STAGE12_INIT, FWD_MODULE_STACK, PARAMS_TO_RELEASE,
-         BUILD_DIRECTORY, INSTALLED_OPS, CREATE_OP_BUILDER, BUILDER_LOAD, BUILDER_COMPATIBLE, SHM_BUILD,
-         COMM_BACKEND, BACKEND_ALL_REDUCE,
-         UNIVERSAL_CONVERTER, UNIVERSAL_VERSION, TP_GROUPS, TP_GATHER, PIPE_INSTRUCTIONS, PIPE_OPTIMIZER_STEP,
-         PIPE_CLIP, PIPE_P2P_GROUPS, PIPE_P2P_GRID, COMMS_LOGGER, COMMS_APPEND, CHECKPOINT_WRITE, RECOVERY_SCRIPT)
+HOOKS = (
+    STAGE3_CHECK,
+    STAGE3_CLEANUP,
+    STAGE12_CHECK,
+    STAGE12_INIT,
+    FWD_MODULE_STACK,
+    PARAMS_TO_RELEASE,
+    BUILD_DIRECTORY,
+    INSTALLED_OPS,
+    CREATE_OP_BUILDER,
+    BUILDER_LOAD,
+    BUILDER_COMPATIBLE,
+    SHM_BUILD,
+    COMM_BACKEND,
+    BACKEND_ALL_REDUCE,
+    UNIVERSAL_CONVERTER,
+    UNIVERSAL_VERSION,
+    TP_GROUPS,
+    TP_GATHER,
+    PIPE_INSTRUCTIONS,
+    PIPE_OPTIMIZER_STEP,
+    PIPE_CLIP,
+    PIPE_P2P_GROUPS,
+    PIPE_P2P_GRID,
+    COMMS_LOGGER,
+    COMMS_APPEND,
+    CHECKPOINT_WRITE,
+    RECOVERY_SCRIPT,
+)
 
 
 def check_hooks() -> list[str]:
@@ -313,8 +349,10 @@ class SkipSwitch:
         elif isinstance(optimizer, STAGE12_CHECK.owner_object()):
             self._hook_stage12(optimizer)
         else:
-            raise RuntimeError(f"--on_nonfinite skip: cannot skip updates of a {type(optimizer).__name__} optimizer "
-                               "(use ZeRO stage 1-3, or --on_nonfinite stop)")
+            raise RuntimeError(
+                f"--on_nonfinite skip: cannot skip updates of a {type(optimizer).__name__} optimizer "
+                "(use ZeRO stage 1-3, or --on_nonfinite stop)"
+            )
 
     def confirm_skipped(self, engine) -> None:
         """After a step the switch was to skip: its hook ran and DeepSpeed did not apply the update. A DeepSpeed that
@@ -329,7 +367,8 @@ class SkipSwitch:
             f"--on_nonfinite skip: a step to be skipped was {'applied' if fired else 'not intercepted'} (the hook "
             f"{'ran' if fired else 'never ran'}): DeepSpeed {deepspeed.__version__} handles updates differently from "
             f"the versions this hook was checked with ({', '.join(CHECKED_DEEPSPEED_VERSIONS)}); use --on_nonfinite "
-            "stop or a checked DeepSpeed")
+            "stop or a checked DeepSpeed"
+        )
 
     def _hook_stage3(self, optimizer) -> None:
         # Every hook is resolved before any is installed: a moved one leaves the optimizer untouched.
@@ -454,8 +493,9 @@ class ShmAllReduce:
         level = SHM_KERNEL_LEVEL.on(backend) if SHM_COMM_OP.on(backend) is not None else 0
         self._kernel = getattr(getattr(torch.ops, "deepspeed", None), "inference_all_reduce_", None)
         # The kernel's fp32 sums need AVX2 (level 1), its bf16/fp16 ones AVX-512BW (level 2).
-        self.dtypes = {torch.float32} if level == 1 else {torch.float32, torch.bfloat16, torch.float16} \
-            if level >= 2 else set()
+        self.dtypes = (
+            {torch.float32} if level == 1 else {torch.float32, torch.bfloat16, torch.float16} if level >= 2 else set()
+        )
         self.usable = self._kernel is not None and bool(self.dtypes)
         self._backend = backend
 
@@ -470,8 +510,9 @@ class ShmAllReduce:
             if route(tensor, op, group, async_op):
                 kernel(tensor)
                 return None
-            return original(tensor=tensor, op=torch.distributed.ReduceOp.SUM if op is None else op, group=group,
-                            async_op=async_op)
+            return original(
+                tensor=tensor, op=torch.distributed.ReduceOp.SUM if op is None else op, group=group, async_op=async_op
+            )
 
         self._backend.all_reduce = all_reduce
 
@@ -483,11 +524,20 @@ class ShmAllReduce:
         import torch.distributed as tdist
 
         nbytes = tensor.numel() * tensor.element_size()
-        if (async_op or nbytes < self.min_bytes or tensor.dtype not in self.dtypes or tensor.device.type != "cpu"
-                or not tensor.is_contiguous() or not _is_sum(op)):
+        if (
+            async_op
+            or nbytes < self.min_bytes
+            or tensor.dtype not in self.dtypes
+            or tensor.device.type != "cpu"
+            or not tensor.is_contiguous()
+            or not _is_sum(op)
+        ):
             return False
-        if group is not None and group is not tdist.GroupMember.WORLD and tdist.get_world_size(group) != \
-                self.world_size:
+        if (
+            group is not None
+            and group is not tdist.GroupMember.WORLD
+            and tdist.get_world_size(group) != self.world_size
+        ):
             return False
         self.calls += 1
         self.bytes += nbytes
@@ -517,8 +567,7 @@ class CheckpointWrites:
 
 
 @contextmanager
-def recorded_checkpoint_writes(engine, is_write_failure: Callable[[BaseException], bool]
-                               ) -> Iterator[CheckpointWrites]:
+def recorded_checkpoint_writes(engine, is_write_failure: Callable[[BaseException], bool]) -> Iterator[CheckpointWrites]:
     """Record this rank's checkpoint files while DeepSpeed saves. A write failure (`is_write_failure`: a full disk)
     is kept instead of raised, and later writes are skipped: raising would leave this rank out of the barriers that
     DeepSpeed's save_checkpoint runs after the writes, with the other ranks waiting in them for ever."""
@@ -570,8 +619,16 @@ def gathered_state_dict(engine) -> dict:
 def universal_conversion_command(ckpt, out) -> list[str]:
     """The command that converts checkpoint folder `ckpt` into a universal checkpoint in `out`."""
     module = UNIVERSAL_CONVERTER.resolve()
-    return [sys.executable, "-m", module, "--input_folder", str(ckpt), "--output_folder", str(out),
-            "--inject_missing_state"]
+    return [
+        sys.executable,
+        "-m",
+        module,
+        "--input_folder",
+        str(ckpt),
+        "--output_folder",
+        str(out),
+        "--inject_missing_state",
+    ]
 
 
 def before_pipeline_update(engine, callback: Callable[[], None]) -> None:
@@ -647,8 +704,12 @@ def per_op_comm_latencies(bandwidth: Callable[[str, int, float], tuple]):
     def append(raw_name, record_name, latency, msg_size):
         own = latency - running.get(record_name, 0.0)
         if own < -1e-6:
-            raise moved(COMMS_APPEND.where, "received a latency below the previous one of the same op, so no longer "
-                        "a running total", _COMMS, _COMMS_INSTEAD)
+            raise moved(
+                COMMS_APPEND.where,
+                "received a latency below the previous one of the same op, so no longer a running total",
+                _COMMS,
+                _COMMS_INSTEAD,
+            )
         running[record_name] = latency
         algbw, busbw = bandwidth(raw_name, msg_size, own)
         entry = records.setdefault(record_name, {}).setdefault(msg_size, [0, [], [], []])

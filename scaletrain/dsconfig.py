@@ -62,8 +62,10 @@ def bucket_elements(accelerator: str, precision: str, n_params: Optional[int]) -
     element_bytes = 4 if precision == "fp32" else 2
     amortised = int(link.latency_s * link.bandwidth_bytes_per_s * (1 - LATENCY_SHARE) / LATENCY_SHARE / element_bytes)
     elements = min(amortised, MAX_BUCKET_ELEMENTS, n_params or MAX_BUCKET_ELEMENTS)
-    why = (f"{link.latency_s * 1e6:g} us x {link.bandwidth_bytes_per_s / 1e9:g} GB/s x 9 ({accelerator} link, "
-           f"latency <= 10%) / {element_bytes} bytes = {amortised}")
+    why = (
+        f"{link.latency_s * 1e6:g} us x {link.bandwidth_bytes_per_s / 1e9:g} GB/s x 9 ({accelerator} link, "
+        f"latency <= 10%) / {element_bytes} bytes = {amortised}"
+    )
     if elements < amortised:
         why += f", capped at {'the model' if elements == n_params else 'DeepSpeed default'} ({elements})"
     return elements, why
@@ -93,8 +95,9 @@ class ResolvedDSConfig:
     def explained(self) -> str:
         """The resolved JSON followed by one line per value the pipeline decided."""
         lines = [json.dumps(self.config, indent=2, sort_keys=True), "where the decided values came from:"]
-        lines += [f"  {key} = {json.dumps(_get(self.config, key))}  <- {src}"
-                  for key, src in sorted(self.sources.items())]
+        lines += [
+            f"  {key} = {json.dumps(_get(self.config, key))}  <- {src}" for key, src in sorted(self.sources.items())
+        ]
         return "\n".join(lines)
 
 
@@ -102,8 +105,9 @@ def load_ds_config(path: str) -> dict:
     try:
         text = Path(path).read_text(encoding="utf-8")
     except OSError as exc:
-        raise UsageError(f"--config {path}: cannot read it ({exc.strerror})",
-                         "check the path and its permissions") from exc
+        raise UsageError(
+            f"--config {path}: cannot read it ({exc.strerror})", "check the path and its permissions"
+        ) from exc
     try:
         raw = json.loads(text)
     except json.JSONDecodeError as exc:
@@ -151,9 +155,9 @@ def _resolve_precision(r: _Resolver, engine: EngineArgs, hw: HardwareFacts) -> t
     if json_bf16 is True and json_fp16 is True:
         raise UsageError(f"--config {r.path}: bf16.enabled and fp16.enabled are both true", "enable one precision")
     if engine.bf16 and json_fp16 is True:
-        raise UsageError(f"--bf16 contradicts fp16.enabled=true in {r.path}", "drop the flag or set it to \"auto\"")
+        raise UsageError(f"--bf16 contradicts fp16.enabled=true in {r.path}", 'drop the flag or set it to "auto"')
     if engine.fp16 and json_bf16 is True:
-        raise UsageError(f"--fp16 contradicts bf16.enabled=true in {r.path}", "drop the flag or set it to \"auto\"")
+        raise UsageError(f"--fp16 contradicts bf16.enabled=true in {r.path}", 'drop the flag or set it to "auto"')
     if engine.bf16:
         precision, reason, source = "bf16", "--bf16 given", "--bf16"
     elif engine.fp16:
@@ -167,12 +171,17 @@ def _resolve_precision(r: _Resolver, engine: EngineArgs, hw: HardwareFacts) -> t
     elif hw.bf16_fast:
         precision, reason, source = "bf16", "auto: CUDA device with bf16 support", "auto: hardware"
     else:
-        precision, reason, source = "fp32", f"auto: no fast bf16 on this {hw.accelerator} (bf16 would be slower)", \
-            "auto: hardware"
+        precision, reason, source = (
+            "fp32",
+            f"auto: no fast bf16 on this {hw.accelerator} (bf16 would be slower)",
+            "auto: hardware",
+        )
     if precision == "fp16" and hw.accelerator == "cpu":  # DeepSpeed's CPU accelerator has no fp16 training
-        raise UsageError(f"{'--fp16' if engine.fp16 else f'fp16.enabled=true in {r.path}'}: fp16 training needs a "
-                         "GPU, and this machine's DeepSpeed accelerator is the CPU",
-                         "drop it: on a CPU the run trains in fp32")
+        raise UsageError(
+            f"{'--fp16' if engine.fp16 else f'fp16.enabled=true in {r.path}'}: fp16 training needs a "
+            "GPU, and this machine's DeepSpeed accelerator is the CPU",
+            "drop it: on a CPU the run trains in fp32",
+        )
     for name, explicit in (("bf16", json_bf16), ("fp16", json_fp16)):
         r.config.setdefault(name, {})["enabled"] = precision == name
         if explicit is None:
@@ -202,7 +211,7 @@ def _check_flag_contradictions(r: _Resolver, optim: OptimArgs, explicit: frozens
         if float(json_value) != float(value_of(optim)):
             raise UsageError(
                 f"--{flag} {value_of(optim)} contradicts {key}={json_value} in {r.path}",
-                f"set {key} to \"auto\" in the JSON, or drop --{flag}",
+                f'set {key} to "auto" in the JSON, or drop --{flag}',
             )
 
 
@@ -213,7 +222,7 @@ def _check_zero_and_offload(r: _Resolver) -> None:
     zero = r.config.get("zero_optimization", {})
     stage = zero.get("stage", 0)
     if stage == AUTO:
-        raise UsageError(f"zero_optimization.stage in {r.path} cannot be \"auto\"", "set 0, 1, 2 or 3")
+        raise UsageError(f'zero_optimization.stage in {r.path} cannot be "auto"', "set 0, 1, 2 or 3")
     if stage not in (0, 1, 2, 3):
         raise UsageError(f"zero_optimization.stage {stage!r} in {r.path} is not a ZeRO stage", "use 0, 1, 2 or 3")
     for section, min_stage in (("offload_optimizer", 1), ("offload_param", 3)):
@@ -222,8 +231,10 @@ def _check_zero_and_offload(r: _Resolver) -> None:
             continue
         device = offload.get("device", "none")
         if device not in _OFFLOAD_DEVICES:
-            raise UsageError(f"zero_optimization.{section}.device \"{device}\" in {r.path}",
-                             f"use one of {', '.join(_OFFLOAD_DEVICES)}")
+            raise UsageError(
+                f'zero_optimization.{section}.device "{device}" in {r.path}',
+                f"use one of {', '.join(_OFFLOAD_DEVICES)}",
+            )
         if device != "none" and stage < min_stage:
             what = "parameter offload" if section == "offload_param" else "optimizer offload"
             raise UsageError(
@@ -243,11 +254,15 @@ def _check_zero_and_offload(r: _Resolver) -> None:
 
 def _check_nvme_folder(section: str, path: str, source: str) -> None:
     if not os.path.isdir(path):
-        raise UsageError(f"NVMe folder {path} (zero_optimization.{section}.nvme_path, from {source}) does not exist",
-                         "create it on a local NVMe disk or point --nvme_path at one")
+        raise UsageError(
+            f"NVMe folder {path} (zero_optimization.{section}.nvme_path, from {source}) does not exist",
+            "create it on a local NVMe disk or point --nvme_path at one",
+        )
     if not os.access(path, os.W_OK | os.X_OK):
-        raise UsageError(f"NVMe folder {path} (zero_optimization.{section}.nvme_path, from {source}) is not writable",
-                         "fix its permissions or point --nvme_path at a writable folder")
+        raise UsageError(
+            f"NVMe folder {path} (zero_optimization.{section}.nvme_path, from {source}) is not writable",
+            "fix its permissions or point --nvme_path at a writable folder",
+        )
 
 
 def _resolve_nvme(r: _Resolver, engine: EngineArgs) -> None:
@@ -260,13 +275,14 @@ def _resolve_nvme(r: _Resolver, engine: EngineArgs) -> None:
             path = engine.resolved_nvme_path
             if not path:
                 raise UsageError(
-                    f"zero_optimization.{section}.nvme_path in {r.path} is \"auto\" and no NVMe folder was given",
+                    f'zero_optimization.{section}.nvme_path in {r.path} is "auto" and no NVMe folder was given',
                     f"pass --nvme_path /local/nvme/folder or set ${NVME_PATH_ENV}",
                 )
             source = "--nvme_path" if engine.nvme_path else f"${NVME_PATH_ENV}"
             r.fill(f"zero_optimization.{section}.nvme_path", path, source)
-        _check_nvme_folder(section, offload["nvme_path"], r.sources.get(f"zero_optimization.{section}.nvme_path",
-                                                                         r.path))
+        _check_nvme_folder(
+            section, offload["nvme_path"], r.sources.get(f"zero_optimization.{section}.nvme_path", r.path)
+        )
 
 
 def _leftover_autos(tree: Any, prefix: str = "") -> list:
@@ -276,8 +292,14 @@ def _leftover_autos(tree: Any, prefix: str = "") -> list:
 
 
 def resolve_ds_config(
-    raw: dict, engine: EngineArgs, optim: OptimArgs, explicit: frozenset, dp_world_size: int, hidden_size: int,
-    hw: HardwareFacts, n_params: Optional[int] = None,
+    raw: dict,
+    engine: EngineArgs,
+    optim: OptimArgs,
+    explicit: frozenset,
+    dp_world_size: int,
+    hidden_size: int,
+    hw: HardwareFacts,
+    n_params: Optional[int] = None,
 ) -> ResolvedDSConfig:
     """Fill every "auto" of a DeepSpeed JSON from the engine and optimisation flags (`explicit`: the flags the user
     set, which must agree with an explicit JSON value). Raises UsageError naming the key when something cannot be
@@ -288,12 +310,12 @@ def resolve_ds_config(
     _check_flag_contradictions(r, optim, explicit)
     if "scheduler" in r.config:
         raise UsageError(
-            f"--config {engine.config}: has a \"scheduler\" section; this pipeline owns the LR schedule",
+            f'--config {engine.config}: has a "scheduler" section; this pipeline owns the LR schedule',
             "remove the section and use --lr_scheduler_type, --warmup_steps/--warmup_ratio, --min_lr_ratio",
         )
     if "comms_logger" in r.config:  # DeepSpeed 0.19.8's own logger reports cumulative latencies (each op's
         raise UsageError(  # figure includes every earlier one); --comms_log corrects them and reports per window
-            f"--config {engine.config}: has a \"comms_logger\" section; the pipeline reports communication itself",
+            f'--config {engine.config}: has a "comms_logger" section; the pipeline reports communication itself',
             "remove the section and pass --comms_log",
         )
 
@@ -303,14 +325,17 @@ def resolve_ds_config(
     r.fill("gradient_accumulation_steps", gas, "--gradient_accumulation_steps")
     micro = r.config["train_micro_batch_size_per_gpu"]
     gas = r.config["gradient_accumulation_steps"]
-    r.fill("train_batch_size", micro * gas * dp_world_size,
-           f"micro batch {micro} x accumulation {gas} x data-parallel size {dp_world_size}")
+    r.fill(
+        "train_batch_size",
+        micro * gas * dp_world_size,
+        f"micro batch {micro} x accumulation {gas} x data-parallel size {dp_world_size}",
+    )
     global_batch = r.config["train_batch_size"]
     if global_batch != micro * gas * dp_world_size:
         raise UsageError(
             f"train_batch_size {global_batch} in {engine.config} != micro batch {micro} x accumulation {gas} "
             f"x data-parallel size {dp_world_size} = {micro * gas * dp_world_size}",
-            "set train_batch_size to \"auto\" or change the batch flags",
+            'set train_batch_size to "auto" or change the batch flags',
         )
     r.fill("gradient_clipping", optim.max_grad_norm, "--max_grad_norm")
 
@@ -328,8 +353,9 @@ def resolve_ds_config(
     bucket, why = bucket_elements(hw.accelerator, precision, n_params)
     for key in ("reduce_bucket_size", "allgather_bucket_size", "stage3_prefetch_bucket_size"):
         r.fill(f"zero_optimization.{key}", bucket, why)
-    r.fill("zero_optimization.stage3_param_persistence_threshold", 10 * hidden_size,
-           f"10 x hidden_size ({hidden_size})")
+    r.fill(
+        "zero_optimization.stage3_param_persistence_threshold", 10 * hidden_size, f"10 x hidden_size ({hidden_size})"
+    )
     _resolve_nvme(r, engine)
 
     resolved = ResolvedDSConfig(r.config, r.sources, precision, reason)
@@ -347,7 +373,7 @@ def resolve_ds_config(
     leftover = _leftover_autos(r.config)
     if leftover:
         raise UsageError(
-            f"{leftover[0]} in {engine.config} is \"auto\" but the pipeline does not decide it",
+            f'{leftover[0]} in {engine.config} is "auto" but the pipeline does not decide it',
             "set an explicit value there",
         )
     return resolved

@@ -15,35 +15,132 @@ from typing import Optional
 from scaletrain.errors import UsageError
 
 TOP_LEVEL_KEYS = {
-    "train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps", "optimizer", "scheduler",
-    "fp16", "bf16", "bfloat16", "amp", "torch_autocast", "gradient_clipping", "prescale_gradients",
-    "gradient_predivide_factor", "sparse_gradients", "data_types", "communication_data_type",
-    "seq_parallel_communication_data_type", "zero_optimization", "zero_allow_untested_optimizer",
-    "zero_force_ds_cpu_optimizer", "steps_per_print", "wall_clock_breakdown", "dump_state", "memory_breakdown",
-    "log_level", "disable_allgather", "dataloader_drop_last", "flops_profiler", "activation_checkpointing", "aio",
-    "comms_logger", "tensorboard", "wandb", "csv_monitor", "comet", "elasticity", "autotuning", "checkpoint",
-    "data_efficiency", "curriculum_learning", "compression_training", "sparse_attention", "pipeline", "eigenvalue",
-    "progressive_layer_drop", "quantize_training", "weight_quantization", "hybrid_engine", "compile",
-    "tensor_parallel", "timers", "nebula", "graph_harvesting", "use_data_before_expert_parallel_",
-    "expert_parallel", "gradient_allreduce_op", "managed_gradient_accumulation", "disable_python_gc",
-    "legacy_fusion", "vocabulary_size", "max_grad_norm", "sequence_parallel_size", "zenflow",
+    "train_batch_size",
+    "train_micro_batch_size_per_gpu",
+    "gradient_accumulation_steps",
+    "optimizer",
+    "scheduler",
+    "fp16",
+    "bf16",
+    "bfloat16",
+    "amp",
+    "torch_autocast",
+    "gradient_clipping",
+    "prescale_gradients",
+    "gradient_predivide_factor",
+    "sparse_gradients",
+    "data_types",
+    "communication_data_type",
+    "seq_parallel_communication_data_type",
+    "zero_optimization",
+    "zero_allow_untested_optimizer",
+    "zero_force_ds_cpu_optimizer",
+    "steps_per_print",
+    "wall_clock_breakdown",
+    "dump_state",
+    "memory_breakdown",
+    "log_level",
+    "disable_allgather",
+    "dataloader_drop_last",
+    "flops_profiler",
+    "activation_checkpointing",
+    "aio",
+    "comms_logger",
+    "tensorboard",
+    "wandb",
+    "csv_monitor",
+    "comet",
+    "elasticity",
+    "autotuning",
+    "checkpoint",
+    "data_efficiency",
+    "curriculum_learning",
+    "compression_training",
+    "sparse_attention",
+    "pipeline",
+    "eigenvalue",
+    "progressive_layer_drop",
+    "quantize_training",
+    "weight_quantization",
+    "hybrid_engine",
+    "compile",
+    "tensor_parallel",
+    "timers",
+    "nebula",
+    "graph_harvesting",
+    "use_data_before_expert_parallel_",
+    "expert_parallel",
+    "gradient_allreduce_op",
+    "managed_gradient_accumulation",
+    "disable_python_gc",
+    "legacy_fusion",
+    "vocabulary_size",
+    "max_grad_norm",
+    "sequence_parallel_size",
+    "zenflow",
 }
 
 _FIXED_SECTIONS = {
     "optimizer": {"type", "params", "legacy_fusion"},
-    "aio": {"block_size", "queue_depth", "intra_op_parallelism", "thread_count", "single_submit", "overlap_events",
-            "use_gds"},
-    "activation_checkpointing": {"partition_activations", "contiguous_memory_optimization", "cpu_checkpointing",
-                                 "number_checkpoints", "synchronize_checkpoint_boundary", "profile"},
-    "flops_profiler": {"enabled", "recompute_fwd_factor", "profile_step", "module_depth", "top_modules", "detailed",
-                       "output_file"},
+    "aio": {
+        "block_size",
+        "queue_depth",
+        "intra_op_parallelism",
+        "thread_count",
+        "single_submit",
+        "overlap_events",
+        "use_gds",
+    },
+    "activation_checkpointing": {
+        "partition_activations",
+        "contiguous_memory_optimization",
+        "cpu_checkpointing",
+        "number_checkpoints",
+        "synchronize_checkpoint_boundary",
+        "profile",
+    },
+    "flops_profiler": {
+        "enabled",
+        "recompute_fwd_factor",
+        "profile_step",
+        "module_depth",
+        "top_modules",
+        "detailed",
+        "output_file",
+    },
     "checkpoint": {"tag_validation", "load_universal", "use_node_local_storage", "parallel_write", "writer"},
     "data_types": {"grad_accum_dtype", "param_dtype", "buffer_dtype", "keep_in_fp32_modules"},
 }
-ADAM_PARAMS = {"lr", "betas", "eps", "weight_decay", "torch_adam", "adam_w_mode", "fp32_optimizer_states", "amsgrad",
-               "bias_correction", "fused", "foreach"}
-OPTIMIZER_TYPES = {"adam", "adamw", "onebitadam", "zerooneadam", "onebitlamb", "lamb", "lion", "adagrad", "sgd",
-                   "muadam", "muadamw", "musgd", "muon", "adam_8bit", "cpu_adam"}
+ADAM_PARAMS = {
+    "lr",
+    "betas",
+    "eps",
+    "weight_decay",
+    "torch_adam",
+    "adam_w_mode",
+    "fp32_optimizer_states",
+    "amsgrad",
+    "bias_correction",
+    "fused",
+    "foreach",
+}
+OPTIMIZER_TYPES = {
+    "adam",
+    "adamw",
+    "onebitadam",
+    "zerooneadam",
+    "onebitlamb",
+    "lamb",
+    "lion",
+    "adagrad",
+    "sgd",
+    "muadam",
+    "muadamw",
+    "musgd",
+    "muon",
+    "adam_8bit",
+    "cpu_adam",
+}
 
 
 def _model_keys(model_cls) -> set:
@@ -60,8 +157,10 @@ def _pydantic_sections() -> dict:
     from deepspeed.monitor.config import CometConfig, CSVConfig, TensorBoardConfig, WandbConfig
     from deepspeed.runtime.precision_config import DeepSpeedBF16Config, DeepSpeedFP16Config
     from deepspeed.runtime.zero.config import DeepSpeedZeroConfig
-    from deepspeed.runtime.zero.offload_config import (DeepSpeedZeroOffloadOptimizerConfig,
-                                                       DeepSpeedZeroOffloadParamConfig)
+    from deepspeed.runtime.zero.offload_config import (
+        DeepSpeedZeroOffloadOptimizerConfig,
+        DeepSpeedZeroOffloadParamConfig,
+    )
 
     return {
         "zero_optimization": _model_keys(DeepSpeedZeroConfig),
@@ -81,8 +180,8 @@ def _unknown(keys, known: set, where: str, path: str) -> Optional[UsageError]:
     for key in keys:
         if key not in known:
             close = difflib.get_close_matches(key, sorted(known), n=1, cutoff=0.6)
-            hint = f"did you mean \"{close[0]}\"?" if close else f"known keys here: {', '.join(sorted(known))}"
-            return UsageError(f"unknown key \"{where}{key}\" in {path}", hint)
+            hint = f'did you mean "{close[0]}"?' if close else f"known keys here: {', '.join(sorted(known))}"
+            return UsageError(f'unknown key "{where}{key}" in {path}', hint)
     return None
 
 
@@ -101,14 +200,16 @@ def check_ds_keys(raw: dict, path: str) -> None:
             if error:
                 raise error
         elif node is not None and not isinstance(node, dict) and section not in ("bfloat16",):
-            raise UsageError(f"\"{section}\" in {path} must be a JSON object, not {type(node).__name__}")
+            raise UsageError(f'"{section}" in {path} must be a JSON object, not {type(node).__name__}')
     optimizer = raw.get("optimizer")
     if isinstance(optimizer, dict):
         kind = str(optimizer.get("type", "")).lower()
         if kind and kind not in OPTIMIZER_TYPES:
             close = difflib.get_close_matches(kind, sorted(OPTIMIZER_TYPES), n=1)
-            raise UsageError(f"optimizer.type \"{optimizer.get('type')}\" in {path} is not a DeepSpeed optimizer",
-                             f"did you mean \"{close[0]}\"?" if close else "use AdamW, Adam, Lamb, Lion or SGD")
+            raise UsageError(
+                f'optimizer.type "{optimizer.get("type")}" in {path} is not a DeepSpeed optimizer',
+                f'did you mean "{close[0]}"?' if close else "use AdamW, Adam, Lamb, Lion or SGD",
+            )
         params = optimizer.get("params", {})
         if kind in ("adam", "adamw") and isinstance(params, dict):
             error = _unknown(params, ADAM_PARAMS, "optimizer.params.", path)

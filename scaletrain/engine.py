@@ -52,9 +52,14 @@ def build_engine(model, ds_config: dict, weight_decay: float, schedule: LRSchedu
         from scaletrain.ds_internals import fix_pipeline_stage0_clipping
 
         fix_pipeline_stage0_clipping(engine)  # DeepSpeed 0.19.8 clips every stage by stage 0's norm
-    log.info("engine: ZeRO stage %d, optimizer %s, schedule %s (warmup %d of %d steps)",
-             engine.zero_optimization_stage(), type(engine.optimizer).__name__, schedule.kind,
-             schedule.warmup_steps, schedule.total_steps)
+    log.info(
+        "engine: ZeRO stage %d, optimizer %s, schedule %s (warmup %d of %d steps)",
+        engine.zero_optimization_stage(),
+        type(engine.optimizer).__name__,
+        schedule.kind,
+        schedule.warmup_steps,
+        schedule.total_steps,
+    )
     return engine
 
 
@@ -68,9 +73,11 @@ def check_compile(requested: bool, layout: tuple, config_path: str) -> None:
     """torch.compile with a model-parallel layout is refused (untested: Ulysses' all-to-alls, AutoTP's sharded
     linears and the pipeline's stage modules)."""
     if requested and any(size > 1 for size in layout):
-        raise UsageError(f"--torch_compile (or a \"compile\" section in {config_path}) with tensor, sequence or "
-                         "pipeline parallelism: not supported here (untested)",
-                         "compile with data parallelism only, or drop --torch_compile and the section")
+        raise UsageError(
+            f'--torch_compile (or a "compile" section in {config_path}) with tensor, sequence or '
+            "pipeline parallelism: not supported here (untested)",
+            "compile with data parallelism only, or drop --torch_compile and the section",
+        )
 
 
 def compile_engine(engine, backend: str, mode: Optional[str]) -> float:
@@ -81,8 +88,12 @@ def compile_engine(engine, backend: str, mode: Optional[str]) -> float:
     started = time.perf_counter()
     engine.compile(backend=backend, compile_kwargs={"mode": mode} if mode else {})
     seconds = time.perf_counter() - started
-    log.info("torch.compile: backend %s%s, DeepCompile %s (graphs build during the first steps)", backend,
-             f", mode {mode}" if mode else "", "on" if engine.is_deepcompile_enabled() else "off")
+    log.info(
+        "torch.compile: backend %s%s, DeepCompile %s (graphs build during the first steps)",
+        backend,
+        f", mode {mode}" if mode else "",
+        "on" if engine.is_deepcompile_enabled() else "off",
+    )
     return seconds
 
 
@@ -92,8 +103,11 @@ def restore_weight_decay(engine, weight_decay: float) -> None:
     norms (group 1, no decay) would decay from there on, and the resumed run would drift from the one it continues."""
     groups = engine.optimizer.param_groups
     if len(groups) != 2:  # not the two groups parameter_groups() made: nothing to put back
-        log.warning("after the universal-checkpoint load the optimizer has %d parameter groups, not 2; their weight "
-                    "decay is left as loaded", len(groups))
+        log.warning(
+            "after the universal-checkpoint load the optimizer has %d parameter groups, not 2; their weight "
+            "decay is left as loaded",
+            len(groups),
+        )
         return
     for group, decay in zip(groups, (weight_decay, 0.0), strict=True):  # decay, then no decay (parameter_groups)
         group["weight_decay"] = decay

@@ -25,8 +25,11 @@ class RunEnded(Exception):
 
     def reports_here(self, dist) -> bool:
         """`dist`: this rank's DistInfo. "node" messages are printed by each node's local rank 0."""
-        return self.reported_by == "every rank" or (self.reported_by == "main" and dist.is_main) or \
-            (self.reported_by == "node" and dist.local_rank == 0)
+        return (
+            self.reported_by == "every rank"
+            or (self.reported_by == "main" and dist.is_main)
+            or (self.reported_by == "node" and dist.local_rank == 0)
+        )
 
 
 class UsageError(RunEnded):

@@ -80,7 +80,7 @@ def calibrate_cpu_tflops(seconds: float = 0.5, size: int = 1024) -> float:
     while time.perf_counter() - started < seconds:
         torch.mm(a, b)
         runs += 1
-    return 2 * size ** 3 * runs / (time.perf_counter() - started) / 1e12
+    return 2 * size**3 * runs / (time.perf_counter() - started) / 1e12
 
 
 def peak_from_name(device_name: str, precision: str) -> Optional[float]:

@@ -30,8 +30,9 @@ class EvalPrompts:
     max_new_tokens: int
 
 
-def load_eval_prompts(path: Optional[str], tokenizer, max_new_tokens: int, max_positions: Optional[int],
-                      layout: tuple = (1, 1, 1)) -> Optional[EvalPrompts]:
+def load_eval_prompts(
+    path: Optional[str], tokenizer, max_new_tokens: int, max_positions: Optional[int], layout: tuple = (1, 1, 1)
+) -> Optional[EvalPrompts]:
     """Read and tokenize --eval_prompts (UsageError naming the file and line on a mistake); None without it.
     `layout`: (tensor, sequence, pipeline) parallel sizes."""
     if not path:
@@ -39,11 +40,13 @@ def load_eval_prompts(path: Optional[str], tokenizer, max_new_tokens: int, max_p
     flag = f"--eval_prompts {path}"
     tp, sp, pp = layout
     if pp > 1 or sp > 1 or tp > 1:
-        raise UsageError(f"{flag}: generation is not supported with tensor, sequence or pipeline parallelism",
-                         "drop --eval_prompts, or evaluate the exported model with generate() after the run")
+        raise UsageError(
+            f"{flag}: generation is not supported with tensor, sequence or pipeline parallelism",
+            "drop --eval_prompts, or evaluate the exported model with generate() after the run",
+        )
     file = Path(path)
     if not file.is_file():
-        raise UsageError(f"{flag}: no such file", "give a JSONL file of {\"prompt\": ...} or {\"messages\": [...]}")
+        raise UsageError(f"{flag}: no such file", 'give a JSONL file of {"prompt": ...} or {"messages": [...]}')
     texts, ids = [], []
     for number, line in enumerate(file.read_text(encoding="utf-8").splitlines(), 1):
         if not line.strip():
@@ -56,8 +59,11 @@ def load_eval_prompts(path: Optional[str], tokenizer, max_new_tokens: int, max_p
         raise UsageError(f"{flag}: the file holds no prompt", "one prompt per line")
     longest = max(len(i) for i in ids)
     if max_positions and longest + max_new_tokens > max_positions:
-        raise UsageError(f"{flag}: a prompt of {longest} tokens plus --eval_max_new_tokens {max_new_tokens} exceeds "
-                         f"the model's {max_positions} positions", "shorten the prompt or lower --eval_max_new_tokens")
+        raise UsageError(
+            f"{flag}: a prompt of {longest} tokens plus --eval_max_new_tokens {max_new_tokens} exceeds "
+            f"the model's {max_positions} positions",
+            "shorten the prompt or lower --eval_max_new_tokens",
+        )
     return EvalPrompts(tuple(texts), tuple(ids), max_new_tokens)
 
 
@@ -74,14 +80,17 @@ def _prompt_text(line: str, number: int, flag: str, tokenizer, jsonl: bool) -> t
         return record["prompt"], False
     if isinstance(record, dict) and isinstance(record.get("messages"), list):
         if not getattr(tokenizer, "chat_template", None):
-            raise UsageError(f"{where}: a conversation, and the tokenizer has no chat template",
-                             "give {\"prompt\": text} lines, or a tokenizer with a chat template")
+            raise UsageError(
+                f"{where}: a conversation, and the tokenizer has no chat template",
+                'give {"prompt": text} lines, or a tokenizer with a chat template',
+            )
         try:
             return tokenizer.apply_chat_template(record["messages"], tokenize=False, add_generation_prompt=True), True
         except Exception as err:  # the template's own check (roles, alternation)
-            raise UsageError(f"{where}: the chat template refused the conversation ({err})",
-                             "fix the conversation's roles") from err
-    raise UsageError(f"{where}: needs a \"prompt\" string or a \"messages\" list", "e.g. {\"prompt\": \"Hello\"}")
+            raise UsageError(
+                f"{where}: the chat template refused the conversation ({err})", "fix the conversation's roles"
+            ) from err
+    raise UsageError(f'{where}: needs a "prompt" string or a "messages" list', 'e.g. {"prompt": "Hello"}')
 
 
 def generate_samples(engine, prompts: EvalPrompts, tokenizer, eos_ids: list, synced: bool) -> list:
@@ -96,10 +105,16 @@ def generate_samples(engine, prompts: EvalPrompts, tokenizer, eos_ids: list, syn
     with torch.no_grad():
         for shown, ids in zip(prompts.shown, prompts.input_ids, strict=True):
             input_ids = torch.tensor([ids], device=engine.device)
-            out = module.generate(input_ids=input_ids, attention_mask=torch.ones_like(input_ids),
-                                  max_new_tokens=prompts.max_new_tokens, do_sample=False, synced_gpus=synced,
-                                  eos_token_id=eos_ids or None, pad_token_id=pad)
-            completion = tokenizer.decode(out[0, len(ids):], skip_special_tokens=True)
+            out = module.generate(
+                input_ids=input_ids,
+                attention_mask=torch.ones_like(input_ids),
+                max_new_tokens=prompts.max_new_tokens,
+                do_sample=False,
+                synced_gpus=synced,
+                eos_token_id=eos_ids or None,
+                pad_token_id=pad,
+            )
+            completion = tokenizer.decode(out[0, len(ids) :], skip_special_tokens=True)
             rows.append({"prompt": shown, "completion": completion})
     if was_training:
         module.train()

@@ -74,8 +74,11 @@ class SignalRelay:
     def _preempt(self, signum, frame) -> None:
         if self.requested is None:
             self.requested = signal.Signals(signum).name
-            log.warning("launcher: %s: asking the ranks to save at the next step boundary (exit %d once saved)",
-                        self.requested, SAVED_REQUEUE_EXIT_CODE)
+            log.warning(
+                "launcher: %s: asking the ranks to save at the next step boundary (exit %d once saved)",
+                self.requested,
+                SAVED_REQUEUE_EXIT_CODE,
+            )
 
     def _interrupt(self, signum, frame) -> None:
         if self.runner is None:
@@ -95,9 +98,12 @@ class SignalRelay:
         ranks = rank_processes(self.runner.pid)
         if not ranks and not self._warned:
             self._warned = True
-            log.warning("launcher: no rank process of DeepSpeed's launch.py on this host yet (still starting, or a "
-                        "multi-node launch through ssh: start this launcher on every node with --no_ssh, as "
-                        "scripts/train.sbatch does); trying again every %.0fs", RELAY_INTERVAL_S)
+            log.warning(
+                "launcher: no rank process of DeepSpeed's launch.py on this host yet (still starting, or a "
+                "multi-node launch through ssh: start this launcher on every node with --no_ssh, as "
+                "scripts/train.sbatch does); trying again every %.0fs",
+                RELAY_INTERVAL_S,
+            )
         for rank in ranks:
             try:
                 rank.send_signal(RANK_PREEMPTION_SIGNAL)
@@ -146,8 +152,9 @@ def main(argv: list) -> int:
         # ranks install their own handler): Slurm's `scancel --signal=USR1` reaches every process of the step, and
         # its default action would kill them. So it is ignored here until the runner is started.
         signal.signal(RANK_PREEMPTION_SIGNAL, signal.SIG_IGN)
-        relay.runner = subprocess.Popen([sys.executable, "-u", "-m", "deepspeed.launcher.runner", *argv], env=env,
-                                        start_new_session=True)
+        relay.runner = subprocess.Popen(
+            [sys.executable, "-u", "-m", "deepspeed.launcher.runner", *argv], env=env, start_new_session=True
+        )
         relay.install(RANK_PREEMPTION_SIGNAL)
         return exit_code(wait_for_run(relay.runner, relay), record)
 

@@ -25,8 +25,12 @@ from scaletrain.dsconfig import ResolvedDSConfig
 from scaletrain.errors import UsageError
 
 # The model dimensions a tensor-parallel split divides (Llama-family names; models without them are not checked).
-_SPLIT_DIMENSIONS = (("num_attention_heads", "attention heads"), ("num_key_value_heads", "key/value heads"),
-                     ("intermediate_size", "MLP width"), ("vocab_size", "vocabulary"))
+_SPLIT_DIMENSIONS = (
+    ("num_attention_heads", "attention heads"),
+    ("num_key_value_heads", "key/value heads"),
+    ("intermediate_size", "MLP width"),
+    ("vocab_size", "vocabulary"),
+)
 
 
 def _layout_flag(parallel: ParallelArgs) -> tuple:
@@ -44,16 +48,23 @@ def apply_layout(parallel: ParallelArgs, dist: DistInfo) -> DistInfo:
     sizes = ("tensor_parallel_size", "sequence_parallel_size", "pipeline_parallel_size")
     chosen = [name for name in sizes if getattr(parallel, name) > 1]
     if len(chosen) > 1:
-        raise UsageError(" with ".join(f"--{name} {getattr(parallel, name)}" for name in chosen) +
-                         ": combining model-parallel layouts is not supported yet (--plan can plan them)",
-                         "choose one of them")
+        raise UsageError(
+            " with ".join(f"--{name} {getattr(parallel, name)}" for name in chosen)
+            + ": combining model-parallel layouts is not supported yet (--plan can plan them)",
+            "choose one of them",
+        )
     flag, size = _layout_flag(parallel)
     if dist.world_size % size:
-        raise UsageError(f"{flag} {size} does not divide the world size {dist.world_size}",
-                         f"launch a multiple of {size} ranks, or choose a size that divides {dist.world_size}")
-    return dataclasses.replace(dist, tensor_parallel_size=parallel.tensor_parallel_size,
-                               sequence_parallel_size=parallel.sequence_parallel_size,
-                               pipeline_parallel_size=parallel.pipeline_parallel_size)
+        raise UsageError(
+            f"{flag} {size} does not divide the world size {dist.world_size}",
+            f"launch a multiple of {size} ranks, or choose a size that divides {dist.world_size}",
+        )
+    return dataclasses.replace(
+        dist,
+        tensor_parallel_size=parallel.tensor_parallel_size,
+        sequence_parallel_size=parallel.sequence_parallel_size,
+        pipeline_parallel_size=parallel.pipeline_parallel_size,
+    )
 
 
 def check_planned_layout(parallel: ParallelArgs, planning: PlanningArgs) -> None:
@@ -63,12 +74,16 @@ def check_planned_layout(parallel: ParallelArgs, planning: PlanningArgs) -> None
         return
     tp, sp, pp = parallel.tensor_parallel_size, parallel.sequence_parallel_size, parallel.pipeline_parallel_size
     if planning.num_gpus % tp:
-        raise UsageError(f"--tensor_parallel_size {tp} does not divide --num_gpus {planning.num_gpus}",
-                         "a tensor-parallel group stays inside a node: choose a size that divides the GPUs per node")
+        raise UsageError(
+            f"--tensor_parallel_size {tp} does not divide --num_gpus {planning.num_gpus}",
+            "a tensor-parallel group stays inside a node: choose a size that divides the GPUs per node",
+        )
     ranks = planning.num_gpus * planning.num_nodes
     if ranks % (tp * sp * pp):
-        raise UsageError(f"the layout (tensor {tp} x sequence {sp} x pipeline {pp}) does not divide the {ranks} "
-                         "planned GPUs", "choose sizes whose product divides --num_gpus x --num_nodes")
+        raise UsageError(
+            f"the layout (tensor {tp} x sequence {sp} x pipeline {pp}) does not divide the {ranks} planned GPUs",
+            "choose sizes whose product divides --num_gpus x --num_nodes",
+        )
 
 
 def check_model_layout(parallel: ParallelArgs, model_config) -> None:
@@ -83,8 +98,10 @@ def check_model_layout(parallel: ParallelArgs, model_config) -> None:
     for name, what in dimensions:
         value = getattr(text_config, name, None)
         if isinstance(value, int) and value % size:
-            raise UsageError(f"{flag} {size}: the model's {value} {what} ({name}) do not split into "
-                             f"{size} equal parts", f"choose a size that divides {value}")
+            raise UsageError(
+                f"{flag} {size}: the model's {value} {what} ({name}) do not split into {size} equal parts",
+                f"choose a size that divides {value}",
+            )
 
 
 def check_sequence_layout(parallel: ParallelArgs, block_size: int, attn_implementation: str) -> None:
@@ -93,12 +110,16 @@ def check_sequence_layout(parallel: ParallelArgs, block_size: int, attn_implemen
     if sp == 1:
         return
     if block_size % sp:
-        raise UsageError(f"--sequence_parallel_size {sp} does not divide the block size {block_size}",
-                         f"choose a --block_size that is a multiple of {sp}")
+        raise UsageError(
+            f"--sequence_parallel_size {sp} does not divide the block size {block_size}",
+            f"choose a --block_size that is a multiple of {sp}",
+        )
     if attn_implementation != "sdpa":
-        raise UsageError(f"--sequence_parallel_size {sp}: the model's attention is {attn_implementation!r}, and "
-                         "DeepSpeed Ulysses wraps SDPA attention here (eager attention needs a 4D mask it drops)",
-                         "use a model whose attention implementation is sdpa")
+        raise UsageError(
+            f"--sequence_parallel_size {sp}: the model's attention is {attn_implementation!r}, and "
+            "DeepSpeed Ulysses wraps SDPA attention here (eager attention needs a 4D mask it drops)",
+            "use a model whose attention implementation is sdpa",
+        )
 
 
 def resolve_layout(parallel: ParallelArgs, ds: ResolvedDSConfig, config_path: str) -> None:
@@ -109,22 +130,31 @@ def resolve_layout(parallel: ParallelArgs, ds: ResolvedDSConfig, config_path: st
     section = section if isinstance(section, dict) else {}
     in_json = section.get("autotp_size")
     if in_json not in (None, 0, 1, "auto", tp):
-        raise UsageError(f"tensor_parallel.autotp_size {in_json} in {config_path} contradicts "
-                         f"--tensor_parallel_size {tp}", "remove the key and pass --tensor_parallel_size")
+        raise UsageError(
+            f"tensor_parallel.autotp_size {in_json} in {config_path} contradicts --tensor_parallel_size {tp}",
+            "remove the key and pass --tensor_parallel_size",
+        )
     _resolve_sequence_layout(parallel, ds, config_path)
     _resolve_pipeline_layout(parallel, ds, config_path)
     if tp == 1:
         return
     if ds.zero_stage == 3:
-        raise UsageError(f"--tensor_parallel_size {tp} with ZeRO stage 3 ({config_path}): AutoTP with ZeRO-3 is not "
-                         "supported here (verified only without data parallelism)",
-                         "use a ZeRO-1 or ZeRO-2 config with tensor parallelism")
+        raise UsageError(
+            f"--tensor_parallel_size {tp} with ZeRO stage 3 ({config_path}): AutoTP with ZeRO-3 is not "
+            "supported here (verified only without data parallelism)",
+            "use a ZeRO-1 or ZeRO-2 config with tensor parallelism",
+        )
     if ds.offloads_optimizer or ds.offloads_params:
-        raise UsageError(f"--tensor_parallel_size {tp} with offload ({config_path}): not supported here (untested)",
-                         "use ds_configs/zero1.json or zero2.json with tensor parallelism")
+        raise UsageError(
+            f"--tensor_parallel_size {tp} with offload ({config_path}): not supported here (untested)",
+            "use ds_configs/zero1.json or zero2.json with tensor parallelism",
+        )
     if section.get("vocab_parallel_lm_head") is True:
-        raise UsageError(f"tensor_parallel.vocab_parallel_lm_head in {config_path}: the pipeline's loss needs the "
-                         "logits of the whole vocabulary on every rank", "remove the key")
+        raise UsageError(
+            f"tensor_parallel.vocab_parallel_lm_head in {config_path}: the pipeline's loss needs the "
+            "logits of the whole vocabulary on every rank",
+            "remove the key",
+        )
     ds.config["tensor_parallel"] = {**section, "autotp_size": tp, "vocab_parallel_lm_head": False}
     ds.sources["tensor_parallel.autotp_size"] = "--tensor_parallel_size"
     # With tied embeddings AutoTP would switch to a vocabulary-parallel head by itself (logits of half the
@@ -136,16 +166,23 @@ def _resolve_sequence_layout(parallel: ParallelArgs, ds: ResolvedDSConfig, confi
     sp = parallel.sequence_parallel_size
     in_json = ds.config.get("sequence_parallel_size")
     if in_json not in (None, 1, "auto", sp):
-        raise UsageError(f"sequence_parallel_size {in_json} in {config_path} contradicts --sequence_parallel_size "
-                         f"{sp}", "remove the key and pass --sequence_parallel_size")
+        raise UsageError(
+            f"sequence_parallel_size {in_json} in {config_path} contradicts --sequence_parallel_size {sp}",
+            "remove the key and pass --sequence_parallel_size",
+        )
     if sp == 1:
         return
     if ds.zero_stage == 0:
-        raise UsageError(f"--sequence_parallel_size {sp} with ZeRO stage 0 ({config_path}): not supported here "
-                         "(verified with ZeRO-1, 2 and 3)", "use a ZeRO-1, 2 or 3 config")
+        raise UsageError(
+            f"--sequence_parallel_size {sp} with ZeRO stage 0 ({config_path}): not supported here "
+            "(verified with ZeRO-1, 2 and 3)",
+            "use a ZeRO-1, 2 or 3 config",
+        )
     if ds.offloads_optimizer or ds.offloads_params:
-        raise UsageError(f"--sequence_parallel_size {sp} with offload ({config_path}): not supported here (untested)",
-                         "use ds_configs/zero1.json, zero2.json or zero3.json with sequence parallelism")
+        raise UsageError(
+            f"--sequence_parallel_size {sp} with offload ({config_path}): not supported here (untested)",
+            "use ds_configs/zero1.json, zero2.json or zero3.json with sequence parallelism",
+        )
     ds.config["sequence_parallel_size"] = sp
     ds.sources["sequence_parallel_size"] = "--sequence_parallel_size"
 
@@ -154,34 +191,45 @@ def _resolve_pipeline_layout(parallel: ParallelArgs, ds: ResolvedDSConfig, confi
     pp = parallel.pipeline_parallel_size
     in_json = (ds.config.get("pipeline") or {}).get("stages") if isinstance(ds.config.get("pipeline"), dict) else None
     if in_json not in (None, "auto", pp):
-        raise UsageError(f"pipeline.stages {in_json} in {config_path} contradicts --pipeline_parallel_size {pp}",
-                         "remove the key and pass --pipeline_parallel_size")
+        raise UsageError(
+            f"pipeline.stages {in_json} in {config_path} contradicts --pipeline_parallel_size {pp}",
+            "remove the key and pass --pipeline_parallel_size",
+        )
     if pp == 1:
         return
     if ds.zero_stage >= 2:
-        raise UsageError(f"--pipeline_parallel_size {pp} with ZeRO stage {ds.zero_stage} ({config_path}): DeepSpeed's "
-                         "pipeline engine supports ZeRO-0 and ZeRO-1 only (gradients are reduced per stage at the "
-                         "end of the schedule, which ZeRO-2's and ZeRO-3's partitioned gradients do not allow)",
-                         "use ds_configs/zero1.json with pipeline parallelism")
+        raise UsageError(
+            f"--pipeline_parallel_size {pp} with ZeRO stage {ds.zero_stage} ({config_path}): DeepSpeed's "
+            "pipeline engine supports ZeRO-0 and ZeRO-1 only (gradients are reduced per stage at the "
+            "end of the schedule, which ZeRO-2's and ZeRO-3's partitioned gradients do not allow)",
+            "use ds_configs/zero1.json with pipeline parallelism",
+        )
     if ds.offloads_optimizer or ds.offloads_params:
-        raise UsageError(f"--pipeline_parallel_size {pp} with offload ({config_path}): not supported here (untested)",
-                         "use ds_configs/zero1.json with pipeline parallelism")
+        raise UsageError(
+            f"--pipeline_parallel_size {pp} with offload ({config_path}): not supported here (untested)",
+            "use ds_configs/zero1.json with pipeline parallelism",
+        )
 
 
-def check_pipeline_run(parallel: ParallelArgs, attention_isolation: bool, precision: str, zero_stage: int,
-                       config_path: str) -> None:
+def check_pipeline_run(
+    parallel: ParallelArgs, attention_isolation: bool, precision: str, zero_stage: int, config_path: str
+) -> None:
     """What the pipeline path does not carry yet, refused before anything is built."""
     pp = parallel.pipeline_parallel_size
     if pp == 1:
         return
     if attention_isolation:
-        raise UsageError(f"--pipeline_parallel_size {pp} with --attention_isolation: not supported yet (the "
-                         "per-document mask would have to be rebuilt inside every stage)",
-                         "drop --attention_isolation, or train without pipeline parallelism")
+        raise UsageError(
+            f"--pipeline_parallel_size {pp} with --attention_isolation: not supported yet (the "
+            "per-document mask would have to be rebuilt inside every stage)",
+            "drop --attention_isolation, or train without pipeline parallelism",
+        )
     if zero_stage == 0 and precision != "fp32":
-        raise UsageError(f"--pipeline_parallel_size {pp} with ZeRO stage 0 in {precision} ({config_path}): the "
-                         "gradient-clipping fix for stage 0 covers fp32 only",
-                         "use ds_configs/zero1.json with pipeline parallelism")
+        raise UsageError(
+            f"--pipeline_parallel_size {pp} with ZeRO stage 0 in {precision} ({config_path}): the "
+            "gradient-clipping fix for stage 0 covers fp32 only",
+            "use ds_configs/zero1.json with pipeline parallelism",
+        )
 
 
 def describe_layout(dist: DistInfo) -> str:

@@ -206,8 +206,11 @@ def evaluate_sets(engine, sets: dict, pipeline=None) -> dict:
     """Each validation set's mean loss and perplexity: eval_loss for the unnamed set, eval_<name>_loss for each
     named one (--validation_file name=path,...), in the order given."""
     run_eval = pipeline.evaluate if pipeline else evaluate
-    return {key: value for split, batches in sets.items()
-            for key, value in run_eval(engine, batches, eval_metric_prefix(split)).items()}
+    return {
+        key: value
+        for split, batches in sets.items()
+        for key, value in run_eval(engine, batches, eval_metric_prefix(split)).items()
+    }
 
 
 def evaluate(engine, batches: EvalBatches, prefix: str = "eval_") -> dict:
@@ -235,8 +238,14 @@ def train_loop(engine, batches: StepBatches, state: TrainState, settings: LoopSe
     engine.train()
     timers = StepTimers(engine.device, settings.save_interval_minutes)
     window = LogWindow()
-    bar = tqdm(total=settings.max_steps, initial=state.step, disable=not settings.show_progress,
-               desc="training", unit="step", dynamic_ncols=True)
+    bar = tqdm(
+        total=settings.max_steps,
+        initial=state.step,
+        disable=not settings.show_progress,
+        desc="training",
+        unit="step",
+        dynamic_ncols=True,
+    )
     with logging_redirect_tqdm():
         while state.step < settings.max_steps:
             if hooks.profiler:
@@ -253,8 +262,16 @@ def train_loop(engine, batches: StepBatches, state: TrainState, settings: LoopSe
                 bar.update(state.step)
                 continue
             seconds, phases = timers.close_step(started)
-            window.add(result.loss_sum, result.targets, result.blocks, seconds, phases,
-                       engine.get_global_grad_norm(), skipped=not result.applied, aux_share=result.aux_share)
+            window.add(
+                result.loss_sum,
+                result.targets,
+                result.blocks,
+                seconds,
+                phases,
+                engine.get_global_grad_norm(),
+                skipped=not result.applied,
+                aux_share=result.aux_share,
+            )
             if hooks.profiler:
                 hooks.profiler.after_step(state.step)
             bar.update(1)
@@ -271,8 +288,9 @@ def train_loop(engine, batches: StepBatches, state: TrainState, settings: LoopSe
     bar.close()
 
 
-def optimizer_step(engine, batches: StepBatches, data_step: int, settings: LoopSettings, hooks: LoopHooks,
-                   timers: StepTimers) -> StepResult:
+def optimizer_step(
+    engine, batches: StepBatches, data_step: int, settings: LoopSettings, hooks: LoopHooks, timers: StepTimers
+) -> StepResult:
     """One optimizer step on the global batch of `data_step` (0-based): every micro-batch's forward and backward,
     the step-boundary agreement, the guard's judgement, then the update at the accumulation boundary (skipped on
     every rank when the guard forces it)."""
@@ -281,8 +299,14 @@ def optimizer_step(engine, batches: StepBatches, data_step: int, settings: LoopS
     clock.lap("data_wait")
     scale = settings.gradient_divisor / max(targets, 1)
     set_accumulation(engine, len(micro_batches))
-    backward = partial(_forward_backward, engine, scale=scale, clock=clock, router_loss=settings.router_loss,
-                       micro_batches=len(micro_batches))
+    backward = partial(
+        _forward_backward,
+        engine,
+        scale=scale,
+        clock=clock,
+        router_loss=settings.router_loss,
+        micro_batches=len(micro_batches),
+    )
     *accumulating, boundary = micro_batches
     loss_sum, aux_sum = 0.0, 0.0
     for batch in accumulating:
@@ -296,12 +320,16 @@ def optimizer_step(engine, batches: StepBatches, data_step: int, settings: LoopS
     engine.set_gradient_accumulation_boundary(True)
     summed, aux = backward(boundary)
     loss_sum = (loss_sum + summed) * settings.loss_share
-    aux_share = None if settings.router_loss is None else \
-        (aux_sum + aux) * settings.loss_share / (len(micro_batches) * settings.gradient_divisor)
+    aux_share = (
+        None
+        if settings.router_loss is None
+        else (aux_sum + aux) * settings.loss_share / (len(micro_batches) * settings.gradient_divisor)
+    )
     # One small all-reduce before the update: the global loss (for the non-finite and spike checks) and the flags
     # every rank must agree on at this step boundary.
     global_loss_sum, preempted, interval_due = agree_step(
-        engine.device, loss_sum, hooks.preemption.signal_name is not None, timers.save_due())
+        engine.device, loss_sum, hooks.preemption.signal_name is not None, timers.save_due()
+    )
     global_loss = global_loss_sum / max(targets, 1)
     forced = hooks.guard.judge(global_loss) if hooks.guard else None
     if hooks.switch:
@@ -314,8 +342,17 @@ def optimizer_step(engine, batches: StepBatches, data_step: int, settings: LoopS
         hooks.switch.skip = False
         if forced is not None:
             hooks.switch.confirm_skipped(engine)
-    return StepResult(loss_sum, targets, blocks, global_loss, preempted, interval_due, forced,
-                      applied=engine.was_step_applied(), aux_share=aux_share)
+    return StepResult(
+        loss_sum,
+        targets,
+        blocks,
+        global_loss,
+        preempted,
+        interval_due,
+        forced,
+        applied=engine.was_step_applied(),
+        aux_share=aux_share,
+    )
 
 
 class PipelineStep:
@@ -335,8 +372,9 @@ class PipelineStep:
         if self._before_update is not None:
             self._before_update()
 
-    def step(self, engine, batches: StepBatches, data_step: int, settings: LoopSettings, hooks: LoopHooks,
-             timers: StepTimers) -> StepResult:
+    def step(
+        self, engine, batches: StepBatches, data_step: int, settings: LoopSettings, hooks: LoopHooks, timers: StepTimers
+    ) -> StepResult:
         from scaletrain.pipeline import pipe_micro_batches
 
         clock = timers.start_step()
@@ -351,7 +389,8 @@ class PipelineStep:
         def before_update() -> None:  # the last stage holds the losses; every other rank adds 0
             clock.lap("pipeline")
             total, preempted, interval_due = agree_step(
-                engine.device, self.loss.loss_sum, hooks.preemption.signal_name is not None, timers.save_due())
+                engine.device, self.loss.loss_sum, hooks.preemption.signal_name is not None, timers.save_due()
+            )
             global_loss = total / max(targets, 1)
             forced = hooks.guard.judge(global_loss) if hooks.guard else None
             if hooks.switch:
@@ -370,8 +409,16 @@ class PipelineStep:
         if hooks.switch and agreed["forced"] is not None:
             hooks.switch.confirm_skipped(engine)
         clock.lap("optimizer")
-        return StepResult(self.loss.loss_sum, targets, blocks, agreed["global_loss"], agreed["preempted"],
-                          agreed["interval_due"], agreed["forced"], applied=engine.was_step_applied())
+        return StepResult(
+            self.loss.loss_sum,
+            targets,
+            blocks,
+            agreed["global_loss"],
+            agreed["preempted"],
+            agreed["interval_due"],
+            agreed["forced"],
+            applied=engine.was_step_applied(),
+        )
 
     def evaluate(self, engine, batches: EvalBatches, prefix: str = "eval_") -> dict:
         """Mean loss over the evaluation blocks through the pipe's inference schedule, across ranks."""
@@ -387,8 +434,9 @@ class PipelineStep:
         for _, same_shape in itertools.groupby(range(len(batches)), key=batches.rows):
             group = list(same_shape)
             engine.reset_activation_shape()
-            engine.eval_batch(data_iter=(pipe_micro_batches([batches[i]])[0] for i in group),
-                              num_micro_batches=len(group))
+            engine.eval_batch(
+                data_iter=(pipe_micro_batches([batches[i]])[0] for i in group), num_micro_batches=len(group)
+            )
         engine.reset_activation_shape()
         engine.train()
         sums = torch.zeros(2, dtype=torch.float64, device=engine.device)
@@ -430,8 +478,9 @@ def scaled_lr(engine, factor: float):
                 group["lr"] = lr
 
 
-def _forward_backward(engine, batch: dict, scale: float, clock: PhaseClock, router_loss=None,
-                      micro_batches: int = 1) -> tuple:
+def _forward_backward(
+    engine, batch: dict, scale: float, clock: PhaseClock, router_loss=None, micro_batches: int = 1
+) -> tuple:
     """One micro-batch: the backward of its share of the step's objective; (its summed token loss, its
     load-balancing loss or 0), detached."""
     if router_loss is None:
@@ -453,13 +502,17 @@ def _logged(step: int, settings: LoopSettings) -> bool:
     return step % settings.logging_steps == 0 or step == settings.max_steps
 
 
-def _count_step(state: TrainState, result: StepResult, guard: NonFiniteGuard | None,
-                sample_ids: Callable[[], list]) -> str:
+def _count_step(
+    state: TrainState, result: StepResult, guard: NonFiniteGuard | None, sample_ids: Callable[[], list]
+) -> str:
     """Book the step in the train state; the guard's verdict ("ok", "skipped" or "rollback")."""
     state.step += 1
     state.samples_seen += result.blocks
-    verdict = "ok" if guard is None else guard.after_step(state.step, result.global_loss, result.forced,
-                                                         result.applied, sample_ids)
+    verdict = (
+        "ok"
+        if guard is None
+        else guard.after_step(state.step, result.global_loss, result.forced, result.applied, sample_ids)
+    )
     if not result.applied:
         state.skipped_steps += 1
     else:
@@ -467,30 +520,50 @@ def _count_step(state: TrainState, result: StepResult, guard: NonFiniteGuard | N
     return verdict
 
 
-def _log_window(engine, window: LogWindow, bar, state: TrainState, settings: LoopSettings, hooks: LoopHooks,
-                batches: StepBatches) -> None:
+def _log_window(
+    engine, window: LogWindow, bar, state: TrainState, settings: LoopSettings, hooks: LoopHooks, batches: StepBatches
+) -> None:
     """The record of the steps since the last one (a collective: every rank calls it at the same step)."""
     summary = window.summarize(engine.device, settings.throughput)
     comms = hooks.comm_log.window() if hooks.comm_log else {}  # this rank's collectives since the last record
     if summary["loss"] is not None:
         bar.set_postfix(loss=f"{summary['loss']:.3f}")
     last_data_step = state.step - 1 + state.data_offset
-    ramp = {"lr_rampup_factor": rampup_lr_factor(batches, last_data_step, settings)} \
-        if settings.rampup_lr_exponent else {}
-    hooks.metrics.log({"step": state.step, "epoch": round(state.samples_seen / len(batches.blocks), 4),
-                       "time": round(time.time(), 3), **summary, "lr": engine.get_lr()[0], **ramp,
-                       "global_batch": batches.order.global_batch_at(last_data_step),
-                       "tokens_seen": state.tokens_seen, "skipped_steps": state.skipped_steps, **comms})
+    ramp = (
+        {"lr_rampup_factor": rampup_lr_factor(batches, last_data_step, settings)} if settings.rampup_lr_exponent else {}
+    )
+    hooks.metrics.log(
+        {
+            "step": state.step,
+            "epoch": round(state.samples_seen / len(batches.blocks), 4),
+            "time": round(time.time(), 3),
+            **summary,
+            "lr": engine.get_lr()[0],
+            **ramp,
+            "global_batch": batches.order.global_batch_at(last_data_step),
+            "tokens_seen": state.tokens_seen,
+            "skipped_steps": state.skipped_steps,
+            **comms,
+        }
+    )
 
 
 def _save_for_preemption(step: int, settings: LoopSettings, hooks: LoopHooks, timers: StepTimers) -> None:
     seconds = timers.timed_save(hooks.save)
     record_preemption_saved(step)  # for scaletrain.launcher, which may not see the ranks' exit code 85
-    log.info("preemption (%s): checkpoint committed at step %d in %.1fs", hooks.preemption.signal_name or
-             "signal on another rank", step, seconds)
+    log.info(
+        "preemption (%s): checkpoint committed at step %d in %.1fs",
+        hooks.preemption.signal_name or "signal on another rank",
+        step,
+        seconds,
+    )
     if seconds > settings.preemption_grace_seconds:
-        log.warning("the preemption save took %.1fs, more than --preemption_grace_seconds %.0f: ask the "
-                    "scheduler for an earlier signal", seconds, settings.preemption_grace_seconds)
+        log.warning(
+            "the preemption save took %.1fs, more than --preemption_grace_seconds %.0f: ask the "
+            "scheduler for an earlier signal",
+            seconds,
+            settings.preemption_grace_seconds,
+        )
 
 
 def _evaluate_when_due(engine, step: int, settings: LoopSettings, hooks: LoopHooks) -> None:
@@ -500,7 +573,6 @@ def _evaluate_when_due(engine, step: int, settings: LoopSettings, hooks: LoopHoo
         hooks.generate(step)
 
 
-def _save_when_due(step: int, settings: LoopSettings, hooks: LoopHooks, timers: StepTimers,
-                   interval_due: bool) -> None:
+def _save_when_due(step: int, settings: LoopSettings, hooks: LoopHooks, timers: StepTimers, interval_due: bool) -> None:
     if interval_due or (settings.save_steps and step % settings.save_steps == 0):
         timers.timed_save(hooks.save)

@@ -47,8 +47,10 @@ def check_lora(args: PeftArgs, skeleton, accelerator: str, is_moe: bool) -> None
     """On the meta model, before anything heavy: every --lora_target_modules name is a layer of the model (else the
     names there are), no mixture-of-experts model (untested). --load_in_4bit: qlora.check_qlora."""
     if is_moe:
-        raise UsageError("--use_peft with a mixture-of-experts model: not supported here (untested)",
-                         "train a dense model's adapter, or train the MoE model without --use_peft")
+        raise UsageError(
+            "--use_peft with a mixture-of-experts model: not supported here (untested)",
+            "train a dense model's adapter, or train the MoE model without --use_peft",
+        )
     targets = args.target_modules
     if targets == "all-linear":
         return
@@ -56,15 +58,24 @@ def check_lora(args: PeftArgs, skeleton, accelerator: str, is_moe: bool) -> None
     available = sorted({name.rsplit(".", 1)[-1] for name in modules})
     for target in targets:
         if not any(name == target or name.endswith("." + target) for name in modules):
-            raise UsageError(f"--lora_target_modules {args.lora_target_modules}: {type(skeleton).__name__} has no "
-                             f"layer named {target}", f"its layers: {', '.join(available)} (or all-linear)")
+            raise UsageError(
+                f"--lora_target_modules {args.lora_target_modules}: {type(skeleton).__name__} has no "
+                f"layer named {target}",
+                f"its layers: {', '.join(available)} (or all-linear)",
+            )
 
 
 def lora_config(args: PeftArgs):
     from peft import LoraConfig
 
-    return LoraConfig(r=args.lora_r, lora_alpha=args.lora_alpha, lora_dropout=args.lora_dropout,
-                      target_modules=args.target_modules, bias="none", task_type="CAUSAL_LM")
+    return LoraConfig(
+        r=args.lora_r,
+        lora_alpha=args.lora_alpha,
+        lora_dropout=args.lora_dropout,
+        target_modules=args.target_modules,
+        bias="none",
+        task_type="CAUSAL_LM",
+    )
 
 
 def apply_lora(model, args: PeftArgs):
@@ -73,8 +84,14 @@ def apply_lora(model, args: PeftArgs):
 
     wrapped = get_peft_model(model, lora_config(args))
     trainable, total = wrapped.get_nb_trainable_parameters()  # counts ZeRO-3 partitions by their full size
-    log.info("LoRA (%s, dropout %g): %.3fM trainable of %.2fM parameters (%.2f%%)", describe(args),
-             args.lora_dropout, trainable / 1e6, total / 1e6, 100 * trainable / total)
+    log.info(
+        "LoRA (%s, dropout %g): %.3fM trainable of %.2fM parameters (%.2f%%)",
+        describe(args),
+        args.lora_dropout,
+        trainable / 1e6,
+        total / 1e6,
+        100 * trainable / total,
+    )
     return wrapped
 
 
@@ -99,8 +116,9 @@ def save_adapter(peft_model, adapter_state: dict, out_dir, tokenizer) -> None:
     """adapter_config.json, adapter_model.safetensors and the tokenizer: a folder PeftModel.from_pretrained (and
     AutoModelForCausalLM.from_pretrained, through peft) loads. `adapter_state`: the adapter's full weights by the
     wrapped model's parameter names (peft keeps the lora_ ones and drops the adapter name)."""
-    missing = [name for name, param in peft_model.named_parameters()
-               if param.requires_grad and name not in adapter_state]
+    missing = [
+        name for name, param in peft_model.named_parameters() if param.requires_grad and name not in adapter_state
+    ]
     assert not missing, f"adapter weights missing from the export: {missing[:3]}"
     peft_model.save_pretrained(str(out_dir), state_dict=adapter_state, safe_serialization=True)
     tokenizer.save_pretrained(str(out_dir))
@@ -123,8 +141,9 @@ def _plain_model_loading():
             hf_deepspeed.set_hf_deepspeed_config(alive)
 
 
-def merge_adapter(adapter_dir, out_dir, tokenizer, trust_remote_code: bool = False, dtype=None,
-                  max_shard_size: str = "5GB") -> None:
+def merge_adapter(
+    adapter_dir, out_dir, tokenizer, trust_remote_code: bool = False, dtype=None, max_shard_size: str = "5GB"
+) -> None:
     """The base model (adapter_config.json's base_model_name_or_path) with the adapter merged into its weights
     (peft's merge_and_unload), saved as a plain Hugging Face model folder."""
     import torch
@@ -133,8 +152,9 @@ def merge_adapter(adapter_dir, out_dir, tokenizer, trust_remote_code: bool = Fal
 
     base_source = PeftConfig.from_pretrained(str(adapter_dir)).base_model_name_or_path
     with _plain_model_loading():
-        base = AutoModelForCausalLM.from_pretrained(base_source, dtype=torch.float32,
-                                                    trust_remote_code=trust_remote_code)
+        base = AutoModelForCausalLM.from_pretrained(
+            base_source, dtype=torch.float32, trust_remote_code=trust_remote_code
+        )
         merged = PeftModel.from_pretrained(base, str(adapter_dir)).merge_and_unload()
     if dtype is not None:
         merged = merged.to(dtype)
@@ -185,8 +205,9 @@ def _base_folder(source: str) -> Optional[Path]:
 def _weight_files(folder: Path) -> list:
     """What from_pretrained reads: the safetensors files, or else the pickled ones (an adapter's excepted)."""
     for pattern in ("*.safetensors", "*.bin"):
-        files = sorted(p for p in folder.glob(pattern) if p.is_file() and not p.name.startswith(("adapter_",
-                                                                                                    "training_")))
+        files = sorted(
+            p for p in folder.glob(pattern) if p.is_file() and not p.name.startswith(("adapter_", "training_"))
+        )
         if files:
             return files
     return []
@@ -241,10 +262,11 @@ def check_same_base(ckpt: Path, saved: Optional[dict], now: Optional[dict]) -> N
         return
     else:
         what = "another name, and weights that cannot be compared (not on this machine)"
-    raise UsageError(f"--model_name_or_path {now['source']}: checkpoint {ckpt} holds a LoRA adapter trained on the "
-                     f"base {saved['source']}, not the base itself, and this base has {what}",
-                     f"resume with --model_name_or_path {saved['source']}, or start afresh with "
-                     "--resume_from_checkpoint none")
+    raise UsageError(
+        f"--model_name_or_path {now['source']}: checkpoint {ckpt} holds a LoRA adapter trained on the "
+        f"base {saved['source']}, not the base itself, and this base has {what}",
+        f"resume with --model_name_or_path {saved['source']}, or start afresh with --resume_from_checkpoint none",
+    )
 
 
 def load_adapter_state(src: dict, dst) -> None:
@@ -254,5 +276,7 @@ def load_adapter_state(src: dict, dst) -> None:
     frozen = {name for name, p in dst.named_parameters() if not p.requires_grad}
     missing = [k for k in result.missing_keys if k not in frozen]
     if missing or result.unexpected_keys:
-        raise RuntimeError(f"the checkpoint's module state does not fit the LoRA model: missing {missing[:3]}, "
-                           f"unexpected {result.unexpected_keys[:3]}")
+        raise RuntimeError(
+            f"the checkpoint's module state does not fit the LoRA model: missing {missing[:3]}, "
+            f"unexpected {result.unexpected_keys[:3]}"
+        )

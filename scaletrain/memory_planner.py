@@ -104,11 +104,19 @@ class ModelShape:
             hidden=hidden,
             intermediate=getattr(text, "intermediate_size", None) or 4 * hidden,
             vocab=text.vocab_size,
-            linear_params=sum(p.numel() for m in model.modules() if isinstance(m, torch.nn.Linear)
-                              for p in m.parameters(recurse=False)),
+            linear_params=sum(
+                p.numel()
+                for m in model.modules()
+                if isinstance(m, torch.nn.Linear)
+                for p in m.parameters(recurse=False)
+            ),
             kv_heads=getattr(text, "num_key_value_heads", None) or getattr(text, "num_attention_heads", 0) or 0,
-            embedding_params=sum(p.numel() for m in model.modules() if isinstance(m, torch.nn.Embedding)
-                                 for p in m.parameters(recurse=False)),
+            embedding_params=sum(
+                p.numel()
+                for m in model.modules()
+                if isinstance(m, torch.nn.Embedding)
+                for p in m.parameters(recurse=False)
+            ),
             head_params=head.weight.numel() if head is not None else 0,
             head_tied=head is not None and head.weight is model.get_input_embeddings().weight,
         )
@@ -160,8 +168,15 @@ def weight_bytes(precision: str) -> int:
     return 4 if precision == "fp32" else 2
 
 
-def model_state_bytes(option: Option, shape: ModelShape, dp: int, precision: str, tp: int = 1, pp: int = 1,
-                      reduce_bucket: Optional[int] = None) -> tuple:
+def model_state_bytes(
+    option: Option,
+    shape: ModelShape,
+    dp: int,
+    precision: str,
+    tp: int = 1,
+    pp: int = 1,
+    reduce_bucket: Optional[int] = None,
+) -> tuple:
     """(params, grads, optimizer) bytes on one GPU, and (host, nvme) bytes per rank, for one option.
     `reduce_bucket`: the reduce bucket in elements (default: dsconfig's rule for a CUDA link)."""
     p, n = weight_bytes(precision), shape.params_per_rank(tp, pp)
@@ -187,8 +202,17 @@ def model_state_bytes(option: Option, shape: ModelShape, dp: int, precision: str
     return params, grads, optimizer, host, nvme
 
 
-def activation_bytes(shape: ModelShape, micro_batch: int, block_size: int, precision: str, stage: int = 1,
-                     tp: int = 1, sp: int = 1, pp: int = 1, loss_chunk: Optional[int] = None) -> tuple:
+def activation_bytes(
+    shape: ModelShape,
+    micro_batch: int,
+    block_size: int,
+    precision: str,
+    stage: int = 1,
+    tp: int = 1,
+    sp: int = 1,
+    pp: int = 1,
+    loss_chunk: Optional[int] = None,
+) -> tuple:
     """Working memory (without, with) activation checkpointing, bytes per GPU for one micro-batch (under pipeline
     parallelism: of the stage that needs most). `loss_chunk`: tokens per chunk of the chunked loss (None: whole
     logits; tensor and pipeline parallelism always take the whole logits)."""
@@ -217,34 +241,55 @@ def options_for(tp: int, sp: int = 1, pp: int = 1) -> List[Option]:
     return OPTIONS if sp == 1 else [o for o in OPTIONS if o.offload_optimizer == "none"]
 
 
-def plan_memory(shape: ModelShape, gpus_per_node: int, nodes: int, micro_batch: int, block_size: int,
-                precision: str, tp: int = 1, sp: int = 1, pp: int = 1,
-                loss_chunk: Optional[int] = None) -> List[Estimate]:
+def plan_memory(
+    shape: ModelShape,
+    gpus_per_node: int,
+    nodes: int,
+    micro_batch: int,
+    block_size: int,
+    precision: str,
+    tp: int = 1,
+    sp: int = 1,
+    pp: int = 1,
+    loss_chunk: Optional[int] = None,
+) -> List[Estimate]:
     dp = gpus_per_node * nodes // (tp * pp)  # the ranks ZeRO partitions over (under SP: all of them)
     estimates = []
     for option in options_for(tp, sp, pp):
-        act, act_ckpt = activation_bytes(shape, micro_batch, block_size, precision, option.stage, tp, sp, pp,
-                                         loss_chunk)
+        act, act_ckpt = activation_bytes(
+            shape, micro_batch, block_size, precision, option.stage, tp, sp, pp, loss_chunk
+        )
         params, grads, optimizer, host, nvme = model_state_bytes(option, shape, dp, precision, tp, pp)
-        estimates.append(Estimate(option, params, grads, optimizer, act, act_ckpt, host * gpus_per_node,
-                                  nvme * gpus_per_node))
+        estimates.append(
+            Estimate(option, params, grads, optimizer, act, act_ckpt, host * gpus_per_node, nvme * gpus_per_node)
+        )
     return estimates
 
 
-def recommend(estimates: List[Estimate], gpu_bytes: float, host_bytes: Optional[float],
-              checkpointing_allowed: bool = True) -> Optional[tuple]:
+def recommend(
+    estimates: List[Estimate], gpu_bytes: float, host_bytes: Optional[float], checkpointing_allowed: bool = True
+) -> Optional[tuple]:
     """The first option (fastest first: less communication, no offload) that fits: (estimate, checkpointing)."""
-    for checkpointing in ((False, True) if checkpointing_allowed else (False,)):
+    for checkpointing in (False, True) if checkpointing_allowed else (False,):
         for est in estimates:
-            if est.total(checkpointing) <= HEADROOM * gpu_bytes and \
-                    (host_bytes is None or est.host_per_node <= HEADROOM * host_bytes):
+            if est.total(checkpointing) <= HEADROOM * gpu_bytes and (
+                host_bytes is None or est.host_per_node <= HEADROOM * host_bytes
+            ):
                 return est, checkpointing
     return None
 
 
-def recommend_layout(shape: ModelShape, gpus_per_node: int, nodes: int, micro_batch: int, block_size: int,
-                     precision: str, gpu_bytes: float, host_bytes: Optional[float],
-                     loss_chunk: Optional[int] = None) -> Optional[tuple]:
+def recommend_layout(
+    shape: ModelShape,
+    gpus_per_node: int,
+    nodes: int,
+    micro_batch: int,
+    block_size: int,
+    precision: str,
+    gpu_bytes: float,
+    host_bytes: Optional[float],
+    loss_chunk: Optional[int] = None,
+) -> Optional[tuple]:
     """(tensor-parallel size, pipeline stages, estimate, checkpointing) of the fastest layout that fits, in this
     order: pure data parallelism without offload (ZeRO-1, 2, 3), then tensor parallelism inside a node (2, 4, ...
     GPUs; its all-reduces stay on the node's links), then pipeline stages (2, 4, ...; point-to-point transfers of
@@ -259,16 +304,20 @@ def recommend_layout(shape: ModelShape, gpus_per_node: int, nodes: int, micro_ba
     tp = 2
     while tp <= gpus_per_node:
         if gpus_per_node % tp == 0 and shape.splits_into(tp):
-            choice = recommend(plan_memory(shape, gpus_per_node, nodes, micro_batch, block_size, precision, tp),
-                               gpu_bytes, host_bytes)
+            choice = recommend(
+                plan_memory(shape, gpus_per_node, nodes, micro_batch, block_size, precision, tp), gpu_bytes, host_bytes
+            )
             if choice:
                 return (tp, 1, *choice)
         tp *= 2
     pp = 2
     while pp <= min(shape.layers, gpus_per_node * nodes):
         if shape.layers % pp == 0 and (gpus_per_node * nodes) % pp == 0:
-            choice = recommend(plan_memory(shape, gpus_per_node, nodes, micro_batch, block_size, precision, pp=pp),
-                               gpu_bytes, host_bytes)
+            choice = recommend(
+                plan_memory(shape, gpus_per_node, nodes, micro_batch, block_size, precision, pp=pp),
+                gpu_bytes,
+                host_bytes,
+            )
             if choice:
                 return (1, pp, *choice)
         pp *= 2
@@ -281,18 +330,36 @@ def _describe(ranks: int, tp: int, sp: int, pp: int) -> str:
     if not sizes:
         return f"{ranks} data-parallel ranks"
     model_parallel = tp * sp * pp
-    return f"{ranks} ranks: " + " x ".join(f"{kind} parallel {size}" for kind, size in sizes) + \
-        f" x {ranks // model_parallel} data-parallel"
+    return (
+        f"{ranks} ranks: "
+        + " x ".join(f"{kind} parallel {size}" for kind, size in sizes)
+        + f" x {ranks // model_parallel} data-parallel"
+    )
 
 
 def _layout_flags(tp: int, sp: int, pp: int) -> str:
-    return "".join(f" --{kind}_parallel_size {size}" for kind, size in
-                   (("tensor", tp), ("sequence", sp), ("pipeline", pp)) if size > 1)
+    return "".join(
+        f" --{kind}_parallel_size {size}"
+        for kind, size in (("tensor", tp), ("sequence", sp), ("pipeline", pp))
+        if size > 1
+    )
 
 
-def render(estimates: List[Estimate], shape: ModelShape, gpus_per_node: int, nodes: int, gpu_memory_gb: float,
-           host_memory_gb: Optional[float], micro_batch: int, block_size: int, precision: str, tp: int = 1,
-           sp: int = 1, pp: int = 1, loss_chunk: Optional[int] = None) -> str:
+def render(
+    estimates: List[Estimate],
+    shape: ModelShape,
+    gpus_per_node: int,
+    nodes: int,
+    gpu_memory_gb: float,
+    host_memory_gb: Optional[float],
+    micro_batch: int,
+    block_size: int,
+    precision: str,
+    tp: int = 1,
+    sp: int = 1,
+    pp: int = 1,
+    loss_chunk: Optional[int] = None,
+) -> str:
     gb = lambda b: f"{b / GIB:.2f}"  # noqa: E731
     gpu_bytes, host_bytes = gpu_memory_gb * GIB, None if host_memory_gb is None else host_memory_gb * GIB
     layout = _describe(nodes * gpus_per_node, tp, sp, pp)
@@ -309,17 +376,20 @@ def render(estimates: List[Estimate], shape: ModelShape, gpus_per_node: int, nod
     for est in estimates:
         fits = []
         for ckpt in (False, True):
-            ok = est.total(ckpt) <= HEADROOM * gpu_bytes and \
-                (host_bytes is None or est.host_per_node <= HEADROOM * host_bytes)
+            ok = est.total(ckpt) <= HEADROOM * gpu_bytes and (
+                host_bytes is None or est.host_per_node <= HEADROOM * host_bytes
+            )
             fits.append("yes" if ok else "no")
         lines.append(
             f"| {est.option.name} | {gb(est.params)} | {gb(est.grads)} | {gb(est.optimizer)} | {gb(est.model_states)} "
             f"| {gb(est.activations)} / {gb(est.activations_checkpointed)} | {gb(est.total(False))} / "
             f"{gb(est.total(True))} | {gb(est.host_per_node)} | {gb(est.nvme_per_node)} | {' / '.join(fits)} | "
-            f"ds_configs/{est.option.ds_config} |")
+            f"ds_configs/{est.option.ds_config} |"
+        )
     if tp == 1 and sp == 1 and pp == 1:  # the layout is open: data parallelism, then TP, then PP, then offload
-        choice = recommend_layout(shape, gpus_per_node, nodes, micro_batch, block_size, precision, gpu_bytes,
-                                  host_bytes, loss_chunk)
+        choice = recommend_layout(
+            shape, gpus_per_node, nodes, micro_batch, block_size, precision, gpu_bytes, host_bytes, loss_chunk
+        )
     else:  # the layout was given
         choice = recommend(estimates, gpu_bytes, host_bytes)
         choice = choice and (tp, pp, *choice)
@@ -327,13 +397,17 @@ def render(estimates: List[Estimate], shape: ModelShape, gpus_per_node: int, nod
     if sum(size > 1 for size in (tp, sp, pp)) > 1:
         lines.append("planning only: train.py does not yet run several model-parallel layouts together")
     if choice is None:
-        lines.append("recommended: nothing fits; lower --per_device_train_batch_size or --block_size, add GPUs or "
-                     "nodes (ZeRO-3 divides the model states by the rank count), or use GPUs with more memory")
+        lines.append(
+            "recommended: nothing fits; lower --per_device_train_batch_size or --block_size, add GPUs or "
+            "nodes (ZeRO-3 divides the model states by the rank count), or use GPUs with more memory"
+        )
     else:
         chosen_tp, chosen_pp, est, ckpt = choice
-        lines.append(f"recommended: --config ds_configs/{est.option.ds_config}" +
-                     _layout_flags(chosen_tp, sp, chosen_pp) +
-                     (" --gradient_checkpointing" if ckpt else "") +
-                     f" ({est.option.name}{', activation checkpointing' if ckpt else ''}: "
-                     f"{gb(est.total(ckpt))} of {gpu_memory_gb:g} GB per GPU)")
+        lines.append(
+            f"recommended: --config ds_configs/{est.option.ds_config}"
+            + _layout_flags(chosen_tp, sp, chosen_pp)
+            + (" --gradient_checkpointing" if ckpt else "")
+            + f" ({est.option.name}{', activation checkpointing' if ckpt else ''}: "
+            f"{gb(est.total(ckpt))} of {gpu_memory_gb:g} GB per GPU)"
+        )
     return "\n".join(lines)

@@ -94,8 +94,17 @@ class LogWindow:
     def applied_steps(self) -> int:
         return self.steps - self.skipped
 
-    def add(self, loss_sum, targets: int, samples: int, seconds: float, phases: Optional[dict], grad_norm,
-            skipped: bool = False, aux_share=None) -> None:
+    def add(
+        self,
+        loss_sum,
+        targets: int,
+        samples: int,
+        seconds: float,
+        phases: Optional[dict],
+        grad_norm,
+        skipped: bool = False,
+        aux_share=None,
+    ) -> None:
         """`phases`: the step's split, or None for a step that was not split (a GPU step not logged); `aux_share`:
         an MoE step's share of its mean load-balancing loss on this rank (None for a dense model)."""
         if aux_share is not None and self.aux_sum is None:
@@ -144,18 +153,29 @@ class LogWindow:
             "loss": total.item() / self.loss_targets if self.loss_targets else None,  # None: all skipped
             # MoE: the mean over the applied steps of each step's mean load-balancing loss (not times the coefficient)
             "aux_loss": rows[:, 2].sum().item() / self.applied_steps
-            if self.aux_sum is not None and self.applied_steps else None,
+            if self.aux_sum is not None and self.applied_steps
+            else None,
             "skipped": self.skipped,
             "grad_norm": None if self.grad_norm is None else float(self.grad_norm),
             "tokens_per_s": tokens_per_s,
             "samples_per_s": self.samples / self.seconds if self.seconds else 0.0,
             "step_time_s": step_time,
             # the mean over the steps split into phases (none: no phase keys, rather than zeros)
-            **({f"{name}_s": value / self.phase_steps for name, value in self.phases.items()} if self.phase_steps
-               else {}),
+            **(
+                {f"{name}_s": value / self.phase_steps for name, value in self.phases.items()}
+                if self.phase_steps
+                else {}
+            ),
             # None where no forward was timed apart (the pipeline's interleaved schedule)
-            **({"slowest_rank": slowest, "slowest_rank_forward_s": forward_times[slowest],
-                "straggler_ratio": forward_times[slowest] / median_forward} if median_forward > 0 else {}),
+            **(
+                {
+                    "slowest_rank": slowest,
+                    "slowest_rank_forward_s": forward_times[slowest],
+                    "straggler_ratio": forward_times[slowest] / median_forward,
+                }
+                if median_forward > 0
+                else {}
+            ),
             **memory_stats(device),
         }
         if throughput is not None:
@@ -163,8 +183,13 @@ class LogWindow:
             record["tflops_per_device"] = tflops
             if throughput.peak_tflops:
                 record["mfu"] = tflops / throughput.peak_tflops
-                record["hfu"] = (tokens_per_s * throughput.hardware_flops_per_token / throughput.world_size
-                                 / 1e12 / throughput.peak_tflops)
+                record["hfu"] = (
+                    tokens_per_s
+                    * throughput.hardware_flops_per_token
+                    / throughput.world_size
+                    / 1e12
+                    / throughput.peak_tflops
+                )
         return record
 
 
@@ -199,9 +224,10 @@ def read_records(path: Path) -> tuple:
         except ValueError as err:
             if number == len(lines):
                 return records, True
-            raise UsageError(f"{path}: line {number} is not a metrics record ({err}); the file is damaged before "
-                             "its end", f"move {path.name} aside to resume with a new one (checkpoints are "
-                             "not affected)") from None
+            raise UsageError(
+                f"{path}: line {number} is not a metrics record ({err}); the file is damaged before its end",
+                f"move {path.name} aside to resume with a new one (checkpoints are not affected)",
+            ) from None
         records.append(record)
     return records, False
 
@@ -220,8 +246,17 @@ def _keep_records_up_to(path: Path, step: int) -> None:
 
 
 class MetricsLogger:
-    def __init__(self, output_dir: str, is_main: bool, sinks: tuple, run_name: str, run_config: dict,
-                 resume_step: int = 0, wandb_run_id: Optional[str] = None, write_files: bool = True):
+    def __init__(
+        self,
+        output_dir: str,
+        is_main: bool,
+        sinks: tuple,
+        run_name: str,
+        run_config: dict,
+        resume_step: int = 0,
+        wandb_run_id: Optional[str] = None,
+        write_files: bool = True,
+    ):
         self.is_main = is_main
         self.path = Path(output_dir) / METRICS_FILE
         self._file = None
@@ -282,8 +317,10 @@ class MetricsLogger:
         if self._wandb is not None:
             import wandb
 
-            table = wandb.Table(columns=["step", "prompt", "completion"],
-                                data=[[step, row["prompt"], row["completion"]] for row in rows])
+            table = wandb.Table(
+                columns=["step", "prompt", "completion"],
+                data=[[step, row["prompt"], row["completion"]] for row in rows],
+            )
             self._wandb.log({"generations": table}, step=step)
         for row in rows:
             log.info("step %d: %r -> %r", step, row["prompt"][-80:], row["completion"][:200])

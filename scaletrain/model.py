@@ -33,8 +33,10 @@ def load_model_config(args: ModelArgs):
                 f"{_model_flag(args)}: the model needs custom code from its repository",
                 "pass --trust_remote_code if you trust that code",
             ) from exc
-        raise UsageError(f"{_model_flag(args)}: cannot load its config ({_first_line(exc)})",
-                         "give a folder with a config.json, or a hub id") from exc
+        raise UsageError(
+            f"{_model_flag(args)}: cannot load its config ({_first_line(exc)})",
+            "give a folder with a config.json, or a hub id",
+        ) from exc
 
 
 def load_tokenizer(args: ModelArgs):
@@ -45,10 +47,14 @@ def load_tokenizer(args: ModelArgs):
         tokenizer = AutoTokenizer.from_pretrained(args.tokenizer_source, trust_remote_code=args.trust_remote_code)
     except (OSError, ValueError, KeyError, TypeError) as exc:
         if "trust_remote_code" in str(exc):
-            raise UsageError(f"{flag}: the tokenizer needs custom code from its repository",
-                             "pass --trust_remote_code if you trust that code") from exc
-        raise UsageError(f"{flag}: cannot load a tokenizer from it ({_first_line(exc)})",
-                         "pass --tokenizer_name with a folder or hub id that holds one") from exc
+            raise UsageError(
+                f"{flag}: the tokenizer needs custom code from its repository",
+                "pass --trust_remote_code if you trust that code",
+            ) from exc
+        raise UsageError(
+            f"{flag}: cannot load a tokenizer from it ({_first_line(exc)})",
+            "pass --tokenizer_name with a folder or hub id that holds one",
+        ) from exc
     if tokenizer.eos_token_id is None:
         raise UsageError(
             f"{flag}: the tokenizer has no EOS token",
@@ -81,15 +87,21 @@ def build_model(args: ModelArgs, model_config, ds_config: dict, zero_stage: int)
             attn_implementation=args.attn_implementation,
         )
     else:
-        model = AutoModelForCausalLM.from_config(model_config, trust_remote_code=args.trust_remote_code,
-                                                 attn_implementation=args.attn_implementation)
+        model = AutoModelForCausalLM.from_config(
+            model_config, trust_remote_code=args.trust_remote_code, attn_implementation=args.attn_implementation
+        )
     if args.gradient_checkpointing:
         # Non-reentrant checkpointing works with ZeRO-3's parameter hooks and with inputs that need no grad.
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         model.config.use_cache = False
     n_params = sum(getattr(p, "ds_numel", p.numel()) for p in model.parameters())
-    log.info("model: %s (%s), %.2fM parameters%s", type(model).__name__, args.model_source, n_params / 1e6,
-             ", built sharded (ZeRO-3)" if zero_stage == 3 else "")
+    log.info(
+        "model: %s (%s), %.2fM parameters%s",
+        type(model).__name__,
+        args.model_source,
+        n_params / 1e6,
+        ", built sharded (ZeRO-3)" if zero_stage == 3 else "",
+    )
     return model, keepalive
 
 
@@ -101,24 +113,31 @@ def meta_model(model_config, trust_remote_code: bool, attn_implementation: str =
 
     try:
         with torch.device("meta"):
-            return AutoModelForCausalLM.from_config(model_config, trust_remote_code=trust_remote_code,
-                                                    attn_implementation=attn_implementation)
+            return AutoModelForCausalLM.from_config(
+                model_config, trust_remote_code=trust_remote_code, attn_implementation=attn_implementation
+            )
     except (ImportError, ValueError) as exc:  # transformers' checks of the backend (installed, supported)
-        raise UsageError(f"--attn_implementation {attn_implementation}: {_first_line(exc)}",
-                         "use sdpa (the default), eager, flex_attention, or install the backend's package") from exc
+        raise UsageError(
+            f"--attn_implementation {attn_implementation}: {_first_line(exc)}",
+            "use sdpa (the default), eager, flex_attention, or install the backend's package",
+        ) from exc
 
 
-def check_attention_isolation(attn_implementation: str, attention_isolation: bool, micro_batch: int,
-                              eval_batch: int) -> None:
+def check_attention_isolation(
+    attn_implementation: str, attention_isolation: bool, micro_batch: int, eval_batch: int
+) -> None:
     """--attention_isolation is exact with sdpa, eager and flex attention at any micro-batch: transformers builds
     the per-document mask from the restarting position ids. Flash attention takes document boundaries from position
     ids only for a batch of 1 (else it attends across documents without a word), so a larger micro-batch is
     refused with it."""
     if attention_isolation and attn_implementation.startswith("flash_attention") and max(micro_batch, eval_batch) > 1:
-        raise UsageError(f"--attention_isolation with --attn_implementation {attn_implementation}: batches of "
-                         f"{micro_batch} (training) and {eval_batch} (evaluation), and flash attention separates "
-                         "documents only in a batch of 1", "use --per_device_train_batch_size 1 and "
-                         "--per_device_eval_batch_size 1 (raise --gradient_accumulation_steps), or sdpa")
+        raise UsageError(
+            f"--attention_isolation with --attn_implementation {attn_implementation}: batches of "
+            f"{micro_batch} (training) and {eval_batch} (evaluation), and flash attention separates "
+            "documents only in a batch of 1",
+            "use --per_device_train_batch_size 1 and "
+            "--per_device_eval_batch_size 1 (raise --gradient_accumulation_steps), or sdpa",
+        )
 
 
 def max_positions(model_config) -> int:

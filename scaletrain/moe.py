@@ -81,39 +81,67 @@ def resolve_router_loss(args: ModelArgs, parallel: ParallelArgs, model_config, s
     model_type = getattr(model_config, "model_type", type(model_config).__name__)
     if experts is None:
         if args.router_aux_loss_coef is not None:
-            raise UsageError(f"--router_aux_loss_coef {args.router_aux_loss_coef}: {type(skeleton).__name__} "
-                             f"(model_type {model_type}) is not a mixture-of-experts model", "drop the flag")
+            raise UsageError(
+                f"--router_aux_loss_coef {args.router_aux_loss_coef}: {type(skeleton).__name__} "
+                f"(model_type {model_type}) is not a mixture-of-experts model",
+                "drop the flag",
+            )
         return None
     for flag, size, why in (
-            ("--pipeline_parallel_size", parallel.pipeline_parallel_size,
-             "the pipe stages pass hidden states only, so the router logits (and the load-balancing loss) are lost"),
-            ("--tensor_parallel_size", parallel.tensor_parallel_size,
-             "AutoTP does not split the experts' stacked 3-D weights, and the routing is untested under it"),
-            ("--sequence_parallel_size", parallel.sequence_parallel_size,
-             "untested: each rank's router statistics would cover only its part of a block")):
+        (
+            "--pipeline_parallel_size",
+            parallel.pipeline_parallel_size,
+            "the pipe stages pass hidden states only, so the router logits (and the load-balancing loss) are lost",
+        ),
+        (
+            "--tensor_parallel_size",
+            parallel.tensor_parallel_size,
+            "AutoTP does not split the experts' stacked 3-D weights, and the routing is untested under it",
+        ),
+        (
+            "--sequence_parallel_size",
+            parallel.sequence_parallel_size,
+            "untested: each rank's router statistics would cover only its part of a block",
+        ),
+    ):
         if size > 1:
-            raise UsageError(f"{flag} {size} with a mixture-of-experts model ({model_type}): not supported ({why})",
-                             "train it with data parallelism and ZeRO-1/2/3")
+            raise UsageError(
+                f"{flag} {size} with a mixture-of-experts model ({model_type}): not supported ({why})",
+                "train it with data parallelism and ZeRO-1/2/3",
+            )
     names = {type(module).__name__ for module in skeleton.modules()}
     known = SPARSE_MOE_BLOCKS.get(model_type)
     if known not in names:
-        raise UsageError(f"{type(skeleton).__name__} (model_type {model_type}): a mixture-of-experts config, but no "
-                         f"known sparse-MoE block among its modules (known: {', '.join(SPARSE_MOE_BLOCKS.values())})",
-                         "add its block class to scaletrain/moe.py SPARSE_MOE_BLOCKS")
+        raise UsageError(
+            f"{type(skeleton).__name__} (model_type {model_type}): a mixture-of-experts config, but no "
+            f"known sparse-MoE block among its modules (known: {', '.join(SPARSE_MOE_BLOCKS.values())})",
+            "add its block class to scaletrain/moe.py SPARSE_MOE_BLOCKS",
+        )
     text = _text_config(model_config)
     coef = text.router_aux_loss_coef if args.router_aux_loss_coef is None else args.router_aux_loss_coef
     balancing_loss = getattr(inspect.getmodule(type(skeleton)), "load_balancing_loss_func", None)
     if balancing_loss is None:
-        raise UsageError(f"{type(skeleton).__name__}: a mixture-of-experts model whose module has no "
-                         "load_balancing_loss_func", "add its aux-loss function to scaletrain/moe.py")
+        raise UsageError(
+            f"{type(skeleton).__name__}: a mixture-of-experts model whose module has no load_balancing_loss_func",
+            "add its aux-loss function to scaletrain/moe.py",
+        )
     top_k = text.num_experts_per_tok
     source = "--router_aux_loss_coef" if args.router_aux_loss_coef is not None else "the model config"
     if coef == 0:
-        log.info("mixture of experts: %d experts, top-%d; no load-balancing loss (coefficient 0 from %s)", experts,
-                 top_k, source)
+        log.info(
+            "mixture of experts: %d experts, top-%d; no load-balancing loss (coefficient 0 from %s)",
+            experts,
+            top_k,
+            source,
+        )
         return None
-    log.info("mixture of experts: %d experts, top-%d; load-balancing loss x %g (from %s), logged as aux_loss",
-             experts, top_k, coef, source)
+    log.info(
+        "mixture of experts: %d experts, top-%d; load-balancing loss x %g (from %s), logged as aux_loss",
+        experts,
+        top_k,
+        coef,
+        source,
+    )
     return RouterLoss(float(coef), experts, top_k, balancing_loss)
 
 
@@ -125,5 +153,8 @@ def mark_leaf_modules(model, model_config) -> None:
 
     block = SPARSE_MOE_BLOCKS[model_config.model_type]  # resolve_router_loss checked it is there
     leaves = set_z3_leaf_modules(model, [block])
-    log.info("ZeRO-3 leaf modules: %d x %s (each block's experts are gathered together, whatever the routing)",
-             len(leaves), block)
+    log.info(
+        "ZeRO-3 leaf modules: %d x %s (each block's experts are gathered together, whatever the routing)",
+        len(leaves),
+        block,
+    )

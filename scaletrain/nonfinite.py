@@ -50,8 +50,9 @@ class NonFinitePolicy:
 class NonFiniteGuard:
     """Judges each step before its update, counts skips after it, and writes the ledger (rank 0)."""
 
-    def __init__(self, policy: NonFinitePolicy, state: TrainState, output_dir: str, is_main: bool,
-                 write_files: bool = True):
+    def __init__(
+        self, policy: NonFinitePolicy, state: TrainState, output_dir: str, is_main: bool, write_files: bool = True
+    ):
         self.policy = policy
         self.state = state
         self.ledger = Path(output_dir) / LEDGER_FILE if is_main and write_files else None
@@ -61,14 +62,19 @@ class NonFiniteGuard:
         if not math.isfinite(global_loss):
             return "nonfinite_loss"
         mean, factor = self.state.loss_mean, self.policy.loss_spike_factor
-        if factor and mean is not None and self.state.loss_mean_steps >= SPIKE_WARMUP_STEPS \
-                and global_loss > factor * mean:
+        if (
+            factor
+            and mean is not None
+            and self.state.loss_mean_steps >= SPIKE_WARMUP_STEPS
+            and global_loss > factor * mean
+        ):
             return "loss_spike"
         return None
 
-    def after_step(self, step: int, global_loss: float, forced: Optional[str], applied: bool,
-                   sample_ids: Callable[[], list]) -> str:
-        """"ok", "skipped" or "rollback"; raises NonFiniteStop under --on_nonfinite stop."""
+    def after_step(
+        self, step: int, global_loss: float, forced: Optional[str], applied: bool, sample_ids: Callable[[], list]
+    ) -> str:
+        """ "ok", "skipped" or "rollback"; raises NonFiniteStop under --on_nonfinite stop."""
         state = self.state
         reason = forced
         if reason is None and not applied:
@@ -78,23 +84,45 @@ class NonFiniteGuard:
         if reason is None:
             state.consecutive_skips = 0
             n = state.loss_mean_steps
-            state.loss_mean = global_loss if state.loss_mean is None else (
-                state.loss_mean + (global_loss - state.loss_mean) / (n + 1) if n < SPIKE_WARMUP_STEPS
-                else MEAN_DECAY * state.loss_mean + (1 - MEAN_DECAY) * global_loss)
+            state.loss_mean = (
+                global_loss
+                if state.loss_mean is None
+                else (
+                    state.loss_mean + (global_loss - state.loss_mean) / (n + 1)
+                    if n < SPIKE_WARMUP_STEPS
+                    else MEAN_DECAY * state.loss_mean + (1 - MEAN_DECAY) * global_loss
+                )
+            )
             state.loss_mean_steps = n + 1
             return "ok"
         state.consecutive_skips += 1
         samples = sample_ids()
-        self.record({"step": step, "event": "skipped", "reason": reason,
-                     "loss": global_loss if math.isfinite(global_loss) else str(global_loss),
-                     "running_mean_loss": state.loss_mean, "consecutive": state.consecutive_skips,
-                     "data_step": step + state.data_offset, "samples": samples})
+        self.record(
+            {
+                "step": step,
+                "event": "skipped",
+                "reason": reason,
+                "loss": global_loss if math.isfinite(global_loss) else str(global_loss),
+                "running_mean_loss": state.loss_mean,
+                "consecutive": state.consecutive_skips,
+                "data_step": step + state.data_offset,
+                "samples": samples,
+            }
+        )
         if self.policy.action == "stop":
-            raise NonFiniteStop(f"step {step}: {reason.replace('_', ' ')} (loss {global_loss:.4g}) on global samples "
-                                f"{_short(samples)}; stopped (--on_nonfinite stop). The ledger is {LEDGER_FILE} in "
-                                "the run folder; rerun with --on_nonfinite skip to skip such steps")
-        log.warning("step %d: %s (loss %.4g); update skipped on every rank (%d in a row), samples %s", step,
-                    reason.replace("_", " "), global_loss, state.consecutive_skips, _short(samples))
+            raise NonFiniteStop(
+                f"step {step}: {reason.replace('_', ' ')} (loss {global_loss:.4g}) on global samples "
+                f"{_short(samples)}; stopped (--on_nonfinite stop). The ledger is {LEDGER_FILE} in "
+                "the run folder; rerun with --on_nonfinite skip to skip such steps"
+            )
+        log.warning(
+            "step %d: %s (loss %.4g); update skipped on every rank (%d in a row), samples %s",
+            step,
+            reason.replace("_", " "),
+            global_loss,
+            state.consecutive_skips,
+            _short(samples),
+        )
         limit = self.policy.max_consecutive_skips
         return "rollback" if limit and state.consecutive_skips >= limit else "skipped"
 

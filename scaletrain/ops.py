@@ -26,8 +26,12 @@ from scaletrain import ds_internals
 log = logging.getLogger(__name__)
 
 # DeepSpeed's optimizer "type" (lower case) -> the op builder of its host (CPU) implementation under offload.
-_CPU_OPTIMIZER_OPS = {"adam": "CPUAdamBuilder", "adamw": "CPUAdamBuilder", "adagrad": "CPUAdagradBuilder",
-                      "lion": "CPULionBuilder"}
+_CPU_OPTIMIZER_OPS = {
+    "adam": "CPUAdamBuilder",
+    "adamw": "CPUAdamBuilder",
+    "adagrad": "CPUAdagradBuilder",
+    "lion": "CPULionBuilder",
+}
 _FUSED_OPTIMIZER_OPS = {"adam": "FusedAdamBuilder", "adamw": "FusedAdamBuilder", "lion": "FusedLionBuilder"}
 
 
@@ -43,8 +47,11 @@ def engine_ops(ds_config: dict, accelerator: str) -> List[str]:
         ops.append("AsyncIOBuilder")
     if offload_opt in ("cpu", "nvme") and opt_type in _CPU_OPTIMIZER_OPS:
         ops.append(_CPU_OPTIMIZER_OPS[opt_type])
-    elif (accelerator != "cpu" and opt_type in _FUSED_OPTIMIZER_OPS
-          and not (optimizer.get("params") or {}).get("torch_adam", False)):
+    elif (
+        accelerator != "cpu"
+        and opt_type in _FUSED_OPTIMIZER_OPS
+        and not (optimizer.get("params") or {}).get("torch_adam", False)
+    ):
         ops.append(_FUSED_OPTIMIZER_OPS[opt_type])
     return ops
 
@@ -77,13 +84,16 @@ def load_op(builder_name: str, say: Optional[Callable[[str], None]] = None):
         stale = os.path.join(folder, "lock")
         if os.path.exists(stale):
             # We hold the flock, so no pipeline process is building this op: a killed builder left the file.
-            log.warning("removing a stale build lock %s (left by a process killed while building %s)",
-                        stale, builder.name)
+            log.warning(
+                "removing a stale build lock %s (left by a process killed while building %s)", stale, builder.name
+            )
             os.unlink(stale)
         fresh = not glob.glob(os.path.join(folder, "*.so"))
         if fresh:
-            say(f"building DeepSpeed op {builder.name} in {folder} (first use with this torch and DeepSpeed: "
-                "minutes, once; scripts/build_ops.py does it ahead of a job)")
+            say(
+                f"building DeepSpeed op {builder.name} in {folder} (first use with this torch and DeepSpeed: "
+                "minutes, once; scripts/build_ops.py does it ahead of a job)"
+            )
         started = time.perf_counter()
         module = builder.load(verbose=False)
         seconds = time.perf_counter() - started

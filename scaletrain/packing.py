@@ -119,16 +119,19 @@ class PackedExamples:
             at = 0
             for example in self.bins[int(index)]:
                 start, n = int(self.starts[example]), int(self.lengths[example])
-                ids = self.tokens[start: start + n].astype(np.int64)  # a uint16 store cannot hold IGNORE_INDEX
-                rows[row, at: at + n] = ids
-                trained = self.mask[start: start + n].astype(bool)
+                ids = self.tokens[start : start + n].astype(np.int64)  # a uint16 store cannot hold IGNORE_INDEX
+                rows[row, at : at + n] = ids
+                trained = self.mask[start : start + n].astype(bool)
                 trained[0] = False  # the first token of an example has no context in it
-                labels[row, at: at + n] = np.where(trained, ids, IGNORE_INDEX)
-                positions[row, at: at + n] = np.arange(n)
+                labels[row, at : at + n] = np.where(trained, ids, IGNORE_INDEX)
+                positions[row, at : at + n] = np.arange(n)
                 at += n
             positions[row, at:] = np.arange(b - at)  # the padding is a sequence of its own
-        return {"input_ids": torch.from_numpy(rows), "labels": torch.from_numpy(labels),
-                "position_ids": torch.from_numpy(positions)}
+        return {
+            "input_ids": torch.from_numpy(rows),
+            "labels": torch.from_numpy(labels),
+            "position_ids": torch.from_numpy(positions),
+        }
 
 
 def pack_examples(tokens, mask, starts, block_size: int, pad_id: int, truncation: str) -> Optional[PackedExamples]:
@@ -141,22 +144,39 @@ def pack_examples(tokens, mask, starts, block_size: int, pad_id: int, truncation
     if len(keep) == 0:
         return None
     bins = [[int(keep[i]) for i in b] for b in best_fit_decreasing(lengths[keep], block_size)]
-    return PackedExamples(tokens, mask, np.asarray(starts, dtype=np.int64), lengths, bins, block_size, pad_id,
-                          truncated=int(too_long.sum()) if truncation == "truncate" else 0,
-                          dropped=int(too_long.sum()) if truncation == "drop" else 0)
+    return PackedExamples(
+        tokens,
+        mask,
+        np.asarray(starts, dtype=np.int64),
+        lengths,
+        bins,
+        block_size,
+        pad_id,
+        truncated=int(too_long.sum()) if truncation == "truncate" else 0,
+        dropped=int(too_long.sum()) if truncation == "drop" else 0,
+    )
 
 
 def examples_from_store(opened: dict, split: str, block_size: int, truncation: str) -> Optional[PackedExamples]:
     part = opened["splits"].get(split)
     if part is None or part.n_tokens == 0:
         return None
-    packed = pack_examples(part.tokens, opened["masks"][split], part.doc_starts, block_size,
-                           opened["manifest"]["pad_id"], truncation)
+    packed = pack_examples(
+        part.tokens, opened["masks"][split], part.doc_starts, block_size, opened["manifest"]["pad_id"], truncation
+    )
     if packed is not None:
         fill = packed.n_tokens / (len(packed) * block_size)
-        log.info("chat data (%s): %d examples packed whole into %d blocks of %d (%.0f%% full, best fit); %d "
-                 "longer than the block %s", split, packed.n_documents, len(packed), block_size, 100 * fill,
-                 packed.truncated + packed.dropped, "truncated to it" if truncation == "truncate" else "dropped")
+        log.info(
+            "chat data (%s): %d examples packed whole into %d blocks of %d (%.0f%% full, best fit); %d "
+            "longer than the block %s",
+            split,
+            packed.n_documents,
+            len(packed),
+            block_size,
+            100 * fill,
+            packed.truncated + packed.dropped,
+            "truncated to it" if truncation == "truncate" else "dropped",
+        )
     return packed
 
 
@@ -173,7 +193,13 @@ def print_samples(blocks: PackedExamples, n: int, tokenizer) -> None:
 
     for shown, example in enumerate(sorted(e for b in blocks.bins for e in b)[:n]):
         start, length = int(blocks.starts[example]), int(blocks.lengths[example])
-        ids, mask = blocks.tokens[start: start + length], blocks.mask[start: start + length].copy()
+        ids, mask = blocks.tokens[start : start + length], blocks.mask[start : start + length].copy()
         mask[0] = 0  # as batch() trains it
-        log.info("sample %d (example %d, %d tokens, %d trained):\n%s", shown + 1, example, length,
-                 int(mask.sum()), format_sample(ids.tolist(), mask.tolist(), tokenizer))
+        log.info(
+            "sample %d (example %d, %d tokens, %d trained):\n%s",
+            shown + 1,
+            example,
+            length,
+            int(mask.sum()),
+            format_sample(ids.tolist(), mask.tolist(), tokenizer),
+        )

@@ -51,21 +51,31 @@ def check_pipeline_model(pp: int, model_config, attn_implementation: str, block_
         return
     model_type = getattr(model_config, "model_type", None)
     if model_type not in SUPPORTED:
-        raise UsageError(f"--pipeline_parallel_size {pp}: the model type {model_type!r} has no pipeline mapping "
-                         f"here (supported: {SUPPORTED_NAMES})", "use a supported model, or no pipeline parallelism")
+        raise UsageError(
+            f"--pipeline_parallel_size {pp}: the model type {model_type!r} has no pipeline mapping "
+            f"here (supported: {SUPPORTED_NAMES})",
+            "use a supported model, or no pipeline parallelism",
+        )
     layers = model_config.num_hidden_layers
     if layers % pp:
-        raise UsageError(f"--pipeline_parallel_size {pp} does not divide the model's {layers} decoder layers "
-                         "(num_hidden_layers)", f"choose a size that divides {layers}")
+        raise UsageError(
+            f"--pipeline_parallel_size {pp} does not divide the model's {layers} decoder layers (num_hidden_layers)",
+            f"choose a size that divides {layers}",
+        )
     if uses_sliding_window(model_config, block_size):
-        raise UsageError(f"--pipeline_parallel_size {pp}: the model attends through a sliding window of "
-                         f"{model_config.sliding_window} tokens, shorter than the block ({block_size}); the "
-                         "pipeline's stages attend causally over the whole block",
-                         f"use --block_size {model_config.sliding_window} or less, or no pipeline parallelism")
+        raise UsageError(
+            f"--pipeline_parallel_size {pp}: the model attends through a sliding window of "
+            f"{model_config.sliding_window} tokens, shorter than the block ({block_size}); the "
+            "pipeline's stages attend causally over the whole block",
+            f"use --block_size {model_config.sliding_window} or less, or no pipeline parallelism",
+        )
     if attn_implementation not in CAUSAL_WITHOUT_MASK:
-        raise UsageError(f"--pipeline_parallel_size {pp}: the model's attention is {attn_implementation!r}; the "
-                         "pipeline's stages rely on SDPA's (or flash attention's) causal mode, eager attention "
-                         "would need a mask tensor between stages", "use a model whose attention is sdpa")
+        raise UsageError(
+            f"--pipeline_parallel_size {pp}: the model's attention is {attn_implementation!r}; the "
+            "pipeline's stages rely on SDPA's (or flash attention's) causal mode, eager attention "
+            "would need a mask tensor between stages",
+            "use a model whose attention is sdpa",
+        )
 
 
 def _nn():
@@ -114,8 +124,13 @@ def _wrapper_classes():
 
         def forward(self, hidden):
             positions = _positions(hidden)
-            out = self.layer(hidden, attention_mask=None, position_ids=positions,
-                             position_embeddings=self.rotary(hidden, positions), use_cache=False)
+            out = self.layer(
+                hidden,
+                attention_mask=None,
+                position_ids=positions,
+                position_embeddings=self.rotary(hidden, positions),
+                use_cache=False,
+            )
             return out[0] if isinstance(out, tuple) else out
 
     class PlainDecoderLayer(nn.Module):
@@ -197,8 +212,15 @@ def layer_specs(hf_model) -> tuple:
     specs.append(LayerSpec(FinalNorm, norm))
     places.append(StageLayer("norm.", norm_prefix))
     if tied:
-        specs.append(TiedLayerSpec("embedding", TokenEmbedding, embedding, forward_fn=_tied_head_forward,
-                                   tied_weight_attr="embedding.weight"))
+        specs.append(
+            TiedLayerSpec(
+                "embedding",
+                TokenEmbedding,
+                embedding,
+                forward_fn=_tied_head_forward,
+                tied_weight_attr="embedding.weight",
+            )
+        )
         places.append(StageLayer("", None))
     else:
         specs.append(LayerSpec(Head, hf_model.lm_head))
@@ -219,8 +241,9 @@ class TokenLoss:
     def __call__(self, logits, targets):
         import torch.nn.functional as F
 
-        summed = F.cross_entropy(logits.reshape(-1, logits.size(-1)).float(), targets.reshape(-1),
-                                 ignore_index=IGNORE_INDEX, reduction="sum")
+        summed = F.cross_entropy(
+            logits.reshape(-1, logits.size(-1)).float(), targets.reshape(-1), ignore_index=IGNORE_INDEX, reduction="sum"
+        )
         self.loss_sum = self.loss_sum + summed.detach()
         return summed * self.scale
 
@@ -240,9 +263,14 @@ def build_pipeline_module(hf_model, pp: int, partition: str):
     from scaletrain.ds_internals import release_other_stages
 
     release_other_stages(module)
-    log.info("pipeline stages (--pipeline_partition %s): %s", partition, "; ".join(
-        describe_stage(stage, places[start:stop], sizes[start:stop])
-        for stage, (start, stop) in enumerate(zip(module.parts[:-1], module.parts[1:], strict=True))))
+    log.info(
+        "pipeline stages (--pipeline_partition %s): %s",
+        partition,
+        "; ".join(
+            describe_stage(stage, places[start:stop], sizes[start:stop])
+            for stage, (start, stop) in enumerate(zip(module.parts[:-1], module.parts[1:], strict=True))
+        ),
+    )
     module.scaletrain_layers = places  # how its layer files map back to Hugging Face names
     module.hf_config = hf_model.config
     return module, loss
@@ -257,13 +285,19 @@ def _spec_parameters(spec) -> int:
 
 
 def describe_stage(stage: int, places: list, sizes: list) -> str:
-    """"stage 0: embedding + 2 decoder layers (0.89M parameters)"."""
+    """ "stage 0: embedding + 2 decoder layers (0.89M parameters)"."""
     decoders = sum(1 for p in places if p.strip == "layer.")
-    parts = [name for name, present in (("embedding", any(p.strip == "embedding." for p in places)),
-                                        ("positions", any(p.strip == "wpe." for p in places)),
-                                        (f"{decoders} decoder layer{'s' if decoders != 1 else ''}", decoders),
-                                        ("norm", any(p.strip == "norm." for p in places)),
-                                        ("head", any(p.strip in ("head.", "") for p in places))) if present]
+    parts = [
+        name
+        for name, present in (
+            ("embedding", any(p.strip == "embedding." for p in places)),
+            ("positions", any(p.strip == "wpe." for p in places)),
+            (f"{decoders} decoder layer{'s' if decoders != 1 else ''}", decoders),
+            ("norm", any(p.strip == "norm." for p in places)),
+            ("head", any(p.strip in ("head.", "") for p in places)),
+        )
+        if present
+    ]
     return f"stage {stage}: {' + '.join(parts)} ({sum(sizes) / 1e6:.2f}M parameters)"
 
 
@@ -272,8 +306,7 @@ def pipe_micro_batches(micro_batches: list) -> list:
     The labels are already shifted: position t holds the target of token t (the last one ignored)."""
     import torch.nn.functional as F
 
-    return [(batch["input_ids"], F.pad(batch["labels"][:, 1:], (0, 1), value=IGNORE_INDEX))
-            for batch in micro_batches]
+    return [(batch["input_ids"], F.pad(batch["labels"][:, 1:], (0, 1), value=IGNORE_INDEX)) for batch in micro_batches]
 
 
 LAYER_MAP = "pipeline_layers.json"
@@ -299,7 +332,7 @@ def _hf_key(place: dict, key: str):
     cover it (a tied head holds nothing of its own; a key outside the wrapped module's prefix)."""
     if place["prefix"] is None or not key.startswith(place["strip"]):
         return None
-    return place["prefix"] + key[len(place["strip"]):]
+    return place["prefix"] + key[len(place["strip"]) :]
 
 
 def rename_universal_parameters(universal_dir, places: list) -> None:

@@ -28,14 +28,20 @@ from scaletrain.flops import ModelFlops, model_flops
 from scaletrain.generation import load_eval_prompts
 from scaletrain.lora import base_identity, check_lora, describe as describe_adapter
 from scaletrain.qlora import check_qlora
-from scaletrain.layout import (apply_layout, check_model_layout, check_pipeline_run, check_planned_layout,
-                               check_sequence_layout, describe_layout, resolve_layout)
+from scaletrain.layout import (
+    apply_layout,
+    check_model_layout,
+    check_pipeline_run,
+    check_planned_layout,
+    check_sequence_layout,
+    describe_layout,
+    resolve_layout,
+)
 from scaletrain.pipeline import check_pipeline_model
 from scaletrain.moe import resolve_router_loss
 from scaletrain.publish import check_push_target
 from scaletrain.metrics import METRICS_FILE, read_records
-from scaletrain.model import (check_attention_isolation, load_model_config, load_tokenizer, max_positions,
-                              meta_model)
+from scaletrain.model import check_attention_isolation, load_model_config, load_tokenizer, max_positions, meta_model
 
 log = logging.getLogger(__name__)
 RUN_CONFIG_FILE = "run_config.json"
@@ -93,15 +99,22 @@ def _check_stores(data: DataArgs, tokenizer_source: str, tokenizer) -> Optional[
     for path in data.store_paths:
         fingerprint = read_manifest(Path(path))["fingerprint"]
         if fingerprint["tokenizer_sha256"] != tokenizer_hash(tokenizer):
-            raise UsageError(f"{flag} {path}: prepared with a different tokenizer than {tokenizer_source}",
-                             "prepare the store with this run's --tokenizer_name")
+            raise UsageError(
+                f"{flag} {path}: prepared with a different tokenizer than {tokenizer_source}",
+                "prepare the store with this run's --tokenizer_name",
+            )
         if data.block_size is not None and data.block_size != fingerprint["block_size"]:
-            raise UsageError(f"--block_size {data.block_size}: the store {path} was prepared for block size "
-                             f"{fingerprint['block_size']}", "drop --block_size, or prepare a store for this size")
+            raise UsageError(
+                f"--block_size {data.block_size}: the store {path} was prepared for block size "
+                f"{fingerprint['block_size']}",
+                "drop --block_size, or prepare a store for this size",
+            )
         sizes.add(fingerprint["block_size"])
     if len(sizes) > 1:
-        raise UsageError(f"--dataset_mix: the stores have different block sizes ({sorted(sizes)})",
-                         "prepare every store with the same --block_size")
+        raise UsageError(
+            f"--dataset_mix: the stores have different block sizes ({sorted(sizes)})",
+            "prepare every store with the same --block_size",
+        )
     return sizes.pop() if sizes else None
 
 
@@ -109,8 +122,11 @@ def _block_size(data: DataArgs, model_config, store_block_size: Optional[int]) -
     limit = max_positions(model_config)
     if store_block_size is not None:
         if store_block_size > limit:
-            raise UsageError(f"{', '.join(data.store_paths)}: block size {store_block_size} is above the model's "
-                             f"maximum positions ({limit})", f"prepare a store with --block_size {limit} or less")
+            raise UsageError(
+                f"{', '.join(data.store_paths)}: block size {store_block_size} is above the model's "
+                f"maximum positions ({limit})",
+                f"prepare a store with --block_size {limit} or less",
+            )
         return store_block_size
     if data.block_size is None:
         return min(1024, limit)
@@ -133,12 +149,15 @@ def checkpoint_bytes(n_params: int, precision: str, trainable: Optional[int] = N
     if trainable is None:
         return n_params * per_param, f"{n_params / 1e9:.2f}B parameters x {per_param} bytes"
     extra = n_params * weight if merged else 0
-    return trainable * per_param + extra, (f"an adapter of {trainable / 1e6:.1f}M parameters x {per_param} bytes"
-                                           + (f", the merged {n_params / 1e9:.2f}B x {weight}" if merged else ""))
+    return trainable * per_param + extra, (
+        f"an adapter of {trainable / 1e6:.1f}M parameters x {per_param} bytes"
+        + (f", the merged {n_params / 1e9:.2f}B x {weight}" if merged else "")
+    )
 
 
-def _check_disk_space(output_dir: str, n_params: int, precision: str, trainable: Optional[int] = None,
-                      merged: bool = False) -> None:
+def _check_disk_space(
+    output_dir: str, n_params: int, precision: str, trainable: Optional[int] = None, merged: bool = False
+) -> None:
     folder = Path(output_dir).resolve()
     while not folder.exists():
         folder = folder.parent
@@ -157,16 +176,19 @@ def _check_tokenizer_fits(model: ModelArgs, model_config, tokenizer) -> None:
     if vocab is not None and len(tokenizer) > vocab:
         raise UsageError(
             f"--tokenizer_name {model.tokenizer_source}: {len(tokenizer)} tokens, but the model's vocabulary has "
-            f"{vocab}", "use the model's own tokenizer, or a config whose vocab_size covers the tokenizer",
+            f"{vocab}",
+            "use the model's own tokenizer, or a config whose vocab_size covers the tokenizer",
         )
 
 
 def _model_facts(skeleton, model_config) -> dict:
     """What a checkpoint must match to be resumed by this model: its type, size and parameter names and shapes."""
     names = ",".join(f"{n}:{tuple(p.shape)}" for n, p in skeleton.named_parameters())
-    return {"model_type": getattr(model_config, "model_type", None),
-            "n_params": sum(p.numel() for p in skeleton.parameters()),
-            "parameter_names": hashlib.sha256(names.encode()).hexdigest()[:16]}
+    return {
+        "model_type": getattr(model_config, "model_type", None),
+        "n_params": sum(p.numel() for p in skeleton.parameters()),
+        "parameter_names": hashlib.sha256(names.encode()).hexdigest()[:16],
+    }
 
 
 def _read_json(path: Path) -> Optional[dict]:
@@ -203,10 +225,15 @@ def _check_peak_lr(cfg: RunConfig, ds: ResolvedDSConfig, previous: Optional[dict
     old, new = (previous or {}).get("peak_lr"), peak_lr(ds)
     if old is None or old == new or cfg.checkpoint.allow_schedule_change:
         return
-    flag = ("--learning_rate" if ds.sources.get("optimizer.params.lr") == "--learning_rate"
-            else f"optimizer.params.lr in {cfg.engine.config}")
-    raise UsageError(f"{flag} {new}: the run resumed from {resume_from} trained with a peak LR of {old}",
-                     f"use {flag} {old} to continue it, or add --allow_schedule_change to resume with the new peak")
+    flag = (
+        "--learning_rate"
+        if ds.sources.get("optimizer.params.lr") == "--learning_rate"
+        else f"optimizer.params.lr in {cfg.engine.config}"
+    )
+    raise UsageError(
+        f"{flag} {new}: the run resumed from {resume_from} trained with a peak LR of {old}",
+        f"use {flag} {old} to continue it, or add --allow_schedule_change to resume with the new peak",
+    )
 
 
 def check_rampup(rampup: Optional[tuple], ds: ResolvedDSConfig, dp_world_size: int) -> None:
@@ -219,19 +246,28 @@ def check_rampup(rampup: Optional[tuple], ds: ResolvedDSConfig, dp_world_size: i
     unit = micro * dp_world_size
     flag = f"--rampup_batch_size {start} {increment} {samples}"
     if start >= full:
-        raise UsageError(f"{flag}: START {start} is not below the global batch {full} (micro batch {micro} x "
-                         f"accumulation {full // unit} x data-parallel size {dp_world_size})",
-                         "start smaller, or drop the flag")
+        raise UsageError(
+            f"{flag}: START {start} is not below the global batch {full} (micro batch {micro} x "
+            f"accumulation {full // unit} x data-parallel size {dp_world_size})",
+            "start smaller, or drop the flag",
+        )
     for name, value in (("START", start), ("INCREMENT", increment)):
         if value % unit:
-            raise UsageError(f"{flag}: {name} {value} is not a multiple of micro batch {micro} x data-parallel "
-                             f"size {dp_world_size} = {unit}", f"use a multiple of {unit}")
+            raise UsageError(
+                f"{flag}: {name} {value} is not a multiple of micro batch {micro} x data-parallel "
+                f"size {dp_world_size} = {unit}",
+                f"use a multiple of {unit}",
+            )
     if (full - start) % increment:
-        raise UsageError(f"{flag}: INCREMENT {increment} does not divide the ramp from {start} to the global batch "
-                         f"{full}", f"choose an INCREMENT that divides {full - start}")
+        raise UsageError(
+            f"{flag}: INCREMENT {increment} does not divide the ramp from {start} to the global batch {full}",
+            f"choose an INCREMENT that divides {full - start}",
+        )
     if samples < (full - start) // increment:
-        raise UsageError(f"{flag}: SAMPLES {samples} is fewer than the ramp's {(full - start) // increment} stages",
-                         "ramp over more samples")
+        raise UsageError(
+            f"{flag}: SAMPLES {samples} is fewer than the ramp's {(full - start) // increment} stages",
+            "ramp over more samples",
+        )
 
 
 def _resolve_resume_point(cfg: RunConfig, ds: ResolvedDSConfig, model_facts: dict, dist: DistInfo) -> tuple:
@@ -250,10 +286,12 @@ def resume_elsewhere(resolved: ResolvedRun, ckpt: Path) -> ResolvedRun:
     whether it is resharded, the previous run's config, each checked as the pre-flight checks its choice."""
     resolved.ds.config.get("checkpoint", {}).pop("load_universal", None)  # set again if `ckpt` needs it
     resolved.ds.sources.pop("checkpoint.load_universal", None)
-    resume_from, resume_state, reshard, previous = _resume_point(resolved.cfg, resolved.ds, resolved.model_facts,
-                                                                 resolved.dist, ckpt)
-    return dataclasses.replace(resolved, resume_from=resume_from, resume_state=resume_state, reshard=reshard,
-                               previous_run_config=previous)
+    resume_from, resume_state, reshard, previous = _resume_point(
+        resolved.cfg, resolved.ds, resolved.model_facts, resolved.dist, ckpt
+    )
+    return dataclasses.replace(
+        resolved, resume_from=resume_from, resume_state=resume_state, reshard=reshard, previous_run_config=previous
+    )
 
 
 def _resume_point(cfg: RunConfig, ds: ResolvedDSConfig, model_facts: dict, dist: DistInfo, resume_from: Path) -> tuple:
@@ -263,19 +301,28 @@ def _resume_point(cfg: RunConfig, ds: ResolvedDSConfig, model_facts: dict, dist:
     if metrics_file.exists():
         read_records(metrics_file)  # damaged before its end: refused here, on every rank, before anything is built
     layout = (dist.tensor_parallel_size, dist.sequence_parallel_size)
-    reshard = check_resumable(resume_from, dist.dp_world_size, layout, ds.zero_stage, model_facts,
-                              dist.pipeline_parallel_size, offload_setting(ds))
+    reshard = check_resumable(
+        resume_from,
+        dist.dp_world_size,
+        layout,
+        ds.zero_stage,
+        model_facts,
+        dist.pipeline_parallel_size,
+        offload_setting(ds),
+    )
     resume_state = read_train_state(resume_from)
     if reshard:
         ds.config.setdefault("checkpoint", {})["load_universal"] = True
-        saved_layout = tuple(resume_state.get(f"{kind}_parallel_size", 1)
-                             for kind in ("tensor", "sequence", "pipeline"))
+        saved_layout = tuple(
+            resume_state.get(f"{kind}_parallel_size", 1) for kind in ("tensor", "sequence", "pipeline")
+        )
         ds.sources["checkpoint.load_universal"] = (
             f"resume of a checkpoint from {resume_state['world_size']} data-parallel ranks x (tensor, sequence, "
             f"pipeline) parallel {saved_layout} on {dist.dp_world_size} x ({dist.tensor_parallel_size}, "
             f"{dist.sequence_parallel_size}, {dist.pipeline_parallel_size}), ZeRO stage "
             f"{saved_zero_stage(resume_from, resume_state)} ({resume_state.get('offload') or 'offload unrecorded'}) "
-            f"on {ds.zero_stage} ({offload_setting(ds)})")
+            f"on {ds.zero_stage} ({offload_setting(ds)})"
+        )
     return resume_from, resume_state, reshard, previous
 
 
@@ -300,42 +347,65 @@ def resolve_run(argv: Optional[Sequence[str]], dist: DistInfo) -> ResolvedRun:
     store_block_size = _check_stores(cfg.data, cfg.model.tokenizer_source, tokenizer)
     block_size = _block_size(cfg.data, model_config, store_block_size)
     skeleton = meta_model(model_config, cfg.model.trust_remote_code, cfg.model.attn_implementation)
-    model_facts = {**_model_facts(skeleton, model_config), "adapter": describe_adapter(cfg.peft) if cfg.peft.use_peft
-                   else None}
+    model_facts = {
+        **_model_facts(skeleton, model_config),
+        "adapter": describe_adapter(cfg.peft) if cfg.peft.use_peft else None,
+    }
     if cfg.peft.use_peft:  # a LoRA checkpoint holds no base: which one it was trained on
         model_facts["base"] = base_identity(cfg.model.model_name_or_path)
     hardware = hardware_facts()
-    ds = resolve_ds_config(raw_ds_config, cfg.engine, cfg.optim, cfg.explicit_flags, dist.dp_world_size,
-                           _hidden_size(model_config), hardware, model_facts["n_params"])
+    ds = resolve_ds_config(
+        raw_ds_config,
+        cfg.engine,
+        cfg.optim,
+        cfg.explicit_flags,
+        dist.dp_world_size,
+        _hidden_size(model_config),
+        hardware,
+        model_facts["n_params"],
+    )
     if not cfg.planning.plan:  # --plan covers every ZeRO option for the layout, whatever --config says
         resolve_layout(cfg.parallel, ds, cfg.engine.config)
     check_rampup(cfg.optim.rampup_batch_size, ds, dist.dp_world_size)
     if cfg.nonfinite.on_nonfinite == "skip" and ds.zero_stage == 0 and ds.precision != "fp32":
-        raise UsageError(f"--on_nonfinite skip: updates of ZeRO stage 0 in {ds.precision} cannot be skipped",
-                         "use a ZeRO stage 1-3 config, or --on_nonfinite stop")
-    check_attention_isolation(cfg.model.attn_implementation, isolates_documents,
-                              ds.config["train_micro_batch_size_per_gpu"], cfg.optim.per_device_eval_batch_size)
+        raise UsageError(
+            f"--on_nonfinite skip: updates of ZeRO stage 0 in {ds.precision} cannot be skipped",
+            "use a ZeRO stage 1-3 config, or --on_nonfinite stop",
+        )
+    check_attention_isolation(
+        cfg.model.attn_implementation,
+        isolates_documents,
+        ds.config["train_micro_batch_size_per_gpu"],
+        cfg.optim.per_device_eval_batch_size,
+    )
     if cfg.model.gradient_checkpointing and not getattr(skeleton, "supports_gradient_checkpointing", False):
-        raise UsageError(f"--gradient_checkpointing: {type(skeleton).__name__} does not support it",
-                         "drop the flag, or use ZeRO-3 / offload to save memory instead")
+        raise UsageError(
+            f"--gradient_checkpointing: {type(skeleton).__name__} does not support it",
+            "drop the flag, or use ZeRO-3 / offload to save memory instead",
+        )
     router_loss = resolve_router_loss(cfg.model, cfg.parallel, model_config, skeleton)
     if cfg.peft.use_peft:
         if cfg.peft.load_in_4bit:
             check_qlora(cfg, ds, hardware)
         check_lora(cfg.peft, skeleton, hardware.accelerator, router_loss is not None)
     check_sequence_layout(cfg.parallel, block_size, skeleton.config._attn_implementation)
-    check_compile(compile_requested(cfg.engine.torch_compile, ds.config),
-                  (dist.tensor_parallel_size, dist.sequence_parallel_size, dist.pipeline_parallel_size),
-                  cfg.engine.config)
+    check_compile(
+        compile_requested(cfg.engine.torch_compile, ds.config),
+        (dist.tensor_parallel_size, dist.sequence_parallel_size, dist.pipeline_parallel_size),
+        cfg.engine.config,
+    )
     if not cfg.planning.plan:
-        check_pipeline_model(cfg.parallel.pipeline_parallel_size, model_config, skeleton.config._attn_implementation,
-                             block_size)
-        check_pipeline_run(cfg.parallel, isolates_documents, ds.precision, ds.zero_stage,
-                           cfg.engine.config)
-    eval_prompts = load_eval_prompts(cfg.logging.eval_prompts, tokenizer, cfg.logging.eval_max_new_tokens,
-                                     max_positions(model_config), (dist.tensor_parallel_size,
-                                                                   dist.sequence_parallel_size,
-                                                                   dist.pipeline_parallel_size))
+        check_pipeline_model(
+            cfg.parallel.pipeline_parallel_size, model_config, skeleton.config._attn_implementation, block_size
+        )
+        check_pipeline_run(cfg.parallel, isolates_documents, ds.precision, ds.zero_stage, cfg.engine.config)
+    eval_prompts = load_eval_prompts(
+        cfg.logging.eval_prompts,
+        tokenizer,
+        cfg.logging.eval_max_new_tokens,
+        max_positions(model_config),
+        (dist.tensor_parallel_size, dist.sequence_parallel_size, dist.pipeline_parallel_size),
+    )
     resume_from, resume_state, reshard, previous = _resolve_resume_point(cfg, ds, model_facts, dist)
     trained = _trained_model(cfg, skeleton, model_config)
     if not (cfg.run.print_config or cfg.planning.plan):
@@ -346,12 +416,25 @@ def resolve_run(argv: Optional[Sequence[str]], dist: DistInfo) -> ResolvedRun:
         from scaletrain import memory_planner
 
         model_shape = memory_planner.ModelShape.from_meta_model(skeleton, model_config)
-    return ResolvedRun(cfg, ds, dist, model_config, tokenizer, block_size, model_facts["n_params"],
-                       resume_from=resume_from, model_facts=model_facts, resume_state=resume_state, reshard=reshard,
-                       flops=model_flops(trained, model_config, block_size),
-                       model_shape=model_shape,
-                       previous_run_config=previous, router_loss=router_loss, eval_prompts=eval_prompts,
-                       chat=chat)
+    return ResolvedRun(
+        cfg,
+        ds,
+        dist,
+        model_config,
+        tokenizer,
+        block_size,
+        model_facts["n_params"],
+        resume_from=resume_from,
+        model_facts=model_facts,
+        resume_state=resume_state,
+        reshard=reshard,
+        flops=model_flops(trained, model_config, block_size),
+        model_shape=model_shape,
+        previous_run_config=previous,
+        router_loss=router_loss,
+        eval_prompts=eval_prompts,
+        chat=chat,
+    )
 
 
 def _trained_model(cfg: RunConfig, skeleton, model_config):
@@ -365,13 +448,15 @@ def _trained_model(cfg: RunConfig, skeleton, model_config):
 
 def explain_resolved_run(resolved: ResolvedRun, dp_world_size: int) -> str:
     """The resolved run and DeepSpeed configs with the source of every value."""
-    return "\n".join([
-        f"run config (block_size = {resolved.block_size}, model {resolved.n_params / 1e6:.2f}M parameters):",
-        explain_run_config(resolved.cfg),
-        f"DeepSpeed config {resolved.cfg.engine.config}, resolved for {dp_world_size} data-parallel rank(s); "
-        f"precision {resolved.ds.precision} ({resolved.ds.precision_reason}):",
-        resolved.ds.explained(),
-    ])
+    return "\n".join(
+        [
+            f"run config (block_size = {resolved.block_size}, model {resolved.n_params / 1e6:.2f}M parameters):",
+            explain_run_config(resolved.cfg),
+            f"DeepSpeed config {resolved.cfg.engine.config}, resolved for {dp_world_size} data-parallel rank(s); "
+            f"precision {resolved.ds.precision} ({resolved.ds.precision_reason}):",
+            resolved.ds.explained(),
+        ]
+    )
 
 
 def print_config(resolved: ResolvedRun, dist: DistInfo) -> None:
@@ -381,16 +466,26 @@ def print_config(resolved: ResolvedRun, dist: DistInfo) -> None:
 
 
 def _ranges(ranks: list) -> str:
-    return f"{ranks[0]}-{ranks[-1]}" if len(ranks) > 1 and ranks[-1] - ranks[0] == len(ranks) - 1 else \
-        ",".join(map(str, ranks))
+    return (
+        f"{ranks[0]}-{ranks[-1]}"
+        if len(ranks) > 1 and ranks[-1] - ranks[0] == len(ranks) - 1
+        else ",".join(map(str, ranks))
+    )
 
 
 def describe_launch(resolved: ResolvedRun, dist: DistInfo) -> None:
     hosts = distributed.rank_hosts()
-    placement = ", ".join(f"{host} (ranks {_ranges([r for r, h in enumerate(hosts) if h == host])})"
-                          for host in dict.fromkeys(hosts))
-    log.info("launch: %s, world size %d on %d host(s): %s; layout: %s", dist.launcher, dist.world_size,
-             len(set(hosts)), placement, describe_layout(dist))
+    placement = ", ".join(
+        f"{host} (ranks {_ranges([r for r, h in enumerate(hosts) if h == host])})" for host in dict.fromkeys(hosts)
+    )
+    log.info(
+        "launch: %s, world size %d on %d host(s): %s; layout: %s",
+        dist.launcher,
+        dist.world_size,
+        len(set(hosts)),
+        placement,
+        describe_layout(dist),
+    )
     log.info("precision: %s (%s)", resolved.ds.precision, resolved.ds.precision_reason)
     log.info("resolved DeepSpeed config (%s):\n%s", resolved.cfg.engine.config, resolved.ds.explained())
 
@@ -418,9 +513,32 @@ def print_memory_plan(resolved: ResolvedRun) -> None:
     tp, sp, pp = parallel.tensor_parallel_size, parallel.sequence_parallel_size, parallel.pipeline_parallel_size
     chunk = resolved.cfg.model.loss_chunk_size
     loss_chunk = None if chunk == 0 else chunk or memory_planner.auto_loss_chunk(shape.vocab)
-    estimates = memory_planner.plan_memory(shape, planning.num_gpus, planning.num_nodes,
-                                           optim.per_device_train_batch_size, resolved.block_size, precision, tp, sp,
-                                           pp, loss_chunk)
-    print(memory_planner.render(estimates, shape, planning.num_gpus, planning.num_nodes, planning.gpu_memory_gb,
-                                planning.host_memory_gb, optim.per_device_train_batch_size, resolved.block_size,
-                                precision, tp, sp, pp, loss_chunk))
+    estimates = memory_planner.plan_memory(
+        shape,
+        planning.num_gpus,
+        planning.num_nodes,
+        optim.per_device_train_batch_size,
+        resolved.block_size,
+        precision,
+        tp,
+        sp,
+        pp,
+        loss_chunk,
+    )
+    print(
+        memory_planner.render(
+            estimates,
+            shape,
+            planning.num_gpus,
+            planning.num_nodes,
+            planning.gpu_memory_gb,
+            planning.host_memory_gb,
+            optim.per_device_train_batch_size,
+            resolved.block_size,
+            precision,
+            tp,
+            sp,
+            pp,
+            loss_chunk,
+        )
+    )

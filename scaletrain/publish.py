@@ -27,12 +27,38 @@ log = logging.getLogger(__name__)
 PROBE_REPLY = "scaletrain-probe-reply"  # an assistant turn whose rendering shows what the template puts after it
 TOKEN_ENV = "HF_TOKEN"
 # What a run folder holds besides the export (README, "What a run writes"): never uploaded.
-RUN_FILES = ("checkpoints/**", "wandb/**", "tensorboard/**", "profile/**", "*.jsonl", "*.png", "run_config.json",
-             "ds_config.json", "config_sources.txt", ".*", ".*/**")
-CARD_FLAGS = ("model_name_or_path", "config_name", "dataset_name", "train_file", "data_path", "config",
-              "block_size", "per_device_train_batch_size", "gradient_accumulation_steps", "learning_rate",
-              "lr_scheduler_type", "warmup_steps", "max_steps", "num_train_epochs", "weight_decay", "seed",
-              "world_size")
+RUN_FILES = (
+    "checkpoints/**",
+    "wandb/**",
+    "tensorboard/**",
+    "profile/**",
+    "*.jsonl",
+    "*.png",
+    "run_config.json",
+    "ds_config.json",
+    "config_sources.txt",
+    ".*",
+    ".*/**",
+)
+CARD_FLAGS = (
+    "model_name_or_path",
+    "config_name",
+    "dataset_name",
+    "train_file",
+    "data_path",
+    "config",
+    "block_size",
+    "per_device_train_batch_size",
+    "gradient_accumulation_steps",
+    "learning_rate",
+    "lr_scheduler_type",
+    "warmup_steps",
+    "max_steps",
+    "num_train_epochs",
+    "weight_decay",
+    "seed",
+    "world_size",
+)
 
 
 def end_of_turn_ids(tokenizer) -> list:
@@ -43,8 +69,11 @@ def end_of_turn_ids(tokenizer) -> list:
     try:
         text = tokenizer.apply_chat_template(messages, tokenize=False)
     except Exception as err:  # a template that needs other roles or keys: no end-of-turn token to add
-        log.warning("the chat template could not render a one-turn conversation (%s); generation_config.json "
-                    "lists only the tokenizer's EOS", err)
+        log.warning(
+            "the chat template could not render a one-turn conversation (%s); generation_config.json "
+            "lists only the tokenizer's EOS",
+            err,
+        )
         return []
     after = text.split(PROBE_REPLY, 1)[1] if PROBE_REPLY in text else ""
     ids = tokenizer(after, add_special_tokens=False)["input_ids"] if after.strip() else []
@@ -81,21 +110,36 @@ def write_model_card(out_dir, run_config: dict, final: dict) -> None:
     base = run_config.get("model_name_or_path")
     data = run_config.get("dataset_name")
     adapter = (Path(out_dir) / "adapter_config.json").exists()  # a LoRA adapter folder: peft loads it
-    card_data = ModelCardData(library_name="peft" if adapter else "transformers", pipeline_tag="text-generation",
-                              tags=["scaletrain", "deepspeed", *(["lora"] if adapter else [])],
-                              base_model=base if _on_hub(base) else None,
-                              datasets=[data] if _on_hub(data) else None)
+    card_data = ModelCardData(
+        library_name="peft" if adapter else "transformers",
+        pipeline_tag="text-generation",
+        tags=["scaletrain", "deepspeed", *(["lora"] if adapter else [])],
+        base_model=base if _on_hub(base) else None,
+        datasets=[data] if _on_hub(data) else None,
+    )
     flags = "\n".join(f"| `--{k}` | `{run_config[k]}` |" for k in CARD_FLAGS if run_config.get(k) not in (None, ""))
     results = "\n".join(f"| {name} | {value:.4f} |" for name, value in final_losses(final))
-    body = "\n".join([
-        "---", card_data.to_yaml(), "---", "",
-        f"# {Path(out_dir).resolve().name}", "",
-        f"Trained with scaletrain (DeepSpeed) from `{base or run_config.get('config_name') or 'a config'}` on "
-        f"`{data or run_config.get('train_file') or run_config.get('data_path') or 'the built-in sample data'}`"
-        f" for {final.get('step', '?')} optimizer steps.", "",
-        "## Training flags", "", "| flag | value |", "|---|---|", flags, "",
-        *(["## Results", "", "| metric | value |", "|---|---|", results, ""] if results else []),
-    ])
+    body = "\n".join(
+        [
+            "---",
+            card_data.to_yaml(),
+            "---",
+            "",
+            f"# {Path(out_dir).resolve().name}",
+            "",
+            f"Trained with scaletrain (DeepSpeed) from `{base or run_config.get('config_name') or 'a config'}` on "
+            f"`{data or run_config.get('train_file') or run_config.get('data_path') or 'the built-in sample data'}`"
+            f" for {final.get('step', '?')} optimizer steps.",
+            "",
+            "## Training flags",
+            "",
+            "| flag | value |",
+            "|---|---|",
+            flags,
+            "",
+            *(["## Results", "", "| metric | value |", "|---|---|", results, ""] if results else []),
+        ]
+    )
     ModelCard(body).save(Path(out_dir) / "README.md")
 
 
@@ -138,14 +182,19 @@ def check_push_target(repo_id: Optional[str], export_at_end: bool) -> None:
     try:
         validate_repo_id(repo_id)
     except HFValidationError as err:
-        raise UsageError(f"--push_to_hub {repo_id}: not a repository id ({str(err).splitlines()[0]})",
-                         "give owner/name, e.g. my-org/llama-sft") from err
+        raise UsageError(
+            f"--push_to_hub {repo_id}: not a repository id ({str(err).splitlines()[0]})",
+            "give owner/name, e.g. my-org/llama-sft",
+        ) from err
     if not export_at_end:
-        raise UsageError("--push_to_hub with --no-export_hf_at_end: there is no export to push",
-                         "drop --no-export_hf_at_end")
+        raise UsageError(
+            "--push_to_hub with --no-export_hf_at_end: there is no export to push", "drop --no-export_hf_at_end"
+        )
     if not hub_token():
-        raise UsageError(f"--push_to_hub {repo_id}: no Hugging Face token",
-                         f"set {TOKEN_ENV} in the environment (or run `hf auth login`) before the run")
+        raise UsageError(
+            f"--push_to_hub {repo_id}: no Hugging Face token",
+            f"set {TOKEN_ENV} in the environment (or run `hf auth login`) before the run",
+        )
 
 
 def transient(err: BaseException) -> bool:
@@ -162,8 +211,15 @@ def transient(err: BaseException) -> bool:
     return isinstance(err, (httpx.TransportError, ConnectionError, TimeoutError))
 
 
-def push_to_hub(folder, repo_id: str, private: bool = False, attempts: int = 4, first_pause_s: float = 10.0,
-                api=None, sleep: Callable[[float], None] = time.sleep) -> str:
+def push_to_hub(
+    folder,
+    repo_id: str,
+    private: bool = False,
+    attempts: int = 4,
+    first_pause_s: float = 10.0,
+    api=None,
+    sleep: Callable[[float], None] = time.sleep,
+) -> str:
     """Upload `folder` to `repo_id`; returns the commit URL. A transient failure is retried after a pause that
     doubles; a repeated upload resumes (see the module docstring). Raises the last error, or the first that retrying
     cannot help."""
@@ -175,16 +231,26 @@ def push_to_hub(folder, repo_id: str, private: bool = False, attempts: int = 4, 
     for attempt in range(1, attempts + 1):
         try:
             api.create_repo(repo_id, private=private, exist_ok=True)
-            commit = api.upload_folder(repo_id=repo_id, folder_path=str(folder), ignore_patterns=ignore,
-                                       commit_message="Upload model trained with scaletrain")
+            commit = api.upload_folder(
+                repo_id=repo_id,
+                folder_path=str(folder),
+                ignore_patterns=ignore,
+                commit_message="Upload model trained with scaletrain",
+            )
             url = getattr(commit, "commit_url", None) or str(commit)
             log.info("pushed %s to the Hub: %s", folder, url)
             return url
         except Exception as err:
             if attempt == attempts or not transient(err):
                 raise
-            log.warning("push to %s failed (attempt %d of %d: %s); retrying in %.0fs", repo_id, attempt, attempts,
-                        type(err).__name__, pause)
+            log.warning(
+                "push to %s failed (attempt %d of %d: %s); retrying in %.0fs",
+                repo_id,
+                attempt,
+                attempts,
+                type(err).__name__,
+                pause,
+            )
             sleep(pause)
             pause *= 2
     raise AssertionError("unreachable")

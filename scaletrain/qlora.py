@@ -43,27 +43,39 @@ def check_qlora(cfg: RunConfig, ds: ResolvedDSConfig, hardware: HardwareFacts) -
     zero = ds.config.get("zero_optimization", {})
     if ds.zero_stage == 3 and ds.offloads_params:
         device = zero["offload_param"]["device"]
-        raise UsageError(f"--load_in_4bit with --config {cfg.engine.config}: ZeRO-3 parameter offload to {device} "
-                         "saves no GPU memory for a 4-bit base (transformers loads a quantized base whole onto each "
-                         "GPU before DeepSpeed partitions it; peft documents that offload then uses more GPU memory) "
-                         "and is untested here", "use ds_configs/zero3.json (optimizer offload is fine: "
-                         "ds_configs/zero2_offload.json), or drop --load_in_4bit to offload full-precision weights")
+        raise UsageError(
+            f"--load_in_4bit with --config {cfg.engine.config}: ZeRO-3 parameter offload to {device} "
+            "saves no GPU memory for a 4-bit base (transformers loads a quantized base whole onto each "
+            "GPU before DeepSpeed partitions it; peft documents that offload then uses more GPU memory) "
+            "and is untested here",
+            "use ds_configs/zero3.json (optimizer offload is fine: "
+            "ds_configs/zero2_offload.json), or drop --load_in_4bit to offload full-precision weights",
+        )
     for key in ("zero_quantized_weights", "zero_quantized_nontrainable_weights"):
         if zero.get(key):
-            raise UsageError(f"--load_in_4bit with --config {cfg.engine.config}: zero_optimization.{key} "
-                             "re-quantizes the frozen weights to int8 as numbers, and the 4-bit base's weights are "
-                             "packed bits (they would be corrupted)", f"set {key} to false, or drop --load_in_4bit")
+            raise UsageError(
+                f"--load_in_4bit with --config {cfg.engine.config}: zero_optimization.{key} "
+                "re-quantizes the frozen weights to int8 as numbers, and the 4-bit base's weights are "
+                "packed bits (they would be corrupted)",
+                f"set {key} to false, or drop --load_in_4bit",
+            )
     if hardware.accelerator != "cuda":
-        raise UsageError(f"--load_in_4bit: QLoRA needs a CUDA GPU (bitsandbytes 4-bit weights); this machine "
-                         f"trains on {hardware.accelerator}",
-                         "drop --load_in_4bit: LoRA on full-precision weights runs")
+        raise UsageError(
+            f"--load_in_4bit: QLoRA needs a CUDA GPU (bitsandbytes 4-bit weights); this machine "
+            f"trains on {hardware.accelerator}",
+            "drop --load_in_4bit: LoRA on full-precision weights runs",
+        )
     version = bitsandbytes_version()
     if version is None:
-        raise UsageError("--load_in_4bit: QLoRA needs bitsandbytes, which is not installed",
-                         f"pip install {BITSANDBYTES_PIN} (it is in requirements.txt)")
+        raise UsageError(
+            "--load_in_4bit: QLoRA needs bitsandbytes, which is not installed",
+            f"pip install {BITSANDBYTES_PIN} (it is in requirements.txt)",
+        )
     if Version(version) < Version(BITSANDBYTES_MIN):
-        raise UsageError(f"--load_in_4bit: bitsandbytes {version} is older than transformers needs "
-                         f"({BITSANDBYTES_MIN})", f"pip install {BITSANDBYTES_PIN}")
+        raise UsageError(
+            f"--load_in_4bit: bitsandbytes {version} is older than transformers needs ({BITSANDBYTES_MIN})",
+            f"pip install {BITSANDBYTES_PIN}",
+        )
 
 
 def bitsandbytes_version() -> Optional[str]:
@@ -107,8 +119,9 @@ def model_kwargs(model_args: ModelArgs, precision: str, bf16_fast: bool, device:
     }
 
 
-def build_model(model_args: ModelArgs, model_config, ds: ResolvedDSConfig, device: Any = None,
-                bf16_fast: Optional[bool] = None) -> tuple:
+def build_model(
+    model_args: ModelArgs, model_config, ds: ResolvedDSConfig, device: Any = None, bf16_fast: Optional[bool] = None
+) -> tuple:
     """(model, keepalive) as model.build_model returns them: the pretrained base in 4 bits, prepared for training by
     peft (every base weight frozen; activation checkpointing, non-reentrant, with --gradient_checkpointing). `device`
     and `bf16_fast` default to this rank's CUDA device and what it can do; only tests pass others."""
@@ -126,16 +139,26 @@ def build_model(model_args: ModelArgs, model_config, ds: ResolvedDSConfig, devic
     keepalive: Any = HfDeepSpeedConfig(ds.config) if ds.zero_stage == 3 else None
     kwargs = model_kwargs(model_args, ds.precision, bf16_fast, device)
     model = AutoModelForCausalLM.from_pretrained(model_args.model_name_or_path, config=model_config, **kwargs)
-    model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=model_args.gradient_checkpointing,
-                                            gradient_checkpointing_kwargs={"use_reentrant": False})
+    model = prepare_model_for_kbit_training(
+        model,
+        use_gradient_checkpointing=model_args.gradient_checkpointing,
+        gradient_checkpointing_kwargs={"use_reentrant": False},
+    )
     if model_args.gradient_checkpointing:
         model.config.use_cache = False
     settings = kwargs["quantization_config"]
     n_4bit = sum(1 for module in model.modules() if type(module).__name__ == "Linear4bit")
-    log.info("QLoRA base: %s in 4 bits (%s, double quantization, compute %s, storage %s) on %s, %d linear layers "
-             "quantized%s", model_args.model_name_or_path, settings.bnb_4bit_quant_type,
-             _dtype_name(settings.bnb_4bit_compute_dtype), _dtype_name(settings.bnb_4bit_quant_storage), device, n_4bit,
-             "; ZeRO-3 partitions it at deepspeed.initialize" if ds.zero_stage == 3 else "")
+    log.info(
+        "QLoRA base: %s in 4 bits (%s, double quantization, compute %s, storage %s) on %s, %d linear layers "
+        "quantized%s",
+        model_args.model_name_or_path,
+        settings.bnb_4bit_quant_type,
+        _dtype_name(settings.bnb_4bit_compute_dtype),
+        _dtype_name(settings.bnb_4bit_quant_storage),
+        device,
+        n_4bit,
+        "; ZeRO-3 partitions it at deepspeed.initialize" if ds.zero_stage == 3 else "",
+    )
     return model, keepalive
 
 

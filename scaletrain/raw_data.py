@@ -11,7 +11,7 @@ from scaletrain.errors import UsageError
 
 
 def record_kind(record: dict) -> Optional[str]:
-    """"messages", "prompt_completion", or None for a record of plain text (chat data: scaletrain/chat_store.py)."""
+    """ "messages", "prompt_completion", or None for a record of plain text (chat data: scaletrain/chat_store.py)."""
     if "messages" in record:
         return "messages"
     if "prompt" in record and "completion" in record:
@@ -69,8 +69,11 @@ def load_raw_datasets(data: DataArgs, scratch_dir: Optional[Path] = None) -> tup
         builder = _local_builder([f for files in sets.values() for f in files], "validation_file")
         extra = {"sample_by": "paragraph"} if builder == "text" else {}
         raw = {**raw, **datasets.load_dataset(builder, data_files=sets, **extra, **scratch)}
-    validation = {split: raw[split] for split in sets} if sets else (
-        {"validation": raw["validation"]} if "validation" in raw else {})
+    validation = (
+        {split: raw[split] for split in sets}
+        if sets
+        else ({"validation": raw["validation"]} if "validation" in raw else {})
+    )
     return raw["train"], validation, revision
 
 
@@ -81,15 +84,18 @@ def _load_hub_dataset(data: DataArgs, cache: dict) -> tuple:
 
     try:
         # load_dataset's own steps, keeping the builder: its hash is the commit the revision resolved to.
-        builder = datasets.load_dataset_builder(data.dataset_name, data.dataset_config_name,
-                                                revision=data.dataset_revision, **cache)
+        builder = datasets.load_dataset_builder(
+            data.dataset_name, data.dataset_config_name, revision=data.dataset_revision, **cache
+        )
         builder.download_and_prepare()
         raw = builder.as_dataset()
     except (ConnectionError, FileNotFoundError) as exc:  # no network, offline mode, or no such dataset
         detail = str(exc).strip().splitlines()[0][:200] if str(exc).strip() else type(exc).__name__
-        raise UsageError(f"--dataset_name {data.dataset_name}: cannot load it ({detail})",
-                         "check the name and the network (a hub dataset is downloaded once, then read from the "
-                         "Hugging Face cache), or give local files with --train_file") from exc
+        raise UsageError(
+            f"--dataset_name {data.dataset_name}: cannot load it ({detail})",
+            "check the name and the network (a hub dataset is downloaded once, then read from the "
+            "Hugging Face cache), or give local files with --train_file",
+        ) from exc
     local = Path(data.dataset_name).is_dir()  # a local folder's hash is of its files, not a commit
     return raw, None if local else builder.hash
 
@@ -114,21 +120,28 @@ def check_data_files(data: DataArgs) -> None:
             if not head.strip() and Path(path).stat().st_size <= len(head):
                 raise UsageError(f"--{flag} {path}: the file holds no documents", "give a file with at least one")
             try:
-                stream = datasets.load_dataset(builder, data_files={"train": path}, split="train", streaming=True,
-                                               **extra)
+                stream = datasets.load_dataset(
+                    builder, data_files={"train": path}, split="train", streaming=True, **extra
+                )
                 first = next(iter(stream), None)
             except Exception as exc:  # the readers raise many types; the user needs the file and the reason
                 detail = str(exc).splitlines()[0][:200] if str(exc) else "no detail"
-                raise UsageError(f"--{flag} {path}: cannot read it as {builder} ({type(exc).__name__}: {detail})",
-                                 "check the file's format and contents") from exc
+                raise UsageError(
+                    f"--{flag} {path}: cannot read it as {builder} ({type(exc).__name__}: {detail})",
+                    "check the file's format and contents",
+                ) from exc
             if first is None:
                 raise UsageError(f"--{flag} {path}: the file holds no documents", "give a file with at least one")
             if data.text_column not in first:
-                raise UsageError(f"--text_column {data.text_column}: not a column of {path}",
-                                 f"columns there: {', '.join(first)}")
+                raise UsageError(
+                    f"--text_column {data.text_column}: not a column of {path}", f"columns there: {', '.join(first)}"
+                )
             if not isinstance(first[data.text_column], str):
-                raise UsageError(f"--text_column {data.text_column}: holds {type(first[data.text_column]).__name__} "
-                                 f"in {path}, not text", "pick a column of strings")
+                raise UsageError(
+                    f"--text_column {data.text_column}: holds {type(first[data.text_column]).__name__} "
+                    f"in {path}, not text",
+                    "pick a column of strings",
+                )
 
 
 def check_text_column(ds, column: str, source: str) -> None:

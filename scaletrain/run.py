@@ -11,8 +11,21 @@ from functools import partial
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
-from scaletrain import (agreement, checkpoint, distributed, engine as engine_lib, lora, model as model_lib, moe,
-                        pipeline, publish, qlora, sequence_parallel, store_prep, tokenstore)
+from scaletrain import (
+    agreement,
+    checkpoint,
+    distributed,
+    engine as engine_lib,
+    lora,
+    model as model_lib,
+    moe,
+    pipeline,
+    publish,
+    qlora,
+    sequence_parallel,
+    store_prep,
+    tokenstore,
+)
 from scaletrain import chat_store, packing
 from scaletrain.blocks import EvalBatches, MixedBlocks, PackedBlocks, eval_batches
 from scaletrain.config import VALIDATION_SPLIT, eval_metric_prefix
@@ -23,8 +36,17 @@ from scaletrain.loop import LoopHooks, LoopSettings, PipelineStep, evaluate_sets
 from scaletrain.flops import peak_tflops
 from scaletrain.generation import generate_samples
 from scaletrain.metrics import MetricsLogger, StepProfiler, ThroughputModel
-from scaletrain.preflight import (RUN_CONFIG_FILE, ResolvedRun, describe_launch, peak_lr, print_config,
-                                  print_memory_plan, resolve_run, resume_elsewhere, write_run_folder)
+from scaletrain.preflight import (
+    RUN_CONFIG_FILE,
+    ResolvedRun,
+    describe_launch,
+    peak_lr,
+    print_config,
+    print_memory_plan,
+    resolve_run,
+    resume_elsewhere,
+    write_run_folder,
+)
 from scaletrain.sampling import BatchRamp, GlobalOrder, StepBatches
 from scaletrain.schedules import LRSchedule, describe_schedule_change, restart_schedule, warmup_steps_for
 from scaletrain.faults import PreemptionFlag
@@ -101,23 +123,29 @@ class Run:
 
     def build_model(self) -> None:
         if self.cfg.peft.load_in_4bit:  # QLoRA: the base in 4 bits on this rank's GPU, then LoRA as below
-            self.model, self._zero3_keepalive = qlora.build_model(self.cfg.model, self.resolved.model_config,
-                                                                  self.resolved.ds)
+            self.model, self._zero3_keepalive = qlora.build_model(
+                self.cfg.model, self.resolved.model_config, self.resolved.ds
+            )
         else:
             self.model, self._zero3_keepalive = model_lib.build_model(
-                self.cfg.model, self.resolved.model_config, self.resolved.ds.config, self.resolved.ds.zero_stage)
+                self.cfg.model, self.resolved.model_config, self.resolved.ds.config, self.resolved.ds.zero_stage
+            )
         if self.cfg.peft.use_peft:  # LoRA: peft wraps the built (ZeRO-3: partitioned) model; only the adapter trains
             self.model = lora.apply_lora(self.model, self.cfg.peft)
         if self.resolved.ds.zero_stage == 3:  # before deepspeed.initialize, which installs the gather hooks
             moe.mark_leaf_modules(self.model, self.resolved.model_config)
         if self.dist.sequence_parallel_size > 1:
-            sequence_parallel.register_ulysses(self.model, self.dist.sequence_parallel_size,
-                                               self.resolved.ds.config["train_micro_batch_size_per_gpu"],
-                                               self.resolved.block_size,
-                                               self.cfg.data.attention_isolation or self.resolved.chat is not None)
+            sequence_parallel.register_ulysses(
+                self.model,
+                self.dist.sequence_parallel_size,
+                self.resolved.ds.config["train_micro_batch_size_per_gpu"],
+                self.resolved.block_size,
+                self.cfg.data.attention_isolation or self.resolved.chat is not None,
+            )
         if self.dist.pipeline_parallel_size > 1:  # this rank keeps its stage's layers of the model it built
             self.model, self.pipeline_loss = pipeline.build_pipeline_module(
-                self.model, self.dist.pipeline_parallel_size, self.cfg.parallel.pipeline_partition)
+                self.model, self.dist.pipeline_parallel_size, self.cfg.parallel.pipeline_partition
+            )
 
     def prepare_inputs(self) -> None:
         """The resume conversion and the token store, then the ranks settle: a failure on any rank (a node whose
@@ -139,7 +167,8 @@ class Run:
         if chosen is None:
             return
         verified = checkpoint.verified_resume_checkpoint(
-            chosen, self.cfg.checkpoint.resume_from_checkpoint == "auto", self.dist.rank, self.dist.world_size)
+            chosen, self.cfg.checkpoint.resume_from_checkpoint == "auto", self.dist.rank, self.dist.world_size
+        )
         if verified != chosen:
             self.resolved = resume_elsewhere(self.resolved, verified)
         if self.resolved.reshard:
@@ -151,11 +180,24 @@ class Run:
         paths = [Path(p) for p in self.cfg.data.store_paths]
         if not paths:
             chat = self.resolved.chat and chat_store.store_plan(  # chat data: tokens and a loss mask
-                self.cfg.data, self.resolved.tokenizer, self.resolved.block_size, self.resolved.chat,
-                show_progress=self.dist.is_main)
-            paths = [store_prep.ensure_token_store(
-                self.cfg.data, self.resolved.tokenizer, self.cfg.model.tokenizer_source, self.resolved.block_size,
-                self.dist.local_rank, show_progress=self.dist.is_main, seed=self.cfg.optim.seed, **(chat or {}))]
+                self.cfg.data,
+                self.resolved.tokenizer,
+                self.resolved.block_size,
+                self.resolved.chat,
+                show_progress=self.dist.is_main,
+            )
+            paths = [
+                store_prep.ensure_token_store(
+                    self.cfg.data,
+                    self.resolved.tokenizer,
+                    self.cfg.model.tokenizer_source,
+                    self.resolved.block_size,
+                    self.dist.local_rank,
+                    show_progress=self.dist.is_main,
+                    seed=self.cfg.optim.seed,
+                    **(chat or {}),
+                )
+            ]
         self.stores = [tokenstore.open_store(p) for p in paths]
         self.stores = [chat_store.attach_masks(s, p) for s, p in zip(self.stores, paths, strict=True)]  # chat data
         log.info("token store(s): %s", ", ".join(map(str, paths)))
@@ -166,8 +208,11 @@ class Run:
         data, optim, dist, size = self.cfg.data, self.cfg.optim, self.dist, self.resolved.block_size
         train = [packing.blocks_for(s, "train", size, data) for s in self.stores]  # chat data: whole examples
         if any(t is None for t in train):
-            raise UsageError(f"{data.data_path or data.dataset_mix or data.train_data_file or data.dataset_name}: "
-                             "no training tokens", "give data with at least one non-empty document")
+            raise UsageError(
+                f"{data.data_path or data.dataset_mix or data.train_data_file or data.dataset_name}: "
+                "no training tokens",
+                "give data with at least one non-empty document",
+            )
         self.train_blocks = MixedBlocks(train, [w for _, w in data.mix], optim.seed) if data.mix else train[0]
         if data.print_samples and isinstance(train[0], packing.PackedExamples):
             packing.print_samples(train[0], data.print_samples, self.resolved.tokenizer)
@@ -175,27 +220,54 @@ class Run:
         micro = self.resolved.ds.config["train_micro_batch_size_per_gpu"]
         accumulation = self.resolved.ds.config["gradient_accumulation_steps"]
         resumed = self.resolved.resume_state or {}
-        ramp = optim.rampup_batch_size and BatchRamp(*optim.rampup_batch_size,
-                                                     full=micro * accumulation * dist.dp_world_size)
-        self.order = GlobalOrder(len(self.train_blocks), micro, accumulation, dist.dp_world_size, optim.seed,
-                                 start_step=resumed.get("step", 0) + resumed.get("data_offset", 0),
-                                 start_samples=resumed.get("samples_seen", 0), ramp=ramp or None)
+        ramp = optim.rampup_batch_size and BatchRamp(
+            *optim.rampup_batch_size, full=micro * accumulation * dist.dp_world_size
+        )
+        self.order = GlobalOrder(
+            len(self.train_blocks),
+            micro,
+            accumulation,
+            dist.dp_world_size,
+            optim.seed,
+            start_step=resumed.get("step", 0) + resumed.get("data_offset", 0),
+            start_samples=resumed.get("samples_seen", 0),
+            ramp=ramp or None,
+        )
         total = optim.max_steps if optim.max_steps > 0 else self.order.total_steps(optim.num_train_epochs)
-        self.schedule = LRSchedule(optim.lr_scheduler_type, total,
-                                   warmup_steps_for(total, optim.warmup_steps, optim.warmup_ratio),
-                                   optim.min_lr_ratio, optim.decay_ratio)
+        self.schedule = LRSchedule(
+            optim.lr_scheduler_type,
+            total,
+            warmup_steps_for(total, optim.warmup_steps, optim.warmup_ratio),
+            optim.min_lr_ratio,
+            optim.decay_ratio,
+        )
         changed = self.resolved.previous_run_config and describe_schedule_change(
-            self.resolved.previous_run_config, self.schedule, peak_lr(self.resolved.ds), resumed.get("step", 0),
-            resumed.get("skipped_steps", 0))
+            self.resolved.previous_run_config,
+            self.schedule,
+            peak_lr(self.resolved.ds),
+            resumed.get("step", 0),
+            resumed.get("skipped_steps", 0),
+        )
         if changed and dist.is_main:  # every rank computes the same: say it once
             log.warning(changed)
         self.eval_sets = self.validation_sets()
         b = self.train_blocks
-        log.info("data: %d documents, %d tokens -> %d blocks of %d (last block %d real tokens, padded; none "
-                 "dropped); global batch %d blocks = %d micro x %d accumulation x %d ranks; %d steps/epoch, "
-                 "%d steps", b.n_documents, b.n_tokens, len(b), b.block_size, b.last_block_length,
-                 self.order.global_batch, micro, accumulation,
-                 dist.dp_world_size, self.order.steps_per_epoch, total)
+        log.info(
+            "data: %d documents, %d tokens -> %d blocks of %d (last block %d real tokens, padded; none "
+            "dropped); global batch %d blocks = %d micro x %d accumulation x %d ranks; %d steps/epoch, "
+            "%d steps",
+            b.n_documents,
+            b.n_tokens,
+            len(b),
+            b.block_size,
+            b.last_block_length,
+            self.order.global_batch,
+            micro,
+            accumulation,
+            dist.dp_world_size,
+            self.order.steps_per_epoch,
+            total,
+        )
         if ramp:
             stages = self.order.stages
             log.info("batch ramp-up: %s", ", ".join(f"{s.global_batch} from step {s.start_step}" for s in stages))
@@ -208,14 +280,26 @@ class Run:
         sets = {}
         for split in splits:
             parts = [packing.blocks_for(s, split, size, data) for s in self.stores if split in s["splits"]]
-            batches = EvalBatches.chain([
-                eval_batches(blocks, self.cfg.optim.per_device_eval_batch_size, dist.dp_rank, dist.dp_world_size,
-                             self.cfg.logging.max_eval_samples) for blocks in parts if blocks is not None])
+            batches = EvalBatches.chain(
+                [
+                    eval_batches(
+                        blocks,
+                        self.cfg.optim.per_device_eval_batch_size,
+                        dist.dp_rank,
+                        dist.dp_world_size,
+                        self.cfg.logging.max_eval_samples,
+                    )
+                    for blocks in parts
+                    if blocks is not None
+                ]
+            )
             if batches:
                 sets[split] = batches
         if len(sets) > 1 or set(sets) - {VALIDATION_SPLIT}:
-            log.info("evaluation sets: %s", ", ".join(f"{eval_metric_prefix(split)}loss ({len(b)} batches per rank)"
-                                                      for split, b in sets.items()))
+            log.info(
+                "evaluation sets: %s",
+                ", ".join(f"{eval_metric_prefix(split)}loss ({len(b)} batches per rank)" for split, b in sets.items()),
+            )
         return sets
 
     def write_run_folder(self) -> None:
@@ -223,15 +307,26 @@ class Run:
             return  # a dry run leaves the output folder as it was
         if self.resolved.resume_from is None and self.cfg.run.overwrite_output_dir and self.dist.is_main:
             checkpoint.clear_previous_run(self.cfg.run.output_dir)  # an explicit fresh start in a used folder
-        write_run_folder(self.resolved, {"total_steps": self.schedule.total_steps,
-                                     "warmup_steps": self.schedule.warmup_steps,
-                                     "world_size": self.dist.world_size, "precision": self.resolved.ds.precision},
-                         self.dist)
+        write_run_folder(
+            self.resolved,
+            {
+                "total_steps": self.schedule.total_steps,
+                "warmup_steps": self.schedule.warmup_steps,
+                "world_size": self.dist.world_size,
+                "precision": self.resolved.ds.precision,
+            },
+            self.dist,
+        )
         distributed.barrier()  # the folder exists before any rank writes into it
 
     def build_engine(self) -> None:
-        self.engine = engine_lib.build_engine(self.model, self.resolved.ds.config, self.cfg.optim.weight_decay,
-                                              self.schedule, self.dist.tensor_parallel_size)
+        self.engine = engine_lib.build_engine(
+            self.model,
+            self.resolved.ds.config,
+            self.cfg.optim.weight_decay,
+            self.schedule,
+            self.dist.tensor_parallel_size,
+        )
         if self.pipeline_loss is not None:
             self.pipeline_step = PipelineStep(self.engine, self.pipeline_loss)
         else:  # after deepspeed.initialize (tensor parallelism may replace the head), before compile
@@ -251,17 +346,24 @@ class Run:
     def resume(self) -> None:
         """Restore the newest committed checkpoint (or the one asked for); every rank loads its own shards."""
         if self.resolved.resume_from is not None:
-            checkpoint.load_checkpoint(self.engine, self.resolved.resume_from, self.state, self.dist.rank,
-                                       universal=self.resolved.reshard)
+            checkpoint.load_checkpoint(
+                self.engine, self.resolved.resume_from, self.state, self.dist.rank, universal=self.resolved.reshard
+            )
             if self.resolved.reshard:
                 engine_lib.restore_weight_decay(self.engine, self.cfg.optim.weight_decay)
             # The checkpoint restored the saving run's peak LR and next LR; this run's flags decide from here on.
             restart_schedule(self.engine.lr_scheduler, self.schedule, peak_lr(self.resolved.ds))
             self._record_layout()
-        self.metrics = MetricsLogger(self.cfg.run.output_dir, self.dist.is_main, self.cfg.logging.report_sinks,
-                                     self.cfg.run.run_name or Path(self.cfg.run.output_dir).resolve().name,
-                                     self.cfg.to_dict(), resume_step=self.state.step,
-                                     wandb_run_id=self.state.wandb_run_id, write_files=not self.cfg.run.dry_run)
+        self.metrics = MetricsLogger(
+            self.cfg.run.output_dir,
+            self.dist.is_main,
+            self.cfg.logging.report_sinks,
+            self.cfg.run.run_name or Path(self.cfg.run.output_dir).resolve().name,
+            self.cfg.to_dict(),
+            resume_step=self.state.step,
+            wandb_run_id=self.state.wandb_run_id,
+            write_files=not self.cfg.run.dry_run,
+        )
         self.state.wandb_run_id = self.metrics.wandb_run_id
 
     def save(self) -> Path:
@@ -271,12 +373,23 @@ class Run:
             n_params = self.resolved.n_params  # the whole model (a pipeline stage's module holds its layers alone)
         if facts and facts.get("base") and facts["base"]["weights"] is None:  # a hub base first downloaded by this run
             facts["base"] = lora.base_identity(facts["base"]["source"])
-        planned = checkpoint.planned_checkpoint_bytes(n_params, self.resolved.ds.precision,
-                                                      self.resolved.ds.zero_stage, self.dist.tensor_parallel_size,
-                                                      n_tensors, self.dist.world_size)
-        return checkpoint.save_checkpoint(self.engine, self.cfg.run.output_dir, self.state, self.dist.rank,
-                                          self.cfg.checkpoint.save_total_limit, model_facts=facts,
-                                          planned_bytes=planned)
+        planned = checkpoint.planned_checkpoint_bytes(
+            n_params,
+            self.resolved.ds.precision,
+            self.resolved.ds.zero_stage,
+            self.dist.tensor_parallel_size,
+            n_tensors,
+            self.dist.world_size,
+        )
+        return checkpoint.save_checkpoint(
+            self.engine,
+            self.cfg.run.output_dir,
+            self.state,
+            self.dist.rank,
+            self.cfg.checkpoint.save_total_limit,
+            model_facts=facts,
+            planned_bytes=planned,
+        )
 
     def throughput_model(self) -> ThroughputModel:
         """FLOPs per token and the device peak, for TFLOP/s, MFU and HFU (the peak is calibrated on rank 0 only:
@@ -284,8 +397,12 @@ class Run:
         peak, source = (None, "not measured on this rank")
         if self.dist.is_main:
             peak, source = peak_tflops(self.dist.accelerator, self.resolved.ds.precision, self.cfg.logging.peak_tflops)
-            log.info("peak %s TFLOP/s per device (%s); %.3g model FLOPs per token", "unknown" if peak is None
-                     else f"{peak:.3g}", source, self.resolved.flops.per_token())
+            log.info(
+                "peak %s TFLOP/s per device (%s); %.3g model FLOPs per token",
+                "unknown" if peak is None else f"{peak:.3g}",
+                source,
+                self.resolved.flops.per_token(),
+            )
         recompute = self.cfg.model.gradient_checkpointing
         flops = self.resolved.flops
         # Per device: every rank of the world, tensor-parallel ones included (the model's FLOPs count once).
@@ -312,21 +429,32 @@ class Run:
             shard = partial(sequence_parallel.shard, sp_rank=self.dist.sp_rank, sp=self.dist.sequence_parallel_size)
         batches = StepBatches(self.train_blocks, self.order, self.dist.dp_rank, shard)
         policy = NonFinitePolicy.from_args(self.cfg.nonfinite, fp16=self.resolved.ds.precision == "fp16")
-        self.guard = NonFiniteGuard(policy, self.state, self.cfg.run.output_dir, self.dist.is_main,
-                                    write_files=not dry)
+        self.guard = NonFiniteGuard(policy, self.state, self.cfg.run.output_dir, self.dist.is_main, write_files=not dry)
         hooks = LoopHooks(
-            metrics=self.metrics, save=self.save, preemption=self.preemption, eval_sets=self.eval_sets,
+            metrics=self.metrics,
+            save=self.save,
+            preemption=self.preemption,
+            eval_sets=self.eval_sets,
             profiler=StepProfiler(self.cfg.logging.profile_range, self.cfg.run.output_dir, self.dist.rank),
-            guard=self.guard, switch=SkipSwitch(self.engine.optimizer) if policy.action == "skip" else None,
-            rollback=self.rollback, pipeline=self.pipeline_step, comm_log=self.comm_log,
-            generate=self.generate_samples if self.resolved.eval_prompts else None)
+            guard=self.guard,
+            switch=SkipSwitch(self.engine.optimizer) if policy.action == "skip" else None,
+            rollback=self.rollback,
+            pipeline=self.pipeline_step,
+            comm_log=self.comm_log,
+            generate=self.generate_samples if self.resolved.eval_prompts else None,
+        )
         train_loop(self.engine, batches, self.state, settings, hooks)
 
     def generate_samples(self, step: int) -> None:
         """--eval_prompts: every rank generates (ZeRO-3 gathers in each forward); rank 0 records the text."""
         tokenizer = self.resolved.tokenizer
-        rows = generate_samples(self.engine, self.resolved.eval_prompts, tokenizer, publish.reply_end_ids(tokenizer),
-                                synced=self.dist.world_size > 1)
+        rows = generate_samples(
+            self.engine,
+            self.resolved.eval_prompts,
+            tokenizer,
+            publish.reply_end_ids(tokenizer),
+            synced=self.dist.world_size > 1,
+        )
         self.metrics.log_generations(step, rows)
 
     def rollback(self) -> None:
@@ -334,12 +462,15 @@ class Run:
         state = self.state
         # Chosen once, by rank 0: ranks scanning a shared folder at different moments could load different steps.
         newest = distributed.broadcast_from_main(
-            checkpoint.newest_committed(self.cfg.run.output_dir) if self.dist.is_main else None)
+            checkpoint.newest_committed(self.cfg.run.output_dir) if self.dist.is_main else None
+        )
         if newest is None:
-            raise NonFiniteStop(f"step {state.step}: {state.consecutive_skips} updates skipped in a row and no "
-                                "committed checkpoint to roll back to; lower the learning rate or check the data "
-                                f"(the samples are in {self.cfg.run.output_dir}/nonfinite_ledger.jsonl), and use "
-                                "--save_steps so a rollback has a checkpoint")
+            raise NonFiniteStop(
+                f"step {state.step}: {state.consecutive_skips} updates skipped in a row and no "
+                "committed checkpoint to roll back to; lower the learning rate or check the data "
+                f"(the samples are in {self.cfg.run.output_dir}/nonfinite_ledger.jsonl), and use "
+                "--save_steps so a rollback has a checkpoint"
+            )
         data_step, position, from_step = state.step + state.data_offset, state.samples_seen, state.step
         # A checkpoint from another rank count (this run's resharded start) loads through its universal form.
         universal = self.resolved.reshard and newest == self.resolved.resume_from
@@ -352,43 +483,75 @@ class Run:
         state.samples_seen = position  # the data position keeps moving forward: nothing is replayed
         state.consecutive_skips = 0
         self.metrics.rewind(state.step)
-        self.guard.record({"step": from_step, "event": "rollback", "to_checkpoint": newest.name,
-                           "to_step": state.step, "data_offset": state.data_offset})
-        log.warning("rolled back to %s (step %d) after %d skipped updates in a row; training continues with the "
-                    "data after step %d", newest, state.step, self.cfg.nonfinite.max_consecutive_skips, from_step)
+        self.guard.record(
+            {
+                "step": from_step,
+                "event": "rollback",
+                "to_checkpoint": newest.name,
+                "to_step": state.step,
+                "data_offset": state.data_offset,
+            }
+        )
+        log.warning(
+            "rolled back to %s (step %d) after %d skipped updates in a row; training continues with the "
+            "data after step %d",
+            newest,
+            state.step,
+            self.cfg.nonfinite.max_consecutive_skips,
+            from_step,
+        )
 
     def finish(self) -> None:
         if self.cfg.run.dry_run:
             record = self.metrics.last_record or {}
-            log.info("dry run OK: one step in %.2fs (forward %.2fs, backward %.2fs, optimizer %.2fs); memory: %s; "
-                     "nothing was saved", record.get("step_time_s", 0), record.get("forward_s", 0),
-                     record.get("backward_s", 0), record.get("optimizer_s", 0),
-                     ", ".join(f"{k} {record[k]:.2f}" for k in ("gpu_peak_gb", "gpu_allocated_gb", "cpu_rss_gb")
-                               if k in record))
+            log.info(
+                "dry run OK: one step in %.2fs (forward %.2fs, backward %.2fs, optimizer %.2fs); memory: %s; "
+                "nothing was saved",
+                record.get("step_time_s", 0),
+                record.get("forward_s", 0),
+                record.get("backward_s", 0),
+                record.get("optimizer_s", 0),
+                ", ".join(
+                    f"{k} {record[k]:.2f}" for k in ("gpu_peak_gb", "gpu_allocated_gb", "cpu_rss_gb") if k in record
+                ),
+            )
             return
         if self.eval_sets:
-            self.metrics.log({"step": self.state.step, **evaluate_sets(self.engine, self.eval_sets,
-                                                                       self.pipeline_step)})
+            self.metrics.log(
+                {"step": self.state.step, **evaluate_sets(self.engine, self.eval_sets, self.pipeline_step)}
+            )
         if self.resolved.eval_prompts:
             self.generate_samples(self.state.step)
         # Decided once, by rank 0: ranks that disagreed about entering the collective save would hang in it.
         newest = distributed.broadcast_from_main(
-            checkpoint.newest_committed(self.cfg.run.output_dir) if self.dist.is_main else None)
+            checkpoint.newest_committed(self.cfg.run.output_dir) if self.dist.is_main else None
+        )
         if self.cfg.checkpoint.save_at_end and (newest is None or checkpoint.committed_step(newest) != self.state.step):
             self.save()
         if self.cfg.checkpoint.export_hf_at_end:
-            checkpoint.export_hf_model(self.engine, self.resolved.tokenizer, self.cfg.run.output_dir, self.dist.is_main,
-                                       self.cfg.peft.merge_lora, self.cfg.model.trust_remote_code)
+            checkpoint.export_hf_model(
+                self.engine,
+                self.resolved.tokenizer,
+                self.cfg.run.output_dir,
+                self.dist.is_main,
+                self.cfg.peft.merge_lora,
+                self.cfg.model.trust_remote_code,
+            )
             if self.dist.is_main:  # generation config and model card: the folder is complete and publishable
                 run_config = json.loads((Path(self.cfg.run.output_dir) / RUN_CONFIG_FILE).read_text())
                 out = self.cfg.run.output_dir
                 for folder in (out, *([lora.merged_dir(out)] if self.cfg.peft.merge_lora else [])):
-                    publish.complete_export(folder, self.resolved.tokenizer, self.resolved.model_config, run_config,
-                                            self.metrics.latest)
+                    publish.complete_export(
+                        folder, self.resolved.tokenizer, self.resolved.model_config, run_config, self.metrics.latest
+                    )
         if self.comm_log is not None:
             log.info(self.comm_log.summary())
-        log.info("done: %d steps, %d tokens trained; outputs in %s", self.state.step, self.state.tokens_seen,
-                 self.cfg.run.output_dir)
+        log.info(
+            "done: %d steps, %d tokens trained; outputs in %s",
+            self.state.step,
+            self.state.tokens_seen,
+            self.cfg.run.output_dir,
+        )
 
     def publish(self) -> int:
         """--push_to_hub: rank 0 uploads the export (after close(): outside any collective); the exit code."""
@@ -400,9 +563,11 @@ class Run:
             publish.push_to_hub(out, repo, private=self.cfg.checkpoint.hub_private_repo)
         except Exception as err:
             excludes = " ".join(f"--exclude '{p}'" for p in publish.RUN_FILES)
-            print(f"train.py: push failed: --push_to_hub {repo}: {type(err).__name__}: {str(err).splitlines()[0]}; "
-                  f"the trained model in {out} is complete; push it again with: hf upload {repo} {out} {excludes}",
-                  file=sys.stderr)
+            print(
+                f"train.py: push failed: --push_to_hub {repo}: {type(err).__name__}: {str(err).splitlines()[0]}; "
+                f"the trained model in {out} is complete; push it again with: hf upload {repo} {out} {excludes}",
+                file=sys.stderr,
+            )
             return 1
         return 0
 
@@ -415,8 +580,11 @@ class Run:
         if self.metrics is not None:
             self.metrics.close(exit_code)
         if self._shm_allreduce is not None:
-            log.info("cpu: %d all-reduces (%.2f GB) went through shared memory", self._shm_allreduce.calls,
-                     self._shm_allreduce.bytes / 1e9)
+            log.info(
+                "cpu: %d all-reduces (%.2f GB) went through shared memory",
+                self._shm_allreduce.calls,
+                self._shm_allreduce.bytes / 1e9,
+            )
             self._shm_allreduce.uninstall()
             self._shm_allreduce = None
         # The engine, optimizer and ZeRO-3 parameters hold process groups, so destroy_process_group alone left
@@ -431,5 +599,8 @@ class Run:
         distributed.teardown_distributed(self.dist.rank)
         lingering = distributed.communication_threads()
         if lingering:
-            log.warning("%d communication threads outlive the process group: something still holds it, and the "
-                        "interpreter will tear it down at exit", lingering)
+            log.warning(
+                "%d communication threads outlive the process group: something still holds it, and the "
+                "interpreter will tear it down at exit",
+                lingering,
+            )

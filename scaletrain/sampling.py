@@ -81,8 +81,9 @@ class GlobalOrder:
         unit = self.micro_batch * self.dp_world_size
         while True:
             batch = self.ramp.global_batch(samples)
-            segment = dataclasses.replace(self, accumulation=batch // unit, start_step=step, start_samples=samples,
-                                          ramp=None)
+            segment = dataclasses.replace(
+                self, accumulation=batch // unit, start_step=step, start_samples=samples, ramp=None
+            )
             segments.append(segment)
             if batch >= self.ramp.full:
                 return segments
@@ -153,7 +154,7 @@ class GlobalOrder:
         epoch, lo = self.position(step)
         perm = self.epoch_permutation(epoch) if permutation is None else permutation
         size = self.global_batch_at(step)
-        chosen = perm[lo: lo + size]
+        chosen = perm[lo : lo + size]
         padded = np.full(size, EMPTY_SLOT, dtype=np.int64)
         padded[: len(chosen)] = chosen
         return padded
@@ -168,8 +169,9 @@ class GlobalOrder:
 class StepBatches:
     """Yields, for each optimizer step, this rank's micro-batches and the global count of loss targets."""
 
-    def __init__(self, blocks: PackedBlocks, order: GlobalOrder, rank: int,
-                 shard: Optional[Callable[[dict], dict]] = None):
+    def __init__(
+        self, blocks: PackedBlocks, order: GlobalOrder, rank: int, shard: Optional[Callable[[dict], dict]] = None
+    ):
         self.blocks = blocks
         self.order = order
         self.rank = rank  # the data-parallel rank: which micro-batches of each global batch

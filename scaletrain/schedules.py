@@ -61,8 +61,13 @@ def schedule_of_run(run_config: dict) -> Optional[LRSchedule]:
     resolved numbers); None for a file that lacks one of them."""
     if any(key not in run_config for key in SCHEDULE_KEYS):
         return None
-    return LRSchedule(run_config["lr_scheduler_type"], run_config["total_steps"], run_config["warmup_steps"],
-                      run_config["min_lr_ratio"], run_config["decay_ratio"])
+    return LRSchedule(
+        run_config["lr_scheduler_type"],
+        run_config["total_steps"],
+        run_config["warmup_steps"],
+        run_config["min_lr_ratio"],
+        run_config["decay_ratio"],
+    )
 
 
 def _describe(schedule: LRSchedule, peak_lr: float, other: LRSchedule, other_peak: float) -> str:
@@ -77,8 +82,9 @@ def _describe(schedule: LRSchedule, peak_lr: float, other: LRSchedule, other_pea
     return text
 
 
-def describe_schedule_change(previous: dict, schedule: LRSchedule, peak_lr: float, step: int,
-                             skipped_steps: int = 0) -> Optional[str]:
+def describe_schedule_change(
+    previous: dict, schedule: LRSchedule, peak_lr: float, step: int, skipped_steps: int = 0
+) -> Optional[str]:
     """The warning for a run resumed at `step` with another schedule (or peak LR) than the run_config.json
     `previous` of the run it continues (its peak: "peak_lr" where the reader added the resolved one, else
     "learning_rate"): both schedules and the LR each gives at that step. None when the curve is the same (a
@@ -95,9 +101,11 @@ def describe_schedule_change(previous: dict, schedule: LRSchedule, peak_lr: floa
     if old == schedule and old_peak == peak_lr:
         return None
     before, after = old_peak * old.multiplier(position), peak_lr * schedule.multiplier(position)
-    return (f"resumed at step {step} with another LR schedule ({_describe(old, old_peak, schedule, peak_lr)} -> "
-            f"{_describe(schedule, peak_lr, old, old_peak)}): the LR at step {step} goes from {before:.2e} to "
-            f"{after:.2e}")
+    return (
+        f"resumed at step {step} with another LR schedule ({_describe(old, old_peak, schedule, peak_lr)} -> "
+        f"{_describe(schedule, peak_lr, old, old_peak)}): the LR at step {step} goes from {before:.2e} to "
+        f"{after:.2e}"
+    )
 
 
 def restart_schedule(scheduler, schedule: LRSchedule, peak_lr: float) -> None:

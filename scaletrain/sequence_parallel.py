@@ -44,8 +44,9 @@ def _isolating_sdpa(core):
     return attention
 
 
-def register_ulysses(model, sequence_parallel_size: int, micro_batch: int, block_size: int,
-                     attention_isolation: bool) -> None:
+def register_ulysses(
+    model, sequence_parallel_size: int, micro_batch: int, block_size: int, attention_isolation: bool
+) -> None:
     """Route the model's SDPA attention through Ulysses (process-wide: transformers' attention table), before the
     first forward. Evaluation bypasses it (disable_in_eval): every rank evaluates whole blocks."""
     from deepspeed.runtime.sequence_parallel.ulysses_sp import UlyssesSPAttentionHF
@@ -55,11 +56,21 @@ def register_ulysses(model, sequence_parallel_size: int, micro_batch: int, block
         ALL_ATTENTION_FUNCTIONS["sdpa"] = _isolating_sdpa(ALL_ATTENTION_FUNCTIONS["sdpa"])
     # The returned mpu is not passed to deepspeed.initialize: see the module docstring.
     UlyssesSPAttentionHF.register_with_transformers(
-        model_name_or_path=model, core_attn_implementation="sdpa", sequence_parallel_size=sequence_parallel_size,
-        micro_batch_size=micro_batch, seq_length=block_size, seq_length_is_variable=True, disable_in_eval=True)
-    log.info("sequence parallelism: DeepSpeed Ulysses over %d ranks, %d tokens of each %d-token block per rank%s",
-             sequence_parallel_size, block_size // sequence_parallel_size, block_size,
-             ", documents isolated" if attention_isolation else "")
+        model_name_or_path=model,
+        core_attn_implementation="sdpa",
+        sequence_parallel_size=sequence_parallel_size,
+        micro_batch_size=micro_batch,
+        seq_length=block_size,
+        seq_length_is_variable=True,
+        disable_in_eval=True,
+    )
+    log.info(
+        "sequence parallelism: DeepSpeed Ulysses over %d ranks, %d tokens of each %d-token block per rank%s",
+        sequence_parallel_size,
+        block_size // sequence_parallel_size,
+        block_size,
+        ", documents isolated" if attention_isolation else "",
+    )
 
 
 def shard(batch: dict, sp_rank: int, sp: int) -> dict:
@@ -74,5 +85,8 @@ def shard(batch: dict, sp_rank: int, sp: int) -> dict:
     if positions is None:  # Ulysses needs the positions of the shard's tokens in the block
         positions = torch.arange(length).unsqueeze(0).expand_as(input_ids)
     shifted = F.pad(batch["labels"][:, 1:], (0, 1), value=IGNORE_INDEX)
-    return {"input_ids": input_ids[:, lo:hi].contiguous(), "position_ids": positions[:, lo:hi].contiguous(),
-            "shift_labels": shifted[:, lo:hi].contiguous()}
+    return {
+        "input_ids": input_ids[:, lo:hi].contiguous(),
+        "position_ids": positions[:, lo:hi].contiguous(),
+        "shift_labels": shifted[:, lo:hi].contiguous(),
+    }

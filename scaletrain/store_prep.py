@@ -34,16 +34,20 @@ def held_out_rule(data: DataArgs, seed: int) -> Optional[dict]:
     is kept for it all the same, as which applies is known only once it is loaded."""
     if data.validation_split_percentage == 0 or data.validation_sets:
         return None
-    return {"percentage": data.validation_split_percentage, "max_tokens": data.validation_split_max_tokens or None,
-            "seed": seed}
+    return {
+        "percentage": data.validation_split_percentage,
+        "max_tokens": data.validation_split_max_tokens or None,
+        "seed": seed,
+    }
 
 
 def store_fingerprint(data: DataArgs, tokenizer, block_size: int, seed: int = DEFAULT_SEED):
     from scaletrain.tokenstore import Fingerprint, source_identity, tokenizer_hash
 
     files = local_data_files(data)
-    source = source_identity(None if data.dataset_name else files, data.dataset_name, data.dataset_config_name,
-                             data.dataset_revision)
+    source = source_identity(
+        None if data.dataset_name else files, data.dataset_name, data.dataset_config_name, data.dataset_revision
+    )
     if data.dataset_name and files:  # --validation_file sets beside a dataset's training split
         source = {**source, "validation_files": source_identity(files, None, None)["splits"]}
     return Fingerprint(
@@ -100,16 +104,28 @@ def exclusive_preparation(store: Path) -> Iterator[None]:
                 if partial.name.rsplit("-", 1)[1].isdigit():
                     size = sum(f.stat().st_size for f in partial.rglob("*") if f.is_file())
                     shutil.rmtree(partial, ignore_errors=True)
-                    log.warning("token store %s: removed %s (%.1f MB), left by a preparation that did not finish",
-                                store, partial.name, size / 1e6)
+                    log.warning(
+                        "token store %s: removed %s (%.1f MB), left by a preparation that did not finish",
+                        store,
+                        partial.name,
+                        size / 1e6,
+                    )
         yield
     finally:
         lock_path.unlink(missing_ok=True)
         lock.close()
 
 
-def prepare_token_store(data: DataArgs, tokenizer, tokenizer_dir: str, block_size: int, store: Path,
-                        num_proc: Optional[int], show_progress: bool = True, seed: int = DEFAULT_SEED) -> Path:
+def prepare_token_store(
+    data: DataArgs,
+    tokenizer,
+    tokenizer_dir: str,
+    block_size: int,
+    store: Path,
+    num_proc: Optional[int],
+    show_progress: bool = True,
+    seed: int = DEFAULT_SEED,
+) -> Path:
     """Tokenize the run's raw data into `store`, or reuse the store there when it was made from the same input."""
     fingerprint = store_fingerprint(data, tokenizer, block_size, seed)
     with exclusive_preparation(store):
@@ -126,16 +142,28 @@ def reusable_store(store: Path, fingerprint) -> Optional[dict]:
         differs = fingerprint.differences(manifest["fingerprint"])
         if not differs:
             return manifest
-        raise UsageError(f"{store}: holds a token store made from different input ({', '.join(differs)} differ)",
-                         "choose another --output_dir, or delete that store")
+        raise UsageError(
+            f"{store}: holds a token store made from different input ({', '.join(differs)} differ)",
+            "choose another --output_dir, or delete that store",
+        )
     if store.exists() and (not store.is_dir() or any(store.iterdir())):
-        raise UsageError(f"{store}: exists and is not a token store (no {MANIFEST}); nothing there was changed",
-                         "choose a new or empty folder for the store")
+        raise UsageError(
+            f"{store}: exists and is not a token store (no {MANIFEST}); nothing there was changed",
+            "choose a new or empty folder for the store",
+        )
     return None
 
 
-def _prepare(data: DataArgs, tokenizer, tokenizer_dir: str, fingerprint, store: Path, num_proc: Optional[int],
-             show_progress: bool, seed: int) -> Path:
+def _prepare(
+    data: DataArgs,
+    tokenizer,
+    tokenizer_dir: str,
+    fingerprint,
+    store: Path,
+    num_proc: Optional[int],
+    show_progress: bool,
+    seed: int,
+) -> Path:
     import numpy as np
 
     from scaletrain.tokenstore import HeldOut, source_sha256, write_store
@@ -157,20 +185,32 @@ def _prepare(data: DataArgs, tokenizer, tokenizer_dir: str, fingerprint, store: 
         held_out = None
         if not validation and fingerprint.held_out and len(train) > 1:
             # At random, not the corpus's first documents (often one source, or one period, of a concatenated corpus).
-            held_out = HeldOut(order=np.random.default_rng(seed).permutation(len(train)),
-                               documents=max(1, len(train) * data.validation_split_percentage // 100),
-                               max_tokens=fingerprint.held_out["max_tokens"])
+            held_out = HeldOut(
+                order=np.random.default_rng(seed).permutation(len(train)),
+                documents=max(1, len(train) * data.validation_split_percentage // 100),
+                max_tokens=fingerprint.held_out["max_tokens"],
+            )
         workers = num_proc or os.cpu_count() or 1
         started = time.perf_counter()
         # The content hash, once, here: the lookup (every rank, every start) goes by path, size and modification time.
         content = source_sha256(files) or None
-        write_store({"train": train, **validation}, tokenizer, tokenizer_dir, fingerprint, store,
-                    num_proc=workers, show_progress=show_progress, content_sha256=content, held_out=held_out,
-                    source_revision=revision)
+        write_store(
+            {"train": train, **validation},
+            tokenizer,
+            tokenizer_dir,
+            fingerprint,
+            store,
+            num_proc=workers,
+            show_progress=show_progress,
+            content_sha256=content,
+            held_out=held_out,
+            source_revision=revision,
+        )
     finally:
         shutil.rmtree(scratch, ignore_errors=True)  # the Arrow copy of local files: the store is what is kept
-    log.info("token store %s: prepared in %.1fs, tokenizer parallelism %d", store, time.perf_counter() - started,
-             workers)
+    log.info(
+        "token store %s: prepared in %.1fs, tokenizer parallelism %d", store, time.perf_counter() - started, workers
+    )
     return store
 
 
@@ -178,8 +218,15 @@ def launch_identity() -> str:
     """The same for every local rank of one launch on a node, different for the next launch: the launcher process
     (deepspeed's launch.py, torchrun's agent, or srun's step daemon) and the restart counts of torchrun and Slurm."""
     env = os.environ
-    return ":".join([str(os.getppid()), env.get("TORCHELASTIC_RESTART_COUNT", ""), env.get("SLURM_JOB_ID", ""),
-                     env.get("SLURM_STEP_ID", ""), env.get("SLURM_RESTART_COUNT", "")])
+    return ":".join(
+        [
+            str(os.getppid()),
+            env.get("TORCHELASTIC_RESTART_COUNT", ""),
+            env.get("SLURM_JOB_ID", ""),
+            env.get("SLURM_STEP_ID", ""),
+            env.get("SLURM_RESTART_COUNT", ""),
+        ]
+    )
 
 
 def _read_failure(path: Path) -> Optional[dict]:
@@ -189,9 +236,17 @@ def _read_failure(path: Path) -> Optional[dict]:
         return None
 
 
-
-def ensure_token_store(data: DataArgs, tokenizer, tokenizer_dir: str, block_size: int, local_rank: int,
-                       show_progress: bool, seed: int = DEFAULT_SEED, fingerprint=None, prepare=None) -> Path:
+def ensure_token_store(
+    data: DataArgs,
+    tokenizer,
+    tokenizer_dir: str,
+    block_size: int,
+    local_rank: int,
+    show_progress: bool,
+    seed: int = DEFAULT_SEED,
+    fingerprint=None,
+    prepare=None,
+) -> Path:
     """Raw data given to train.py: local rank 0 of each node prepares the store (under a file lock, so nodes
     sharing a file system prepare it once); the other ranks wait for its manifest by polling the file system,
     with no collective and so no timeout however long preparation takes. The wait has two ways out: the failure
@@ -220,13 +275,23 @@ def ensure_token_store(data: DataArgs, tokenizer, tokenizer_dir: str, block_size
             try:
                 if prepare is not None:
                     return prepare(store)
-                return prepare_token_store(data, tokenizer, tokenizer_dir, block_size, store,
-                                           data.preprocessing_num_workers, show_progress, seed)
+                return prepare_token_store(
+                    data,
+                    tokenizer,
+                    tokenizer_dir,
+                    block_size,
+                    store,
+                    data.preprocessing_num_workers,
+                    show_progress,
+                    seed,
+                )
             except BaseException as err:
                 # Tell the waiting ranks, which no launcher is bound to kill (srun without --kill-on-bad-exit).
                 kind = "usage" if isinstance(err, UsageError) else "failed"
-                failed.write_text(json.dumps({"launch": launch_identity(), "kind": kind,
-                                              "error": str(err) or type(err).__name__}) + "\n")
+                failed.write_text(
+                    json.dumps({"launch": launch_identity(), "kind": kind, "error": str(err) or type(err).__name__})
+                    + "\n"
+                )
                 raise
     waited = 0.0
     while not (store / MANIFEST).exists():
@@ -237,9 +302,11 @@ def ensure_token_store(data: DataArgs, tokenizer, tokenizer_dir: str, block_size
                 raise UsageError(report["error"])
             raise TokenStoreFailed(f"local rank 0 could not prepare the token store {store}: {report['error']}")
         if gone is not None and not (store / MANIFEST).exists():
-            raise PreparerDied(f"waited for local rank 0 (pid {gone}) to prepare the token store {store}: it ended "
-                               "without finishing it or saying why (killed? out of memory?); nothing of the store "
-                               "is used. Restart the job (lower --preprocessing_num_workers if memory ran out)")
+            raise PreparerDied(
+                f"waited for local rank 0 (pid {gone}) to prepare the token store {store}: it ended "
+                "without finishing it or saying why (killed? out of memory?); nothing of the store "
+                "is used. Restart the job (lower --preprocessing_num_workers if memory ran out)"
+            )
         time.sleep(1.0)
         waited += 1.0
         if waited % 300 == 0:

@@ -57,8 +57,9 @@ def tokenizer_hash(tokenizer) -> str:
     return hashlib.sha256((body + special).encode()).hexdigest()
 
 
-def source_identity(files: Optional[dict], dataset_name: Optional[str], dataset_config: Optional[str],
-                    revision: Optional[str] = None) -> dict:
+def source_identity(
+    files: Optional[dict], dataset_name: Optional[str], dataset_config: Optional[str], revision: Optional[str] = None
+) -> dict:
     """Local files (or a local dataset folder's) by path, size and modification time; a save_to_disk folder by its
     Arrow files; a hub dataset by name, config and revision.
 
@@ -66,20 +67,35 @@ def source_identity(files: Optional[dict], dataset_name: Optional[str], dataset_
     changes gets a new size or modification time. The preparer records the content hash (source_sha256) once.
     """
     if files:
-        return {"kind": "files", "splits": {
-            split: [{"path": str(Path(p).resolve()), "size": (st := Path(p).stat()).st_size,
-                     "mtime_ns": st.st_mtime_ns} for p in paths]
-            for split, paths in files.items()}}
+        return {
+            "kind": "files",
+            "splits": {
+                split: [
+                    {"path": str(Path(p).resolve()), "size": (st := Path(p).stat()).st_size, "mtime_ns": st.st_mtime_ns}
+                    for p in paths
+                ]
+                for split, paths in files.items()
+            },
+        }
     path = Path(dataset_name)
     if path.is_dir() and ((path / "dataset_dict.json").exists() or (path / "dataset_info.json").exists()):
         state = sorted(p for p in path.rglob("*.arrow"))
-        return {"kind": "save_to_disk", "path": str(path.resolve()),
-                "arrow": [{"path": str(p.relative_to(path)), "size": p.stat().st_size} for p in state]}
+        return {
+            "kind": "save_to_disk",
+            "path": str(path.resolve()),
+            "arrow": [{"path": str(p.relative_to(path)), "size": p.stat().st_size} for p in state],
+        }
     if path.is_dir():  # a folder of data files that load_dataset reads as a dataset: its files, as for --train_file
         found = sorted(p for p in path.rglob("*") if p.is_file() and not p.relative_to(path).parts[0].startswith("."))
-        return {"kind": "folder", "path": str(path.resolve()), "config": dataset_config,
-                "files": [{"path": str(p.relative_to(path)), "size": (st := p.stat()).st_size,
-                           "mtime_ns": st.st_mtime_ns} for p in found]}
+        return {
+            "kind": "folder",
+            "path": str(path.resolve()),
+            "config": dataset_config,
+            "files": [
+                {"path": str(p.relative_to(path)), "size": (st := p.stat()).st_size, "mtime_ns": st.st_mtime_ns}
+                for p in found
+            ],
+        }
     return {"kind": "hub", "name": dataset_name, "config": dataset_config, "revision": revision}
 
 
@@ -99,9 +115,15 @@ class Fingerprint:
     format_version: int = FORMAT_VERSION
 
     def as_dict(self) -> dict:
-        return {"source": self.source, "tokenizer_sha256": self.tokenizer_sha256, "block_size": self.block_size,
-                "text_column": self.text_column, "held_out": self.held_out,
-                "packing": self.packing, "format_version": self.format_version}
+        return {
+            "source": self.source,
+            "tokenizer_sha256": self.tokenizer_sha256,
+            "block_size": self.block_size,
+            "text_column": self.text_column,
+            "held_out": self.held_out,
+            "packing": self.packing,
+            "format_version": self.format_version,
+        }
 
     def differences(self, other: dict) -> list:
         mine = self.as_dict()
@@ -131,13 +153,18 @@ def read_manifest(store: Path) -> dict:
     try:
         manifest = json.loads(path.read_text())
     except FileNotFoundError:
-        raise UsageError(f"--data_path {store}: not a token store (no {MANIFEST})",
-                         "prepare one with python data/prepare.py --output_dir ...") from None
+        raise UsageError(
+            f"--data_path {store}: not a token store (no {MANIFEST})",
+            "prepare one with python data/prepare.py --output_dir ...",
+        ) from None
     except (OSError, ValueError) as exc:
         raise UsageError(f"--data_path {store}: unreadable {MANIFEST} ({exc})", "prepare the store again") from exc
     if manifest.get("format_version") != FORMAT_VERSION:
-        raise UsageError(f"--data_path {store}: store format version {manifest.get('format_version')}, this code "
-                         f"reads version {FORMAT_VERSION}", "prepare the store again with this version")
+        raise UsageError(
+            f"--data_path {store}: store format version {manifest.get('format_version')}, this code "
+            f"reads version {FORMAT_VERSION}",
+            "prepare the store again with this version",
+        )
     return manifest
 
 
@@ -147,8 +174,10 @@ def open_store(store: Path, expected: Optional[Fingerprint] = None) -> dict:
     if expected is not None:
         differs = expected.differences(manifest["fingerprint"])
         if differs:
-            raise UsageError(f"--data_path {store}: prepared from different input ({', '.join(differs)} differ)",
-                             "prepare a new store for this input, or point --data_path at the matching one")
+            raise UsageError(
+                f"--data_path {store}: prepared from different input ({', '.join(differs)} differ)",
+                "prepare a new store for this input, or point --data_path at the matching one",
+            )
     dtype = np.dtype(manifest["dtype"])
     splits = {}
     for split, info in manifest["splits"].items():
@@ -156,16 +185,23 @@ def open_store(store: Path, expected: Optional[Fingerprint] = None) -> dict:
         expected_bytes = info["n_tokens"] * dtype.itemsize
         actual = tokens_path.stat().st_size if tokens_path.exists() else -1
         if actual != expected_bytes:
-            raise UsageError(f"--data_path {store}: {tokens_path.name} holds {actual} bytes, the manifest says "
-                             f"{expected_bytes} (truncated or corrupt)", "prepare the store again")
+            raise UsageError(
+                f"--data_path {store}: {tokens_path.name} holds {actual} bytes, the manifest says "
+                f"{expected_bytes} (truncated or corrupt)",
+                "prepare the store again",
+            )
         try:
             doc_starts = np.load(docs_path, mmap_mode="r")
         except (OSError, ValueError) as exc:
-            raise UsageError(f"--data_path {store}: {docs_path.name} is unreadable ({exc})",
-                             "prepare the store again") from exc
+            raise UsageError(
+                f"--data_path {store}: {docs_path.name} is unreadable ({exc})", "prepare the store again"
+            ) from exc
         if len(doc_starts) != info["n_documents"]:
-            raise UsageError(f"--data_path {store}: {docs_path.name} holds {len(doc_starts)} documents, the "
-                             f"manifest says {info['n_documents']}", "prepare the store again")
+            raise UsageError(
+                f"--data_path {store}: {docs_path.name} holds {len(doc_starts)} documents, the "
+                f"manifest says {info['n_documents']}",
+                "prepare the store again",
+            )
         tokens = np.memmap(tokens_path, dtype=dtype, mode="r") if info["n_tokens"] else np.zeros(0, dtype)
         splits[split] = StoreSplit(tokens, doc_starts)
     return {"manifest": manifest, "splits": splits}
@@ -184,8 +220,9 @@ def _init_worker(tokenizer_file: str, eos: int, dtype: str, add_special: bool, p
     if parent_pid is not None:
         os.environ["TOKENIZERS_PARALLELISM"] = "false"  # one thread per worker process: no oversubscription
         _die_with_parent(parent_pid)
-    _WORKER.update(tokenizer=Tokenizer.from_file(tokenizer_file), eos=eos, dtype=np.dtype(dtype),
-                   add_special=add_special)
+    _WORKER.update(
+        tokenizer=Tokenizer.from_file(tokenizer_file), eos=eos, dtype=np.dtype(dtype), add_special=add_special
+    )
 
 
 def _die_with_parent(parent_pid: int) -> None:
@@ -212,7 +249,7 @@ def _encode_texts(texts: list) -> tuple:
     flat[ends - 1] = w["eos"]
     starts = ends - lengths
     for i, x in enumerate(ids):
-        flat[starts[i]: ends[i] - 1] = x
+        flat[starts[i] : ends[i] - 1] = x
     return flat, lengths
 
 
@@ -227,8 +264,11 @@ class WorkerDied(Exception):
     def as_prepare_error(self, store: str, worker: str, flag: str) -> PrepareError:
         """The preparation's one-line failure: `store` names it, `worker` the kind of worker, `flag` the knob."""
         what, sigkill = self.args
-        hint = (f"The usual cause is the out-of-memory killer: retry with a smaller {flag}" if sigkill else
-                "Its own error is printed above")
+        hint = (
+            f"The usual cause is the out-of-memory killer: retry with a smaller {flag}"
+            if sigkill
+            else "Its own error is printed above"
+        )
         return PrepareError(f"{store}: a {worker} worker process died ({what}); nothing was kept. " + hint)
 
 
@@ -329,8 +369,16 @@ class WorkerPool:
             conn.close()
 
 
-def _write_split(ds, out: Path, split: str, column: str, batch_size: int, encode, show_progress: bool,
-                 max_tokens: Optional[int] = None) -> dict:
+def _write_split(
+    ds,
+    out: Path,
+    split: str,
+    column: str,
+    batch_size: int,
+    encode,
+    show_progress: bool,
+    max_tokens: Optional[int] = None,
+) -> dict:
     """Tokenize `ds` into `split`'s files; with max_tokens, only its first documents up to that many tokens (at least
     one document), and the rest is not read."""
     from tqdm.auto import tqdm
@@ -345,8 +393,10 @@ def _write_split(ds, out: Path, split: str, column: str, batch_size: int, encode
                 return
             yield batch
 
-    with tqdm(total=len(ds), desc=f"tokenizing {split}", unit="doc", disable=not show_progress) as bar, \
-            open(out / f"{split}.tokens.bin", "wb") as f:  # the bar ends its line even on an error
+    with (
+        tqdm(total=len(ds), desc=f"tokenizing {split}", unit="doc", disable=not show_progress) as bar,
+        open(out / f"{split}.tokens.bin", "wb") as f,
+    ):  # the bar ends its line even on an error
         for flat, lengths in encode(batches()):
             if full:
                 continue  # batches already with the worker processes when the cap was reached
@@ -376,15 +426,18 @@ class HeldOut:
     max_tokens: Optional[int]
 
 
-def _write_held_out(documents, held_out: HeldOut, out: Path, column: str, batch_size: int, encode,
-                    show_progress: bool) -> tuple:
+def _write_held_out(
+    documents, held_out: HeldOut, out: Path, column: str, batch_size: int, encode, show_progress: bool
+) -> tuple:
     """(validation's counts, the training split without the held-out documents, in their original order)."""
     # Index mappings in the temporary store (removed with it), never beside the user's own dataset files.
-    candidates = documents.select(held_out.order[: held_out.documents],
-                                  indices_cache_file_name=str(out / "validation.indices.arrow"))
-    counts = _write_split(candidates, out, "validation", column, batch_size, encode, show_progress,
-                          max_tokens=held_out.max_tokens)
-    rest = np.sort(held_out.order[counts["n_documents"]:])
+    candidates = documents.select(
+        held_out.order[: held_out.documents], indices_cache_file_name=str(out / "validation.indices.arrow")
+    )
+    counts = _write_split(
+        candidates, out, "validation", column, batch_size, encode, show_progress, max_tokens=held_out.max_tokens
+    )
+    rest = np.sort(held_out.order[counts["n_documents"] :])
     return counts, documents.select(rest, indices_cache_file_name=str(out / "train.indices.arrow"))
 
 
@@ -397,16 +450,27 @@ def _save_tokenizer(tokenizer, path: Path) -> None:
         raise
 
 
-def write_store(splits: dict, tokenizer, tokenizer_dir: str, fingerprint: Fingerprint, store: Path,
-                num_proc: int, show_progress: bool = True, batch_size: int = 1000,
-                content_sha256: Optional[dict] = None, held_out: Optional[HeldOut] = None,
-                source_revision: Optional[str] = None) -> Path:
+def write_store(
+    splits: dict,
+    tokenizer,
+    tokenizer_dir: str,
+    fingerprint: Fingerprint,
+    store: Path,
+    num_proc: int,
+    show_progress: bool = True,
+    batch_size: int = 1000,
+    content_sha256: Optional[dict] = None,
+    held_out: Optional[HeldOut] = None,
+    source_revision: Optional[str] = None,
+) -> Path:
     """Tokenize every split into `store`, atomically: a temporary folder renamed into place when complete. With
     `held_out`, the validation split is drawn from splits["train"] first."""
     store = Path(store)
     if not getattr(tokenizer, "is_fast", False):
-        raise UsageError(f"tokenizer {tokenizer_dir}: the token store needs a fast (Rust) tokenizer",
-                         "use a tokenizer with a tokenizer.json")
+        raise UsageError(
+            f"tokenizer {tokenizer_dir}: the token store needs a fast (Rust) tokenizer",
+            "use a tokenizer with a tokenizer.json",
+        )
     dtype = _dtype_for(len(tokenizer))
     # A tokenizer that appends EOS itself would double it; the store adds exactly one after each document.
     # The backend's single encode: a batch call here would start the Rust thread pool at its default size before
@@ -435,17 +499,29 @@ def write_store(splits: dict, tokenizer, tokenizer_dir: str, fingerprint: Finger
             encode = lambda batches: map(_encode_texts, batches)  # noqa: E731
         counts = {}
         if held_out is not None:
-            counts["validation"], train = _write_held_out(splits["train"], held_out, tmp, fingerprint.text_column,
-                                                          batch_size, encode, show_progress)
+            counts["validation"], train = _write_held_out(
+                splits["train"], held_out, tmp, fingerprint.text_column, batch_size, encode, show_progress
+            )
             splits = {"train": train}
-        counts.update({name: _write_split(ds, tmp, name, fingerprint.text_column, batch_size, encode, show_progress)
-                       for name, ds in splits.items() if ds is not None})
+        counts.update(
+            {
+                name: _write_split(ds, tmp, name, fingerprint.text_column, batch_size, encode, show_progress)
+                for name, ds in splits.items()
+                if ds is not None
+            }
+        )
         tokenizer_file.unlink()
         for mapping in tmp.glob("*.indices.arrow"):
             mapping.unlink()
-        manifest = {"format_version": FORMAT_VERSION, "fingerprint": fingerprint.as_dict(), "dtype": dtype.str,
-                    "eos_id": tokenizer.eos_token_id, "pad_id": tokenizer.pad_token_id, "splits": counts,
-                    "prepared_seconds": round(time.perf_counter() - started, 2)}
+        manifest = {
+            "format_version": FORMAT_VERSION,
+            "fingerprint": fingerprint.as_dict(),
+            "dtype": dtype.str,
+            "eos_id": tokenizer.eos_token_id,
+            "pad_id": tokenizer.pad_token_id,
+            "splits": counts,
+            "prepared_seconds": round(time.perf_counter() - started, 2),
+        }
         if content_sha256 is not None:
             manifest["source_sha256"] = content_sha256
         if source_revision is not None:
@@ -458,8 +534,10 @@ def write_store(splits: dict, tokenizer, tokenizer_dir: str, fingerprint: Finger
     except OSError as err:
         if err.errno != errno.ENOSPC:
             raise
-        raise PrepareError(f"token store {store}: the disk holding {store.parent} is full; nothing was kept. "
-                           "Free space there or write the store on another disk") from None
+        raise PrepareError(
+            f"token store {store}: the disk holding {store.parent} is full; nothing was kept. "
+            "Free space there or write the store on another disk"
+        ) from None
     finally:
         if pool is not None:
             pool.close(finished)

@@ -28,14 +28,26 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from data.build_tiny_llama import tiny_llama_variant  # noqa: E402
+
 BIN = Path(sys.executable).parent
-COMMON = ["--config", "ds_configs/zero2.json", "--block_size", "64", "--logging_steps", "1", "--disable_tqdm",
-          "--no-export_hf_at_end", "--max_eval_samples", "8"]
+COMMON = [
+    "--config",
+    "ds_configs/zero2.json",
+    "--block_size",
+    "64",
+    "--logging_steps",
+    "1",
+    "--disable_tqdm",
+    "--no-export_hf_at_end",
+    "--max_eval_samples",
+    "8",
+]
 
 
 def model(folder: Path, hidden: int, layers: int) -> Path:
-    return tiny_llama_variant(folder, hidden_size=hidden, intermediate_size=int(hidden * 2.75),
-                              num_hidden_layers=layers, head_dim=hidden // 4)  # the tiny Llama's 4 heads
+    return tiny_llama_variant(
+        folder, hidden_size=hidden, intermediate_size=int(hidden * 2.75), num_hidden_layers=layers, head_dim=hidden // 4
+    )  # the tiny Llama's 4 heads
 
 
 def train(args: list, nprocs: int = 2) -> tuple:
@@ -68,22 +80,54 @@ def main() -> None:
     for hidden, layers in () if args.positions_only else ((128, 4), (512, 8), (1024, 8)):
         folder = model(tmp / f"m{hidden}", hidden, layers)
         out = tmp / f"run{hidden}"
-        _, log = train(["--config_name", str(folder), "--tokenizer_name", str(folder), "--output_dir", str(out),
-                        "--max_steps", "2", "--per_device_train_batch_size", "2"])
+        _, log = train(
+            [
+                "--config_name",
+                str(folder),
+                "--tokenizer_name",
+                str(folder),
+                "--output_dir",
+                str(out),
+                "--max_steps",
+                "2",
+                "--per_device_train_batch_size",
+                "2",
+            ]
+        )
         size = dir_bytes(out / "checkpoints" / "step2")
         save = seconds(r"saved checkpoint \S+ in ([\d.]+)s", log)[-1]
         save_hash = seconds(r"saved checkpoint \S+ in [\d.]+s \(of which SHA-256 ([\d.]+)s on rank 0", log)[-1]
         loads, checks = [], []
         for _ in range(args.rounds):
-            _, log = train(["--config_name", str(folder), "--tokenizer_name", str(folder), "--output_dir", str(out),
-                            "--max_steps", "2", "--per_device_train_batch_size", "2",
-                            "--resume_from_checkpoint", str(out / "checkpoints" / "step2")])
+            _, log = train(
+                [
+                    "--config_name",
+                    str(folder),
+                    "--tokenizer_name",
+                    str(folder),
+                    "--output_dir",
+                    str(out),
+                    "--max_steps",
+                    "2",
+                    "--per_device_train_batch_size",
+                    "2",
+                    "--resume_from_checkpoint",
+                    str(out / "checkpoints" / "step2"),
+                ]
+            )
             loads += seconds(r"resumed from \S+ \(step \d+, \d+ samples seen\) in ([\d.]+)s", log)[:1]
-            checks += seconds(r"checked the SHA-256 of \d+ of \S+ files \([\d.]+ MB\) in ([\d.]+)s on rank 0",
-                              log)[:1]
-        rows.append({"hidden": hidden, "layers": layers, "checkpoint_mb": size / 2**20, "save_s": save,
-                     "save_sha256_s": save_hash, "load_s": statistics.median(loads),
-                     "load_sha256_check_s": statistics.median(checks)})
+            checks += seconds(r"checked the SHA-256 of \d+ of \S+ files \([\d.]+ MB\) in ([\d.]+)s on rank 0", log)[:1]
+        rows.append(
+            {
+                "hidden": hidden,
+                "layers": layers,
+                "checkpoint_mb": size / 2**20,
+                "save_s": save,
+                "save_sha256_s": save_hash,
+                "load_s": statistics.median(loads),
+                "load_sha256_check_s": statistics.median(checks),
+            }
+        )
         print(json.dumps(rows[-1]), flush=True)
         shutil.rmtree(out)
 
@@ -94,21 +138,31 @@ def main() -> None:
     saved = {}
     for label, step in (("early", 2), ("late", args.late)):
         saved[label] = tmp / f"saved_{label}"
-        train(["--output_dir", str(saved[label]), "--max_steps", str(step), "--per_device_train_batch_size", "4",
-               "--logging_steps", "50"])
+        train(
+            [
+                "--output_dir",
+                str(saved[label]),
+                "--max_steps",
+                str(step),
+                "--per_device_train_batch_size",
+                "4",
+                "--logging_steps",
+                "50",
+            ]
+        )
     first_step = {"early": [], "late": []}
     for _ in range(args.rounds):
         for label, step in (("early", 2), ("late", args.late)):
             resumed = tmp / "resumed"
             shutil.rmtree(resumed, ignore_errors=True)
             shutil.copytree(saved[label], resumed)
-            started, _ = train(["--output_dir", str(resumed), "--max_steps", str(step + 1),
-                                "--per_device_train_batch_size", "4"])  # --resume_from_checkpoint auto
+            started, _ = train(
+                ["--output_dir", str(resumed), "--max_steps", str(step + 1), "--per_device_train_batch_size", "4"]
+            )  # --resume_from_checkpoint auto
             records = [json.loads(line) for line in (resumed / "metrics.jsonl").read_text().splitlines()]
             [first] = [r for r in records if r["step"] == step + 1 and "tokens_per_s" in r]
             first_step[label].append(round(first["time"] - started, 2))
-    first_step["ratio_late_over_early"] = statistics.median(first_step["late"]) / statistics.median(
-        first_step["early"])
+    first_step["ratio_late_over_early"] = statistics.median(first_step["late"]) / statistics.median(first_step["early"])
     print(json.dumps(first_step))
     shutil.rmtree(tmp)
 

@@ -43,26 +43,61 @@ def main() -> None:
         for round_ in range(args.rounds):
             for name, flags in MODES.items():
                 run_dir = Path(tmp) / f"{name.split()[0]}{round_}"
-                launch("train.py", ["--config", "ds_configs/zero2.json", "--config_name", str(model_dir),
-                                    "--output_dir", str(run_dir), "--max_steps", str(args.steps), "--logging_steps",
-                                    "1", "--block_size", str(args.block_size), "--per_device_train_batch_size",
-                                    str(args.batch), "--validation_split_percentage", "0", "--no-export_hf_at_end",
-                                    "--disable_tqdm", *flags], 1)
-                records = [r for r in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines())
-                           if "loss" in r]
+                launch(
+                    "train.py",
+                    [
+                        "--config",
+                        "ds_configs/zero2.json",
+                        "--config_name",
+                        str(model_dir),
+                        "--output_dir",
+                        str(run_dir),
+                        "--max_steps",
+                        str(args.steps),
+                        "--logging_steps",
+                        "1",
+                        "--block_size",
+                        str(args.block_size),
+                        "--per_device_train_batch_size",
+                        str(args.batch),
+                        "--validation_split_percentage",
+                        "0",
+                        "--no-export_hf_at_end",
+                        "--disable_tqdm",
+                        *flags,
+                    ],
+                    1,
+                )
+                records = [
+                    r for r in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines()) if "loss" in r
+                ]
                 times = [r["step_time_s"] for r in records]
-                steady[name].append(statistics.median(times[args.warmup:]))
-                startup[name].append(sum(times[:args.warmup]))
-                print(f"round {round_}: {name}: {steady[name][-1] * 1e3:.1f} ms/step steady, first {args.warmup} "
-                      f"steps {startup[name][-1]:.1f} s", flush=True)
+                steady[name].append(statistics.median(times[args.warmup :]))
+                startup[name].append(sum(times[: args.warmup]))
+                print(
+                    f"round {round_}: {name}: {steady[name][-1] * 1e3:.1f} ms/step steady, first {args.warmup} "
+                    f"steps {startup[name][-1]:.1f} s",
+                    flush=True,
+                )
     eager = statistics.median(steady["eager"])
     for name in MODES:
         step = statistics.median(steady[name])
         extra = statistics.median(startup[name]) - statistics.median(startup["eager"])
-        print(f"| {name} | {step * 1e3:.1f} ({', '.join(f'{v * 1e3:.1f}' for v in steady[name])}) | "
-              f"{step / eager:.2f} | {extra:+.1f} s |")
-    print(json.dumps({"steady_step_s": steady, f"first_{args.warmup}_steps_s": startup, "steps": args.steps,
-                      "block_size": args.block_size, "batch": args.batch}))
+        print(
+            f"| {name} | {step * 1e3:.1f} ({', '.join(f'{v * 1e3:.1f}' for v in steady[name])}) | "
+            f"{step / eager:.2f} | {extra:+.1f} s |"
+        )
+    print(
+        json.dumps(
+            {
+                "steady_step_s": steady,
+                f"first_{args.warmup}_steps_s": startup,
+                "steps": args.steps,
+                "block_size": args.block_size,
+                "batch": args.batch,
+            }
+        )
+    )
 
 
 if __name__ == "__main__":

@@ -49,23 +49,54 @@ def main() -> None:
         for round_ in range(args.rounds):
             for name, (flags, split, config) in LAYOUTS.items():
                 run_dir = Path(tmp) / f"{name.replace(' ', '_')}{round_}"
-                launch("train.py", ["--config", f"ds_configs/{config}.json", "--config_name", str(model_dir),
-                                    "--output_dir", str(run_dir), "--max_steps", str(args.steps),
-                                    "--block_size", str(args.block_size), "--per_device_train_batch_size",
-                                    str(args.global_batch // split), "--validation_split_percentage", "0",
-                                    "--no-export_hf_at_end", "--disable_tqdm", *flags], 2)
-                records = [r for r in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines())
-                           if "loss" in r]
-                rate = steady_rate([r["step"] for r in records], [r["time"] for r in records],
-                                   args.global_batch * args.block_size, args.warmup)
+                launch(
+                    "train.py",
+                    [
+                        "--config",
+                        f"ds_configs/{config}.json",
+                        "--config_name",
+                        str(model_dir),
+                        "--output_dir",
+                        str(run_dir),
+                        "--max_steps",
+                        str(args.steps),
+                        "--block_size",
+                        str(args.block_size),
+                        "--per_device_train_batch_size",
+                        str(args.global_batch // split),
+                        "--validation_split_percentage",
+                        "0",
+                        "--no-export_hf_at_end",
+                        "--disable_tqdm",
+                        *flags,
+                    ],
+                    2,
+                )
+                records = [
+                    r for r in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines()) if "loss" in r
+                ]
+                rate = steady_rate(
+                    [r["step"] for r in records],
+                    [r["time"] for r in records],
+                    args.global_batch * args.block_size,
+                    args.warmup,
+                )
                 rates[name].append(rate / 2)
                 print(f"round {round_}: {name}: {rates[name][-1]:.0f} tokens/s per rank", flush=True)
     baseline = statistics.median(rates["data parallel 2"])
     for name, values in rates.items():
         median = statistics.median(values)
         print(f"| {name} | {median:.0f} ({', '.join(f'{v:.0f}' for v in values)}) | {median / baseline:.2f} |")
-    print(json.dumps({"tokens_per_s_per_rank": rates, "global_batch": args.global_batch,
-                      "block_size": args.block_size, "steps": args.steps}))
+    print(
+        json.dumps(
+            {
+                "tokens_per_s_per_rank": rates,
+                "global_batch": args.global_batch,
+                "block_size": args.block_size,
+                "steps": args.steps,
+            }
+        )
+    )
 
 
 if __name__ == "__main__":

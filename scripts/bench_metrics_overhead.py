@@ -22,15 +22,35 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 def seconds_per_step(logging_steps: int, run_dir: Path, nprocs: int) -> float:
-    cmd = [str(Path(sys.executable).parent / "deepspeed"), "--num_gpus", str(nprocs), "train.py", "--config",
-           "ds_configs/zero2.json", "--output_dir", str(run_dir), "--max_steps", "400", "--logging_steps",
-           str(logging_steps), "--block_size", "64", "--per_device_train_batch_size", "4", "--max_eval_samples", "8",
-           "--disable_tqdm"]
+    cmd = [
+        str(Path(sys.executable).parent / "deepspeed"),
+        "--num_gpus",
+        str(nprocs),
+        "train.py",
+        "--config",
+        "ds_configs/zero2.json",
+        "--output_dir",
+        str(run_dir),
+        "--max_steps",
+        "400",
+        "--logging_steps",
+        str(logging_steps),
+        "--block_size",
+        "64",
+        "--per_device_train_batch_size",
+        "4",
+        "--max_eval_samples",
+        "8",
+        "--disable_tqdm",
+    ]
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, env={**os.environ, "HF_HUB_OFFLINE": "1"})
     if proc.returncode != 0:
         sys.exit(f"{' '.join(cmd)} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
-    stamps = {r["step"]: r["time"] for r in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines())
-              if "time" in r}
+    stamps = {
+        r["step"]: r["time"]
+        for r in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines())
+        if "time" in r
+    }
     return (stamps[400] - stamps[100]) / 300
 
 
@@ -44,11 +64,16 @@ def main() -> None:
         for i in range(args.rounds):
             every.append(seconds_per_step(1, Path(tmp) / f"every{i}", args.nprocs))
             sparse.append(seconds_per_step(100, Path(tmp) / f"sparse{i}", args.nprocs))
-            print(f"round {i}: every step {every[-1] * 1000:.1f} ms/step, every 100 {sparse[-1] * 1000:.1f} ms/step",
-                  flush=True)
+            print(
+                f"round {i}: every step {every[-1] * 1000:.1f} ms/step, every 100 {sparse[-1] * 1000:.1f} ms/step",
+                flush=True,
+            )
     a, b = statistics.median(every), statistics.median(sparse)
-    print(json.dumps({"every_step_ms": round(a * 1000, 2), "every_100_ms": round(b * 1000, 2),
-                      "overhead": round(a / b - 1, 4)}))
+    print(
+        json.dumps(
+            {"every_step_ms": round(a * 1000, 2), "every_100_ms": round(b * 1000, 2), "overhead": round(a / b - 1, 4)}
+        )
+    )
 
 
 if __name__ == "__main__":

@@ -22,6 +22,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from data.build_tiny_llama import tiny_llama_variant  # noqa: E402
+
 BIN = Path(sys.executable).parent
 
 
@@ -60,33 +61,62 @@ def main() -> None:
         model_dir = bench_model(Path(tmp) / "model")
         for round_ in range(args.rounds):
             run_dir = Path(tmp) / f"pipeline{round_}"
-            launch("train.py", ["--config", "ds_configs/zero2.json", "--config_name", str(model_dir),
-                                "--output_dir", str(run_dir), "--max_steps", str(args.steps),
-                                "--block_size", str(args.block_size), "--per_device_train_batch_size",
-                                str(args.batch), "--validation_split_percentage", "0", "--disable_tqdm"],
-                   args.nprocs)
+            launch(
+                "train.py",
+                [
+                    "--config",
+                    "ds_configs/zero2.json",
+                    "--config_name",
+                    str(model_dir),
+                    "--output_dir",
+                    str(run_dir),
+                    "--max_steps",
+                    str(args.steps),
+                    "--block_size",
+                    str(args.block_size),
+                    "--per_device_train_batch_size",
+                    str(args.batch),
+                    "--validation_split_percentage",
+                    "0",
+                    "--disable_tqdm",
+                ],
+                args.nprocs,
+            )
             records = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
             records = [r for r in records if "loss" in r]
             # Same token definition as the baseline: whole blocks per step (padding only in the epoch's last block).
             tokens_per_step = args.batch * args.nprocs * args.block_size
-            pipeline_rates.append(steady_rate([r["step"] for r in records], [r["time"] for r in records],
-                                              tokens_per_step, args.warmup))
+            pipeline_rates.append(
+                steady_rate([r["step"] for r in records], [r["time"] for r in records], tokens_per_step, args.warmup)
+            )
 
             out = launch("scripts/bench/minimal_ds_loop.py", [str(run_dir), str(args.steps)], args.nprocs)
             result = json.loads(next(x for x in out.splitlines() if x.startswith("MINIMAL ")).split(" ", 1)[1])
             steps = list(range(1, len(result["times"]) + 1))
             minimal_rates.append(steady_rate(steps, result["times"], result["tokens_per_step"], args.warmup))
-            print(f"round {round_}: pipeline {pipeline_rates[-1]:.0f} tok/s, minimal {minimal_rates[-1]:.0f} tok/s",
-                  flush=True)
+            print(
+                f"round {round_}: pipeline {pipeline_rates[-1]:.0f} tok/s, minimal {minimal_rates[-1]:.0f} tok/s",
+                flush=True,
+            )
 
     pipeline, minimal = statistics.median(pipeline_rates), statistics.median(minimal_rates)
     overhead = 1.0 - pipeline / minimal
-    print(json.dumps({"pipeline_tokens_per_s": round(pipeline), "minimal_tokens_per_s": round(minimal),
-                      "ratio": round(pipeline / minimal, 4), "overhead": round(overhead, 4),
-                      "pipeline_runs": [round(x) for x in pipeline_rates],
-                      "minimal_runs": [round(x) for x in minimal_rates]}))
-    print(f"| pipeline overhead, ZeRO-2, {args.nprocs} ranks, fp32 | {pipeline:.0f} tok/s | {minimal:.0f} tok/s | "
-          f"{pipeline / minimal:.3f} ({overhead:+.1%} overhead) |")
+    print(
+        json.dumps(
+            {
+                "pipeline_tokens_per_s": round(pipeline),
+                "minimal_tokens_per_s": round(minimal),
+                "ratio": round(pipeline / minimal, 4),
+                "overhead": round(overhead, 4),
+                "pipeline_runs": [round(x) for x in pipeline_rates],
+                "minimal_runs": [round(x) for x in minimal_rates],
+            }
+        )
+    )
+    print(
+        f"| pipeline overhead, ZeRO-2, {args.nprocs} ranks, fp32 | {pipeline:.0f} tok/s | {minimal:.0f} tok/s | "
+        f"{pipeline / minimal:.3f} ({overhead:+.1%} overhead) |"
+    )
 
 
 if __name__ == "__main__":

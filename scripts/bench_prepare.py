@@ -52,10 +52,18 @@ def build_tokenizer(corpus: Path, folder: Path) -> Path:
     tok = Tokenizer(models.BPE(unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    tok.train_from_iterator(texts, trainers.BpeTrainer(vocab_size=8192, special_tokens=["<s>", "</s>", "<pad>",
-                                                                                      "<unk>"], show_progress=False))
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", pad_token="<pad>",
-                                   unk_token="<unk>", model_max_length=1 << 30)
+    tok.train_from_iterator(
+        texts,
+        trainers.BpeTrainer(vocab_size=8192, special_tokens=["<s>", "</s>", "<pad>", "<unk>"], show_progress=False),
+    )
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        bos_token="<s>",
+        eos_token="</s>",
+        pad_token="<pad>",
+        unk_token="<unk>",
+        model_max_length=1 << 30,
+    )
     fast.save_pretrained(folder)
     return folder
 
@@ -74,8 +82,9 @@ def run_recipe(corpus: Path, tokenizer_dir: Path, block_size: int, num_proc: int
         concatenated = {k: list(chain(*examples[k])) for k in examples.keys()}
         total_length = len(concatenated[list(examples.keys())[0]])
         total_length = (total_length // block_size) * block_size
-        result = {k: [t[i: i + block_size] for i in range(0, total_length, block_size)]
-                  for k, t in concatenated.items()}
+        result = {
+            k: [t[i : i + block_size] for i in range(0, total_length, block_size)] for k, t in concatenated.items()
+        }
         result["labels"] = result["input_ids"].copy()
         return result
 
@@ -97,8 +106,9 @@ def run_store(corpus: Path, tokenizer_dir: Path, block_size: int, num_proc: int,
     data = DataArgs(train_file=str(corpus), validation_split_percentage=0)
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
     started = time.perf_counter()
-    store = prepare_token_store(data, tokenizer, str(tokenizer_dir), block_size, out / "store", num_proc,
-                                show_progress=False)
+    store = prepare_token_store(
+        data, tokenizer, str(tokenizer_dir), block_size, out / "store", num_proc, show_progress=False
+    )
     seconds = time.perf_counter() - started
     split = open_store(store)["splits"]["train"]
     return seconds, split.n_tokens, split.n_tokens  # every token is in a block (the last one padded)
@@ -117,8 +127,9 @@ def run_tokenizer_alone(corpus: Path, tokenizer_dir: Path, method: str) -> tuple
 
 def measure(which: str, corpus: Path, tokenizer_dir: Path, block_size: int, num_proc: int, work: Path) -> dict:
     if which in ("tokenizer", "tokenizer_fast"):
-        seconds, tokens = run_tokenizer_alone(corpus, tokenizer_dir,
-                                              "encode_batch" if which == "tokenizer" else "encode_batch_fast")
+        seconds, tokens = run_tokenizer_alone(
+            corpus, tokenizer_dir, "encode_batch" if which == "tokenizer" else "encode_batch_fast"
+        )
         kept = tokens
     elif which == "recipe":
         seconds, tokens, kept = run_recipe(corpus, tokenizer_dir, block_size, num_proc, work / "recipe_cache")
@@ -136,8 +147,14 @@ def main() -> None:
     args = parser.parse_args()
     if args.only:  # one measurement in a fresh process (see below)
         work = Path(args.work)
-        print("RESULT " + json.dumps(measure(args.only, work / "stdlib_sources.jsonl", work / "tokenizer",
-                                             args.block_size, args.num_proc, work)))
+        print(
+            "RESULT "
+            + json.dumps(
+                measure(
+                    args.only, work / "stdlib_sources.jsonl", work / "tokenizer", args.block_size, args.num_proc, work
+                )
+            )
+        )
         return
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
@@ -150,26 +167,45 @@ def main() -> None:
         env = {**os.environ, "RAYON_NUM_THREADS": str(args.num_proc)}
         env.pop("TOKENIZERS_PARALLELISM", None)
         for which in ("tokenizer", "tokenizer_fast", "recipe", "store"):
-            proc = subprocess.run([sys.executable, __file__, "--only", which, "--work", str(work), "--num_proc",
-                                   str(args.num_proc), "--block_size", str(args.block_size)],
-                                  capture_output=True, text=True, check=True, env=env)
+            proc = subprocess.run(
+                [
+                    sys.executable,
+                    __file__,
+                    "--only",
+                    which,
+                    "--work",
+                    str(work),
+                    "--num_proc",
+                    str(args.num_proc),
+                    "--block_size",
+                    str(args.block_size),
+                ],
+                capture_output=True,
+                text=True,
+                check=True,
+                env=env,
+            )
             line = next(x for x in proc.stdout.splitlines() if x.startswith("RESULT "))
             results[which] = json.loads(line.split(" ", 1)[1])
     alone, recipe, store = results["tokenizer"], results["recipe"], results["store"]
     rate = {k: v["tokens"] / v["seconds"] for k, v in results.items()}
-    print(json.dumps({
-        "corpus_tokens": alone["tokens"],
-        "tokenizer_alone_tokens_per_s": round(rate["tokenizer"]),
-        "tokenizer_alone_fast_tokens_per_s": round(rate["tokenizer_fast"]),
-        "recipe_tokens_per_s": round(rate["recipe"]),
-        "store_tokens_per_s": round(rate["store"]),
-        "store_vs_recipe": round(rate["store"] / rate["recipe"], 2),
-        "store_vs_tokenizer_alone": round(rate["store"] / rate["tokenizer"], 3),
-        "recipe_x2_5_vs_tokenizer_alone_fast": round(2.5 * rate["recipe"] / rate["tokenizer_fast"], 3),
-        "recipe_tokens_kept": round(recipe["kept"] / recipe["tokens"], 4),
-        "store_tokens_kept": round(store["kept"] / store["tokens"], 4),
-        "num_proc": args.num_proc,
-    }))
+    print(
+        json.dumps(
+            {
+                "corpus_tokens": alone["tokens"],
+                "tokenizer_alone_tokens_per_s": round(rate["tokenizer"]),
+                "tokenizer_alone_fast_tokens_per_s": round(rate["tokenizer_fast"]),
+                "recipe_tokens_per_s": round(rate["recipe"]),
+                "store_tokens_per_s": round(rate["store"]),
+                "store_vs_recipe": round(rate["store"] / rate["recipe"], 2),
+                "store_vs_tokenizer_alone": round(rate["store"] / rate["tokenizer"], 3),
+                "recipe_x2_5_vs_tokenizer_alone_fast": round(2.5 * rate["recipe"] / rate["tokenizer_fast"], 3),
+                "recipe_tokens_kept": round(recipe["kept"] / recipe["tokens"], 4),
+                "store_tokens_kept": round(store["kept"] / store["tokens"], 4),
+                "num_proc": args.num_proc,
+            }
+        )
+    )
 
 
 if __name__ == "__main__":

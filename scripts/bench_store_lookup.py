@@ -38,8 +38,9 @@ def main() -> None:
         with open(corpus, "w") as f:
             for _ in range(int(args.size_gib * 2**30) // (len(line) * 1000)):
                 f.write(line * 1000)
-        data = parse_run_config(["--config", str(REPO / "ds_configs/zero2.json"), "--output_dir", tmp,
-                                 "--train_file", str(corpus)]).data
+        data = parse_run_config(
+            ["--config", str(REPO / "ds_configs/zero2.json"), "--output_dir", tmp, "--train_file", str(corpus)]
+        ).data
         tokenizer = AutoTokenizer.from_pretrained(REPO / "data" / "tiny-llama")
         corpus.read_bytes()  # into the page cache
         times = []
@@ -48,8 +49,10 @@ def main() -> None:
             default_store_path(store_fingerprint(data, tokenizer, 64))
             times.append(time.perf_counter() - started)
         each = ", ".join(f"{t * 1000:.1f}" for t in times)
-        print(f"store lookup, {corpus.stat().st_size / 2**30:.2f} GiB --train_file: median "
-              f"{statistics.median(times) * 1000:.1f} ms over {args.repeats} ({each})")
+        print(
+            f"store lookup, {corpus.stat().st_size / 2**30:.2f} GiB --train_file: median "
+            f"{statistics.median(times) * 1000:.1f} ms over {args.repeats} ({each})"
+        )
 
 
 if __name__ == "__main__":

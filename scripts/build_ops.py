@@ -30,8 +30,9 @@ def needed_ops(config_paths, accelerator: str) -> list:
         try:
             config = json.loads(Path(path).read_text())
         except (OSError, ValueError) as err:
-            print(f"error: --config {path}: cannot read it as JSON ({err}); give a DeepSpeed config file",
-                  file=sys.stderr)
+            print(
+                f"error: --config {path}: cannot read it as JSON ({err}); give a DeepSpeed config file", file=sys.stderr
+            )
             raise SystemExit(2) from None  # the line above says it all: no traceback chain
         names += [name for name in ops.engine_ops(config, accelerator) if name not in names]
     return names

@@ -452,8 +452,10 @@ def measure(name: str, s: argparse.Namespace, tmp: Path) -> dict:
         "ratio": {k: medians["train.py"][k] / medians["hf_trainer"][k] for k in medians["train.py"]},
         # Each round runs the two sides back to back: the ratio within a round is less exposed to the machine's
         # drift between rounds (another job, a neighbour on a shared host) than the ratio of the medians.
-        "round_ratios": [ours["tokens_per_s"] / theirs["tokens_per_s"]
-                         for ours, theirs in zip(runs["train.py"], runs["hf_trainer"], strict=True)],
+        "round_ratios": [
+            ours["tokens_per_s"] / theirs["tokens_per_s"]
+            for ours, theirs in zip(runs["train.py"], runs["hf_trainer"], strict=True)
+        ],
         "wall_s": round(time.monotonic() - started, 1),
     }
 

@@ -26,16 +26,25 @@ from scaletrain.metrics import METRICS_FILE, read_records  # noqa: E402
 from scaletrain.publish import check_push_target, push_to_hub, write_generation_config, write_model_card  # noqa: E402
 
 
-def export_lora(ckpt: Path, out: Path, peft_args, model_config, model_source: str, tokenizer, trust: bool, dtype,
-                max_shard_size: str, merge_lora: bool) -> None:
+def export_lora(
+    ckpt: Path,
+    out: Path,
+    peft_args,
+    model_config,
+    model_source: str,
+    tokenizer,
+    trust: bool,
+    dtype,
+    max_shard_size: str,
+    merge_lora: bool,
+) -> None:
     """A LoRA checkpoint: its adapter (the trainable parameters of the ZeRO shards) as an adapter folder, and with
     --merge_lora the merged model in <out>/merged."""
     from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
     from scaletrain import lora
 
-    adapter = get_fp32_state_dict_from_zero_checkpoint(str(ckpt.parent), tag=ckpt.name,
-                                                       exclude_frozen_parameters=True)
+    adapter = get_fp32_state_dict_from_zero_checkpoint(str(ckpt.parent), tag=ckpt.name, exclude_frozen_parameters=True)
     model = lora.meta_lora_model(model_config, peft_args, model_source, trust)
     lora.save_adapter(model, {name: tensor.to(dtype) for name, tensor in adapter.items()}, out, tokenizer)
     if merge_lora:
@@ -54,15 +63,18 @@ def export(ckpt: Path, out: Path, dtype: str, max_shard_size: str, merge_lora: b
         raise UsageError(f"{ckpt}: not a committed checkpoint ({problem})", "export another checkpoint")
     tensor_parallel = read_train_state(ckpt).get("tensor_parallel_size", 1)
     if tensor_parallel > 1:  # DeepSpeed's ZeRO reader finds one optimizer file per TP rank and stops
-        raise UsageError(f"{ckpt}: saved with tensor parallelism {tensor_parallel}, which this script cannot merge",
-                         "resume it on one rank for no more steps (train.py --output_dir <its run> --max_steps "
-                         "<its step>): the checkpoint is converted, and the run's end exports the full weights")
+        raise UsageError(
+            f"{ckpt}: saved with tensor parallelism {tensor_parallel}, which this script cannot merge",
+            "resume it on one rank for no more steps (train.py --output_dir <its run> --max_steps "
+            "<its step>): the checkpoint is converted, and the run's end exports the full weights",
+        )
     run_config_path = ckpt.parent.parent / "run_config.json"
     try:
         run_config = json.loads(run_config_path.read_text())
     except (OSError, ValueError) as err:
-        raise UsageError(f"{run_config_path}: cannot read the run's config",
-                         "export from a checkpoint inside its run folder") from err
+        raise UsageError(
+            f"{run_config_path}: cannot read the run's config", "export from a checkpoint inside its run folder"
+        ) from err
     model_source = run_config.get("model_name_or_path") or run_config.get("config_name") or str(DEFAULT_MODEL_DIR)
     tokenizer_source = run_config.get("tokenizer_name") or model_source
     trust = bool(run_config.get("trust_remote_code"))
@@ -72,14 +84,31 @@ def export(ckpt: Path, out: Path, dtype: str, max_shard_size: str, merge_lora: b
     model_config = AutoConfig.from_pretrained(model_source, trust_remote_code=trust)
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_source, trust_remote_code=trust)
     if peft_args is not None:
-        export_lora(ckpt, out, peft_args, model_config, model_source, tokenizer, trust, getattr(torch, dtype),
-                    max_shard_size, merge_lora)
+        export_lora(
+            ckpt,
+            out,
+            peft_args,
+            model_config,
+            model_source,
+            tokenizer,
+            trust,
+            getattr(torch, dtype),
+            max_shard_size,
+            merge_lora,
+        )
     elif read_train_state(ckpt).get("pipeline_parallel_size", 1) > 1:
-        export_pipeline_checkpoint(ckpt, out, model_config, tokenizer, dtype=getattr(torch, dtype),
-                                   max_shard_size=max_shard_size)
+        export_pipeline_checkpoint(
+            ckpt, out, model_config, tokenizer, dtype=getattr(torch, dtype), max_shard_size=max_shard_size
+        )
     else:
-        convert_zero_checkpoint_to_state_dict(str(ckpt.parent), str(out), dtype=getattr(torch, dtype),
-                                              max_shard_size=max_shard_size, safe_serialization=True, tag=ckpt.name)
+        convert_zero_checkpoint_to_state_dict(
+            str(ckpt.parent),
+            str(out),
+            dtype=getattr(torch, dtype),
+            max_shard_size=max_shard_size,
+            safe_serialization=True,
+            tag=ckpt.name,
+        )
         model_config.save_pretrained(out)
         tokenizer.save_pretrained(out)
     final = _final_metrics(ckpt.parent.parent / METRICS_FILE, committed_step(ckpt))
@@ -104,10 +133,16 @@ def main(argv=None) -> int:
     parser.add_argument("out_dir", type=Path)
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     parser.add_argument("--max_shard_size", default="5GB")
-    parser.add_argument("--merge_lora", action="store_true",
-                        help="A LoRA checkpoint: also write the merged model (base + adapter) to <out_dir>/merged.")
-    parser.add_argument("--push_to_hub", metavar="REPO", help="then upload the folder to this Hub repository "
-                        "(owner/name), with HF_TOKEN from the environment")
+    parser.add_argument(
+        "--merge_lora",
+        action="store_true",
+        help="A LoRA checkpoint: also write the merged model (base + adapter) to <out_dir>/merged.",
+    )
+    parser.add_argument(
+        "--push_to_hub",
+        metavar="REPO",
+        help="then upload the folder to this Hub repository (owner/name), with HF_TOKEN from the environment",
+    )
     parser.add_argument("--hub_private_repo", action="store_true", help="create the repository private")
     args = parser.parse_args(argv)
     try:
@@ -121,8 +156,11 @@ def main(argv=None) -> int:
         try:
             print(f"pushed: {push_to_hub(args.out_dir, args.push_to_hub, private=args.hub_private_repo)}")
         except Exception as err:
-            print(f"export_hf.py: push failed: {args.push_to_hub}: {type(err).__name__}: {str(err).splitlines()[0]}; "
-                  f"the export in {args.out_dir} is complete: run the same command again to resume", file=sys.stderr)
+            print(
+                f"export_hf.py: push failed: {args.push_to_hub}: {type(err).__name__}: {str(err).splitlines()[0]}; "
+                f"the export in {args.out_dir} is complete: run the same command again to resume",
+                file=sys.stderr,
+            )
             return 1
     return 0
 

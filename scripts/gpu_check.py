@@ -89,11 +89,27 @@ class Setup:
     lr_warmup_steps: int = 5
 
 
-GPU_SETUP = Setup(2048, 18, 16, 8, 32000, 4096, 4, zero_steps=20, ref_steps=5, speed_steps=10, warmup=5,
-                  precision="bf16", gpu=True)
+GPU_SETUP = Setup(
+    2048, 18, 16, 8, 32000, 4096, 4, zero_steps=20, ref_steps=5, speed_steps=10, warmup=5, precision="bf16", gpu=True
+)
 # This CPU's bf16 is ~100x slower than fp32: the CPU mode checks the program, not the numbers.
-CPU_SETUP = Setup(64, 2, 4, 2, 4096, 64, 2, zero_steps=4, ref_steps=3, speed_steps=4, warmup=2,
-                  precision="fp32", gpu=False, learning_rate=1e-3, lr_warmup_steps=1)
+CPU_SETUP = Setup(
+    64,
+    2,
+    4,
+    2,
+    4096,
+    64,
+    2,
+    zero_steps=4,
+    ref_steps=3,
+    speed_steps=4,
+    warmup=2,
+    precision="fp32",
+    gpu=False,
+    learning_rate=1e-3,
+    lr_warmup_steps=1,
+)
 
 
 @dataclass(frozen=True)
@@ -135,9 +151,22 @@ class Row:
 
 def specs(setup: Setup, model: Path, work: Path, flash: bool, extra: tuple) -> list:
     """Every run of the check, in order."""
-    common = ("--config_name", str(model), "--block_size", str(setup.block_size), "--per_device_train_batch_size",
-              str(setup.batch), "--per_device_eval_batch_size", str(setup.batch), "--max_eval_samples", "4",
-              "--learning_rate", str(setup.learning_rate), "--warmup_steps", str(setup.lr_warmup_steps))
+    common = (
+        "--config_name",
+        str(model),
+        "--block_size",
+        str(setup.block_size),
+        "--per_device_train_batch_size",
+        str(setup.batch),
+        "--per_device_eval_batch_size",
+        str(setup.batch),
+        "--max_eval_samples",
+        "4",
+        "--learning_rate",
+        str(setup.learning_rate),
+        "--warmup_steps",
+        str(setup.lr_warmup_steps),
+    )
     precision = ("--bf16",) if setup.precision == "bf16" else ()
     zero2 = ("--config", "ds_configs/zero2.json")
     gpu_only = None if setup.gpu else "needs a GPU"
@@ -146,34 +175,88 @@ def specs(setup: Setup, model: Path, work: Path, flash: bool, extra: tuple) -> l
     size = f"{n} Llama, {setup.batch} x {setup.block_size} tokens"
 
     def speed(name, what, flags, plan_key, unavailable=None):
-        return Spec(name, f"speed: {what}, ZeRO-2, {setup.precision}, {size}", "train",
-                    (*zero2, *common, *precision, *flags), setup.speed_steps, plan_key, unavailable)
+        return Spec(
+            name,
+            f"speed: {what}, ZeRO-2, {setup.precision}, {size}",
+            "train",
+            (*zero2, *common, *precision, *flags),
+            setup.speed_steps,
+            plan_key,
+            unavailable,
+        )
 
-    default_job = (("--config", "ds_configs/zero3.json") + (("--bf16",) if setup.gpu else ())
-                   + (() if setup.gpu else ("--max_steps", "3")))  # on a CPU a few steps of it show it runs
+    default_job = (
+        ("--config", "ds_configs/zero3.json")
+        + (("--bf16",) if setup.gpu else ())
+        + (() if setup.gpu else ("--max_steps", "3"))
+    )  # on a CPU a few steps of it show it runs
     runs = [
-        Spec("ops", "scripts/build_ops.py: FusedAdam built once, before the timed runs", "ops",
-             unavailable=None if setup.gpu else "not needed on a CPU"),
+        Spec(
+            "ops",
+            "scripts/build_ops.py: FusedAdam built once, before the timed runs",
+            "ops",
+            unavailable=None if setup.gpu else "not needed on a CPU",
+        ),
         Spec("plan", f"train.py --plan: {size}, {setup.precision}, 1 GPU", "plan", common),
-        Spec("default", "the default job (tiny Llama, data/sample)" + (", bf16" if setup.gpu else ", fp32 (CPU)"),
-             "train", default_job),
-        *[Spec(f"zero{stage}", f"ZeRO-{stage}, {setup.precision}, sdpa, {size}" +
-               (" (also the speed matrix's sdpa row)" if stage == 2 else ""), "train",
-               ("--config", f"ds_configs/zero{stage}.json", *common, *precision), setup.zero_steps, (stage, False))
-          for stage in (1, 2, 3)],
-        Spec("fp32_ref", f"loss reference: ZeRO-2, fp32, {size}", "train",
-             ("--config", str(fp32_config(work)), *common), setup.ref_steps),
+        Spec(
+            "default",
+            "the default job (tiny Llama, data/sample)" + (", bf16" if setup.gpu else ", fp32 (CPU)"),
+            "train",
+            default_job,
+        ),
+        *[
+            Spec(
+                f"zero{stage}",
+                f"ZeRO-{stage}, {setup.precision}, sdpa, {size}"
+                + (" (also the speed matrix's sdpa row)" if stage == 2 else ""),
+                "train",
+                ("--config", f"ds_configs/zero{stage}.json", *common, *precision),
+                setup.zero_steps,
+                (stage, False),
+            )
+            for stage in (1, 2, 3)
+        ],
+        Spec(
+            "fp32_ref",
+            f"loss reference: ZeRO-2, fp32, {size}",
+            "train",
+            ("--config", str(fp32_config(work)), *common),
+            setup.ref_steps,
+        ),
         speed("sdpa_ckpt", "sdpa + activation checkpointing", ("--gradient_checkpointing",), (2, True)),
         speed("sdpa_compile", "sdpa + torch.compile", ("--torch_compile",), (2, False), gpu_only),
         speed("flash", "flash_attention_2", ("--attn_implementation", "flash_attention_2"), (2, False), no_flash),
-        speed("flash_ckpt", "flash_attention_2 + activation checkpointing",
-              ("--attn_implementation", "flash_attention_2", "--gradient_checkpointing"), (2, True), no_flash),
-        Spec("qlora", f"QLoRA: ZeRO-3, {setup.precision}, 4-bit base + LoRA r 16, activation checkpointing, {size}",
-             "train", ("--config", "ds_configs/zero3.json", "--model_name_or_path", str(work / PRETRAINED),
-                       "--use_peft", "--load_in_4bit", "--gradient_checkpointing", *common[2:], *precision),
-             setup.zero_steps, unavailable=gpu_only),
-        Spec("hf", f"HF Trainer + DeepSpeed, ZeRO-2, {setup.precision}, sdpa, {size} (compare_hf_trainer.py)", "hf",
-             steps=setup.speed_steps),
+        speed(
+            "flash_ckpt",
+            "flash_attention_2 + activation checkpointing",
+            ("--attn_implementation", "flash_attention_2", "--gradient_checkpointing"),
+            (2, True),
+            no_flash,
+        ),
+        Spec(
+            "qlora",
+            f"QLoRA: ZeRO-3, {setup.precision}, 4-bit base + LoRA r 16, activation checkpointing, {size}",
+            "train",
+            (
+                "--config",
+                "ds_configs/zero3.json",
+                "--model_name_or_path",
+                str(work / PRETRAINED),
+                "--use_peft",
+                "--load_in_4bit",
+                "--gradient_checkpointing",
+                *common[2:],
+                *precision,
+            ),
+            setup.zero_steps,
+            unavailable=gpu_only,
+        ),
+        Spec(
+            "hf",
+            f"HF Trainer + DeepSpeed, ZeRO-2, {setup.precision}, sdpa, {size} (compare_hf_trainer.py)",
+            "hf",
+            steps=setup.speed_steps,
+        ),
     ]
     return [dataclasses.replace(s, args=(*s.args, *extra)) if s.kind == "train" else s for s in runs]
 
@@ -219,9 +302,22 @@ def deepspeed_launcher() -> str:
 
 def run_train(spec: Spec, setup: Setup, work: Path, env: dict, timeout: float, row: Row) -> None:
     out = work / spec.name
-    cmd = [deepspeed_launcher(), "--num_gpus", "1", "--master_port", str(free_port()), "train.py", *spec.args,
-           "--output_dir", str(out), "--logging_steps", "1", "--no-export_hf_at_end", "--no-save_at_end",
-           "--disable_tqdm"]
+    cmd = [
+        deepspeed_launcher(),
+        "--num_gpus",
+        "1",
+        "--master_port",
+        str(free_port()),
+        "train.py",
+        *spec.args,
+        "--output_dir",
+        str(out),
+        "--logging_steps",
+        "1",
+        "--no-export_hf_at_end",
+        "--no-save_at_end",
+        "--disable_tqdm",
+    ]
     if spec.steps and "--max_steps" not in spec.args:
         cmd += ["--max_steps", str(spec.steps)]
     problem = launch(cmd, Path(row.log), env, timeout)
@@ -231,7 +327,12 @@ def run_train(spec: Spec, setup: Setup, work: Path, env: dict, timeout: float, r
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if line.strip()]
     figures = train_figures(records, setup.warmup)
     row.steps, row.tokens_per_s, row.mfu, row.peak_gb, row.losses = (
-        figures["steps"], figures["tokens_per_s"], figures["mfu"], figures["peak_gb"], figures["losses"])
+        figures["steps"],
+        figures["tokens_per_s"],
+        figures["mfu"],
+        figures["peak_gb"],
+        figures["losses"],
+    )
     shutil.rmtree(out / "checkpoints", ignore_errors=True)  # a preemption's checkpoint: ~14 GB per 1B run
     row.status = OK
     if not row.losses or not all(math.isfinite(x) for x in row.losses):
@@ -255,8 +356,7 @@ def train_figures(records: list, warmup: int) -> dict:
 
 
 def run_plan(spec: Spec, env: dict, timeout: float, row: Row, gpu_memory_gb: float) -> dict:
-    cmd = [sys.executable, "train.py", "--plan", *spec.args, "--num_gpus", "1", "--gpu_memory_gb",
-           f"{gpu_memory_gb:g}"]
+    cmd = [sys.executable, "train.py", "--plan", *spec.args, "--num_gpus", "1", "--gpu_memory_gb", f"{gpu_memory_gb:g}"]
     problem = launch(cmd, Path(row.log), env, timeout)
     if problem:
         row.status, row.checks = FAILED, [f"{problem}; log {row.log}"]
@@ -266,8 +366,9 @@ def run_plan(spec: Spec, env: dict, timeout: float, row: Row, gpu_memory_gb: flo
         row.status, row.checks = FAILED, [f"no ZeRO-1/2/3 rows in the --plan output; log {row.log}"]
         return {}
     row.status = OK
-    row.checks = [", ".join(f"ZeRO-{stage}{' ckpt' if ckpt else ''} {gb:.2f}"
-                            for (stage, ckpt), gb in sorted(planned.items()))]
+    row.checks = [
+        ", ".join(f"ZeRO-{stage}{' ckpt' if ckpt else ''} {gb:.2f}" for (stage, ckpt), gb in sorted(planned.items()))
+    ]
     return planned
 
 
@@ -289,14 +390,52 @@ def parse_plan(text: str) -> dict:
 def run_hf(spec: Spec, setup: Setup, work: Path, env: dict, timeout: float, row: Row) -> Optional[float]:
     """compare_hf_trainer.py's throughput measure on the check's model and batch; the train.py / HF ratio."""
     figures = work / "hf.json"
-    cmd = [sys.executable, "scripts/compare_hf_trainer.py", "--measure", "throughput", "--ranks", "1",
-           "--precision", setup.precision, "--zero_stage", "2", "--rounds", "1", "--hidden_size",
-           str(setup.hidden_size), "--layers", str(setup.layers), "--heads", str(setup.heads), "--kv_heads",
-           str(setup.kv_heads), "--vocab_size", str(setup.vocab_size), "--block_size", str(setup.block_size),
-           "--batch", str(setup.batch), "--steps", str(spec.steps), "--warmup", str(setup.warmup),
-           "--logging_steps", "1", "--learning_rate", str(setup.learning_rate), "--lr_warmup_steps",
-           str(setup.lr_warmup_steps), "--max_rss_gb", "100", "--timeout", str(int(timeout)),
-           "--work_dir", str(work / "hf"), "--json", str(figures)]
+    cmd = [
+        sys.executable,
+        "scripts/compare_hf_trainer.py",
+        "--measure",
+        "throughput",
+        "--ranks",
+        "1",
+        "--precision",
+        setup.precision,
+        "--zero_stage",
+        "2",
+        "--rounds",
+        "1",
+        "--hidden_size",
+        str(setup.hidden_size),
+        "--layers",
+        str(setup.layers),
+        "--heads",
+        str(setup.heads),
+        "--kv_heads",
+        str(setup.kv_heads),
+        "--vocab_size",
+        str(setup.vocab_size),
+        "--block_size",
+        str(setup.block_size),
+        "--batch",
+        str(setup.batch),
+        "--steps",
+        str(spec.steps),
+        "--warmup",
+        str(setup.warmup),
+        "--logging_steps",
+        "1",
+        "--learning_rate",
+        str(setup.learning_rate),
+        "--lr_warmup_steps",
+        str(setup.lr_warmup_steps),
+        "--max_rss_gb",
+        "100",
+        "--timeout",
+        str(int(timeout)),
+        "--work_dir",
+        str(work / "hf"),
+        "--json",
+        str(figures),
+    ]
     problem = launch(cmd, Path(row.log), env, timeout * 2 + 60)
     if problem:
         row.status, row.checks = FAILED, [f"{problem}; log {row.log}"]
@@ -306,8 +445,7 @@ def run_hf(spec: Spec, setup: Setup, work: Path, env: dict, timeout: float, row:
     row.tokens_per_s = result["median"]["hf_trainer"]["tokens_per_s"]
     ratio = result["ratio"]["tokens_per_s"]
     ours = result["median"]["train.py"]["tokens_per_s"]
-    row.checks = [f"train.py / HF tokens/s = {ratio:.3f} (train.py {ours:.0f}, time stamps from step "
-                  f"{setup.warmup})"]
+    row.checks = [f"train.py / HF tokens/s = {ratio:.3f} (train.py {ours:.0f}, time stamps from step {setup.warmup})"]
     return ratio
 
 
@@ -324,10 +462,11 @@ def loss_check(losses: list, reference: list, rtol: float = LOSS_RTOL) -> tuple:
     """(passed, text): the first len(reference) losses each within rtol (relative) of the reference's."""
     if len(losses) < len(reference) or not reference:
         return False, f"loss vs fp32: {len(losses)} losses against {len(reference)} reference losses"
-    worst = max(abs(a - b) / abs(b) for a, b in zip(losses[:len(reference)], reference, strict=True))
+    worst = max(abs(a - b) / abs(b) for a, b in zip(losses[: len(reference)], reference, strict=True))
     passed = worst <= rtol
-    return passed, (f"loss vs fp32, first {len(reference)} steps: max rel. diff {worst:.1e} "
-                    f"{'<=' if passed else '>'} {rtol:g}")
+    return passed, (
+        f"loss vs fp32, first {len(reference)} steps: max rel. diff {worst:.1e} {'<=' if passed else '>'} {rtol:g}"
+    )
 
 
 def memory_check(peak_gb: Optional[float], planned_gb: Optional[float], margin: float = MEMORY_MARGIN) -> tuple:
@@ -386,13 +525,19 @@ def _num(value, fmt: str) -> str:
 
 
 def render(rows: dict, header: str) -> str:
-    lines = [header, "", "| run | what | steps | tokens/s | MFU | peak GPU GB | planned GB | check | status |",
-             "|---|---|---|---|---|---|---|---|---|"]
+    lines = [
+        header,
+        "",
+        "| run | what | steps | tokens/s | MFU | peak GPU GB | planned GB | check | status |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
     for row in rows.values():
         took = f" ({row.seconds:.0f}s)" if row.seconds is not None else ""
-        lines.append(f"| {row.run} | {row.what} | {_num(row.steps, 'd')} | {_num(row.tokens_per_s, '.0f')} | "
-                     f"{_num(row.mfu, '.1%')} | {_num(row.peak_gb, '.2f')} | {_num(row.planned_gb, '.2f')} | "
-                     f"{'; '.join(row.checks)} | {row.status}{took} |")
+        lines.append(
+            f"| {row.run} | {row.what} | {_num(row.steps, 'd')} | {_num(row.tokens_per_s, '.0f')} | "
+            f"{_num(row.mfu, '.1%')} | {_num(row.peak_gb, '.2f')} | {_num(row.planned_gb, '.2f')} | "
+            f"{'; '.join(row.checks)} | {row.status}{took} |"
+        )
     return "\n".join(lines)
 
 
@@ -410,13 +555,19 @@ def runs_to_skip(args: argparse.Namespace) -> list:
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--cpu_test", action="store_true",
-                   help="run on a CPU: a tiny model, fp32, a few steps; flash attention and compile rows skipped")
+    p.add_argument(
+        "--cpu_test",
+        action="store_true",
+        help="run on a CPU: a tiny model, fp32, a few steps; flash attention and compile rows skipped",
+    )
     p.add_argument("--work_dir", help="a new or empty folder for the runs (default: a new one under $TMPDIR)")
     p.add_argument("--only", default="", help="comma-separated run names to run (the others show as skipped)")
     p.add_argument("--skip", default="", help="comma-separated run names to leave out")
-    p.add_argument("--qlora", action="store_true",
-                   help="also run the qlora row (~1 minute more: the default check stays within its 8 minutes)")
+    p.add_argument(
+        "--qlora",
+        action="store_true",
+        help="also run the qlora row (~1 minute more: the default check stays within its 8 minutes)",
+    )
     p.add_argument("--json", help="write the rows here (default: WORK_DIR/gpu_check.json)")
     p.add_argument("--timeout", type=float, default=600, help="seconds per run before it counts as failed")
     p.add_argument("--train_args", default="", help="extra flags for every train.py run (quoted, as one string)")
@@ -428,8 +579,10 @@ def main(argv=None) -> int:
     setup = CPU_SETUP if args.cpu_test else GPU_SETUP
     work = Path(args.work_dir) if args.work_dir else Path(tempfile.mkdtemp(prefix="gpu_check_"))
     if work.exists() and any(work.iterdir()):
-        print(f"error: --work_dir {work}: not empty; give a new or empty folder (runs there would resume)",
-              file=sys.stderr)
+        print(
+            f"error: --work_dir {work}: not empty; give a new or empty folder (runs there would resume)",
+            file=sys.stderr,
+        )
         return 2
     work.mkdir(parents=True, exist_ok=True)
     flash = importlib.util.find_spec("flash_attn") is not None
@@ -440,8 +593,10 @@ def main(argv=None) -> int:
     skip = runs_to_skip(args)
     unknown = sorted(set(only + skip) - set(names))
     if unknown:
-        print(f"error: --only/--skip: unknown run(s) {', '.join(unknown)}; the runs are {', '.join(names)}",
-              file=sys.stderr)
+        print(
+            f"error: --only/--skip: unknown run(s) {', '.join(unknown)}; the runs are {', '.join(names)}",
+            file=sys.stderr,
+        )
         return 2
     env = common_env(work)
     gpu_memory_gb = 80.0
@@ -472,24 +627,34 @@ def main(argv=None) -> int:
                 save_pretrained_base(model, work / PRETRAINED)
             run_train(spec, setup, work, env, args.timeout, row)
             if spec.name == "fp32_ref" and row.status == OK:
-                reference = row.losses[:setup.ref_steps]
+                reference = row.losses[: setup.ref_steps]
         row.seconds = time.monotonic() - t0
-        print(f"gpu_check: {spec.name}: {row.status} in {row.seconds:.0f}s (total {time.monotonic() - started:.0f}s)",
-              flush=True)
+        print(
+            f"gpu_check: {spec.name}: {row.status} in {row.seconds:.0f}s (total {time.monotonic() - started:.0f}s)",
+            flush=True,
+        )
     apply_checks(rows, {s.name: s for s in all_specs}, planned, reference)
     total = time.monotonic() - started
     n = n_parameters(model_shape(setup), setup.heads, setup.kv_heads)
-    header = (f"## GPU check ({'CPU test mode' if args.cpu_test else 'GPU'}): {n / 1e9:.2f}B-parameter Llama "
-              f"(hidden {setup.hidden_size}, {setup.layers} layers, {setup.heads} heads / {setup.kv_heads} key/value,"
-              f" vocab {setup.vocab_size}), {setup.batch} x {setup.block_size} tokens per step, 1 "
-              f"{'GPU' if setup.gpu else 'CPU rank'}; loss tolerance {LOSS_RTOL:g} relative, memory margin "
-              f"{MEMORY_MARGIN:.0%}; total {total:.0f}s; work dir {work}")
+    header = (
+        f"## GPU check ({'CPU test mode' if args.cpu_test else 'GPU'}): {n / 1e9:.2f}B-parameter Llama "
+        f"(hidden {setup.hidden_size}, {setup.layers} layers, {setup.heads} heads / {setup.kv_heads} key/value,"
+        f" vocab {setup.vocab_size}), {setup.batch} x {setup.block_size} tokens per step, 1 "
+        f"{'GPU' if setup.gpu else 'CPU rank'}; loss tolerance {LOSS_RTOL:g} relative, memory margin "
+        f"{MEMORY_MARGIN:.0%}; total {total:.0f}s; work dir {work}"
+    )
     table = render(rows, header)
     print("\n" + table)
     code = exit_code(rows)
-    result = {"setup": dataclasses.asdict(setup), "parameters": n, "total_s": round(total, 1), "exit_code": code,
-              "planned_gb": {f"zero{k[0]}{'_ckpt' if k[1] else ''}": v for k, v in planned.items()},
-              "loss_reference": reference, "rows": [dataclasses.asdict(r) for r in rows.values()]}
+    result = {
+        "setup": dataclasses.asdict(setup),
+        "parameters": n,
+        "total_s": round(total, 1),
+        "exit_code": code,
+        "planned_gb": {f"zero{k[0]}{'_ckpt' if k[1] else ''}": v for k, v in planned.items()},
+        "loss_reference": reference,
+        "rows": [dataclasses.asdict(r) for r in rows.values()],
+    }
     json_path = Path(args.json) if args.json else work / "gpu_check.json"
     json_path.write_text(json.dumps(result, indent=2))
     print(f"\nexit code {code}; rows in {json_path}")

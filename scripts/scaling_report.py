@@ -28,33 +28,59 @@ PHASES = ("data_wait", "forward", "backward", "pipeline", "optimizer", "sync", "
 
 def run_job(world: int, out: Path, steps: int, launcher_args: str, extra: list) -> dict:
     run_dir = out / f"world{world}"
-    cmd = [str(Path(sys.executable).parent / "deepspeed"), "--num_gpus", str(world), *shlex.split(launcher_args),
-           str(REPO / "train.py"), "--config", str(REPO / "ds_configs/zero2.json"), "--output_dir", str(run_dir),
-           "--max_steps", str(steps), "--logging_steps", "1", "--disable_tqdm", "--resume_from_checkpoint", "none",
-           "--overwrite_output_dir", *extra]
+    cmd = [
+        str(Path(sys.executable).parent / "deepspeed"),
+        "--num_gpus",
+        str(world),
+        *shlex.split(launcher_args),
+        str(REPO / "train.py"),
+        "--config",
+        str(REPO / "ds_configs/zero2.json"),
+        "--output_dir",
+        str(run_dir),
+        "--max_steps",
+        str(steps),
+        "--logging_steps",
+        "1",
+        "--disable_tqdm",
+        "--resume_from_checkpoint",
+        "none",
+        "--overwrite_output_dir",
+        *extra,
+    ]
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, env={**os.environ, "HF_HUB_OFFLINE": "1"})
     if proc.returncode != 0:
         sys.exit(f"world size {world} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
     records = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    steady = [r for r in records if "loss" in r][steps // 4:]  # skip the warm-up quarter
+    steady = [r for r in records if "loss" in r][steps // 4 :]  # skip the warm-up quarter
     mean = lambda key: sum(r.get(key, 0.0) for r in steady) / len(steady)  # noqa: E731
-    return {"world": world, "tokens_per_s": mean("tokens_per_s"), "step_time_s": mean("step_time_s"),
-            **{p: mean(f"{p}_s") for p in PHASES}, "straggler_ratio": mean("straggler_ratio")}
+    return {
+        "world": world,
+        "tokens_per_s": mean("tokens_per_s"),
+        "step_time_s": mean("step_time_s"),
+        **{p: mean(f"{p}_s") for p in PHASES},
+        "straggler_ratio": mean("straggler_ratio"),
+    }
 
 
 def report(results: list, out: Path) -> str:
     base = results[0]
     base_per_rank = base["tokens_per_s"] / base["world"]
-    lines = ["| world size | tokens/s | tokens/s per rank | scaling efficiency | step time (s) | "
-             + " | ".join(f"{p} (s)" for p in PHASES) + " | grew most vs smallest |",
-             "|" + "---|" * (6 + len(PHASES))]
+    lines = [
+        "| world size | tokens/s | tokens/s per rank | scaling efficiency | step time (s) | "
+        + " | ".join(f"{p} (s)" for p in PHASES)
+        + " | grew most vs smallest |",
+        "|" + "---|" * (6 + len(PHASES)),
+    ]
     for r in results:
         per_rank = r["tokens_per_s"] / r["world"]
         growth = {p: r[p] - base[p] for p in PHASES}
         grew = max(growth, key=growth.get) if r is not base else "-"
         grew_text = f"{grew} (+{growth[grew]:.3f}s)" if r is not base else "-"
-        lines.append(f"| {r['world']} | {r['tokens_per_s']:.0f} | {per_rank:.0f} | {per_rank / base_per_rank:.2f} | "
-                     f"{r['step_time_s']:.3f} | " + " | ".join(f"{r[p]:.3f}" for p in PHASES) + f" | {grew_text} |")
+        lines.append(
+            f"| {r['world']} | {r['tokens_per_s']:.0f} | {per_rank:.0f} | {per_rank / base_per_rank:.2f} | "
+            f"{r['step_time_s']:.3f} | " + " | ".join(f"{r[p]:.3f}" for p in PHASES) + f" | {grew_text} |"
+        )
     table = "\n".join(lines) + "\n"
     (out / "scaling.md").write_text(table)
 
@@ -86,7 +112,7 @@ def report(results: list, out: Path) -> str:
 
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    extra = argv[argv.index("--") + 1:] if "--" in argv else []
+    extra = argv[argv.index("--") + 1 :] if "--" in argv else []
     own = argv[: argv.index("--")] if "--" in argv else argv
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--world_sizes", default="1,2")

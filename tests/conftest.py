@@ -26,15 +26,17 @@ PROBE = REPO / "tests" / "helpers" / "probe_run.py"
 
 def subprocess_env(tmp_cache: Path) -> dict:
     env = dict(os.environ)
-    env.update({
-        "HF_HUB_OFFLINE": "1",  # nothing may be downloaded at run time
-        "HF_DATASETS_OFFLINE": "1",
-        "HF_DATASETS_CACHE": str(tmp_cache / "datasets"),
-        "SCALETRAIN_CACHE": str(tmp_cache / "scaletrain"),  # token stores the runs prepare
-        "WANDB_MODE": "offline",
-        "TOKENIZERS_PARALLELISM": "false",
-        "PYTHONPATH": str(REPO),
-    })
+    env.update(
+        {
+            "HF_HUB_OFFLINE": "1",  # nothing may be downloaded at run time
+            "HF_DATASETS_OFFLINE": "1",
+            "HF_DATASETS_CACHE": str(tmp_cache / "datasets"),
+            "SCALETRAIN_CACHE": str(tmp_cache / "scaletrain"),  # token stores the runs prepare
+            "WANDB_MODE": "offline",
+            "TOKENIZERS_PARALLELISM": "false",
+            "PYTHONPATH": str(REPO),
+        }
+    )
     for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "SLURM_NTASKS", "SLURM_PROCID"):
         env.pop(var, None)
     return env
@@ -50,11 +52,14 @@ def compiled_ops() -> None:
     failed build is an error of every test that needs the ops (pytest keeps a session fixture's failure), never a
     skip.
     """
-    proc = subprocess.run([sys.executable, str(REPO / "scripts" / "build_ops.py")], cwd=REPO, capture_output=True,
-                          text=True, timeout=1800)
+    proc = subprocess.run(
+        [sys.executable, str(REPO / "scripts" / "build_ops.py")], cwd=REPO, capture_output=True, text=True, timeout=1800
+    )
     if proc.returncode != 0:
-        pytest.fail(f"scripts/build_ops.py failed (exit {proc.returncode}):\n{proc.stdout[-3000:]}\n"
-                    f"{proc.stderr[-3000:]}", pytrace=False)
+        pytest.fail(
+            f"scripts/build_ops.py failed (exit {proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}",
+            pytrace=False,
+        )
 
 
 @pytest.fixture(autouse=True)
@@ -68,25 +73,49 @@ def cache_dir(tmp_path_factory) -> Path:
     return tmp_path_factory.mktemp("hf_cache")
 
 
-def launch(script: Path, args: list, launcher: str, cache: Path, nprocs: int = 1, cwd: Path = REPO,
-           timeout: int = 900, env: Optional[dict] = None) -> subprocess.CompletedProcess:
+def launch(
+    script: Path,
+    args: list,
+    launcher: str,
+    cache: Path,
+    nprocs: int = 1,
+    cwd: Path = REPO,
+    timeout: int = 900,
+    env: Optional[dict] = None,
+) -> subprocess.CompletedProcess:
     """Run `script` with `args` under 'deepspeed', 'torchrun' or 'python'; return the finished process."""
     if launcher == "deepspeed":
-        cmd = [str(VENV_BIN / "deepspeed"), "--num_gpus", str(nprocs), "--master_port", str(free_port()),
-               str(script), *args]
+        cmd = [
+            str(VENV_BIN / "deepspeed"),
+            "--num_gpus",
+            str(nprocs),
+            "--master_port",
+            str(free_port()),
+            str(script),
+            *args,
+        ]
     elif launcher == "torchrun":
-        cmd = [str(VENV_BIN / "torchrun"), "--nproc_per_node", str(nprocs), "--master_port", str(free_port()),
-               str(script), *args]
+        cmd = [
+            str(VENV_BIN / "torchrun"),
+            "--nproc_per_node",
+            str(nprocs),
+            "--master_port",
+            str(free_port()),
+            str(script),
+            *args,
+        ]
     else:
         assert nprocs == 1
         cmd = [sys.executable, str(script), *args]
-    return subprocess.run(cmd, cwd=cwd, env={**subprocess_env(cache), **(env or {})}, capture_output=True, text=True,
-                          timeout=timeout)
+    return subprocess.run(
+        cmd, cwd=cwd, env={**subprocess_env(cache), **(env or {})}, capture_output=True, text=True, timeout=timeout
+    )
 
 
 def check_ok(proc: subprocess.CompletedProcess) -> None:
-    assert proc.returncode == 0, \
+    assert proc.returncode == 0, (
         f"exit {proc.returncode}\n--- stdout\n{proc.stdout[-6000:]}\n--- stderr\n{proc.stderr[-6000:]}"
+    )
 
 
 def read_metrics(run_dir: Path) -> list:
@@ -110,6 +139,7 @@ def logged_steps(run_dir: Path) -> list:
 # --- Acting at a given point of a run: stop it there (SIGSTOP) instead of racing it. A test that waits for a state
 # and then kills or signals a process would otherwise test whatever state a faster (or slower) machine is in by
 # the time the signal lands; a stopped process cannot run ahead while the test checks the state it needs.
+
 
 def _thread_states(pid: int) -> list:
     states = []
@@ -146,8 +176,19 @@ def signal_pending(pid: int, sig: int) -> bool:
 
 
 # Small and fast: blocks of 64 tokens, 4 per micro-batch, no progress bar.
-FAST_FLAGS = ["--block_size", "64", "--per_device_train_batch_size", "4", "--per_device_eval_batch_size", "8",
-              "--max_eval_samples", "32", "--logging_steps", "2", "--disable_tqdm"]
+FAST_FLAGS = [
+    "--block_size",
+    "64",
+    "--per_device_train_batch_size",
+    "4",
+    "--per_device_eval_batch_size",
+    "8",
+    "--max_eval_samples",
+    "32",
+    "--logging_steps",
+    "2",
+    "--disable_tqdm",
+]
 
 # The parallel-layout tests (tensor, sequence, pipeline) compare 8 steps of a layout against one rank, with
 # clipping that acts (the gradient norms are above it).
@@ -155,8 +196,22 @@ LAYOUT_STEPS, LAYOUT_CLIP = 8, 0.5
 
 
 def layout_flags(run_dir: Path, config: str, *extra: str) -> list:
-    return ["--config", f"ds_configs/{config}.json", "--output_dir", str(run_dir), "--max_steps", str(LAYOUT_STEPS),
-            "--save_steps", "4", "--max_grad_norm", str(LAYOUT_CLIP), *FAST_FLAGS, "--logging_steps", "1", *extra]
+    return [
+        "--config",
+        f"ds_configs/{config}.json",
+        "--output_dir",
+        str(run_dir),
+        "--max_steps",
+        str(LAYOUT_STEPS),
+        "--save_steps",
+        "4",
+        "--max_grad_norm",
+        str(LAYOUT_CLIP),
+        *FAST_FLAGS,
+        "--logging_steps",
+        "1",
+        *extra,
+    ]
 
 
 @pytest.fixture(scope="session")
@@ -181,8 +236,10 @@ def layout_reference_zero3(tmp_path_factory, cache_dir) -> Path:
 def small_tmpfs(folder: Path, size: str) -> Iterator[Path]:
     """A real file system of `size` (tmpfs, e.g. "50m") mounted at `folder`, for full-disk tests; skips without root."""
     folder.mkdir()
-    if os.geteuid() != 0 or subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs",
-                                            str(folder)]).returncode:
+    if (
+        os.geteuid() != 0
+        or subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(folder)]).returncode
+    ):
         pytest.skip("mounting a small file system needs root")
     try:
         yield folder

@@ -33,12 +33,28 @@ def start_ranks(cache: Path, cwds: list, args: list, env: dict = None, slurm: bo
     for rank, cwd in enumerate(cwds):
         rank_env = {**subprocess_env(cache), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), **(env or {})}
         if slurm:  # srun direct mode: one node, two tasks
-            rank_env.update({"SLURM_NTASKS": str(len(cwds)), "SLURM_PROCID": str(rank), "SLURM_LOCALID": str(rank),
-                             "SLURM_JOB_ID": "4242", "SLURM_STEP_ID": "0", "SLURM_NTASKS_PER_NODE": str(len(cwds))})
+            rank_env.update(
+                {
+                    "SLURM_NTASKS": str(len(cwds)),
+                    "SLURM_PROCID": str(rank),
+                    "SLURM_LOCALID": str(rank),
+                    "SLURM_JOB_ID": "4242",
+                    "SLURM_STEP_ID": "0",
+                    "SLURM_NTASKS_PER_NODE": str(len(cwds)),
+                }
+            )
         else:  # one rank per "node"
             rank_env.update({"RANK": str(rank), "WORLD_SIZE": str(len(cwds)), "LOCAL_RANK": "0"})
-        procs.append(subprocess.Popen([sys.executable, str(REPO / "train.py"), *args], cwd=cwd, env=rank_env,
-                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+        procs.append(
+            subprocess.Popen(
+                [sys.executable, str(REPO / "train.py"), *args],
+                cwd=cwd,
+                env=rank_env,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+            )
+        )
     return procs
 
 
@@ -69,13 +85,21 @@ def test_disagreement_names_the_first_differing_value():
 
     same = {"resume checkpoint": "none (a fresh start)", "run configuration": {"deepspeed": {"zero": 2}}}
     assert disagreement([record(0, "n1", **same), record(1, "n2", **same)]) is None
-    resume = disagreement([record(0, "n1", **same),
-                           record(1, "n2", **{**same, "resume checkpoint": "run/checkpoints/step4 (step 4)"})])
-    assert resume.splitlines()[0] == ("ranks disagree on the resume checkpoint: rank 1 on n2 has "
-                                      "run/checkpoints/step4 (step 4), rank 0 on n1 has none (a fresh start); "
-                                      "nothing was trained")
-    nested = disagreement([record(0, "n1", **same), record(1, "n1", **same),
-                           record(2, "n2", **{**same, "run configuration": {"deepspeed": {"zero": 3}}})])
+    resume = disagreement(
+        [record(0, "n1", **same), record(1, "n2", **{**same, "resume checkpoint": "run/checkpoints/step4 (step 4)"})]
+    )
+    assert resume.splitlines()[0] == (
+        "ranks disagree on the resume checkpoint: rank 1 on n2 has "
+        "run/checkpoints/step4 (step 4), rank 0 on n1 has none (a fresh start); "
+        "nothing was trained"
+    )
+    nested = disagreement(
+        [
+            record(0, "n1", **same),
+            record(1, "n1", **same),
+            record(2, "n2", **{**same, "run configuration": {"deepspeed": {"zero": 3}}}),
+        ]
+    )
     assert "rank 2 on n2 has deepspeed.zero=3, rank 0 on n1 has deepspeed.zero=2" in nested
 
 
@@ -95,9 +119,11 @@ def test_ranks_that_read_different_configs_stop_with_one_message(tmp_path, cache
     results = finish(start_ranks(tmp_path / "cache", cwds, args), timeout=240)
     assert [code for code, _ in results] == [2, 2], results
     lines = [line for _, err in results for line in error_lines(err)]
-    assert lines == [f"train.py: error: ranks disagree on the run configuration: rank 1 on {HOST} has "
-                     f"deepspeed.gradient_clipping=0.5, rank 0 on {HOST} has deepspeed.gradient_clipping=1.0; "
-                     "nothing was trained"], results
+    assert lines == [
+        f"train.py: error: ranks disagree on the run configuration: rank 1 on {HOST} has "
+        f"deepspeed.gradient_clipping=0.5, rank 0 on {HOST} has deepspeed.gradient_clipping=1.0; "
+        "nothing was trained"
+    ], results
     assert "Traceback" not in "".join(err for _, err in results)
     assert not out.exists()  # stopped before the run folder is written
     assert time.monotonic() - started < 180
@@ -112,8 +138,7 @@ def test_a_mistake_on_one_node_is_printed_there_and_stops_every_node_at_once(tmp
         cwd.mkdir()
     (cwds[0] / "model").symlink_to(REPO / "data" / "tiny-llama")
     out = tmp_path / "run"
-    args = ["--config", str(ZERO2), "--config_name", "model", "--output_dir", str(out), "--max_steps", "2",
-            *FAST_FLAGS]
+    args = ["--config", str(ZERO2), "--config_name", "model", "--output_dir", str(out), "--max_steps", "2", *FAST_FLAGS]
     started = time.monotonic()
     results = finish(start_ranks(tmp_path / "cache", cwds, args), timeout=240)
     elapsed = time.monotonic() - started
@@ -151,11 +176,24 @@ def start_conversion(tmp_path: Path) -> tuple:
     ckpt.mkdir(parents=True)
     (ckpt / "train_state.json").write_text("{}\n")
     port = free_port()
-    procs = [subprocess.Popen([sys.executable, "-c", UNIVERSAL_WAIT, str(ckpt)], cwd=REPO, text=True,
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                              env={**subprocess_env(tmp_path / "cache"), "RANK": str(rank), "WORLD_SIZE": "2",
-                                   "LOCAL_RANK": str(rank), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)})
-             for rank in (0, 1)]
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", UNIVERSAL_WAIT, str(ckpt)],
+            cwd=REPO,
+            text=True,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            env={
+                **subprocess_env(tmp_path / "cache"),
+                "RANK": str(rank),
+                "WORLD_SIZE": "2",
+                "LOCAL_RANK": str(rank),
+                "MASTER_ADDR": "127.0.0.1",
+                "MASTER_PORT": str(port),
+            },
+        )
+        for rank in (0, 1)
+    ]
     return ckpt, procs
 
 
@@ -173,14 +211,12 @@ def test_a_failed_universal_conversion_ends_every_rank_with_its_reason(tmp_path,
             proc.kill()
         pytest.fail("a rank still waits for the failed conversion:\n" + procs[1].communicate()[1][-3000:])
     assert [p.returncode for p in procs] == [1, 1], outputs
-    converter, waiter = (out[out.index("ENDED"):] if "ENDED" in out else out for out, _ in outputs)
-    assert converter.startswith("ENDED") and "UniversalConversionFailed reported_by=every rank" in converter, \
-        outputs[0]
+    converter, waiter = (out[out.index("ENDED") :] if "ENDED" in out else out for out, _ in outputs)
+    assert converter.startswith("ENDED") and "UniversalConversionFailed reported_by=every rank" in converter, outputs[0]
     assert "can't find *_optim_states.pt files" in converter  # the converter's own output, for the user
     assert f"converting {ckpt} to a universal checkpoint failed (DeepSpeed's ds_to_universal exited" in converter
     assert waiter.startswith("ENDED") and "reported_by=node" in waiter, outputs[1]
-    assert f"waited for global rank 0's conversion of {ckpt} to a universal checkpoint: it failed (converting" \
-        in waiter
+    assert f"waited for global rank 0's conversion of {ckpt} to a universal checkpoint: it failed (converting" in waiter
     assert float(waiter.split()[2].rstrip("s")) < 60, waiter  # once rank 0 failed, not at some timeout
     assert not (ckpt.parent / ".universal" / "step4.done").exists()
 
@@ -218,9 +254,10 @@ def test_a_rank_0_killed_while_converting_ends_the_waiting_rank(tmp_path, cache_
                 proc.kill()
     assert time.monotonic() - killed_at < 60
     assert waiter.returncode == 1 and "ENDED" in out, err[-3000:]
-    assert out[out.index("ENDED"):].split(": ", 1)[1].strip() == (
+    assert out[out.index("ENDED") :].split(": ", 1)[1].strip() == (
         f"waited for global rank 0's conversion of {ckpt} to a universal checkpoint: rank 0 ended without finishing "
-        "it (killed? out of memory?); see its node's log, then restart"), out
+        "it (killed? out of memory?); see its node's log, then restart"
+    ), out
 
 
 @pytest.mark.slow  # two real ranks and a preparation long enough to be killed in: ~40 s
@@ -230,8 +267,21 @@ def test_a_killed_preparer_under_srun_direct_mode_ends_the_waiting_rank(tmp_path
     local rank 1 polled for the store's manifest forever."""
     corpus = write_corpus(tmp_path / "corpus.jsonl", 30_000)
     cache = tmp_path / "cache"
-    args = ["--config", str(ZERO2), "--output_dir", str(tmp_path / "run"), "--train_file", str(corpus),
-            "--validation_split_percentage", "0", "--preprocessing_num_workers", "1", "--max_steps", "2", *FAST_FLAGS]
+    args = [
+        "--config",
+        str(ZERO2),
+        "--output_dir",
+        str(tmp_path / "run"),
+        "--train_file",
+        str(corpus),
+        "--validation_split_percentage",
+        "0",
+        "--preprocessing_num_workers",
+        "1",
+        "--max_steps",
+        "2",
+        *FAST_FLAGS,
+    ]
     procs = start_ranks(cache, [REPO, REPO], args, slurm=True)
     preparer, waiter = procs
     stores = cache / "scaletrain" / "token_stores"
@@ -260,7 +310,8 @@ def test_a_killed_preparer_under_srun_direct_mode_ends_the_waiting_rank(tmp_path
     assert waiter.returncode == 1, err[-3000:]
     lines = error_lines(err)
     assert len(lines) == 1, err[-3000:]
-    assert lines[0].startswith(f"train.py: error: waited for local rank 0 (pid {preparer.pid}) to prepare the "
-                               "token store ")
+    assert lines[0].startswith(
+        f"train.py: error: waited for local rank 0 (pid {preparer.pid}) to prepare the token store "
+    )
     assert "it ended without finishing it or saying why (killed? out of memory?)" in lines[0]
     assert "Traceback" not in err, err[-3000:]

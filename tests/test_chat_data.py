@@ -29,20 +29,42 @@ TEMPLATES = REPO / "tests" / "fixtures" / "chat_templates"
 # gets them so that each is one token, as in the real one).
 FAMILIES = {
     "llama-3.1-instruct": dict(
-        opens="<|start_header_id|>assistant<|end_header_id|>\n\n", closes="<|eot_id|>", strips=True,
+        opens="<|start_header_id|>assistant<|end_header_id|>\n\n",
+        closes="<|eot_id|>",
+        strips=True,
         special={"bos_token": "<|begin_of_text|>", "eos_token": "<|eot_id|>"},
-        extra=["<|start_header_id|>", "<|end_header_id|>", "<|eom_id|>", "<|python_tag|>"]),
+        extra=["<|start_header_id|>", "<|end_header_id|>", "<|eom_id|>", "<|python_tag|>"],
+    ),
     "qwen2.5-instruct": dict(
-        opens="<|im_start|>assistant\n", closes="<|im_end|>", strips=False,
-        special={"eos_token": "<|im_end|>", "pad_token": "<|endoftext|>"}, extra=["<|im_start|>"]),
+        opens="<|im_start|>assistant\n",
+        closes="<|im_end|>",
+        strips=False,
+        special={"eos_token": "<|im_end|>", "pad_token": "<|endoftext|>"},
+        extra=["<|im_start|>"],
+    ),
     "gemma-3-it": dict(
-        opens="<start_of_turn>model\n", closes="<end_of_turn>", strips=True,
-        special={"bos_token": "<bos>", "eos_token": "<eos>"}, extra=["<start_of_turn>", "<end_of_turn>"]),
+        opens="<start_of_turn>model\n",
+        closes="<end_of_turn>",
+        strips=True,
+        special={"bos_token": "<bos>", "eos_token": "<eos>"},
+        extra=["<start_of_turn>", "<end_of_turn>"],
+    ),
     "mistral-7b-instruct-v0.2": dict(opens=" [/INST]", closes="</s>", strips=False, special={}, extra=[]),
     "mistral-7b-instruct-v0.3": dict(
-        opens="[/INST]", closes="</s>", strips=True, special={},
-        extra=["[INST]", "[/INST]", "[AVAILABLE_TOOLS]", "[/AVAILABLE_TOOLS]", "[TOOL_CALLS]", "[TOOL_RESULTS]",
-               "[/TOOL_RESULTS]"]),
+        opens="[/INST]",
+        closes="</s>",
+        strips=True,
+        special={},
+        extra=[
+            "[INST]",
+            "[/INST]",
+            "[AVAILABLE_TOOLS]",
+            "[/AVAILABLE_TOOLS]",
+            "[TOOL_CALLS]",
+            "[TOOL_RESULTS]",
+            "[/TOOL_RESULTS]",
+        ],
+    ),
 }
 
 SYSTEM = {"role": "system", "content": "You answer in one short sentence."}
@@ -73,8 +95,9 @@ def family(name: str):
 
 
 def render_text(tokenizer, template, messages, add_generation_prompt=False) -> str:
-    return tokenizer.apply_chat_template(messages, chat_template=template.text, tokenize=False,
-                                         add_generation_prompt=add_generation_prompt)
+    return tokenizer.apply_chat_template(
+        messages, chat_template=template.text, tokenize=False, add_generation_prompt=add_generation_prompt
+    )
 
 
 def expected_by_hand(name, tokenizer, text, messages):
@@ -94,7 +117,7 @@ def expected_by_hand(name, tokenizer, text, messages):
         pos = found + len(pattern)
     ids, mask, bounds = [], [], [0] + [b for cut in cuts for b in cut] + [len(text)]
     for k in range(len(bounds) - 1):
-        piece = tokenizer(text[bounds[k]:bounds[k + 1]], add_special_tokens=False)["input_ids"]
+        piece = tokenizer(text[bounds[k] : bounds[k + 1]], add_special_tokens=False)["input_ids"]
         ids += piece
         mask += [k % 2] * len(piece)
     return ids, mask, [text[a:b] for a, b in cuts]
@@ -130,7 +153,8 @@ def test_gemma_folds_the_system_prompt_into_the_first_user_turn_untrained():
     text = tokenizer.decode(result.input_ids, skip_special_tokens=False)
     assert f"<start_of_turn>user\n{SYSTEM['content']}\n\n{TURNS[0]['content']}" in text
     assert format_sample(result.input_ids, result.loss_mask, tokenizer, color=False).endswith(
-        f"<start_of_turn>model\n[[{TURNS[1]['content']}<end_of_turn>]]\n")
+        f"<start_of_turn>model\n[[{TURNS[1]['content']}<end_of_turn>]]\n"
+    )
 
 
 def test_a_reply_starts_right_after_the_generation_prompt_tokens_as_at_inference():
@@ -140,31 +164,38 @@ def test_a_reply_starts_right_after_the_generation_prompt_tokens_as_at_inference
     tokenizer = family_tokenizer("llama-3.1-instruct")
     template = load_chat_template(tokenizer, str(TEMPLATES / "llama-3.1-instruct.jinja"))
     result = render_conversation(TURNS[:2], tokenizer, template)
-    prompt_ids = tokenizer.apply_chat_template(TURNS[:1], chat_template=template.text, add_generation_prompt=True,
-                                               return_dict=False)
-    assert result.input_ids[:len(prompt_ids)] == prompt_ids
-    assert result.loss_mask[:len(prompt_ids)] == [0] * len(prompt_ids) and result.loss_mask[len(prompt_ids)] == 1
+    prompt_ids = tokenizer.apply_chat_template(
+        TURNS[:1], chat_template=template.text, add_generation_prompt=True, return_dict=False
+    )
+    assert result.input_ids[: len(prompt_ids)] == prompt_ids
+    assert result.loss_mask[: len(prompt_ids)] == [0] * len(prompt_ids) and result.loss_mask[len(prompt_ids)] == 1
     whole = tokenizer.apply_chat_template(TURNS[:2], chat_template=template.text, return_dict=False)
-    assert whole[:len(prompt_ids)] != prompt_ids  # the merge this avoids is real with this tokenizer
+    assert whole[: len(prompt_ids)] != prompt_ids  # the merge this avoids is real with this tokenizer
 
 
 def test_the_v02_fixture_renders_as_published():
     """huggingface.js's expected render of its example chat with this template (packages/jinja/test/e2e.test.js)."""
     tokenizer, template = family("mistral-7b-instruct-v0.2")
-    chat = [{"role": "user", "content": "Hello, how are you?"},
-            {"role": "assistant", "content": "I'm doing great. How can I help you today?"},
-            {"role": "user", "content": "I'd like to show off how chat templating works!"}]
+    chat = [
+        {"role": "user", "content": "Hello, how are you?"},
+        {"role": "assistant", "content": "I'm doing great. How can I help you today?"},
+        {"role": "user", "content": "I'd like to show off how chat templating works!"},
+    ]
     assert render_text(tokenizer, template, chat) == (
         "<s>[INST] Hello, how are you? [/INST]I'm doing great. How can I help you today?</s>[INST] I'd like to "
-        "show off how chat templating works! [/INST]")
+        "show off how chat templating works! [/INST]"
+    )
 
 
 def test_mistral_system_prompt_v02_refusal_is_reported_with_the_template_and_example():
     """v0.2 has no system role: its own raise_exception, in one line naming the template and the example."""
     tokenizer = family_tokenizer("mistral-7b-instruct-v0.2")
     template = load_chat_template(tokenizer, str(TEMPLATES / "mistral-7b-instruct-v0.2.jinja"))
-    with pytest.raises(UsageError, match=r"mistral-7b-instruct-v0\.2\.jinja refuses example 7: Conversation roles "
-                                         r"must alternate user/assistant") as caught:
+    with pytest.raises(
+        UsageError,
+        match=r"mistral-7b-instruct-v0\.2\.jinja refuses example 7: Conversation roles "
+        r"must alternate user/assistant",
+    ) as caught:
         render_conversation([SYSTEM, *TURNS], tokenizer, template, index=7)
     assert caught.value.exit_code == USAGE_EXIT_CODE
 
@@ -176,8 +207,11 @@ def test_mistral_system_prompt_v03_moved_to_the_last_user_turn_is_not_prefix_con
     template = load_chat_template(tokenizer, str(TEMPLATES / "mistral-7b-instruct-v0.3.jinja"))
     assert SYSTEM["content"] in render_text(tokenizer, template, [SYSTEM, TURNS[0]], add_generation_prompt=True)
     assert SYSTEM["content"] not in render_text(tokenizer, template, [SYSTEM, *TURNS[:2]])
-    with pytest.raises(UsageError, match=r"mistral-7b-instruct-v0\.3\.jinja: renders of example 3 are not "
-                                         r"prefix-consistent at turn 2 \(assistant\)"):
+    with pytest.raises(
+        UsageError,
+        match=r"mistral-7b-instruct-v0\.3\.jinja: renders of example 3 are not "
+        r"prefix-consistent at turn 2 \(assistant\)",
+    ):
         render_conversation([SYSTEM, *TURNS], tokenizer, template, index=3)
 
 
@@ -190,17 +224,26 @@ def qwen_with_markers(marked_part: str) -> ChatTemplate:
     text = (TEMPLATES / "qwen2.5-instruct.jinja").read_text()
     plain_turn = '(message.role == "assistant" and not message.tool_calls) %}\n        ' + QWEN_ASSISTANT
     assert plain_turn in text
-    branch = ('(message.role == "assistant" and not message.tool_calls) %}\n'
-              "        {%- if message.role == 'assistant' %}{{- '<|im_start|>assistant\\n' }}" + marked_part +
-              "{%- else %}" + QWEN_ASSISTANT + "{%- endif %}")
+    branch = (
+        '(message.role == "assistant" and not message.tool_calls) %}\n'
+        "        {%- if message.role == 'assistant' %}{{- '<|im_start|>assistant\\n' }}"
+        + marked_part
+        + "{%- else %}"
+        + QWEN_ASSISTANT
+        + "{%- endif %}"
+    )
     return ChatTemplate(text.replace(plain_turn, branch), "qwen2.5 with markers")
 
 
-@pytest.mark.parametrize("marked_part", [
-    QWEN_MARKED,
-    # TRL's training templates mark the newline after the end of turn too: never generated, so not trained here
-    "{%- generation %}{{- message.content + '<|im_end|>\\n' }}{%- endgeneration %}",
-], ids=["end-of-turn", "end-of-turn-and-newline"])
+@pytest.mark.parametrize(
+    "marked_part",
+    [
+        QWEN_MARKED,
+        # TRL's training templates mark the newline after the end of turn too: never generated, so not trained here
+        "{%- generation %}{{- message.content + '<|im_end|>\\n' }}{%- endgeneration %}",
+    ],
+    ids=["end-of-turn", "end-of-turn-and-newline"],
+)
 def test_generation_markers_agree_with_the_prefix_renders(marked_part):
     tokenizer = family_tokenizer("qwen2.5-instruct")
     plain = load_chat_template(tokenizer, str(TEMPLATES / "qwen2.5-instruct.jinja"))
@@ -213,7 +256,8 @@ def test_generation_markers_agree_with_the_prefix_renders(marked_part):
 def test_generation_markers_that_leave_out_the_end_of_turn_are_refused():
     tokenizer = family_tokenizer("qwen2.5-instruct")
     without_end_of_turn = qwen_with_markers(
-        "{%- generation %}{{- message.content }}{%- endgeneration %}{{- '<|im_end|>\\n' }}")
+        "{%- generation %}{{- message.content }}{%- endgeneration %}{{- '<|im_end|>\\n' }}"
+    )
     with pytest.raises(UsageError, match="qwen2.5 with markers: its {% generation %} markers disagree"):
         render_conversation(TURNS, tokenizer, without_end_of_turn)
 
@@ -233,8 +277,9 @@ def test_qwen3_trains_the_empty_think_block_it_writes_into_a_last_reply(with_sys
     text = render_text(tokenizer, template, messages)
     start = text.index("<|im_start|>assistant\n") + len("<|im_start|>assistant\n")
     end = text.index("<|im_end|>", start) + len("<|im_end|>")
-    prompt, reply, tail = (tokenizer(part, add_special_tokens=False)["input_ids"]
-                           for part in (text[:start], text[start:end], text[end:]))
+    prompt, reply, tail = (
+        tokenizer(part, add_special_tokens=False)["input_ids"] for part in (text[:start], text[start:end], text[end:])
+    )
     assert text[start:end] == "<think>\n\n</think>\n\n" + TURNS[1]["content"] + "<|im_end|>"
     assert result.input_ids == prompt + reply + tail
     assert result.loss_mask == [0] * len(prompt) + [1] * len(reply) + [0] * len(tail)
@@ -293,8 +338,11 @@ def test_an_unknown_role_names_the_role_the_example_and_the_allowed_roles():
     tokenizer = family_tokenizer("qwen2.5-instruct")
     template = load_chat_template(tokenizer, str(TEMPLATES / "qwen2.5-instruct.jinja"))
     messages = [TURNS[0], {"role": "bot", "content": "hi"}]
-    with pytest.raises(UsageError, match=r"example 12: messages\[1\] has role 'bot'; the allowed roles are "
-                                         r"system, user, assistant") as caught:
+    with pytest.raises(
+        UsageError,
+        match=r"example 12: messages\[1\] has role 'bot'; the allowed roles are "
+        r"system, user, assistant",
+    ) as caught:
         render_example({"messages": messages}, tokenizer, template, 12)
     assert caught.value.exit_code == USAGE_EXIT_CODE
     with pytest.raises(UsageError, match=r"example 2: completion\[0\] has role 'tool'"):
@@ -321,8 +369,11 @@ def test_check_masks_refuses_nothing_or_everything_trained_naming_the_template()
     tokenizer = family_tokenizer("llama-3.1-instruct")
     template = load_chat_template(tokenizer, str(TEMPLATES / "llama-3.1-instruct.jinja"))
     user_only = [render_conversation([TURNS[0]], tokenizer, template, i).loss_mask for i in range(3)]
-    with pytest.raises(UsageError, match=r"no token of the 3 examples is trained with --chat_template "
-                                         r".*llama-3.1-instruct.jinja") as caught:
+    with pytest.raises(
+        UsageError,
+        match=r"no token of the 3 examples is trained with --chat_template "
+        r".*llama-3.1-instruct.jinja",
+    ) as caught:
         check_masks(user_only, template)
     assert caught.value.exit_code == USAGE_EXIT_CODE
     # A template that writes nothing but the messages' text, and prompts that are empty: nothing is prompt.
@@ -335,7 +386,10 @@ def test_check_masks_refuses_nothing_or_everything_trained_naming_the_template()
     good = render_conversation(TURNS, tokenizer, template)
     summary = check_masks([good.loss_mask, user_only[0]], template)
     assert (summary.examples, summary.trained_tokens, summary.examples_without_trained_tokens) == (
-        2, good.trained_tokens, 1)
+        2,
+        good.trained_tokens,
+        1,
+    )
     assert summary.tokens == len(good.loss_mask) + len(user_only[0])
 
 
@@ -344,7 +398,9 @@ def test_format_sample_marks_the_trained_tokens():
     template = load_chat_template(tokenizer, str(TEMPLATES / "qwen2.5-instruct.jinja"))
     result = render_conversation(TURNS[:2], tokenizer, template)
     plain = format_sample(result.input_ids, result.loss_mask, tokenizer, color=False)
-    assert plain == (render_text(tokenizer, template, TURNS[:1], add_generation_prompt=True)
-                     + f"[[{TURNS[1]['content']}<|im_end|>]]\n")
+    assert plain == (
+        render_text(tokenizer, template, TURNS[:1], add_generation_prompt=True)
+        + f"[[{TURNS[1]['content']}<|im_end|>]]\n"
+    )
     coloured = format_sample(result.input_ids, result.loss_mask, tokenizer, color=True)
     assert coloured == plain.replace("[[", "\x1b[32m").replace("]]", "\x1b[0m")

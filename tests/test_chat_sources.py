@@ -67,8 +67,9 @@ def cache_hub_dataset(cache: Path, rows: list, name: str = HUB_NAME) -> None:
     import datasets
 
     source = write_jsonl(cache.parent / "hub-source" / f"{name.replace('/', '_')}.jsonl", rows)
-    builder = datasets.load_dataset_builder("json", data_files={"train": str(source)},
-                                            cache_dir=str(cache.parent / "hub-build"))
+    builder = datasets.load_dataset_builder(
+        "json", data_files={"train": str(source)}, cache_dir=str(cache.parent / "hub-build")
+    )
     builder.download_and_prepare()
     namespace, short = name.split("/")
     entry = cache / f"{namespace}___{short}" / "default" / "0.0.0" / ("0123abcd" * 5)  # the commit it resolved to
@@ -81,8 +82,17 @@ def cache_hub_dataset(cache: Path, rows: list, name: str = HUB_NAME) -> None:
 
 
 def data_args(tmp_path, *flags):
-    return parse_run_config(["--config", str(REPO / "ds_configs/zero2.json"), "--output_dir", str(tmp_path / "o"),
-                             "--validation_split_percentage", "0", *flags]).data
+    return parse_run_config(
+        [
+            "--config",
+            str(REPO / "ds_configs/zero2.json"),
+            "--output_dir",
+            str(tmp_path / "o"),
+            "--validation_split_percentage",
+            "0",
+            *flags,
+        ]
+    ).data
 
 
 def chats() -> list:
@@ -105,6 +115,7 @@ ASSISTANT_ONLY = ("--chat_template", str(MISTRAL), "--assistant_only_loss")
 
 
 # --- every source: the pre-flight recognises the chat data, the store renders it with assistant-only masks --------
+
 
 def test_a_local_folder_of_chat_files_given_as_dataset_name_is_rendered_as_chat_data(tmp_path, tokenizer, offline):
     folder = tmp_path / "chat-folder"
@@ -149,8 +160,7 @@ def streams_asked(monkeypatch):
     return asked
 
 
-def test_only_global_rank_0_streams_the_first_record_of_a_hub_chat_dataset(tmp_path, tokenizer, offline,
-                                                                           streams_asked):
+def test_only_global_rank_0_streams_the_first_record_of_a_hub_chat_dataset(tmp_path, tokenizer, offline, streams_asked):
     """At 512 ranks, one hub request for the first record, not 512: the other ranks take the kind from the features.
     A first record that rank 0 refuses stops them all at the rendezvous (as a mistake on one node does:
     test_agreement.py), so they need not check it themselves."""
@@ -166,8 +176,18 @@ def test_only_global_rank_0_streams_the_first_record_of_a_hub_chat_dataset(tmp_p
         resolve_chat_data(data, tokenizer, reads_first_row=True)
     assert streams_asked == ["train"]
 
-    argv = ["--config", str(REPO / "ds_configs/zero2.json"), "--output_dir", str(tmp_path / "run"),
-            "--validation_split_percentage", "0", "--dataset_name", HUB_NAME, "--chat_template", str(MISTRAL)]
+    argv = [
+        "--config",
+        str(REPO / "ds_configs/zero2.json"),
+        "--output_dir",
+        str(tmp_path / "run"),
+        "--validation_split_percentage",
+        "0",
+        "--dataset_name",
+        HUB_NAME,
+        "--chat_template",
+        str(MISTRAL),
+    ]
     streams_asked.clear()
     resolved = resolve_run(argv, DistInfo(rank=1, local_rank=1, world_size=2, launcher="torchrun/deepspeed"))
     assert resolved.chat == chat and streams_asked == []  # a rank but 0: the features, no request
@@ -201,21 +221,33 @@ def streaming_refused(monkeypatch):
     return asked
 
 
-CONVERSATIONAL_PC = [{"prompt": [{"role": "user", "content": f"What is {i} plus {i}?"}],
-                      "completion": [{"role": "assistant", "content": f"It is {2 * i}."}]} for i in range(4)]
+CONVERSATIONAL_PC = [
+    {
+        "prompt": [{"role": "user", "content": f"What is {i} plus {i}?"}],
+        "completion": [{"role": "assistant", "content": f"It is {2 * i}."}],
+    }
+    for i in range(4)
+]
 FEATURE_CASES = {  # rows -> (kind, loss mode, whether a template renders them), or None for plain text
     "messages": ([{"messages": m} for m in chats()[:4]], ("messages", "assistant_only", True), ASSISTANT_ONLY),
-    "prompt/completion text": ([{"prompt": f"Q{i}?", "completion": f" A{i}."} for i in range(4)],
-                               ("prompt_completion", "completion_only", False), ()),
-    "conversational prompt/completion": (CONVERSATIONAL_PC, ("prompt_completion", "completion_only", True),
-                                         ("--chat_template", str(MISTRAL))),
+    "prompt/completion text": (
+        [{"prompt": f"Q{i}?", "completion": f" A{i}."} for i in range(4)],
+        ("prompt_completion", "completion_only", False),
+        (),
+    ),
+    "conversational prompt/completion": (
+        CONVERSATIONAL_PC,
+        ("prompt_completion", "completion_only", True),
+        ("--chat_template", str(MISTRAL)),
+    ),
     "plain text": ([{"text": f"doc {i}", "n": i} for i in range(4)], None, ()),
 }
 
 
 @pytest.mark.parametrize("case", list(FEATURE_CASES))
-def test_without_streaming_the_builders_features_tell_the_kind_of_data(case, tmp_path, tokenizer, offline,
-                                                                       streaming_refused):
+def test_without_streaming_the_builders_features_tell_the_kind_of_data(
+    case, tmp_path, tokenizer, offline, streaming_refused
+):
     rows, expected, flags = FEATURE_CASES[case]
     cache_hub_dataset(offline, rows)
     data = data_args(tmp_path, "--dataset_name", HUB_NAME, *flags)
@@ -233,12 +265,16 @@ def test_chat_columns_read_as_text_get_an_error_that_says_so():
 
     from scaletrain.raw_data import check_text_column
 
-    for rows, columns in (([{"messages": CHAT}], "a messages column"),
-                          ([{"prompt": "Q?", "completion": "A."}], "prompt and completion columns")):
+    for rows, columns in (
+        ([{"messages": CHAT}], "a messages column"),
+        ([{"prompt": "Q?", "completion": "A."}], "prompt and completion columns"),
+    ):
         with pytest.raises(UsageError) as err:
             check_text_column(datasets.Dataset.from_list(rows), "text", f"--dataset_name {HUB_NAME}")
-        assert f"--text_column text: not a column of --dataset_name {HUB_NAME}, which has {columns}: chat data " \
+        assert (
+            f"--text_column text: not a column of --dataset_name {HUB_NAME}, which has {columns}: chat data "
             "that the pre-flight could not recognise" in err.value.message
+        )
         assert "save_to_disk" in err.value.hint and "--train_file" in err.value.hint
     with pytest.raises(UsageError) as err:  # other data: as before
         check_text_column(datasets.Dataset.from_list([{"body": "words"}]), "text", "x")
@@ -247,6 +283,7 @@ def test_chat_columns_read_as_text_get_an_error_that_says_so():
 
 # --- --dataset_mix of chat stores --------------------------------------------------------------------------------
 
+
 def numbers_chats() -> list:
     """A second chat dataset, other words and turn counts than CHATS."""
     out = []
@@ -254,8 +291,10 @@ def numbers_chats() -> list:
         turns = []
         for j in range(1 + i % 3):
             a, b = i + j, 2 * i + 1
-            turns += [{"role": "user", "content": f"How much is {a} plus {b}?"},
-                      {"role": "assistant", "content": f"{a} plus {b} makes {a + b}."}]
+            turns += [
+                {"role": "user", "content": f"How much is {a} plus {b}?"},
+                {"role": "assistant", "content": f"{a} plus {b} makes {a + b}."},
+            ]
         out.append(turns)
     return out
 
@@ -264,8 +303,9 @@ def run_prepare(*flags) -> int:
     spec = importlib.util.spec_from_file_location("prepare_py", REPO / "data" / "prepare.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
-    return module.main(["--tokenizer_name", str(TINY), "--block_size", str(BLOCK), "--validation_split_percentage",
-                        "0", *flags])
+    return module.main(
+        ["--tokenizer_name", str(TINY), "--block_size", str(BLOCK), "--validation_split_percentage", "0", *flags]
+    )
 
 
 @pytest.fixture(scope="module")
@@ -277,10 +317,14 @@ def stores(tmp_path_factory):
     numbers = write_jsonl(root / "numbers.jsonl", [{"messages": m} for m in numbers_chats()])
     pc = write_jsonl(root / "pc.jsonl", CONVERSATIONAL_PC)
     text = write_jsonl(root / "text.jsonl", [{"text": f"a plain document, number {i}."} for i in range(30)])
-    plans = {"chats": (CHATS, *ASSISTANT_ONLY), "numbers": (numbers, *ASSISTANT_ONLY),
-             "llama": (CHATS, "--chat_template", str(TEMPLATES / "llama-3.1-instruct.jinja"), "--assistant_only_loss"),
-             "whole": (CHATS, "--chat_template", str(MISTRAL)), "pc": (pc, "--chat_template", str(MISTRAL)),
-             "text": (text,)}
+    plans = {
+        "chats": (CHATS, *ASSISTANT_ONLY),
+        "numbers": (numbers, *ASSISTANT_ONLY),
+        "llama": (CHATS, "--chat_template", str(TEMPLATES / "llama-3.1-instruct.jinja"), "--assistant_only_loss"),
+        "whole": (CHATS, "--chat_template", str(MISTRAL)),
+        "pc": (pc, "--chat_template", str(MISTRAL)),
+        "text": (text,),
+    }
     with pytest.MonkeyPatch.context() as mp:
         env = subprocess_env(root / "cache")
         mp.setenv("HF_DATASETS_CACHE", env["HF_DATASETS_CACHE"])
@@ -298,17 +342,20 @@ def test_mixed_chat_stores_pack_whole_conversations_of_one_store_with_their_mask
     data = mix_args(tmp_path, "chats", "numbers", stores=stores)
     chat = resolve_chat_data(data, tokenizer)
     assert (chat.loss_mode, chat.template.text) == ("assistant_only", MISTRAL.read_text())
-    sources = [blocks_for(attach_masks(open_store(stores[n]), stores[n]), "train", BLOCK, data)
-               for n in ("chats", "numbers")]
+    sources = [
+        blocks_for(attach_masks(open_store(stores[n]), stores[n]), "train", BLOCK, data) for n in ("chats", "numbers")
+    ]
     assert len(sources[0]) == len(sources[1])  # weights 1:1 over one epoch then draw every block of both once
     mixed = MixedBlocks(sources, [0.5, 0.5], seed=3)
-    hand = [{tuple(ids): hand_labels(ids, mask) for ids, mask in (by_hand(m, tokenizer) for m in conversations)}
-            for conversations in (chats(), numbers_chats())]
+    hand = [
+        {tuple(ids): hand_labels(ids, mask) for ids, mask in (by_hand(m, tokenizer) for m in conversations)}
+        for conversations in (chats(), numbers_chats())
+    ]
     batch = mixed.batch(np.arange(len(mixed)))
     seen = []
     for row in range(len(mixed)):
         k = mixed.locate(row)[0]
-        for _, a, b in packed_pieces({"position_ids": batch["position_ids"][row:row + 1]}):
+        for _, a, b in packed_pieces({"position_ids": batch["position_ids"][row : row + 1]}):
             ids = tuple(batch["input_ids"][row, a:b].tolist())
             if ids in hand[k]:  # a whole conversation of this row's store, with that store's mask
                 assert batch["labels"][row, a:b].tolist() == hand[k][ids]
@@ -328,10 +375,14 @@ def test_an_assistant_only_store_and_a_prompt_completion_store_mix(tmp_path, sto
 MIX_REFUSALS = {
     "chat and text": (("chats", "text"), "mixes chat stores ({chats}) with stores of plain text ({text})"),
     "text and chat": (("text", "numbers"), "mixes chat stores ({numbers}) with stores of plain text ({text})"),
-    "different templates": (("chats", "llama"), "the stores were rendered with different chat templates ({chats}: "
-                            "chat template sha256 "),
-    "whole and assistant-only": (("whole", "chats"), "the stores train different tokens ({whole}: all; {chats}: "
-                                 "assistant_only)"),
+    "different templates": (
+        ("chats", "llama"),
+        "the stores were rendered with different chat templates ({chats}: chat template sha256 ",
+    ),
+    "whole and assistant-only": (
+        ("whole", "chats"),
+        "the stores train different tokens ({whole}: all; {chats}: assistant_only)",
+    ),
 }
 
 
@@ -343,8 +394,16 @@ def test_a_mix_of_unlike_stores_is_refused_with_exit_2_naming_both(case, tmp_pat
     monkeypatch.chdir(REPO)
     out = tmp_path / "out"
     before = tree_digest(out)
-    code = main(["--config", str(REPO / "ds_configs/zero2.json"), "--output_dir", str(out), "--dataset_mix",
-                 ",".join(f"{stores[n]}:1" for n in names)])
+    code = main(
+        [
+            "--config",
+            str(REPO / "ds_configs/zero2.json"),
+            "--output_dir",
+            str(out),
+            "--dataset_mix",
+            ",".join(f"{stores[n]}:1" for n in names),
+        ]
+    )
     err = capsys.readouterr().err
     assert code == 2, err
     lines = [line for line in err.strip().splitlines() if line.startswith(("train.py", "  hint"))]
@@ -354,18 +413,37 @@ def test_a_mix_of_unlike_stores_is_refused_with_exit_2_naming_both(case, tmp_pat
 
 
 @pytest.mark.slow
-def test_a_run_over_a_mix_of_two_chat_stores_trains_exactly_the_assistant_tokens_of_both(tmp_path, cache_dir,
-                                                                                          stores, tokenizer):
+def test_a_run_over_a_mix_of_two_chat_stores_trains_exactly_the_assistant_tokens_of_both(
+    tmp_path, cache_dir, stores, tokenizer
+):
     """One rank, one epoch of a 1:1 mix of two chat stores of as many blocks: every block of both is drawn once, so
     the loop's count of trained tokens is the hand-found assistant tokens of every conversation of both."""
     out = tmp_path / "run"
-    proc = launch(REPO / "train.py", [
-        "--config", "ds_configs/zero2.json", "--output_dir", str(out), "--dataset_mix",
-        f"{stores['chats']}:1,{stores['numbers']}:1", "--num_train_epochs", "1", "--per_device_train_batch_size", "2",
-        "--logging_steps", "1", "--no-export_hf_at_end", "--disable_tqdm"], "python", cache_dir)
+    proc = launch(
+        REPO / "train.py",
+        [
+            "--config",
+            "ds_configs/zero2.json",
+            "--output_dir",
+            str(out),
+            "--dataset_mix",
+            f"{stores['chats']}:1,{stores['numbers']}:1",
+            "--num_train_epochs",
+            "1",
+            "--per_device_train_batch_size",
+            "2",
+            "--logging_steps",
+            "1",
+            "--no-export_hf_at_end",
+            "--disable_tqdm",
+        ],
+        "python",
+        cache_dir,
+    )
     check_ok(proc)
-    hand_total = sum(sum(label != IGNORE_INDEX for label in hand_labels(*by_hand(m, tokenizer)))
-                     for m in chats() + numbers_chats())
+    hand_total = sum(
+        sum(label != IGNORE_INDEX for label in hand_labels(*by_hand(m, tokenizer))) for m in chats() + numbers_chats()
+    )
     records = [r for r in read_metrics(out) if "loss" in r]
     assert records and all(np.isfinite(r["loss"]) for r in records)
     assert records[-1]["tokens_seen"] == hand_total

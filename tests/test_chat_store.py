@@ -48,8 +48,19 @@ def offline(monkeypatch, tmp_path):
 
 
 def data_args(tmp_path, *flags, train_file=CHATS):
-    return parse_run_config(["--config", str(REPO / "ds_configs/zero2.json"), "--output_dir", str(tmp_path / "o"),
-                             "--validation_split_percentage", "0", "--train_file", str(train_file), *flags]).data
+    return parse_run_config(
+        [
+            "--config",
+            str(REPO / "ds_configs/zero2.json"),
+            "--output_dir",
+            str(tmp_path / "o"),
+            "--validation_split_percentage",
+            "0",
+            "--train_file",
+            str(train_file),
+            *flags,
+        ]
+    ).data
 
 
 def conversations() -> list:
@@ -69,7 +80,7 @@ def by_hand(messages, tokenizer) -> tuple:
             cuts.append((start, pos))
     ids, mask, bounds = [], [], [0] + [b for cut in cuts for b in cut] + [len(text)]
     for k in range(len(bounds) - 1):
-        piece = tokenizer(text[bounds[k]:bounds[k + 1]], add_special_tokens=False)["input_ids"]
+        piece = tokenizer(text[bounds[k] : bounds[k + 1]], add_special_tokens=False)["input_ids"]
         ids += piece
         mask += [k % 2] * len(piece)
     return ids, mask
@@ -97,8 +108,9 @@ def test_the_store_keeps_the_hand_found_assistant_mask_beside_the_tokens(tmp_pat
         ids, hand = by_hand(messages, tokenizer)
         assert split.tokens[start:end].tolist() == ids
         assert mask[start:end].tolist() == hand
-        assert sum(hand) > 0 and tokenizer.decode(np.asarray(ids)[np.asarray(hand, bool)]).count("</s>") == \
-            sum(m["role"] == "assistant" for m in messages)  # every reply's end of turn is trained
+        assert sum(hand) > 0 and tokenizer.decode(np.asarray(ids)[np.asarray(hand, bool)]).count("</s>") == sum(
+            m["role"] == "assistant" for m in messages
+        )  # every reply's end of turn is trained
     assert opened["manifest"]["splits"]["train"]["n_trained_tokens"] == int(mask.sum(dtype=np.int64))
 
 
@@ -212,8 +224,9 @@ def test_the_fingerprint_names_the_template_and_the_loss_mode(tmp_path, tokenize
         return chat_fingerprint(data, tokenizer, BLOCK, resolve_chat_data(data, tokenizer))
 
     mistral = fingerprint("--chat_template", str(MISTRAL), "--assistant_only_loss")
-    assert default_store_path(mistral) == default_store_path(fingerprint("--chat_template", str(MISTRAL),
-                                                                         "--assistant_only_loss"))
+    assert default_store_path(mistral) == default_store_path(
+        fingerprint("--chat_template", str(MISTRAL), "--assistant_only_loss")
+    )
     llama = fingerprint("--chat_template", str(TEMPLATES / "llama-3.1-instruct.jinja"), "--assistant_only_loss")
     whole = fingerprint("--chat_template", str(MISTRAL))
     assert mistral.differences(llama.as_dict()) == ["chat_template_sha256"]
@@ -244,13 +257,15 @@ def test_a_prompt_completion_dataset_trains_the_completion_and_eos_only(tmp_path
     opened = attach_masks(open_store(store), store)
     split, mask = opened["splits"]["train"], opened["masks"]["train"]
     trained = split.tokens[mask.astype(bool)].tolist()
-    expected = [t for r in records for t in tokenizer(r["completion"], add_special_tokens=False)["input_ids"]
-                + [tokenizer.eos_token_id]]
+    expected = [
+        t
+        for r in records
+        for t in tokenizer(r["completion"], add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+    ]
     assert trained == expected
 
 
-def test_print_samples_shows_the_rendered_examples_with_the_trained_tokens_marked(tmp_path, tokenizer, offline,
-                                                                                  caplog):
+def test_print_samples_shows_the_rendered_examples_with_the_trained_tokens_marked(tmp_path, tokenizer, offline, caplog):
     data, opened = chat_store(tmp_path, tokenizer)
     blocks = blocks_for(opened, "train", BLOCK, data)
     with caplog.at_level("INFO", logger="scaletrain.packing"):
@@ -266,21 +281,41 @@ def test_prepare_py_makes_the_chat_store_that_data_path_reads_with_its_template(
     import sys
 
     store = tmp_path / "prepared"
-    proc = subprocess.run([sys.executable, str(REPO / "data/prepare.py"), "--train_file", str(CHATS),
-                           "--chat_template", str(MISTRAL), "--assistant_only_loss", "--tokenizer_name", str(TINY),
-                           "--block_size", str(BLOCK), "--validation_split_percentage", "0", "--output_dir",
-                           str(store)], capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            str(REPO / "data/prepare.py"),
+            "--train_file",
+            str(CHATS),
+            "--chat_template",
+            str(MISTRAL),
+            "--assistant_only_loss",
+            "--tokenizer_name",
+            str(TINY),
+            "--block_size",
+            str(BLOCK),
+            "--validation_split_percentage",
+            "0",
+            "--output_dir",
+            str(store),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     check_ok(proc)
     data, made_here = chat_store(tmp_path, tokenizer)
     opened = attach_masks(open_store(store), store)
     assert opened["manifest"]["fingerprint"] == made_here["manifest"]["fingerprint"]  # what train.py would make
     assert opened["masks"]["train"].tolist() == made_here["masks"]["train"].tolist()
-    chat = resolve_chat_data(parse_run_config(["--config", str(REPO / "ds_configs/zero2.json"), "--data_path",
-                                               str(store)]).data, tokenizer)
+    chat = resolve_chat_data(
+        parse_run_config(["--config", str(REPO / "ds_configs/zero2.json"), "--data_path", str(store)]).data, tokenizer
+    )
     assert (chat.loss_mode, chat.template.text) == ("assistant_only", MISTRAL.read_text())  # the export carries it
 
 
 # --- bad input: one line, exit code 2, the output folder untouched ------------------------------------------------
+
 
 def write_jsonl(path: Path, rows: list) -> Path:
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
@@ -289,26 +324,65 @@ def write_jsonl(path: Path, rows: list) -> Path:
 
 CHAT = [{"role": "user", "content": "Hi?"}, {"role": "assistant", "content": "Hello."}]
 BAD_INPUT = {
-    "no template anywhere": (lambda t: ["--train_file", str(CHATS), "--assistant_only_loss"],
-                             "data/tiny-llama has no chat template"),
+    "no template anywhere": (
+        lambda t: ["--train_file", str(CHATS), "--assistant_only_loss"],
+        "data/tiny-llama has no chat template",
+    ),
     "assistant-only loss on text": (
-        lambda t: ["--train_file", str(write_jsonl(t / "text.jsonl", [{"text": "plain text"}] * 4)),
-                   "--assistant_only_loss"], "--assistant_only_loss: --train_file"),
+        lambda t: [
+            "--train_file",
+            str(write_jsonl(t / "text.jsonl", [{"text": "plain text"}] * 4)),
+            "--assistant_only_loss",
+        ],
+        "--assistant_only_loss: --train_file",
+    ),
     "samples of plain text": (
-        lambda t: ["--train_file", str(write_jsonl(t / "plain.jsonl", [{"text": "plain text"}] * 4)),
-                   "--print_samples", "2"], "--print_samples: --train_file"),
+        lambda t: [
+            "--train_file",
+            str(write_jsonl(t / "plain.jsonl", [{"text": "plain text"}] * 4)),
+            "--print_samples",
+            "2",
+        ],
+        "--print_samples: --train_file",
+    ),
     "unknown role in the first example": (
-        lambda t: ["--train_file", str(write_jsonl(t / "role.jsonl", [{"messages": [
-            {"role": "robot", "content": "Hi?"}, *CHAT[1:]]}] + [{"messages": CHAT}] * 3)),
-            "--chat_template", str(MISTRAL)], "example 0: messages[0] has role 'robot'"),
+        lambda t: [
+            "--train_file",
+            str(
+                write_jsonl(
+                    t / "role.jsonl",
+                    [{"messages": [{"role": "robot", "content": "Hi?"}, *CHAT[1:]]}] + [{"messages": CHAT}] * 3,
+                )
+            ),
+            "--chat_template",
+            str(MISTRAL),
+        ],
+        "example 0: messages[0] has role 'robot'",
+    ),
     "unknown role deep in the file": (  # found when the store is prepared, before any model or process group
-        lambda t: ["--train_file", str(write_jsonl(t / "late.jsonl", [{"messages": CHAT}] * 5 + [{"messages": [
-            CHAT[0], {"role": "bot", "content": "Hello."}]}])), "--chat_template", str(MISTRAL)],
-        "example 5: messages[1] has role 'bot'"),
+        lambda t: [
+            "--train_file",
+            str(
+                write_jsonl(
+                    t / "late.jsonl",
+                    [{"messages": CHAT}] * 5 + [{"messages": [CHAT[0], {"role": "bot", "content": "Hello."}]}],
+                )
+            ),
+            "--chat_template",
+            str(MISTRAL),
+        ],
+        "example 5: messages[1] has role 'bot'",
+    ),
     "nothing trained": (
-        lambda t: ["--train_file", str(write_jsonl(t / "mute.jsonl", [{"messages": CHAT[:1]}] * 4)),
-                   "--chat_template", str(MISTRAL), "--assistant_only_loss"],
-        f"chat data: no token of the 4 examples is trained with --chat_template {MISTRAL}"),
+        lambda t: [
+            "--train_file",
+            str(write_jsonl(t / "mute.jsonl", [{"messages": CHAT[:1]}] * 4)),
+            "--chat_template",
+            str(MISTRAL),
+            "--assistant_only_loss",
+        ],
+        f"chat data: no token of the 4 examples is trained with --chat_template {MISTRAL}",
+    ),
 }
 
 
@@ -321,8 +395,17 @@ def test_bad_chat_input_is_one_line_exit_2_and_touches_nothing(name, tmp_path, o
     out = tmp_path / "out"
     before = tree_digest(out)
     try:
-        code = main(["--config", str(REPO / "ds_configs/zero2.json"), "--output_dir", str(out),
-                     "--validation_split_percentage", "0", *extra])
+        code = main(
+            [
+                "--config",
+                str(REPO / "ds_configs/zero2.json"),
+                "--output_dir",
+                str(out),
+                "--validation_split_percentage",
+                "0",
+                *extra,
+            ]
+        )
     except BaseException:
         pytest.fail(f"{name}: raised instead of a clean error:\n{traceback.format_exc()}")
     captured = capsys.readouterr()
@@ -332,11 +415,15 @@ def test_bad_chat_input_is_one_line_exit_2_and_touches_nothing(name, tmp_path, o
     assert expected in lines[0], lines
     assert tree_digest(out) == before
     stores = tmp_path / "cache" / "scaletrain" / "token_stores"
-    assert not any(p.name.startswith(".") or (p / "manifest.json").exists() for p in stores.glob("*")) \
-        if stores.exists() else True  # no store, and no half-written one, was kept
+    assert (
+        not any(p.name.startswith(".") or (p / "manifest.json").exists() for p in stores.glob("*"))
+        if stores.exists()
+        else True
+    )  # no store, and no half-written one, was kept
 
 
 # --- a real run ---------------------------------------------------------------------------------------------------
+
 
 @pytest.mark.slow
 def test_chat_run_trains_exactly_the_assistant_tokens_at_two_ranks(tmp_path, cache_dir, tokenizer):
@@ -344,16 +431,42 @@ def test_chat_run_trains_exactly_the_assistant_tokens_at_two_ranks(tmp_path, cac
     every conversation; the validation file is evaluated; the samples are printed; the export carries the chat
     template."""
     out = tmp_path / "run"
-    proc = launch(REPO / "train.py", [
-        "--config", "ds_configs/zero2.json", "--output_dir", str(out), "--train_file", str(CHATS),
-        "--chat_template", str(MISTRAL), "--assistant_only_loss", "--print_samples", "2",
-        "--validation_file", str(CHATS), "--validation_split_percentage", "0", "--block_size", str(BLOCK),
-        "--num_train_epochs", "1",
-        "--per_device_train_batch_size", "2", "--logging_steps", "1", "--disable_tqdm"],
-        "deepspeed", cache_dir, nprocs=2)
+    proc = launch(
+        REPO / "train.py",
+        [
+            "--config",
+            "ds_configs/zero2.json",
+            "--output_dir",
+            str(out),
+            "--train_file",
+            str(CHATS),
+            "--chat_template",
+            str(MISTRAL),
+            "--assistant_only_loss",
+            "--print_samples",
+            "2",
+            "--validation_file",
+            str(CHATS),
+            "--validation_split_percentage",
+            "0",
+            "--block_size",
+            str(BLOCK),
+            "--num_train_epochs",
+            "1",
+            "--per_device_train_batch_size",
+            "2",
+            "--logging_steps",
+            "1",
+            "--disable_tqdm",
+        ],
+        "deepspeed",
+        cache_dir,
+        nprocs=2,
+    )
     check_ok(proc)
-    hand_total = sum(sum(label != IGNORE_INDEX for label in hand_labels(*by_hand(m, tokenizer)))
-                     for m in conversations())
+    hand_total = sum(
+        sum(label != IGNORE_INDEX for label in hand_labels(*by_hand(m, tokenizer))) for m in conversations()
+    )
     records = [r for r in read_metrics(out) if "loss" in r]
     assert records and all(np.isfinite(r["loss"]) for r in records)
     assert records[-1]["tokens_seen"] == hand_total
@@ -388,10 +501,12 @@ def test_rendering_workers_give_the_same_store_and_name_a_bad_row(tmp_path, toke
         np.testing.assert_array_equal(one, two)
     assert len(alone[2]) == len(ds) and alone[1].sum() > 0
     bad = ds.to_list()
-    bad[min_rows - 3]["messages"] = [{"role": "user", "content": "hi"},
-                                              {"role": "assistant", "content": "a"},
-                                              {"role": "user", "content": "b"},
-                                              {"role": "user", "content": "c"}]  # the template refuses it
+    bad[min_rows - 3]["messages"] = [
+        {"role": "user", "content": "hi"},
+        {"role": "assistant", "content": "a"},
+        {"role": "user", "content": "b"},
+        {"role": "user", "content": "c"},
+    ]  # the template refuses it
     with pytest.raises(UsageError, match=f"refuses example {min_rows - 3}") as caught:
         render_split(datasets.Dataset.from_list(bad), tokenizer, chat, "train", False, workers=2)
     assert caught.value.hint and "--chat_template" in caught.value.hint

@@ -20,24 +20,62 @@ import psutil
 import pytest
 import torch
 
-from tests.conftest import REPO, VENV_BIN, check_ok, free_port, freeze, launch, logged_steps, read_metrics, \
-    signal_pending, small_tmpfs, subprocess_env, thaw
+from tests.conftest import (
+    REPO,
+    VENV_BIN,
+    check_ok,
+    free_port,
+    freeze,
+    launch,
+    logged_steps,
+    read_metrics,
+    signal_pending,
+    small_tmpfs,
+    subprocess_env,
+    thaw,
+)
 
 pytestmark = pytest.mark.slow
 STEPS, SAVE_EVERY = 32, 8
 
 
 def flags(ds_config: str, run_dir: Path, max_steps: int = STEPS) -> list:
-    return ["--config", f"ds_configs/{ds_config}.json", "--output_dir", str(run_dir), "--max_steps", str(max_steps),
-            "--save_steps", str(SAVE_EVERY), "--logging_steps", "1", "--block_size", "64",
-            "--per_device_train_batch_size", "2", "--learning_rate", "3e-3", "--max_eval_samples", "8",
-            "--weight_decay", "0.1", "--disable_tqdm"]  # a weight decay: the resharded ZeRO-3 resume must keep it
+    return [
+        "--config",
+        f"ds_configs/{ds_config}.json",
+        "--output_dir",
+        str(run_dir),
+        "--max_steps",
+        str(max_steps),
+        "--save_steps",
+        str(SAVE_EVERY),
+        "--logging_steps",
+        "1",
+        "--block_size",
+        "64",
+        "--per_device_train_batch_size",
+        "2",
+        "--learning_rate",
+        "3e-3",
+        "--max_eval_samples",
+        "8",
+        "--weight_decay",
+        "0.1",
+        "--disable_tqdm",
+    ]  # a weight decay: the resharded ZeRO-3 resume must keep it
 
 
 def start(args: list, cache: Path) -> subprocess.Popen:
     cmd = [str(VENV_BIN / "deepspeed"), "--num_gpus", "2", "--master_port", str(free_port()), "train.py", *args]
-    return subprocess.Popen(cmd, cwd=REPO, env=subprocess_env(cache), stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    return subprocess.Popen(
+        cmd,
+        cwd=REPO,
+        env=subprocess_env(cache),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
 
 
 def rank_process(launcher: subprocess.Popen, rank: int) -> psutil.Process:
@@ -149,8 +187,14 @@ def test_sigkill_during_a_save_resumes_from_the_previous_checkpoint(tmp_path, ca
     model = tiny_llama_variant(tmp_path / "model", hidden_size=512, intermediate_size=1408, head_dim=128)
 
     def args(run_dir: Path) -> list:
-        return flags("zero2", run_dir, max_steps=6) + ["--save_steps", "2", "--config_name", str(model),
-                                                      "--tokenizer_name", str(model)]
+        return flags("zero2", run_dir, max_steps=6) + [
+            "--save_steps",
+            "2",
+            "--config_name",
+            str(model),
+            "--tokenizer_name",
+            str(model),
+        ]
 
     run_dir = tmp_path / "run"
     ckpts = run_dir / "checkpoints"
@@ -259,8 +303,15 @@ def test_broken_newest_checkpoint_is_skipped_and_the_previous_one_used(tmp_path,
 
 def test_save_total_limit_keeps_the_newest(tmp_path, cache_dir):
     run_dir = tmp_path / "run"
-    check_ok(launch(REPO / "train.py", flags("zero2", run_dir, max_steps=24) + ["--save_total_limit", "2"],
-                    "deepspeed", cache_dir, nprocs=2))
+    check_ok(
+        launch(
+            REPO / "train.py",
+            flags("zero2", run_dir, max_steps=24) + ["--save_total_limit", "2"],
+            "deepspeed",
+            cache_dir,
+            nprocs=2,
+        )
+    )
     names = sorted(p.name for p in (run_dir / "checkpoints").iterdir() if p.name.startswith("step"))
     assert names == ["step16", "step24"]
     assert (run_dir / "checkpoints" / "latest").read_text().strip() == "step24"
@@ -277,11 +328,16 @@ def test_a_full_disk_stops_the_save_cleanly_and_keeps_the_previous_checkpoint(sm
     from scaletrain.checkpoint import verify
 
     run_dir = small_disk / "run"
-    proc = launch(REPO / "train.py", flags("zero2", run_dir, max_steps=12)[:-5] + ["--save_steps", "2",
-                  "--max_eval_samples", "8", "--disable_tqdm"], "deepspeed", cache_dir, nprocs=2)
+    proc = launch(
+        REPO / "train.py",
+        flags("zero2", run_dir, max_steps=12)[:-5] + ["--save_steps", "2", "--max_eval_samples", "8", "--disable_tqdm"],
+        "deepspeed",
+        cache_dir,
+        nprocs=2,
+    )
     assert proc.returncode != 0
     ckpts = run_dir / "checkpoints"
-    message = (f"train.py: error: checkpoint step4: not enough disk space in {ckpts} (")
+    message = f"train.py: error: checkpoint step4: not enough disk space in {ckpts} ("
     assert proc.stderr.count(message) == 1, proc.stdout[-3000:] + proc.stderr[-3000:]  # once, not per rank
     assert f"nothing was written, the previous committed checkpoint {ckpts / 'step2'} is intact" in proc.stderr
     assert "Traceback" not in proc.stderr
@@ -291,9 +347,12 @@ def test_a_full_disk_stops_the_save_cleanly_and_keeps_the_previous_checkpoint(sm
 
 def test_resume_refuses_a_missing_checkpoint_and_another_model(tmp_path, cache_dir, uninterrupted):
     run_dir = uninterrupted.run_dir("zero2")  # only read: both resumes are refused before anything is written
-    missing = launch(REPO / "train.py", flags("zero2", tmp_path / "other") + ["--resume_from_checkpoint",
-                                                                             str(tmp_path / "nope")],
-                     "python", cache_dir)
+    missing = launch(
+        REPO / "train.py",
+        flags("zero2", tmp_path / "other") + ["--resume_from_checkpoint", str(tmp_path / "nope")],
+        "python",
+        cache_dir,
+    )
     assert missing.returncode == 2
     error, *hints = missing.stderr.strip().splitlines()
     assert error == f"train.py: error: --resume_from_checkpoint {tmp_path / 'nope'}: no such folder"
@@ -302,9 +361,21 @@ def test_resume_refuses_a_missing_checkpoint_and_another_model(tmp_path, cache_d
     other_model["num_hidden_layers"] = 2
     (tmp_path / "m").mkdir()
     (tmp_path / "m" / "config.json").write_text(json.dumps(other_model))
-    wrong = launch(REPO / "train.py", flags("zero2", tmp_path / "third") + [
-        "--config_name", str(tmp_path / "m"), "--tokenizer_name", str(REPO / "data/tiny-llama"),
-        "--resume_from_checkpoint", str(run_dir / "checkpoints" / "step8")], "deepspeed", cache_dir, nprocs=2)
+    wrong = launch(
+        REPO / "train.py",
+        flags("zero2", tmp_path / "third")
+        + [
+            "--config_name",
+            str(tmp_path / "m"),
+            "--tokenizer_name",
+            str(REPO / "data/tiny-llama"),
+            "--resume_from_checkpoint",
+            str(run_dir / "checkpoints" / "step8"),
+        ],
+        "deepspeed",
+        cache_dir,
+        nprocs=2,
+    )
     assert wrong.returncode == 2 and "is from a different model" in wrong.stderr + wrong.stdout
     assert not os.path.exists(tmp_path / "third")
 
@@ -312,15 +383,18 @@ def test_resume_refuses_a_missing_checkpoint_and_another_model(tmp_path, cache_d
 # ZeRO-3 both ways; ZeRO-1 (one optimizer with ZeRO-2 in DeepSpeed, stage_1_and_2.py, one conversion) one way: the
 # other cases were dropped to keep CI in its budget.
 @pytest.mark.parametrize("ds_config, saved_on, resumed_on", [("zero3", 2, 1), ("zero3", 1, 2), ("zero1", 2, 1)])
-def test_resume_on_another_rank_count_converts_and_continues(ds_config, saved_on, resumed_on, tmp_path, cache_dir,
-                                                            uninterrupted):
+def test_resume_on_another_rank_count_converts_and_continues(
+    ds_config, saved_on, resumed_on, tmp_path, cache_dir, uninterrupted
+):
     """Same global batch (4 blocks) on 1 or 2 ranks: the resumed run's losses follow the uninterrupted 2-rank run."""
+
     def per_rank(ranks: int, run_dir: Path, max_steps: int) -> list:
         args = flags(ds_config, run_dir, max_steps)
         args[args.index("--per_device_train_batch_size") + 1] = str(4 // ranks)
         return args
 
     run_dir = tmp_path / "run"
+
     # train to step 16 with the full 32-step schedule, as if the job had been stopped there: stopped (SIGSTOP) as
     # soon as the step-16 checkpoint is committed, so that it cannot finish first, then killed. Committed means the
     # `latest` pointer names it: commit.json appears (and the folder is renamed) a moment before rank 0 replaces
@@ -338,17 +412,22 @@ def test_resume_on_another_rank_count_converts_and_continues(ds_config, saved_on
         ranks[0].kill()
         thaw(ranks[1].pid)
     else:
-        proc = subprocess.Popen([str(VENV_BIN / "python"), "train.py", *per_rank(1, run_dir, STEPS)], cwd=REPO,
-                                env=subprocess_env(cache_dir), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                text=True, start_new_session=True)
+        proc = subprocess.Popen(
+            [str(VENV_BIN / "python"), "train.py", *per_rank(1, run_dir, STEPS)],
+            cwd=REPO,
+            env=subprocess_env(cache_dir),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            start_new_session=True,
+        )
         wait_for(step16_committed, proc)
         freeze(proc.pid)
         assert latest_step(run_dir) == 16 and max(logged_steps(run_dir)) < 24
         proc.kill()
     proc.wait(timeout=120)
 
-    resumed = launch(REPO / "train.py", per_rank(resumed_on, run_dir, STEPS), "deepspeed", cache_dir,
-                     nprocs=resumed_on)
+    resumed = launch(REPO / "train.py", per_rank(resumed_on, run_dir, STEPS), "deepspeed", cache_dir, nprocs=resumed_on)
     check_ok(resumed)
     assert "converted" in resumed.stdout and "universal checkpoint" in resumed.stdout
     assert f"resumed from {run_dir / 'checkpoints' / 'step16'}" in resumed.stdout
@@ -379,8 +458,9 @@ def saved_weight_decays(ckpt: Path) -> list:
 
 @pytest.mark.slow  # two 16-step resumes from the shared uninterrupted runs
 @pytest.mark.parametrize("saved_with, resumed_with", [("zero1", "zero2"), ("zero2", "zero2_offload")])
-def test_resume_under_another_zero_setting_continues_exactly(saved_with, resumed_with, tmp_path, cache_dir,
-                                                             uninterrupted):
+def test_resume_under_another_zero_setting_continues_exactly(
+    saved_with, resumed_with, tmp_path, cache_dir, uninterrupted
+):
     """ZeRO-1 -> ZeRO-2 loads directly; ZeRO-2 -> ZeRO-2 with CPU optimizer offload goes through a universal
     checkpoint (DeepSpeedCPUAdam's parameter groups are not torch AdamW's: a direct load raises a KeyError). Both
     continue the uninterrupted run of the saving setting."""

@@ -11,8 +11,13 @@ from pathlib import Path
 
 import pytest
 
-from scaletrain.checkpoint import (checksum_shares, describe_write_failure, find_damage, is_write_failure,
-                                   verified_resume_checkpoint)
+from scaletrain.checkpoint import (
+    checksum_shares,
+    describe_write_failure,
+    find_damage,
+    is_write_failure,
+    verified_resume_checkpoint,
+)
 from scaletrain.errors import UsageError
 from tests.conftest import free_port, small_tmpfs
 
@@ -41,8 +46,13 @@ def one_rank_group(monkeypatch):
     import deepspeed
     import deepspeed.comm as ds_comm
 
-    for var, value in {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "RANK": "0", "WORLD_SIZE": "1",
-                       "LOCAL_RANK": "0"}.items():
+    for var, value in {
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(free_port()),
+        "RANK": "0",
+        "WORLD_SIZE": "1",
+        "LOCAL_RANK": "0",
+    }.items():
         monkeypatch.setenv(var, value)
     deepspeed.init_distributed(dist_backend="gloo", auto_mpi_discovery=False)
     yield
@@ -94,12 +104,18 @@ def test_a_damaged_checkpoint_asked_for_or_without_predecessor_stops(tmp_path, o
     committed(root / "step8", {"model.pt": os.urandom(3000)})
     newest = committed(root / "step16", {"model.pt": os.urandom(3000)})
     flip_a_middle_byte(newest / "model.pt")
-    with pytest.raises(UsageError, match=r"--resume_from_checkpoint .*step16: the checkpoint is damaged: model.pt "
-                                         r"does not match its sha256 in commit.json"):
+    with pytest.raises(
+        UsageError,
+        match=r"--resume_from_checkpoint .*step16: the checkpoint is damaged: model.pt "
+        r"does not match its sha256 in commit.json",
+    ):
         verified_resume_checkpoint(newest, auto=False, rank=0, world_size=1)
     (root / "step8" / "commit.json").unlink()  # the older one was never committed
-    with pytest.raises(UsageError, match=r"step16 is damaged: model.pt does not match its sha256 in commit.json, "
-                                         r"and no earlier committed checkpoint is left to fall back to"):
+    with pytest.raises(
+        UsageError,
+        match=r"step16 is damaged: model.pt does not match its sha256 in commit.json, "
+        r"and no earlier committed checkpoint is left to fall back to",
+    ):
         verified_resume_checkpoint(newest, auto=True, rank=0, world_size=1)
     assert newest.is_dir()  # left in place: the next start stops again instead of starting afresh
 

@@ -83,8 +83,10 @@ def test_a_damaged_checkpoint_with_nothing_before_it_stops_every_rank(one_rank_r
 
     proc = launch(REPO / "train.py", per_rank_flags(2, run_dir), "deepspeed", cache_dir, nprocs=2)
     assert proc.returncode == 2, proc.stdout[-3000:] + proc.stderr[-3000:]
-    message = (f"train.py: error: checkpoint {ckpts / f'step{STEPS}'} is damaged: {damaged.name} does not match "
-               "its sha256 in commit.json, and no earlier committed checkpoint is left to fall back to")
+    message = (
+        f"train.py: error: checkpoint {ckpts / f'step{STEPS}'} is damaged: {damaged.name} does not match "
+        "its sha256 in commit.json, and no earlier committed checkpoint is left to fall back to"
+    )
     assert proc.stderr.count(message) == 1, proc.stderr[-3000:]  # once, not per rank
     assert "Traceback" not in proc.stderr
     assert (run_dir / "metrics.jsonl").read_bytes() == metrics  # nothing overwritten
@@ -167,8 +169,10 @@ def test_a_disk_filled_before_the_first_save_stops_every_rank_before_writing(tmp
         assert max(logged_steps(run_dir)) < 4 and not ckpts.exists()
         fill(disk, leave=10 * 2**20)  # 10 MB: less than the tiny Llama's 27 MB checkpoint
         thaw(*(rank.pid for rank in ranks))
-        message = (f"train.py: error: checkpoint step4: not enough disk space in {ckpts} (0.01 GB free, the first "
-                   "checkpoint needs about ")
+        message = (
+            f"train.py: error: checkpoint step4: not enough disk space in {ckpts} (0.01 GB free, the first "
+            "checkpoint needs about "
+        )
         output = ended_on_every_rank(proc, ckpts, message)
         assert "nothing was written, no checkpoint of this run was committed yet" in output, output[-3000:]
         assert not any(ckpts.iterdir())

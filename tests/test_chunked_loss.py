@@ -27,9 +27,17 @@ def _llama(tied: bool = False):
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
-    return LlamaForCausalLM(LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                                        num_attention_heads=4, num_key_value_heads=2, vocab_size=VOCAB,
-                                        tie_word_embeddings=tied))
+    return LlamaForCausalLM(
+        LlamaConfig(
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            vocab_size=VOCAB,
+            tie_word_embeddings=tied,
+        )
+    )
 
 
 def _batch():
@@ -43,8 +51,9 @@ def _batch():
 
 def _whole_logits_loss(model, input_ids, targets):
     logits = model(input_ids=input_ids).logits
-    return F.cross_entropy(logits.reshape(-1, VOCAB).float(), targets.reshape(-1), ignore_index=IGNORE_INDEX,
-                           reduction="sum")
+    return F.cross_entropy(
+        logits.reshape(-1, VOCAB).float(), targets.reshape(-1), ignore_index=IGNORE_INDEX, reduction="sum"
+    )
 
 
 def _chunked_loss(model, input_ids, targets):
@@ -78,8 +87,9 @@ def test_the_function_with_a_bias_and_16_bit_weights():
     weight, bias = torch.randn(40, 8, requires_grad=True), torch.randn(40, requires_grad=True)
     targets = torch.randint(0, 40, (23,))
     targets[::4] = IGNORE_INDEX
-    expected = F.cross_entropy(F.linear(hidden, weight, bias).float(), targets, ignore_index=IGNORE_INDEX,
-                               reduction="sum")
+    expected = F.cross_entropy(
+        F.linear(hidden, weight, bias).float(), targets, ignore_index=IGNORE_INDEX, reduction="sum"
+    )
     expected_grads = torch.autograd.grad(expected * 2.5, (hidden, weight, bias))
     got = chunked_token_loss(hidden, weight, bias, targets, 6)
     got_grads = torch.autograd.grad(got * 2.5, (hidden, weight, bias))
@@ -184,21 +194,31 @@ def test_auto_chunk_keeps_a_chunks_fp32_logits_under_256_mib():
 def test_the_memory_plan_counts_one_chunk_of_logits():
     from scaletrain.memory_planner import ModelShape
 
-    shape = ModelShape(n_params=10**9, largest_layer_params=10**8, layers=16, hidden=2048, intermediate=8192,
-                       vocab=128_256, kv_heads=8)
+    shape = ModelShape(
+        n_params=10**9, largest_layer_params=10**8, layers=16, hidden=2048, intermediate=8192, vocab=128_256, kv_heads=8
+    )
     whole, _ = activation_bytes(shape, 4, 4096, "bf16")
     chunked, _ = activation_bytes(shape, 4, 4096, "bf16", loss_chunk=523)
     assert whole - chunked == pytest.approx((4 * 4096 - 523) * 128_256 * 10)
-    assert activation_bytes(shape, 4, 4096, "bf16", tp=2, loss_chunk=523) == activation_bytes(shape, 4, 4096,
-                                                                                             "bf16", tp=2)
+    assert activation_bytes(shape, 4, 4096, "bf16", tp=2, loss_chunk=523) == activation_bytes(
+        shape, 4, 4096, "bf16", tp=2
+    )
 
 
 def test_models_that_change_the_heads_output_keep_the_whole_logits():
     from transformers import Gemma2Config, Gemma2ForCausalLM, LlamaForCausalLM
 
-    gemma = Gemma2ForCausalLM(Gemma2Config(hidden_size=16, intermediate_size=32, num_hidden_layers=1,
-                                           num_attention_heads=2, num_key_value_heads=1, head_dim=8,
-                                           vocab_size=VOCAB))
+    gemma = Gemma2ForCausalLM(
+        Gemma2Config(
+            hidden_size=16,
+            intermediate_size=32,
+            num_hidden_layers=1,
+            num_attention_heads=2,
+            num_key_value_heads=1,
+            head_dim=8,
+            vocab_size=VOCAB,
+        )
+    )
     assert gemma.config.final_logit_softcapping  # soft-capped: the loss cannot come back through the logits field
     assert install_chunked_loss(gemma, None) is None and chunked_loss_head(gemma) is None
     assert install_chunked_loss(_llama(), 0) is None  # --loss_chunk_size 0

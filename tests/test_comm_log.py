@@ -17,9 +17,12 @@ from tests.conftest import FAST_FLAGS, REPO, check_ok, launch, read_metrics
 
 
 def test_records_sum_per_collective_type_with_the_bus_bandwidth_convention():
-    raw = {"all_reduce": {1000: [2, [1.0, 3.0], [0, 0], [10.0, 20.0]]},
-           "all_gather_into_tensor": {500: [1, [2.0], [0], [4.0]]}, "all_gather": {100: [1, [1.0], [0], [1.0]]},
-           "barrier": {0: [1, [0.5], [0], [0.0]]}}
+    raw = {
+        "all_reduce": {1000: [2, [1.0, 3.0], [0, 0], [10.0, 20.0]]},
+        "all_gather_into_tensor": {500: [1, [2.0], [0], [4.0]]},
+        "all_gather": {100: [1, [1.0], [0], [1.0]]},
+        "barrier": {0: [1, [0.5], [0], [0.0]]},
+    }
     totals = totals_by_type(raw)
     assert totals["all_reduce"] == CollectiveTotals(count=2, bytes=2000, ms=4.0, busbw_ms=10.0 + 60.0)
     assert totals["all_gather"] == CollectiveTotals(count=2, bytes=600, ms=3.0, busbw_ms=9.0)
@@ -86,7 +89,7 @@ def test_per_op_latencies_add_up_to_the_wall_time_of_known_collectives(tmp_path,
         raw, raw_walls = r["raw_logged"], r["raw_walls"]
         assert all(b > a for a, b in zip(raw[:-1], raw[1:], strict=True)), raw
         for k in range(len(raw)):  # each figure is (most of) the time of every op so far ...
-            assert raw[k] >= 0.5 * sum(raw_walls[:k + 1]), (k, raw, raw_walls)
+            assert raw[k] >= 0.5 * sum(raw_walls[: k + 1]), (k, raw, raw_walls)
         assert raw[-1] > raw_walls[-1] + 0.5 * sum(raw_walls[:-1]), (raw, raw_walls)  # ... not of its own op
         # corrected: each op its own time, within its wall time; together most of the sequence's wall time
         m = r["metrics"]
@@ -102,9 +105,23 @@ def test_per_op_latencies_add_up_to_the_wall_time_of_known_collectives(tmp_path,
 @pytest.mark.slow  # a 2-rank run of 4 steps
 def test_comms_log_reports_each_window_and_a_summary(tmp_path, cache_dir):
     run_dir = tmp_path / "run"
-    proc = launch(REPO / "train.py", ["--config", "ds_configs/zero2.json", "--output_dir", str(run_dir),
-                                      "--max_steps", "4", *FAST_FLAGS, "--comms_log", "--no-export_hf_at_end"],
-                  "deepspeed", cache_dir, nprocs=2)
+    proc = launch(
+        REPO / "train.py",
+        [
+            "--config",
+            "ds_configs/zero2.json",
+            "--output_dir",
+            str(run_dir),
+            "--max_steps",
+            "4",
+            *FAST_FLAGS,
+            "--comms_log",
+            "--no-export_hf_at_end",
+        ],
+        "deepspeed",
+        cache_dir,
+        nprocs=2,
+    )
     check_ok(proc)
     records = [r for r in read_metrics(run_dir) if "loss" in r]
     assert [r["step"] for r in records] == [2, 4]

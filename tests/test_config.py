@@ -32,22 +32,28 @@ def test_deepspeed_alias_and_launcher_local_rank(tmp_path):
     assert cfg.source_of("config") == "command line" and "local_rank" not in cfg.explicit_flags
 
 
-@pytest.mark.parametrize("argv, culprit", [
-    (["--learning_rat", "1e-3"], "--learning_rate"),  # did-you-mean
-    (["--config", "ds_configs/nope.json"], "--config ds_configs/nope.json"),
-    (["--model_name_or_path", "./missing-model"], "--model_name_or_path ./missing-model"),
-    (["--config_name", "/no/such/config"], "--config_name /no/such/config"),
-    (["--train_file", "missing.jsonl"], "--train_file missing.jsonl"),
-    (["--train_file", "README.md"], "--train_file README.md"),
-    (["--per_device_train_batch_size", "0"], "--per_device_train_batch_size"),
-    (["--bf16", "--fp16"], "--bf16 and --fp16"),
-    (["--warmup_ratio", "1.5"], "--warmup_ratio"),
-    (["--lr_scheduler_type", "exotic"], "--lr_scheduler_type"),
-    (["--max_steps", "0"], "--max_steps 0: give a positive number of steps"),
-    (["--max_steps", "-5"], "--max_steps -5: give a positive number of steps"),
-    (["--num_train_epochs", "0"], "--max_steps and --num_train_epochs"),
-    (["--model_name_or_path", "gpt2", "--config_name", "data/tiny-llama"], "--model_name_or_path and --config_name"),
-])
+@pytest.mark.parametrize(
+    "argv, culprit",
+    [
+        (["--learning_rat", "1e-3"], "--learning_rate"),  # did-you-mean
+        (["--config", "ds_configs/nope.json"], "--config ds_configs/nope.json"),
+        (["--model_name_or_path", "./missing-model"], "--model_name_or_path ./missing-model"),
+        (["--config_name", "/no/such/config"], "--config_name /no/such/config"),
+        (["--train_file", "missing.jsonl"], "--train_file missing.jsonl"),
+        (["--train_file", "README.md"], "--train_file README.md"),
+        (["--per_device_train_batch_size", "0"], "--per_device_train_batch_size"),
+        (["--bf16", "--fp16"], "--bf16 and --fp16"),
+        (["--warmup_ratio", "1.5"], "--warmup_ratio"),
+        (["--lr_scheduler_type", "exotic"], "--lr_scheduler_type"),
+        (["--max_steps", "0"], "--max_steps 0: give a positive number of steps"),
+        (["--max_steps", "-5"], "--max_steps -5: give a positive number of steps"),
+        (["--num_train_epochs", "0"], "--max_steps and --num_train_epochs"),
+        (
+            ["--model_name_or_path", "gpt2", "--config_name", "data/tiny-llama"],
+            "--model_name_or_path and --config_name",
+        ),
+    ],
+)
 def test_bad_flags_name_the_culprit(argv, culprit, tmp_path):
     with pytest.raises(UsageError) as err:
         parse_run_config(ZERO3 + ["--output_dir", str(tmp_path / "run")] + argv)
@@ -60,8 +66,9 @@ def test_output_dir_with_a_previous_run_resumes_or_is_refused(tmp_path):
     assert parse_run_config(ZERO3 + ["--output_dir", str(tmp_path)]).checkpoint.resume_from_checkpoint == "auto"
     with pytest.raises(UsageError, match="--output_dir .* holds a previous run"):
         parse_run_config(ZERO3 + ["--output_dir", str(tmp_path), "--resume_from_checkpoint", "none"])
-    assert parse_run_config(ZERO3 + ["--output_dir", str(tmp_path), "--resume_from_checkpoint", "none",
-                                     "--overwrite_output_dir"]).run.overwrite_output_dir
+    assert parse_run_config(
+        ZERO3 + ["--output_dir", str(tmp_path), "--resume_from_checkpoint", "none", "--overwrite_output_dir"]
+    ).run.overwrite_output_dir
     (tmp_path / "run_config.json").write_text(json.dumps({"config_name": "elsewhere"}))
     with pytest.raises(UsageError, match="holds a different run"):
         parse_run_config(ZERO3 + ["--output_dir", str(tmp_path)])

@@ -48,8 +48,17 @@ DOCS = [("word " * n).strip() + f" end{n}." for n in (3, 40, 7, 90, 1, 15, 60)]
 
 def raw_cfg(tmp_path, *flags):
     """The data slice of a run with these flags (what the store side receives)."""
-    return parse_run_config(["--config", str(REPO / "ds_configs/zero2.json"), "--output_dir", str(tmp_path / "o"),
-                             "--validation_split_percentage", "0", *flags]).data
+    return parse_run_config(
+        [
+            "--config",
+            str(REPO / "ds_configs/zero2.json"),
+            "--output_dir",
+            str(tmp_path / "o"),
+            "--validation_split_percentage",
+            "0",
+            *flags,
+        ]
+    ).data
 
 
 def prepare(tmp_path, tokenizer, cfg, name="store", num_proc=1, block_size=16):
@@ -78,13 +87,21 @@ def test_globs_several_files_and_save_to_disk_folders(tmp_path, tokenizer, monke
     monkeypatch.setenv("HF_DATASETS_CACHE", str(tmp_path / "cache"))
     write_docs(tmp_path / "a.jsonl", DOCS[:3], "jsonl")
     write_docs(tmp_path / "b.jsonl", DOCS[3:], "jsonl")
-    from_glob = open_store(prepare(tmp_path, tokenizer, raw_cfg(tmp_path, "--train_file", str(tmp_path / "*.jsonl")),
-                                   "glob"))
-    from_list = open_store(prepare(tmp_path, tokenizer, raw_cfg(
-        tmp_path, "--train_file", f"{tmp_path / 'a.jsonl'},{tmp_path / 'b.jsonl'}"), "list"))
+    from_glob = open_store(
+        prepare(tmp_path, tokenizer, raw_cfg(tmp_path, "--train_file", str(tmp_path / "*.jsonl")), "glob")
+    )
+    from_list = open_store(
+        prepare(
+            tmp_path,
+            tokenizer,
+            raw_cfg(tmp_path, "--train_file", f"{tmp_path / 'a.jsonl'},{tmp_path / 'b.jsonl'}"),
+            "list",
+        )
+    )
     datasets.Dataset.from_dict({"text": DOCS}).save_to_disk(str(tmp_path / "saved"))
-    from_disk = open_store(prepare(tmp_path, tokenizer, raw_cfg(tmp_path, "--dataset_name", str(tmp_path / "saved")),
-                                   "disk"))
+    from_disk = open_store(
+        prepare(tmp_path, tokenizer, raw_cfg(tmp_path, "--dataset_name", str(tmp_path / "saved")), "disk")
+    )
     expected = [t for d in DOCS for t in tokenizer(d)["input_ids"] + [tokenizer.eos_token_id]]
     for opened in (from_glob, from_list, from_disk):
         assert opened["splits"]["train"].tokens.tolist() == expected
@@ -146,10 +163,17 @@ def test_isolation_position_ids_restart_at_documents_and_blocks():
     assert batch["position_ids"].tolist() == [[0, 1, 2, 0, 1, 2], [0, 1, 2, 0, 1, 2]]
 
 
-@pytest.mark.parametrize("attn,micro", [
-    ("sdpa", 1), ("sdpa", 4), ("eager", 1), ("eager", 4),
-    pytest.param("flex_attention", 1, marks=pytest.mark.slow),  # flex compiles its kernel on the CPU: ~30 s
-    pytest.param("flex_attention", 4, marks=pytest.mark.slow)])
+@pytest.mark.parametrize(
+    "attn,micro",
+    [
+        ("sdpa", 1),
+        ("sdpa", 4),
+        ("eager", 1),
+        ("eager", 4),
+        pytest.param("flex_attention", 1, marks=pytest.mark.slow),  # flex compiles its kernel on the CPU: ~30 s
+        pytest.param("flex_attention", 4, marks=pytest.mark.slow),
+    ],
+)
 def test_attention_isolation_matches_each_document_run_alone(attn, micro, tokenizer):
     """Logits of packed blocks with isolation equal each document's logits computed on its own, for each attention
     backend that runs on a CPU, in a micro-batch of 1 and of 4 (rows that cut the documents at other places)."""
@@ -159,8 +183,13 @@ def test_attention_isolation_matches_each_document_run_alone(attn, micro, tokeni
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(TINY), attn_implementation=attn).eval()
     assert model.config._attn_implementation == attn
-    texts = ("A short one.", "Then a longer document follows here, with more words.", "End.", "And a fourth one, "
-             "of middling length.", "Five.")
+    texts = (
+        "A short one.",
+        "Then a longer document follows here, with more words.",
+        "End.",
+        "And a fourth one, of middling length.",
+        "Five.",
+    )
     docs = [tokenizer(d)["input_ids"] + [tokenizer.eos_token_id] for d in texts]
     stream = np.array([t for d in docs for t in d])
     starts = np.cumsum([0] + [len(d) for d in docs[:-1]])
@@ -301,8 +330,13 @@ def test_eval_batches_read_the_store_lazily_and_equal_the_blocks(tmp_path):
     stream = np.memmap(tmp_path / "validation.tokens.bin", dtype=np.uint16, mode="w+", shape=(n_tokens,))
     stream[:] = np.arange(n_tokens) % 5000
     stream.flush()
-    blocks = PackedBlocks(np.memmap(tmp_path / "validation.tokens.bin", dtype=np.uint16, mode="r"),
-                          np.array([0, 1000, 123_457]), block_size=64, pad_id=0, isolate_documents=True)
+    blocks = PackedBlocks(
+        np.memmap(tmp_path / "validation.tokens.bin", dtype=np.uint16, mode="r"),
+        np.array([0, 1000, 123_457]),
+        block_size=64,
+        pad_id=0,
+        isolate_documents=True,
+    )
     tracemalloc.start()
     try:
         batches = eval_batches(blocks, batch_size=8, rank=1, world=2, limit=None)
@@ -313,7 +347,7 @@ def test_eval_batches_read_the_store_lazily_and_equal_the_blocks(tmp_path):
     assert len(batches) == math.ceil(math.ceil(len(blocks) / 2) / 8)
     owned = np.arange(1, len(blocks), 2)
     for i in (0, 1, len(batches) - 1):
-        expected = blocks.batch(owned[i * 8: (i + 1) * 8])
+        expected = blocks.batch(owned[i * 8 : (i + 1) * 8])
         got = batches[i]
         assert set(got) == set(expected) == {"input_ids", "labels", "position_ids"}
         for key in expected:
@@ -321,8 +355,7 @@ def test_eval_batches_read_the_store_lazily_and_equal_the_blocks(tmp_path):
     assert batches.targets() == sum(int((b["labels"][:, 1:] != IGNORE_INDEX).sum()) for b in batches)
 
 
-def test_the_cached_store_is_found_by_path_size_and_mtime_and_the_content_hashed_once(tmp_path, tokenizer,
-                                                                                       monkeypatch):
+def test_the_cached_store_is_found_by_path_size_and_mtime_and_the_content_hashed_once(tmp_path, tokenizer, monkeypatch):
     """Every rank looks the store up at every start: by path, size and modification time, reading no content.
     The preparer hashes each file once and keeps the hash in the manifest; a file with a new mtime gets a new store."""
     import hashlib
@@ -363,15 +396,16 @@ def _held_out_docs(store, tokenizer) -> list:
     out = {}
     for name, part in opened["splits"].items():
         ends = list(part.doc_starts[1:]) + [part.n_tokens]
-        out[name] = [tokenizer.decode(part.tokens[s: e - 1]) for s, e in zip(part.doc_starts, ends, strict=True)]
+        out[name] = [tokenizer.decode(part.tokens[s : e - 1]) for s, e in zip(part.doc_starts, ends, strict=True)]
     return out
 
 
 CORPUS = [f"doc{i} " + " ".join(f"w{(i * 13 + j) % 97}" for j in range(5 + i % 11)) for i in range(200)]
 
 
-def test_held_out_documents_are_drawn_at_random_by_the_seed_and_the_split_is_in_the_fingerprint(tmp_path, tokenizer,
-                                                                                                 monkeypatch):
+def test_held_out_documents_are_drawn_at_random_by_the_seed_and_the_split_is_in_the_fingerprint(
+    tmp_path, tokenizer, monkeypatch
+):
     from scaletrain.store_prep import default_store_path
 
     monkeypatch.setenv("HF_DATASETS_CACHE", str(tmp_path / "cache"))
@@ -380,8 +414,7 @@ def test_held_out_documents_are_drawn_at_random_by_the_seed_and_the_split_is_in_
     cfg = raw_cfg(tmp_path, "--train_file", str(path), "--validation_split_percentage", "10")
 
     def held_out(name, seed):
-        store = prepare_token_store(cfg, tokenizer, str(TINY), 16, tmp_path / name, 1, show_progress=False,
-                                    seed=seed)
+        store = prepare_token_store(cfg, tokenizer, str(TINY), 16, tmp_path / name, 1, show_progress=False, seed=seed)
         return _held_out_docs(store, tokenizer)
 
     first, again, other = held_out("a", 7), held_out("b", 7), held_out("c", 8)
@@ -393,9 +426,24 @@ def test_held_out_documents_are_drawn_at_random_by_the_seed_and_the_split_is_in_
     assert set(other["validation"]) != set(first["validation"])
     # Whatever decides the split is in the fingerprint: another seed, percentage or cap is another cached store.
     paths = {default_store_path(store_fingerprint(cfg, tokenizer, 16, seed)) for seed in (7, 8)}
-    paths.add(default_store_path(store_fingerprint(
-        raw_cfg(tmp_path, "--train_file", str(path), "--validation_split_percentage", "10",
-                "--validation_split_max_tokens", "100"), tokenizer, 16, 7)))
+    paths.add(
+        default_store_path(
+            store_fingerprint(
+                raw_cfg(
+                    tmp_path,
+                    "--train_file",
+                    str(path),
+                    "--validation_split_percentage",
+                    "10",
+                    "--validation_split_max_tokens",
+                    "100",
+                ),
+                tokenizer,
+                16,
+                7,
+            )
+        )
+    )
     assert len(paths) == 3
 
 
@@ -413,8 +461,15 @@ def test_the_held_out_split_is_capped_in_tokens(num_proc, tmp_path, tokenizer, m
     monkeypatch.setattr(tokenstore, "write_store", functools.partial(tokenstore.write_store, batch_size=3))
     path = tmp_path / "docs.jsonl"
     write_docs(path, CORPUS, "jsonl")
-    cfg = raw_cfg(tmp_path, "--train_file", str(path), "--validation_split_percentage", "50",
-                  "--validation_split_max_tokens", "150")
+    cfg = raw_cfg(
+        tmp_path,
+        "--train_file",
+        str(path),
+        "--validation_split_percentage",
+        "50",
+        "--validation_split_max_tokens",
+        "150",
+    )
     store = prepare_token_store(cfg, tokenizer, str(TINY), 16, tmp_path / "store", num_proc, show_progress=False)
     splits = open_store(store)["splits"]
     docs = _held_out_docs(store, tokenizer)
@@ -444,8 +499,14 @@ def test_preparing_local_files_leaves_no_copy_of_the_corpus_in_the_datasets_cach
 
     corpus = write_corpus(tmp_path / "corpus.jsonl", 300)
     env = subprocess_env(tmp_path)  # HF_DATASETS_CACHE: tmp_path / "datasets"
-    proc = subprocess.run([sys.executable, str(PREPARE), *prepare_argv(corpus, tmp_path / "store", "--num_proc", "1")],
-                          cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        [sys.executable, str(PREPARE), *prepare_argv(corpus, tmp_path / "store", "--num_proc", "1")],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert open_store(tmp_path / "store")["splits"]["train"].n_documents == 300
     assert _arrow_files(tmp_path / "datasets") == []

@@ -60,8 +60,16 @@ def test_each_missing_hook_raises_a_message_that_names_it(hook, monkeypatch):
 
 def test_a_missing_universal_converter_and_a_changed_checkpoint_version_are_refused(monkeypatch, tmp_path):
     command = ds_internals.universal_conversion_command(tmp_path / "step2", tmp_path / "out")
-    assert command == [sys.executable, "-m", "deepspeed.checkpoint.ds_to_universal", "--input_folder",
-                       str(tmp_path / "step2"), "--output_folder", str(tmp_path / "out"), "--inject_missing_state"]
+    assert command == [
+        sys.executable,
+        "-m",
+        "deepspeed.checkpoint.ds_to_universal",
+        "--input_folder",
+        str(tmp_path / "step2"),
+        "--output_folder",
+        str(tmp_path / "out"),
+        "--inject_missing_state",
+    ]
     info = ds_internals.universal_checkpoint_info()
     assert info == {"universal_checkpoint_info": {"universal_checkpoint_version": 0.4}}
 
@@ -73,12 +81,19 @@ def test_a_missing_universal_converter_and_a_changed_checkpoint_version_are_refu
     monkeypatch.undo()
 
     real_find_spec = importlib.util.find_spec
-    monkeypatch.setattr(importlib.util, "find_spec",
-                        lambda name, *a: None if name.endswith("ds_to_universal") else real_find_spec(name, *a))
+    monkeypatch.setattr(
+        importlib.util,
+        "find_spec",
+        lambda name, *a: None if name.endswith("ds_to_universal") else real_find_spec(name, *a),
+    )
     with pytest.raises(DeepSpeedInternalsMoved) as err:
         ds_internals.universal_conversion_command(tmp_path / "step2", tmp_path / "out")
-    _assert_names(err, "deepspeed.checkpoint.ds_to_universal is missing", "resuming on another rank count",
-                  "resume with the rank count")
+    _assert_names(
+        err,
+        "deepspeed.checkpoint.ds_to_universal is missing",
+        "resuming on another rank count",
+        "resume with the rank count",
+    )
 
 
 def _bare(module: str, name: str, **attributes):
@@ -90,8 +105,11 @@ def _bare(module: str, name: str, **attributes):
 
 def test_the_skip_switch_sets_overflow_where_zero3_computes_it(monkeypatch):
     calls = []
-    monkeypatch.setattr(_class(STAGE3, "DeepSpeedZeroOptimizer_Stage3"), "_overflow_check_and_loss_scale_update",
-                        lambda self, update_scale=True: calls.append(update_scale) or False)
+    monkeypatch.setattr(
+        _class(STAGE3, "DeepSpeedZeroOptimizer_Stage3"),
+        "_overflow_check_and_loss_scale_update",
+        lambda self, update_scale=True: calls.append(update_scale) or False,
+    )
     optimizer = _bare(STAGE3, "DeepSpeedZeroOptimizer_Stage3", overflow=False)
     switch = SkipSwitch(optimizer)
     assert optimizer._overflow_check_and_loss_scale_update(False) is False and calls == [False]
@@ -111,12 +129,15 @@ def test_the_skip_switch_sets_overflow_where_zero12_computes_it():
     assert optimizer.overflow is True
 
 
-@pytest.mark.parametrize("module, name, attributes, missing", [
-    (STAGE3, "DeepSpeedZeroOptimizer_Stage3", {"overflow": False}, "_loss_scale_update_and_overflow_cleanup"),
-    (STAGE3, "DeepSpeedZeroOptimizer_Stage3", {}, "overflow"),
-    (STAGE12, "DeepSpeedZeroOptimizer", {"overflow": False}, "check_grad_overflow"),
-    (STAGE12, "DeepSpeedZeroOptimizer", {"check_grad_overflow": True}, "overflow"),
-])
+@pytest.mark.parametrize(
+    "module, name, attributes, missing",
+    [
+        (STAGE3, "DeepSpeedZeroOptimizer_Stage3", {"overflow": False}, "_loss_scale_update_and_overflow_cleanup"),
+        (STAGE3, "DeepSpeedZeroOptimizer_Stage3", {}, "overflow"),
+        (STAGE12, "DeepSpeedZeroOptimizer", {"overflow": False}, "check_grad_overflow"),
+        (STAGE12, "DeepSpeedZeroOptimizer", {"check_grad_overflow": True}, "overflow"),
+    ],
+)
 def test_the_skip_switch_refuses_an_optimizer_whose_hook_moved(module, name, attributes, missing, monkeypatch):
     cls = _class(module, name)
     if missing in vars(cls):
@@ -170,8 +191,10 @@ def test_a_skip_the_hook_did_not_make_stops_the_run():
     weight.grad = torch.ones(2)
     torch.optim.SGD.step(optimizer)
     assert weight.tolist() == [0.0, 0.0]
-    with pytest.raises(NonFiniteSkipBroken, match="was not intercepted .the hook never ran.: DeepSpeed .* checked "
-                                                  "with .0.19.8.; use --on_nonfinite stop"):
+    with pytest.raises(
+        NonFiniteSkipBroken,
+        match="was not intercepted .the hook never ran.: DeepSpeed .* checked with .0.19.8.; use --on_nonfinite stop",
+    ):
         switch.confirm_skipped(_EngineStandIn(applied=True))
     # A DeepSpeed that calls the hook but ignores the overflow flag applies the update: stopped too.
     optimizer.step()
@@ -218,8 +241,12 @@ def test_op_loading_hooks_fail_loudly_when_moved(monkeypatch):
     monkeypatch.delattr(cpp_extension, "_get_build_directory")
     with pytest.raises(DeepSpeedInternalsMoved) as err:
         ops.build_directory("cpu_adam")
-    _assert_names(err, "torch.utils.cpp_extension._get_build_directory is missing", "install torch==2.13.0",
-                  checked=CHECKED_TORCH_VERSIONS)
+    _assert_names(
+        err,
+        "torch.utils.cpp_extension._get_build_directory is missing",
+        "install torch==2.13.0",
+        checked=CHECKED_TORCH_VERSIONS,
+    )
     for cls in type(get_accelerator()).__mro__:
         if "create_op_builder" in vars(cls):
             monkeypatch.delattr(cls, "create_op_builder")

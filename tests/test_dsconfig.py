@@ -14,8 +14,9 @@ CONFIGS = ["zero1", "zero2", "zero3", "zero2_offload", "zero3_offload", "zero3_n
 
 
 def cfg_for(tmp_path, *flags):
-    return parse_run_config(["--config", str(REPO / "ds_configs/zero3.json"), "--output_dir", str(tmp_path / "o"),
-                             *flags])
+    return parse_run_config(
+        ["--config", str(REPO / "ds_configs/zero3.json"), "--output_dir", str(tmp_path / "o"), *flags]
+    )
 
 
 def resolve(raw, cfg, dp_world_size, hidden_size, hw):
@@ -32,8 +33,17 @@ def contains_auto(tree) -> bool:
 @pytest.mark.parametrize("name", CONFIGS)
 def test_every_shipped_config_resolves_completely(name, tmp_path):
     raw = load_ds_config(str(REPO / "ds_configs" / f"{name}.json"))
-    cfg = cfg_for(tmp_path, "--per_device_train_batch_size", "3", "--gradient_accumulation_steps", "5",
-                  "--learning_rate", "2e-4", "--nvme_path", str(tmp_path))
+    cfg = cfg_for(
+        tmp_path,
+        "--per_device_train_batch_size",
+        "3",
+        "--gradient_accumulation_steps",
+        "5",
+        "--learning_rate",
+        "2e-4",
+        "--nvme_path",
+        str(tmp_path),
+    )
     resolved = resolve(raw, cfg, dp_world_size=4, hidden_size=64, hw=CPU)
     c = resolved.config
     assert not contains_auto(c)
@@ -108,9 +118,10 @@ def test_bucket_sizes_amortise_a_collectives_latency_bounded_by_the_model_and_me
         assert link.latency_s / (link.latency_s + transfer) == pytest.approx(0.10, rel=1e-3), accelerator
         assert f"({accelerator} link, latency <= 10%)" in why
     assert bucket_elements("cuda", "bf16", None)[0] == 101_250_000  # 200 MB: about the Trainer docs' 2e8 elements
-    assert bucket_elements("cuda", "bf16", 5_000_000) == (5_000_000, "50 us x 450 GB/s x 9 (cuda link, latency "
-                                                          "<= 10%) / 2 bytes = 101250000, capped at the model "
-                                                          "(5000000)")
+    assert bucket_elements("cuda", "bf16", 5_000_000) == (
+        5_000_000,
+        "50 us x 450 GB/s x 9 (cuda link, latency <= 10%) / 2 bytes = 101250000, capped at the model (5000000)",
+    )
     assert bucket_elements("cuda", "bf16", 10**12)[0] <= MAX_BUCKET_ELEMENTS
 
 

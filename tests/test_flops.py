@@ -74,4 +74,5 @@ def test_lora_flops_per_token_match_a_counted_training_step():
     assert counted == pytest.approx(flops.per_token(), rel=0.03)
     assert dataclasses.replace(flops, frozen_matmul_params=0).per_token() > 1.25 * counted  # every weight trained
     assert flops.per_token(recompute=True) - flops.per_token() == 2 * flops.matmul_params + 4 * (
-        flops.layers * flops.heads * flops.head_dim * seq)  # the recomputed forward, frozen weights included
+        flops.layers * flops.heads * flops.head_dim * seq
+    )  # the recomputed forward, frozen weights included

@@ -34,20 +34,26 @@ def test_prompts_are_read_from_jsonl_text_and_conversations(tmp_path, tokenizer)
     text = load_eval_prompts(prompts_file(tmp_path, ["Once upon a time"], "p.txt"), tokenizer, 8, 2048)
     assert text.input_ids == prompts.input_ids[:1]
     tokenizer = AutoTokenizer.from_pretrained(DEFAULT_MODEL_DIR)
-    tokenizer.chat_template = "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}{% endfor %}" \
-                              "{% if add_generation_prompt %}<assistant>{% endif %}"
-    chat = load_eval_prompts(prompts_file(tmp_path, [json.dumps({"messages": [{"role": "user", "content": "hi"}]})]),
-                             tokenizer, 8, 2048)
+    tokenizer.chat_template = (
+        "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}{% endfor %}"
+        "{% if add_generation_prompt %}<assistant>{% endif %}"
+    )
+    chat = load_eval_prompts(
+        prompts_file(tmp_path, [json.dumps({"messages": [{"role": "user", "content": "hi"}]})]), tokenizer, 8, 2048
+    )
     assert chat.shown == ("<user>hi<assistant>",)
 
 
-@pytest.mark.parametrize("lines, expected", [
-    (["{not json"], "line 1: not valid JSON"),
-    ([json.dumps({"prompt": "ok"}), json.dumps({"text": "x"})], "line 2: needs a \"prompt\" string or a \"messages\""),
-    ([json.dumps({"messages": [{"role": "user", "content": "hi"}]})], "the tokenizer has no chat template"),
-    ([json.dumps({"prompt": "word " * 300})], "exceeds the model's 256 positions"),
-    ([], "holds no prompt"),
-])
+@pytest.mark.parametrize(
+    "lines, expected",
+    [
+        (["{not json"], "line 1: not valid JSON"),
+        ([json.dumps({"prompt": "ok"}), json.dumps({"text": "x"})], 'line 2: needs a "prompt" string or a "messages"'),
+        ([json.dumps({"messages": [{"role": "user", "content": "hi"}]})], "the tokenizer has no chat template"),
+        ([json.dumps({"prompt": "word " * 300})], "exceeds the model's 256 positions"),
+        ([], "holds no prompt"),
+    ],
+)
 def test_a_bad_prompts_file_names_the_file_and_line(tmp_path, tokenizer, lines, expected):
     with pytest.raises(UsageError, match="--eval_prompts") as err:
         load_eval_prompts(prompts_file(tmp_path, lines), tokenizer, 8, 256)
@@ -70,10 +76,32 @@ def test_zero3_two_ranks_generate_at_each_evaluation_as_the_exported_model_does(
     prompts = ["Once upon a time", "The little dog"]
     path = prompts_file(tmp_path, [json.dumps({"prompt": p}) for p in prompts])
     run_dir = tmp_path / "run"
-    check_ok(launch(REPO / "train.py", ["--config", "ds_configs/zero3.json", "--output_dir", str(run_dir),
-                                        "--max_steps", "4", "--eval_steps", "2", "--eval_prompts", path,
-                                        "--eval_max_new_tokens", "8", "--learning_rate", "1e-6",
-                                        "--no-save_at_end", *FAST_FLAGS], "deepspeed", cache_dir, nprocs=2))
+    check_ok(
+        launch(
+            REPO / "train.py",
+            [
+                "--config",
+                "ds_configs/zero3.json",
+                "--output_dir",
+                str(run_dir),
+                "--max_steps",
+                "4",
+                "--eval_steps",
+                "2",
+                "--eval_prompts",
+                path,
+                "--eval_max_new_tokens",
+                "8",
+                "--learning_rate",
+                "1e-6",
+                "--no-save_at_end",
+                *FAST_FLAGS,
+            ],
+            "deepspeed",
+            cache_dir,
+            nprocs=2,
+        )
+    )
     records = [r for r in read_metrics(run_dir) if "generations" in r]
     assert [r["step"] for r in records] == [2, 4]  # the evaluation at step 2, and the final one
     for record in records:
@@ -82,8 +110,13 @@ def test_zero3_two_ranks_generate_at_each_evaluation_as_the_exported_model_does(
     for prompt, row in zip(prompts, records[-1]["generations"], strict=True):
         ids = tokenizer(prompt, return_tensors="pt")["input_ids"]
         with torch.no_grad():
-            out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=8,
-                                 do_sample=False, eos_token_id=tokenizer.eos_token_id,
-                                 pad_token_id=tokenizer.pad_token_id or tokenizer.eos_token_id)
-        expected = tokenizer.decode(out[0, ids.shape[1]:], skip_special_tokens=True)
+            out = model.generate(
+                input_ids=ids,
+                attention_mask=torch.ones_like(ids),
+                max_new_tokens=8,
+                do_sample=False,
+                eos_token_id=tokenizer.eos_token_id,
+                pad_token_id=tokenizer.pad_token_id or tokenizer.eos_token_id,
+            )
+        expected = tokenizer.decode(out[0, ids.shape[1] :], skip_special_tokens=True)
         assert row["completion"] == expected and expected

@@ -28,8 +28,14 @@ per node | NVMe per node | fits (no ckpt / ckpt) | config |
 
 def test_parse_plan_reads_the_totals_of_zero_1_2_3_without_offload():
     planned = gc.parse_plan(PLAN_OUTPUT)
-    assert planned == {(1, False): 38.0, (1, True): 21.1, (2, False): 37.5, (2, True): 21.0, (3, False): 36.61,
-                       (3, True): 19.71}
+    assert planned == {
+        (1, False): 38.0,
+        (1, True): 21.1,
+        (2, False): 37.5,
+        (2, True): 21.0,
+        (3, False): 36.61,
+        (3, True): 19.71,
+    }
     assert gc.parse_plan("no table here") == {}
 
 
@@ -50,8 +56,10 @@ def test_memory_check_holds_the_peak_against_the_plan_with_a_margin():
 
 
 def test_train_figures_are_steady_medians_and_the_largest_peak():
-    records = [{"step": s, "loss": 10.0 - s, "tokens_per_s": 100.0 * s, "mfu": 0.1 * s, "gpu_peak_gb": 20.0 + s}
-               for s in range(1, 7)] + [{"step": 6, "eval_loss": 4.0, "gpu_peak_gb": 30.0}]
+    records = [
+        {"step": s, "loss": 10.0 - s, "tokens_per_s": 100.0 * s, "mfu": 0.1 * s, "gpu_peak_gb": 20.0 + s}
+        for s in range(1, 7)
+    ] + [{"step": 6, "eval_loss": 4.0, "gpu_peak_gb": 30.0}]
     figures = gc.train_figures(records, warmup=3)
     assert figures["steps"] == 6 and figures["losses"] == [9.0, 8.0, 7.0, 6.0, 5.0, 4.0]
     assert figures["tokens_per_s"] == 500.0 and figures["mfu"] == pytest.approx(0.5)  # steps 4-6
@@ -84,8 +92,9 @@ def test_an_off_loss_or_memory_fails_the_check_and_the_exit_code(tmp_path):
 
 
 def test_the_exit_code_counts_failures_not_skips():
-    assert gc.exit_code(_rows(a="ok", b="skipped", c="not installed (flash_attn does not import)",
-                              d="needs a GPU")) == 0
+    assert (
+        gc.exit_code(_rows(a="ok", b="skipped", c="not installed (flash_attn does not import)", d="needs a GPU")) == 0
+    )
     assert gc.exit_code(_rows(a="ok", b="FAILED")) == 1
 
 
@@ -127,14 +136,23 @@ def test_bad_options_exit_2_before_any_run(tmp_path, capsys):
 
 @pytest.mark.skipif(shutil.which("nvidia-smi") is not None, reason="this machine has a GPU")
 def test_the_shell_driver_refuses_a_machine_without_a_gpu():
-    proc = subprocess.run(["bash", "scripts/gpu_check.sh", "--only", "plan"], cwd=REPO, capture_output=True,
-                          text=True, timeout=60)
+    proc = subprocess.run(
+        ["bash", "scripts/gpu_check.sh", "--only", "plan"], cwd=REPO, capture_output=True, text=True, timeout=60
+    )
     assert proc.returncode == 2 and "needs a CUDA GPU (or --cpu_test)" in proc.stderr
 
 
 def _run(tmp_path, *flags):
-    cmd = ["bash", "scripts/gpu_check.sh", "--cpu_test", "--work_dir", str(tmp_path / "work"), "--json",
-           str(tmp_path / "check.json"), *flags]
+    cmd = [
+        "bash",
+        "scripts/gpu_check.sh",
+        "--cpu_test",
+        "--work_dir",
+        str(tmp_path / "work"),
+        "--json",
+        str(tmp_path / "check.json"),
+        *flags,
+    ]
     env = {**subprocess_env(tmp_path), "PYTHON": sys.executable}
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
     return proc, json.loads((tmp_path / "check.json").read_text())
@@ -145,12 +163,33 @@ def test_cpu_mode_runs_the_plan_a_zero_run_and_the_reference_and_checks_them(tmp
     proc, result = _run(tmp_path, "--only", "plan,zero3,fp32_ref")
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     rows = {r["run"]: r for r in result["rows"]}
-    assert list(rows) == ["ops", "plan", "default", "zero1", "zero2", "zero3", "fp32_ref", "sdpa_ckpt",
-                          "sdpa_compile", "flash", "flash_ckpt", "qlora", "hf"]
+    assert list(rows) == [
+        "ops",
+        "plan",
+        "default",
+        "zero1",
+        "zero2",
+        "zero3",
+        "fp32_ref",
+        "sdpa_ckpt",
+        "sdpa_compile",
+        "flash",
+        "flash_ckpt",
+        "qlora",
+        "hf",
+    ]
     assert {n: r["status"] for n, r in rows.items() if r["status"] != "ok"} == {
-        "ops": "not needed on a CPU", "default": "skipped", "zero1": "skipped", "zero2": "skipped",
-        "sdpa_ckpt": "skipped", "sdpa_compile": "needs a GPU", "flash": "needs a GPU", "flash_ckpt": "needs a GPU",
-        "qlora": "needs a GPU", "hf": "skipped"}
+        "ops": "not needed on a CPU",
+        "default": "skipped",
+        "zero1": "skipped",
+        "zero2": "skipped",
+        "sdpa_ckpt": "skipped",
+        "sdpa_compile": "needs a GPU",
+        "flash": "needs a GPU",
+        "flash_ckpt": "needs a GPU",
+        "qlora": "needs a GPU",
+        "hf": "skipped",
+    }
     assert set(result["planned_gb"]) == {"zero1", "zero1_ckpt", "zero2", "zero2_ckpt", "zero3", "zero3_ckpt"}
     zero3 = rows["zero3"]
     assert zero3["planned_gb"] == result["planned_gb"]["zero3"] > 0

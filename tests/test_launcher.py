@@ -28,15 +28,38 @@ TOY_RANK = REPO / "tests" / "helpers" / "toy_rank.py"
 
 def flags(run_dir: Path) -> list:
     # No periodic save: the only checkpoint a run stopped early can have is its preemption save.
-    return ["--config", "ds_configs/zero2.json", "--output_dir", str(run_dir), "--max_steps", str(STEPS),
-            "--save_steps", "0", "--logging_steps", "1", "--block_size", "64", "--per_device_train_batch_size", "2",
-            "--max_eval_samples", "8", "--disable_tqdm"]
+    return [
+        "--config",
+        "ds_configs/zero2.json",
+        "--output_dir",
+        str(run_dir),
+        "--max_steps",
+        str(STEPS),
+        "--save_steps",
+        "0",
+        "--logging_steps",
+        "1",
+        "--block_size",
+        "64",
+        "--per_device_train_batch_size",
+        "2",
+        "--max_eval_samples",
+        "8",
+        "--disable_tqdm",
+    ]
 
 
 def start(run_dir: Path, cache: Path) -> subprocess.Popen:
     cmd = [*LAUNCHER, "--num_gpus", "2", "--master_port", str(free_port()), "train.py", *flags(run_dir)]
-    return subprocess.Popen(cmd, cwd=REPO, env=subprocess_env(cache), stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    return subprocess.Popen(
+        cmd,
+        cwd=REPO,
+        env=subprocess_env(cache),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
 
 
 def wait_for_steps(proc: subprocess.Popen, run_dir: Path, steps: int, timeout: float = 600) -> int:
@@ -76,8 +99,13 @@ def check_saved_and_resumes(proc: subprocess.Popen, output: str, run_dir: Path, 
     assert f"checkpoint committed at step {saved}" in output
 
     restarted = subprocess.run(
-        [*LAUNCHER, "--num_gpus", "2", "--master_port", str(free_port()), "train.py", *flags(run_dir)], cwd=REPO,
-        env=subprocess_env(cache), capture_output=True, text=True, timeout=900)
+        [*LAUNCHER, "--num_gpus", "2", "--master_port", str(free_port()), "train.py", *flags(run_dir)],
+        cwd=REPO,
+        env=subprocess_env(cache),
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
     check_ok(restarted)
     assert f"resumed from {run_dir / 'checkpoints' / f'step{saved}'} (step {saved}," in restarted.stdout
     steps = [r["step"] for r in read_metrics(run_dir) if "loss" in r]
@@ -113,8 +141,15 @@ def test_sigterm_to_every_process_of_the_launch_still_saves_and_exits_85(tmp_pat
 
 def start_toy(cache: Path, **env: str) -> subprocess.Popen:
     cmd = [*LAUNCHER, "--num_gpus", "2", "--master_port", str(free_port()), str(TOY_RANK)]
-    return subprocess.Popen(cmd, cwd=REPO, env={**subprocess_env(cache), **env}, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    return subprocess.Popen(
+        cmd,
+        cwd=REPO,
+        env={**subprocess_env(cache), **env},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
 
 
 def toy_ranks(proc: subprocess.Popen, timeout: float = 120) -> list:

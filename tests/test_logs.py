@@ -24,8 +24,9 @@ log.warning("our own warning")
 
 @pytest.mark.parametrize("rank", [0, 1])
 def test_every_rank_shows_each_warning_once_with_its_rank(rank):
-    proc = subprocess.run([sys.executable, "-c", SCRIPT, str(rank)], cwd=REPO, capture_output=True, text=True,
-                          timeout=60, check=False)
+    proc = subprocess.run(
+        [sys.executable, "-c", SCRIPT, str(rank)], cwd=REPO, capture_output=True, text=True, timeout=60, check=False
+    )
     assert proc.returncode == 0, proc.stderr
     lines = proc.stdout.splitlines()
     python_warnings = [line for line in lines if "only this rank's disk is slow" in line]

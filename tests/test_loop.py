@@ -21,8 +21,16 @@ from tests.helpers import inject_nonfinite
 
 
 def result(applied=True, forced=None, loss=2.0) -> StepResult:
-    return StepResult(loss_sum=torch.tensor(loss * 100), targets=100, blocks=8, global_loss=loss, preempted=False,
-                      interval_due=False, forced=forced, applied=applied)
+    return StepResult(
+        loss_sum=torch.tensor(loss * 100),
+        targets=100,
+        blocks=8,
+        global_loss=loss,
+        preempted=False,
+        interval_due=False,
+        forced=forced,
+        applied=applied,
+    )
 
 
 def test_a_save_counts_in_the_next_step_and_the_interval_clock_restarts_with_it():
@@ -126,8 +134,16 @@ def test_on_a_gpu_only_logged_steps_synchronise_and_their_phases_are_what_is_rep
 
 
 def test_the_logged_steps_are_known_before_they_run():
-    settings = LoopSettings(max_steps=25, logging_steps=10, eval_steps=0, save_steps=0, save_interval_minutes=0,
-                            preemption_grace_seconds=60, gradient_divisor=1, show_progress=False)
+    settings = LoopSettings(
+        max_steps=25,
+        logging_steps=10,
+        eval_steps=0,
+        save_steps=0,
+        save_interval_minutes=0,
+        preemption_grace_seconds=60,
+        gradient_divisor=1,
+        show_progress=False,
+    )
     assert [step for step in range(1, 26) if _logged(step, settings)] == [10, 20, 25]
     timers = StepTimers(torch.device("cpu"), save_interval_minutes=0)
     timers.measure_phases = False

@@ -38,31 +38,72 @@ def base_model(tmp_path_factory) -> Path:
 
 def lora_flags(ds_config: str, run_dir: Path, base: Path, *extra: str) -> list:
     # A dropout on the adapter: the resumed run must restore the RNG to repeat its masks.
-    return ["--config", f"ds_configs/{ds_config}.json", "--output_dir", str(run_dir), "--model_name_or_path",
-            str(base), "--use_peft", "--lora_r", "4", "--lora_alpha", "8", "--lora_dropout", "0.1",
-            "--max_steps", str(STEPS), "--save_steps", str(SAVE_EVERY), "--logging_steps", "1", "--block_size", "64",
-            "--per_device_train_batch_size", "2", "--learning_rate", "1e-2", "--max_eval_samples", "8",
-            "--disable_tqdm", *extra]
+    return [
+        "--config",
+        f"ds_configs/{ds_config}.json",
+        "--output_dir",
+        str(run_dir),
+        "--model_name_or_path",
+        str(base),
+        "--use_peft",
+        "--lora_r",
+        "4",
+        "--lora_alpha",
+        "8",
+        "--lora_dropout",
+        "0.1",
+        "--max_steps",
+        str(STEPS),
+        "--save_steps",
+        str(SAVE_EVERY),
+        "--logging_steps",
+        "1",
+        "--block_size",
+        "64",
+        "--per_device_train_batch_size",
+        "2",
+        "--learning_rate",
+        "1e-2",
+        "--max_eval_samples",
+        "8",
+        "--disable_tqdm",
+        *extra,
+    ]
 
 
 # --- bad input: one line, exit 2, nothing written --------------------------------------------------------------
 
 BAD = {
     # name: (flags after the base model's, the flag the error names, text of the error line, text of the hint or None)
-    "target module that does not exist": (["--use_peft", "--lora_target_modules", "q_proj,qkv_proj"],
-                                          "--lora_target_modules", "LlamaForCausalLM has no layer named qkv_proj",
-                                          "its layers: down_proj, embed_tokens, gate_proj, k_proj, lm_head, o_proj, "
-                                          "q_proj, up_proj, v_proj (or all-linear)"),
-    "target module that is no layer": (["--use_peft", "--lora_target_modules", "mlp"], "--lora_target_modules",
-                                       "has no layer named mlp", None),
+    "target module that does not exist": (
+        ["--use_peft", "--lora_target_modules", "q_proj,qkv_proj"],
+        "--lora_target_modules",
+        "LlamaForCausalLM has no layer named qkv_proj",
+        "its layers: down_proj, embed_tokens, gate_proj, k_proj, lm_head, o_proj, "
+        "q_proj, up_proj, v_proj (or all-linear)",
+    ),
+    "target module that is no layer": (
+        ["--use_peft", "--lora_target_modules", "mlp"],
+        "--lora_target_modules",
+        "has no layer named mlp",
+        None,
+    ),
     "lora flag without use_peft": (["--lora_r", "8"], "--lora_r", "--lora_r: only acts with --use_peft", None),
     "rank zero": (["--use_peft", "--lora_r", "0"], "--lora_r", "--lora_r 0: must be at least 1", None),
     "dropout of one": (["--use_peft", "--lora_dropout", "1"], "--lora_dropout", "--lora_dropout 1.0: must be", None),
     "qlora on a cpu": (["--use_peft", "--load_in_4bit"], "--load_in_4bit", "QLoRA needs a CUDA GPU", None),
-    "lora with tensor parallelism": (["--use_peft", "--tensor_parallel_size", "2"], "--tensor_parallel_size",
-                                     "--use_peft with --tensor_parallel_size 2: not supported", None),
-    "lora with pipeline parallelism": (["--use_peft", "--pipeline_parallel_size", "2"], "--pipeline_parallel_size",
-                                       "--use_peft with --pipeline_parallel_size 2: not supported", None),
+    "lora with tensor parallelism": (
+        ["--use_peft", "--tensor_parallel_size", "2"],
+        "--tensor_parallel_size",
+        "--use_peft with --tensor_parallel_size 2: not supported",
+        None,
+    ),
+    "lora with pipeline parallelism": (
+        ["--use_peft", "--pipeline_parallel_size", "2"],
+        "--pipeline_parallel_size",
+        "--use_peft with --pipeline_parallel_size 2: not supported",
+        None,
+    ),
 }
 
 
@@ -71,8 +112,15 @@ BAD = {
 def test_bad_lora_input_is_one_line_exit_2_and_touches_nothing(name, base_model, tmp_path, capsys):
     extra, culprit, expected, hint = BAD[name]
     out = tmp_path / "out"
-    assert_refused(name, ["--config", str(ZERO2), "--output_dir", str(out), "--model_name_or_path", str(base_model),
-                          *extra], out, capsys, culprit, expected, hint)
+    assert_refused(
+        name,
+        ["--config", str(ZERO2), "--output_dir", str(out), "--model_name_or_path", str(base_model), *extra],
+        out,
+        capsys,
+        culprit,
+        expected,
+        hint,
+    )
 
 
 @pytest.mark.usefixtures("offline")
@@ -103,25 +151,31 @@ def fake_checkpoint(run_dir: Path, base: Path, adapter, base_identity: Optional[
     ckpt.mkdir(parents=True)
     state = {"step": 4, "world_size": 1, "zero_stage": 2, "offload": "optimizer=none,param=none", "model": facts}
     (ckpt / "train_state.json").write_text(json.dumps(state))
-    (ckpt / "commit.json").write_text(json.dumps({"step": 4, "files": {"train_state.json":
-                                                                        (ckpt / "train_state.json").stat().st_size}}))
+    (ckpt / "commit.json").write_text(
+        json.dumps({"step": 4, "files": {"train_state.json": (ckpt / "train_state.json").stat().st_size}})
+    )
 
 
 @pytest.mark.usefixtures("offline")
-@pytest.mark.parametrize("saved, flags, change", [
-    ("lora r=4 alpha=8 targets=all-linear", ["--use_peft", "--lora_r", "8", "--lora_alpha", "8"],
-     "adapter lora r=4 alpha=8 targets=all-linear -> lora r=8 alpha=8 targets=all-linear"),
-    ("lora r=4 alpha=8 targets=all-linear", [], "adapter lora r=4 alpha=8 targets=all-linear -> None"),
-    (None, ["--use_peft"], "adapter None -> lora r=16 alpha=32 targets=all-linear"),
-])
+@pytest.mark.parametrize(
+    "saved, flags, change",
+    [
+        (
+            "lora r=4 alpha=8 targets=all-linear",
+            ["--use_peft", "--lora_r", "8", "--lora_alpha", "8"],
+            "adapter lora r=4 alpha=8 targets=all-linear -> lora r=8 alpha=8 targets=all-linear",
+        ),
+        ("lora r=4 alpha=8 targets=all-linear", [], "adapter lora r=4 alpha=8 targets=all-linear -> None"),
+        (None, ["--use_peft"], "adapter None -> lora r=16 alpha=32 targets=all-linear"),
+    ],
+)
 def test_a_resume_with_another_adapter_or_none_is_refused(saved, flags, change, base_model, tmp_path, capsys):
     from train import main
 
     run_dir = tmp_path / "run"
     fake_checkpoint(run_dir, base_model, saved)
     before = tree_digest(run_dir)
-    code = main(["--config", str(ZERO2), "--output_dir", str(run_dir), "--model_name_or_path", str(base_model),
-                 *flags])
+    code = main(["--config", str(ZERO2), "--output_dir", str(run_dir), "--model_name_or_path", str(base_model), *flags])
     err = capsys.readouterr().err
     assert code == 2 and f"is from a different model ({change})" in err, err
     assert tree_digest(run_dir) == before
@@ -166,23 +220,42 @@ def test_a_lora_checkpoint_resumes_on_the_base_it_was_trained_on_only(name, base
     run_dir = tmp_path / "run"
     fake_checkpoint(run_dir, base_model, "lora r=4 alpha=8 targets=all-linear", base_identity(str(base_model)))
     before = tree_digest(run_dir)
-    code = main(["--config", str(ZERO2), "--output_dir", str(run_dir), "--model_name_or_path", str(given),
-                 "--use_peft", "--lora_r", "4", "--lora_alpha", "8", "--print_config"])
+    code = main(
+        [
+            "--config",
+            str(ZERO2),
+            "--output_dir",
+            str(run_dir),
+            "--model_name_or_path",
+            str(given),
+            "--use_peft",
+            "--lora_r",
+            "4",
+            "--lora_alpha",
+            "8",
+            "--print_config",
+        ]
+    )
     err = capsys.readouterr().err.strip().splitlines()
     assert tree_digest(run_dir) == before
     if not refused:
         assert code == 0, err
         return
     assert code == 2 and len(err) == 2, err
-    assert err[0].startswith(f"train.py: error: --model_name_or_path {given}: checkpoint {run_dir / 'checkpoints'}"
-                             f"/step4 holds a LoRA adapter trained on the base {base_model}, not the base itself, "
-                             "and this base has other weights"), err
-    assert err[1] == f"  hint: resume with --model_name_or_path {base_model}, or start afresh with " \
-                     "--resume_from_checkpoint none", err
+    assert err[0].startswith(
+        f"train.py: error: --model_name_or_path {given}: checkpoint {run_dir / 'checkpoints'}"
+        f"/step4 holds a LoRA adapter trained on the base {base_model}, not the base itself, "
+        "and this base has other weights"
+    ), err
+    assert (
+        err[1] == f"  hint: resume with --model_name_or_path {base_model}, or start afresh with "
+        "--resume_from_checkpoint none"
+    ), err
 
 
-@pytest.mark.parametrize("saved_source, now_source, refused", [
-    ("org/base", "org/base", False), ("org/base", "org/other", True)])
+@pytest.mark.parametrize(
+    "saved_source, now_source, refused", [("org/base", "org/base", False), ("org/base", "org/other", True)]
+)
 def test_a_base_whose_weights_are_not_on_this_machine_is_told_by_its_name(saved_source, now_source, refused):
     """Where either side's weights are unknown (a hub id not downloaded yet), the names decide."""
     from scaletrain.errors import UsageError
@@ -197,6 +270,7 @@ def test_a_base_whose_weights_are_not_on_this_machine_is_told_by_its_name(saved_
 
 
 # --- training, export, resume at 2 ranks -------------------------------------------------------------------------
+
 
 def probe_logits(model, input_ids: torch.Tensor) -> torch.Tensor:
     model.eval()
@@ -258,8 +332,15 @@ class Uninterrupted:
         key = (ds_config, *extra)
         if key not in self._made:
             run_dir = self._factory.mktemp(f"lora_{ds_config}") / "run"
-            check_ok(launch(PROBE, lora_flags(ds_config, run_dir, self._base, "--merge_lora", *extra), "deepspeed",
-                            self._cache, nprocs=2))
+            check_ok(
+                launch(
+                    PROBE,
+                    lora_flags(ds_config, run_dir, self._base, "--merge_lora", *extra),
+                    "deepspeed",
+                    self._cache,
+                    nprocs=2,
+                )
+            )
             assert sorted(step_losses(run_dir)) == list(range(1, STEPS + 1))
             self._made[key] = run_dir
         return self._made[key]
@@ -285,15 +366,15 @@ VARIANTS = {  # name: (DeepSpeed config, extra flags)
 def test_only_the_adapter_trains_and_its_export_reproduces_the_engine(variant, uninterrupted, base_model):
     ds_config, extra = VARIANTS[variant]
     run_dir = uninterrupted.run_dir(ds_config, *extra)
-    check_the_checkpoint_holds_the_adapter_alone(run_dir / "checkpoints" / f"step{STEPS}", base_model, run_dir,
-                                                 3 if ds_config.startswith("zero3") else 2)
+    check_the_checkpoint_holds_the_adapter_alone(
+        run_dir / "checkpoints" / f"step{STEPS}", base_model, run_dir, 3 if ds_config.startswith("zero3") else 2
+    )
     check_export(run_dir, base_model)
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("ds_config", ["zero1", "zero2", "zero3"])
-def test_lora_sigkill_one_rank_then_restart_resumes_exactly(ds_config, tmp_path, cache_dir, uninterrupted,
-                                                            base_model):
+def test_lora_sigkill_one_rank_then_restart_resumes_exactly(ds_config, tmp_path, cache_dir, uninterrupted, base_model):
     from safetensors.torch import load_file
 
     run_dir = tmp_path / "run"
@@ -314,8 +395,9 @@ def test_lora_sigkill_one_rank_then_restart_resumes_exactly(ds_config, tmp_path,
     assert f"resumed from {run_dir / 'checkpoints' / f'step{saved}'} (step {saved}," in restarted.stdout
     reference_dir = uninterrupted.run_dir(ds_config)
     # It resumed exactly (below) from a checkpoint without the base: the base came from --model_name_or_path.
-    check_the_checkpoint_holds_the_adapter_alone(run_dir / "checkpoints" / f"step{saved}", base_model, reference_dir,
-                                                 int(ds_config[-1]))
+    check_the_checkpoint_holds_the_adapter_alone(
+        run_dir / "checkpoints" / f"step{saved}", base_model, reference_dir, int(ds_config[-1])
+    )
     losses, reference = step_losses(run_dir), step_losses(reference_dir)
     assert sorted(losses) == list(range(1, STEPS + 1))
     for step in range(1, STEPS + 1):
@@ -333,9 +415,20 @@ def test_export_script_writes_the_runs_adapter_and_merged_model(uninterrupted, t
 
     run_dir = uninterrupted.run_dir("zero3")
     out = tmp_path / "export"
-    proc = subprocess.run([sys.executable, str(REPO / "scripts" / "export_hf.py"),
-                           str(run_dir / "checkpoints" / f"step{STEPS}"), str(out), "--merge_lora"],
-                          cwd=REPO, env=subprocess_env(cache_dir), capture_output=True, text=True, timeout=600)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            str(REPO / "scripts" / "export_hf.py"),
+            str(run_dir / "checkpoints" / f"step{STEPS}"),
+            str(out),
+            "--merge_lora",
+        ],
+        cwd=REPO,
+        env=subprocess_env(cache_dir),
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     check_ok(proc)
     for relative in ("adapter_model.safetensors", "merged/model.safetensors"):
         exported, at_end = load_file(out / relative), load_file(run_dir / relative)
@@ -346,8 +439,9 @@ def test_export_script_writes_the_runs_adapter_and_merged_model(uninterrupted, t
 
 @pytest.mark.slow
 @pytest.mark.parametrize("ds_config", ["zero2", "zero3"])
-def test_a_lora_checkpoint_resumes_resharded_on_one_rank_with_its_adapter_and_moments(ds_config, tmp_path, cache_dir,
-                                                                                    uninterrupted, base_model):
+def test_a_lora_checkpoint_resumes_resharded_on_one_rank_with_its_adapter_and_moments(
+    ds_config, tmp_path, cache_dir, uninterrupted, base_model
+):
     """The last 2-rank checkpoint resumed on 1 rank (a universal conversion: DeepSpeed's ds_to_universal converts
     the optimizer's parameters, the adapter, and the base comes from --model_name_or_path), for no more steps: the
     end-of-run export is the 2-rank run's adapter, and the 1-rank checkpoint it saves holds the same fp32 weights
@@ -363,8 +457,9 @@ def test_a_lora_checkpoint_resumes_resharded_on_one_rank_with_its_adapter_and_mo
     source = tmp_path / "saved" / "checkpoints" / f"step{STEPS}"  # a copy: the conversion writes beside it
     shutil.copytree(reference_dir / "checkpoints" / f"step{STEPS}", source)
     run_dir = tmp_path / "run"
-    args = lora_flags(ds_config, run_dir, base_model, "--gradient_accumulation_steps", "2",
-                      "--resume_from_checkpoint", str(source))
+    args = lora_flags(
+        ds_config, run_dir, base_model, "--gradient_accumulation_steps", "2", "--resume_from_checkpoint", str(source)
+    )
     resumed = launch(REPO / "train.py", args, "python", cache_dir)
     check_ok(resumed)
     assert f"resumed from {source} (step {STEPS}," in resumed.stdout + resumed.stderr
@@ -373,8 +468,15 @@ def test_a_lora_checkpoint_resumes_resharded_on_one_rank_with_its_adapter_and_mo
     for name in expected:
         assert torch.equal(adapter[name], expected[name]), name
     mine = tmp_path / "mine"
-    check_ok(subprocess.run(universal_conversion_command(run_dir / "checkpoints" / f"step{STEPS}", mine),
-                            env=subprocess_env(cache_dir), capture_output=True, text=True, timeout=300))
+    check_ok(
+        subprocess.run(
+            universal_conversion_command(run_dir / "checkpoints" / f"step{STEPS}", mine),
+            env=subprocess_env(cache_dir),
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+    )
     theirs = universal_path(source) / "zero"  # the resume's own conversion of the 2-rank checkpoint
     names = sorted(p.name for p in theirs.iterdir() if p.is_dir())
     assert len(names) == 2 * 7 * 4 and names == sorted(p.name for p in (mine / "zero").iterdir() if p.is_dir())

@@ -25,38 +25,57 @@ def tiny_shape() -> memory_planner.ModelShape:
 
 
 def test_model_state_formulas_by_stage_and_offload():
-    shape = memory_planner.ModelShape(n_params=1000, largest_layer_params=100, layers=2, hidden=8, intermediate=16,
-                               vocab=50)
+    shape = memory_planner.ModelShape(
+        n_params=1000, largest_layer_params=100, layers=2, hidden=8, intermediate=16, vocab=50
+    )
     by_name = {o.name: o for o in memory_planner.OPTIONS}
-    states = {name: memory_planner.model_state_bytes(option, shape, dp=4, precision="bf16", reduce_bucket=0)
-              for name, option in by_name.items()}
+    states = {
+        name: memory_planner.model_state_bytes(option, shape, dp=4, precision="bf16", reduce_bucket=0)
+        for name, option in by_name.items()
+    }
     assert states["ZeRO-1"] == (2000, 2000, 3000, 0, 0)  # whole 16-bit gradients until the reduction
     assert states["ZeRO-2"] == (2000, 1500, 3000, 0, 0)  # 16-bit + fp32 gradient partition, 12-byte optimizer / 4
     assert states["ZeRO-3"] == (500, 500, 3000, 0, 0)
     assert states["ZeRO-2 + optimizer offload (CPU)"] == (2000, 0, 0, 4000, 0)
     assert states["ZeRO-3 + optimizer and parameter offload (CPU)"] == (0, 0, 0, 4500, 0)
     assert states["ZeRO-3 + optimizer and parameter offload (NVMe)"] == (0, 0, 0, 0, 4500)
-    assert memory_planner.model_state_bytes(by_name["ZeRO-1"], shape, 4, "fp32", reduce_bucket=0)[:3] == \
-        (4000, 4000, 3000)
+    assert memory_planner.model_state_bytes(by_name["ZeRO-1"], shape, 4, "fp32", reduce_bucket=0)[:3] == (
+        4000,
+        4000,
+        3000,
+    )
     assert memory_planner.model_state_bytes(by_name["ZeRO-2"], shape, 4, "fp32")[:3] == (4000, 1000, 3000)
     # ZeRO-1 and -3 allocate their reduce bucket whole (in the gradients' dtype), never larger than the model
     assert memory_planner.model_state_bytes(by_name["ZeRO-1"], shape, 4, "bf16", reduce_bucket=100)[1] == 2200
     assert memory_planner.model_state_bytes(by_name["ZeRO-3"], shape, 4, "bf16", reduce_bucket=100)[1] == 700
     assert memory_planner.model_state_bytes(by_name["ZeRO-3"], shape, 4, "bf16")[1] == 500 + 2 * 1000
     # tensor parallelism splits the linear layers' weights (here 800 of 1000) and leaves the rest whole
-    split = memory_planner.ModelShape(n_params=1000, largest_layer_params=100, layers=2, hidden=8, intermediate=16,
-                                      vocab=50, linear_params=800)
+    split = memory_planner.ModelShape(
+        n_params=1000, largest_layer_params=100, layers=2, hidden=8, intermediate=16, vocab=50, linear_params=800
+    )
     assert memory_planner.model_state_bytes(by_name["ZeRO-2"], split, 2, "fp32", tp=4)[:3] == (1600, 800, 2400)
     # sequence parallelism: each rank holds 1/sp of the tokens, so every per-token term shrinks by sp
     assert memory_planner.activation_bytes(shape, 2, 16, "bf16", sp=2) == memory_planner.activation_bytes(
-        shape, 1, 16, "bf16")
+        shape, 1, 16, "bf16"
+    )
     assert [o.name for o in memory_planner.options_for(1, 2)] == ["ZeRO-1", "ZeRO-2", "ZeRO-3"]
     # pipeline stages: the largest stage's parameters (its layers / k, plus the embedding or the head), ZeRO-1 only
-    staged = memory_planner.ModelShape(n_params=1000, largest_layer_params=100, layers=4, hidden=8, intermediate=16,
-                                       vocab=50, embedding_params=100, head_params=100)
+    staged = memory_planner.ModelShape(
+        n_params=1000,
+        largest_layer_params=100,
+        layers=4,
+        hidden=8,
+        intermediate=16,
+        vocab=50,
+        embedding_params=100,
+        head_params=100,
+    )
     assert staged.params_per_rank(1, pp=2) == (1000 - 200) / 2 + 100
-    assert memory_planner.model_state_bytes(by_name["ZeRO-1"], staged, 2, "fp32", pp=2, reduce_bucket=0)[:3] == \
-        (2000, 2000, 3000)
+    assert memory_planner.model_state_bytes(by_name["ZeRO-1"], staged, 2, "fp32", pp=2, reduce_bucket=0)[:3] == (
+        2000,
+        2000,
+        3000,
+    )
     assert [o.name for o in memory_planner.options_for(1, 1, 2)] == ["ZeRO-1"]
     # the first stage keeps k micro-batches of its layers / k layers in flight: the same as the whole model for
     # one micro-batch, without the logits (the last stage's)
@@ -70,8 +89,14 @@ def test_model_state_formulas_by_stage_and_offload():
 
 
 def test_recommendation_prefers_the_fastest_option_that_fits_then_checkpointing():
-    shape = memory_planner.ModelShape(n_params=7_000_000_000, largest_layer_params=131_000_000, layers=32, hidden=4096,
-                               intermediate=11008, vocab=32000)
+    shape = memory_planner.ModelShape(
+        n_params=7_000_000_000,
+        largest_layer_params=131_000_000,
+        layers=32,
+        hidden=4096,
+        intermediate=11008,
+        vocab=32000,
+    )
     estimates = memory_planner.plan_memory(shape, 8, 1, 1, 2048, "bf16")
     est, ckpt = memory_planner.recommend(estimates, 80 * memory_planner.GIB, None)
     assert (est.option.name, ckpt) == ("ZeRO-1", False)
@@ -89,22 +114,43 @@ def test_recommendation_prefers_the_fastest_option_that_fits_then_checkpointing(
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("stage,accumulation,tp,sp", [(1, 1, 1, 1), (1, 2, 1, 1), (2, 2, 1, 1), (3, 1, 1, 1),
-                                                     (2, 1, 2, 1), (3, 1, 1, 2)])
-def test_planned_model_states_match_a_real_two_rank_run_within_10_percent(stage, accumulation, tp, sp, tmp_path,
-                                                                         cache_dir):
+@pytest.mark.parametrize(
+    "stage,accumulation,tp,sp", [(1, 1, 1, 1), (1, 2, 1, 1), (2, 2, 1, 1), (3, 1, 1, 1), (2, 1, 2, 1), (3, 1, 1, 2)]
+)
+def test_planned_model_states_match_a_real_two_rank_run_within_10_percent(
+    stage, accumulation, tp, sp, tmp_path, cache_dir
+):
     run_dir = tmp_path / "run"
-    proc = launch(MEMORY_PROBE, ["--config", f"ds_configs/zero{stage}.json", "--output_dir", str(run_dir),
-                                 "--max_steps", "2", "--max_eval_samples", "8", *FAST_FLAGS,
-                                 "--gradient_accumulation_steps", str(accumulation), "--tensor_parallel_size", str(tp),
-                                 "--sequence_parallel_size", str(sp)],
-                  "deepspeed", cache_dir, nprocs=2)
+    proc = launch(
+        MEMORY_PROBE,
+        [
+            "--config",
+            f"ds_configs/zero{stage}.json",
+            "--output_dir",
+            str(run_dir),
+            "--max_steps",
+            "2",
+            "--max_eval_samples",
+            "8",
+            *FAST_FLAGS,
+            "--gradient_accumulation_steps",
+            str(accumulation),
+            "--tensor_parallel_size",
+            str(tp),
+            "--sequence_parallel_size",
+            str(sp),
+        ],
+        "deepspeed",
+        cache_dir,
+        nprocs=2,
+    )
     check_ok(proc)
     option = next(o for o in memory_planner.OPTIONS if o.stage == stage and o.offload_optimizer == "none")
     # ZeRO partitions over the ranks left by tensor parallelism (under sequence parallelism: all of them)
     bucket = json.loads((run_dir / "ds_config.json").read_text())["zero_optimization"]["reduce_bucket_size"]
-    params, grads, optimizer, _, _ = memory_planner.model_state_bytes(option, tiny_shape(), dp=2 // tp,
-                                                                      precision="fp32", tp=tp, reduce_bucket=bucket)
+    params, grads, optimizer, _, _ = memory_planner.model_state_bytes(
+        option, tiny_shape(), dp=2 // tp, precision="fp32", tp=tp, reduce_bucket=bucket
+    )
     planned = params + grads + optimizer
     for rank in (0, 1):
         # The second step's peak (the first one created the optimizer's moments: Adam builds them lazily): before
@@ -112,18 +158,38 @@ def test_planned_model_states_match_a_real_two_rank_run_within_10_percent(stage,
         memory = json.loads((run_dir / f"memory_rank{rank}.json").read_text())
         per_step = len(memory["accumulating"]) // 2
         measured = max([memory["before_update"][1], *memory["before_reduce"][1:2], *memory["accumulating"][per_step:]])
-        assert abs(planned - measured) <= 0.10 * measured, \
-            f"ZeRO-{stage} GA {accumulation} TP {tp} rank {rank}: planned {planned / 2**20:.1f} MiB, measured " \
+        assert abs(planned - measured) <= 0.10 * measured, (
+            f"ZeRO-{stage} GA {accumulation} TP {tp} rank {rank}: planned {planned / 2**20:.1f} MiB, measured "
             f"{measured / 2**20:.1f} MiB"
+        )
 
 
 def test_plan_command_prints_every_option_and_a_recommendation(tmp_path):
     out = tmp_path / "untouched"
-    proc = subprocess.run([sys.executable, "train.py", "--plan", "--num_gpus", "8", "--num_nodes", "2",
-                           "--gpu_memory_gb", "40", "--per_device_train_batch_size", "2", "--output_dir", str(out)],
-                          cwd=REPO, env=subprocess_env(tmp_path), capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "train.py",
+            "--plan",
+            "--num_gpus",
+            "8",
+            "--num_nodes",
+            "2",
+            "--gpu_memory_gb",
+            "40",
+            "--per_device_train_batch_size",
+            "2",
+            "--output_dir",
+            str(out),
+        ],
+        cwd=REPO,
+        env=subprocess_env(tmp_path),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     check_ok(proc)
-    lines = proc.stdout[proc.stdout.index("memory plan:"):].splitlines()  # after DeepSpeed's accelerator notice
+    lines = proc.stdout[proc.stdout.index("memory plan:") :].splitlines()  # after DeepSpeed's accelerator notice
     assert lines[0].startswith("memory plan: 1.8M parameters, 2 node(s) x 8 GPU(s) = 16 data-parallel ranks, bf16")
     for option in memory_planner.OPTIONS:
         assert any(line.startswith(f"| {option.name} |") for line in lines), option.name
@@ -137,18 +203,54 @@ def test_plan_recommends_tensor_parallelism_inside_a_node_before_offload(tmp_pat
     layout's (ZeRO-1/2 only), and its recommendation names the size."""
     model = tmp_path / "llama70b"
     model.mkdir()
-    (model / "config.json").write_text(json.dumps({
-        "model_type": "llama", "hidden_size": 8192, "intermediate_size": 28672, "num_hidden_layers": 80,
-        "num_attention_heads": 64, "num_key_value_heads": 8, "vocab_size": 128256, "max_position_embeddings": 8192,
-        "tie_word_embeddings": False, "bos_token_id": 0, "eos_token_id": 1}))
+    (model / "config.json").write_text(
+        json.dumps(
+            {
+                "model_type": "llama",
+                "hidden_size": 8192,
+                "intermediate_size": 28672,
+                "num_hidden_layers": 80,
+                "num_attention_heads": 64,
+                "num_key_value_heads": 8,
+                "vocab_size": 128256,
+                "max_position_embeddings": 8192,
+                "tie_word_embeddings": False,
+                "bos_token_id": 0,
+                "eos_token_id": 1,
+            }
+        )
+    )
 
     def plan(*extra):
-        proc = subprocess.run([sys.executable, "train.py", "--plan", "--num_gpus", "8", "--num_nodes", "4",
-                               "--gpu_memory_gb", "80", "--config_name", str(model), "--tokenizer_name", str(TINY),
-                               "--per_device_train_batch_size", "1", "--block_size", "4096", *extra],
-                              cwd=REPO, env=subprocess_env(tmp_path), capture_output=True, text=True, timeout=300)
+        proc = subprocess.run(
+            [
+                sys.executable,
+                "train.py",
+                "--plan",
+                "--num_gpus",
+                "8",
+                "--num_nodes",
+                "4",
+                "--gpu_memory_gb",
+                "80",
+                "--config_name",
+                str(model),
+                "--tokenizer_name",
+                str(TINY),
+                "--per_device_train_batch_size",
+                "1",
+                "--block_size",
+                "4096",
+                *extra,
+            ],
+            cwd=REPO,
+            env=subprocess_env(tmp_path),
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
         check_ok(proc)
-        return proc.stdout[proc.stdout.index("memory plan:"):].splitlines()
+        return proc.stdout[proc.stdout.index("memory plan:") :].splitlines()
 
     plain = plan()
     assert plain[-1].startswith("recommended: --config ds_configs/zero3.json --gradient_checkpointing")
@@ -178,7 +280,8 @@ def test_plan_recommends_tensor_parallelism_inside_a_node_before_offload(tmp_pat
 
         single_kv = dataclasses.replace(shape, kv_heads=1)
         tp_staged, pp_staged, staged, _ = memory_planner.recommend_layout(
-            single_kv, 8, 4, 1, 4096, "bf16", 80 * memory_planner.GIB, None)
+            single_kv, 8, 4, 1, 4096, "bf16", 80 * memory_planner.GIB, None
+        )
     finally:
         memory_planner.OPTIONS = original
     assert tp == 8 and pp == 1 and est.option.offload_optimizer == "none"
@@ -188,11 +291,13 @@ def test_plan_recommends_tensor_parallelism_inside_a_node_before_offload(tmp_pat
     assert "32 ranks: tensor parallel 8 x pipeline parallel 4 x 1 data-parallel" in both[0]
     assert [line.split(" | ")[0] for line in both if line.startswith("| ZeRO")] == ["| ZeRO-1"]
     assert "planning only: train.py does not yet run several model-parallel layouts together" in both
-    assert both[-1].startswith("recommended: --config ds_configs/zero1.json --tensor_parallel_size 8 "
-                               "--pipeline_parallel_size 4")
+    assert both[-1].startswith(
+        "recommended: --config ds_configs/zero1.json --tensor_parallel_size 8 --pipeline_parallel_size 4"
+    )
 
 
 def test_plan_flags_are_checked():
-    proc = subprocess.run([sys.executable, "train.py", "--plan", "--num_gpus", "0"], cwd=REPO, capture_output=True,
-                          text=True, timeout=300)
+    proc = subprocess.run(
+        [sys.executable, "train.py", "--plan", "--num_gpus", "0"], cwd=REPO, capture_output=True, text=True, timeout=300
+    )
     assert proc.returncode == 2 and "--num_gpus 0: must be at least 1" in proc.stderr

@@ -40,8 +40,15 @@ def test_a_line_damaged_before_the_end_is_refused_with_its_number(tmp_path, bad)
 @pytest.mark.slow
 def test_resume_after_a_torn_metrics_line_trains_on_and_a_damaged_file_is_refused(tmp_path, cache_dir):
     out = tmp_path / "run"
-    flags = ["--config", str(REPO / "ds_configs/zero2.json"), "--output_dir", str(out), *FAST_FLAGS,
-             "--save_steps", "2"]
+    flags = [
+        "--config",
+        str(REPO / "ds_configs/zero2.json"),
+        "--output_dir",
+        str(out),
+        *FAST_FLAGS,
+        "--save_steps",
+        "2",
+    ]
     check_ok(launch(REPO / "train.py", [*flags, "--max_steps", "4"], "python", cache_dir))
     metrics = out / "metrics.jsonl"
     with open(metrics, "a") as f:
@@ -58,6 +65,8 @@ def test_resume_after_a_torn_metrics_line_trains_on_and_a_damaged_file_is_refuse
     refused = launch(REPO / "train.py", [*flags, "--max_steps", "8"], "python", cache_dir)
     assert refused.returncode == 2, refused.stderr[-3000:]
     errors = [line for line in refused.stderr.splitlines() if line.startswith("train.py: error:")]
-    assert errors == [f"train.py: error: {metrics}: line 2 is not a metrics record (Expecting value: line 1 column 1 "
-                      "(char 0)); the file is damaged before its end"]
+    assert errors == [
+        f"train.py: error: {metrics}: line 2 is not a metrics record (Expecting value: line 1 column 1 "
+        "(char 0)); the file is damaged before its end"
+    ]
     assert metrics.read_text() == before

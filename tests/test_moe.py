@@ -35,11 +35,22 @@ def tiny_mixtral_config(**overrides):
     from transformers import AutoTokenizer, MixtralConfig
 
     tokenizer = AutoTokenizer.from_pretrained(TINY)
-    values = dict(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                  num_attention_heads=4, num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2,
-                  max_position_embeddings=256, tie_word_embeddings=False, router_aux_loss_coef=0.02,
-                  bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
-                  pad_token_id=tokenizer.pad_token_id)
+    values = dict(
+        vocab_size=len(tokenizer),
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        num_local_experts=4,
+        num_experts_per_tok=2,
+        max_position_embeddings=256,
+        tie_word_embeddings=False,
+        router_aux_loss_coef=0.02,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )
     return MixtralConfig(**{**values, **overrides})
 
 
@@ -143,9 +154,19 @@ def test_moe_models_are_known_by_their_config_and_dense_ones_are_not():
 def test_qwen3_moe_blocks_are_found_and_its_aux_loss_is_its_own():
     from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
-    config = Qwen3MoeConfig(vocab_size=600, hidden_size=32, intermediate_size=64, moe_intermediate_size=16,
-                            num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
-                            num_experts=4, num_experts_per_tok=2, router_aux_loss_coef=0.01)
+    config = Qwen3MoeConfig(
+        vocab_size=600,
+        hidden_size=32,
+        intermediate_size=64,
+        moe_intermediate_size=16,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        num_experts=4,
+        num_experts_per_tok=2,
+        router_aux_loss_coef=0.01,
+    )
     torch.manual_seed(0)
     model = Qwen3MoeForCausalLM(config)
     router = resolve_router_loss(ModelArgs(), ParallelArgs(), config, model)
@@ -171,14 +192,18 @@ def test_what_is_refused_before_anything_is_built():
         resolve_router_loss(ModelArgs(), ParallelArgs(), unknown, skeleton)
 
 
-@pytest.mark.parametrize("flags,expected", [
-    (["--router_aux_loss_coef", "-1"], "--router_aux_loss_coef -1.0: must not be negative"),
-    (["--router_aux_loss_coef", "0.01"], "--router_aux_loss_coef 0.01: LlamaForCausalLM (model_type llama) is not a "
-                                         "mixture-of-experts model"),
-])
+@pytest.mark.parametrize(
+    "flags,expected",
+    [
+        (["--router_aux_loss_coef", "-1"], "--router_aux_loss_coef -1.0: must not be negative"),
+        (
+            ["--router_aux_loss_coef", "0.01"],
+            "--router_aux_loss_coef 0.01: LlamaForCausalLM (model_type llama) is not a mixture-of-experts model",
+        ),
+    ],
+)
 def test_bad_flag_is_one_line_exit_2(flags, expected, tmp_path, cache_dir):
-    proc = launch(REPO / "train.py", ["--output_dir", str(tmp_path / "out"), *flags], "python", cache_dir,
-                  timeout=120)
+    proc = launch(REPO / "train.py", ["--output_dir", str(tmp_path / "out"), *flags], "python", cache_dir, timeout=120)
     assert proc.returncode == 2, proc.stderr[-3000:]
     lines = proc.stderr.strip().splitlines()
     assert lines[0] == f"train.py: error: {expected}", lines
@@ -192,11 +217,26 @@ STEPS = 4
 
 
 def _run(run_dir: Path, folder: Path, config: str, nprocs: int, cache: Path, *extra: str):
-    flags = ["--config_name", str(folder), "--config", f"ds_configs/{config}.json", "--output_dir", str(run_dir),
-             "--max_steps", str(STEPS), *FAST_FLAGS, "--logging_steps", "1", "--per_device_train_batch_size", "2",
-             "--router_aux_loss_coef", str(COEF), "--no-export_hf_at_end", *extra]
-    proc = launch(REPO / "train.py", flags, "deepspeed" if nprocs > 1 else "python", cache, nprocs=nprocs,
-                  timeout=300)
+    flags = [
+        "--config_name",
+        str(folder),
+        "--config",
+        f"ds_configs/{config}.json",
+        "--output_dir",
+        str(run_dir),
+        "--max_steps",
+        str(STEPS),
+        *FAST_FLAGS,
+        "--logging_steps",
+        "1",
+        "--per_device_train_batch_size",
+        "2",
+        "--router_aux_loss_coef",
+        str(COEF),
+        "--no-export_hf_at_end",
+        *extra,
+    ]
+    proc = launch(REPO / "train.py", flags, "deepspeed" if nprocs > 1 else "python", cache, nprocs=nprocs, timeout=300)
     check_ok(proc)
     return proc, {r["step"]: r for r in read_metrics(run_dir) if "loss" in r}
 

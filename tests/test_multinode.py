@@ -23,8 +23,18 @@ from pathlib import Path
 import psutil
 import pytest
 
-from tests.conftest import FAST_FLAGS, REPO, VENV_BIN, check_ok, free_port, freeze, logged_steps, signal_pending, \
-    subprocess_env, thaw
+from tests.conftest import (
+    FAST_FLAGS,
+    REPO,
+    VENV_BIN,
+    check_ok,
+    free_port,
+    freeze,
+    logged_steps,
+    signal_pending,
+    subprocess_env,
+    thaw,
+)
 
 pytestmark = pytest.mark.slow
 SBATCH = REPO / "scripts" / "train.sbatch"
@@ -42,15 +52,25 @@ def slurm(tmp_path_factory, cache_dir):
     state = Path(tempfile.mkdtemp(prefix="scaletrain-slurm-", dir="/tmp"))
     env = {**os.environ, "SLURM_CI_DIR": str(state), "NNODES": "2"}
     try:
-        up = subprocess.run(["bash", str(REPO / "scripts" / "local_slurm" / "up.sh")], env=env, capture_output=True,
-                            text=True, timeout=600)
+        up = subprocess.run(
+            ["bash", str(REPO / "scripts" / "local_slurm" / "up.sh")],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=600,
+        )
         assert up.returncode == 0, f"local Slurm did not start:\n{up.stdout[-3000:]}\n{up.stderr[-3000:]}"
-        job_env = {**subprocess_env(cache_dir), "SLURM_CONF": str(state / "etc" / "slurm.conf"),
-                   "PATH": f"{VENV_BIN}:{os.environ['PATH']}", "SCALETRAIN_PYTHON": sys.executable}
+        job_env = {
+            **subprocess_env(cache_dir),
+            "SLURM_CONF": str(state / "etc" / "slurm.conf"),
+            "PATH": f"{VENV_BIN}:{os.environ['PATH']}",
+            "SCALETRAIN_PYTHON": sys.executable,
+        }
         yield Cluster(job_env, tmp_path_factory.mktemp("slurm_jobs"), state)
     finally:
-        subprocess.run(["bash", str(REPO / "scripts" / "local_slurm" / "down.sh")], env=env, capture_output=True,
-                       timeout=120)
+        subprocess.run(
+            ["bash", str(REPO / "scripts" / "local_slurm" / "down.sh")], env=env, capture_output=True, timeout=120
+        )
         shutil.rmtree(state, ignore_errors=True)
 
 
@@ -67,8 +87,9 @@ class Cluster:
 
     def submit(self, sbatch_args: list, script_args: list = (), env: dict = None) -> str:
         cmd = ["sbatch", "--parsable", "--time=15", f"--output={self.logs}/job-%j.out", *sbatch_args, *script_args]
-        proc = subprocess.run(cmd, cwd=REPO, env={**self.env, **(env or {})}, capture_output=True, text=True,
-                              timeout=60)
+        proc = subprocess.run(
+            cmd, cwd=REPO, env={**self.env, **(env or {})}, capture_output=True, text=True, timeout=60
+        )
         assert proc.returncode == 0, proc.stderr
         return proc.stdout.strip().split(";")[0]
 
@@ -96,8 +117,9 @@ class Cluster:
 
 
 def metric_steps(run_dir: Path) -> list:
-    return [r["step"] for r in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines())
-            if "tokens_per_s" in r]
+    return [
+        r["step"] for r in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines()) if "tokens_per_s" in r
+    ]
 
 
 def test_sbatch_two_nodes_trains_commits_and_exports(slurm, tmp_path):
@@ -122,9 +144,11 @@ def _preempt_when(slurm, job: str, run_dir: Path, ready, batch_signal: str) -> i
         assert time.monotonic() < deadline and slurm.queued(job), slurm.log(job)[-4000:]
         time.sleep(0.05)
     # Stop both ranks there, so the job cannot end before the signal reaches them, however fast the machine.
-    ranks = [p.pid for p in psutil.process_iter(["cmdline"])
-             if str(run_dir) in (p.info["cmdline"] or []) and any(a.startswith("--local_rank")
-                                                                  for a in p.info["cmdline"])]
+    ranks = [
+        p.pid
+        for p in psutil.process_iter(["cmdline"])
+        if str(run_dir) in (p.info["cmdline"] or []) and any(a.startswith("--local_rank") for a in p.info["cmdline"])
+    ]
     assert len(ranks) == 2, ranks
     freeze(*ranks)
     stopped_at = max(logged_steps(run_dir))
@@ -145,8 +169,10 @@ def test_preemption_signals_save_requeue_and_resume_each_time(slurm, tmp_path):
     that signals the batch step). Each time the ranks commit a checkpoint at the next step boundary, exit 85, the job
     requeues itself and the next run resumes there; over the three runs every step is trained exactly once."""
     run_dir = tmp_path / "run"
-    job = slurm.submit(["--nodes=2", str(SBATCH)], [*TRAIN_FLAGS, "--output_dir", str(run_dir), "--max_steps", "40",
-                                                    "--logging_steps", "1"])
+    job = slurm.submit(
+        ["--nodes=2", str(SBATCH)],
+        [*TRAIN_FLAGS, "--output_dir", str(run_dir), "--max_steps", "40", "--logging_steps", "1"],
+    )
     first = _preempt_when(slurm, job, run_dir, lambda steps: len(steps) >= 6, "USR1")
     pattern = r"preemption \(SIGUSR1\): checkpoint committed at step (\d+)"
     deadline = time.monotonic() + 600
@@ -170,8 +196,9 @@ def test_preemption_signals_save_requeue_and_resume_each_time(slurm, tmp_path):
 
 def test_srun_direct_mode_maps_slurm_ranks(slurm, tmp_path):
     run_dir = tmp_path / "run"
-    command = " ".join(["srun", sys.executable, "train.py", *TRAIN_FLAGS, "--output_dir", str(run_dir),
-                        "--max_steps", "4"])
+    command = " ".join(
+        ["srun", sys.executable, "train.py", *TRAIN_FLAGS, "--output_dir", str(run_dir), "--max_steps", "4"]
+    )
     job = slurm.submit(["--nodes=2", "--ntasks-per-node=1", "--wrap", command])
     facts, log = slurm.wait(job), slurm.log(job)
     assert (facts["JobState"], facts["ExitCode"]) == ("COMPLETED", "0:0"), log[-4000:]
@@ -180,15 +207,20 @@ def test_srun_direct_mode_maps_slurm_ranks(slurm, tmp_path):
 
 
 def test_sbatch_bad_input_fails_once_and_early(slurm, tmp_path):
-    missing = slurm.submit(["--nodes=2", str(SBATCH)], ["--config", "ds_configs/nope.json", "--output_dir",
-                                                        str(tmp_path / "a")])
-    too_many = slurm.submit(["--nodes=2", str(SBATCH)], [*TRAIN_FLAGS, "--output_dir", str(tmp_path / "b")],
-                            env={"SCALETRAIN_NNODES": "3"})
-    tasks = slurm.submit(["--nodes=2", "--ntasks-per-node=2", str(SBATCH)], [*TRAIN_FLAGS, "--output_dir",
-                                                                              str(tmp_path / "c")])
-    for job, message in ((missing, "train.py: error: --config ds_configs/nope.json: no such file"),
-                         (too_many, "SCALETRAIN_NNODES=3 but Slurm granted 2 node(s)"),
-                         (tasks, "one launcher per node: got 4 tasks on 2 node(s)")):
+    missing = slurm.submit(
+        ["--nodes=2", str(SBATCH)], ["--config", "ds_configs/nope.json", "--output_dir", str(tmp_path / "a")]
+    )
+    too_many = slurm.submit(
+        ["--nodes=2", str(SBATCH)], [*TRAIN_FLAGS, "--output_dir", str(tmp_path / "b")], env={"SCALETRAIN_NNODES": "3"}
+    )
+    tasks = slurm.submit(
+        ["--nodes=2", "--ntasks-per-node=2", str(SBATCH)], [*TRAIN_FLAGS, "--output_dir", str(tmp_path / "c")]
+    )
+    for job, message in (
+        (missing, "train.py: error: --config ds_configs/nope.json: no such file"),
+        (too_many, "SCALETRAIN_NNODES=3 but Slurm granted 2 node(s)"),
+        (tasks, "one launcher per node: got 4 tasks on 2 node(s)"),
+    ):
         facts, log = slurm.wait(job), slurm.log(job)
         assert (facts["JobState"], facts["ExitCode"]) == ("FAILED", "2:0"), log[-3000:]
         assert log.count(message) == 1, log[-3000:]
@@ -207,8 +239,10 @@ def test_a_model_folder_missing_on_one_node_is_printed_there_and_fails_the_job_f
     slurm.on_node("n2", "mount", "--bind", str(empty), str(model))
     try:
         run_dir = tmp_path / "run"
-        job = slurm.submit(["--nodes=2", str(SBATCH)], [*TRAIN_FLAGS, "--config_name", str(model), "--output_dir",
-                                                        str(run_dir), "--max_steps", "4"])
+        job = slurm.submit(
+            ["--nodes=2", str(SBATCH)],
+            [*TRAIN_FLAGS, "--config_name", str(model), "--output_dir", str(run_dir), "--max_steps", "4"],
+        )
         started = time.monotonic()
         facts, log = slurm.wait(job, timeout=300), slurm.log(job)
     finally:
@@ -217,8 +251,9 @@ def test_a_model_folder_missing_on_one_node_is_printed_there_and_fails_the_job_f
     assert time.monotonic() - started < 180, log[-4000:]  # not the rendezvous timeout
     errors = [line for line in log.splitlines() if line.startswith("train.py: ")]
     assert len(errors) == 2, log[-4000:]
-    assert errors[0].startswith(f"train.py: error: [n2] --config_name {model}: ") or \
-        errors[1].startswith(f"train.py: error: [n2] --config_name {model}: "), log[-4000:]
+    assert errors[0].startswith(f"train.py: error: [n2] --config_name {model}: ") or errors[1].startswith(
+        f"train.py: error: [n2] --config_name {model}: "
+    ), log[-4000:]
     assert f"train.py: stopped: [n1] rank 1 on n2 could not go on: --config_name {model}: " in log, log[-4000:]
     assert "Traceback" not in log and not run_dir.exists()
 
@@ -229,19 +264,45 @@ def test_train_sbatch_outside_slurm_says_so(tmp_path):
     assert proc.returncode == 2
     assert proc.stderr.strip().splitlines() == [
         "scripts/train.sbatch: error: not inside a Slurm job (no SLURM_JOB_ID); submit it: sbatch --nodes=N "
-        "scripts/train.sbatch --config ds_configs/zero3.json [train.py flags]"]
+        "scripts/train.sbatch --config ds_configs/zero3.json [train.py flags]"
+    ]
 
 
 def test_torchrun_two_node_rendezvous_without_slurm(tmp_path, cache_dir):
     """The documented multi-node torchrun command, both "nodes" on localhost (node ranks 0 and 1)."""
     run_dir = tmp_path / "run"
     port = free_port()
-    nodes = [subprocess.Popen(
-        [str(VENV_BIN / "torchrun"), "--nnodes", "2", "--node_rank", str(rank), "--nproc_per_node", "1",
-         "--rdzv_backend", "c10d", "--rdzv_endpoint", f"127.0.0.1:{port}", "--rdzv_id", "test",
-         "train.py", *TRAIN_FLAGS, "--output_dir", str(run_dir), "--max_steps", "4"],
-        cwd=REPO, env=subprocess_env(cache_dir), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-        for rank in (0, 1)]
+    nodes = [
+        subprocess.Popen(
+            [
+                str(VENV_BIN / "torchrun"),
+                "--nnodes",
+                "2",
+                "--node_rank",
+                str(rank),
+                "--nproc_per_node",
+                "1",
+                "--rdzv_backend",
+                "c10d",
+                "--rdzv_endpoint",
+                f"127.0.0.1:{port}",
+                "--rdzv_id",
+                "test",
+                "train.py",
+                *TRAIN_FLAGS,
+                "--output_dir",
+                str(run_dir),
+                "--max_steps",
+                "4",
+            ],
+            cwd=REPO,
+            env=subprocess_env(cache_dir),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for rank in (0, 1)
+    ]
     outputs = [node.communicate(timeout=900)[0] for node in nodes]
     for node, output in zip(nodes, outputs, strict=True):
         check_ok(subprocess.CompletedProcess(node.args, node.returncode, output, ""))

@@ -56,9 +56,11 @@ def global_samples(step: int, global_batch: int) -> list:
 
 # --- the policy itself, in-process -----------------------------------------------------------------------------
 
+
 def guard(action="skip", limit=3, spike=0.0, fp16=False, tmp_path=None) -> NonFiniteGuard:
-    return NonFiniteGuard(NonFinitePolicy(action, limit, spike, fp16), TrainState(), str(tmp_path or "."),
-                          is_main=tmp_path is not None)
+    return NonFiniteGuard(
+        NonFinitePolicy(action, limit, spike, fp16), TrainState(), str(tmp_path or "."), is_main=tmp_path is not None
+    )
 
 
 def test_judge_flags_nonfinite_and_spikes_only_after_the_running_mean_warms_up(tmp_path):
@@ -94,14 +96,33 @@ def test_fp16_overflow_is_the_loss_scalers_business_and_stop_raises(tmp_path):
 
 # --- real runs: 2 ranks, real DeepSpeed engines ----------------------------------------------------------------
 
+
 @pytest.mark.slow
 @pytest.mark.parametrize("ds_config", ["zero1", "zero3", "zero2_offload", "zero3_offload"])  # zero2: the rollback test
 def test_a_nan_on_one_rank_skips_the_update_on_every_rank(ds_config, tmp_path, cache_dir):
     run_dir = tmp_path / "run"
-    proc = launch(INJECTING, ["--config", f"ds_configs/{ds_config}.json", "--output_dir", str(run_dir),
-                              "--max_steps", "5", "--save_steps", "4", "--logging_steps", "1", "--no-export_hf_at_end",
-                              *FAST_FLAGS[:-3], "--disable_tqdm"],
-                  "deepspeed", cache_dir, nprocs=2, env={INJECT: "1:5"})  # rank 1's loss at step 5 only
+    proc = launch(
+        INJECTING,
+        [
+            "--config",
+            f"ds_configs/{ds_config}.json",
+            "--output_dir",
+            str(run_dir),
+            "--max_steps",
+            "5",
+            "--save_steps",
+            "4",
+            "--logging_steps",
+            "1",
+            "--no-export_hf_at_end",
+            *FAST_FLAGS[:-3],
+            "--disable_tqdm",
+        ],
+        "deepspeed",
+        cache_dir,
+        nprocs=2,
+        env={INJECT: "1:5"},
+    )  # rank 1's loss at step 5 only
     check_ok(proc)
     [entry] = ledger(run_dir)
     assert (entry["step"], entry["reason"], entry["event"]) == (5, "nonfinite_loss", "skipped")
@@ -122,13 +143,33 @@ def test_a_nan_on_one_rank_skips_the_update_on_every_rank(ds_config, tmp_path, c
 @pytest.mark.slow
 def test_consecutive_skips_roll_back_past_the_bad_samples_and_resume_keeps_the_offset(tmp_path, cache_dir):
     run_dir = tmp_path / "run"
-    args = ["--config", "ds_configs/zero2.json", "--max_steps", "10", "--save_steps", "4", "--logging_steps", "1",
-            "--max_consecutive_skips", "3", "--no-export_hf_at_end", *FAST_FLAGS[:-3], "--disable_tqdm"]
-    check_ok(launch(INJECTING, ["--output_dir", str(run_dir), *args], "deepspeed", cache_dir, nprocs=2,
-                    env={INJECT: "0:5,6,7"}))
+    args = [
+        "--config",
+        "ds_configs/zero2.json",
+        "--max_steps",
+        "10",
+        "--save_steps",
+        "4",
+        "--logging_steps",
+        "1",
+        "--max_consecutive_skips",
+        "3",
+        "--no-export_hf_at_end",
+        *FAST_FLAGS[:-3],
+        "--disable_tqdm",
+    ]
+    check_ok(
+        launch(
+            INJECTING, ["--output_dir", str(run_dir), *args], "deepspeed", cache_dir, nprocs=2, env={INJECT: "0:5,6,7"}
+        )
+    )
     entries = ledger(run_dir)
-    assert [(e["event"], e["step"]) for e in entries] == [("skipped", 5), ("skipped", 6), ("skipped", 7),
-                                                           ("rollback", 7)]
+    assert [(e["event"], e["step"]) for e in entries] == [
+        ("skipped", 5),
+        ("skipped", 6),
+        ("skipped", 7),
+        ("rollback", 7),
+    ]
     assert entries[3]["to_step"] == 4 and entries[3]["data_offset"] == 3
     records = step_records(run_dir)
     assert sorted(records) == list(range(1, 11))  # every step exactly once, the rolled-back ones replaced
@@ -141,8 +182,15 @@ def test_consecutive_skips_roll_back_past_the_bad_samples_and_resume_keeps_the_o
     # A restart from step 8 (after the rollback) reads the same data: the offset is part of the saved state.
     again = tmp_path / "again"
     shutil.copytree(run_dir, again)
-    check_ok(launch(TRAIN, ["--output_dir", str(again), "--resume_from_checkpoint",
-                            str(again / "checkpoints" / "step8"), *args], "deepspeed", cache_dir, nprocs=2))
+    check_ok(
+        launch(
+            TRAIN,
+            ["--output_dir", str(again), "--resume_from_checkpoint", str(again / "checkpoints" / "step8"), *args],
+            "deepspeed",
+            cache_dir,
+            nprocs=2,
+        )
+    )
     resumed = step_records(again)
     for step in (9, 10):
         assert resumed[step]["loss"] == pytest.approx(records[step]["loss"], rel=1e-6, abs=0)
@@ -151,19 +199,54 @@ def test_consecutive_skips_roll_back_past_the_bad_samples_and_resume_keeps_the_o
 @pytest.mark.slow
 def test_a_loss_spike_is_skipped_and_stop_ends_the_run_with_its_code(tmp_path, cache_dir):
     run_dir = tmp_path / "spike"
-    check_ok(launch(INJECTING, ["--config", "ds_configs/zero1.json", "--output_dir", str(run_dir), "--max_steps",
-                                "13", "--loss_spike_factor", "3", "--logging_steps", "1", *FAST_FLAGS[:-3],
-                                "--disable_tqdm"],
-                    "python", cache_dir, env={INJECT: "0:12x50"}))
+    check_ok(
+        launch(
+            INJECTING,
+            [
+                "--config",
+                "ds_configs/zero1.json",
+                "--output_dir",
+                str(run_dir),
+                "--max_steps",
+                "13",
+                "--loss_spike_factor",
+                "3",
+                "--logging_steps",
+                "1",
+                *FAST_FLAGS[:-3],
+                "--disable_tqdm",
+            ],
+            "python",
+            cache_dir,
+            env={INJECT: "0:12x50"},
+        )
+    )
     [entry] = ledger(run_dir)
     assert (entry["step"], entry["reason"]) == (12, "loss_spike") and entry["loss"] > 3 * entry["running_mean_loss"]
     assert step_records(run_dir)[12]["skipped"] == 1
     assert (run_dir / "model.safetensors").exists()  # exported at the end by default
 
     stopped = tmp_path / "stop"
-    proc = launch(INJECTING, ["--config", "ds_configs/zero2.json", "--output_dir", str(stopped), "--max_steps",
-                              "6", "--on_nonfinite", "stop", "--report_to", "wandb", *FAST_FLAGS], "deepspeed",
-                  cache_dir, nprocs=2, env={INJECT: "1:3"})
+    proc = launch(
+        INJECTING,
+        [
+            "--config",
+            "ds_configs/zero2.json",
+            "--output_dir",
+            str(stopped),
+            "--max_steps",
+            "6",
+            "--on_nonfinite",
+            "stop",
+            "--report_to",
+            "wandb",
+            *FAST_FLAGS,
+        ],
+        "deepspeed",
+        cache_dir,
+        nprocs=2,
+        env={INJECT: "1:3"},
+    )
     assert proc.returncode == 3, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert run_end(stopped) == (3, False)  # wandb shows the stopped run as failed, not finished
     assert proc.stderr.count("train.py: stopped: step 3: nonfinite loss") == 1  # once, from rank 0
@@ -177,10 +260,30 @@ def test_a_nan_on_a_tensor_parallel_rank_skips_the_update_on_every_rank(tmp_path
     """TP 2: rank 1 (the second rank of the TP group, whose loss is not counted in the reported loss: both ranks
     compute the same one) sees a NaN; every rank skips, and neither rank's weight shard changes."""
     run_dir = tmp_path / "run"
-    proc = launch(INJECTING, ["--config", "ds_configs/zero1.json", "--output_dir", str(run_dir),
-                              "--tensor_parallel_size", "2", "--max_steps", "5", "--save_steps", "4",
-                              "--logging_steps", "1", "--no-export_hf_at_end", *FAST_FLAGS[:-3], "--disable_tqdm"],
-                  "deepspeed", cache_dir, nprocs=2, env={INJECT: "1:5"})
+    proc = launch(
+        INJECTING,
+        [
+            "--config",
+            "ds_configs/zero1.json",
+            "--output_dir",
+            str(run_dir),
+            "--tensor_parallel_size",
+            "2",
+            "--max_steps",
+            "5",
+            "--save_steps",
+            "4",
+            "--logging_steps",
+            "1",
+            "--no-export_hf_at_end",
+            *FAST_FLAGS[:-3],
+            "--disable_tqdm",
+        ],
+        "deepspeed",
+        cache_dir,
+        nprocs=2,
+        env={INJECT: "1:5"},
+    )
     check_ok(proc)
     [entry] = ledger(run_dir)
     assert (entry["step"], entry["reason"], entry["event"]) == (5, "nonfinite_loss", "skipped")

@@ -34,8 +34,9 @@ def test_engine_ops_follow_offload_optimizer_and_accelerator():
 
 
 @pytest.mark.slow
-def test_stale_build_locks_are_removed_and_a_two_rank_offload_run_finishes(tmp_path, cache_dir, monkeypatch,
-                                                                          compiled_ops):
+def test_stale_build_locks_are_removed_and_a_two_rank_offload_run_finishes(
+    tmp_path, cache_dir, monkeypatch, compiled_ops
+):
     """Regression: a process killed mid-build left torch's `lock` file; every later offload run waited forever."""
     warm = {op: Path(ops.build_directory(op)) for op in ("cpu_adam", "deepspeed_shm_comm")}  # built by compiled_ops
     extensions = tmp_path / "torch_extensions"
@@ -46,9 +47,25 @@ def test_stale_build_locks_are_removed_and_a_two_rank_offload_run_finishes(tmp_p
         shutil.copytree(warm[op], folder, ignore=shutil.ignore_patterns("lock"))
         (folder / "lock").touch()
     run_dir = tmp_path / "run"
-    proc = launch(TRAIN, ["--config", "ds_configs/zero2_offload.json", "--output_dir", str(run_dir),
-                          "--max_steps", "2", "--save_steps", "0", *FAST_FLAGS],
-                  "deepspeed", cache_dir, nprocs=2, timeout=600, env={"TORCH_EXTENSIONS_DIR": str(extensions)})
+    proc = launch(
+        TRAIN,
+        [
+            "--config",
+            "ds_configs/zero2_offload.json",
+            "--output_dir",
+            str(run_dir),
+            "--max_steps",
+            "2",
+            "--save_steps",
+            "0",
+            *FAST_FLAGS,
+        ],
+        "deepspeed",
+        cache_dir,
+        nprocs=2,
+        timeout=600,
+        env={"TORCH_EXTENSIONS_DIR": str(extensions)},
+    )
     check_ok(proc)
     for folder in folders.values():
         assert not (folder / "lock").exists()

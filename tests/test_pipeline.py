@@ -48,9 +48,23 @@ def test_two_ranks_train_checkpoint_and_export(ds_config, tmp_path, cache_dir):
 
     shm_before = set(glob.glob("/dev/shm/deepspeed_allreduce_buffer_*"))
     run_dir = tmp_path / "run"
-    proc = launch(PROBE, ["--config", f"ds_configs/{ds_config}.json", "--output_dir", str(run_dir),
-                          "--max_steps", "12", "--learning_rate", "3e-3", *FAST_FLAGS],
-                  "deepspeed", cache_dir, nprocs=2)
+    proc = launch(
+        PROBE,
+        [
+            "--config",
+            f"ds_configs/{ds_config}.json",
+            "--output_dir",
+            str(run_dir),
+            "--max_steps",
+            "12",
+            "--learning_rate",
+            "3e-3",
+            *FAST_FLAGS,
+        ],
+        "deepspeed",
+        cache_dir,
+        nprocs=2,
+    )
     check_ok(proc)
     losses = train_losses(run_dir)
     assert len(losses) == 6 and all(math.isfinite(x) for x in losses)
@@ -62,8 +76,14 @@ def test_two_ranks_train_checkpoint_and_export(ds_config, tmp_path, cache_dir):
     import sys
 
     exported = run_dir.parent / "exported"
-    check_ok(subprocess.run([sys.executable, str(REPO / "scripts/export_hf.py"), str(run_dir / "checkpoints/step12"),
-                             str(exported)], capture_output=True, text=True, timeout=300))
+    check_ok(
+        subprocess.run(
+            [sys.executable, str(REPO / "scripts/export_hf.py"), str(run_dir / "checkpoints/step12"), str(exported)],
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+    )
     probe = torch.load(run_dir / "probe_logits.pt")
     from transformers import AutoModelForCausalLM
 
@@ -84,9 +104,24 @@ def test_two_ranks_train_checkpoint_and_export(ds_config, tmp_path, cache_dir):
 
 def test_single_process_python_with_wandb_offline(tmp_path, cache_dir):
     run_dir = tmp_path / "run"
-    proc = launch(REPO / "train.py", ["--config", "ds_configs/zero2.json", "--output_dir", str(run_dir),
-                                      "--max_steps", "6", "--report_to", "wandb", "--save_steps", "2", *FAST_FLAGS],
-                  "python", cache_dir)
+    proc = launch(
+        REPO / "train.py",
+        [
+            "--config",
+            "ds_configs/zero2.json",
+            "--output_dir",
+            str(run_dir),
+            "--max_steps",
+            "6",
+            "--report_to",
+            "wandb",
+            "--save_steps",
+            "2",
+            *FAST_FLAGS,
+        ],
+        "python",
+        cache_dir,
+    )
     check_ok(proc)
     assert "launch: single, world size 1" in proc.stdout
     assert "shm_comm" not in proc.stdout  # a single rank needs no shared-memory all-reduce build
@@ -94,8 +129,10 @@ def test_single_process_python_with_wandb_offline(tmp_path, cache_dir):
     assert_checkpoint_written(run_dir, 6)
     # where the time goes: the phases add up to the step time, and MFU comes from a measured CPU peak
     for record in (r for r in read_metrics(run_dir) if "loss" in r):
-        phases = sum(record[f"{p}_s"] for p in ("forward", "backward", "optimizer", "sync", "checkpoint")) + \
-            record["data_wait_s"]
+        phases = (
+            sum(record[f"{p}_s"] for p in ("forward", "backward", "optimizer", "sync", "checkpoint"))
+            + record["data_wait_s"]
+        )
         assert phases == pytest.approx(record["step_time_s"], rel=0.05)
         assert 0 < record["mfu"] < 1 and record["tflops_per_device"] > 0 and record["cpu_rss_gb"] > 0
     assert "fp32 matrix-product calibration on this CPU" in proc.stdout
@@ -110,10 +147,27 @@ def test_single_process_python_with_wandb_offline(tmp_path, cache_dir):
 @pytest.mark.slow
 def test_torchrun_two_ranks_zero3_with_gradient_checkpointing(tmp_path, cache_dir):
     run_dir = tmp_path / "run"
-    proc = launch(PROBE, ["--config", "ds_configs/zero3.json", "--output_dir", str(run_dir), "--max_steps", "8",
-                          "--gradient_checkpointing", "--attention_isolation", "--learning_rate", "3e-3",
-                          "--eval_steps", "4", *FAST_FLAGS],
-                  "torchrun", cache_dir, nprocs=2)
+    proc = launch(
+        PROBE,
+        [
+            "--config",
+            "ds_configs/zero3.json",
+            "--output_dir",
+            str(run_dir),
+            "--max_steps",
+            "8",
+            "--gradient_checkpointing",
+            "--attention_isolation",
+            "--learning_rate",
+            "3e-3",
+            "--eval_steps",
+            "4",
+            *FAST_FLAGS,
+        ],
+        "torchrun",
+        cache_dir,
+        nprocs=2,
+    )
     check_ok(proc)
     losses = train_losses(run_dir)
     assert losses[-1] < losses[0], losses
@@ -133,17 +187,52 @@ def test_prepared_store_and_raw_files_train_on_identical_batches(tmp_path, cache
 
     files = ["--train_file", str(REPO / "data/sample/validation.jsonl"), "--validation_split_percentage", "0"]
     env = {**subprocess_env(cache_dir), "SCALETRAIN_CACHE": str(tmp_path / "cache")}
-    prep = subprocess.run([sys.executable, str(REPO / "data/prepare.py"), *files, "--tokenizer_name",
-                           str(REPO / "data/tiny-llama"), "--block_size", "64", "--output_dir", str(tmp_path / "store"),
-                           "--num_proc", "2"], env=env, capture_output=True, text=True, timeout=600)
+    prep = subprocess.run(
+        [
+            sys.executable,
+            str(REPO / "data/prepare.py"),
+            *files,
+            "--tokenizer_name",
+            str(REPO / "data/tiny-llama"),
+            "--block_size",
+            "64",
+            "--output_dir",
+            str(tmp_path / "store"),
+            "--num_proc",
+            "2",
+        ],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     check_ok(prep)
-    common = ["--config", "ds_configs/zero2.json", "--max_steps", "6", "--logging_steps", "1", "--disable_tqdm",
-              "--per_device_train_batch_size", "2"]
-    from_store = launch(REPO / "train.py", [*common, "--data_path", str(tmp_path / "store"), "--output_dir",
-                                            str(tmp_path / "a")], "deepspeed", cache_dir, nprocs=2)
+    common = [
+        "--config",
+        "ds_configs/zero2.json",
+        "--max_steps",
+        "6",
+        "--logging_steps",
+        "1",
+        "--disable_tqdm",
+        "--per_device_train_batch_size",
+        "2",
+    ]
+    from_store = launch(
+        REPO / "train.py",
+        [*common, "--data_path", str(tmp_path / "store"), "--output_dir", str(tmp_path / "a")],
+        "deepspeed",
+        cache_dir,
+        nprocs=2,
+    )
     check_ok(from_store)
-    from_raw = launch(REPO / "train.py", [*common, *files, "--block_size", "64", "--output_dir", str(tmp_path / "b")],
-                      "deepspeed", cache_dir, nprocs=2)
+    from_raw = launch(
+        REPO / "train.py",
+        [*common, *files, "--block_size", "64", "--output_dir", str(tmp_path / "b")],
+        "deepspeed",
+        cache_dir,
+        nprocs=2,
+    )
     check_ok(from_raw)
     assert train_losses(tmp_path / "a") == train_losses(tmp_path / "b")
     assert len(train_losses(tmp_path / "a")) == 6
@@ -165,7 +254,7 @@ def shard_sizes(run):
              "empty": all(p.numel() == 0 for p in params)}}  # the module's own tensors are placeholders
 
 dist = read_launch_env()
-run = Run.from_flags(["--config", "ds_configs/zero3.json", "--output_dir", {str(tmp_path / 'o')!r}], dist)
+run = Run.from_flags(["--config", "ds_configs/zero3.json", "--output_dir", {str(tmp_path / "o")!r}], dist)
 run.init_distributed()
 run.build_model()
 report = {{"rank": dist.rank, **shard_sizes(run)}}
@@ -186,8 +275,9 @@ open({str(tmp_path)!r} + f"/shard{{dist.rank}}.json", "w").write(json.dumps(repo
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("stage,ending", [("zero2", "finished"), ("zero3", "finished"), ("zero3", "crashed"),
-                                         ("zero1_pp2", "finished")])
+@pytest.mark.parametrize(
+    "stage,ending", [("zero2", "finished"), ("zero3", "finished"), ("zero3", "crashed"), ("zero1_pp2", "finished")]
+)
 def test_a_run_frees_its_process_groups_before_exit(tmp_path, cache_dir, stage, ending):
     """After train.py's main returns or raises, no gloo thread is left for the interpreter to tear down at exit.
 
@@ -219,8 +309,22 @@ open({str(tmp_path)!r} + f"/threads{{read_launch_env().rank}}.json", "w").write(
 """)
     config, _, pipeline = stage.partition("_")  # zero1_pp2: 2 pipeline stages (their point-to-point groups too)
     layout = ["--pipeline_parallel_size", pipeline[2:]] if pipeline else []
-    proc = launch(script, ["--config", f"ds_configs/{config}.json", "--output_dir", str(tmp_path / "run"),
-                           "--max_steps", "2", *FAST_FLAGS, *layout], "deepspeed", cache_dir, nprocs=2)
+    proc = launch(
+        script,
+        [
+            "--config",
+            f"ds_configs/{config}.json",
+            "--output_dir",
+            str(tmp_path / "run"),
+            "--max_steps",
+            "2",
+            *FAST_FLAGS,
+            *layout,
+        ],
+        "deepspeed",
+        cache_dir,
+        nprocs=2,
+    )
     check_ok(proc)
     assert "outlive the process group" not in proc.stderr + proc.stdout
     reports = [json.loads(p.read_text()) for p in sorted(tmp_path.glob("threads*.json"))]
@@ -264,18 +368,44 @@ def test_loss_and_update_do_not_depend_on_accumulation_or_rank_count(tmp_path, c
     results = {}
     for name, (ranks, micro, gas) in splits.items():
         run_dir = tmp_path / name
-        proc = launch(REPO / "train.py", [
-            "--config", "ds_configs/zero2.json", "--train_file", str(data), "--validation_split_percentage", "0",
-            "--output_dir", str(run_dir), "--block_size", "64", "--per_device_train_batch_size", str(micro),
-            "--gradient_accumulation_steps", str(gas), "--max_steps", "1", "--logging_steps", "1",
-            # A large Adam epsilon makes the first update proportional to the gradient (with the default 1e-8 it
-            # is nearly sign(g), which turns fp32 summation-order noise in near-zero gradients into full steps).
-            "--learning_rate", "1e-2", "--adam_epsilon", "1e-3", "--disable_tqdm"], "deepspeed", cache_dir,
-            nprocs=ranks)
+        proc = launch(
+            REPO / "train.py",
+            [
+                "--config",
+                "ds_configs/zero2.json",
+                "--train_file",
+                str(data),
+                "--validation_split_percentage",
+                "0",
+                "--output_dir",
+                str(run_dir),
+                "--block_size",
+                "64",
+                "--per_device_train_batch_size",
+                str(micro),
+                "--gradient_accumulation_steps",
+                str(gas),
+                "--max_steps",
+                "1",
+                "--logging_steps",
+                "1",
+                # A large Adam epsilon makes the first update proportional to the gradient (with the default 1e-8 it
+                # is nearly sign(g), which turns fp32 summation-order noise in near-zero gradients into full steps).
+                "--learning_rate",
+                "1e-2",
+                "--adam_epsilon",
+                "1e-3",
+                "--disable_tqdm",
+            ],
+            "deepspeed",
+            cache_dir,
+            nprocs=ranks,
+        )
         check_ok(proc)
         if ranks > 1:  # the gradient buckets were summed by DeepSpeed's shared-memory kernel (--cpu_shm_allreduce)
-            carried = re.search(r"cpu: (\d+) all-reduces \(([\d.]+) GB\) went through shared memory",
-                                proc.stdout + proc.stderr)
+            carried = re.search(
+                r"cpu: (\d+) all-reduces \(([\d.]+) GB\) went through shared memory", proc.stdout + proc.stderr
+            )
             assert carried is not None and int(carried.group(1)) >= gas, (proc.stdout + proc.stderr)[-3000:]
         record = read_metrics(run_dir)[0]
         results[name] = (record["loss"], record["grad_norm"], load_file(run_dir / "model.safetensors"))
@@ -295,8 +425,14 @@ def test_readme_main_command_trains_the_default_and_loss_falls(tmp_path, cache_d
     from tests.conftest import VENV_BIN, subprocess_env
     import subprocess
 
-    proc = subprocess.run([str(VENV_BIN / "deepspeed"), "train.py", "--config", "ds_configs/zero3.json"],
-                          cwd=tmp_path, env=subprocess_env(cache_dir), capture_output=True, text=True, timeout=900)
+    proc = subprocess.run(
+        [str(VENV_BIN / "deepspeed"), "train.py", "--config", "ds_configs/zero3.json"],
+        cwd=tmp_path,
+        env=subprocess_env(cache_dir),
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
     check_ok(proc)
     run_dir = tmp_path / "runs" / "default"
     losses = train_losses(run_dir)
@@ -314,9 +450,28 @@ def test_observability_sinks_profile_plot_and_dry_run(tmp_path, cache_dir):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     run_dir = tmp_path / "run"
-    proc = launch(REPO / "train.py", ["--config", "ds_configs/zero2.json", "--output_dir", str(run_dir),
-                                      "--max_steps", "5", "--report_to", "tensorboard,wandb", "--profile_steps", "2-3",
-                                      "--eval_steps", "2", *FAST_FLAGS, "--logging_steps", "1"], "python", cache_dir)
+    proc = launch(
+        REPO / "train.py",
+        [
+            "--config",
+            "ds_configs/zero2.json",
+            "--output_dir",
+            str(run_dir),
+            "--max_steps",
+            "5",
+            "--report_to",
+            "tensorboard,wandb",
+            "--profile_steps",
+            "2-3",
+            "--eval_steps",
+            "2",
+            *FAST_FLAGS,
+            "--logging_steps",
+            "1",
+        ],
+        "python",
+        cache_dir,
+    )
     check_ok(proc)
     events = EventAccumulator(str(run_dir / "tensorboard"))
     events.Reload()
@@ -324,21 +479,45 @@ def test_observability_sinks_profile_plot_and_dry_run(tmp_path, cache_dir):
     assert {"mfu", "forward_s", "eval_loss"} <= set(events.Tags()["scalars"])
     trace = json.loads((run_dir / "profile" / "trace_rank0_steps2-3.json").read_text())
     assert len(trace["traceEvents"]) > 100
-    plot = subprocess.run([sys.executable, str(REPO / "scripts/plot_metrics.py"), str(run_dir)],
-                          capture_output=True, text=True, timeout=300)
+    plot = subprocess.run(
+        [sys.executable, str(REPO / "scripts/plot_metrics.py"), str(run_dir)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     check_ok(plot)
     png = (run_dir / "metrics.png").read_bytes()
     assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 20_000
 
     # a resumed run continues the same wandb run
     first_id = next((run_dir / "wandb").glob("offline-run-*")).name.rsplit("-", 1)[1]
-    check_ok(launch(REPO / "train.py", ["--config", "ds_configs/zero2.json", "--output_dir", str(run_dir),
-                                        "--max_steps", "7", "--report_to", "wandb", *FAST_FLAGS], "python", cache_dir))
+    check_ok(
+        launch(
+            REPO / "train.py",
+            [
+                "--config",
+                "ds_configs/zero2.json",
+                "--output_dir",
+                str(run_dir),
+                "--max_steps",
+                "7",
+                "--report_to",
+                "wandb",
+                *FAST_FLAGS,
+            ],
+            "python",
+            cache_dir,
+        )
+    )
     ids = {p.name.rsplit("-", 1)[1] for p in (run_dir / "wandb").glob("offline-run-*")}
     assert ids == {first_id}
 
-    dry = launch(REPO / "train.py", ["--config", "ds_configs/zero3.json", "--output_dir", str(tmp_path / "dry"),
-                                     "--dry_run", *FAST_FLAGS], "python", cache_dir)
+    dry = launch(
+        REPO / "train.py",
+        ["--config", "ds_configs/zero3.json", "--output_dir", str(tmp_path / "dry"), "--dry_run", *FAST_FLAGS],
+        "python",
+        cache_dir,
+    )
     check_ok(dry)
     assert "dry run OK: one step in" in dry.stdout
     assert not (tmp_path / "dry").exists()
@@ -351,19 +530,37 @@ def test_scaling_report_runs_at_world_sizes_1_and_2(tmp_path, cache_dir):
 
     from tests.conftest import subprocess_env
 
-    proc = subprocess.run([sys.executable, str(REPO / "scripts/scaling_report.py"), "--world_sizes", "1,2",
-                           "--steps", "8", "--out", str(tmp_path), "--", "--block_size", "64",
-                           "--per_device_train_batch_size", "2", "--max_eval_samples", "8"],
-                          env=subprocess_env(cache_dir), capture_output=True, text=True, timeout=900)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            str(REPO / "scripts/scaling_report.py"),
+            "--world_sizes",
+            "1,2",
+            "--steps",
+            "8",
+            "--out",
+            str(tmp_path),
+            "--",
+            "--block_size",
+            "64",
+            "--per_device_train_batch_size",
+            "2",
+            "--max_eval_samples",
+            "8",
+        ],
+        env=subprocess_env(cache_dir),
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
     check_ok(proc)
     table = (tmp_path / "scaling.md").read_text().splitlines()
     header = [cell.strip() for cell in table[0].strip("|").split("|")]
-    rows = [dict(zip(header, (cell.strip() for cell in line.strip("|").split("|")), strict=True))
-            for line in table[2:]]
+    rows = [dict(zip(header, (cell.strip() for cell in line.strip("|").split("|")), strict=True)) for line in table[2:]]
     assert [row["world size"] for row in rows] == ["1", "2"]
     for row in rows:  # each figure is the steady state (after the warm-up quarter) of that world size's own run
         world = int(row["world size"])
-        steady = [r for r in read_metrics(tmp_path / f"world{world}") if "loss" in r][8 // 4:]
+        steady = [r for r in read_metrics(tmp_path / f"world{world}") if "loss" in r][8 // 4 :]
         assert len(steady) == 6
         tokens_per_s = sum(r["tokens_per_s"] for r in steady) / len(steady)
         assert float(row["tokens/s"]) == pytest.approx(tokens_per_s, abs=0.5)
@@ -387,9 +584,24 @@ def test_scaling_report_runs_at_world_sizes_1_and_2(tmp_path, cache_dir):
 @pytest.mark.slow  # two 1-rank runs of 4 steps, one compiled (inductor builds its graphs on the CPU)
 def test_torch_compile_trains_as_eager_does_and_a_compile_section_turns_it_on(tmp_path, cache_dir):
     def run(run_dir: Path, *extra: str):
-        proc = launch(REPO / "train.py", ["--config", "ds_configs/zero2.json", "--output_dir", str(run_dir),
-                                          "--max_steps", "4", *FAST_FLAGS, "--logging_steps", "1",
-                                          "--no-export_hf_at_end", *extra], "python", cache_dir)
+        proc = launch(
+            REPO / "train.py",
+            [
+                "--config",
+                "ds_configs/zero2.json",
+                "--output_dir",
+                str(run_dir),
+                "--max_steps",
+                "4",
+                *FAST_FLAGS,
+                "--logging_steps",
+                "1",
+                "--no-export_hf_at_end",
+                *extra,
+            ],
+            "python",
+            cache_dir,
+        )
         check_ok(proc)
         return proc.stdout + proc.stderr
 
@@ -405,8 +617,12 @@ def test_torch_compile_trains_as_eager_does_and_a_compile_section_turns_it_on(tm
     config = json.loads((REPO / "ds_configs" / "zero2.json").read_text())
     config["compile"] = {"deepcompile": False}
     (tmp_path / "compile.json").write_text(json.dumps(config))
-    proc = launch(REPO / "train.py", ["--config", str(tmp_path / "compile.json"), "--output_dir",
-                                      str(tmp_path / "dry"), *FAST_FLAGS, "--dry_run"], "python", cache_dir)
+    proc = launch(
+        REPO / "train.py",
+        ["--config", str(tmp_path / "compile.json"), "--output_dir", str(tmp_path / "dry"), *FAST_FLAGS, "--dry_run"],
+        "python",
+        cache_dir,
+    )
     check_ok(proc)
     assert "torch.compile: backend inductor" in proc.stdout + proc.stderr
 

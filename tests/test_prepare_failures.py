@@ -31,8 +31,19 @@ def write_corpus(path: Path, n_docs: int, words: int = 40) -> Path:
 
 
 def prepare_argv(corpus: Path, out: Path, *extra: str) -> list:
-    return ["--train_file", str(corpus), "--tokenizer_name", str(TINY), "--block_size", "64",
-            "--validation_split_percentage", "0", "--output_dir", str(out), *extra]
+    return [
+        "--train_file",
+        str(corpus),
+        "--tokenizer_name",
+        str(TINY),
+        "--block_size",
+        "64",
+        "--validation_split_percentage",
+        "0",
+        "--output_dir",
+        str(out),
+        *extra,
+    ]
 
 
 @pytest.fixture
@@ -73,8 +84,14 @@ def test_a_killed_tokenizer_worker_fails_the_prepare_in_one_line_and_keeps_nothi
     corpus = write_corpus(tmp_path / "corpus.jsonl", 30_000)  # 30 batches of 1000 documents for 9 workers
     out = tmp_path / "store"
     env = {**subprocess_env(tmp_path / "cache"), "PYTHONFAULTHANDLER": "1"}
-    proc = subprocess.Popen([sys.executable, str(PREPARE), *prepare_argv(corpus, out, "--num_proc", "9")],
-                            env=env, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [sys.executable, str(PREPARE), *prepare_argv(corpus, out, "--num_proc", "9")],
+        env=env,
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
 
     def stored_bytes() -> int:
         return sum(p.stat().st_size for p in tmp_path.glob(".store.tmp-*/train.tokens.bin"))
@@ -101,8 +118,9 @@ def test_a_killed_tokenizer_worker_fails_the_prepare_in_one_line_and_keeps_nothi
     try:
         stdout, stderr = proc.communicate(timeout=120)
     except subprocess.TimeoutExpired:
-        state = subprocess.run(["pgrep", "-af", "spawn_main|resource_tracker|prepare.py"], capture_output=True,
-                               text=True).stdout
+        state = subprocess.run(
+            ["pgrep", "-af", "spawn_main|resource_tracker|prepare.py"], capture_output=True, text=True
+        ).stdout
         proc.send_signal(signal.SIGABRT)  # faulthandler prints where it waits
         stdout, stderr = proc.communicate()
         pytest.fail(f"data/prepare.py still waits for a dead worker after 120 s\n{state}\n{stderr[-5000:]}")
@@ -117,17 +135,25 @@ def test_a_killed_tokenizer_worker_fails_the_prepare_in_one_line_and_keeps_nothi
     assert not [pid for pid in seen if running(pid)], "worker processes outlived the prepare"
 
 
-@pytest.mark.parametrize("disk_size", [
-    "1m",  # full while writing the tokens: ~1.3M tokens, 2.6 MB of uint16
-    "128k",  # full before that, while saving the workers' copy of the tokenizer (265 KB)
-])
+@pytest.mark.parametrize(
+    "disk_size",
+    [
+        "1m",  # full while writing the tokens: ~1.3M tokens, 2.6 MB of uint16
+        "128k",  # full before that, while saving the workers' copy of the tokenizer (265 KB)
+    ],
+)
 def test_a_full_disk_fails_the_prepare_in_one_line_and_keeps_nothing(tmp_path, disk_size):
     corpus = write_corpus(tmp_path / "corpus.jsonl", 8_000)
     with small_tmpfs(tmp_path / "disk", disk_size) as tiny_disk:
         out = tiny_disk / "store"
-        proc = subprocess.run([sys.executable, str(PREPARE), *prepare_argv(corpus, out, "--num_proc", "1")],
-                              env=subprocess_env(tmp_path / "cache"), cwd=REPO, capture_output=True, text=True,
-                              timeout=300)
+        proc = subprocess.run(
+            [sys.executable, str(PREPARE), *prepare_argv(corpus, out, "--num_proc", "1")],
+            env=subprocess_env(tmp_path / "cache"),
+            cwd=REPO,
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
         assert proc.returncode == 1, proc.stderr[-2000:]
         assert proc.stderr.count("prepare.py: error: ") == 1 and "Traceback" not in proc.stderr
         assert f"token store {out}: the disk holding {tiny_disk} is full; nothing was kept" in proc.stderr
@@ -143,16 +169,22 @@ def test_an_existing_folder_that_is_not_a_store_is_refused_and_left_alone(tmp_pa
     empty.mkdir()  # an empty folder is fine: the store takes its place
 
     def prepare(folder: Path) -> subprocess.Popen:
-        return subprocess.Popen([sys.executable, str(PREPARE), *prepare_argv(corpus, folder, "--num_proc", "1")],
-                                env=subprocess_env(tmp_path / f"cache_{folder.name}"), cwd=REPO,
-                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        return subprocess.Popen(
+            [sys.executable, str(PREPARE), *prepare_argv(corpus, folder, "--num_proc", "1")],
+            env=subprocess_env(tmp_path / f"cache_{folder.name}"),
+            cwd=REPO,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
 
     # both at once: each spends seconds importing, and they share nothing but the corpus they read
     refused, accepted = prepare(out), prepare(empty)
     refused_err, accepted_err = refused.communicate(timeout=300)[1], accepted.communicate(timeout=300)[1]
     assert refused.returncode == 2
-    assert refused_err.splitlines()[0] == (f"prepare.py: error: {out}: exists and is not a token store "
-                                           "(no manifest.json); nothing there was changed")
+    assert refused_err.splitlines()[0] == (
+        f"prepare.py: error: {out}: exists and is not a token store (no manifest.json); nothing there was changed"
+    )
     assert [p.name for p in out.iterdir()] == ["notes.txt"] and (out / "notes.txt").read_text() == "weeks of work"
     assert accepted.returncode == 0, accepted_err[-2000:]
     assert (empty / "manifest.json").exists()
@@ -186,8 +218,19 @@ def test_ranks_waiting_for_the_store_stop_when_local_rank_0_fails(failure, tmp_p
     monkeypatch.setenv("HF_DATASETS_CACHE", str(tmp_path / "cache"))
     corpus = write_corpus(tmp_path / "corpus.jsonl", 8_000 if failure == "full_disk" else 10)
     column = ["--text_column", "body"] if failure == "bad_column" else []
-    cfg = parse_run_config(["--config", str(REPO / "ds_configs/zero2.json"), "--output_dir", str(tmp_path / "o"),
-                            "--validation_split_percentage", "0", "--train_file", str(corpus), *column])
+    cfg = parse_run_config(
+        [
+            "--config",
+            str(REPO / "ds_configs/zero2.json"),
+            "--output_dir",
+            str(tmp_path / "o"),
+            "--validation_split_percentage",
+            "0",
+            "--train_file",
+            str(corpus),
+            *column,
+        ]
+    )
     tokenizer = AutoTokenizer.from_pretrained(TINY)
     expected = PrepareError if failure == "full_disk" else UsageError
     for attempt in (1, 2):  # the second attempt: a relaunch, once the first attempt's failure is on record
@@ -215,18 +258,31 @@ def test_num_proc_bounds_the_tokenizer_threads(tmp_path):
     """--num_proc N tokenizes on N Rust threads: the thread pool, once started, stays, so a process that prepared
     with 2 holds exactly one thread more than one that prepared with 1."""
     corpus = write_corpus(tmp_path / "corpus.jsonl", 2_000)
-    script = ("import os, runpy, sys\n"
-              "main = runpy.run_path(sys.argv[1])['main']\n"
-              "assert main(sys.argv[2:]) == 0\n"
-              "print('THREADS', len(os.listdir('/proc/self/task')))\n")
+    script = (
+        "import os, runpy, sys\n"
+        "main = runpy.run_path(sys.argv[1])['main']\n"
+        "assert main(sys.argv[2:]) == 0\n"
+        "print('THREADS', len(os.listdir('/proc/self/task')))\n"
+    )
     env = subprocess_env(tmp_path / "cache")
     env.pop("TOKENIZERS_PARALLELISM")  # the test environment turns the Rust threads off; a user's does not
     env.pop("RAYON_NUM_THREADS", None)
     threads = {}
     for n in (1, 2):
-        proc = subprocess.run([sys.executable, "-c", script, str(PREPARE),
-                               *prepare_argv(corpus, tmp_path / f"store{n}", "--num_proc", str(n))],
-                              env=env, cwd=REPO, capture_output=True, text=True, timeout=300)
+        proc = subprocess.run(
+            [
+                sys.executable,
+                "-c",
+                script,
+                str(PREPARE),
+                *prepare_argv(corpus, tmp_path / f"store{n}", "--num_proc", str(n)),
+            ],
+            env=env,
+            cwd=REPO,
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
         assert proc.returncode == 0, proc.stderr[-2000:]
         threads[n] = int(next(x for x in proc.stdout.splitlines() if x.startswith("THREADS")).split()[1])
     assert threads[2] - threads[1] == 1, threads

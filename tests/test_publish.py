@@ -12,15 +12,25 @@ from transformers import AutoConfig, AutoTokenizer, GenerationConfig
 
 from scaletrain.config import DEFAULT_MODEL_DIR
 from scaletrain.errors import UsageError
-from scaletrain.publish import RUN_FILES, check_push_target, end_of_turn_ids, push_to_hub, write_generation_config, \
-    write_model_card
+from scaletrain.publish import (
+    RUN_FILES,
+    check_push_target,
+    end_of_turn_ids,
+    push_to_hub,
+    write_generation_config,
+    write_model_card,
+)
 
 # Two real templates' turn endings (shortened to what decides the end-of-turn token): Llama 3's and ChatML's (Qwen).
-LLAMA3 = ("{% for m in messages %}<|start_header_id|>{{ m['role'] }}<|end_header_id|>\n\n{{ m['content'] }}"
-          "<|eot_id|>{% endfor %}{% if add_generation_prompt %}<|start_header_id|>assistant<|end_header_id|>\n\n"
-          "{% endif %}")
-CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
-          "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+LLAMA3 = (
+    "{% for m in messages %}<|start_header_id|>{{ m['role'] }}<|end_header_id|>\n\n{{ m['content'] }}"
+    "<|eot_id|>{% endfor %}{% if add_generation_prompt %}<|start_header_id|>assistant<|end_header_id|>\n\n"
+    "{% endif %}"
+)
+CHATML = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
 
 
 def tokenizer_with(template: str | None, *special: str):
@@ -32,8 +42,11 @@ def tokenizer_with(template: str | None, *special: str):
 
 @pytest.mark.parametrize("template, end", [(LLAMA3, "<|eot_id|>"), (CHATML, "<|im_end|>")])
 def test_generation_config_ends_at_the_templates_end_of_turn_and_at_eos(tmp_path, template, end):
-    specials = ("<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>") if end == "<|eot_id|>" else \
-        ("<|im_start|>", "<|im_end|>")
+    specials = (
+        ("<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>")
+        if end == "<|eot_id|>"
+        else ("<|im_start|>", "<|im_end|>")
+    )
     tokenizer = tokenizer_with(template, *specials)
     end_id = tokenizer.convert_tokens_to_ids(end)
     assert end_of_turn_ids(tokenizer) == [end_id]
@@ -50,14 +63,26 @@ def test_without_a_template_the_generation_config_has_the_tokenizers_eos_only(tm
 
 
 def test_model_card_names_base_model_data_flags_and_final_losses(tmp_path):
-    run_config = {"model_name_or_path": "meta-llama/Llama-3.2-1B", "dataset_name": "HuggingFaceH4/ultrachat_200k",
-                  "learning_rate": 2e-5, "block_size": 4096, "max_steps": 300, "world_size": 16, "seed": 7}
+    run_config = {
+        "model_name_or_path": "meta-llama/Llama-3.2-1B",
+        "dataset_name": "HuggingFaceH4/ultrachat_200k",
+        "learning_rate": 2e-5,
+        "block_size": 4096,
+        "max_steps": 300,
+        "world_size": 16,
+        "seed": 7,
+    }
     write_model_card(tmp_path, run_config, {"step": 300, "loss": 1.23456, "eval_loss": 1.5})
     card = ModelCard.load(tmp_path / "README.md")
     assert card.data.base_model == "meta-llama/Llama-3.2-1B"
     assert card.data.datasets == ["HuggingFaceH4/ultrachat_200k"]
-    for text in ("`--learning_rate` | `2e-05`", "`--world_size` | `16`", "final training loss | 1.2346",
-                 "final evaluation loss | 1.5000", "for 300 optimizer steps"):
+    for text in (
+        "`--learning_rate` | `2e-05`",
+        "`--world_size` | `16`",
+        "final training loss | 1.2346",
+        "final evaluation loss | 1.5000",
+        "for 300 optimizer steps",
+    ):
         assert text in card.text, text
     # a local model folder is not a Hub id: no base_model claim in the metadata
     write_model_card(tmp_path, {"model_name_or_path": str(tmp_path)}, {})
@@ -101,6 +126,7 @@ class MockHub:
 
         class Commit:
             commit_url = f"https://huggingface.co/{repo_id}/commit/abc"
+
         return Commit()
 
 
@@ -130,8 +156,7 @@ def test_a_failure_retrying_cannot_help_is_raised_at_once_and_retries_stop_after
 
 
 @pytest.mark.slow
-def test_a_failed_push_after_the_run_exits_1_keeps_the_export_and_never_shows_the_token(tmp_path, monkeypatch,
-                                                                                          capsys):
+def test_a_failed_push_after_the_run_exits_1_keeps_the_export_and_never_shows_the_token(tmp_path, monkeypatch, capsys):
     """A real run and a real upload attempt: HF_HUB_OFFLINE=1 makes huggingface_hub refuse (not retried)."""
     from tests.conftest import FAST_FLAGS, REPO, subprocess_env
     from train import main
@@ -143,8 +168,20 @@ def test_a_failed_push_after_the_run_exits_1_keeps_the_export_and_never_shows_th
     secret = "hf_publish_secret_5a7c"
     monkeypatch.setenv("HF_TOKEN", secret)
     out = tmp_path / "out"
-    code = main(["--config", "ds_configs/zero2.json", "--output_dir", str(out), "--max_steps", "2",
-                 "--push_to_hub", "me/tiny-model", "--no-save_at_end", *FAST_FLAGS])
+    code = main(
+        [
+            "--config",
+            "ds_configs/zero2.json",
+            "--output_dir",
+            str(out),
+            "--max_steps",
+            "2",
+            "--push_to_hub",
+            "me/tiny-model",
+            "--no-save_at_end",
+            *FAST_FLAGS,
+        ]
+    )
     captured = capsys.readouterr()
     assert code == 1, captured.err[-2000:]
     [line] = [x for x in captured.err.splitlines() if x.startswith("train.py: push failed")]

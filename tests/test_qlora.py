@@ -58,32 +58,63 @@ def zero3_variants(tmp_path_factory) -> dict:
 
 # --- refusals through train.py: one line naming the flag, exit 2, nothing written ---------------------------------
 
+
 def refusals(variants: dict) -> dict:
     # name: (DeepSpeed JSON, flags after the base model's, the flag the error names, text of the error, of the hint)
     qlora = ["--use_peft", "--load_in_4bit"]
     return {
-        "without use_peft": (CONFIGS / "zero2.json", ["--load_in_4bit"], "--load_in_4bit",
-                             "--load_in_4bit: only acts with --use_peft", None),
-        "tensor parallelism": (CONFIGS / "zero1.json", [*qlora, "--tensor_parallel_size", "2"],
-                               "--tensor_parallel_size", "--use_peft with --tensor_parallel_size 2: not supported",
-                               None),
-        "pipeline parallelism": (CONFIGS / "zero1.json", [*qlora, "--pipeline_parallel_size", "2"],
-                                 "--pipeline_parallel_size", "--use_peft with --pipeline_parallel_size 2", None),
-        "zero3 parameter offload": (CONFIGS / "zero3_offload.json", qlora, "--load_in_4bit",
-                                    "ZeRO-3 parameter offload to cpu saves no GPU memory for a 4-bit base",
-                                    "use ds_configs/zero3.json (optimizer offload is fine: "
-                                    "ds_configs/zero2_offload.json), or drop --load_in_4bit to offload "
-                                    "full-precision weights"),
-        "zero++ quantized weights": (variants["zero_quantized_weights"], qlora, "--load_in_4bit",
-                                     "zero_optimization.zero_quantized_weights re-quantizes the frozen weights",
-                                     "set zero_quantized_weights to false, or drop --load_in_4bit"),
-        "zero++ quantized frozen weights": (variants["zero_quantized_nontrainable_weights"], qlora, "--load_in_4bit",
-                                            "zero_optimization.zero_quantized_nontrainable_weights re-quantizes",
-                                            None),
+        "without use_peft": (
+            CONFIGS / "zero2.json",
+            ["--load_in_4bit"],
+            "--load_in_4bit",
+            "--load_in_4bit: only acts with --use_peft",
+            None,
+        ),
+        "tensor parallelism": (
+            CONFIGS / "zero1.json",
+            [*qlora, "--tensor_parallel_size", "2"],
+            "--tensor_parallel_size",
+            "--use_peft with --tensor_parallel_size 2: not supported",
+            None,
+        ),
+        "pipeline parallelism": (
+            CONFIGS / "zero1.json",
+            [*qlora, "--pipeline_parallel_size", "2"],
+            "--pipeline_parallel_size",
+            "--use_peft with --pipeline_parallel_size 2",
+            None,
+        ),
+        "zero3 parameter offload": (
+            CONFIGS / "zero3_offload.json",
+            qlora,
+            "--load_in_4bit",
+            "ZeRO-3 parameter offload to cpu saves no GPU memory for a 4-bit base",
+            "use ds_configs/zero3.json (optimizer offload is fine: "
+            "ds_configs/zero2_offload.json), or drop --load_in_4bit to offload "
+            "full-precision weights",
+        ),
+        "zero++ quantized weights": (
+            variants["zero_quantized_weights"],
+            qlora,
+            "--load_in_4bit",
+            "zero_optimization.zero_quantized_weights re-quantizes the frozen weights",
+            "set zero_quantized_weights to false, or drop --load_in_4bit",
+        ),
+        "zero++ quantized frozen weights": (
+            variants["zero_quantized_nontrainable_weights"],
+            qlora,
+            "--load_in_4bit",
+            "zero_optimization.zero_quantized_nontrainable_weights re-quantizes",
+            None,
+        ),
         # The refusal this machine gives to a QLoRA run that is right in every other way (and the one before it).
-        "no cuda gpu": (CONFIGS / "zero3.json", qlora, "--load_in_4bit",
-                        "--load_in_4bit: QLoRA needs a CUDA GPU (bitsandbytes 4-bit weights); this machine trains on "
-                        "cpu", "drop --load_in_4bit: LoRA on full-precision weights runs"),
+        "no cuda gpu": (
+            CONFIGS / "zero3.json",
+            qlora,
+            "--load_in_4bit",
+            "--load_in_4bit: QLoRA needs a CUDA GPU (bitsandbytes 4-bit weights); this machine trains on cpu",
+            "drop --load_in_4bit: LoRA on full-precision weights runs",
+        ),
     }
 
 
@@ -95,18 +126,28 @@ REFUSALS = list(refusals({"zero_quantized_weights": None, "zero_quantized_nontra
 def test_qlora_refusals_are_one_line_exit_2_and_touch_nothing(name, base_model, zero3_variants, tmp_path, capsys):
     ds_config, extra, culprit, expected, hint = refusals(zero3_variants)[name]
     out = tmp_path / "out"
-    assert_refused(name, ["--config", str(ds_config), "--output_dir", str(out), "--model_name_or_path",
-                          str(base_model), *extra], out, capsys, culprit, expected, hint)
+    assert_refused(
+        name,
+        ["--config", str(ds_config), "--output_dir", str(out), "--model_name_or_path", str(base_model), *extra],
+        out,
+        capsys,
+        culprit,
+        expected,
+        hint,
+    )
 
 
 # --- the checks a CUDA machine gets (its facts given as data) -----------------------------------------------------
 
+
 def resolved(base: Path, config: str, *flags: str, hardware: HardwareFacts = H100):
     """(RunConfig, ResolvedDSConfig) of a QLoRA run, resolved by the pipeline's own resolver for `hardware`."""
-    cfg = parse_run_config(["--config", str(CONFIGS / config), "--model_name_or_path", str(base), "--use_peft",
-                            "--load_in_4bit", *flags])
-    ds = resolve_ds_config(load_ds_config(cfg.engine.config), cfg.engine, cfg.optim, cfg.explicit_flags, 1, 128,
-                           hardware, 1_000_000)
+    cfg = parse_run_config(
+        ["--config", str(CONFIGS / config), "--model_name_or_path", str(base), "--use_peft", "--load_in_4bit", *flags]
+    )
+    ds = resolve_ds_config(
+        load_ds_config(cfg.engine.config), cfg.engine, cfg.optim, cfg.explicit_flags, 1, 128, hardware, 1_000_000
+    )
     return cfg, ds
 
 
@@ -118,14 +159,24 @@ def test_a_cuda_machine_with_bitsandbytes_passes_the_checks(config, base_model, 
     qlora.check_qlora(cfg, ds, H100)  # ZeRO-1/2/3 and optimizer offload are fine
 
 
-@pytest.mark.parametrize("version, expected, hint", [
-    (None, "--load_in_4bit: QLoRA needs bitsandbytes, which is not installed",
-     "pip install bitsandbytes==0.50.2 (it is in requirements.txt)"),
-    ("0.45.5", "--load_in_4bit: bitsandbytes 0.45.5 is older than transformers needs (0.46.1)",
-     "pip install bitsandbytes==0.50.2"),
-])
-def test_a_cuda_machine_without_a_usable_bitsandbytes_is_refused_with_the_pip_line(version, expected, hint,
-                                                                                  base_model, monkeypatch):
+@pytest.mark.parametrize(
+    "version, expected, hint",
+    [
+        (
+            None,
+            "--load_in_4bit: QLoRA needs bitsandbytes, which is not installed",
+            "pip install bitsandbytes==0.50.2 (it is in requirements.txt)",
+        ),
+        (
+            "0.45.5",
+            "--load_in_4bit: bitsandbytes 0.45.5 is older than transformers needs (0.46.1)",
+            "pip install bitsandbytes==0.50.2",
+        ),
+    ],
+)
+def test_a_cuda_machine_without_a_usable_bitsandbytes_is_refused_with_the_pip_line(
+    version, expected, hint, base_model, monkeypatch
+):
     cfg, ds = resolved(base_model, "zero3.json")
     # Stand-in: what bitsandbytes_version finds on a machine without bitsandbytes, or with an old one.
     monkeypatch.setattr(qlora, "bitsandbytes_version", lambda: version)
@@ -135,8 +186,11 @@ def test_a_cuda_machine_without_a_usable_bitsandbytes_is_refused_with_the_pip_li
 
 
 def test_the_pin_is_the_one_in_requirements_and_the_version_lookup_finds_the_installed_one():
-    pins = [line.strip() for line in (REPO / "requirements.txt").read_text().splitlines()
-            if line.strip().startswith("bitsandbytes")]
+    pins = [
+        line.strip()
+        for line in (REPO / "requirements.txt").read_text().splitlines()
+        if line.strip().startswith("bitsandbytes")
+    ]
     assert pins == [qlora.BITSANDBYTES_PIN]
     pytest.importorskip("bitsandbytes", reason="not installed: pip install -r requirements.txt")
     import bitsandbytes
@@ -146,14 +200,19 @@ def test_the_pin_is_the_one_in_requirements_and_the_version_lookup_finds_the_ins
 
 # --- the configuration the GPU path builds --------------------------------------------------------------------------
 
-@pytest.mark.parametrize("config, flags, hardware, precision, compute, storage", [
-    ("zero3.json", (), H100, "bf16", "bfloat16", "bfloat16"),  # "auto": bf16 on a GPU with fast bf16
-    ("zero2.json", ("--fp16",), H100, "fp16", "bfloat16", "float16"),
-    ("zero2.json", ("--fp16",), V100, "fp16", "float16", "float16"),  # no fast bf16: products in the run's dtype
-    ("zero2.json", (), V100, "fp32", "float32", "float32"),  # "auto" without fast bf16: fp32
-])
-def test_the_4bit_weights_are_stored_in_the_dtype_deepspeed_runs_in(config, flags, hardware, precision, compute,
-                                                                    storage, base_model):
+
+@pytest.mark.parametrize(
+    "config, flags, hardware, precision, compute, storage",
+    [
+        ("zero3.json", (), H100, "bf16", "bfloat16", "bfloat16"),  # "auto": bf16 on a GPU with fast bf16
+        ("zero2.json", ("--fp16",), H100, "fp16", "bfloat16", "float16"),
+        ("zero2.json", ("--fp16",), V100, "fp16", "float16", "float16"),  # no fast bf16: products in the run's dtype
+        ("zero2.json", (), V100, "fp32", "float32", "float32"),  # "auto" without fast bf16: fp32
+    ],
+)
+def test_the_4bit_weights_are_stored_in_the_dtype_deepspeed_runs_in(
+    config, flags, hardware, precision, compute, storage, base_model
+):
     """DeepSpeed's engine casts every floating-point parameter whose dtype differs from the run's (bf16/fp16) to it,
     which would destroy packed 4-bit weights held in another float dtype: the storage must be the run's dtype, as
     the resolved DeepSpeed config decides it."""
@@ -164,8 +223,13 @@ def test_the_4bit_weights_are_stored_in_the_dtype_deepspeed_runs_in(config, flag
     assert ds.config.get("bf16", {}).get("enabled", False) == (precision == "bf16")
     assert ds.config.get("fp16", {}).get("enabled", False) == (precision == "fp16")
     settings = qlora.quantization_settings(ds.precision, hardware.bf16_fast)
-    assert settings == {"load_in_4bit": True, "bnb_4bit_quant_type": "nf4", "bnb_4bit_use_double_quant": True,
-                        "bnb_4bit_compute_dtype": compute, "bnb_4bit_quant_storage": storage}
+    assert settings == {
+        "load_in_4bit": True,
+        "bnb_4bit_quant_type": "nf4",
+        "bnb_4bit_use_double_quant": True,
+        "bnb_4bit_compute_dtype": compute,
+        "bnb_4bit_quant_storage": storage,
+    }
     kwargs = qlora.model_kwargs(cfg.model, ds.precision, hardware.bf16_fast, 3)
     bnb = kwargs["quantization_config"]
     assert isinstance(bnb, BitsAndBytesConfig) and bnb.load_in_4bit and not bnb.load_in_8bit
@@ -177,6 +241,7 @@ def test_the_4bit_weights_are_stored_in_the_dtype_deepspeed_runs_in(config, flag
 
 
 # --- the build path, for real, on bitsandbytes' CPU backend ---------------------------------------------------------
+
 
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
 def test_the_qlora_build_path_quantizes_the_base_and_trains_only_the_adapter(precision, base_model):
@@ -192,13 +257,30 @@ def test_the_qlora_build_path_quantizes_the_base_and_trains_only_the_adapter(pre
     from scaletrain import lora
     from scaletrain.dsconfig import ResolvedDSConfig
 
-    cfg = parse_run_config(["--config", str(CONFIGS / "zero2.json"), "--model_name_or_path", str(base_model),
-                            "--use_peft", "--load_in_4bit", "--lora_r", "4", "--lora_alpha", "8",
-                            "--gradient_checkpointing"])
-    ds = ResolvedDSConfig(config={"zero_optimization": {"stage": 2}}, sources={}, precision=precision,
-                          precision_reason="given by the test")
-    model, keepalive = qlora.build_model(cfg.model, AutoConfig.from_pretrained(base_model), ds, device="cpu",
-                                         bf16_fast=False)
+    cfg = parse_run_config(
+        [
+            "--config",
+            str(CONFIGS / "zero2.json"),
+            "--model_name_or_path",
+            str(base_model),
+            "--use_peft",
+            "--load_in_4bit",
+            "--lora_r",
+            "4",
+            "--lora_alpha",
+            "8",
+            "--gradient_checkpointing",
+        ]
+    )
+    ds = ResolvedDSConfig(
+        config={"zero_optimization": {"stage": 2}},
+        sources={},
+        precision=precision,
+        precision_reason="given by the test",
+    )
+    model, keepalive = qlora.build_model(
+        cfg.model, AutoConfig.from_pretrained(base_model), ds, device="cpu", bf16_fast=False
+    )
     assert keepalive is None and model.is_loaded_in_4bit
     assert model.is_gradient_checkpointing and model.config.use_cache is False
     storage = getattr(torch, qlora.TORCH_DTYPES[precision])

@@ -37,8 +37,7 @@ def test_ramp_follows_megatrons_formula(start, increment, samples, full):
 
 
 def _order(**kw) -> GlobalOrder:
-    base = dict(n_blocks=97, micro_batch=2, accumulation=4, dp_world_size=2, seed=3,
-                ramp=BatchRamp(4, 4, 60, 16))
+    base = dict(n_blocks=97, micro_batch=2, accumulation=4, dp_world_size=2, seed=3, ramp=BatchRamp(4, 4, 60, 16))
     return GlobalOrder(**{**base, **kw})
 
 
@@ -81,10 +80,30 @@ RAMP_LOG = re.compile(r"batch ramp-up: (.*)$", re.M)
 
 
 def _flags(run_dir: Path, max_steps: int, accumulation: int, *extra: str) -> list:
-    return ["--config", "ds_configs/zero2.json", "--output_dir", str(run_dir), "--max_steps", str(max_steps),
-            "--gradient_accumulation_steps", str(accumulation), "--lr_scheduler_type", "constant_with_warmup",
-            "--warmup_steps", "0", "--warmup_ratio", "0", "--save_steps", "100",
-            *FAST_FLAGS, "--logging_steps", "1", "--per_device_train_batch_size", "2", *extra]
+    return [
+        "--config",
+        "ds_configs/zero2.json",
+        "--output_dir",
+        str(run_dir),
+        "--max_steps",
+        str(max_steps),
+        "--gradient_accumulation_steps",
+        str(accumulation),
+        "--lr_scheduler_type",
+        "constant_with_warmup",
+        "--warmup_steps",
+        "0",
+        "--warmup_ratio",
+        "0",
+        "--save_steps",
+        "100",
+        *FAST_FLAGS,
+        "--logging_steps",
+        "1",
+        "--per_device_train_batch_size",
+        "2",
+        *extra,
+    ]
 
 
 def _run(run_dir: Path, args: list, nprocs: int, cache_dir: Path):
@@ -130,8 +149,16 @@ def test_ramp_equals_accumulation_set_by_hand_and_resumes_mid_ramp(nprocs, scali
     stages = [(s.start_step, s.global_batch) for s in order.stages]
     assert [b for _, b in stages] == [unit, 2 * unit, 3 * unit] and stages[1][0] > 1
     lr = 1e-3
-    ramp_flags = ["--rampup_batch_size", str(unit), str(unit), str(6 * nprocs), "--rampup_lr_scaling", scaling,
-                  "--learning_rate", str(lr)]
+    ramp_flags = [
+        "--rampup_batch_size",
+        str(unit),
+        str(unit),
+        str(6 * nprocs),
+        "--rampup_lr_scaling",
+        scaling,
+        "--learning_rate",
+        str(lr),
+    ]
 
     ramped = tmp_path / "ramped"
     proc = _run(ramped, _flags(ramped, steps, full_accumulation, *ramp_flags), nprocs, cache_dir)
@@ -142,14 +169,19 @@ def test_ramp_equals_accumulation_set_by_hand_and_resumes_mid_ramp(nprocs, scali
     exponent = {"none": 0.0, "sqrt": 0.5}[scaling]
     if exponent:
         assert [r["lr_rampup_factor"] for r in records] == pytest.approx(
-            [(order.global_batch_at(s) / (unit * full_accumulation)) ** exponent for s in range(steps)])
+            [(order.global_batch_at(s) / (unit * full_accumulation)) ** exponent for s in range(steps)]
+        )
 
     # By hand: each stage is its own run with that accumulation (and LR), resumed from the previous stage's end.
     by_hand = tmp_path / "by_hand"
     for (start, batch), following in zip(stages, stages[1:] + [(steps, None)], strict=True):
         stage_lr = lr * (batch / (unit * full_accumulation)) ** exponent
-        proc = _run(by_hand, _flags(by_hand, following[0], batch // unit, "--learning_rate", str(stage_lr),
-                                    "--allow_schedule_change"), nprocs, cache_dir)
+        proc = _run(
+            by_hand,
+            _flags(by_hand, following[0], batch // unit, "--learning_rate", str(stage_lr), "--allow_schedule_change"),
+            nprocs,
+            cache_dir,
+        )
         assert start == 0 or f"resumed from {by_hand / 'checkpoints' / f'step{start}'}" in proc.stdout + proc.stderr
     expected = _losses(ramped)
     assert sorted(_losses(by_hand)) == list(range(1, steps + 1))
@@ -185,8 +217,9 @@ def test_a_ramp_through_the_pipeline_equals_one_rank_and_resumes_mid_ramp(tmp_pa
     _run(piped, pipeline_flags(piped, steps), 2, cache_dir)
     expected = _losses(one_rank)
     assert sorted(expected) == list(range(1, steps + 1))
-    assert [r["global_batch"] for r in read_metrics(piped) if "loss" in r] == \
-        [r["global_batch"] for r in read_metrics(one_rank) if "loss" in r]
+    assert [r["global_batch"] for r in read_metrics(piped) if "loss" in r] == [
+        r["global_batch"] for r in read_metrics(one_rank) if "loss" in r
+    ]
     assert _losses(piped) == pytest.approx(expected, rel=1e-5)
     _assert_close_weights(_weights(one_rank), _weights(piped))
 

@@ -28,8 +28,11 @@ def parse(tmp_path, *argv):
 
 
 def test_recipe_values_apply_with_their_types_and_the_command_line_wins(tmp_path):
-    path = recipe(tmp_path, "config: ds_configs/zero2.json\nlearning_rate: 1e-4\nmax_steps: 7\nbf16: false\n"
-                            "report_to: [wandb, tensorboard]\nlr_scheduler_type: wsd\nrun_name: null\n")
+    path = recipe(
+        tmp_path,
+        "config: ds_configs/zero2.json\nlearning_rate: 1e-4\nmax_steps: 7\nbf16: false\n"
+        "report_to: [wandb, tensorboard]\nlr_scheduler_type: wsd\nrun_name: null\n",
+    )
     cfg = parse(tmp_path, "--recipe", path, "--max_steps", "9")
     assert cfg.engine.config == "ds_configs/zero2.json"
     assert cfg.optim.learning_rate == 1e-4 and isinstance(cfg.optim.learning_rate, float)  # YAML reads 1e-4 as text
@@ -60,19 +63,22 @@ def test_deepspeed_alias_works_in_a_recipe(tmp_path):
     assert cfg.engine.config == "ds_configs/zero1.json"
 
 
-@pytest.mark.parametrize("text, message", [
-    ("learning_rat: 1e-3\n", "run.yaml: unknown key \"learning_rat\""),
-    ("learning_rate: fast\n", "learning_rate: 'fast' is not a number"),
-    ("max_steps: 1.5\n", "max_steps: 1.5 is not an integer"),
-    ("bf16: yes please\n", "bf16: 'yes please' is not true or false"),
-    ("lr_scheduler_type: cosin\n", "lr_scheduler_type: 'cosin' is not one of cosine, linear"),
-    ("seed: null\n", "seed: needs a value"),
-    ("recipe: other.yaml\n", "a recipe cannot name another recipe"),
-    ("- learning_rate\n", "must be a mapping of flag names to values, not a list"),
-    ("learning_rate: [1, 2\n", "not valid YAML at line"),
-    ("per_device_train_batch_size: 0\n", "--per_device_train_batch_size 0: must be at least 1"),  # the flag checks
-    ("train_file: missing.jsonl\n", "--train_file missing.jsonl: no such file"),
-])
+@pytest.mark.parametrize(
+    "text, message",
+    [
+        ("learning_rat: 1e-3\n", 'run.yaml: unknown key "learning_rat"'),
+        ("learning_rate: fast\n", "learning_rate: 'fast' is not a number"),
+        ("max_steps: 1.5\n", "max_steps: 1.5 is not an integer"),
+        ("bf16: yes please\n", "bf16: 'yes please' is not true or false"),
+        ("lr_scheduler_type: cosin\n", "lr_scheduler_type: 'cosin' is not one of cosine, linear"),
+        ("seed: null\n", "seed: needs a value"),
+        ("recipe: other.yaml\n", "a recipe cannot name another recipe"),
+        ("- learning_rate\n", "must be a mapping of flag names to values, not a list"),
+        ("learning_rate: [1, 2\n", "not valid YAML at line"),
+        ("per_device_train_batch_size: 0\n", "--per_device_train_batch_size 0: must be at least 1"),  # the flag checks
+        ("train_file: missing.jsonl\n", "--train_file missing.jsonl: no such file"),
+    ],
+)
 def test_bad_recipes_are_one_clear_usage_error(tmp_path, text, message):
     with pytest.raises(UsageError) as raised:
         parse(tmp_path, "--recipe", recipe(tmp_path, text))
@@ -94,7 +100,7 @@ def test_a_bad_recipe_ends_train_py_with_one_line_and_exit_2_writing_nothing(tmp
     code = main(["--recipe", recipe(tmp_path, "learning_rat: 1e-3\n"), "--output_dir", str(out)])
     err = capsys.readouterr().err.strip().splitlines()
     assert code == 2
-    assert err[0].startswith("train.py: error: --recipe ") and "unknown key \"learning_rat\"" in err[0]
+    assert err[0].startswith("train.py: error: --recipe ") and 'unknown key "learning_rat"' in err[0]
     assert err[1:] == ["  hint: did you mean learning_rate?"]
     assert not out.exists()
 
@@ -102,13 +108,24 @@ def test_a_bad_recipe_ends_train_py_with_one_line_and_exit_2_writing_nothing(tmp
 # Per recipe: flags the tests add (a local stand-in for a hub model; blocks the tiny model's 256 positions allow).
 RECIPE_OVERRIDES = {
     "pretrain_small.yaml": lambda pretrained: [],
-    "continue_pretrain_zero3_offload.yaml": lambda pretrained: ["--model_name_or_path", str(pretrained),
-                                                                "--block_size", "64"],
+    "continue_pretrain_zero3_offload.yaml": lambda pretrained: [
+        "--model_name_or_path",
+        str(pretrained),
+        "--block_size",
+        "64",
+    ],
     "lora_zero3.yaml": lambda pretrained: ["--model_name_or_path", str(pretrained), "--block_size", "64"],
     # the tiny tokenizer has no chat template: the Mistral v0.2 one renders with its tokens
-    "sft_chat.yaml": lambda pretrained: ["--model_name_or_path", str(pretrained), "--block_size", "128",
-                                         "--train_file", "tests/fixtures/chat/messages.jsonl", "--chat_template",
-                                         "tests/fixtures/chat_templates/mistral-7b-instruct-v0.2.jinja"],
+    "sft_chat.yaml": lambda pretrained: [
+        "--model_name_or_path",
+        str(pretrained),
+        "--block_size",
+        "128",
+        "--train_file",
+        "tests/fixtures/chat/messages.jsonl",
+        "--chat_template",
+        "tests/fixtures/chat_templates/mistral-7b-instruct-v0.2.jinja",
+    ],
 }
 
 
@@ -157,8 +174,10 @@ def test_print_config_says_which_values_came_from_the_recipe(name, tmp_path, pre
     elif name == "sft_chat.yaml":
         assert f"assistant_only_loss = True  <- recipe {path}" in printed
         assert f"print_samples = 2  <- recipe {path}" in printed
-        assert "chat_template = 'tests/fixtures/chat_templates/mistral-7b-instruct-v0.2.jinja'  <- --chat_template" \
+        assert (
+            "chat_template = 'tests/fixtures/chat_templates/mistral-7b-instruct-v0.2.jinja'  <- --chat_template"
             in printed
+        )
     else:
         assert f"gradient_checkpointing = True  <- recipe {path}" in printed
         assert f"model_name_or_path = '{pretrained_tiny}'  <- --model_name_or_path" in printed
@@ -171,9 +190,21 @@ def test_print_config_says_which_values_came_from_the_recipe(name, tmp_path, pre
 
 def dry_run(name, tmp_path, cache_dir, pretrained):
     out = tmp_path / "out"
-    proc = launch(REPO / "train.py", ["--recipe", f"recipes/{name}", "--output_dir", str(out), "--dry_run",
-                                      "--disable_tqdm", *RECIPE_OVERRIDES[name](pretrained)], "python", cache_dir,
-                  timeout=600)
+    proc = launch(
+        REPO / "train.py",
+        [
+            "--recipe",
+            f"recipes/{name}",
+            "--output_dir",
+            str(out),
+            "--dry_run",
+            "--disable_tqdm",
+            *RECIPE_OVERRIDES[name](pretrained),
+        ],
+        "python",
+        cache_dir,
+        timeout=600,
+    )
     check_ok(proc)
     assert "dry run OK: one step in" in proc.stderr + proc.stdout
     assert not out.exists()  # a dry run writes nothing
@@ -188,8 +219,9 @@ def test_sft_chat_recipe_dry_run_runs_one_real_step_on_chat_data(tmp_path, cache
 
 
 @pytest.mark.slow
-def test_continue_pretrain_recipe_dry_run_runs_one_real_step_under_zero3_offload(tmp_path, cache_dir,
-                                                                                pretrained_tiny, compiled_ops):
+def test_continue_pretrain_recipe_dry_run_runs_one_real_step_under_zero3_offload(
+    tmp_path, cache_dir, pretrained_tiny, compiled_ops
+):
     dry_run("continue_pretrain_zero3_offload.yaml", tmp_path, cache_dir, pretrained_tiny)
 
 

@@ -14,13 +14,26 @@ import pytest
 from scaletrain.schedules import LRSchedule, warmup_steps_for
 from tests.conftest import FAST_FLAGS, REPO, check_ok, launch, read_metrics
 
-WARNING = re.compile(r"WARNING resumed at step (\d+) with another LR schedule .*: the LR at step \1 goes from "
-                     r"(\S+) to (\S+)$")
+WARNING = re.compile(
+    r"WARNING resumed at step (\d+) with another LR schedule .*: the LR at step \1 goes from "
+    r"(\S+) to (\S+)$"
+)
 
 
 def _flags(run_dir: Path, max_steps: int, *extra: str) -> list:
-    return ["--config", "ds_configs/zero2.json", "--output_dir", str(run_dir), "--max_steps", str(max_steps),
-            "--save_steps", "2", "--no-export_hf_at_end", *FAST_FLAGS, *extra]
+    return [
+        "--config",
+        "ds_configs/zero2.json",
+        "--output_dir",
+        str(run_dir),
+        "--max_steps",
+        str(max_steps),
+        "--save_steps",
+        "2",
+        "--no-export_hf_at_end",
+        *FAST_FLAGS,
+        *extra,
+    ]
 
 
 def _schedule(max_steps: int) -> LRSchedule:
@@ -31,9 +44,9 @@ def _schedule(max_steps: int) -> LRSchedule:
 def _warnings(proc) -> list:
     """The schedule-change warnings of a run, as (step, before, after)."""
     lines = (proc.stdout + proc.stderr).splitlines()
-    return [(int(m.group(1)), float(m.group(2)), float(m.group(3)))
-            for m in map(WARNING.search, lines) if m is not None] + \
-        [None for line in lines if "another LR schedule" in line and not WARNING.search(line)]  # malformed ones
+    return [
+        (int(m.group(1)), float(m.group(2)), float(m.group(3))) for m in map(WARNING.search, lines) if m is not None
+    ] + [None for line in lines if "another LR schedule" in line and not WARNING.search(line)]  # malformed ones
 
 
 def _logged_lr(run_dir: Path) -> dict:
@@ -68,8 +81,12 @@ def test_a_longer_run_warns_once_and_follows_the_new_schedule(finished, tmp_path
     losses = {r["step"]: r["loss"] for r in read_metrics(run_dir) if "loss" in r}
 
     # The same flags again, from the step-6 checkpoint the longer run wrote: no warning, the same steps 7-8.
-    again = launch(REPO / "train.py", _flags(run_dir, 8, "--resume_from_checkpoint",
-                                             str(run_dir / "checkpoints" / "step6")), "python", cache_dir)
+    again = launch(
+        REPO / "train.py",
+        _flags(run_dir, 8, "--resume_from_checkpoint", str(run_dir / "checkpoints" / "step6")),
+        "python",
+        cache_dir,
+    )
     check_ok(again)
     assert "resumed from" in again.stderr + again.stdout and _warnings(again) == []
     assert {r["step"]: r["loss"] for r in read_metrics(run_dir) if "loss" in r}[8] == losses[8]
@@ -88,8 +105,12 @@ def test_another_peak_lr_is_refused_unless_allowed(finished, tmp_path, cache_dir
     assert "--allow_schedule_change" in refused.stderr
     assert _listing(run_dir) == before  # nothing written, nothing touched
 
-    allowed = launch(REPO / "train.py", _flags(run_dir, 8, "--learning_rate", "0.002", "--allow_schedule_change"),
-                     "python", cache_dir)
+    allowed = launch(
+        REPO / "train.py",
+        _flags(run_dir, 8, "--learning_rate", "0.002", "--allow_schedule_change"),
+        "python",
+        cache_dir,
+    )
     check_ok(allowed)
     [(step, old, new)] = _warnings(allowed)
     assert step == 4
@@ -109,8 +130,15 @@ def _resolved_ds(tmp_path, json_lr, *flags):
     path = tmp_path / f"zero2_lr_{json_lr}.json"
     path.write_text(json.dumps(config))
     cfg = parse_run_config(["--config", str(path), "--output_dir", str(tmp_path / "new"), *flags])
-    return cfg, resolve_ds_config(load_ds_config(str(path)), cfg.engine, cfg.optim, cfg.explicit_flags, 1, 64,
-                                  HardwareFacts("cpu", bf16_fast=False))
+    return cfg, resolve_ds_config(
+        load_ds_config(str(path)),
+        cfg.engine,
+        cfg.optim,
+        cfg.explicit_flags,
+        1,
+        64,
+        HardwareFacts("cpu", bf16_fast=False),
+    )
 
 
 def test_the_peak_is_the_lr_the_optimizer_got_even_from_the_json(tmp_path):

@@ -69,10 +69,20 @@ def test_schedule_drives_the_real_optimizer():
 
 # --- a run resumed with another schedule ------------------------------------------------------------------------
 
+
 def _run_config(kind="cosine", total=100, warmup=5, min_ratio=0.1, decay=0.2, lr=1e-3) -> dict:
     """The schedule keys of a run_config.json ("total_steps" and "warmup_steps" resolved), among other flags."""
-    return {"lr_scheduler_type": kind, "total_steps": total, "warmup_steps": warmup, "min_lr_ratio": min_ratio,
-            "decay_ratio": decay, "learning_rate": lr, "warmup_ratio": 0.05, "max_steps": total, "seed": 42}
+    return {
+        "lr_scheduler_type": kind,
+        "total_steps": total,
+        "warmup_steps": warmup,
+        "min_lr_ratio": min_ratio,
+        "decay_ratio": decay,
+        "learning_rate": lr,
+        "warmup_ratio": 0.05,
+        "max_steps": total,
+        "seed": 42,
+    }
 
 
 def _lrs_in(text: str) -> tuple:
@@ -90,10 +100,15 @@ def test_the_same_schedule_is_no_change():
     assert describe_schedule_change(old, LRSchedule("cosine", 200, 5, 0.1), 1e-3, 40) is None
 
 
-@pytest.mark.parametrize("new", [LRSchedule("cosine", 200, 5, 0.1, 0.2),  # another --max_steps
-                                 LRSchedule("cosine", 100, 10, 0.1, 0.2),  # another warmup
-                                 LRSchedule("wsd", 100, 5, 0.1, 0.2),  # another kind
-                                 LRSchedule("cosine", 100, 5, 0.0, 0.2)])  # another floor
+@pytest.mark.parametrize(
+    "new",
+    [
+        LRSchedule("cosine", 200, 5, 0.1, 0.2),  # another --max_steps
+        LRSchedule("cosine", 100, 10, 0.1, 0.2),  # another warmup
+        LRSchedule("wsd", 100, 5, 0.1, 0.2),  # another kind
+        LRSchedule("cosine", 100, 5, 0.0, 0.2),
+    ],
+)  # another floor
 def test_a_changed_schedule_shows_the_lr_before_and_after_at_the_resume_step(new):
     old, step = LRSchedule("cosine", 100, 5, 0.1, 0.2), 40
     text = describe_schedule_change(_run_config(), new, 1e-3, step)

@@ -17,8 +17,14 @@ from scaletrain.errors import UsageError
 from scaletrain.distributed import DistInfo
 from scaletrain.layout import apply_layout, check_model_layout, check_sequence_layout, resolve_layout
 from tests.conftest import REPO, check_ok, launch
-from tests.test_tensor_parallel import (_assert_matches, _assert_same_export, _flags, _records, _resolved,
-                                       resume_copy_at_step4)
+from tests.test_tensor_parallel import (
+    _assert_matches,
+    _assert_same_export,
+    _flags,
+    _records,
+    _resolved,
+    resume_copy_at_step4,
+)
 
 SP = ["--sequence_parallel_size", "2"]
 
@@ -61,21 +67,26 @@ def test_documents_stay_isolated_under_sequence_parallelism(reference, tmp_path,
     plain, masked = _records(reference), _records(isolated)
     assert abs(plain[8]["loss"] - masked[8]["loss"]) > 1e-3
     sharded = tmp_path / "sharded"
-    check_ok(launch(REPO / "train.py", _flags(sharded, "zero1", "--attention_isolation", *SP), "deepspeed",
-                    cache_dir, nprocs=2))
+    check_ok(
+        launch(
+            REPO / "train.py", _flags(sharded, "zero1", "--attention_isolation", *SP), "deepspeed", cache_dir, nprocs=2
+        )
+    )
     _assert_matches(sharded, isolated)
 
 
 @pytest.mark.slow  # two runs resumed from the SP checkpoint at step 4: on 2 ranks (SP 2) and on 1 rank
 @pytest.mark.parametrize("nprocs", [2, 1])
-def test_a_sequence_parallel_checkpoint_resumes_on_the_same_layout_and_on_one_rank(nprocs, reference, sp2_zero1,
-                                                                                     tmp_path, cache_dir):
+def test_a_sequence_parallel_checkpoint_resumes_on_the_same_layout_and_on_one_rank(
+    nprocs, reference, sp2_zero1, tmp_path, cache_dir
+):
     run_dir = tmp_path / "resumed"
     resume_copy_at_step4(sp2_zero1, run_dir, SP if nprocs == 2 else [], nprocs, cache_dir)
     _assert_matches(run_dir, reference, steps=range(5, 9))
 
 
 # --- the pieces, and what is refused before anything is built ---------------------------------------------------
+
 
 def test_each_rank_keeps_its_part_of_the_block_with_labels_shifted_across_the_cut():
     import torch
@@ -90,8 +101,9 @@ def test_each_rank_keeps_its_part_of_the_block_with_labels_shifted_across_the_cu
     assert first["shift_labels"][0].tolist() == [1, 2, 3, 4]  # the last one is the next shard's first token
     assert second["shift_labels"].tolist() == [[5, 6, 7, -100], [13, -100, -100, -100]]
     assert second["position_ids"][0].tolist() == [4, 5, 6, 7]
-    isolated = shard({"input_ids": ids, "labels": labels, "position_ids": torch.tensor([[0, 1, 2, 0, 1, 2, 3, 4]] * 2)},
-                     1, 2)
+    isolated = shard(
+        {"input_ids": ids, "labels": labels, "position_ids": torch.tensor([[0, 1, 2, 0, 1, 2, 3, 4]] * 2)}, 1, 2
+    )
     assert isolated["position_ids"][0].tolist() == [1, 2, 3, 4]
 
 
@@ -107,15 +119,22 @@ def test_sequence_layout_checks():
         check_sequence_layout(ParallelArgs(sequence_parallel_size=2), 63, "sdpa")
     with pytest.raises(UsageError, match="the model's attention is 'eager'"):
         check_sequence_layout(ParallelArgs(sequence_parallel_size=2), 64, "eager")
-    for raw, message in (({"zero_optimization": {"stage": 0}}, "with ZeRO stage 0"),
-                         ({"zero_optimization": {"stage": 3, "offload_param": {"device": "cpu"}}}, "with offload"),
-                         ({"zero_optimization": {"stage": 1}, "sequence_parallel_size": 4}, "contradicts")):
+    for raw, message in (
+        ({"zero_optimization": {"stage": 0}}, "with ZeRO stage 0"),
+        ({"zero_optimization": {"stage": 3, "offload_param": {"device": "cpu"}}}, "with offload"),
+        ({"zero_optimization": {"stage": 1}, "sequence_parallel_size": 4}, "contradicts"),
+    ):
         with pytest.raises(UsageError, match=message):
             resolve_layout(ParallelArgs(sequence_parallel_size=2), _resolved(raw), "x.json")
     ds = _resolved({"zero_optimization": {"stage": 3}})
     resolve_layout(ParallelArgs(sequence_parallel_size=2), ds, "x.json")
     assert ds.config["sequence_parallel_size"] == 2 and "tensor_parallel" not in ds.config
-    with pytest.raises(UsageError, match="--tensor_parallel_size 2 with --sequence_parallel_size 2: combining "
-                                         "model-parallel layouts is not supported yet"):
-        apply_layout(ParallelArgs(tensor_parallel_size=2, sequence_parallel_size=2),
-                     DistInfo(rank=0, local_rank=0, world_size=4, launcher="srun"))
+    with pytest.raises(
+        UsageError,
+        match="--tensor_parallel_size 2 with --sequence_parallel_size 2: combining "
+        "model-parallel layouts is not supported yet",
+    ):
+        apply_layout(
+            ParallelArgs(tensor_parallel_size=2, sequence_parallel_size=2),
+            DistInfo(rank=0, local_rank=0, world_size=4, launcher="srun"),
+        )

@@ -11,9 +11,26 @@ DELAY_S = 0.4  # per micro-batch forward of rank 1; a forward of the test model 
 @pytest.mark.slow
 def test_a_rank_slowed_on_purpose_is_named_with_its_forward_time_over_the_median(tmp_path, cache_dir):
     run_dir = tmp_path / "run"
-    check_ok(launch(SLOW_RANK, ["--config", "ds_configs/zero2.json", "--output_dir", str(run_dir), "--max_steps", "4",
-                                "--no-save_at_end", "--no-export_hf_at_end", *FAST_FLAGS],
-                    "deepspeed", cache_dir, nprocs=2, env={"SCALETRAIN_TEST_SLOW_RANK": f"1:{DELAY_S}"}))
+    check_ok(
+        launch(
+            SLOW_RANK,
+            [
+                "--config",
+                "ds_configs/zero2.json",
+                "--output_dir",
+                str(run_dir),
+                "--max_steps",
+                "4",
+                "--no-save_at_end",
+                "--no-export_hf_at_end",
+                *FAST_FLAGS,
+            ],
+            "deepspeed",
+            cache_dir,
+            nprocs=2,
+            env={"SCALETRAIN_TEST_SLOW_RANK": f"1:{DELAY_S}"},
+        )
+    )
     records = [r for r in read_metrics(run_dir) if "loss" in r]
     assert len(records) == 2
     for record in records:

@@ -39,7 +39,7 @@ def find_cycle(graph: dict):
         state[node] = "open"
         for nxt in sorted(graph.get(node, ())):
             if state.get(nxt) == "open":
-                return path[path.index(nxt):] + [nxt]
+                return path[path.index(nxt) :] + [nxt]
             if nxt not in state:
                 cycle = visit(nxt, path + [nxt])
                 if cycle:
@@ -70,17 +70,22 @@ def test_no_import_cycle_inside_the_package_lazy_imports_included():
 
 
 def test_no_function_in_the_package_is_longer_than_80_lines():
-    long = [f"{name}.py:{node.lineno} {node.name} ({node.end_lineno - node.lineno + 1} lines)"
-            for name, tree in modules().items() for node in ast.walk(tree)
-            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))
-            and node.end_lineno - node.lineno + 1 > MAX_FUNCTION_LINES]
+    long = [
+        f"{name}.py:{node.lineno} {node.name} ({node.end_lineno - node.lineno + 1} lines)"
+        for name, tree in modules().items()
+        for node in ast.walk(tree)
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))
+        and node.end_lineno - node.lineno + 1 > MAX_FUNCTION_LINES
+    ]
     assert not long, "split these: " + "; ".join(long)
 
 
 def test_importing_the_config_loads_neither_numpy_nor_torch():
     heavy = ("numpy", "torch", "transformers", "deepspeed", "datasets")
-    code = ("import sys; import scaletrain.config, scaletrain.errors; "
-            f"print(','.join(m for m in {heavy} if m in sys.modules))")
+    code = (
+        "import sys; import scaletrain.config, scaletrain.errors; "
+        f"print(','.join(m for m in {heavy} if m in sys.modules))"
+    )
     proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.strip() == "", f"importing scaletrain.config loaded {proc.stdout.strip()}"

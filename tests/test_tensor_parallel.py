@@ -46,8 +46,9 @@ def reference(layout_reference) -> Path:
 @pytest.fixture(scope="module")
 def tp2_zero1(tmp_path_factory, cache_dir) -> Path:
     run_dir = tmp_path_factory.mktemp("tp") / "tp2_zero1"
-    proc = launch(REPO / "train.py", _flags(run_dir, "zero1", "--tensor_parallel_size", "2"), "deepspeed",
-                  cache_dir, nprocs=2)
+    proc = launch(
+        REPO / "train.py", _flags(run_dir, "zero1", "--tensor_parallel_size", "2"), "deepspeed", cache_dir, nprocs=2
+    )
     check_ok(proc)
     assert "layout: tensor parallel 2 x data parallel 1" in proc.stdout + proc.stderr
     return run_dir
@@ -81,9 +82,13 @@ def test_tensor_parallel_matches_one_rank(config, nprocs, reference, tp2_zero1, 
         run_dir = tp2_zero1
     else:
         run_dir = tmp_path / "tp2"
-        proc = launch(REPO / "train.py", _flags(run_dir, config, "--tensor_parallel_size", "2",
-                                                "--per_device_train_batch_size", str(8 // nprocs)),
-                      "deepspeed", cache_dir, nprocs=nprocs)
+        proc = launch(
+            REPO / "train.py",
+            _flags(run_dir, config, "--tensor_parallel_size", "2", "--per_device_train_batch_size", str(8 // nprocs)),
+            "deepspeed",
+            cache_dir,
+            nprocs=nprocs,
+        )
         check_ok(proc)
         assert f"layout: tensor parallel 2 x data parallel {nprocs // 2}" in proc.stdout + proc.stderr
     _assert_matches(run_dir, reference)
@@ -92,8 +97,9 @@ def test_tensor_parallel_matches_one_rank(config, nprocs, reference, tp2_zero1, 
     record = _records(run_dir)[STEPS]
     reference_record = _records(reference)[STEPS]
     flops_per_token = reference_record["tflops_per_device"] * 1e12 / reference_record["tokens_per_s"]
-    assert record["tflops_per_device"] == pytest.approx(record["tokens_per_s"] * flops_per_token / nprocs / 1e12,
-                                                        rel=1e-6)
+    assert record["tflops_per_device"] == pytest.approx(
+        record["tokens_per_s"] * flops_per_token / nprocs / 1e12, rel=1e-6
+    )
 
 
 def resume_copy_at_step4(source: Path, run_dir: Path, layout: list, nprocs: int, cache_dir: Path) -> None:
@@ -104,8 +110,13 @@ def resume_copy_at_step4(source: Path, run_dir: Path, layout: list, nprocs: int,
     shutil.copytree(source / "checkpoints" / "step4", run_dir / "checkpoints" / "step4")
     for name in ("run_config.json", "ds_config.json"):
         shutil.copy(source / name, run_dir / name)
-    proc = launch(REPO / "train.py", _flags(run_dir, "zero1", *layout), "deepspeed" if nprocs > 1 else "python",
-                  cache_dir, nprocs=nprocs)
+    proc = launch(
+        REPO / "train.py",
+        _flags(run_dir, "zero1", *layout),
+        "deepspeed" if nprocs > 1 else "python",
+        cache_dir,
+        nprocs=nprocs,
+    )
     check_ok(proc)
     output = proc.stdout + proc.stderr
     assert f"resumed from {run_dir / 'checkpoints' / 'step4'}" in output
@@ -114,16 +125,17 @@ def resume_copy_at_step4(source: Path, run_dir: Path, layout: list, nprocs: int,
 
 @pytest.mark.slow  # two runs resumed from the TP checkpoint at step 4: on 2 ranks (TP 2) and on 1 rank
 @pytest.mark.parametrize("nprocs", [2, 1])
-def test_a_tensor_parallel_checkpoint_resumes_on_the_same_layout_and_on_one_rank(nprocs, reference, tp2_zero1,
-                                                                                   tmp_path, cache_dir):
+def test_a_tensor_parallel_checkpoint_resumes_on_the_same_layout_and_on_one_rank(
+    nprocs, reference, tp2_zero1, tmp_path, cache_dir
+):
     run_dir = tmp_path / "resumed"
-    resume_copy_at_step4(tp2_zero1, run_dir, ["--tensor_parallel_size", "2"] if nprocs == 2 else [], nprocs,
-                         cache_dir)
+    resume_copy_at_step4(tp2_zero1, run_dir, ["--tensor_parallel_size", "2"] if nprocs == 2 else [], nprocs, cache_dir)
     _assert_matches(run_dir, reference, steps=range(5, STEPS + 1))
     _assert_same_export(run_dir, reference)
 
 
 # --- refused before anything is built ----------------------------------------------------------------------------
+
 
 def _tiny_llama_config():
     from transformers import AutoConfig
@@ -154,14 +166,21 @@ def _resolved(config: dict):
     return ResolvedDSConfig(config, {}, "fp32", "test")
 
 
-@pytest.mark.parametrize("config,message", [
-    ({"zero_optimization": {"stage": 3}}, "with ZeRO stage 3"),
-    ({"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}}}, "with offload"),
-    ({"zero_optimization": {"stage": 1}, "tensor_parallel": {"autotp_size": 4}},
-     "tensor_parallel.autotp_size 4 in x.json contradicts --tensor_parallel_size 2"),
-    ({"zero_optimization": {"stage": 1}, "tensor_parallel": {"vocab_parallel_lm_head": True}},
-     "tensor_parallel.vocab_parallel_lm_head in x.json"),
-])
+@pytest.mark.parametrize(
+    "config,message",
+    [
+        ({"zero_optimization": {"stage": 3}}, "with ZeRO stage 3"),
+        ({"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}}}, "with offload"),
+        (
+            {"zero_optimization": {"stage": 1}, "tensor_parallel": {"autotp_size": 4}},
+            "tensor_parallel.autotp_size 4 in x.json contradicts --tensor_parallel_size 2",
+        ),
+        (
+            {"zero_optimization": {"stage": 1}, "tensor_parallel": {"vocab_parallel_lm_head": True}},
+            "tensor_parallel.vocab_parallel_lm_head in x.json",
+        ),
+    ],
+)
 def test_unsupported_combinations_are_refused_with_the_reason(config, message):
     with pytest.raises(UsageError, match=message):
         resolve_layout(ParallelArgs(tensor_parallel_size=2), _resolved(config), "x.json")
@@ -182,9 +201,17 @@ def test_export_script_refuses_a_tensor_parallel_checkpoint_with_a_way_out(tp2_z
     import subprocess
     import sys
 
-    proc = subprocess.run([sys.executable, str(REPO / "scripts" / "export_hf.py"),
-                           str(tp2_zero1 / "checkpoints" / "step4"), str(tmp_path / "out")], capture_output=True,
-                          text=True, cwd=REPO)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            str(REPO / "scripts" / "export_hf.py"),
+            str(tp2_zero1 / "checkpoints" / "step4"),
+            str(tmp_path / "out"),
+        ],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+    )
     assert proc.returncode == 2, proc.stderr
     assert "saved with tensor parallelism 2" in proc.stderr and "resume it on one rank" in proc.stderr
     assert not (tmp_path / "out").exists()

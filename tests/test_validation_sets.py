@@ -45,13 +45,16 @@ def files(tmp_path_factory) -> dict:
 def test_plain_paths_are_one_set_and_named_items_one_set_each(tmp_path):
     one, two = tmp_path / "x.jsonl", tmp_path / "y.jsonl"
     assert parse_validation_sets(f"{one},{two}") == {"validation": [str(one), str(two)]}
-    assert parse_validation_sets(f"chat={one}, code={two}") == {"validation.chat": [str(one)],
-                                                                "validation.code": [str(two)]}
+    assert parse_validation_sets(f"chat={one}, code={two}") == {
+        "validation.chat": [str(one)],
+        "validation.code": [str(two)],
+    }
     for a, b in ((1, 2), (2, 3)):
         (tmp_path / f"part{a}.jsonl").write_text("{}\n")
         (tmp_path / f"part{b}.jsonl").write_text("{}\n")
-    assert parse_validation_sets(f"parts={tmp_path}/part*.jsonl")["validation.parts"] == \
-        [str(tmp_path / f"part{i}.jsonl") for i in (1, 2, 3)]  # a glob joins files into one set
+    assert parse_validation_sets(f"parts={tmp_path}/part*.jsonl")["validation.parts"] == [
+        str(tmp_path / f"part{i}.jsonl") for i in (1, 2, 3)
+    ]  # a glob joins files into one set
     assert parse_validation_sets(None) == {}
     assert eval_metric_prefix("validation") == "eval_" and eval_metric_prefix("validation.chat") == "eval_chat_"
     with pytest.raises(UsageError, match="has no set name, the others do"):
@@ -61,22 +64,28 @@ def test_plain_paths_are_one_set_and_named_items_one_set_each(tmp_path):
 
 
 def test_model_card_lists_each_sets_final_loss():
-    rows = final_losses({"step": 9, "loss": 2.5, "eval_chat_loss": 3.0, "eval_chat_perplexity": 20.1,
-                         "eval_code_loss": 4.0})
-    assert rows == [("final training loss", 2.5), ("final evaluation loss (chat)", 3.0),
-                    ("final evaluation loss (code)", 4.0)]
+    rows = final_losses(
+        {"step": 9, "loss": 2.5, "eval_chat_loss": 3.0, "eval_chat_perplexity": 20.1, "eval_code_loss": 4.0}
+    )
+    assert rows == [
+        ("final training loss", 2.5),
+        ("final evaluation loss (chat)", 3.0),
+        ("final evaluation loss (code)", 4.0),
+    ]
     assert final_losses({"eval_loss": 1.5, "eval_perplexity": 4.5}) == [("final evaluation loss", 1.5)]
 
 
 def data_args(tmp_path, *flags):
-    return parse_run_config(["--config", str(REPO / "ds_configs/zero2.json"), "--output_dir", str(tmp_path / "o"),
-                             *flags]).data
+    return parse_run_config(
+        ["--config", str(REPO / "ds_configs/zero2.json"), "--output_dir", str(tmp_path / "o"), *flags]
+    ).data
 
 
 def test_store_holds_one_split_per_named_set(tmp_path, files):
     tokenizer = AutoTokenizer.from_pretrained(TINY)
-    data = data_args(tmp_path, "--train_file", str(files["train"]),
-                     "--validation_file", f"a={files['a']},b={files['b']}")
+    data = data_args(
+        tmp_path, "--train_file", str(files["train"]), "--validation_file", f"a={files['a']},b={files['b']}"
+    )
     store = prepare_token_store(data, tokenizer, str(TINY), 64, tmp_path / "store", 1, show_progress=False)
     splits = read_manifest(store)["splits"]
     assert set(splits) == {"train", "validation.a", "validation.b"}
@@ -115,15 +124,37 @@ def test_each_named_set_gets_its_own_loss_that_of_its_own_file(files, cache_dir,
     from scaletrain.tokenstore import open_store
 
     run = tmp_path / "named"
-    proc = launch(REPO / "train.py", [
-        "--config", "ds_configs/zero2.json", "--train_file", str(files["train"]), "--max_steps", "4",
-        "--eval_steps", "2", "--logging_steps", "1", "--disable_tqdm", "--per_device_eval_batch_size", "4",
-        "--output_dir", str(run), "--validation_file", f"a={files['a']},b={files['b']}"], "python", cache_dir)
+    proc = launch(
+        REPO / "train.py",
+        [
+            "--config",
+            "ds_configs/zero2.json",
+            "--train_file",
+            str(files["train"]),
+            "--max_steps",
+            "4",
+            "--eval_steps",
+            "2",
+            "--logging_steps",
+            "1",
+            "--disable_tqdm",
+            "--per_device_eval_batch_size",
+            "4",
+            "--output_dir",
+            str(run),
+            "--validation_file",
+            f"a={files['a']},b={files['b']}",
+        ],
+        "python",
+        cache_dir,
+    )
     check_ok(proc)
     evals = [r for r in read_metrics(run) if any(k.startswith("eval_") for k in r)]
     assert [r["step"] for r in evals] == [2, 4]
-    assert all({"eval_a_loss", "eval_b_loss", "eval_a_perplexity", "eval_b_perplexity"} <= set(r)
-               and "eval_loss" not in r for r in evals)
+    assert all(
+        {"eval_a_loss", "eval_b_loss", "eval_a_perplexity", "eval_b_perplexity"} <= set(r) and "eval_loss" not in r
+        for r in evals
+    )
     store = open_store(Path(re.search(r"token store\(s\): (\S+)", proc.stdout + proc.stderr).group(1)))
     block_size = store["manifest"]["fingerprint"]["block_size"]
     model = AutoModelForCausalLM.from_pretrained(run).eval()
@@ -134,15 +165,19 @@ def test_each_named_set_gets_its_own_loss_that_of_its_own_file(files, cache_dir,
             for batch in eval_batches(blocks, 4, 0, 1, None):
                 logits = model(input_ids=batch["input_ids"]).logits[:, :-1]
                 labels = batch["labels"][:, 1:]
-                loss_sum += float(F.cross_entropy(logits.flatten(0, 1).double(), labels.flatten(),
-                                                  ignore_index=IGNORE_INDEX, reduction="sum"))
+                loss_sum += float(
+                    F.cross_entropy(
+                        logits.flatten(0, 1).double(), labels.flatten(), ignore_index=IGNORE_INDEX, reduction="sum"
+                    )
+                )
                 targets += int((labels != IGNORE_INDEX).sum())
         assert targets > 0 and evals[-1][f"eval_{name}_loss"] == pytest.approx(loss_sum / targets, rel=1e-5), name
     assert abs(evals[-1]["eval_a_loss"] - evals[-1]["eval_b_loss"]) > 1e-3  # different documents
     card = (run / "README.md").read_text()
     assert "final evaluation loss (a)" in card and "final evaluation loss (b)" in card
-    plot = subprocess.run([sys.executable, str(REPO / "scripts/plot_metrics.py"), str(run)],
-                          capture_output=True, text=True)
+    plot = subprocess.run(
+        [sys.executable, str(REPO / "scripts/plot_metrics.py"), str(run)], capture_output=True, text=True
+    )
     assert plot.returncode == 0, plot.stderr
 
 
@@ -152,10 +187,19 @@ def test_a_chat_store_keeps_a_mask_for_each_named_set(tmp_path, monkeypatch):
 
     monkeypatch.chdir(REPO)
     tokenizer = AutoTokenizer.from_pretrained(TINY)
-    data = data_args(tmp_path, "--train_file", str(CHATS), "--chat_template", str(MISTRAL), "--assistant_only_loss",
-                     "--validation_file", f"chat={CHATS}")
-    store = prepare_chat_store(data, tokenizer, BLOCK, tmp_path / "store", resolve_chat_data(data, tokenizer),
-                               show_progress=False)
+    data = data_args(
+        tmp_path,
+        "--train_file",
+        str(CHATS),
+        "--chat_template",
+        str(MISTRAL),
+        "--assistant_only_loss",
+        "--validation_file",
+        f"chat={CHATS}",
+    )
+    store = prepare_chat_store(
+        data, tokenizer, BLOCK, tmp_path / "store", resolve_chat_data(data, tokenizer), show_progress=False
+    )
     splits = read_manifest(store)["splits"]
     assert set(splits) == {"train", "validation.chat"}
     assert splits["validation.chat"] == splits["train"]  # the same file: the same tokens and trained tokens

@@ -18,9 +18,11 @@ NONE, CPU = "optimizer=none,param=none", "optimizer=cpu,param=none"
 def _checkpoint(folder: Path, stage: int) -> Path:
     """A checkpoint folder with the file names DeepSpeed 0.19.8 writes for `stage` on 2 ranks (empty files)."""
     folder.mkdir()
-    names = {0: ["mp_rank_00_model_states.pt"],
-             1: ["mp_rank_00_model_states.pt"] + [f"zero_pp_rank_{r}_mp_rank_00_optim_states.pt" for r in (0, 1)],
-             3: [f"zero_pp_rank_{r}_mp_rank_00_{kind}_states.pt" for r in (0, 1) for kind in ("model", "optim")]}
+    names = {
+        0: ["mp_rank_00_model_states.pt"],
+        1: ["mp_rank_00_model_states.pt"] + [f"zero_pp_rank_{r}_mp_rank_00_optim_states.pt" for r in (0, 1)],
+        3: [f"zero_pp_rank_{r}_mp_rank_00_{kind}_states.pt" for r in (0, 1) for kind in ("model", "optim")],
+    }
     for name in names[stage]:
         (folder / name).touch()
     return folder

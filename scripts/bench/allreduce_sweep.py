@@ -31,12 +31,16 @@ def main() -> None:
     rank, world = dist.get_rank(), dist.get_world_size()
     kernel = getattr(getattr(torch.ops, "deepspeed", None), "inference_all_reduce_", None)
     if kernel is None:
-        raise SystemExit("DeepSpeed's shared-memory all-reduce is not loaded (launch with the deepspeed launcher, "
-                         "on one host, several ranks)")
+        raise SystemExit(
+            "DeepSpeed's shared-memory all-reduce is not loaded (launch with the deepspeed launcher, "
+            "on one host, several ranks)"
+        )
     ways = {"gloo": lambda t: dist.all_reduce(t), "shared memory": kernel}
     if rank == 0:
-        print(f"| size | gloo ms | shared memory ms | gloo / shared memory |  ({world} ranks, fp32, median of "
-              f"{args.repeats})\n|---|---|---|---|")
+        print(
+            f"| size | gloo ms | shared memory ms | gloo / shared memory |  ({world} ranks, fp32, median of "
+            f"{args.repeats})\n|---|---|---|---|"
+        )
     for size_kb in map(int, args.sizes_kb.split(",")):
         n = size_kb * 1024 // 4
         times = {way: [] for way in ways}

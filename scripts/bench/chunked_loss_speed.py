@@ -55,10 +55,12 @@ def main() -> None:
         hidden = torch.randn(args.tokens, args.hidden, requires_grad=True)
         weight = (torch.randn(vocab, args.hidden) * 0.02).requires_grad_()
         targets = torch.randint(0, vocab, (args.tokens,))
-        targets[-args.tokens // 256:] = IGNORE_INDEX  # the last token of each block has no target
+        targets[-args.tokens // 256 :] = IGNORE_INDEX  # the last token of each block has no target
         chunk = auto_loss_chunk(vocab)
-        sides = {"chunked": partial(chunked_token_loss, hidden, weight, None, targets, chunk),
-                 "whole": partial(whole_logits_loss, hidden, weight, targets)}
+        sides = {
+            "chunked": partial(chunked_token_loss, hidden, weight, None, targets, chunk),
+            "whole": partial(whole_logits_loss, hidden, weight, targets),
+        }
         times = {name: [] for name in sides}
         for fn in sides.values():  # warm-up
             timed(fn, hidden, weight)
@@ -66,8 +68,11 @@ def main() -> None:
             for name, fn in sides.items():
                 times[name].append(timed(fn, hidden, weight))
         chunked, whole = (statistics.median(times[name]) * 1e3 for name in ("chunked", "whole"))
-        print(f"| {args.tokens} x {args.hidden} x {vocab} | {min(chunk, args.tokens)} | {chunked:.1f} | {whole:.1f} "
-              f"| {chunked / whole:.2f} |", flush=True)
+        print(
+            f"| {args.tokens} x {args.hidden} x {vocab} | {min(chunk, args.tokens)} | {chunked:.1f} | {whole:.1f} "
+            f"| {chunked / whole:.2f} |",
+            flush=True,
+        )
 
 
 if __name__ == "__main__":

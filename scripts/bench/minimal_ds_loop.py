@@ -33,8 +33,18 @@ def main() -> None:
     rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
     torch.manual_seed(run_config["seed"])
 
-    cfg = parse_run_config(["--config", run_config["config"], "--config_name", run_config["config_name"],
-                            "--output_dir", str(run_dir / "minimal"), "--validation_split_percentage", "0"])
+    cfg = parse_run_config(
+        [
+            "--config",
+            run_config["config"],
+            "--config_name",
+            run_config["config_name"],
+            "--output_dir",
+            str(run_dir / "minimal"),
+            "--validation_split_percentage",
+            "0",
+        ]
+    )
     tokenizer = AutoTokenizer.from_pretrained(run_config["config_name"])
     # The same token store the pipeline run prepared (found by its fingerprint, so nothing is re-tokenized).
     store = ensure_token_store(cfg.data, tokenizer, run_config["config_name"], run_config["block_size"], 1, False)

@@ -58,17 +58,39 @@ def main() -> None:
                 path = tmp / f"{name}.json"
                 path.write_text(json.dumps(config))
                 run = tmp / f"{name}{round_}"
-                launch("train.py", ["--config", str(path), "--config_name", str(model), "--output_dir", str(run),
-                                    "--max_steps", str(STEPS), "--block_size", str(BLOCK),
-                                    "--per_device_train_batch_size", str(BATCH), "--validation_split_percentage", "0",
-                                    "--no-export_hf_at_end", "--no-save_at_end", "--disable_tqdm"], RANKS)
+                launch(
+                    "train.py",
+                    [
+                        "--config",
+                        str(path),
+                        "--config_name",
+                        str(model),
+                        "--output_dir",
+                        str(run),
+                        "--max_steps",
+                        str(STEPS),
+                        "--block_size",
+                        str(BLOCK),
+                        "--per_device_train_batch_size",
+                        str(BATCH),
+                        "--validation_split_percentage",
+                        "0",
+                        "--no-export_hf_at_end",
+                        "--no-save_at_end",
+                        "--disable_tqdm",
+                    ],
+                    RANKS,
+                )
                 records = [r for r in map(json.loads, (run / "metrics.jsonl").read_text().splitlines()) if "loss" in r]
-                rate = steady_rate([r["step"] for r in records], [r["time"] for r in records],
-                                   RANKS * BATCH * BLOCK, WARMUP)
+                rate = steady_rate(
+                    [r["step"] for r in records], [r["time"] for r in records], RANKS * BATCH * BLOCK, WARMUP
+                )
                 rates[name].append(rate)
-                print(f"round {round_}: {name}: {rate:.0f} tokens/s (forward {records[-1]['forward_s']:.3f} s, "
-                      f"backward {records[-1]['backward_s']:.3f} s, optimizer {records[-1]['optimizer_s']:.3f} s)",
-                      flush=True)
+                print(
+                    f"round {round_}: {name}: {rate:.0f} tokens/s (forward {records[-1]['forward_s']:.3f} s, "
+                    f"backward {records[-1]['backward_s']:.3f} s, optimizer {records[-1]['optimizer_s']:.3f} s)",
+                    flush=True,
+                )
     default = statistics.median(rates.get("default") or rates[names[0]])
     for name in names:
         median = statistics.median(rates[name])

@@ -62,8 +62,12 @@ def main() -> None:
             engine.optimizer.reduce_gradients = reduce_gradients
 
     with trained_run(sys.argv[1:], finish=False, before_train=measure) as run:
-        record = {"before_update": before_update, "before_reduce": before_reduce, "accumulating": accumulating,
-                  "after_training": live_tensor_bytes()}
+        record = {
+            "before_update": before_update,
+            "before_reduce": before_reduce,
+            "accumulating": accumulating,
+            "after_training": live_tensor_bytes(),
+        }
         (Path(run.cfg.run.output_dir) / f"memory_rank{run.dist.rank}.json").write_text(json.dumps(record))
 
 

@@ -24,10 +24,10 @@ def wandb_records(path: Path) -> list:
         if left < HEADER:  # a block's tail too short for a chunk header is padding
             pos += left
             continue
-        _crc, length, kind = struct.unpack("<IHB", data[pos:pos + HEADER])
+        _crc, length, kind = struct.unpack("<IHB", data[pos : pos + HEADER])
         if pos + HEADER + length > len(data):  # a chunk still being written
             break
-        chunk, pos = data[pos + HEADER:pos + HEADER + length], pos + HEADER + length
+        chunk, pos = data[pos + HEADER : pos + HEADER + length], pos + HEADER + length
         if kind == 0:  # zero padding
             continue
         pending += chunk

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import socket
 import sys
-from typing import Optional, Sequence
+from collections.abc import Sequence
 
 from scaletrain import distributed
 from scaletrain.distributed import DistInfo
@@ -33,13 +33,13 @@ HINTS = {
 }
 
 
-def joins_the_others(argv: Optional[Sequence[str]], dist: DistInfo) -> bool:
+def joins_the_others(argv: Sequence[str] | None, dist: DistInfo) -> bool:
     """Whether a rank whose pre-flight failed joins the process group to tell the other ranks."""
     args = sys.argv[1:] if argv is None else argv
     return dist.world_size > 1 and not any(a.split("=")[0] in READ_ONLY_FLAGS for a in args)
 
 
-def stop_with_the_others(err: RunEnded, dist: DistInfo, argv: Optional[Sequence[str]]) -> RunEnded:
+def stop_with_the_others(err: RunEnded, dist: DistInfo, argv: Sequence[str] | None) -> RunEnded:
     """A rank whose pre-flight failed: join the rendezvous and share the failure, so that no rank waits there for it
     (a mistake that exists on one node only would otherwise keep the others at the rendezvous for 30 minutes).
     Returns the error to report, with its host where the ranks span several."""
@@ -55,7 +55,7 @@ def stop_with_the_others(err: RunEnded, dist: DistInfo, argv: Optional[Sequence[
     return err  # settle always raises when given an error
 
 
-def settle(dist: DistInfo, error: Optional[RunEnded] = None, facts: Optional[dict] = None) -> None:
+def settle(dist: DistInfo, error: RunEnded | None = None, facts: dict | None = None) -> None:
     """The collective that ends a phase: every rank's outcome (`error` or None) and `facts` (name -> value).
 
     Raises on every rank when any rank failed (its own error, or PeerStopped naming the first rank that failed), or
@@ -91,7 +91,7 @@ def settle(dist: DistInfo, error: Optional[RunEnded] = None, facts: Optional[dic
         raise RanksDisagree(problem)
 
 
-def disagreement(records: list) -> Optional[str]:
+def disagreement(records: list) -> str | None:
     """The first fact on which a rank differs from global rank 0, in words, or None."""
     main = records[0]
     for record in records[1:]:

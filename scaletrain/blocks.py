@@ -10,7 +10,6 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Optional
 
 import numpy as np
 
@@ -83,7 +82,7 @@ class PackedBlocks:
         return batch
 
 
-def blocks_from_store(opened: dict, split: str, block_size: int, isolate_documents: bool) -> Optional[PackedBlocks]:
+def blocks_from_store(opened: dict, split: str, block_size: int, isolate_documents: bool) -> PackedBlocks | None:
     part = opened["splits"].get(split)
     if part is None or part.n_tokens == 0:
         return None
@@ -102,7 +101,7 @@ class EvalBatches(Sequence):
         ]
 
     @classmethod
-    def chain(cls, several: list) -> "EvalBatches":
+    def chain(cls, several: list) -> EvalBatches:
         """One sequence of the batches of several stores' sets, in order."""
         out = cls([], several[0].batch_size if several else 1)
         out._batches = [entry for batches in several for entry in batches._batches]
@@ -126,7 +125,7 @@ class EvalBatches(Sequence):
         return sum(blocks.targets_in(indices) for blocks, indices in self._batches)
 
 
-def eval_batches(blocks: PackedBlocks, batch_size: int, rank: int, world: int, limit: Optional[int]) -> EvalBatches:
+def eval_batches(blocks: PackedBlocks, batch_size: int, rank: int, world: int, limit: int | None) -> EvalBatches:
     """A fixed set of validation blocks (the first `limit`, in order), split across ranks; same on every run.
 
     Every rank gets the same number of batches (short ranks get EMPTY_SLOT rows): under ZeRO-3 each forward

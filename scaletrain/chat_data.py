@@ -28,7 +28,7 @@ import re
 import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterable, Optional, Sequence
+from collections.abc import Iterable, Sequence
 
 from scaletrain.errors import UsageError
 
@@ -69,7 +69,7 @@ class MaskedTokens:
         return [token for token, trained in zip(self.input_ids, self.loss_mask, strict=True) if trained]
 
 
-def load_chat_template(tokenizer, chat_template_file: Optional[str] = None) -> ChatTemplate:
+def load_chat_template(tokenizer, chat_template_file: str | None = None) -> ChatTemplate:
     """The template in `chat_template_file` (--chat_template), else the tokenizer's own; refused when neither
     exists, when the file cannot be read or when the template is not valid Jinja."""
     if chat_template_file is not None:
@@ -244,7 +244,7 @@ def _check_generation_markers(
 
 
 def render_prompt_completion(
-    prompt, completion, tokenizer, template: Optional[ChatTemplate], index: int = 0
+    prompt, completion, tokenizer, template: ChatTemplate | None, index: int = 0
 ) -> MaskedTokens:
     """A prompt/completion record (TRL's columns), trained on the completion only. Both strings: the text
     prompt + completion + EOS, no template (TRL's standard format). Both message lists: the conversation
@@ -281,7 +281,7 @@ def render_whole_conversation(
 
 
 def render_example(
-    example: dict, tokenizer, template: Optional[ChatTemplate], index: int, assistant_only: bool = True
+    example: dict, tokenizer, template: ChatTemplate | None, index: int, assistant_only: bool = True
 ) -> MaskedTokens:
     """A dataset row: a `messages` conversation (its assistant replies trained, or with assistant_only=False every
     token) or a `prompt`/`completion` record (its completion trained)."""
@@ -310,7 +310,7 @@ class MaskSummary:
     examples_without_trained_tokens: int
 
 
-def check_masks(masks: Iterable[Sequence[int]], template: Optional[ChatTemplate]) -> MaskSummary:
+def check_masks(masks: Iterable[Sequence[int]], template: ChatTemplate | None) -> MaskSummary:
     """Refuse a dataset whose masks train nothing, or everything: either way the template did not separate the
     prompts from the replies (the silent all-zero or all-one masks of stock templates; marin#7237)."""
     examples = tokens = trained = untrained_examples = 0
@@ -334,7 +334,7 @@ def check_masks(masks: Iterable[Sequence[int]], template: Optional[ChatTemplate]
     return MaskSummary(examples, tokens, trained, untrained_examples)
 
 
-def format_sample(ids: Sequence[int], mask: Sequence[int], tokenizer, color: Optional[bool] = None) -> str:
+def format_sample(ids: Sequence[int], mask: Sequence[int], tokenizer, color: bool | None = None) -> str:
     """The example's text with the trained tokens marked (--print_samples): green on a terminal, else in [[...]]."""
     if color is None:
         color = sys.stdout.isatty()

@@ -24,7 +24,6 @@ import shutil
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional
 
 import numpy as np
 
@@ -45,7 +44,7 @@ class ChatData:
     """What the pre-flight found: the kind of chat dataset, the template that renders it and what the loss trains."""
 
     kind: str  # "messages" or "prompt_completion"
-    template: Optional[ChatTemplate]  # None for a prompt/completion of plain strings (no template needed)
+    template: ChatTemplate | None  # None for a prompt/completion of plain strings (no template needed)
     loss_mode: str  # "assistant_only", "completion_only" or "all"
 
 
@@ -53,7 +52,7 @@ class ChatData:
 class ChatFingerprint(Fingerprint):
     """A token store's fingerprint, plus what makes a chat store's masks: another template is another store."""
 
-    chat_template_sha256: Optional[str] = None
+    chat_template_sha256: str | None = None
     loss_mode: str = "all"
     packing: str = CHAT_PACKING
 
@@ -143,7 +142,7 @@ def _first_record_of_dataset(data: DataArgs, reads_first_row: bool = True) -> li
     return [(where, described)]
 
 
-def resolve_chat_data(data: DataArgs, tokenizer, reads_first_row: bool = True) -> Optional[ChatData]:
+def resolve_chat_data(data: DataArgs, tokenizer, reads_first_row: bool = True) -> ChatData | None:
     """Pre-flight, before anything heavy: whether the run's data is chat data and how it is rendered; None for
     plain text. Refuses chat flags on data without conversations, a conversation with no template anywhere, and a
     first example that no template can render (an unknown role). Prepared stores say it in their manifest.
@@ -192,7 +191,7 @@ def resolve_chat_data(data: DataArgs, tokenizer, reads_first_row: bool = True) -
     return ChatData(kind, template, "completion_only")
 
 
-def _chat_data_of_stores(data: DataArgs) -> Optional[ChatData]:
+def _chat_data_of_stores(data: DataArgs) -> ChatData | None:
     """The chat data of prepared stores, from their manifests. A --dataset_mix of chat stores must agree on what a
     run of one of them would be: one chat template (the one the export carries; none for every store, or the same
     for all), and the same kind of loss: whole conversations, or the replies only (an assistant-only conversation
@@ -286,7 +285,7 @@ _RENDERER: dict = {}
 
 
 def _init_renderer(
-    tokenizer_dir: str, template: Optional[ChatTemplate], assistant_only: bool, parent_pid: Optional[int]
+    tokenizer_dir: str, template: ChatTemplate | None, assistant_only: bool, parent_pid: int | None
 ) -> None:
     """A rendering worker: the run's tokenizer from its saved folder, one tokenizer thread."""
     from transformers import AutoTokenizer

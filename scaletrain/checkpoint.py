@@ -26,7 +26,6 @@ import random
 import shutil
 import time
 from pathlib import Path
-from typing import Optional
 
 from scaletrain.errors import CheckpointWriteError, UsageError
 from scaletrain.lora import check_same_base
@@ -124,12 +123,12 @@ def describe_write_failure(err: BaseException, folder: Path) -> str:
     return reason if free is None else f"{reason}, {free / 1e9:.2f} GB free"
 
 
-def committed_step(path: Path) -> Optional[int]:
+def committed_step(path: Path) -> int | None:
     name = path.name
     return int(name[len(PREFIX) :]) if name.startswith(PREFIX) and name[len(PREFIX) :].isdigit() else None
 
 
-def verify(ckpt: Path) -> Optional[str]:
+def verify(ckpt: Path) -> str | None:
     """None when `ckpt` is a complete committed checkpoint, else the reason it is not."""
     try:
         commit = json.loads((ckpt / COMMIT).read_text())
@@ -146,13 +145,13 @@ def verify(ckpt: Path) -> Optional[str]:
     return None
 
 
-def newest_committed(output_dir: str) -> Optional[Path]:
+def newest_committed(output_dir: str) -> Path | None:
     """The newest checkpoint that verifies; newer broken ones are skipped with a warning naming them."""
     root = Path(output_dir) / CHECKPOINT_DIR
     return _newest_intact(root) if root.is_dir() else None
 
 
-def _newest_intact(root: Path, below: Optional[int] = None) -> Optional[Path]:
+def _newest_intact(root: Path, below: int | None = None) -> Path | None:
     """The newest committed checkpoint in `root` (older than step `below`, when given) that verifies; broken ones
     on the way are skipped with a warning naming them."""
     candidates = sorted(
@@ -172,7 +171,7 @@ def _newest_intact(root: Path, below: Optional[int] = None) -> Optional[Path]:
     return None
 
 
-def resolve_resume(value: str, output_dir: str) -> Optional[Path]:
+def resolve_resume(value: str, output_dir: str) -> Path | None:
     """--resume_from_checkpoint: auto (newest committed in --output_dir, if any), none, or a checkpoint path."""
     if value == "none":
         return None
@@ -204,7 +203,7 @@ def checksum_shares(files: dict, world_size: int) -> list:
     return shares
 
 
-def find_damage(ckpt: Path, rank: int, world_size: int) -> Optional[str]:
+def find_damage(ckpt: Path, rank: int, world_size: int) -> str | None:
     """The first file of committed checkpoint `ckpt` whose SHA-256 differs from its commit record, found by any
     rank (a collective: the same answer on every rank); None when all match. Each rank hashes its share
     (checksum_shares), so the whole checkpoint is checked before anything, a universal conversion included, reads
@@ -231,7 +230,7 @@ def find_damage(ckpt: Path, rank: int, world_size: int) -> Optional[str]:
     return found[0] if found else None
 
 
-def _previous_committed(ckpt: Path) -> Optional[Path]:
+def _previous_committed(ckpt: Path) -> Path | None:
     """The newest committed checkpoint older than `ckpt` whose files match their sizes, or None."""
     step = committed_step(ckpt)
     return None if step is None else _newest_intact(ckpt.parent, below=step)
@@ -351,7 +350,7 @@ def _last_committed_size(root: Path) -> tuple:
     return None, 0
 
 
-def _intact(previous: Optional[Path]) -> str:
+def _intact(previous: Path | None) -> str:
     return (
         f"the previous committed checkpoint {previous} is intact and a restart resumes from it"
         if previous
@@ -365,7 +364,7 @@ def save_checkpoint(
     state: TrainState,
     rank: int,
     save_total_limit: int,
-    model_facts: Optional[dict] = None,
+    model_facts: dict | None = None,
     planned_bytes: int = 0,
 ) -> Path:
     """Save and commit checkpoint stepN on every rank; returns its path. See the module docstring.
@@ -477,7 +476,7 @@ def _without_frozen_base(engine) -> bool:
     return is_lora_model(engine.module)
 
 
-def _write_own_files(engine, tmp: Path, state: TrainState, rank: int, model_facts: Optional[dict]) -> list:
+def _write_own_files(engine, tmp: Path, state: TrainState, rank: int, model_facts: dict | None) -> list:
     """This rank's RNG state, and on rank 0 the train state and a pipeline's layer map; the paths written."""
     import torch
 
@@ -527,7 +526,7 @@ def offload_setting(ds) -> str:
     )
 
 
-def saved_zero_stage(ckpt: Path, saved: dict) -> Optional[int]:
+def saved_zero_stage(ckpt: Path, saved: dict) -> int | None:
     """The ZeRO stage a checkpoint was saved with: recorded in its train state, or (older checkpoints) read from its
     file names: ZeRO-3 writes each rank's model states, ZeRO-1/2 one model file and each rank's optimizer states,
     stage 0 neither. 1 stands for "1 or 2" there: the two load each other's checkpoints directly."""
@@ -538,7 +537,7 @@ def saved_zero_stage(ckpt: Path, saved: dict) -> Optional[int]:
     return 1 if any(ckpt.glob("*zero_pp_rank_*optim_states.pt")) else None
 
 
-def zero_setting_change(ckpt: Path, saved: dict, zero_stage: int, offload: Optional[str]) -> Optional[str]:
+def zero_setting_change(ckpt: Path, saved: dict, zero_stage: int, offload: str | None) -> str | None:
     """Why the checkpoint must go through a universal checkpoint for this run's ZeRO settings, or None.
 
     DeepSpeed 0.19.8 loads ZeRO-1 and ZeRO-2 checkpoints into each other directly (same optimizer, same partition
@@ -587,7 +586,7 @@ def check_resumable(
     zero_stage: int,
     model_facts: dict,
     pipeline_parallel_size: int = 1,
-    offload: Optional[str] = None,
+    offload: str | None = None,
 ) -> bool:
     """Before anything is built: the checkpoint fits this run's model. Returns whether it must be resharded (saved
     with another number of data-parallel ranks or another (tensor, sequence) parallel layout, or under ZeRO settings

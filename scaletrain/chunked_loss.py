@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import logging
 from contextlib import contextmanager
-from typing import Optional
 
 import torch
 import torch.nn.functional as F
@@ -149,12 +148,12 @@ class ChunkedLossHead(torch.nn.Linear):
             )
 
 
-def chunked_loss_head(model) -> Optional[ChunkedLossHead]:
+def chunked_loss_head(model) -> ChunkedLossHead | None:
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     return head if isinstance(head, ChunkedLossHead) else None
 
 
-def install_chunked_loss(model, chunk_size: Optional[int]) -> Optional[int]:
+def install_chunked_loss(model, chunk_size: int | None) -> int | None:
     """Turn the model's LM head into a ChunkedLossHead; returns the tokens per chunk, or None (whole logits)."""
     if chunk_size == 0:
         log.info("loss: from the whole logits (--loss_chunk_size 0)")

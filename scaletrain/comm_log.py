@@ -51,7 +51,7 @@ class CollectiveTotals:
     ms: float = 0.0
     busbw_ms: float = 0.0  # sum of bus bandwidth x latency, for the latency-weighted mean bandwidth
 
-    def add(self, other: "CollectiveTotals") -> None:
+    def add(self, other: CollectiveTotals) -> None:
         self.count += other.count
         self.bytes += other.bytes
         self.ms += other.ms

@@ -23,7 +23,7 @@ import re
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Mapping, Optional, Sequence
+from collections.abc import Mapping, Sequence
 
 from scaletrain.errors import UsageError
 
@@ -57,8 +57,8 @@ class RunArgs:
 
     output_dir: str = _flag("runs/default", "Run folder: checkpoints, exported model, metrics, resolved configs.")
     overwrite_output_dir: bool = _flag(False, "Allow a fresh run in a folder that holds a previous run.")
-    run_name: Optional[str] = _flag(None, "Run name for wandb. Default: the output folder's name.")
-    recipe: Optional[str] = _flag(
+    run_name: str | None = _flag(None, "Run name for wandb. Default: the output folder's name.")
+    recipe: str | None = _flag(
         None, "A YAML file of flag values (keys are flag names); flags typed on the command line win over it."
     )
     dry_run: bool = _flag(
@@ -72,11 +72,11 @@ class RunArgs:
 class ModelArgs:
     """Which model and tokenizer, and how the model is built."""
 
-    model_name_or_path: Optional[str] = _flag(None, "Pretrained model: hub id or local folder (from_pretrained).")
-    config_name: Optional[str] = _flag(
+    model_name_or_path: str | None = _flag(None, "Pretrained model: hub id or local folder (from_pretrained).")
+    config_name: str | None = _flag(
         None, "Model config (hub id or local folder/file) to train from scratch. Default: data/tiny-llama."
     )
-    tokenizer_name: Optional[str] = _flag(None, "Tokenizer (hub id or local folder). Default: the model's.")
+    tokenizer_name: str | None = _flag(None, "Tokenizer (hub id or local folder). Default: the model's.")
     trust_remote_code: bool = _flag(False, "Allow model/tokenizer code from the hub to run. Off unless asked.")
     gradient_checkpointing: bool = _flag(False, "Recompute activations in backward to save memory.")
     attn_implementation: str = _flag(
@@ -84,13 +84,13 @@ class ModelArgs:
         "Attention backend, by transformers' name: sdpa, eager, flash_attention_2, flash_attention_3, "
         "flex_attention, or a hub kernel (e.g. kernels-community/flash-attn); checked before anything heavy.",
     )
-    loss_chunk_size: Optional[int] = _flag(
+    loss_chunk_size: int | None = _flag(
         None,
         "Tokens per chunk of the loss through the LM head, so the whole [tokens, vocabulary] logits never exist "
         "(training and evaluation). Default: auto, a chunk's fp32 logits at most 256 MiB. 0: the whole logits "
         "at once (as the Hugging Face loss does).",
     )
-    router_aux_loss_coef: Optional[float] = _flag(
+    router_aux_loss_coef: float | None = _flag(
         None,
         "Mixture-of-experts models: the weight of the router's load-balancing loss added to the token loss "
         "(logged as aux_loss). Default: the model config's router_aux_loss_coef. 0: no load-balancing loss.",
@@ -166,19 +166,19 @@ class PeftArgs:
 class DataArgs:
     """Raw data and how it becomes a token store (data/prepare.py parses these alone), and how training reads it."""
 
-    dataset_name: Optional[str] = _flag(None, "Hugging Face dataset name (hub or a local dataset script/folder).")
-    dataset_config_name: Optional[str] = _flag(None, "Configuration of --dataset_name.")
-    dataset_revision: Optional[str] = _flag(
+    dataset_name: str | None = _flag(None, "Hugging Face dataset name (hub or a local dataset script/folder).")
+    dataset_config_name: str | None = _flag(None, "Configuration of --dataset_name.")
+    dataset_revision: str | None = _flag(
         None,
         "Revision of a hub --dataset_name (branch, tag or commit; default: the main branch). Part of the token "
         "store's fingerprint: a commit ties the store to exact data.",
     )
-    train_file: Optional[str] = _flag(
+    train_file: str | None = _flag(
         None,
         "Local training file(s): json, jsonl, csv, txt, parquet; a glob or a comma-separated list. "
         "Default: data/sample/train.jsonl.",
     )
-    validation_file: Optional[str] = _flag(
+    validation_file: str | None = _flag(
         None,
         "Local validation file(s), same formats as --train_file; several named sets, each with its own loss "
         "(eval_<name>_loss): name=path,name2=path2 (a glob per name).",
@@ -194,13 +194,13 @@ class DataArgs:
         "it stay in training.",
     )
     text_column: str = _flag("text", "Column that holds the text.")
-    block_size: Optional[int] = _flag(None, "Tokens per training sequence. Default: min(1024, model's max positions).")
-    preprocessing_num_workers: Optional[int] = _flag(None, "Processes for tokenization (default: the CPU count).")
+    block_size: int | None = _flag(None, "Tokens per training sequence. Default: min(1024, model's max positions).")
+    preprocessing_num_workers: int | None = _flag(None, "Processes for tokenization (default: the CPU count).")
     # Training-time reading: prepared stores instead of raw data, and how blocks are fed to the model.
-    data_path: Optional[str] = _flag(
+    data_path: str | None = _flag(
         None, "A token store made by data/prepare.py (instead of raw data).", training_only=True
     )
-    dataset_mix: Optional[str] = _flag(
+    dataset_mix: str | None = _flag(
         None,
         "Several token stores mixed by weight: store_a:0.7,store_b:0.3 (deterministic, by --seed).",
         training_only=True,
@@ -209,7 +209,7 @@ class DataArgs:
         False, "No token attends across a document boundary (position ids restart per document).", training_only=True
     )
     # Chat data (a `messages` column, or `prompt` and `completion` columns): scaletrain/chat_store.py.
-    chat_template: Optional[str] = _flag(
+    chat_template: str | None = _flag(
         None, "Chat data: a Jinja chat template file to render the conversations with (default: the tokenizer's)."
     )
     assistant_only_loss: bool = _flag(
@@ -235,11 +235,11 @@ class DataArgs:
         )
 
     @property
-    def train_data_file(self) -> Optional[str]:
+    def train_data_file(self) -> str | None:
         return str(DEFAULT_TRAIN_FILE) if self.uses_default_data else self.train_file
 
     @property
-    def validation_data_file(self) -> Optional[str]:
+    def validation_data_file(self) -> str | None:
         return str(DEFAULT_VALIDATION_FILE) if self.uses_default_data else self.validation_file
 
     @property
@@ -302,7 +302,7 @@ class OptimArgs:
     max_steps: int = _flag(-1, "Optimizer steps to run; overrides --num_train_epochs (-1: unset).")
     num_train_epochs: float = _flag(3.0, "Epochs over the training blocks when --max_steps is not set.")
     seed: int = _flag(42, "Seed for initialisation and the data order.")
-    rampup_batch_size: Optional[tuple[int, int, int]] = _flag(
+    rampup_batch_size: tuple[int, int, int] | None = _flag(
         None,
         "Batch-size ramp-up (Megatron's meaning): the global batch grows from START by INCREMENT blocks to its "
         "full size over SAMPLES blocks; the accumulation steps change at step boundaries only.",
@@ -351,7 +351,7 @@ class EngineArgs:
     config: str = _flag(DEFAULT_DS_CONFIG, 'DeepSpeed JSON config; values set to "auto" are filled from these flags.')
     bf16: bool = _flag(False, 'Train in bf16 (overrides the JSON\'s "auto").')
     fp16: bool = _flag(False, 'Train in fp16 with dynamic loss scaling (overrides the JSON\'s "auto").')
-    nvme_path: Optional[str] = _flag(None, f"Folder for NVMe offload (zero3_nvme.json). Default: ${NVME_PATH_ENV}.")
+    nvme_path: str | None = _flag(None, f"Folder for NVMe offload (zero3_nvme.json). Default: ${NVME_PATH_ENV}.")
     torch_compile: bool = _flag(
         False,
         'Compile the model with torch.compile through DeepSpeed\'s engine.compile (a "compile" section in '
@@ -363,12 +363,12 @@ class EngineArgs:
         "instead of gloo (3-14x faster on 2 cores; used where it can be: the log's first lines say).",
     )
     torch_compile_backend: str = _flag("inductor", "torch.compile backend for --torch_compile.")
-    torch_compile_mode: Optional[str] = _flag(
+    torch_compile_mode: str | None = _flag(
         None, "torch.compile mode for --torch_compile (default, reduce-overhead, max-autotune, ...)."
     )
 
     @property
-    def resolved_nvme_path(self) -> Optional[str]:
+    def resolved_nvme_path(self) -> str | None:
         return self.nvme_path or os.environ.get(NVME_PATH_ENV) or None
 
     def validate(self) -> None:
@@ -409,7 +409,7 @@ class CheckpointArgs:
         "Commit a checkpoint of the last step at the end; --no-save_at_end skips it (benchmarks, sweeps: the "
         "run cannot then be continued from its last step).",
     )
-    push_to_hub: Optional[str] = _flag(
+    push_to_hub: str | None = _flag(
         None,
         "After the run, rank 0 uploads the end-of-run export (weights, config, tokenizer, generation config, "
         "model card; not the checkpoints or logs) to this Hub repository (owner/name), with HF_TOKEN from the "
@@ -461,22 +461,20 @@ class LoggingArgs:
 
     logging_steps: int = _flag(10, "Log metrics every N optimizer steps.")
     eval_steps: int = _flag(0, "Evaluate every N optimizer steps (0: only at the end).")
-    max_eval_samples: Optional[int] = _flag(None, "Cap on validation blocks per evaluation.")
-    eval_prompts: Optional[str] = _flag(
+    max_eval_samples: int | None = _flag(None, "Cap on validation blocks per evaluation.")
+    eval_prompts: str | None = _flag(
         None,
         "At each evaluation, a greedy generation of these prompts into metrics.jsonl and wandb: JSONL of "
         '{"prompt": text} or {"messages": [...]} (chat template), or one prompt per line of text.',
     )
     eval_max_new_tokens: int = _flag(64, "Tokens generated per --eval_prompts prompt.")
-    peak_tflops: Optional[float] = _flag(
+    peak_tflops: float | None = _flag(
         None, "Peak TFLOP/s of one device for MFU (default: a table for A100/H100/H200, a calibration on CPU)."
     )
     report_to: str = _flag(
         "none", "Extra metrics sinks, comma-separated: wandb, tensorboard (JSONL and console are always on)."
     )
-    profile_steps: Optional[str] = _flag(
-        None, "A torch profiler trace of these steps (e.g. 5-7) in <output_dir>/profile."
-    )
+    profile_steps: str | None = _flag(None, "A torch profiler trace of these steps (e.g. 5-7) in <output_dir>/profile.")
     disable_tqdm: bool = _flag(False, "No progress bar.")
     comms_log: bool = _flag(
         False,
@@ -491,7 +489,7 @@ class LoggingArgs:
         return tuple(s.strip() for s in self.report_to.split(",") if s.strip() and s.strip() != "none")
 
     @property
-    def profile_range(self) -> Optional[tuple]:
+    def profile_range(self) -> tuple | None:
         if not self.profile_steps:
             return None
         first, _, last = self.profile_steps.partition("-")
@@ -571,7 +569,7 @@ class PlanningArgs:
     num_gpus: int = _flag(1, "--plan: GPUs per node.")
     num_nodes: int = _flag(1, "--plan: nodes.")
     gpu_memory_gb: float = _flag(80.0, "--plan: memory of one GPU, GB.")
-    host_memory_gb: Optional[float] = _flag(None, "--plan: host memory per node for offload, GB (default: unchecked).")
+    host_memory_gb: float | None = _flag(None, "--plan: host memory per node for offload, GB (default: unchecked).")
     plan_precision: str = _flag("bf16", "--plan: training precision to plan for.", choices=("bf16", "fp16", "fp32"))
 
     def validate(self) -> None:
@@ -632,7 +630,7 @@ class RunConfig:
 # --- the flat command line ------------------------------------------------------------------------------------
 
 
-def flag_fields(slices: Optional[Sequence[str]] = None) -> list:
+def flag_fields(slices: Sequence[str] | None = None) -> list:
     """[(slice name, dataclass field)] of every flag, in --help order."""
     return [(name, f) for name in (slices or SLICES) for f in dataclasses.fields(SLICES[name])]
 
@@ -659,7 +657,7 @@ def _value_type(owner: type, f: dataclasses.Field) -> type:
     return typing.get_args(hint)[0] if typing.get_origin(hint) is tuple else hint
 
 
-def _nargs(owner: type, f: dataclasses.Field) -> Optional[int]:
+def _nargs(owner: type, f: dataclasses.Field) -> int | None:
     """How many values a tuple flag takes (`--rampup_batch_size 16 16 1000`); None for a single value."""
     hint = _field_hint(owner, f)
     return len(typing.get_args(hint)) if typing.get_origin(hint) is tuple else None
@@ -682,9 +680,9 @@ class _Parser(argparse.ArgumentParser):
 
 def add_flags(
     parser: argparse.ArgumentParser,
-    slices: Optional[Sequence[str]] = None,
+    slices: Sequence[str] | None = None,
     suppress_defaults=False,
-    defaults: Optional[dict] = None,
+    defaults: dict | None = None,
     exclude: Sequence[str] = (),
 ) -> None:
     """Add the flags of `slices` (all by default), one argparse group per slice; `defaults` replace the fields'."""
@@ -712,7 +710,7 @@ def add_flags(
             )
 
 
-def build_parser(suppress_defaults: bool = False, defaults: Optional[dict] = None) -> argparse.ArgumentParser:
+def build_parser(suppress_defaults: bool = False, defaults: dict | None = None) -> argparse.ArgumentParser:
     """train.py's command line. With suppress_defaults, only typed flags appear in the namespace."""
     parser = _Parser(
         prog="train.py",
@@ -727,7 +725,7 @@ def build_parser(suppress_defaults: bool = False, defaults: Optional[dict] = Non
     return parser
 
 
-def slices_from(values: dict, slices: Optional[Sequence[str]] = None) -> dict:
+def slices_from(values: dict, slices: Sequence[str] | None = None) -> dict:
     """{slice name: slice instance} from flat {flag: value} (flags absent from `values` keep their defaults)."""
 
     def value(f):  # argparse gives a tuple flag as a list; the slices are frozen, so hold a tuple
@@ -739,7 +737,7 @@ def slices_from(values: dict, slices: Optional[Sequence[str]] = None) -> dict:
     }
 
 
-def parse_run_config(argv: Optional[Sequence[str]] = None) -> RunConfig:
+def parse_run_config(argv: Sequence[str] | None = None) -> RunConfig:
     """Parse flags (and the --recipe they name) into a RunConfig and check every value checkable without torch."""
     argv = list(argv) if argv is not None else None
     recipe_path = _recipe_flag(argv)
@@ -756,7 +754,7 @@ def parse_run_config(argv: Optional[Sequence[str]] = None) -> RunConfig:
 # --- recipes ----------------------------------------------------------------------------------------------------
 
 
-def _recipe_flag(argv: Optional[Sequence[str]]) -> Optional[str]:
+def _recipe_flag(argv: Sequence[str] | None) -> str | None:
     """The --recipe value, read before the full parse (its values become the parser's defaults)."""
     pre = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
     pre.add_argument("--recipe", default=None)
@@ -913,12 +911,12 @@ def _looks_local(path: str) -> bool:
     )
 
 
-def _check_model_path(flag: str, value: Optional[str]) -> None:
+def _check_model_path(flag: str, value: str | None) -> None:
     if value and _looks_local(value) and not Path(value).expanduser().exists():
         raise UsageError(f"--{flag} {value}: no such file or folder", "give a local model folder or a hub id")
 
 
-def expand_data_files(value: Optional[str]) -> list:
+def expand_data_files(value: str | None) -> list:
     """A --train_file/--validation_file value: one path, a glob, or several of either separated by commas."""
     if not value:
         return []
@@ -934,7 +932,7 @@ VALIDATION_SPLIT = "validation"
 _SET_NAME = re.compile(r"^([A-Za-z0-9_]+)=(.+)$")
 
 
-def parse_validation_sets(value: Optional[str]) -> dict:
+def parse_validation_sets(value: str | None) -> dict:
     """--validation_file as {store split: [files]}: plain paths make one set (split "validation", metric eval_loss);
     name=path items make one set each (split "validation.<name>", metric eval_<name>_loss)."""
     if not value:
@@ -967,7 +965,7 @@ def eval_metric_prefix(split: str) -> str:
     return "eval_" if split == VALIDATION_SPLIT else f"eval_{split.split('.', 1)[1]}_"
 
 
-def eval_loss_set(metric: str) -> Optional[str]:
+def eval_loss_set(metric: str) -> str | None:
     """The evaluation set whose loss a metric key is ("" for eval_loss, the name for eval_<name>_loss), or None for
     a key that is no evaluation loss: eval_metric_prefix read backwards."""
     if not (metric.startswith("eval_") and metric.endswith("loss")):

@@ -14,7 +14,7 @@ import logging
 import os
 import socket
 from dataclasses import dataclass
-from typing import Mapping, Optional
+from collections.abc import Mapping
 
 
 @dataclass(frozen=True)
@@ -66,7 +66,7 @@ class DistInfo:
         return self.rank % self.sequence_parallel_size
 
 
-def read_launch_env(environ: Optional[Mapping[str, str]] = None) -> DistInfo:
+def read_launch_env(environ: Mapping[str, str] | None = None) -> DistInfo:
     """Rank facts from whichever launcher started us. Launcher variables win over Slurm's.
 
     torchrun and the deepspeed launcher set RANK/WORLD_SIZE/LOCAL_RANK. `srun python train.py` sets only
@@ -166,7 +166,7 @@ def init_distributed(dist: DistInfo) -> DistInfo:
 SHM_MIN_BYTES = 2**20
 
 
-def shm_allreduce_refusal(dist: DistInfo, local_sizes: list, cores: int, usable: list) -> Optional[str]:
+def shm_allreduce_refusal(dist: DistInfo, local_sizes: list, cores: int, usable: list) -> str | None:
     """Why --cpu_shm_allreduce cannot be used by this launch (None: it can), from what every rank found (in rank
     order): its LOCAL_SIZE, whether DeepSpeed's kernel is loaded there, and the distinct cores the ranks may run on
     together. The kernel maps every rank's buffer into shared memory only when LOCAL_SIZE (the deepspeed launcher's
@@ -216,7 +216,7 @@ def use_shm_allreduce(dist: DistInfo):
     return router
 
 
-def cpu_threads_per_rank(environ: Mapping[str, str], cores: int) -> Optional[int]:
+def cpu_threads_per_rank(environ: Mapping[str, str], cores: int) -> int | None:
     """Intra-op threads for each CPU rank: the node's cores shared among its ranks, unless OMP_NUM_THREADS is set.
 
     torch's default is one thread per core in every process, so n ranks on a node run n x cores threads that

@@ -12,7 +12,7 @@ import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 
 from scaletrain.config import NVME_PATH_ENV, EngineArgs, OptimArgs
 from scaletrain.errors import UsageError
@@ -50,7 +50,7 @@ LATENCY_SHARE = 0.10  # a bucket spends at most this share of its collective's t
 MAX_BUCKET_ELEMENTS = 500_000_000  # DeepSpeed's own default, the memory bound (2 GB of fp32 per bucket buffer)
 
 
-def bucket_elements(accelerator: str, precision: str, n_params: Optional[int]) -> tuple:
+def bucket_elements(accelerator: str, precision: str, n_params: int | None) -> tuple:
     """(elements, why) of a collective bucket (reduce, all-gather, ZeRO-3 prefetch).
 
     A collective of B bytes takes a + B / b on a link of latency a and bandwidth b; latency is at most a share s of
@@ -141,7 +141,7 @@ class _Resolver:
         node[leaf] = value
         self.sources[dotted] = source
 
-    def explicit(self, dotted: str) -> Optional[Any]:
+    def explicit(self, dotted: str) -> Any | None:
         try:
             value = _get(self.config, dotted)
         except (KeyError, TypeError):
@@ -299,7 +299,7 @@ def resolve_ds_config(
     dp_world_size: int,
     hidden_size: int,
     hw: HardwareFacts,
-    n_params: Optional[int] = None,
+    n_params: int | None = None,
 ) -> ResolvedDSConfig:
     """Fill every "auto" of a DeepSpeed JSON from the engine and optimisation flags (`explicit`: the flags the user
     set, which must agree with an explicit JSON value). Raises UsageError naming the key when something cannot be

@@ -10,7 +10,6 @@ compression and data-efficiency recipes) are checked by name only.
 from __future__ import annotations
 
 import difflib
-from typing import Optional
 
 from scaletrain.errors import UsageError
 
@@ -176,7 +175,7 @@ def _pydantic_sections() -> dict:
     }
 
 
-def _unknown(keys, known: set, where: str, path: str) -> Optional[UsageError]:
+def _unknown(keys, known: set, where: str, path: str) -> UsageError | None:
     for key in keys:
         if key not in known:
             close = difflib.get_close_matches(key, sorted(known), n=1, cutoff=0.6)

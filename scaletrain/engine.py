@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import logging
-from typing import Optional
 
 from scaletrain.errors import UsageError
 from scaletrain.schedules import LRSchedule
@@ -80,7 +79,7 @@ def check_compile(requested: bool, layout: tuple, config_path: str) -> None:
         )
 
 
-def compile_engine(engine, backend: str, mode: Optional[str]) -> float:
+def compile_engine(engine, backend: str, mode: str | None) -> float:
     """engine.compile() with the backend and mode; its seconds (the graphs are built lazily, at the first steps:
     that start-up cost shows in their step times)."""
     import time

@@ -5,7 +5,6 @@ Imports nothing heavy: the config module raises UsageError before torch is impor
 
 from __future__ import annotations
 
-from typing import Optional
 
 USAGE_EXIT_CODE = 2  # a user mistake, found before heavy work
 FAILED_EXIT_CODE = 1  # the run could not go on (full disk, a failed preparation); nothing committed was lost
@@ -21,7 +20,7 @@ class RunEnded(Exception):
     exit_code = FAILED_EXIT_CODE
     reported_by = "every rank"
     prefix = "error"
-    node: Optional[str] = None  # the host the message is prefixed with, where the ranks span several hosts
+    node: str | None = None  # the host the message is prefixed with, where the ranks span several hosts
 
     def reports_here(self, dist) -> bool:
         """`dist`: this rank's DistInfo. "node" messages are printed by each node's local rank 0."""
@@ -40,7 +39,7 @@ class UsageError(RunEnded):
     # node-local folder missing) must be seen in that node's output too.
     reported_by = "node"
 
-    def __init__(self, message: str, hint: Optional[str] = None):
+    def __init__(self, message: str, hint: str | None = None):
         super().__init__(message)
         self.message = message
         self.hint = hint

@@ -23,7 +23,6 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass
-from typing import Optional
 
 log = logging.getLogger(__name__)
 
@@ -83,14 +82,14 @@ def calibrate_cpu_tflops(seconds: float = 0.5, size: int = 1024) -> float:
     return 2 * size**3 * runs / (time.perf_counter() - started) / 1e12
 
 
-def peak_from_name(device_name: str, precision: str) -> Optional[float]:
+def peak_from_name(device_name: str, precision: str) -> float | None:
     for key, table in PEAK_TFLOPS.items():
         if key in device_name:
             return table[precision]
     return None
 
 
-def peak_tflops(accelerator: str, precision: str, override: Optional[float]) -> tuple:
+def peak_tflops(accelerator: str, precision: str, override: float | None) -> tuple:
     """(peak TFLOP/s per device or None, where it came from)."""
     if override:
         return override, "--peak_tflops"

@@ -16,7 +16,6 @@ import json
 import logging
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional
 
 from scaletrain.errors import UsageError
 
@@ -31,8 +30,8 @@ class EvalPrompts:
 
 
 def load_eval_prompts(
-    path: Optional[str], tokenizer, max_new_tokens: int, max_positions: Optional[int], layout: tuple = (1, 1, 1)
-) -> Optional[EvalPrompts]:
+    path: str | None, tokenizer, max_new_tokens: int, max_positions: int | None, layout: tuple = (1, 1, 1)
+) -> EvalPrompts | None:
     """Read and tokenize --eval_prompts (UsageError naming the file and line on a mistake); None without it.
     `layout`: (tensor, sequence, pipeline) parallel sizes."""
     if not path:

@@ -20,7 +20,6 @@ import json
 import logging
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Optional
 
 from scaletrain.config import PeftArgs
 from scaletrain.errors import UsageError
@@ -163,7 +162,7 @@ def merge_adapter(
     log.info("exported the merged model (%s + adapter) to %s", base_source, out_dir)
 
 
-def peft_args_of(run_config: dict) -> Optional[PeftArgs]:
+def peft_args_of(run_config: dict) -> PeftArgs | None:
     """The PeftArgs a run's run_config.json records, or None for a run without --use_peft."""
     import dataclasses
 
@@ -188,7 +187,7 @@ BASE_WINDOW = 4096
 FILE_WINDOWS, FILE_WINDOW = 64, 65536
 
 
-def _base_folder(source: str) -> Optional[Path]:
+def _base_folder(source: str) -> Path | None:
     """The folder with the base's weight files: --model_name_or_path itself, or its snapshot in the Hub cache
     (never downloaded here); None when neither is on this machine yet."""
     folder = Path(source)
@@ -249,7 +248,7 @@ def base_identity(source: str) -> dict:
     return {"source": source, "weights": digest.hexdigest()[:32]}
 
 
-def check_same_base(ckpt: Path, saved: Optional[dict], now: Optional[dict]) -> None:
+def check_same_base(ckpt: Path, saved: dict | None, now: dict | None) -> None:
     """A LoRA checkpoint holds no base: refuse to resume it on other base weights than it was trained on (the
     weights decide: the same files moved elsewhere resume; where the weights of either are unknown, the names)."""
     if not saved or not now:

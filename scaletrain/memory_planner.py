@@ -46,7 +46,6 @@ them against a real 2-rank CPU run within 10%.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import List, Optional
 
 from scaletrain.dsconfig import bucket_elements
 
@@ -90,7 +89,7 @@ class ModelShape:
         return largest * self.params_per_tp_rank(tp) / self.n_params
 
     @classmethod
-    def from_meta_model(cls, model, model_config) -> "ModelShape":
+    def from_meta_model(cls, model, model_config) -> ModelShape:
         import torch
 
         text = model_config.get_text_config()
@@ -175,7 +174,7 @@ def model_state_bytes(
     precision: str,
     tp: int = 1,
     pp: int = 1,
-    reduce_bucket: Optional[int] = None,
+    reduce_bucket: int | None = None,
 ) -> tuple:
     """(params, grads, optimizer) bytes on one GPU, and (host, nvme) bytes per rank, for one option.
     `reduce_bucket`: the reduce bucket in elements (default: dsconfig's rule for a CUDA link)."""
@@ -211,7 +210,7 @@ def activation_bytes(
     tp: int = 1,
     sp: int = 1,
     pp: int = 1,
-    loss_chunk: Optional[int] = None,
+    loss_chunk: int | None = None,
 ) -> tuple:
     """Working memory (without, with) activation checkpointing, bytes per GPU for one micro-batch (under pipeline
     parallelism: of the stage that needs most). `loss_chunk`: tokens per chunk of the chunked loss (None: whole
@@ -231,7 +230,7 @@ def activation_bytes(
     return without + gathered, with_checkpointing + gathered
 
 
-def options_for(tp: int, sp: int = 1, pp: int = 1) -> List[Option]:
+def options_for(tp: int, sp: int = 1, pp: int = 1) -> list[Option]:
     """The options the pipeline runs with this layout (TP: ZeRO-1/2, SP: ZeRO-1/2/3, PP: ZeRO-1; none with
     offload)."""
     if pp > 1:
@@ -251,8 +250,8 @@ def plan_memory(
     tp: int = 1,
     sp: int = 1,
     pp: int = 1,
-    loss_chunk: Optional[int] = None,
-) -> List[Estimate]:
+    loss_chunk: int | None = None,
+) -> list[Estimate]:
     dp = gpus_per_node * nodes // (tp * pp)  # the ranks ZeRO partitions over (under SP: all of them)
     estimates = []
     for option in options_for(tp, sp, pp):
@@ -267,8 +266,8 @@ def plan_memory(
 
 
 def recommend(
-    estimates: List[Estimate], gpu_bytes: float, host_bytes: Optional[float], checkpointing_allowed: bool = True
-) -> Optional[tuple]:
+    estimates: list[Estimate], gpu_bytes: float, host_bytes: float | None, checkpointing_allowed: bool = True
+) -> tuple | None:
     """The first option (fastest first: less communication, no offload) that fits: (estimate, checkpointing)."""
     for checkpointing in (False, True) if checkpointing_allowed else (False,):
         for est in estimates:
@@ -287,9 +286,9 @@ def recommend_layout(
     block_size: int,
     precision: str,
     gpu_bytes: float,
-    host_bytes: Optional[float],
-    loss_chunk: Optional[int] = None,
-) -> Optional[tuple]:
+    host_bytes: float | None,
+    loss_chunk: int | None = None,
+) -> tuple | None:
     """(tensor-parallel size, pipeline stages, estimate, checkpointing) of the fastest layout that fits, in this
     order: pure data parallelism without offload (ZeRO-1, 2, 3), then tensor parallelism inside a node (2, 4, ...
     GPUs; its all-reduces stay on the node's links), then pipeline stages (2, 4, ...; point-to-point transfers of
@@ -346,19 +345,19 @@ def _layout_flags(tp: int, sp: int, pp: int) -> str:
 
 
 def render(
-    estimates: List[Estimate],
+    estimates: list[Estimate],
     shape: ModelShape,
     gpus_per_node: int,
     nodes: int,
     gpu_memory_gb: float,
-    host_memory_gb: Optional[float],
+    host_memory_gb: float | None,
     micro_batch: int,
     block_size: int,
     precision: str,
     tp: int = 1,
     sp: int = 1,
     pp: int = 1,
-    loss_chunk: Optional[int] = None,
+    loss_chunk: int | None = None,
 ) -> str:
     gb = lambda b: f"{b / GIB:.2f}"  # noqa: E731
     gpu_bytes, host_bytes = gpu_memory_gb * GIB, None if host_memory_gb is None else host_memory_gb * GIB

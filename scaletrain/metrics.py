@@ -14,7 +14,8 @@ import statistics
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Any
+from collections.abc import Callable
 
 from scaletrain.errors import SAVED_REQUEUE_EXIT_CODE, UsageError
 
@@ -37,7 +38,7 @@ class PhaseClock:
     into phases; every other step runs without a single synchronisation here, and its phases stay unmeasured.
     `synchronize` replaces torch.cuda.synchronize (tests count the calls)."""
 
-    def __init__(self, device, synchronize: Optional[Callable[[], None]] = None):
+    def __init__(self, device, synchronize: Callable[[], None] | None = None):
         self.on_gpu = device.type == "cuda"
         self._sync = lambda: None
         if self.on_gpu:
@@ -70,7 +71,7 @@ class ThroughputModel:
 
     flops_per_token: float
     hardware_flops_per_token: float
-    peak_tflops: Optional[float]  # per device; None when unknown (then no MFU)
+    peak_tflops: float | None  # per device; None when unknown (then no MFU)
     world_size: int
 
 
@@ -100,7 +101,7 @@ class LogWindow:
         targets: int,
         samples: int,
         seconds: float,
-        phases: Optional[dict],
+        phases: dict | None,
         grad_norm,
         skipped: bool = False,
         aux_share=None,
@@ -126,7 +127,7 @@ class LogWindow:
             for name, value in phases.items():
                 self.phases[name] += value
 
-    def summarize(self, device, throughput: Optional[ThroughputModel] = None) -> dict:
+    def summarize(self, device, throughput: ThroughputModel | None = None) -> dict:
         """Reduce across ranks (a collective: every rank must call it at the same step)."""
         import torch
         import torch.distributed as torch_dist
@@ -254,7 +255,7 @@ class MetricsLogger:
         run_name: str,
         run_config: dict,
         resume_step: int = 0,
-        wandb_run_id: Optional[str] = None,
+        wandb_run_id: str | None = None,
         write_files: bool = True,
     ):
         self.is_main = is_main
@@ -262,7 +263,7 @@ class MetricsLogger:
         self._file = None
         self._wandb = None
         self._tensorboard = None
-        self.last_record: Optional[dict] = None
+        self.last_record: dict | None = None
         self.latest: dict = {}  # each key's newest value (the model card's final losses)
         self.wandb_run_id = wandb_run_id
         if not is_main or not write_files:  # --dry_run writes nothing: console only
@@ -361,7 +362,7 @@ def _fmt(key: str, value) -> str:
 class StepProfiler:
     """--profile_steps A-B: a torch profiler trace of steps A..B (1-based), one Chrome trace per rank."""
 
-    def __init__(self, steps: Optional[tuple], out_dir: str, rank: int):
+    def __init__(self, steps: tuple | None, out_dir: str, rank: int):
         self.steps = steps
         self.out = Path(out_dir) / "profile"
         self.rank = rank

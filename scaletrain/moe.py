@@ -22,7 +22,8 @@ from __future__ import annotations
 import inspect
 import logging
 from dataclasses import dataclass
-from typing import Any, Callable, Optional
+from typing import Any
+from collections.abc import Callable
 
 from scaletrain.config import ModelArgs, ParallelArgs
 from scaletrain.errors import UsageError
@@ -41,7 +42,7 @@ def _text_config(model_config):
     return model_config.get_text_config() if hasattr(model_config, "get_text_config") else model_config
 
 
-def expert_count(model_config) -> Optional[int]:
+def expert_count(model_config) -> int | None:
     """The number of routed experts of an MoE config; None for a dense model."""
     text = _text_config(model_config)
     if getattr(text, "router_aux_loss_coef", None) is None:
@@ -73,7 +74,7 @@ class RouterLoss:
         return self.balancing_loss(tuple(router_logits), self.num_experts, self.top_k, real)
 
 
-def resolve_router_loss(args: ModelArgs, parallel: ParallelArgs, model_config, skeleton) -> Optional[RouterLoss]:
+def resolve_router_loss(args: ModelArgs, parallel: ParallelArgs, model_config, skeleton) -> RouterLoss | None:
     """The run's RouterLoss (None: a dense model, or --router_aux_loss_coef 0); UsageError for what is refused.
 
     `skeleton` is the meta-device model: the sparse-MoE block classes are looked up among its modules."""

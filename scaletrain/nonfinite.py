@@ -22,7 +22,7 @@ import math
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Optional
+from collections.abc import Callable
 
 from scaletrain.config import NonFiniteArgs
 from scaletrain.errors import NonFiniteStop
@@ -43,7 +43,7 @@ class NonFinitePolicy:
     fp16: bool  # DeepSpeed-side skips are loss-scale overflows, not failures
 
     @classmethod
-    def from_args(cls, args: NonFiniteArgs, fp16: bool) -> "NonFinitePolicy":
+    def from_args(cls, args: NonFiniteArgs, fp16: bool) -> NonFinitePolicy:
         return cls(args.on_nonfinite, args.max_consecutive_skips, args.loss_spike_factor, fp16)
 
 
@@ -57,7 +57,7 @@ class NonFiniteGuard:
         self.state = state
         self.ledger = Path(output_dir) / LEDGER_FILE if is_main and write_files else None
 
-    def judge(self, global_loss: float) -> Optional[str]:
+    def judge(self, global_loss: float) -> str | None:
         """Why this step's update must not be applied, or None. Same input on every rank, same answer."""
         if not math.isfinite(global_loss):
             return "nonfinite_loss"
@@ -72,7 +72,7 @@ class NonFiniteGuard:
         return None
 
     def after_step(
-        self, step: int, global_loss: float, forced: Optional[str], applied: bool, sample_ids: Callable[[], list]
+        self, step: int, global_loss: float, forced: str | None, applied: bool, sample_ids: Callable[[], list]
     ) -> str:
         """ "ok", "skipped" or "rollback"; raises NonFiniteStop under --on_nonfinite stop."""
         state = self.state

@@ -19,7 +19,7 @@ import logging
 import os
 import time
 from contextlib import contextmanager
-from typing import Callable, Iterator, List, Optional
+from collections.abc import Callable, Iterator
 
 from scaletrain import ds_internals
 
@@ -35,7 +35,7 @@ _CPU_OPTIMIZER_OPS = {
 _FUSED_OPTIMIZER_OPS = {"adam": "FusedAdamBuilder", "adamw": "FusedAdamBuilder", "lion": "FusedLionBuilder"}
 
 
-def engine_ops(ds_config: dict, accelerator: str) -> List[str]:
+def engine_ops(ds_config: dict, accelerator: str) -> list[str]:
     """The op builders deepspeed.initialize will load for this (resolved) config: NVMe I/O, the optimizer's."""
     zero = ds_config.get("zero_optimization") or {}
     offload_opt = (zero.get("offload_optimizer") or {}).get("device", "none")
@@ -71,7 +71,7 @@ def _exclusive(path: str) -> Iterator[None]:
             fcntl.flock(handle, fcntl.LOCK_UN)
 
 
-def load_op(builder_name: str, say: Optional[Callable[[str], None]] = None):
+def load_op(builder_name: str, say: Callable[[str], None] | None = None):
     """Load (building first if needed) one DeepSpeed op for this accelerator; None if it does not apply here."""
     say = say or log.warning  # from whichever rank builds: minutes of silence otherwise look like a hang
     builder = ds_internals.create_op_builder(builder_name)
@@ -102,11 +102,11 @@ def load_op(builder_name: str, say: Optional[Callable[[str], None]] = None):
     return module
 
 
-def comm_ops(accelerator: str, world_size: int) -> List[str]:
+def comm_ops(accelerator: str, world_size: int) -> list[str]:
     """The op builder deepspeed.init_distributed loads: the shared-memory all-reduce of several CPU ranks."""
     return ["ShareMemCommBuilder"] if accelerator == "cpu" and world_size > 1 else []
 
 
-def load_ops(names: List[str], say: Optional[Callable[[str], None]] = None) -> None:
+def load_ops(names: list[str], say: Callable[[str], None] | None = None) -> None:
     for name in names:
         load_op(name, say)

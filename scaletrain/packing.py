@@ -20,7 +20,6 @@ import bisect
 import logging
 from collections import defaultdict
 from dataclasses import dataclass, field
-from typing import Optional
 
 import numpy as np
 
@@ -134,7 +133,7 @@ class PackedExamples:
         }
 
 
-def pack_examples(tokens, mask, starts, block_size: int, pad_id: int, truncation: str) -> Optional[PackedExamples]:
+def pack_examples(tokens, mask, starts, block_size: int, pad_id: int, truncation: str) -> PackedExamples | None:
     """Best-fit packing of whole examples into blocks; None when no example is left to train on."""
     ends = np.concatenate([starts[1:], [len(tokens)]]).astype(np.int64)
     full = ends - np.asarray(starts, dtype=np.int64)
@@ -157,7 +156,7 @@ def pack_examples(tokens, mask, starts, block_size: int, pad_id: int, truncation
     )
 
 
-def examples_from_store(opened: dict, split: str, block_size: int, truncation: str) -> Optional[PackedExamples]:
+def examples_from_store(opened: dict, split: str, block_size: int, truncation: str) -> PackedExamples | None:
     part = opened["splits"].get(split)
     if part is None or part.n_tokens == 0:
         return None

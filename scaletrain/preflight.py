@@ -13,7 +13,8 @@ import logging
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Optional, Sequence
+from typing import Any
+from collections.abc import Sequence
 
 from scaletrain.checkpoint import check_resumable, offload_setting, read_train_state, resolve_resume, saved_zero_stage
 from scaletrain.config import DataArgs, ModelArgs, RunConfig, explain_run_config, parse_run_config
@@ -61,13 +62,13 @@ class ResolvedRun:
     tokenizer: Any
     block_size: int
     n_params: int
-    resume_from: Optional[Path] = None  # the committed checkpoint this run continues, if any
-    model_facts: Optional[dict] = None  # what a checkpoint must match to be resumed by this model
-    resume_state: Optional[dict] = None  # the checkpoint's train state (step, data position)
-    flops: Optional[ModelFlops] = None  # FLOPs per token of this model at this block size
+    resume_from: Path | None = None  # the committed checkpoint this run continues, if any
+    model_facts: dict | None = None  # what a checkpoint must match to be resumed by this model
+    resume_state: dict | None = None  # the checkpoint's train state (step, data position)
+    flops: ModelFlops | None = None  # FLOPs per token of this model at this block size
     reshard: bool = False  # the checkpoint loads through a universal one (other ranks, layout or offload)
     model_shape: Any = None  # --plan: the memory planner's view of the model (memory_planner.ModelShape)
-    previous_run_config: Optional[dict] = None  # run_config.json of the run being resumed, where there is one
+    previous_run_config: dict | None = None  # run_config.json of the run being resumed, where there is one
     router_loss: Any = None  # a mixture-of-experts model's load-balancing loss (scaletrain.moe.RouterLoss) or None
     eval_prompts: Any = None  # --eval_prompts read and tokenized (scaletrain.generation.EvalPrompts) or None
     chat: Any = None  # chat data (scaletrain.chat_store.ChatData): its template and loss mode, or None for text
@@ -90,7 +91,7 @@ def _hidden_size(model_config) -> int:
     raise UsageError(f"{type(model_config).__name__}: cannot find the model's hidden size")
 
 
-def _check_stores(data: DataArgs, tokenizer_source: str, tokenizer) -> Optional[int]:
+def _check_stores(data: DataArgs, tokenizer_source: str, tokenizer) -> int | None:
     """Prepared stores must have been made with this run's tokenizer and one block size. Returns that size."""
     from scaletrain.tokenstore import read_manifest, tokenizer_hash
 
@@ -118,7 +119,7 @@ def _check_stores(data: DataArgs, tokenizer_source: str, tokenizer) -> Optional[
     return sizes.pop() if sizes else None
 
 
-def _block_size(data: DataArgs, model_config, store_block_size: Optional[int]) -> int:
+def _block_size(data: DataArgs, model_config, store_block_size: int | None) -> int:
     limit = max_positions(model_config)
     if store_block_size is not None:
         if store_block_size > limit:
@@ -138,7 +139,7 @@ def _block_size(data: DataArgs, model_config, store_block_size: Optional[int]) -
     return data.block_size
 
 
-def checkpoint_bytes(n_params: int, precision: str, trainable: Optional[int] = None, merged: bool = False) -> tuple:
+def checkpoint_bytes(n_params: int, precision: str, trainable: int | None = None, merged: bool = False) -> tuple:
     """(bytes of one checkpoint plus the HF export, the arithmetic in words) for AdamW under DeepSpeed. With LoRA
     (`trainable` adapter parameters of n_params) the checkpoint and the export hold the adapter only, plus the
     merged model with --merge_lora."""
@@ -156,7 +157,7 @@ def checkpoint_bytes(n_params: int, precision: str, trainable: Optional[int] = N
 
 
 def _check_disk_space(
-    output_dir: str, n_params: int, precision: str, trainable: Optional[int] = None, merged: bool = False
+    output_dir: str, n_params: int, precision: str, trainable: int | None = None, merged: bool = False
 ) -> None:
     folder = Path(output_dir).resolve()
     while not folder.exists():
@@ -191,7 +192,7 @@ def _model_facts(skeleton, model_config) -> dict:
     }
 
 
-def _read_json(path: Path) -> Optional[dict]:
+def _read_json(path: Path) -> dict | None:
     if not path.is_file():
         return None
     try:
@@ -201,7 +202,7 @@ def _read_json(path: Path) -> Optional[dict]:
         return None
 
 
-def read_previous_run_config(resume_from: Path) -> Optional[dict]:
+def read_previous_run_config(resume_from: Path) -> dict | None:
     """run_config.json of the run that wrote the checkpoint (its run folder, <run>/checkpoints/stepN), read before
     this run rewrites it, with "peak_lr": the LR its optimizer got (ds_config.json's optimizer.params.lr, which an
     explicit JSON value sets instead of --learning_rate). None for a checkpoint copied out of its run folder."""
@@ -219,7 +220,7 @@ def peak_lr(ds: ResolvedDSConfig) -> float:
     return float(ds.config["optimizer"]["params"]["lr"])
 
 
-def _check_peak_lr(cfg: RunConfig, ds: ResolvedDSConfig, previous: Optional[dict], resume_from: Path) -> None:
+def _check_peak_lr(cfg: RunConfig, ds: ResolvedDSConfig, previous: dict | None, resume_from: Path) -> None:
     """A resumed run restarts its schedule from its own peak LR; another peak than the run it continues is refused
     unless asked for."""
     old, new = (previous or {}).get("peak_lr"), peak_lr(ds)
@@ -236,7 +237,7 @@ def _check_peak_lr(cfg: RunConfig, ds: ResolvedDSConfig, previous: Optional[dict
     )
 
 
-def check_rampup(rampup: Optional[tuple], ds: ResolvedDSConfig, dp_world_size: int) -> None:
+def check_rampup(rampup: tuple | None, ds: ResolvedDSConfig, dp_world_size: int) -> None:
     """--rampup_batch_size fits the run's batch: every stage is whole micro-batches on every data-parallel rank, and
     the ramp ends exactly at the full global batch."""
     if rampup is None:
@@ -326,7 +327,7 @@ def _resume_point(cfg: RunConfig, ds: ResolvedDSConfig, model_facts: dict, dist:
     return resume_from, resume_state, reshard, previous
 
 
-def resolve_run(argv: Optional[Sequence[str]], dist: DistInfo) -> ResolvedRun:
+def resolve_run(argv: Sequence[str] | None, dist: DistInfo) -> ResolvedRun:
     """Flags, DeepSpeed JSON, model config, tokenizer, data checks and resume point: UsageError on a mistake."""
     cfg = parse_run_config(argv)
     # --plan plans the cluster it names, not this launch: the layout must fit its nodes instead.

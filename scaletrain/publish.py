@@ -18,7 +18,7 @@ import logging
 import os
 import time
 from pathlib import Path
-from typing import Callable, Optional
+from collections.abc import Callable
 
 from scaletrain.config import eval_loss_set
 from scaletrain.errors import UsageError
@@ -162,18 +162,18 @@ def complete_export(out_dir, tokenizer, model_config, run_config: dict, final: d
     log.info("wrote generation_config.json (EOS ids %s) and the model card README.md in %s", eos, out_dir)
 
 
-def _on_hub(name: Optional[str]) -> bool:
+def _on_hub(name: str | None) -> bool:
     """A hub id (owner/name or name), not a local path."""
     return bool(name) and not Path(name).exists() and not str(name).startswith((".", "/", "~"))
 
 
-def hub_token() -> Optional[str]:
+def hub_token() -> str | None:
     from huggingface_hub import get_token
 
     return os.environ.get(TOKEN_ENV) or get_token()
 
 
-def check_push_target(repo_id: Optional[str], export_at_end: bool) -> None:
+def check_push_target(repo_id: str | None, export_at_end: bool) -> None:
     """Pre-flight for --push_to_hub: a valid repository id, a token, and an export to push (exit 2 otherwise)."""
     if not repo_id:
         return

@@ -21,7 +21,7 @@ from __future__ import annotations
 import importlib.metadata
 import importlib.util
 import logging
-from typing import Any, Optional
+from typing import Any
 
 from packaging.version import Version
 
@@ -78,7 +78,7 @@ def check_qlora(cfg: RunConfig, ds: ResolvedDSConfig, hardware: HardwareFacts) -
         )
 
 
-def bitsandbytes_version() -> Optional[str]:
+def bitsandbytes_version() -> str | None:
     """The installed bitsandbytes' version, or None; found without importing it (its import loads CUDA libraries)."""
     if importlib.util.find_spec("bitsandbytes") is None:
         return None
@@ -120,7 +120,7 @@ def model_kwargs(model_args: ModelArgs, precision: str, bf16_fast: bool, device:
 
 
 def build_model(
-    model_args: ModelArgs, model_config, ds: ResolvedDSConfig, device: Any = None, bf16_fast: Optional[bool] = None
+    model_args: ModelArgs, model_config, ds: ResolvedDSConfig, device: Any = None, bf16_fast: bool | None = None
 ) -> tuple:
     """(model, keepalive) as model.build_model returns them: the pretrained base in 4 bits, prepared for training by
     peft (every base weight frozen; activation checkpointing, non-reentrant, with --gradient_checkpointing). `device`

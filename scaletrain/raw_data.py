@@ -4,13 +4,12 @@ heavy (every local file has documents, and its text column exists and holds text
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Optional
 
 from scaletrain.config import LOCAL_DATA_FORMATS, DataArgs, expand_data_files
 from scaletrain.errors import UsageError
 
 
-def record_kind(record: dict) -> Optional[str]:
+def record_kind(record: dict) -> str | None:
     """ "messages", "prompt_completion", or None for a record of plain text (chat data: scaletrain/chat_store.py)."""
     if "messages" in record:
         return "messages"
@@ -38,7 +37,7 @@ def _is_saved_dataset(path: str) -> bool:
     return folder.is_dir() and ((folder / "dataset_dict.json").exists() or (folder / "dataset_info.json").exists())
 
 
-def load_raw_datasets(data: DataArgs, scratch_dir: Optional[Path] = None) -> tuple:
+def load_raw_datasets(data: DataArgs, scratch_dir: Path | None = None) -> tuple:
     """(train, {validation split: dataset}, the hub commit or None) as `datasets.Dataset`s of documents: the
     --validation_file sets where given (beside any source, a hub dataset's too), else the source's own validation
     split ({} when it has none: the preparer may hold some training documents out).

@@ -9,7 +9,8 @@ import random
 import sys
 from functools import partial
 from pathlib import Path
-from typing import Any, Optional, Sequence
+from typing import Any
+from collections.abc import Sequence
 
 from scaletrain import (
     agreement,
@@ -75,22 +76,22 @@ class Run:
         self._zero3_keepalive: Any = None
         self._shm_allreduce: Any = None  # ds_internals.ShmAllReduce where --cpu_shm_allreduce is in use
         self.stores: list = []
-        self.train_blocks: Optional[PackedBlocks] = None
+        self.train_blocks: PackedBlocks | None = None
         self.eval_sets: dict = {}  # {validation split: EvalBatches}
-        self.order: Optional[GlobalOrder] = None
-        self.schedule: Optional[LRSchedule] = None
+        self.order: GlobalOrder | None = None
+        self.schedule: LRSchedule | None = None
         self.engine: Any = None
         self.pipeline_loss: Any = None  # the pipe engine's loss_fn, under pipeline parallelism
-        self.pipeline_step: Optional[PipelineStep] = None
+        self.pipeline_step: PipelineStep | None = None
         self.comm_log: Any = None  # --comms_log
-        self.metrics: Optional[MetricsLogger] = None
+        self.metrics: MetricsLogger | None = None
         self.state = TrainState(world_size=dist.dp_world_size)
         self._record_layout()
         self.preemption = PreemptionFlag()
-        self.guard: Optional[NonFiniteGuard] = None
+        self.guard: NonFiniteGuard | None = None
 
     @classmethod
-    def from_flags(cls, argv: Optional[Sequence[str]], dist: DistInfo) -> "Run":
+    def from_flags(cls, argv: Sequence[str] | None, dist: DistInfo) -> Run:
         resolved = resolve_run(argv, dist)
         silence_library_logs()
         return cls(resolved)

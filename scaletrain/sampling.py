@@ -14,7 +14,6 @@ import math
 from dataclasses import dataclass
 from collections.abc import Callable
 from functools import cached_property
-from typing import Optional
 
 import numpy as np
 
@@ -66,7 +65,7 @@ class GlobalOrder:
     start_step: int = 0
     start_samples: int = 0
     # With a ramp-up, `accumulation` is the full batch's and the ramp's steps use fewer micro-batches.
-    ramp: Optional[BatchRamp] = None
+    ramp: BatchRamp | None = None
 
     @property
     def global_batch(self) -> int:
@@ -92,7 +91,7 @@ class GlobalOrder:
                 step += 1
             samples = segment.consumed_before(step)
 
-    def segment(self, step: int) -> "GlobalOrder":
+    def segment(self, step: int) -> GlobalOrder:
         """The constant-batch order that holds step `step` (the order itself without a ramp-up)."""
         if self.ramp is None:
             return self
@@ -149,7 +148,7 @@ class GlobalOrder:
             remaining -= part
         return steps + math.ceil(round(remaining * self.steps_per_epoch, 9))
 
-    def global_batch_indices(self, step: int, permutation: Optional[np.ndarray] = None) -> np.ndarray:
+    def global_batch_indices(self, step: int, permutation: np.ndarray | None = None) -> np.ndarray:
         """Block indices of optimizer step `step` (0-based), padded with EMPTY_SLOT to the step's global batch."""
         epoch, lo = self.position(step)
         perm = self.epoch_permutation(epoch) if permutation is None else permutation
@@ -170,14 +169,14 @@ class StepBatches:
     """Yields, for each optimizer step, this rank's micro-batches and the global count of loss targets."""
 
     def __init__(
-        self, blocks: PackedBlocks, order: GlobalOrder, rank: int, shard: Optional[Callable[[dict], dict]] = None
+        self, blocks: PackedBlocks, order: GlobalOrder, rank: int, shard: Callable[[dict], dict] | None = None
     ):
         self.blocks = blocks
         self.order = order
         self.rank = rank  # the data-parallel rank: which micro-batches of each global batch
         self.shard = shard  # what this rank keeps of each micro-batch (sequence parallelism), or all of it
         self._epoch = -1
-        self._permutation: Optional[np.ndarray] = None
+        self._permutation: np.ndarray | None = None
 
     def _global_indices(self, step: int) -> np.ndarray:
         epoch, _ = self.order.position(step)

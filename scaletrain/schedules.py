@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Optional
 
 
 @dataclass(frozen=True)
@@ -56,7 +55,7 @@ def warmup_steps_for(total_steps: int, warmup_steps: int, warmup_ratio: float) -
 SCHEDULE_KEYS = ("lr_scheduler_type", "total_steps", "warmup_steps", "min_lr_ratio", "decay_ratio", "learning_rate")
 
 
-def schedule_of_run(run_config: dict) -> Optional[LRSchedule]:
+def schedule_of_run(run_config: dict) -> LRSchedule | None:
     """The schedule a run followed, from its run_config.json (whose "total_steps" and "warmup_steps" are the
     resolved numbers); None for a file that lacks one of them."""
     if any(key not in run_config for key in SCHEDULE_KEYS):
@@ -84,7 +83,7 @@ def _describe(schedule: LRSchedule, peak_lr: float, other: LRSchedule, other_pea
 
 def describe_schedule_change(
     previous: dict, schedule: LRSchedule, peak_lr: float, step: int, skipped_steps: int = 0
-) -> Optional[str]:
+) -> str | None:
     """The warning for a run resumed at `step` with another schedule (or peak LR) than the run_config.json
     `previous` of the run it continues (its peak: "peak_lr" where the reader added the resolved one, else
     "learning_rate"): both schedules and the LR each gives at that step. None when the curve is the same (a

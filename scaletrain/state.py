@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
-from typing import Optional
 
 
 @dataclass
@@ -13,16 +12,16 @@ class TrainState:
     tokens_seen: int = 0  # loss targets trained on, globally (padding excluded)
     skipped_steps: int = 0  # updates not applied: non-finite loss or gradient norm, loss spike, fp16 overflow
     consecutive_skips: int = 0  # skips in a row, for --max_consecutive_skips
-    loss_mean: Optional[float] = None  # running mean of the applied steps' losses, for --loss_spike_factor
+    loss_mean: float | None = None  # running mean of the applied steps' losses, for --loss_spike_factor
     loss_mean_steps: int = 0  # how many applied steps the running mean has seen
     data_offset: int = 0  # data steps jumped over by rollbacks: step s trains on the batch of data step s + offset
     world_size: int = 0  # data-parallel ranks that produced this state (a resume must match it)
     tensor_parallel_size: int = 1  # the tensor-parallel size that produced it (another one reshards)
     sequence_parallel_size: int = 1  # likewise the sequence-parallel size
     pipeline_parallel_size: int = 1  # the pipeline stages (a resume must match: layer files do not reshard)
-    zero_stage: Optional[int] = None  # the ZeRO stage that produced it (None: a checkpoint from before it was kept)
-    offload: Optional[str] = None  # "optimizer=<device>,param=<device>" of that run (another one converts)
-    wandb_run_id: Optional[str] = None  # so a resumed run continues the same wandb run
+    zero_stage: int | None = None  # the ZeRO stage that produced it (None: a checkpoint from before it was kept)
+    offload: str | None = None  # "optimizer=<device>,param=<device>" of that run (another one converts)
+    wandb_run_id: str | None = None  # so a resumed run continues the same wandb run
 
     def state_dict(self) -> dict:
         return asdict(self)

@@ -13,7 +13,7 @@ import shutil
 import time
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Iterator, Optional
+from collections.abc import Iterator
 
 from scaletrain.config import DataArgs, OptimArgs
 from scaletrain.errors import PreparerDied, TokenStoreFailed, UsageError
@@ -28,7 +28,7 @@ STORE_CACHE_ENV = "SCALETRAIN_CACHE"
 DEFAULT_SEED = OptimArgs.__dataclass_fields__["seed"].default
 
 
-def held_out_rule(data: DataArgs, seed: int) -> Optional[dict]:
+def held_out_rule(data: DataArgs, seed: int) -> dict | None:
     """What decides the validation documents drawn from the training split, or None where none are drawn (a
     validation file is given, or --validation_split_percentage 0). A hub dataset may bring its own split: the rule
     is kept for it all the same, as which applies is known only once it is loaded."""
@@ -122,7 +122,7 @@ def prepare_token_store(
     tokenizer_dir: str,
     block_size: int,
     store: Path,
-    num_proc: Optional[int],
+    num_proc: int | None,
     show_progress: bool = True,
     seed: int = DEFAULT_SEED,
 ) -> Path:
@@ -132,7 +132,7 @@ def prepare_token_store(
         return _prepare(data, tokenizer, tokenizer_dir, fingerprint, store, num_proc, show_progress, seed)
 
 
-def reusable_store(store: Path, fingerprint) -> Optional[dict]:
+def reusable_store(store: Path, fingerprint) -> dict | None:
     """The manifest of the store at `store` when it was made from the same input (reuse it); None when there is no
     store yet. A store from other input, or a folder that is not a store, is refused: nothing there is touched."""
     from scaletrain.tokenstore import MANIFEST, read_manifest
@@ -160,7 +160,7 @@ def _prepare(
     tokenizer_dir: str,
     fingerprint,
     store: Path,
-    num_proc: Optional[int],
+    num_proc: int | None,
     show_progress: bool,
     seed: int,
 ) -> Path:
@@ -229,7 +229,7 @@ def launch_identity() -> str:
     )
 
 
-def _read_failure(path: Path) -> Optional[dict]:
+def _read_failure(path: Path) -> dict | None:
     try:
         return json.loads(path.read_text())
     except (OSError, ValueError):  # none, or caught half-written: look again at the next poll
@@ -314,7 +314,7 @@ def ensure_token_store(
     return store
 
 
-def _preparer_gone(record: Path) -> Optional[int]:
+def _preparer_gone(record: Path) -> int | None:
     """The pid of this launch's preparer when it no longer holds its lock (it ended), else None. A record of
     another launch (a preparer not yet started, or another job's on this host) says nothing about ours."""
     import fcntl

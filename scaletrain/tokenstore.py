@@ -25,7 +25,7 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator, Optional
+from collections.abc import Iterator
 
 import numpy as np
 
@@ -58,7 +58,7 @@ def tokenizer_hash(tokenizer) -> str:
 
 
 def source_identity(
-    files: Optional[dict], dataset_name: Optional[str], dataset_config: Optional[str], revision: Optional[str] = None
+    files: dict | None, dataset_name: str | None, dataset_config: str | None, revision: str | None = None
 ) -> dict:
     """Local files (or a local dataset folder's) by path, size and modification time; a save_to_disk folder by its
     Arrow files; a hub dataset by name, config and revision.
@@ -110,7 +110,7 @@ class Fingerprint:
     tokenizer_sha256: str
     block_size: int
     text_column: str
-    held_out: Optional[dict]  # how validation is drawn from the training documents (percentage, max_tokens, seed)
+    held_out: dict | None  # how validation is drawn from the training documents (percentage, max_tokens, seed)
     packing: str = PACKING
     format_version: int = FORMAT_VERSION
 
@@ -168,7 +168,7 @@ def read_manifest(store: Path) -> dict:
     return manifest
 
 
-def open_store(store: Path, expected: Optional[Fingerprint] = None) -> dict:
+def open_store(store: Path, expected: Fingerprint | None = None) -> dict:
     """Open every split of a store as memmaps, after checking its manifest and file sizes."""
     manifest = read_manifest(store)
     if expected is not None:
@@ -212,7 +212,7 @@ def open_store(store: Path, expected: Optional[Fingerprint] = None) -> dict:
 _WORKER: dict = {}
 
 
-def _init_worker(tokenizer_file: str, eos: int, dtype: str, add_special: bool, parent_pid: Optional[int]) -> None:
+def _init_worker(tokenizer_file: str, eos: int, dtype: str, add_special: bool, parent_pid: int | None) -> None:
     """Load the Rust tokenizer alone, from its JSON (no transformers import per worker: seconds saved). In a worker
     process (`parent_pid` given): one tokenizer thread, and the worker dies with the process that started it."""
     from tokenizers import Tokenizer
@@ -377,7 +377,7 @@ def _write_split(
     batch_size: int,
     encode,
     show_progress: bool,
-    max_tokens: Optional[int] = None,
+    max_tokens: int | None = None,
 ) -> dict:
     """Tokenize `ds` into `split`'s files; with max_tokens, only its first documents up to that many tokens (at least
     one document), and the rest is not read."""
@@ -423,7 +423,7 @@ class HeldOut:
 
     order: np.ndarray  # a permutation of the training split's document indices
     documents: int
-    max_tokens: Optional[int]
+    max_tokens: int | None
 
 
 def _write_held_out(
@@ -459,9 +459,9 @@ def write_store(
     num_proc: int,
     show_progress: bool = True,
     batch_size: int = 1000,
-    content_sha256: Optional[dict] = None,
-    held_out: Optional[HeldOut] = None,
-    source_revision: Optional[str] = None,
+    content_sha256: dict | None = None,
+    held_out: HeldOut | None = None,
+    source_revision: str | None = None,
 ) -> Path:
     """Tokenize every split into `store`, atomically: a temporary folder renamed into place when complete. With
     `held_out`, the validation split is drawn from splits["train"] first."""

@@ -53,7 +53,6 @@ import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Optional
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
@@ -120,25 +119,25 @@ class Spec:
     what: str
     kind: str  # "ops", "plan", "train" or "hf"
     args: tuple = ()
-    steps: Optional[int] = None
-    plan_key: Optional[tuple] = None  # (ZeRO stage, checkpointing) of the plan figure to hold the peak against
-    unavailable: Optional[str] = None  # why it cannot run here (the row's status)
+    steps: int | None = None
+    plan_key: tuple | None = None  # (ZeRO stage, checkpointing) of the plan figure to hold the peak against
+    unavailable: str | None = None  # why it cannot run here (the row's status)
 
 
 @dataclass
 class Row:
     run: str
     what: str
-    steps: Optional[int] = None
-    tokens_per_s: Optional[float] = None
-    mfu: Optional[float] = None
-    peak_gb: Optional[float] = None
-    planned_gb: Optional[float] = None
+    steps: int | None = None
+    tokens_per_s: float | None = None
+    mfu: float | None = None
+    peak_gb: float | None = None
+    planned_gb: float | None = None
     checks: list = field(default_factory=list)
     status: str = "not run"
-    seconds: Optional[float] = None
+    seconds: float | None = None
     losses: list = field(default_factory=list)
-    log: Optional[str] = None
+    log: str | None = None
 
     def fail_check(self, text: str) -> None:
         self.checks.append(text)
@@ -285,7 +284,7 @@ def fp32_config(work: Path) -> Path:
     return path
 
 
-def launch(cmd: list, log: Path, env: dict, timeout: float) -> Optional[str]:
+def launch(cmd: list, log: Path, env: dict, timeout: float) -> str | None:
     """Run `cmd` with its output in `log`; None when it exits 0, else why not."""
     with log.open("w") as out:
         try:
@@ -387,7 +386,7 @@ def parse_plan(text: str) -> dict:
     return planned
 
 
-def run_hf(spec: Spec, setup: Setup, work: Path, env: dict, timeout: float, row: Row) -> Optional[float]:
+def run_hf(spec: Spec, setup: Setup, work: Path, env: dict, timeout: float, row: Row) -> float | None:
     """compare_hf_trainer.py's throughput measure on the check's model and batch; the train.py / HF ratio."""
     figures = work / "hf.json"
     cmd = [
@@ -469,7 +468,7 @@ def loss_check(losses: list, reference: list, rtol: float = LOSS_RTOL) -> tuple:
     )
 
 
-def memory_check(peak_gb: Optional[float], planned_gb: Optional[float], margin: float = MEMORY_MARGIN) -> tuple:
+def memory_check(peak_gb: float | None, planned_gb: float | None, margin: float = MEMORY_MARGIN) -> tuple:
     """(passed, text): the measured peak at most `margin` above the plan; (True, '') when either is missing."""
     if peak_gb is None or planned_gb is None:
         return True, ""
@@ -477,7 +476,7 @@ def memory_check(peak_gb: Optional[float], planned_gb: Optional[float], margin: 
     return passed, (f"peak/plan {peak_gb / planned_gb:.2f} {'<=' if passed else '>'} {1 + margin:g}")
 
 
-def apply_checks(rows: dict, specs_by_name: dict, planned: dict, reference: Optional[list]) -> None:
+def apply_checks(rows: dict, specs_by_name: dict, planned: dict, reference: list | None) -> None:
     """The loss check on the ZeRO runs against fp32_ref, and the memory check on every run with a plan figure."""
     for name, row in rows.items():
         if row.status != OK:
@@ -495,7 +494,7 @@ def apply_checks(rows: dict, specs_by_name: dict, planned: dict, reference: Opti
             _record(row, *qlora_memory_check(row.peak_gb, rows["zero3"].peak_gb))
 
 
-def qlora_memory_check(qlora_gb: Optional[float], zero3_gb: Optional[float]) -> tuple:
+def qlora_memory_check(qlora_gb: float | None, zero3_gb: float | None) -> tuple:
     """(passed, text): QLoRA's peak below the full ZeRO-3 run's on the same model and batch; (True, '') when either
     is missing (a CPU, or zero3 not run)."""
     if qlora_gb is None or zero3_gb is None:

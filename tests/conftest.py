@@ -10,7 +10,7 @@ import sys
 import time
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Iterator, Optional
+from collections.abc import Iterator
 
 import pytest
 
@@ -81,7 +81,7 @@ def launch(
     nprocs: int = 1,
     cwd: Path = REPO,
     timeout: int = 900,
-    env: Optional[dict] = None,
+    env: dict | None = None,
 ) -> subprocess.CompletedProcess:
     """Run `script` with `args` under 'deepspeed', 'torchrun' or 'python'; return the finished process."""
     if launcher == "deepspeed":

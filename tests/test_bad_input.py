@@ -13,7 +13,6 @@ import re
 import shutil
 import traceback
 from pathlib import Path
-from typing import Optional
 
 import pytest
 
@@ -433,7 +432,7 @@ def test_bad_input_is_one_line_exit_2_and_touches_nothing(name, tmp_path, offlin
 
 
 def assert_refused(
-    name: str, argv: list, out: Path, capsys, culprit: str, expected: str, hint: Optional[str] = None
+    name: str, argv: list, out: Path, capsys, culprit: str, expected: str, hint: str | None = None
 ) -> None:
     """train.py's main on `argv` exits 2 with one error line naming `culprit` and holding `expected` (then the
     `hint` line, where given), no traceback, and `out` untouched."""

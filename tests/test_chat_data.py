@@ -88,7 +88,7 @@ def family_tokenizer(name: str):
     return tokenizer
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def family(name: str):
     tokenizer = family_tokenizer(name)
     return tokenizer, load_chat_template(tokenizer, str(TEMPLATES / f"{name}.jinja"))

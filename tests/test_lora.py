@@ -10,7 +10,6 @@ from __future__ import annotations
 import subprocess
 import sys
 from pathlib import Path
-from typing import Optional
 
 import pytest
 import torch
@@ -133,7 +132,7 @@ def test_use_peft_needs_a_pretrained_model(tmp_path, capsys):
     assert not (tmp_path / "out").exists()
 
 
-def fake_checkpoint(run_dir: Path, base: Path, adapter, base_identity: Optional[dict] = None) -> None:
+def fake_checkpoint(run_dir: Path, base: Path, adapter, base_identity: dict | None = None) -> None:
     """A committed checkpoint folder whose train state says it was saved with `adapter` (and, when given, on the
     base `base_identity`): the resume check reads only that, before anything is built."""
     import json

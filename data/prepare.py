@@ -18,7 +18,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from scaletrain.config import DataArgs, ModelArgs, OptimArgs, _Parser, add_flags, slices_from  # noqa: E402
+from scaletrain.config.core import DataArgs, ModelArgs, OptimArgs, _Parser, add_flags, slices_from  # noqa: E402
 from scaletrain.errors import PrepareError, UsageError  # noqa: E402
 from scaletrain.logs import setup_logging, silence_library_logs  # noqa: E402
 
@@ -74,10 +74,10 @@ def main(argv=None) -> int:
     setup_logging(0)
     try:
         data, model, seed, store = parse(argv)
-        from scaletrain.model import load_model_config, load_tokenizer, max_positions
-        from scaletrain.raw_data import check_data_files
-        from scaletrain.store_prep import prepare_token_store
-        from scaletrain.chat_store import prepare_chat_store, resolve_chat_data
+        from scaletrain.model.build import load_model_config, load_tokenizer, max_positions
+        from scaletrain.data.raw import check_data_files
+        from scaletrain.data.preparation import prepare_token_store
+        from scaletrain.data.chat_store import prepare_chat_store, resolve_chat_data
 
         silence_library_logs()
         tokenizer = load_tokenizer(model)

@@ -8,7 +8,7 @@ launch.py SIGTERMs the ranks one by one, SIGKILLs each after 30 s and exits 1 ev
 Here a SIGTERM or SIGUSR1 to the launcher becomes SIGUSR1 to each rank process (the children of DeepSpeed's
 launch.py on this host), repeated every RELAY_INTERVAL_S until the run ends, so a rank still starting up (whose
 handler is not installed yet and which ignores SIGUSR1 meanwhile) gets it once it is. The ranks agree, save and
-exit 85 as for a signal of their own (scaletrain.faults). DeepSpeed's launcher runs in a session of its own and
+exit 85 as for a signal of their own (train/preemption.py). DeepSpeed's launcher runs in a session of its own and
 ignores SIGUSR1, so no signal meant for the job reaches it through this process's group; SIGINT (Ctrl-C) is passed
 to that session as a terminal would have, and stops the run as before.
 
@@ -32,7 +32,7 @@ from pathlib import Path
 import psutil
 
 from scaletrain.errors import SAVED_REQUEUE_EXIT_CODE
-from scaletrain.faults import PREEMPTION_RECORD_ENV, RANK_PREEMPTION_SIGNAL
+from scaletrain.train.preemption import PREEMPTION_RECORD_ENV, RANK_PREEMPTION_SIGNAL
 
 log = logging.getLogger("scaletrain.launcher")
 RELAY_INTERVAL_S = 5.0

@@ -16,20 +16,26 @@ from pathlib import Path
 from typing import Any
 from collections.abc import Sequence
 
-from scaletrain.checkpoint import check_resumable, offload_setting, read_train_state, resolve_resume, saved_zero_stage
-from scaletrain.config import DataArgs, ModelArgs, RunConfig, explain_run_config, parse_run_config
+from scaletrain.checkpoint.core import (
+    check_resumable,
+    offload_setting,
+    read_train_state,
+    resolve_resume,
+    saved_zero_stage,
+)
+from scaletrain.config.core import DataArgs, ModelArgs, RunConfig, explain_run_config, parse_run_config
 from scaletrain.errors import UsageError
-from scaletrain.raw_data import check_data_files
-from scaletrain.chat_store import resolve_chat_data
-from scaletrain import distributed
-from scaletrain.distributed import DistInfo
-from scaletrain.dsconfig import HardwareFacts, ResolvedDSConfig, load_ds_config, resolve_ds_config
-from scaletrain.engine import check_compile, compile_requested
-from scaletrain.flops import ModelFlops, model_flops
-from scaletrain.generation import load_eval_prompts
-from scaletrain.lora import base_identity, check_lora, describe as describe_adapter
-from scaletrain.qlora import check_qlora
-from scaletrain.layout import (
+from scaletrain.data.raw import check_data_files
+from scaletrain.data.chat_store import resolve_chat_data
+from scaletrain.distributed import world as distributed
+from scaletrain.distributed.world import DistInfo
+from scaletrain.config.deepspeed_json import HardwareFacts, ResolvedDSConfig, load_ds_config, resolve_ds_config
+from scaletrain.engine.initialize import check_compile, compile_requested
+from scaletrain.observability.flops import ModelFlops, model_flops
+from scaletrain.observability.eval_prompts import load_eval_prompts
+from scaletrain.model.lora import base_identity, check_lora, describe as describe_adapter
+from scaletrain.model.qlora import check_qlora
+from scaletrain.distributed.layout import (
     apply_layout,
     check_model_layout,
     check_pipeline_run,
@@ -38,11 +44,17 @@ from scaletrain.layout import (
     describe_layout,
     resolve_layout,
 )
-from scaletrain.pipeline import check_pipeline_model
-from scaletrain.moe import resolve_router_loss
-from scaletrain.publish import check_push_target
-from scaletrain.metrics import METRICS_FILE, read_records
-from scaletrain.model import check_attention_isolation, load_model_config, load_tokenizer, max_positions, meta_model
+from scaletrain.distributed.pipeline import check_pipeline_model
+from scaletrain.model.moe import resolve_router_loss
+from scaletrain.checkpoint.publish import check_push_target
+from scaletrain.observability.metrics import METRICS_FILE, read_records
+from scaletrain.model.build import (
+    check_attention_isolation,
+    load_model_config,
+    load_tokenizer,
+    max_positions,
+    meta_model,
+)
 
 log = logging.getLogger(__name__)
 RUN_CONFIG_FILE = "run_config.json"
@@ -69,9 +81,13 @@ class ResolvedRun:
     reshard: bool = False  # the checkpoint loads through a universal one (other ranks, layout or offload)
     model_shape: Any = None  # --plan: the memory planner's view of the model (memory_planner.ModelShape)
     previous_run_config: dict | None = None  # run_config.json of the run being resumed, where there is one
-    router_loss: Any = None  # a mixture-of-experts model's load-balancing loss (scaletrain.moe.RouterLoss) or None
-    eval_prompts: Any = None  # --eval_prompts read and tokenized (scaletrain.generation.EvalPrompts) or None
-    chat: Any = None  # chat data (scaletrain.chat_store.ChatData): its template and loss mode, or None for text
+    router_loss: Any = (
+        None  # a mixture-of-experts model's load-balancing loss (scaletrain.model.moe.RouterLoss) or None
+    )
+    eval_prompts: Any = (
+        None  # --eval_prompts read and tokenized (scaletrain.observability.eval_prompts.EvalPrompts) or None
+    )
+    chat: Any = None  # chat data (scaletrain.data.chat_store.ChatData): its template and loss mode, or None for text
 
 
 def hardware_facts() -> HardwareFacts:
@@ -93,7 +109,7 @@ def _hidden_size(model_config) -> int:
 
 def _check_stores(data: DataArgs, tokenizer_source: str, tokenizer) -> int | None:
     """Prepared stores must have been made with this run's tokenizer and one block size. Returns that size."""
-    from scaletrain.tokenstore import read_manifest, tokenizer_hash
+    from scaletrain.data.token_store import read_manifest, tokenizer_hash
 
     sizes = set()
     flag = data.store_flag
@@ -414,7 +430,7 @@ def resolve_run(argv: Sequence[str] | None, dist: DistInfo) -> ResolvedRun:
         _check_disk_space(cfg.run.output_dir, model_facts["n_params"], ds.precision, adapter, cfg.peft.merge_lora)
     model_shape = None
     if cfg.planning.plan:
-        from scaletrain import memory_planner
+        from scaletrain.observability import memory_planner
 
         model_shape = memory_planner.ModelShape.from_meta_model(skeleton, model_config)
     return ResolvedRun(
@@ -442,7 +458,7 @@ def _trained_model(cfg: RunConfig, skeleton, model_config):
     """The meta model as it trains: with --use_peft, the base frozen and the adapter added (FLOPs, disk space)."""
     if not cfg.peft.use_peft:
         return skeleton
-    from scaletrain.lora import meta_lora_model
+    from scaletrain.model.lora import meta_lora_model
 
     return meta_lora_model(model_config, cfg.peft, cfg.model.model_name_or_path, cfg.model.trust_remote_code)
 
@@ -505,7 +521,7 @@ def write_run_folder(resolved: ResolvedRun, extra: dict, dist: DistInfo) -> None
 
 def print_memory_plan(resolved: ResolvedRun) -> None:
     """--plan: the memory table for each ZeRO stage and offload option, and the recommended config."""
-    from scaletrain import memory_planner
+    from scaletrain.observability import memory_planner
 
     planning, optim, engine = resolved.cfg.planning, resolved.cfg.optim, resolved.cfg.engine
     shape = resolved.model_shape  # from the meta model resolve_run built

@@ -12,31 +12,30 @@ from pathlib import Path
 from typing import Any
 from collections.abc import Sequence
 
-from scaletrain import (
-    agreement,
-    checkpoint,
-    distributed,
-    engine as engine_lib,
-    lora,
-    model as model_lib,
-    moe,
-    pipeline,
-    publish,
-    qlora,
-    sequence_parallel,
-    store_prep,
-    tokenstore,
-)
-from scaletrain import chat_store, packing
-from scaletrain.blocks import EvalBatches, MixedBlocks, PackedBlocks, eval_batches
-from scaletrain.config import VALIDATION_SPLIT, eval_metric_prefix
+from scaletrain.distributed import agreement
+from scaletrain.checkpoint import core as checkpoint
+from scaletrain.distributed import world as distributed
+from scaletrain.engine import initialize as engine_lib
+from scaletrain.model import lora
+from scaletrain.model import build as model_lib
+from scaletrain.model import moe
+from scaletrain.distributed import pipeline
+from scaletrain.checkpoint import publish
+from scaletrain.model import qlora
+from scaletrain.distributed import sequence_parallel
+from scaletrain.data import preparation as store_prep
+from scaletrain.data import token_store as tokenstore
+from scaletrain.data import chat_store
+from scaletrain.data import packing
+from scaletrain.data.blocks import EvalBatches, MixedBlocks, PackedBlocks, eval_batches
+from scaletrain.config.core import VALIDATION_SPLIT, eval_metric_prefix
 from scaletrain.errors import NonFiniteStop, RunEnded, UsageError
-from scaletrain.distributed import DistInfo
+from scaletrain.distributed.world import DistInfo
 from scaletrain.logs import silence_library_logs
-from scaletrain.loop import LoopHooks, LoopSettings, PipelineStep, evaluate_sets, train_loop
-from scaletrain.flops import peak_tflops
-from scaletrain.generation import generate_samples
-from scaletrain.metrics import MetricsLogger, StepProfiler, ThroughputModel
+from scaletrain.train.loop import LoopHooks, LoopSettings, PipelineStep, evaluate_sets, train_loop
+from scaletrain.observability.flops import peak_tflops
+from scaletrain.observability.eval_prompts import generate_samples
+from scaletrain.observability.metrics import MetricsLogger, StepProfiler, ThroughputModel
 from scaletrain.preflight import (
     RUN_CONFIG_FILE,
     ResolvedRun,
@@ -48,12 +47,12 @@ from scaletrain.preflight import (
     resume_elsewhere,
     write_run_folder,
 )
-from scaletrain.sampling import BatchRamp, GlobalOrder, StepBatches
-from scaletrain.schedules import LRSchedule, describe_schedule_change, restart_schedule, warmup_steps_for
-from scaletrain.faults import PreemptionFlag
-from scaletrain.nonfinite import NonFiniteGuard, NonFinitePolicy
-from scaletrain.ds_internals import SkipSwitch
-from scaletrain.state import TrainState
+from scaletrain.data.sampling import BatchRamp, GlobalOrder, StepBatches
+from scaletrain.engine.schedules import LRSchedule, describe_schedule_change, restart_schedule, warmup_steps_for
+from scaletrain.train.preemption import PreemptionFlag
+from scaletrain.train.nonfinite import NonFiniteGuard, NonFinitePolicy
+from scaletrain.engine.ds_internals import SkipSwitch
+from scaletrain.train.state import TrainState
 
 log = logging.getLogger(__name__)
 
@@ -331,14 +330,14 @@ class Run:
         if self.pipeline_loss is not None:
             self.pipeline_step = PipelineStep(self.engine, self.pipeline_loss)
         else:  # after deepspeed.initialize (tensor parallelism may replace the head), before compile
-            from scaletrain.chunked_loss import install_chunked_loss
+            from scaletrain.model.chunked_loss import install_chunked_loss
 
             install_chunked_loss(self.engine.module, self.cfg.model.loss_chunk_size)
         engine_args = self.cfg.engine
         if engine_lib.compile_requested(engine_args.torch_compile, self.resolved.ds.config):
             engine_lib.compile_engine(self.engine, engine_args.torch_compile_backend, engine_args.torch_compile_mode)
         if self.cfg.logging.comms_log:  # from here on: the engine's start-up broadcasts are not training's
-            from scaletrain.comm_log import CommLog
+            from scaletrain.observability.comms_log import CommLog
 
             self.comm_log = CommLog()
         # From here a SIGUSR1/SIGTERM becomes a checkpoint at the next step boundary instead of a lost run.

@@ -95,9 +95,9 @@ def run_recipe(corpus: Path, tokenizer_dir: Path, block_size: int, num_proc: int
 
 
 def run_store(corpus: Path, tokenizer_dir: Path, block_size: int, num_proc: int, out: Path) -> tuple:
-    from scaletrain.config import DataArgs
-    from scaletrain.store_prep import prepare_token_store
-    from scaletrain.tokenstore import open_store
+    from scaletrain.config.core import DataArgs
+    from scaletrain.data.preparation import prepare_token_store
+    from scaletrain.data.token_store import open_store
     from transformers import AutoTokenizer
 
     os.environ["HF_DATASETS_CACHE"] = str(out / "hf_cache")

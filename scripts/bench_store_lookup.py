@@ -29,8 +29,8 @@ def main() -> None:
 
     from transformers import AutoTokenizer
 
-    from scaletrain.config import parse_run_config
-    from scaletrain.store_prep import default_store_path, store_fingerprint
+    from scaletrain.config.core import parse_run_config
+    from scaletrain.data.preparation import default_store_path, store_fingerprint
 
     with tempfile.TemporaryDirectory() as tmp:
         corpus = Path(tmp) / "corpus.jsonl"

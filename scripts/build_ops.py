@@ -19,7 +19,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from scaletrain import ops  # noqa: E402
+from scaletrain.engine import ops  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 

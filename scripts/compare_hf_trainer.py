@@ -60,7 +60,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from data.build_tiny_llama import tiny_llama_variant  # noqa: E402
-from scaletrain.distributed import free_port  # noqa: E402
+from scaletrain.distributed.world import free_port  # noqa: E402
 from scripts.bench_overhead import BIN, bench_model, steady_rate  # noqa: E402
 
 TINY_VOCAB = 4096  # data/tiny-llama's tokenizer; a larger model vocabulary simply has unused rows

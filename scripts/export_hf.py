@@ -3,7 +3,8 @@
     python scripts/export_hf.py runs/default/checkpoints/step300 exported/ [--dtype bfloat16]
 
 Writes safetensors shards (with an index when sharded), config.json, the tokenizer, generation_config.json and a
-model card (scaletrain.publish); --push_to_hub owner/name then uploads the folder. A LoRA checkpoint (--use_peft)
+model card (scaletrain/checkpoint/publish.py);
+--push_to_hub owner/name then uploads the folder. A LoRA checkpoint (--use_peft)
 exports its adapter folder instead of the weights, and with --merge_lora also the merged model in <out_dir>/merged.
 The fp32 master weights are read from the ZeRO shards lazily and written shard by shard (DeepSpeed's converter in
 lazy mode), so the whole model is never held twice in memory. A pipeline-parallel checkpoint is read from its
@@ -19,11 +20,11 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from scaletrain.checkpoint import committed_step, export_pipeline_checkpoint, read_train_state, verify  # noqa: E402
-from scaletrain.config import DEFAULT_MODEL_DIR, UsageError  # noqa: E402
-from scaletrain.lora import merged_dir, peft_args_of  # noqa: E402
-from scaletrain.metrics import METRICS_FILE, read_records  # noqa: E402
-from scaletrain.publish import check_push_target, push_to_hub, write_generation_config, write_model_card  # noqa: E402
+from scaletrain.checkpoint.core import committed_step, export_pipeline_checkpoint, read_train_state, verify  # noqa: E402
+from scaletrain.config.core import DEFAULT_MODEL_DIR, UsageError  # noqa: E402
+from scaletrain.model.lora import merged_dir, peft_args_of  # noqa: E402
+from scaletrain.observability.metrics import METRICS_FILE, read_records  # noqa: E402
+from scaletrain.checkpoint.publish import check_push_target, push_to_hub, write_generation_config, write_model_card  # noqa: E402
 
 
 def export_lora(
@@ -42,7 +43,7 @@ def export_lora(
     --merge_lora the merged model in <out>/merged."""
     from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
-    from scaletrain import lora
+    from scaletrain.model import lora
 
     adapter = get_fp32_state_dict_from_zero_checkpoint(str(ckpt.parent), tag=ckpt.name, exclude_frozen_parameters=True)
     model = lora.meta_lora_model(model_config, peft_args, model_source, trust)

@@ -57,7 +57,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from scaletrain.distributed import free_port  # noqa: E402
+from scaletrain.distributed.world import free_port  # noqa: E402
 from scripts.compare_hf_trainer import build_model, common_env, model_shape, n_parameters  # noqa: E402
 from scripts.bench_overhead import BIN  # noqa: E402
 

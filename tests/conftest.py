@@ -14,7 +14,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from scaletrain.distributed import free_port  # the tests' launches take it from here too
+from scaletrain.distributed.world import free_port  # the tests' launches take it from here too
 
 REPO = Path(__file__).resolve().parent.parent
 # DeepSpeed's compiled ops are cached per virtual environment under test: two checkouts (a CI clone and a working

@@ -78,7 +78,7 @@ def error_lines(stderr: str) -> list:
 
 
 def test_disagreement_names_the_first_differing_value():
-    from scaletrain.agreement import disagreement
+    from scaletrain.distributed.agreement import disagreement
 
     def record(rank, host, **facts):
         return {"rank": rank, "host": host, "local_rank": 0, "facts": facts, "error": None}
@@ -157,7 +157,7 @@ UNIVERSAL_WAIT = """
 import os, sys, time
 from pathlib import Path
 import deepspeed
-from scaletrain.checkpoint import ensure_universal
+from scaletrain.checkpoint.core import ensure_universal
 deepspeed.init_distributed(dist_backend="gloo", auto_mpi_discovery=False)
 started = time.monotonic()
 try:

@@ -8,7 +8,7 @@ import functools
 import pytest
 from transformers import AutoTokenizer
 
-from scaletrain.chat_data import (
+from scaletrain.data.chat_render import (
     ChatTemplate,
     check_masks,
     format_sample,

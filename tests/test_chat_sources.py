@@ -22,12 +22,12 @@ import numpy as np
 import pytest
 from transformers import AutoTokenizer
 
-from scaletrain.blocks import IGNORE_INDEX, MixedBlocks
-from scaletrain.chat_store import attach_masks, prepare_chat_store, resolve_chat_data
-from scaletrain.config import parse_run_config
+from scaletrain.data.blocks import IGNORE_INDEX, MixedBlocks
+from scaletrain.data.chat_store import attach_masks, prepare_chat_store, resolve_chat_data
+from scaletrain.config.core import parse_run_config
 from scaletrain.errors import UsageError
-from scaletrain.packing import blocks_for
-from scaletrain.tokenstore import open_store
+from scaletrain.data.packing import blocks_for
+from scaletrain.data.token_store import open_store
 from tests.conftest import REPO, check_ok, launch, read_metrics, subprocess_env
 from tests.test_bad_input import tree_digest
 from tests.test_chat_store import BLOCK, CHAT, CHATS, MISTRAL, TEMPLATES, TINY, by_hand, hand_labels, packed_pieces
@@ -164,7 +164,7 @@ def test_only_global_rank_0_streams_the_first_record_of_a_hub_chat_dataset(tmp_p
     """At 512 ranks, one hub request for the first record, not 512: the other ranks take the kind from the features.
     A first record that rank 0 refuses stops them all at the rendezvous (as a mistake on one node does:
     test_agreement.py), so they need not check it themselves."""
-    from scaletrain.distributed import DistInfo
+    from scaletrain.distributed.world import DistInfo
     from scaletrain.preflight import resolve_run
 
     cache_hub_dataset(offline, [{"messages": [{"role": "robot", "content": "Hi?"}, *CHAT[1:]]}, {"messages": CHAT}])
@@ -263,7 +263,7 @@ def test_without_streaming_the_builders_features_tell_the_kind_of_data(
 def test_chat_columns_read_as_text_get_an_error_that_says_so():
     import datasets
 
-    from scaletrain.raw_data import check_text_column
+    from scaletrain.data.raw import check_text_column
 
     for rows, columns in (
         ([{"messages": CHAT}], "a messages column"),

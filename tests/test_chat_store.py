@@ -17,13 +17,13 @@ import pytest
 import torch
 from transformers import AutoTokenizer
 
-from scaletrain.blocks import EMPTY_SLOT, IGNORE_INDEX
-from scaletrain.chat_store import attach_masks, chat_fingerprint, prepare_chat_store, resolve_chat_data
-from scaletrain.config import parse_run_config
+from scaletrain.data.blocks import EMPTY_SLOT, IGNORE_INDEX
+from scaletrain.data.chat_store import attach_masks, chat_fingerprint, prepare_chat_store, resolve_chat_data
+from scaletrain.config.core import parse_run_config
 from scaletrain.errors import UsageError
-from scaletrain.packing import best_fit_decreasing, blocks_for, pack_examples, print_samples
-from scaletrain.store_prep import default_store_path
-from scaletrain.tokenstore import open_store
+from scaletrain.data.packing import best_fit_decreasing, blocks_for, pack_examples, print_samples
+from scaletrain.data.preparation import default_store_path
+from scaletrain.data.token_store import open_store
 from tests.conftest import REPO, check_ok, launch, read_metrics, subprocess_env
 from tests.test_bad_input import tree_digest
 
@@ -192,7 +192,7 @@ def test_packed_loss_is_each_conversation_alone_on_its_assistant_tokens(attn, mi
     import torch.nn.functional as F
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from scaletrain.loop import token_loss_sum
+    from scaletrain.train.loop import token_loss_sum
 
     data, opened = chat_store(tmp_path, tokenizer)
     blocks = blocks_for(opened, "train", BLOCK, data)
@@ -268,7 +268,7 @@ def test_a_prompt_completion_dataset_trains_the_completion_and_eos_only(tmp_path
 def test_print_samples_shows_the_rendered_examples_with_the_trained_tokens_marked(tmp_path, tokenizer, offline, caplog):
     data, opened = chat_store(tmp_path, tokenizer)
     blocks = blocks_for(opened, "train", BLOCK, data)
-    with caplog.at_level("INFO", logger="scaletrain.packing"):
+    with caplog.at_level("INFO", logger="scaletrain.data.packing"):
         print_samples(blocks, 2, tokenizer)
     shown = [r.getMessage() for r in caplog.records if r.getMessage().startswith("sample ")]
     assert len(shown) == 2
@@ -484,9 +484,9 @@ def test_rendering_workers_give_the_same_store_and_name_a_bad_row(tmp_path, toke
     from 20,000 rows; the test lowers that to 1,024 to stay small.)"""
     import datasets
 
-    from scaletrain import chat_store
-    from scaletrain.chat_store import ChatData, render_split
-    from scaletrain.chat_data import load_chat_template
+    from scaletrain.data import chat_store
+    from scaletrain.data.chat_store import ChatData, render_split
+    from scaletrain.data.chat_render import load_chat_template
 
     monkeypatch.setattr(chat_store, "PARALLEL_MIN_ROWS", 1024)
     min_rows = chat_store.PARALLEL_MIN_ROWS

@@ -1,4 +1,4 @@
-"""The loss through the LM head in chunks (scaletrain/chunked_loss.py, --loss_chunk_size): the same loss and
+"""The loss through the LM head in chunks (scaletrain/model/chunked_loss.py, --loss_chunk_size): the same loss and
 gradients as the whole-logits loss, no tensor the size of the whole logits ever built, evaluation without gradients,
 models whose forward changes the head's output kept on (or stopped before) the whole-logits path, and a real 2-rank
 ZeRO-3 run (the head's weight partitioned) equal to the shared 1-rank reference.
@@ -12,11 +12,16 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from scaletrain.blocks import IGNORE_INDEX
-from scaletrain.chunked_loss import ChunkedCrossEntropy, chunked_loss_head, chunked_token_loss, install_chunked_loss
-from scaletrain.config import parse_run_config
+from scaletrain.data.blocks import IGNORE_INDEX
+from scaletrain.model.chunked_loss import (
+    ChunkedCrossEntropy,
+    chunked_loss_head,
+    chunked_token_loss,
+    install_chunked_loss,
+)
+from scaletrain.config.core import parse_run_config
 from scaletrain.errors import UsageError
-from scaletrain.memory_planner import activation_bytes, auto_loss_chunk
+from scaletrain.observability.memory_planner import activation_bytes, auto_loss_chunk
 from tests.conftest import REPO, check_ok, launch, layout_flags, read_metrics
 from tests.test_tensor_parallel import _assert_matches, _assert_same_export
 
@@ -192,7 +197,7 @@ def test_auto_chunk_keeps_a_chunks_fp32_logits_under_256_mib():
 
 
 def test_the_memory_plan_counts_one_chunk_of_logits():
-    from scaletrain.memory_planner import ModelShape
+    from scaletrain.observability.memory_planner import ModelShape
 
     shape = ModelShape(
         n_params=10**9, largest_layer_params=10**8, layers=16, hidden=2048, intermediate=8192, vocab=128_256, kv_heads=8

@@ -2,7 +2,7 @@
 
 Real collectives on 2 gloo ranks: a known sequence whose per-op logged latencies must add up to (at most) its
 wall-clock time, and DeepSpeed's own figures checked to still be running totals (when an upgrade fixes that, the
-correction in scaletrain/ds_internals.py must go, and this fails). Then train.py --comms_log end to end.
+correction in scaletrain/engine/ds_internals.py must go, and this fails). Then train.py --comms_log end to end.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from scaletrain.comm_log import CollectiveTotals, bandwidth_gbps, totals_by_type
+from scaletrain.observability.comms_log import CollectiveTotals, bandwidth_gbps, totals_by_type
 from tests.conftest import FAST_FLAGS, REPO, check_ok, launch, read_metrics
 
 
@@ -40,7 +40,7 @@ KNOWN_SEQUENCE = """
 import json, sys, time
 sys.path.insert(0, {repo!r})
 import torch, deepspeed.comm as dist
-from scaletrain.distributed import init_distributed, read_launch_env
+from scaletrain.distributed.world import init_distributed, read_launch_env
 init_distributed(read_launch_env())  # the shm all-reduce op loaded under the pipeline's build lock, as in train.py
 from deepspeed.comm.comm import comms_logger
 x = torch.ones(2_000_000)
@@ -63,7 +63,7 @@ raw_logged = list(comms_logger.get_raw_data()["broadcast"].values())[0][1]
 dist.configure(enabled=False)
 comms_logger.reset_data()
 
-from scaletrain.comm_log import CommLog
+from scaletrain.observability.comms_log import CommLog
 comm = CommLog()
 walls = timed(lambda: dist.all_reduce(x), 6)
 metrics = comm.window()
@@ -73,7 +73,7 @@ second = comm.window()
 comm.close()
 json.dump({{"raw_walls": raw_walls, "raw_logged": raw_logged, "walls": walls, "metrics": metrics, "after": after,
            "second": second}}, open({out!r} + f"/rank{{dist.get_rank()}}.json", "w"))
-from scaletrain.distributed import teardown_distributed
+from scaletrain.distributed.world import teardown_distributed
 teardown_distributed(dist.get_rank())  # and its shared-memory all-reduce buffer
 """
 
@@ -137,8 +137,8 @@ def test_comms_log_reports_each_window_and_a_summary(tmp_path, cache_dir):
 
 
 def test_without_the_flag_nothing_is_logged(tmp_path):
-    from scaletrain.config import parse_run_config
+    from scaletrain.config.core import parse_run_config
 
     assert not parse_run_config([]).logging.comms_log
     assert parse_run_config(["--comms_log"]).logging.comms_log
-    assert Path(REPO / "scaletrain" / "comm_log.py").exists()
+    assert Path(REPO / "scaletrain" / "observability" / "comms_log.py").exists()

@@ -9,11 +9,11 @@ import pytest
 import torch
 from transformers import AutoTokenizer
 
-from scaletrain.blocks import EMPTY_SLOT, IGNORE_INDEX, MixedBlocks, PackedBlocks, blocks_from_store, eval_batches
-from scaletrain.config import UsageError, parse_dataset_mix, parse_run_config
-from scaletrain.sampling import GlobalOrder, StepBatches
-from scaletrain.store_prep import prepare_token_store, store_fingerprint
-from scaletrain.tokenstore import open_store
+from scaletrain.data.blocks import EMPTY_SLOT, IGNORE_INDEX, MixedBlocks, PackedBlocks, blocks_from_store, eval_batches
+from scaletrain.config.core import UsageError, parse_dataset_mix, parse_run_config
+from scaletrain.data.sampling import GlobalOrder, StepBatches
+from scaletrain.data.preparation import prepare_token_store, store_fingerprint
+from scaletrain.data.token_store import open_store
 from tests.conftest import REPO
 
 TINY = REPO / "data" / "tiny-llama"
@@ -112,7 +112,7 @@ def test_store_is_the_same_for_any_number_of_processes(tmp_path, tokenizer, monk
     monkeypatch.setenv("PYTHONPATH", str(REPO))  # spawned tokenizer workers import scaletrain
     cfg = raw_cfg(tmp_path, "--train_file", str(REPO / "data/sample/validation.jsonl"))
     one = open_store(prepare(tmp_path, tokenizer, cfg, "one", num_proc=1))
-    monkeypatch.setattr("scaletrain.tokenstore.MAX_TOKENIZER_THREADS", 1)  # num_proc 2 -> two worker processes
+    monkeypatch.setattr("scaletrain.data.token_store.MAX_TOKENIZER_THREADS", 1)  # num_proc 2 -> two worker processes
     two = open_store(prepare(tmp_path, tokenizer, cfg, "two", num_proc=2))
     assert one["splits"]["train"].tokens.tolist() == two["splits"]["train"].tokens.tolist()
     assert one["splits"]["train"].doc_starts.tolist() == two["splits"]["train"].doc_starts.tolist()
@@ -219,7 +219,7 @@ def test_attention_isolation_matches_each_document_run_alone(attn, micro, tokeni
 
 def test_flash_attention_keeps_documents_apart_only_in_batches_of_one():
     from scaletrain.errors import UsageError
-    from scaletrain.model import check_attention_isolation
+    from scaletrain.model.build import check_attention_isolation
 
     check_attention_isolation("flash_attention_2", True, 1, 1)
     check_attention_isolation("sdpa", True, 8, 8)
@@ -361,8 +361,8 @@ def test_the_cached_store_is_found_by_path_size_and_mtime_and_the_content_hashed
     import hashlib
     import os
 
-    from scaletrain import tokenstore
-    from scaletrain.store_prep import ensure_token_store
+    from scaletrain.data import token_store as tokenstore
+    from scaletrain.data.preparation import ensure_token_store
 
     monkeypatch.setenv("HF_DATASETS_CACHE", str(tmp_path / "cache"))
     monkeypatch.setenv("SCALETRAIN_CACHE", str(tmp_path / "stores"))
@@ -406,7 +406,7 @@ CORPUS = [f"doc{i} " + " ".join(f"w{(i * 13 + j) % 97}" for j in range(5 + i % 1
 def test_held_out_documents_are_drawn_at_random_by_the_seed_and_the_split_is_in_the_fingerprint(
     tmp_path, tokenizer, monkeypatch
 ):
-    from scaletrain.store_prep import default_store_path
+    from scaletrain.data.preparation import default_store_path
 
     monkeypatch.setenv("HF_DATASETS_CACHE", str(tmp_path / "cache"))
     path = tmp_path / "docs.jsonl"
@@ -453,7 +453,7 @@ def test_the_held_out_split_is_capped_in_tokens(num_proc, tmp_path, tokenizer, m
     worker processes, the batches already sent when the cap is reached are dropped, not written."""
     import functools
 
-    from scaletrain import tokenstore
+    from scaletrain.data import token_store as tokenstore
 
     monkeypatch.setenv("HF_DATASETS_CACHE", str(tmp_path / "cache"))
     monkeypatch.setenv("PYTHONPATH", str(REPO))  # spawned tokenizer workers import scaletrain
@@ -546,7 +546,7 @@ def test_a_preparer_killed_half_way_leaves_nothing_the_next_one_does_not_remove(
 
 def test_a_hub_datasets_revision_is_in_the_store_fingerprint(tmp_path, tokenizer):
     """Two revisions of one hub dataset are two stores (the fingerprint is computed without the network)."""
-    from scaletrain.store_prep import default_store_path
+    from scaletrain.data.preparation import default_store_path
 
     def store_for(*revision):
         cfg = raw_cfg(tmp_path, "--dataset_name", "someorg/corpus", *revision)

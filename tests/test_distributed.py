@@ -1,6 +1,6 @@
 """Rank facts from each launcher's environment."""
 
-from scaletrain.distributed import cpu_threads_per_rank, read_launch_env
+from scaletrain.distributed.world import cpu_threads_per_rank, read_launch_env
 
 
 def test_torchrun_and_deepspeed_launcher_env():

@@ -1,6 +1,6 @@
 """Every DeepSpeed internal scaletrain hooks resolves on the pinned DeepSpeed, and a moved one fails loudly.
 
-The slow tests that prove the hooks still *act* are named in scaletrain/ds_internals.py's docstring; these check,
+The slow tests that prove the hooks still *act* are named in scaletrain/engine/ds_internals.py's docstring; these check,
 in-process and fast, that each one is found on the installed DeepSpeed (so an upgrade that moves one fails here
 first) and that a missing one raises DeepSpeedInternalsMoved naming it, instead of an AttributeError mid-run.
 """
@@ -15,8 +15,9 @@ import sys
 
 import pytest
 
-from scaletrain import ds_internals, ops
-from scaletrain.ds_internals import (
+from scaletrain.engine import ds_internals
+from scaletrain.engine import ops
+from scaletrain.engine.ds_internals import (
     CHECKED_DEEPSPEED_VERSIONS,
     CHECKED_TORCH_VERSIONS,
     HOOKS,
@@ -37,7 +38,7 @@ def _class(module: str, name: str):
 def _assert_names(err: pytest.ExceptionInfo, where: str, *also: str, checked=CHECKED_DEEPSPEED_VERSIONS) -> None:
     message = str(err.value)
     assert "\n" not in message
-    for part in (where, *checked, "scaletrain/ds_internals.py", *also):
+    for part in (where, *checked, "scaletrain/engine/ds_internals.py", *also):
         assert part in message, f"{part!r} not in {message!r}"
 
 
@@ -177,7 +178,7 @@ class _EngineStandIn:
 def test_a_skip_the_hook_did_not_make_stops_the_run():
     import torch
 
-    from scaletrain.ds_internals import NonFiniteSkipBroken
+    from scaletrain.engine.ds_internals import NonFiniteSkipBroken
 
     weight = torch.nn.Parameter(torch.ones(2))
     optimizer = torch.optim.SGD([weight], lr=1.0)
@@ -289,6 +290,6 @@ def test_another_deepspeed_version_is_warned_about_once_and_named_in_errors(monk
 
 
 def test_importing_the_module_imports_neither_torch_nor_deepspeed():
-    code = "import sys, scaletrain.ds_internals; print(sorted({'torch', 'deepspeed'} & set(sys.modules)))"
+    code = "import sys, scaletrain.engine.ds_internals; print(sorted({'torch', 'deepspeed'} & set(sys.modules)))"
     out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"

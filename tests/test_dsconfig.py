@@ -4,8 +4,8 @@ import json
 
 import pytest
 
-from scaletrain.config import UsageError, parse_run_config
-from scaletrain.dsconfig import HardwareFacts, load_ds_config, resolve_ds_config
+from scaletrain.config.core import UsageError, parse_run_config
+from scaletrain.config.deepspeed_json import HardwareFacts, load_ds_config, resolve_ds_config
 from tests.conftest import REPO
 
 CPU = HardwareFacts("cpu", bf16_fast=False)
@@ -109,7 +109,7 @@ def test_nvme_path_comes_from_flag_or_env_or_fails_clearly(tmp_path, monkeypatch
 
 
 def test_bucket_sizes_amortise_a_collectives_latency_bounded_by_the_model_and_memory():
-    from scaletrain.dsconfig import LINKS, MAX_BUCKET_ELEMENTS, bucket_elements
+    from scaletrain.config.deepspeed_json import LINKS, MAX_BUCKET_ELEMENTS, bucket_elements
 
     for accelerator, precision, element_bytes in (("cuda", "bf16", 2), ("cuda", "fp32", 4), ("cpu", "fp32", 4)):
         elements, why = bucket_elements(accelerator, precision, None)

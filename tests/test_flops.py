@@ -5,8 +5,8 @@ import dataclasses
 import pytest
 from transformers import AutoConfig
 
-from scaletrain.flops import calibrate_cpu_tflops, model_flops, peak_from_name, peak_tflops
-from scaletrain.model import meta_model
+from scaletrain.observability.flops import calibrate_cpu_tflops, model_flops, peak_from_name, peak_tflops
+from scaletrain.model.build import meta_model
 from tests.conftest import REPO
 
 
@@ -57,8 +57,8 @@ def test_lora_flops_per_token_match_a_counted_training_step():
     from torch.utils.flop_counter import FlopCounterMode
     from transformers import AutoModelForCausalLM
 
-    from scaletrain.config import PeftArgs
-    from scaletrain.lora import apply_lora, meta_lora_model
+    from scaletrain.config.core import PeftArgs
+    from scaletrain.model.lora import apply_lora, meta_lora_model
 
     config = AutoConfig.from_pretrained(REPO / "data" / "tiny-llama")
     args, seq = PeftArgs(use_peft=True, lora_r=16, lora_target_modules="all-linear"), 128

@@ -12,11 +12,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from scaletrain import loop
-from scaletrain.loop import LoopSettings, StepResult, StepTimers, _count_step, _logged
-from scaletrain.metrics import PHASES, LogWindow, PhaseClock
-from scaletrain.nonfinite import NonFiniteGuard, NonFinitePolicy
-from scaletrain.state import TrainState
+from scaletrain.train import loop
+from scaletrain.train.loop import LoopSettings, StepResult, StepTimers, _count_step, _logged
+from scaletrain.observability.metrics import PHASES, LogWindow, PhaseClock
+from scaletrain.train.nonfinite import NonFiniteGuard, NonFinitePolicy
+from scaletrain.train.state import TrainState
 from tests.helpers import inject_nonfinite
 
 
@@ -85,7 +85,7 @@ def test_the_injection_scales_the_loss_only_inside_the_optimizer_step_of_its_dat
     assert list(inspect.signature(step_standin).parameters) == params
     monkeypatch.setattr(loop, "optimizer_step", step_standin)
     monkeypatch.setattr(loop, "token_loss_sum", lambda engine, batch: torch.tensor(2.0))
-    from scaletrain import pipeline
+    from scaletrain.distributed import pipeline
 
     # install() wraps the pipeline's step and loss too: put them back after this test
     monkeypatch.setattr(loop.PipelineStep, "step", loop.PipelineStep.step)
@@ -103,7 +103,7 @@ def test_the_loop_holds_no_test_hook():
     assert "SCALETRAIN_TEST" not in source and "os.environ" not in source
 
 
-@pytest.mark.parametrize("module", ["scaletrain.faults", "scaletrain.loop"])
+@pytest.mark.parametrize("module", ["scaletrain.train.preemption", "scaletrain.train.loop"])
 def test_no_injection_names_remain_in_the_pipeline(module):
     imported = __import__(module, fromlist=["_"])
     assert not hasattr(imported, "injected_loss_factor") and not hasattr(imported, "TEST_INJECT_ENV")

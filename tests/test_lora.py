@@ -139,7 +139,7 @@ def fake_checkpoint(run_dir: Path, base: Path, adapter, base_identity: dict | No
 
     from transformers import AutoConfig
 
-    from scaletrain.model import meta_model
+    from scaletrain.model.build import meta_model
     from scaletrain.preflight import _model_facts
 
     config = AutoConfig.from_pretrained(base)
@@ -211,7 +211,7 @@ BASES = {  # name: (how the base given at resume differs from the one the checkp
 def test_a_lora_checkpoint_resumes_on_the_base_it_was_trained_on_only(name, base_model, tmp_path, capsys):
     """A LoRA checkpoint holds no base: a resume on other base weights is one line, exit 2, nothing touched; the
     same weights elsewhere resume (--print_config: the whole pre-flight, the resume check included)."""
-    from scaletrain.lora import base_identity
+    from scaletrain.model.lora import base_identity
     from train import main
 
     edit, refused = BASES[name]
@@ -258,7 +258,7 @@ def test_a_lora_checkpoint_resumes_on_the_base_it_was_trained_on_only(name, base
 def test_a_base_whose_weights_are_not_on_this_machine_is_told_by_its_name(saved_source, now_source, refused):
     """Where either side's weights are unknown (a hub id not downloaded yet), the names decide."""
     from scaletrain.errors import UsageError
-    from scaletrain.lora import check_same_base
+    from scaletrain.model.lora import check_same_base
 
     saved, now = {"source": saved_source, "weights": "ab" * 16}, {"source": now_source, "weights": None}
     if not refused:
@@ -285,7 +285,7 @@ def check_the_checkpoint_holds_the_adapter_alone(ckpt: Path, base: Path, run_dir
     from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
     from safetensors.torch import load_file
 
-    from scaletrain.checkpoint import FIRST_SAVE_MARGIN, planned_checkpoint_bytes
+    from scaletrain.checkpoint.core import FIRST_SAVE_MARGIN, planned_checkpoint_bytes
 
     saved = get_fp32_state_dict_from_zero_checkpoint(str(ckpt.parent), tag=ckpt.name)  # frozen ones too, if saved
     assert len(saved) == 2 * 7 * 4 and all(".lora_" in k for k in saved), sorted(saved)[:4]  # A, B of 7 x 4 layers
@@ -449,8 +449,8 @@ def test_a_lora_checkpoint_resumes_resharded_on_one_rank_with_its_adapter_and_mo
 
     from safetensors.torch import load_file
 
-    from scaletrain.checkpoint import universal_path
-    from scaletrain.ds_internals import universal_conversion_command
+    from scaletrain.checkpoint.core import universal_path
+    from scaletrain.engine.ds_internals import universal_conversion_command
 
     reference_dir = uninterrupted.run_dir(ds_config)
     source = tmp_path / "saved" / "checkpoints" / f"step{STEPS}"  # a copy: the conversion writes beside it

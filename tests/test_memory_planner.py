@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from scaletrain import memory_planner
+from scaletrain.observability import memory_planner
 from tests.conftest import FAST_FLAGS, REPO, check_ok, launch, subprocess_env
 
 MEMORY_PROBE = REPO / "tests" / "helpers" / "memory_probe.py"
@@ -18,7 +18,7 @@ TINY = REPO / "data" / "tiny-llama"
 def tiny_shape() -> memory_planner.ModelShape:
     from transformers import AutoConfig
 
-    from scaletrain.model import meta_model
+    from scaletrain.model.build import meta_model
 
     config = AutoConfig.from_pretrained(TINY)
     return memory_planner.ModelShape.from_meta_model(meta_model(config, False), config)
@@ -262,7 +262,7 @@ def test_plan_recommends_tensor_parallelism_inside_a_node_before_offload(tmp_pat
     # without ZeRO-3 the open layout goes to tensor parallelism (the smallest size that fits) before any offload
     from transformers import AutoConfig
 
-    from scaletrain.model import meta_model
+    from scaletrain.model.build import meta_model
 
     config = AutoConfig.from_pretrained(model)
     shape = memory_planner.ModelShape.from_meta_model(meta_model(config, False), config)

@@ -8,7 +8,7 @@ import json
 import pytest
 
 from scaletrain.errors import UsageError
-from scaletrain.metrics import _keep_records_up_to, read_records
+from scaletrain.observability.metrics import _keep_records_up_to, read_records
 from tests.conftest import FAST_FLAGS, REPO, check_ok, launch, read_metrics
 
 RECORDS = [{"step": s, "loss": 5.0 - s / 10} for s in (2, 4, 6)]

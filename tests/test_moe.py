@@ -1,4 +1,4 @@
-"""Mixture-of-experts models: the router's load-balancing loss and ZeRO-3 leaf modules (scaletrain/moe.py).
+"""Mixture-of-experts models: the router's load-balancing loss and ZeRO-3 leaf modules (scaletrain/model/moe.py).
 
 In-process, a tiny Mixtral (hidden 32, 2 layers, 4 experts, top-2, the repo's tiny tokenizer): our objective
 (summed cross-entropy x 1 / targets + coef x aux, the loop's scaling at one micro-batch and one rank) equals
@@ -19,12 +19,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from scaletrain.blocks import IGNORE_INDEX
-from scaletrain.chunked_loss import install_chunked_loss
-from scaletrain.config import ModelArgs, ParallelArgs
+from scaletrain.data.blocks import IGNORE_INDEX
+from scaletrain.model.chunked_loss import install_chunked_loss
+from scaletrain.config.core import ModelArgs, ParallelArgs
 from scaletrain.errors import UsageError
-from scaletrain.loop import token_and_router_losses
-from scaletrain.moe import SPARSE_MOE_BLOCKS, expert_count, resolve_router_loss
+from scaletrain.train.loop import token_and_router_losses
+from scaletrain.model.moe import SPARSE_MOE_BLOCKS, expert_count, resolve_router_loss
 from tests.conftest import FAST_FLAGS, REPO, check_ok, launch, read_metrics
 
 TINY = REPO / "data" / "tiny-llama"

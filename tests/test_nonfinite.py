@@ -15,8 +15,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from scaletrain.nonfinite import SPIKE_WARMUP_STEPS, NonFiniteGuard, NonFinitePolicy, NonFiniteStop
-from scaletrain.state import TrainState
+from scaletrain.train.nonfinite import SPIKE_WARMUP_STEPS, NonFiniteGuard, NonFinitePolicy, NonFiniteStop
+from scaletrain.train.state import TrainState
 from tests.conftest import FAST_FLAGS, REPO, check_ok, launch, read_metrics
 from tests.helpers.wandb_records import run_end
 
@@ -47,7 +47,7 @@ def global_samples(step: int, global_batch: int) -> list:
     """The sample ids the pipeline's global order gives a data step (1-based), computed independently here."""
     import numpy as np
 
-    from scaletrain.sampling import GlobalOrder
+    from scaletrain.data.sampling import GlobalOrder
 
     order = GlobalOrder(n_blocks=3484, micro_batch=4, accumulation=1, dp_world_size=global_batch // 4, seed=42)
     permutation = np.random.default_rng([42, 0]).permutation(3484)

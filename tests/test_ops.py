@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from scaletrain import ops
+from scaletrain.engine import ops
 from tests.conftest import FAST_FLAGS, REPO, check_ok, launch
 
 TRAIN = REPO / "train.py"

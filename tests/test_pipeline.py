@@ -32,7 +32,7 @@ def assert_export_matches_engine(run_dir: Path) -> None:
 
 
 def assert_checkpoint_written(run_dir: Path, step: int) -> None:
-    from scaletrain.checkpoint import verify
+    from scaletrain.checkpoint.core import verify
 
     ckpt = run_dir / "checkpoints" / f"step{step}"
     assert ckpt.is_dir() and verify(ckpt) is None, f"no committed checkpoint in {ckpt}"
@@ -245,7 +245,7 @@ def test_zero3_never_holds_the_whole_model_on_a_rank(tmp_path, cache_dir):
     script.write_text(f"""
 import sys, json
 sys.path.insert(0, {str(REPO)!r})
-from scaletrain.distributed import communication_threads, read_launch_env
+from scaletrain.distributed.world import communication_threads, read_launch_env
 from scaletrain.run import Run
 
 def shard_sizes(run):
@@ -291,7 +291,7 @@ import json, sys
 sys.path.insert(0, {str(REPO)!r})
 import train
 from deepspeed.runtime.engine import DeepSpeedEngine
-from scaletrain.distributed import communication_threads, read_launch_env
+from scaletrain.distributed.world import communication_threads, read_launch_env
 
 real_step = DeepSpeedEngine.step
 def failing_step(engine, *args, **kwargs):  # an unexpected error on every rank at the second step
@@ -628,7 +628,7 @@ def test_torch_compile_trains_as_eager_does_and_a_compile_section_turns_it_on(tm
 
 
 def test_torch_compile_with_a_model_parallel_layout_is_refused():
-    from scaletrain.engine import check_compile, compile_requested
+    from scaletrain.engine.initialize import check_compile, compile_requested
 
     assert compile_requested(False, {"compile": {}}) and not compile_requested(False, {})
     check_compile(True, (1, 1, 1), "x.json")

@@ -18,11 +18,11 @@ from pathlib import Path
 
 import pytest
 
-from scaletrain.config import ParallelArgs, parse_run_config
-from scaletrain.distributed import DistInfo
+from scaletrain.config.core import ParallelArgs, parse_run_config
+from scaletrain.distributed.world import DistInfo
 from scaletrain.errors import UsageError
-from scaletrain.layout import apply_layout, check_pipeline_run, resolve_layout
-from scaletrain.pipeline import check_pipeline_model, hf_parameter_name
+from scaletrain.distributed.layout import apply_layout, check_pipeline_run, resolve_layout
+from scaletrain.distributed.pipeline import check_pipeline_model, hf_parameter_name
 from tests.conftest import LAYOUT_STEPS as STEPS, REPO, check_ok, launch, layout_flags, read_metrics
 from tests.test_tensor_parallel import (
     _assert_matches,
@@ -308,7 +308,7 @@ def test_the_stages_chained_compute_the_models_own_logits(model_type, tied):
     import torch
     from transformers import AutoModelForCausalLM
 
-    from scaletrain.pipeline import layer_specs
+    from scaletrain.distributed.pipeline import layer_specs
 
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(

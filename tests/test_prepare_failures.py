@@ -210,9 +210,9 @@ def test_ranks_waiting_for_the_store_stop_when_local_rank_0_fails(failure, tmp_p
     themselves, with the preparing rank's kind of error, instead of polling for a manifest that never comes."""
     from transformers import AutoTokenizer
 
-    from scaletrain.config import parse_run_config
+    from scaletrain.config.core import parse_run_config
     from scaletrain.errors import PrepareError, TokenStoreFailed, UsageError
-    from scaletrain.store_prep import ensure_token_store
+    from scaletrain.data.preparation import ensure_token_store
 
     monkeypatch.setenv("SCALETRAIN_CACHE", str(tiny_disk))
     monkeypatch.setenv("HF_DATASETS_CACHE", str(tmp_path / "cache"))

@@ -10,9 +10,9 @@ import pytest
 from huggingface_hub import ModelCard
 from transformers import AutoConfig, AutoTokenizer, GenerationConfig
 
-from scaletrain.config import DEFAULT_MODEL_DIR
+from scaletrain.config.core import DEFAULT_MODEL_DIR
 from scaletrain.errors import UsageError
-from scaletrain.publish import (
+from scaletrain.checkpoint.publish import (
     RUN_FILES,
     check_push_target,
     end_of_turn_ids,

@@ -13,9 +13,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from scaletrain import qlora
-from scaletrain.config import parse_run_config
-from scaletrain.dsconfig import HardwareFacts, load_ds_config, resolve_ds_config
+from scaletrain.model import qlora
+from scaletrain.config.core import parse_run_config
+from scaletrain.config.deepspeed_json import HardwareFacts, load_ds_config, resolve_ds_config
 from scaletrain.errors import UsageError
 from tests.conftest import REPO
 from tests.test_bad_input import assert_refused, offline  # noqa: F401 (offline: a fixture, used by name)
@@ -254,8 +254,8 @@ def test_the_qlora_build_path_quantizes_the_base_and_trains_only_the_adapter(pre
     from bitsandbytes.nn import Linear4bit
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from scaletrain import lora
-    from scaletrain.dsconfig import ResolvedDSConfig
+    from scaletrain.model import lora
+    from scaletrain.config.deepspeed_json import ResolvedDSConfig
 
     cfg = parse_run_config(
         [

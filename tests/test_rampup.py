@@ -14,8 +14,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from scaletrain.blocks import EMPTY_SLOT
-from scaletrain.sampling import BatchRamp, GlobalOrder
+from scaletrain.data.blocks import EMPTY_SLOT
+from scaletrain.data.sampling import BatchRamp, GlobalOrder
 from tests.conftest import FAST_FLAGS, REPO, check_ok, launch, read_metrics
 
 

@@ -5,7 +5,7 @@ import re
 
 import pytest
 
-from scaletrain.schedules import LRSchedule, describe_schedule_change, restart_schedule, warmup_steps_for
+from scaletrain.engine.schedules import LRSchedule, describe_schedule_change, restart_schedule, warmup_steps_for
 
 T, W, R = 50, 5, 0.1
 

@@ -12,10 +12,10 @@ from pathlib import Path
 
 import pytest
 
-from scaletrain.config import ParallelArgs
+from scaletrain.config.core import ParallelArgs
 from scaletrain.errors import UsageError
-from scaletrain.distributed import DistInfo
-from scaletrain.layout import apply_layout, check_model_layout, check_sequence_layout, resolve_layout
+from scaletrain.distributed.world import DistInfo
+from scaletrain.distributed.layout import apply_layout, check_model_layout, check_sequence_layout, resolve_layout
 from tests.conftest import REPO, check_ok, launch
 from tests.test_tensor_parallel import (
     _assert_matches,
@@ -91,7 +91,7 @@ def test_a_sequence_parallel_checkpoint_resumes_on_the_same_layout_and_on_one_ra
 def test_each_rank_keeps_its_part_of_the_block_with_labels_shifted_across_the_cut():
     import torch
 
-    from scaletrain.sequence_parallel import shard
+    from scaletrain.distributed.sequence_parallel import shard
 
     ids = torch.arange(16).reshape(2, 8)
     labels = ids.clone()

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 
-from scaletrain.distributed import DistInfo, shm_allreduce_refusal
+from scaletrain.distributed.world import DistInfo, shm_allreduce_refusal
 
 
 def _dist(world_size: int, accelerator: str = "cpu") -> DistInfo:

@@ -83,9 +83,9 @@ def test_no_function_in_the_package_is_longer_than_80_lines():
 def test_importing_the_config_loads_neither_numpy_nor_torch():
     heavy = ("numpy", "torch", "transformers", "deepspeed", "datasets")
     code = (
-        "import sys; import scaletrain.config, scaletrain.errors; "
+        "import sys; import scaletrain.config.core, scaletrain.errors; "
         f"print(','.join(m for m in {heavy} if m in sys.modules))"
     )
     proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
-    assert proc.stdout.strip() == "", f"importing scaletrain.config loaded {proc.stdout.strip()}"
+    assert proc.stdout.strip() == "", f"importing scaletrain.config.core loaded {proc.stdout.strip()}"

@@ -14,10 +14,10 @@ from pathlib import Path
 
 import pytest
 
-from scaletrain.config import ParallelArgs
-from scaletrain.distributed import DistInfo
+from scaletrain.config.core import ParallelArgs
+from scaletrain.distributed.world import DistInfo
 from scaletrain.errors import UsageError
-from scaletrain.layout import apply_layout, check_model_layout, resolve_layout
+from scaletrain.distributed.layout import apply_layout, check_model_layout, resolve_layout
 from tests.conftest import LAYOUT_STEPS, REPO, check_ok, launch, layout_flags, read_metrics
 
 STEPS = LAYOUT_STEPS
@@ -161,7 +161,7 @@ def test_the_model_must_split_evenly():
 
 
 def _resolved(config: dict):
-    from scaletrain.dsconfig import ResolvedDSConfig
+    from scaletrain.config.deepspeed_json import ResolvedDSConfig
 
     return ResolvedDSConfig(config, {}, "fp32", "test")
 

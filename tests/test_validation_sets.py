@@ -15,11 +15,11 @@ from pathlib import Path
 import pytest
 from transformers import AutoTokenizer
 
-from scaletrain.config import eval_metric_prefix, parse_run_config, parse_validation_sets
+from scaletrain.config.core import eval_metric_prefix, parse_run_config, parse_validation_sets
 from scaletrain.errors import UsageError
-from scaletrain.publish import final_losses
-from scaletrain.store_prep import prepare_token_store
-from scaletrain.tokenstore import read_manifest
+from scaletrain.checkpoint.publish import final_losses
+from scaletrain.data.preparation import prepare_token_store
+from scaletrain.data.token_store import read_manifest
 from tests.conftest import REPO, check_ok, launch, read_metrics
 
 TINY = REPO / "data" / "tiny-llama"
@@ -120,8 +120,8 @@ def test_each_named_set_gets_its_own_loss_that_of_its_own_file(files, cache_dir,
     import torch.nn.functional as F
     from transformers import AutoModelForCausalLM
 
-    from scaletrain.blocks import IGNORE_INDEX, blocks_from_store, eval_batches
-    from scaletrain.tokenstore import open_store
+    from scaletrain.data.blocks import IGNORE_INDEX, blocks_from_store, eval_batches
+    from scaletrain.data.token_store import open_store
 
     run = tmp_path / "named"
     proc = launch(
@@ -182,7 +182,7 @@ def test_each_named_set_gets_its_own_loss_that_of_its_own_file(files, cache_dir,
 
 
 def test_a_chat_store_keeps_a_mask_for_each_named_set(tmp_path, monkeypatch):
-    from scaletrain.chat_store import prepare_chat_store, resolve_chat_data
+    from scaletrain.data.chat_store import prepare_chat_store, resolve_chat_data
     from tests.test_chat_store import BLOCK, CHATS, MISTRAL
 
     monkeypatch.chdir(REPO)

@@ -2,7 +2,7 @@
 
 import pytest
 
-from scaletrain.metrics import MetricsLogger
+from scaletrain.observability.metrics import MetricsLogger
 from tests.helpers.wandb_records import run_end
 
 

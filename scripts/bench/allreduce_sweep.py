@@ -5,7 +5,7 @@
 Each rank uses one intra-op thread, as train.py gives two ranks on two cores. For every size, the two ways
 alternate; each figure is the median over --repeats of one fp32 all-reduce (SUM) after a barrier. Checks that both
 give every rank the same sum. Prints one Markdown row per size (rank 0): the figures behind --cpu_shm_allreduce
-(its 1 MB threshold, scaletrain.distributed.SHM_MIN_BYTES, is for failure reports, not speed: see its comment).
+(its 1 MB threshold, scaletrain.distributed.world.SHM_MIN_BYTES, is for failure reports, not speed: see its comment).
 """
 
 from __future__ import annotations

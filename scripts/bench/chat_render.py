@@ -4,7 +4,7 @@
 
 Rows: the 24 conversations of tests/fixtures/chat/messages.jsonl repeated --copies times, rendered with the
 Mistral v0.2 template fixture and the tiny tokenizer, with --assistant_only_loss masks (prefix by prefix), through
-scaletrain.chat_store.render_split. Prints conversations/s for each and the ratio. Both include the workers' start.
+scaletrain.data.chat_store.render_split. Prints conversations/s for each and the ratio. Both include the workers' start.
 """
 
 import argparse
@@ -21,8 +21,8 @@ def main() -> None:
     import datasets
     from transformers import AutoTokenizer
 
-    from scaletrain.chat_data import load_chat_template
-    from scaletrain.chat_store import ChatData, render_split
+    from scaletrain.data.chat_render import load_chat_template
+    from scaletrain.data.chat_store import ChatData, render_split
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--copies", type=int, default=2000)

@@ -1,5 +1,5 @@
 """Time of the token loss through the LM head, forward and backward, in one process: train.py's chunked loss
-(scaletrain/chunked_loss.py) against the whole-logits loss (the Hugging Face way: F.linear, F.cross_entropy on the
+(scaletrain/model/chunked_loss.py) against the whole-logits loss (the Hugging Face way: F.linear, F.cross_entropy on the
 fp32 logits, autograd's backward). Both include the head's three matrix products. fp32 on the CPU, one thread;
 the two alternate, --rounds times; medians.
 
@@ -23,9 +23,9 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from scaletrain.blocks import IGNORE_INDEX  # noqa: E402
-from scaletrain.chunked_loss import chunked_token_loss  # noqa: E402
-from scaletrain.memory_planner import auto_loss_chunk  # noqa: E402
+from scaletrain.data.blocks import IGNORE_INDEX  # noqa: E402
+from scaletrain.model.chunked_loss import chunked_token_loss  # noqa: E402
+from scaletrain.observability.memory_planner import auto_loss_chunk  # noqa: E402
 
 
 def whole_logits_loss(hidden, weight, targets):

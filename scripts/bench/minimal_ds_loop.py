@@ -18,10 +18,10 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-from scaletrain.config import parse_run_config  # noqa: E402
-from scaletrain.blocks import blocks_from_store  # noqa: E402
-from scaletrain.store_prep import ensure_token_store  # noqa: E402
-from scaletrain.tokenstore import open_store  # noqa: E402
+from scaletrain.config.core import parse_run_config  # noqa: E402
+from scaletrain.data.blocks import blocks_from_store  # noqa: E402
+from scaletrain.data.preparation import ensure_token_store  # noqa: E402
+from scaletrain.data.token_store import open_store  # noqa: E402
 
 
 def main() -> None:

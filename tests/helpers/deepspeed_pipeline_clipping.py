@@ -2,7 +2,7 @@
 
     deepspeed tests/helpers/deepspeed_pipeline_clipping.py <train.py flags>
 
-scaletrain.ds_internals.fix_pipeline_stage0_clipping becomes a no-op, so the engine clips as DeepSpeed 0.19.8 does
+ds_internals.fix_pipeline_stage0_clipping becomes a no-op, so the engine clips as DeepSpeed 0.19.8 does
 under pipeline parallelism with ZeRO-0 (every stage by stage 0's gradient norm). The test that runs it proves the
 fix is still needed: once an upgrade fixes DeepSpeed, this run matches the reference and that test fails.
 """
@@ -15,7 +15,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 def main() -> int:
     import train
-    from scaletrain import ds_internals
+    from scaletrain.engine import ds_internals
 
     ds_internals.fix_pipeline_stage0_clipping = lambda engine: None
     return train.main(sys.argv[1:])

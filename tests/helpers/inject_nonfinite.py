@@ -4,9 +4,9 @@
 
 multiplies RANK's loss at those data steps (1-based: the batch a step trains on, so a rollback's data offset moves
 past them) by NaN, or by F when given (a loss spike). The backward then sees the same bad loss, as it would with a
-real bad batch. The pipeline holds no hook for this: the helper wraps scaletrain.loop.token_loss_sum, and only
-while scaletrain.loop.optimizer_step runs, so an evaluation's loss is never touched; under pipeline parallelism it
-wraps the pipe engine's loss function (scaletrain.pipeline.TokenLoss) while PipelineStep.step runs, which only
+real bad batch. The pipeline holds no hook for this: the helper wraps scaletrain.train.loop.token_loss_sum, and only
+while scaletrain.train.loop.optimizer_step runs, so an evaluation's loss is never touched; under pipeline parallelism it
+wraps the pipe engine's loss function (pipeline.TokenLoss) while PipelineStep.step runs, which only
 the last stage calls. Without the variable it is plain train.py.
 """
 
@@ -31,8 +31,8 @@ def parse_spec(spec: str) -> tuple:
 
 
 def install(factors: dict) -> None:
-    """Scale this process's summed micro-batch losses by factors[data step + 1] inside scaletrain.loop's steps."""
-    from scaletrain import loop
+    """Scale this process's summed micro-batch losses by factors[data step + 1] inside scaletrain.train.loop's steps."""
+    from scaletrain.train import loop
 
     step_fn, loss_fn = loop.optimizer_step, loop.token_loss_sum
     signature = inspect.signature(step_fn)
@@ -55,7 +55,8 @@ def install(factors: dict) -> None:
 
 
 def _install_pipeline(factors: dict, current: dict) -> None:
-    from scaletrain import loop, pipeline
+    from scaletrain.train import loop
+    from scaletrain.distributed import pipeline
 
     pipeline_step, loss_call = loop.PipelineStep.step, pipeline.TokenLoss.__call__
     signature = inspect.signature(pipeline_step)
@@ -81,7 +82,7 @@ def _install_pipeline(factors: dict, current: dict) -> None:
 
 def main() -> int:
     import train
-    from scaletrain.distributed import read_launch_env
+    from scaletrain.distributed.world import read_launch_env
 
     spec = os.environ.get(INJECT_ENV)
     if spec:

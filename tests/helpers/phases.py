@@ -6,7 +6,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from scaletrain.distributed import read_launch_env  # noqa: E402
+from scaletrain.distributed.world import read_launch_env  # noqa: E402
 from scaletrain.logs import setup_logging  # noqa: E402
 from scaletrain.run import Run  # noqa: E402
 

@@ -2,7 +2,7 @@
 
     SCALETRAIN_TEST_SLOW_RANK="RANK:SECONDS" deepspeed tests/helpers/slow_rank.py <train.py flags>
 
-sleeps SECONDS before each of RANK's micro-batch forwards (it wraps scaletrain.loop.token_loss_sum, which the
+sleeps SECONDS before each of RANK's micro-batch forwards (it wraps scaletrain.train.loop.token_loss_sum, which the
 loop looks up at each call), as a slower GPU or a throttled node would. Without the variable it is plain train.py.
 """
 
@@ -18,8 +18,8 @@ SLOW_ENV = "SCALETRAIN_TEST_SLOW_RANK"
 
 def main() -> int:
     import train
-    from scaletrain import loop
-    from scaletrain.distributed import read_launch_env
+    from scaletrain.train import loop
+    from scaletrain.distributed.world import read_launch_env
 
     spec = os.environ.get(SLOW_ENV)
     if spec:

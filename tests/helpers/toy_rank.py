@@ -14,7 +14,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from scaletrain.errors import SAVED_REQUEUE_EXIT_CODE  # noqa: E402
-from scaletrain.faults import PreemptionFlag, record_preemption_saved  # noqa: E402
+from scaletrain.train.preemption import PreemptionFlag, record_preemption_saved  # noqa: E402
 
 
 def main() -> int:

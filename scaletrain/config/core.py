@@ -1,0 +1,1084 @@
+"""Every flag of a run: one frozen dataclass per concern, composed in RunConfig, checked before any heavy import.
+
+The command line stays flat (`--learning_rate`, not `--optim.learning_rate`), with Hugging Face's `run_clm.py` /
+`TrainingArguments` spellings; each flag lives in the slice of the concern that reads it, and each consumer gets
+only its slice (`cfg.model` to the model loader, `cfg.data` to the data side, ...). `--recipe run.yaml` supplies
+flag values from a YAML file; a flag typed on the command line wins over it.
+
+Parser: our own argparse, generated from the dataclasses. transformers.HfArgumentParser also parses several
+dataclasses, but importing it pulls in numpy and transformers' utilities (a second per bad flag, and this module
+must stay torch- and numpy-free), it spells negated booleans `--no_x` where ours have always been `--no-x`, and its
+errors print the whole usage and exit; ours give one line with a did-you-mean (UsageError, exit code 2).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import difflib
+import glob
+import json
+import os
+import re
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from collections.abc import Mapping, Sequence
+
+from scaletrain.errors import UsageError
+
+__all__ = ["UsageError", "RunConfig", "parse_run_config"]  # UsageError re-exported: the config's own error
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+DEFAULT_MODEL_DIR = REPO_ROOT / "data" / "tiny-llama"
+DEFAULT_TRAIN_FILE = REPO_ROOT / "data" / "sample" / "train.jsonl"
+DEFAULT_VALIDATION_FILE = REPO_ROOT / "data" / "sample" / "validation.jsonl"
+DEFAULT_DS_CONFIG = "ds_configs/zero3.json"
+NVME_PATH_ENV = "SCALETRAIN_NVME_PATH"
+
+LR_SCHEDULES = ("cosine", "linear", "constant_with_warmup", "wsd")
+RAMPUP_LR_SCALINGS = ("none", "sqrt", "linear")
+REPORT_SINKS = ("none", "wandb", "tensorboard")
+LOCAL_DATA_FORMATS = {".json": "json", ".jsonl": "json", ".csv": "csv", ".txt": "text", ".parquet": "parquet"}
+COMMAND_LINE = "command line"
+
+
+def _flag(default, help: str, **argparse_kwargs):
+    """A dataclass field that also carries its command-line help (one source for both)."""
+    return field(default=default, metadata={"help": help, **argparse_kwargs})
+
+
+# --- the slices -------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class RunArgs:
+    """The run as a whole: where it writes, and the modes that stop before training."""
+
+    output_dir: str = _flag("runs/default", "Run folder: checkpoints, exported model, metrics, resolved configs.")
+    overwrite_output_dir: bool = _flag(False, "Allow a fresh run in a folder that holds a previous run.")
+    run_name: str | None = _flag(None, "Run name for wandb. Default: the output folder's name.")
+    recipe: str | None = _flag(
+        None, "A YAML file of flag values (keys are flag names); flags typed on the command line win over it."
+    )
+    dry_run: bool = _flag(
+        False, "Build everything, run one full step, report memory and step time, exit; nothing is saved."
+    )
+    print_config: bool = _flag(False, "Print the resolved run and DeepSpeed configs, with sources, and exit.")
+    local_rank: int = _flag(-1, "Set by the deepspeed launcher; leave it alone.")
+
+
+@dataclass(frozen=True)
+class ModelArgs:
+    """Which model and tokenizer, and how the model is built."""
+
+    model_name_or_path: str | None = _flag(None, "Pretrained model: hub id or local folder (from_pretrained).")
+    config_name: str | None = _flag(
+        None, "Model config (hub id or local folder/file) to train from scratch. Default: data/tiny-llama."
+    )
+    tokenizer_name: str | None = _flag(None, "Tokenizer (hub id or local folder). Default: the model's.")
+    trust_remote_code: bool = _flag(False, "Allow model/tokenizer code from the hub to run. Off unless asked.")
+    gradient_checkpointing: bool = _flag(False, "Recompute activations in backward to save memory.")
+    attn_implementation: str = _flag(
+        "sdpa",
+        "Attention backend, by transformers' name: sdpa, eager, flash_attention_2, flash_attention_3, "
+        "flex_attention, or a hub kernel (e.g. kernels-community/flash-attn); checked before anything heavy.",
+    )
+    loss_chunk_size: int | None = _flag(
+        None,
+        "Tokens per chunk of the loss through the LM head, so the whole [tokens, vocabulary] logits never exist "
+        "(training and evaluation). Default: auto, a chunk's fp32 logits at most 256 MiB. 0: the whole logits "
+        "at once (as the Hugging Face loss does).",
+    )
+    router_aux_loss_coef: float | None = _flag(
+        None,
+        "Mixture-of-experts models: the weight of the router's load-balancing loss added to the token loss "
+        "(logged as aux_loss). Default: the model config's router_aux_loss_coef. 0: no load-balancing loss.",
+    )
+
+    @property
+    def model_source(self) -> str:
+        """Where the model architecture comes from: the pretrained folder/id or the config to train from."""
+        return self.model_name_or_path or self.config_name or str(DEFAULT_MODEL_DIR)
+
+    @property
+    def tokenizer_source(self) -> str:
+        return self.tokenizer_name or self.model_source
+
+    def validate(self) -> None:
+        if self.model_name_or_path and self.config_name:
+            raise UsageError(
+                "--model_name_or_path and --config_name: choose one",
+                "--model_name_or_path loads pretrained weights; --config_name trains from scratch",
+            )
+        for flag in ("model_name_or_path", "config_name", "tokenizer_name"):
+            _check_model_path(flag, getattr(self, flag))
+        if self.loss_chunk_size is not None and self.loss_chunk_size < 0:
+            raise UsageError(
+                f"--loss_chunk_size {self.loss_chunk_size}: must not be negative",
+                "give tokens per chunk, 0 for the whole logits, or leave it unset (auto)",
+            )
+        if self.router_aux_loss_coef is not None and not self.router_aux_loss_coef >= 0:
+            raise UsageError(
+                f"--router_aux_loss_coef {self.router_aux_loss_coef}: must not be negative",
+                "give a weight such as 0.01, 0 for no load-balancing loss, or leave it unset",
+            )
+
+
+@dataclass(frozen=True)
+class PeftArgs:
+    """LoRA through peft (TRL's flag spellings): only the adapter trains; the export is an adapter folder."""
+
+    use_peft: bool = _flag(False, "Train a LoRA adapter on the frozen pretrained model (--model_name_or_path).")
+    lora_r: int = _flag(16, "LoRA rank.")
+    lora_alpha: int = _flag(32, "LoRA alpha: the adapter's update is scaled by alpha / r.")
+    lora_dropout: float = _flag(0.05, "Dropout on the adapter's input.")
+    lora_target_modules: str = _flag(
+        "all-linear",
+        "Modules that get an adapter: all-linear (every linear layer but the LM head) or names, "
+        "comma-separated (q_proj,v_proj); a name matches a module whose path ends with it.",
+    )
+    merge_lora: bool = _flag(False, "Also export the merged full model (base + adapter) to <output_dir>/merged.")
+    load_in_4bit: bool = _flag(False, "QLoRA: 4-bit base weights through bitsandbytes (refused without a CUDA GPU).")
+
+    @property
+    def target_modules(self):
+        """peft's target_modules: "all-linear" as it is, names as a list."""
+        if self.lora_target_modules.strip() == "all-linear":
+            return "all-linear"
+        return [name.strip() for name in self.lora_target_modules.split(",") if name.strip()]
+
+    def validate(self) -> None:
+        if self.lora_r < 1:
+            raise UsageError(f"--lora_r {self.lora_r}: must be at least 1", "e.g. 8, 16 or 64")
+        if not self.lora_alpha > 0:
+            raise UsageError(f"--lora_alpha {self.lora_alpha}: must be positive", "e.g. twice --lora_r")
+        if not 0.0 <= self.lora_dropout < 1.0:
+            raise UsageError(f"--lora_dropout {self.lora_dropout}: must be at least 0 and below 1")
+        if not self.target_modules:
+            raise UsageError(
+                f"--lora_target_modules {self.lora_target_modules!r}: names no module",
+                "give all-linear or module names such as q_proj,v_proj",
+            )
+
+
+@dataclass(frozen=True)
+class DataArgs:
+    """Raw data and how it becomes a token store (data/prepare.py parses these alone), and how training reads it."""
+
+    dataset_name: str | None = _flag(None, "Hugging Face dataset name (hub or a local dataset script/folder).")
+    dataset_config_name: str | None = _flag(None, "Configuration of --dataset_name.")
+    dataset_revision: str | None = _flag(
+        None,
+        "Revision of a hub --dataset_name (branch, tag or commit; default: the main branch). Part of the token "
+        "store's fingerprint: a commit ties the store to exact data.",
+    )
+    train_file: str | None = _flag(
+        None,
+        "Local training file(s): json, jsonl, csv, txt, parquet; a glob or a comma-separated list. "
+        "Default: data/sample/train.jsonl.",
+    )
+    validation_file: str | None = _flag(
+        None,
+        "Local validation file(s), same formats as --train_file; several named sets, each with its own loss "
+        "(eval_<name>_loss): name=path,name2=path2 (a glob per name).",
+    )
+    validation_split_percentage: int = _flag(
+        5,
+        "When there is no validation file or split, hold out this percent of the training documents, drawn at "
+        "random (by --seed).",
+    )
+    validation_split_max_tokens: int = _flag(
+        10_000_000,
+        "Cap, in tokens, on what --validation_split_percentage holds out (0: no cap); the documents past "
+        "it stay in training.",
+    )
+    text_column: str = _flag("text", "Column that holds the text.")
+    block_size: int | None = _flag(None, "Tokens per training sequence. Default: min(1024, model's max positions).")
+    preprocessing_num_workers: int | None = _flag(None, "Processes for tokenization (default: the CPU count).")
+    # Training-time reading: prepared stores instead of raw data, and how blocks are fed to the model.
+    data_path: str | None = _flag(
+        None, "A token store made by data/prepare.py (instead of raw data).", training_only=True
+    )
+    dataset_mix: str | None = _flag(
+        None,
+        "Several token stores mixed by weight: store_a:0.7,store_b:0.3 (deterministic, by --seed).",
+        training_only=True,
+    )
+    attention_isolation: bool = _flag(
+        False, "No token attends across a document boundary (position ids restart per document).", training_only=True
+    )
+    # Chat data (a `messages` column, or `prompt` and `completion` columns): scaletrain/data/chat_store.py.
+    chat_template: str | None = _flag(
+        None, "Chat data: a Jinja chat template file to render the conversations with (default: the tokenizer's)."
+    )
+    assistant_only_loss: bool = _flag(
+        False, "Chat data: train only on the assistant turns, each with its end-of-turn token."
+    )
+    truncation: str = _flag(
+        "truncate",
+        "Chat data: an example longer than --block_size is truncated to it (counted in the log) or dropped.",
+        choices=("truncate", "drop"),
+        training_only=True,
+    )
+    print_samples: int = _flag(
+        0, "Chat data: print N rendered training examples with their trained tokens marked.", training_only=True
+    )
+
+    @property
+    def uses_default_data(self) -> bool:
+        return (
+            self.dataset_name is None
+            and self.train_file is None
+            and self.data_path is None
+            and self.dataset_mix is None
+        )
+
+    @property
+    def train_data_file(self) -> str | None:
+        return str(DEFAULT_TRAIN_FILE) if self.uses_default_data else self.train_file
+
+    @property
+    def validation_data_file(self) -> str | None:
+        return str(DEFAULT_VALIDATION_FILE) if self.uses_default_data else self.validation_file
+
+    @property
+    def validation_sets(self) -> dict:
+        """{store split: [files]} of the validation files: "validation" for unnamed ones, "validation.<name>" for each
+        named set; {} without any."""
+        return parse_validation_sets(self.validation_data_file)
+
+    @property
+    def mix(self) -> list:
+        """--dataset_mix as [(store path, weight)], weights normalised to sum to 1; [] without it."""
+        return parse_dataset_mix(self.dataset_mix) if self.dataset_mix else []
+
+    @property
+    def store_paths(self) -> list:
+        """The prepared stores a run reads: --data_path, or every store of --dataset_mix ([] for raw data)."""
+        if self.dataset_mix:
+            return [path for path, _ in self.mix]
+        return [self.data_path] if self.data_path else []
+
+    @property
+    def store_flag(self) -> str:
+        return "--dataset_mix" if self.dataset_mix else "--data_path"
+
+    def validate(self) -> None:
+        """The data-source checks train.py and data/prepare.py share."""
+        if self.block_size is not None and self.block_size < 2:
+            raise UsageError(f"--block_size {self.block_size}: must be at least 2 (one input and one target token)")
+        _check_not_negative(self, ("validation_split_percentage", "validation_split_max_tokens", "print_samples"))
+        if self.validation_split_percentage >= 100:
+            raise UsageError(f"--validation_split_percentage {self.validation_split_percentage}: must be below 100")
+        if self.dataset_revision is not None and not self.dataset_name:
+            raise UsageError(
+                f"--dataset_revision {self.dataset_revision}: needs --dataset_name",
+                "it names a revision of a hub dataset",
+            )
+        if self.preprocessing_num_workers is not None and self.preprocessing_num_workers < 1:
+            raise UsageError(f"--preprocessing_num_workers {self.preprocessing_num_workers}: must be at least 1")
+        _check_data_sources(self)
+
+
+@dataclass(frozen=True)
+class OptimArgs:
+    """Batch sizes, the optimizer, the LR schedule and the run's length."""
+
+    per_device_train_batch_size: int = _flag(8, "Sequences per rank per micro-batch.")
+    per_device_eval_batch_size: int = _flag(8, "Sequences per rank per evaluation batch.")
+    gradient_accumulation_steps: int = _flag(1, "Micro-batches accumulated per optimizer step.")
+    learning_rate: float = _flag(1e-3, "Peak learning rate.")
+    weight_decay: float = _flag(0.0, "AdamW weight decay.")
+    adam_beta1: float = _flag(0.9, "AdamW beta1.")
+    adam_beta2: float = _flag(0.95, "AdamW beta2.")
+    adam_epsilon: float = _flag(1e-8, "AdamW epsilon.")
+    max_grad_norm: float = _flag(1.0, "Gradient clipping norm (0 disables).")
+    lr_scheduler_type: str = _flag("cosine", "LR schedule after warmup.", choices=LR_SCHEDULES)
+    warmup_steps: int = _flag(0, "Linear warmup steps (overrides --warmup_ratio when > 0).")
+    warmup_ratio: float = _flag(0.05, "Warmup as a fraction of the total steps.")
+    min_lr_ratio: float = _flag(0.1, "Final LR as a fraction of the peak (cosine, linear, wsd).")
+    decay_ratio: float = _flag(0.2, "wsd: fraction of the total steps spent in the final decay.")
+    max_steps: int = _flag(-1, "Optimizer steps to run; overrides --num_train_epochs (-1: unset).")
+    num_train_epochs: float = _flag(3.0, "Epochs over the training blocks when --max_steps is not set.")
+    seed: int = _flag(42, "Seed for initialisation and the data order.")
+    rampup_batch_size: tuple[int, int, int] | None = _flag(
+        None,
+        "Batch-size ramp-up (Megatron's meaning): the global batch grows from START by INCREMENT blocks to its "
+        "full size over SAMPLES blocks; the accumulation steps change at step boundaries only.",
+        metavar=("START", "INCREMENT", "SAMPLES"),
+    )
+    rampup_lr_scaling: str = _flag(
+        "none",
+        "With --rampup_batch_size: scale the LR with the batch (x (batch/full)^0.5 or ^1), or not.",
+        choices=RAMPUP_LR_SCALINGS,
+    )
+
+    def validate(self) -> None:
+        if self.rampup_batch_size is not None:
+            start, increment, samples = self.rampup_batch_size
+            for name, value in (("START", start), ("INCREMENT", increment), ("SAMPLES", samples)):
+                if value < 1:
+                    raise UsageError(f"--rampup_batch_size {start} {increment} {samples}: {name} must be at least 1")
+        elif self.rampup_lr_scaling != "none":
+            raise UsageError(
+                f"--rampup_lr_scaling {self.rampup_lr_scaling}: only acts with --rampup_batch_size",
+                "add --rampup_batch_size START INCREMENT SAMPLES, or drop the flag",
+            )
+        _check_at_least_one(
+            self, ("per_device_train_batch_size", "per_device_eval_batch_size", "gradient_accumulation_steps")
+        )
+        if self.warmup_steps < 0:
+            raise UsageError(f"--warmup_steps {self.warmup_steps}: must not be negative")
+        if self.learning_rate <= 0:
+            raise UsageError(f"--learning_rate {self.learning_rate}: must be positive")
+        for name in ("warmup_ratio", "min_lr_ratio", "decay_ratio"):
+            if not 0.0 <= getattr(self, name) <= 1.0:
+                raise UsageError(f"--{name} {getattr(self, name)}: must be between 0 and 1")
+        if self.max_steps == 0 or self.max_steps < -1:
+            raise UsageError(
+                f"--max_steps {self.max_steps}: give a positive number of steps",
+                "or leave it unset (-1) to train for --num_train_epochs",
+            )
+        if self.max_steps == -1 and self.num_train_epochs <= 0:
+            raise UsageError("--max_steps and --num_train_epochs: set one of them to a positive number")
+
+
+@dataclass(frozen=True)
+class EngineArgs:
+    """The DeepSpeed JSON and what the flags decide in it beyond the optimizer: precision and NVMe offload."""
+
+    config: str = _flag(DEFAULT_DS_CONFIG, 'DeepSpeed JSON config; values set to "auto" are filled from these flags.')
+    bf16: bool = _flag(False, 'Train in bf16 (overrides the JSON\'s "auto").')
+    fp16: bool = _flag(False, 'Train in fp16 with dynamic loss scaling (overrides the JSON\'s "auto").')
+    nvme_path: str | None = _flag(None, f"Folder for NVMe offload (zero3_nvme.json). Default: ${NVME_PATH_ENV}.")
+    torch_compile: bool = _flag(
+        False,
+        'Compile the model with torch.compile through DeepSpeed\'s engine.compile (a "compile" section in '
+        "the JSON turns it on too, with its DeepCompile options).",
+    )
+    cpu_shm_allreduce: bool = _flag(
+        True,
+        "CPU ranks all on one host: all-reduce gradient buckets through DeepSpeed's shared-memory kernel "
+        "instead of gloo (3-14x faster on 2 cores; used where it can be: the log's first lines say).",
+    )
+    torch_compile_backend: str = _flag("inductor", "torch.compile backend for --torch_compile.")
+    torch_compile_mode: str | None = _flag(
+        None, "torch.compile mode for --torch_compile (default, reduce-overhead, max-autotune, ...)."
+    )
+
+    @property
+    def resolved_nvme_path(self) -> str | None:
+        return self.nvme_path or os.environ.get(NVME_PATH_ENV) or None
+
+    def validate(self) -> None:
+        if self.bf16 and self.fp16:
+            raise UsageError("--bf16 and --fp16: choose one precision")
+        config_path = Path(self.config)
+        if not config_path.is_file():
+            raise UsageError(f"--config {self.config}: no such file", "pick one of ds_configs/*.json")
+        if not os.access(config_path, os.R_OK):
+            raise UsageError(f"--config {self.config}: file is not readable", "check its permissions")
+
+
+@dataclass(frozen=True)
+class CheckpointArgs:
+    """When checkpoints are written, kept and resumed, and the end-of-run export."""
+
+    save_steps: int = _flag(0, "Save (and commit) a checkpoint every N steps (0: only at the end).")
+    save_interval_minutes: float = _flag(0.0, "Also save when this many minutes passed since the last save (0: off).")
+    save_total_limit: int = _flag(0, "Keep only the newest K committed checkpoints (0: keep all).")
+    resume_from_checkpoint: str = _flag(
+        "auto", "auto: newest committed checkpoint in --output_dir if any; none: start fresh; or a checkpoint path."
+    )
+    allow_schedule_change: bool = _flag(
+        False,
+        "Resume with another peak --learning_rate than the run being resumed (refused without it; another "
+        "--max_steps, warmup or schedule is only warned about).",
+    )
+    preemption_grace_seconds: float = _flag(
+        120.0, "Seconds a scheduler allows between its signal and the kill; a slower save is warned about."
+    )
+    export_hf_at_end: bool = _flag(
+        True,
+        "Write the Hugging Face model (safetensors, config, tokenizer) to --output_dir at the end; "
+        "--no-export_hf_at_end skips it (scripts/export_hf.py can export any checkpoint later).",
+    )
+    save_at_end: bool = _flag(
+        True,
+        "Commit a checkpoint of the last step at the end; --no-save_at_end skips it (benchmarks, sweeps: the "
+        "run cannot then be continued from its last step).",
+    )
+    push_to_hub: str | None = _flag(
+        None,
+        "After the run, rank 0 uploads the end-of-run export (weights, config, tokenizer, generation config, "
+        "model card; not the checkpoints or logs) to this Hub repository (owner/name), with HF_TOKEN from the "
+        "environment; retried, and a repeated upload resumes.",
+    )
+    hub_private_repo: bool = _flag(
+        False, "--push_to_hub creates the repository private (an existing one keeps its visibility)."
+    )
+
+    def validate(self) -> None:
+        _check_not_negative(
+            self, ("save_steps", "save_interval_minutes", "save_total_limit", "preemption_grace_seconds")
+        )
+
+
+@dataclass(frozen=True)
+class NonFiniteArgs:
+    """What a non-finite loss or gradient norm, or a loss spike, does to the run."""
+
+    on_nonfinite: str = _flag(
+        "skip",
+        "A non-finite loss or gradient norm, or a loss spike: skip the update on every rank (and roll back "
+        "after --max_consecutive_skips), or stop with a message.",
+        choices=("skip", "stop"),
+    )
+    max_consecutive_skips: int = _flag(
+        5,
+        "After this many skipped updates in a row, roll back to the last committed checkpoint and continue "
+        "past the offending samples (0: never roll back).",
+    )
+    loss_spike_factor: float = _flag(
+        0.0,
+        "Treat a step whose loss exceeds this multiple of the running mean loss like a non-finite one "
+        "(0: off; e.g. 3).",
+    )
+
+    def validate(self) -> None:
+        _check_not_negative(self, ("max_consecutive_skips",))
+        if self.loss_spike_factor != 0 and self.loss_spike_factor <= 1:
+            raise UsageError(
+                f"--loss_spike_factor {self.loss_spike_factor}: must be above 1 (or 0 to turn it off)",
+                "e.g. 3: a step with three times the running mean loss is skipped",
+            )
+
+
+@dataclass(frozen=True)
+class LoggingArgs:
+    """Metrics, evaluation, sinks, profiling and the progress bar."""
+
+    logging_steps: int = _flag(10, "Log metrics every N optimizer steps.")
+    eval_steps: int = _flag(0, "Evaluate every N optimizer steps (0: only at the end).")
+    max_eval_samples: int | None = _flag(None, "Cap on validation blocks per evaluation.")
+    eval_prompts: str | None = _flag(
+        None,
+        "At each evaluation, a greedy generation of these prompts into metrics.jsonl and wandb: JSONL of "
+        '{"prompt": text} or {"messages": [...]} (chat template), or one prompt per line of text.',
+    )
+    eval_max_new_tokens: int = _flag(64, "Tokens generated per --eval_prompts prompt.")
+    peak_tflops: float | None = _flag(
+        None, "Peak TFLOP/s of one device for MFU (default: a table for A100/H100/H200, a calibration on CPU)."
+    )
+    report_to: str = _flag(
+        "none", "Extra metrics sinks, comma-separated: wandb, tensorboard (JSONL and console are always on)."
+    )
+    profile_steps: str | None = _flag(None, "A torch profiler trace of these steps (e.g. 5-7) in <output_dir>/profile.")
+    disable_tqdm: bool = _flag(False, "No progress bar.")
+    comms_log: bool = _flag(
+        False,
+        "Communication log: per collective type (all-reduce, reduce-scatter, all-gather, broadcast, "
+        "all-to-all, send/recv) the count, bytes, latency and bus bandwidth of this rank's DeepSpeed "
+        "collectives, per logging window in the metrics and as a summary at the end. Each collective then "
+        "synchronises the device: for diagnostic runs, not for production speed.",
+    )
+
+    @property
+    def report_sinks(self) -> tuple:
+        return tuple(s.strip() for s in self.report_to.split(",") if s.strip() and s.strip() != "none")
+
+    @property
+    def profile_range(self) -> tuple | None:
+        if not self.profile_steps:
+            return None
+        first, _, last = self.profile_steps.partition("-")
+        return int(first), int(last or first)
+
+    def validate(self) -> None:
+        if self.logging_steps < 1:
+            raise UsageError(f"--logging_steps {self.logging_steps}: must be at least 1")
+        if self.eval_max_new_tokens < 1:
+            raise UsageError(f"--eval_max_new_tokens {self.eval_max_new_tokens}: must be at least 1")
+        _check_not_negative(self, ("eval_steps",))
+        for name in ("max_eval_samples", "peak_tflops"):
+            if getattr(self, name) is not None and getattr(self, name) <= 0:
+                raise UsageError(f"--{name} {getattr(self, name)}: must be positive")
+        for sink in self.report_sinks:
+            if sink not in REPORT_SINKS:
+                close = difflib.get_close_matches(sink, REPORT_SINKS, n=1)
+                raise UsageError(
+                    f'--report_to {self.report_to}: unknown sink "{sink}"',
+                    f"did you mean {close[0]}?" if close else f"use {', '.join(REPORT_SINKS)}",
+                )
+        if self.profile_steps is not None:
+            first, sep, last = self.profile_steps.partition("-")
+            if (
+                not (first.isdigit() and (not sep or last.isdigit()))
+                or int(first) < 1
+                or (sep and int(last) < int(first))
+            ):
+                raise UsageError(
+                    f"--profile_steps {self.profile_steps}: give a step or a range of steps like 5-7",
+                    "steps count from 1",
+                )
+
+
+@dataclass(frozen=True)
+class ParallelArgs:
+    """How the ranks split the model beyond data parallelism (the data-parallel size is what remains)."""
+
+    tensor_parallel_size: int = _flag(
+        1,
+        "Tensor parallelism (DeepSpeed AutoTP, the model's own TP plan where it has one) over this many "
+        "consecutive ranks, which read the same batches; keep it within a node.",
+    )
+
+    sequence_parallel_size: int = _flag(
+        1,
+        "Sequence parallelism (DeepSpeed Ulysses) over this many consecutive ranks: each holds 1/N of every "
+        "block's tokens, and attention all-to-alls trade tokens for heads; for blocks too long for one rank.",
+    )
+
+    pipeline_parallel_size: int = _flag(
+        1,
+        "Pipeline parallelism (deepspeed.pipe, 1F1B schedule) over this many stages of the model's own layers; "
+        "the stages' data-parallel replicas are consecutive ranks, so stage-to-stage transfers cross nodes.",
+    )
+
+    pipeline_partition: str = _flag(
+        "parameters",
+        "How the layers are cut into pipeline stages: balanced by parameter count (the embedding and "
+        "head weigh in), or uniform (the same number of decoder layers per stage).",
+        choices=("parameters", "uniform"),
+    )
+
+    def validate(self) -> None:
+        _check_at_least_one(self, ("tensor_parallel_size", "sequence_parallel_size", "pipeline_parallel_size"))
+
+
+@dataclass(frozen=True)
+class PlanningArgs:
+    """--plan, the memory planner: the cluster to plan for."""
+
+    plan: bool = _flag(
+        False,
+        "Memory planner: per-GPU memory of each ZeRO stage and offload option for the model "
+        "(built on the meta device) on --num_nodes x --num_gpus GPUs, a recommendation, exit.",
+    )
+    num_gpus: int = _flag(1, "--plan: GPUs per node.")
+    num_nodes: int = _flag(1, "--plan: nodes.")
+    gpu_memory_gb: float = _flag(80.0, "--plan: memory of one GPU, GB.")
+    host_memory_gb: float | None = _flag(None, "--plan: host memory per node for offload, GB (default: unchecked).")
+    plan_precision: str = _flag("bf16", "--plan: training precision to plan for.", choices=("bf16", "fp16", "fp32"))
+
+    def validate(self) -> None:
+        if not self.plan:
+            return
+        _check_at_least_one(self, ("num_gpus", "num_nodes"))
+        for name in ("gpu_memory_gb", "host_memory_gb"):
+            if getattr(self, name) is not None and getattr(self, name) <= 0:
+                raise UsageError(f"--{name} {getattr(self, name)}: must be positive")
+
+
+# Slice name -> its dataclass: the order of --help and of --print_config. A new concern adds a line here.
+SLICES = {
+    "run": RunArgs,
+    "model": ModelArgs,
+    "peft": PeftArgs,
+    "data": DataArgs,
+    "optim": OptimArgs,
+    "engine": EngineArgs,
+    "parallel": ParallelArgs,
+    "checkpoint": CheckpointArgs,
+    "nonfinite": NonFiniteArgs,
+    "logging": LoggingArgs,
+    "planning": PlanningArgs,
+}
+FLAG_ALIASES = {"deepspeed": "config"}  # Hugging Face's spelling of the DeepSpeed JSON flag
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    run: RunArgs = field(default_factory=RunArgs)
+    model: ModelArgs = field(default_factory=ModelArgs)
+    peft: PeftArgs = field(default_factory=PeftArgs)
+    data: DataArgs = field(default_factory=DataArgs)
+    optim: OptimArgs = field(default_factory=OptimArgs)
+    engine: EngineArgs = field(default_factory=EngineArgs)
+    parallel: ParallelArgs = field(default_factory=ParallelArgs)
+    checkpoint: CheckpointArgs = field(default_factory=CheckpointArgs)
+    nonfinite: NonFiniteArgs = field(default_factory=NonFiniteArgs)
+    logging: LoggingArgs = field(default_factory=LoggingArgs)
+    planning: PlanningArgs = field(default_factory=PlanningArgs)
+    # Not flags: where each value that is not a default came from ("command line", or "recipe <file>").
+    sources: Mapping[str, str] = field(default_factory=dict)
+
+    @property
+    def explicit_flags(self) -> frozenset:
+        """Flags the user set (typed, or in the recipe), as opposed to defaults."""
+        return frozenset(self.sources)
+
+    def to_dict(self) -> dict:
+        """Every flag with its value, flat, as saved in run_config.json."""
+        return {f.name: getattr(getattr(self, slice_name), f.name) for slice_name, f in flag_fields()}
+
+    def source_of(self, name: str) -> str:
+        return self.sources.get(name, "default")
+
+
+# --- the flat command line ------------------------------------------------------------------------------------
+
+
+def flag_fields(slices: Sequence[str] | None = None) -> list:
+    """[(slice name, dataclass field)] of every flag, in --help order."""
+    return [(name, f) for name in (slices or SLICES) for f in dataclasses.fields(SLICES[name])]
+
+
+def _check_unique_flag_names() -> None:
+    names = [f.name for _, f in flag_fields()]
+    duplicated = sorted({n for n in names if names.count(n) > 1})
+    assert not duplicated, f"flags defined in two slices: {duplicated}"  # one flat command line needs unique names
+
+
+_check_unique_flag_names()
+
+
+def _field_hint(owner: type, f: dataclasses.Field):
+    """The field's annotation with Optional[] removed."""
+    hint = typing.get_type_hints(owner)[f.name]
+    args = [a for a in typing.get_args(hint) if a is not type(None)]
+    return args[0] if args else hint
+
+
+def _value_type(owner: type, f: dataclasses.Field) -> type:
+    """int, float, bool or str: the field's type, or its elements' for a fixed-length tuple flag."""
+    hint = _field_hint(owner, f)
+    return typing.get_args(hint)[0] if typing.get_origin(hint) is tuple else hint
+
+
+def _nargs(owner: type, f: dataclasses.Field) -> int | None:
+    """How many values a tuple flag takes (`--rampup_batch_size 16 16 1000`); None for a single value."""
+    hint = _field_hint(owner, f)
+    return len(typing.get_args(hint)) if typing.get_origin(hint) is tuple else None
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse that raises UsageError (one line, did-you-mean) instead of printing usage and exiting."""
+
+    def error(self, message: str):
+        if message.startswith("unrecognized arguments:"):
+            unknown = message.split(":", 1)[1].split()
+            flag = next((u for u in unknown if u.startswith("--")), unknown[0])
+            name = flag.split("=", 1)[0]
+            known = [opt for action in self._actions for opt in action.option_strings if opt.startswith("--")]
+            close = difflib.get_close_matches(name, known, n=1)
+            hint = f"did you mean {close[0]}?" if close else f"see {self.prog} --help for the flags"
+            raise UsageError(f"unknown flag {name}", hint)
+        raise UsageError(message, f"see {self.prog} --help")
+
+
+def add_flags(
+    parser: argparse.ArgumentParser,
+    slices: Sequence[str] | None = None,
+    suppress_defaults=False,
+    defaults: dict | None = None,
+    exclude: Sequence[str] = (),
+) -> None:
+    """Add the flags of `slices` (all by default), one argparse group per slice; `defaults` replace the fields'."""
+    defaults = defaults or {}
+    for slice_name in slices or SLICES:
+        owner = SLICES[slice_name]
+        group = parser.add_argument_group(slice_name, owner.__doc__)
+        for f in dataclasses.fields(owner):
+            if f.name in exclude:
+                continue
+            meta = {k: v for k, v in f.metadata.items() if k != "training_only"}
+            help_text = meta.pop("help")
+            value = defaults.get(f.name, f.default)
+            default = argparse.SUPPRESS if suppress_defaults else value
+            if _value_type(owner, f) is bool:  # --name / --no-name: the command line can undo a recipe's true
+                group.add_argument(
+                    f"--{f.name}", action=argparse.BooleanOptionalAction, help=help_text, default=default
+                )
+                continue
+            default_text = "" if value is None else f" (default: {value})"
+            if _nargs(owner, f):
+                meta["nargs"] = _nargs(owner, f)
+            group.add_argument(
+                f"--{f.name}", type=_value_type(owner, f), default=default, help=help_text + default_text, **meta
+            )
+
+
+def build_parser(suppress_defaults: bool = False, defaults: dict | None = None) -> argparse.ArgumentParser:
+    """train.py's command line. With suppress_defaults, only typed flags appear in the namespace."""
+    parser = _Parser(
+        prog="train.py",
+        description="Train a Hugging Face causal LM with DeepSpeed. Flags follow Hugging Face's spelling.",
+        allow_abbrev=False,
+    )
+    add_flags(parser, suppress_defaults=suppress_defaults, defaults=defaults)
+    for alias, name in FLAG_ALIASES.items():
+        parser.add_argument(
+            f"--{alias}", dest=name, default=argparse.SUPPRESS, help=f"Alias of --{name} (Hugging Face spelling)."
+        )
+    return parser
+
+
+def slices_from(values: dict, slices: Sequence[str] | None = None) -> dict:
+    """{slice name: slice instance} from flat {flag: value} (flags absent from `values` keep their defaults)."""
+
+    def value(f):  # argparse gives a tuple flag as a list; the slices are frozen, so hold a tuple
+        return tuple(values[f.name]) if isinstance(values[f.name], list) else values[f.name]
+
+    return {
+        name: SLICES[name](**{f.name: value(f) for f in dataclasses.fields(SLICES[name]) if f.name in values})
+        for name in (slices or SLICES)
+    }
+
+
+def parse_run_config(argv: Sequence[str] | None = None) -> RunConfig:
+    """Parse flags (and the --recipe they name) into a RunConfig and check every value checkable without torch."""
+    argv = list(argv) if argv is not None else None
+    recipe_path = _recipe_flag(argv)
+    recipe = load_recipe(recipe_path) if recipe_path else {}
+    namespace = build_parser(defaults=recipe).parse_args(argv)
+    typed = vars(build_parser(suppress_defaults=True).parse_args(argv))
+    sources = {name: f"recipe {recipe_path}" for name in recipe}
+    sources.update({name: COMMAND_LINE for name in typed if name != "local_rank"})
+    cfg = RunConfig(**slices_from(vars(namespace)), sources=sources)
+    validate_run_config(cfg)
+    return cfg
+
+
+# --- recipes ----------------------------------------------------------------------------------------------------
+
+
+def _recipe_flag(argv: Sequence[str] | None) -> str | None:
+    """The --recipe value, read before the full parse (its values become the parser's defaults)."""
+    pre = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
+    pre.add_argument("--recipe", default=None)
+    known, _ = pre.parse_known_args(argv)
+    return known.recipe
+
+
+def load_recipe(path: str) -> dict:
+    """A recipe: a YAML mapping of flag names to values, checked like the flags: {flag: typed value}."""
+    import yaml
+
+    file = Path(path)
+    if not file.is_file():
+        raise UsageError(f"--recipe {path}: no such file", "recipes/ holds examples")
+    try:
+        content = yaml.safe_load(file.read_text())
+    except (OSError, UnicodeDecodeError) as err:
+        raise UsageError(f"--recipe {path}: cannot read it ({err})") from err
+    except yaml.YAMLError as err:
+        where = getattr(err, "problem_mark", None)
+        line = f" at line {where.line + 1}" if where is not None else ""
+        raise UsageError(
+            f"--recipe {path}: not valid YAML{line} ({getattr(err, 'problem', None) or err})",
+            "write one `flag_name: value` per line",
+        ) from err
+    if content is None:
+        return {}
+    if not isinstance(content, dict):
+        raise UsageError(
+            f"--recipe {path}: must be a mapping of flag names to values, not a {type(content).__name__}",
+            "write one `flag_name: value` per line",
+        )
+    fields = {f.name: (SLICES[slice_name], f) for slice_name, f in flag_fields()}
+    values = {}
+    for key, value in content.items():
+        name = FLAG_ALIASES.get(str(key), str(key))
+        if name == "recipe":
+            raise UsageError(f"--recipe {path}: a recipe cannot name another recipe", "merge the two files")
+        if name not in fields:
+            close = difflib.get_close_matches(str(key), list(fields) + list(FLAG_ALIASES), n=1)
+            raise UsageError(
+                f'--recipe {path}: unknown key "{key}"',
+                f"did you mean {close[0]}?" if close else "keys are train.py's flag names, without --",
+            )
+        values[name] = _recipe_value(path, name, value, *fields[name])
+    return values
+
+
+def _recipe_value(path: str, name: str, value, owner: type, f: dataclasses.Field):
+    """A recipe value converted to the flag's type, as argparse converts a typed one (same choices)."""
+    kind = _value_type(owner, f)
+    where = f"--recipe {path}: {name}"
+    if value is None:
+        if f.default is None:
+            return None
+        raise UsageError(f'{where}: needs a value (it has no "unset")', f"remove the key for the default {f.default}")
+    if kind is bool:
+        if not isinstance(value, bool):
+            raise UsageError(f"{where}: {value!r} is not true or false")
+        return value
+    count = _nargs(owner, f)
+    if count:  # a tuple flag: a YAML list of `count` values, each converted like one typed value
+        if not isinstance(value, list) or len(value) != count:
+            raise UsageError(f"{where}: {value!r} is not a list of {count} values")
+        return tuple(_recipe_scalar(where, v, kind, f.metadata.get("choices")) for v in value)
+    if isinstance(value, list) and kind is str:  # a comma-separated flag written as a YAML list
+        value = ",".join(str(v) for v in value)
+    return _recipe_scalar(where, value, kind, f.metadata.get("choices"))
+
+
+def _recipe_scalar(where: str, value, kind: type, choices):
+    if isinstance(value, (bool, list, dict)):
+        raise UsageError(f"{where}: {value!r} is not a single {kind.__name__}")
+    try:
+        converted = kind(value)  # YAML reads 1e-3 (no dot) as a string: float() takes it, as argparse would
+    except ValueError:
+        raise UsageError(f"{where}: {value!r} is not {'an integer' if kind is int else 'a number'}") from None
+    if kind is int and isinstance(value, float) and converted != value:
+        raise UsageError(f"{where}: {value!r} is not an integer")
+    if choices and converted not in choices:
+        raise UsageError(f"{where}: {converted!r} is not one of {', '.join(choices)}")
+    return converted
+
+
+# --- checks -----------------------------------------------------------------------------------------------------
+
+
+def run_identity(cfg_dict: dict) -> dict:
+    """What makes two runs the same run: the model and the training data (not batch sizes or step counts)."""
+    keys = (
+        "model_name_or_path",
+        "config_name",
+        "dataset_name",
+        "dataset_config_name",
+        "train_file",
+        "data_path",
+        "dataset_mix",
+    )
+    return {k: cfg_dict.get(k) for k in keys}
+
+
+def explain_run_config(cfg: RunConfig) -> str:
+    """Every flag with its value and where it came from (command line, recipe, or default), by concern."""
+    lines = []
+    for slice_name in SLICES:
+        lines.append(f"  [{slice_name}]")
+        for f in dataclasses.fields(SLICES[slice_name]):
+            source = cfg.source_of(f.name)
+            source = f"--{f.name}" if source == COMMAND_LINE else source
+            lines.append(f"  {f.name} = {getattr(getattr(cfg, slice_name), f.name)!r}  <- {source}")
+    return "\n".join(lines)
+
+
+def parse_dataset_mix(value: str) -> list:
+    """`path_a:0.7,path_b:0.3` -> [(path, weight)], weights normalised to sum to 1."""
+    pairs = []
+    for part in (p.strip() for p in value.split(",") if p.strip()):
+        path, sep, weight = part.rpartition(":")
+        try:
+            w = float(weight)
+        except ValueError:
+            w = -1.0
+        if not sep or not path or w <= 0:
+            raise UsageError(
+                f'--dataset_mix {value}: "{part}" is not path:weight with a positive weight',
+                "write it as store_a:0.7,store_b:0.3",
+            )
+        pairs.append((path, w))
+    if len(pairs) < 2:
+        raise UsageError(f"--dataset_mix {value}: give at least two stores", "or use --data_path for one")
+    total = sum(w for _, w in pairs)
+    return [(path, w / total) for path, w in pairs]
+
+
+def _check_not_negative(args, names: Sequence[str]) -> None:
+    for name in names:
+        if getattr(args, name) < 0:
+            raise UsageError(f"--{name} {getattr(args, name)}: must not be negative")
+
+
+def _check_at_least_one(args, names: Sequence[str]) -> None:
+    for name in names:
+        if getattr(args, name) < 1:
+            raise UsageError(f"--{name} {getattr(args, name)}: must be at least 1")
+
+
+def _looks_local(path: str) -> bool:
+    """A hub id is `name` or `org/name`; anything else (absolute, ./, ~, deeper folders, a file suffix) is local."""
+    return (
+        path.startswith(("/", ".", "~"))
+        or path.count("/") > 1
+        or Path(path).suffix in {".json", ".jsonl"}
+        or Path(path).exists()
+    )
+
+
+def _check_model_path(flag: str, value: str | None) -> None:
+    if value and _looks_local(value) and not Path(value).expanduser().exists():
+        raise UsageError(f"--{flag} {value}: no such file or folder", "give a local model folder or a hub id")
+
+
+def expand_data_files(value: str | None) -> list:
+    """A --train_file/--validation_file value: one path, a glob, or several of either separated by commas."""
+    if not value:
+        return []
+    files = []
+    for part in (p.strip() for p in value.split(",") if p.strip()):
+        expanded = os.path.expanduser(part)
+        matches = sorted(glob.glob(expanded)) if glob.has_magic(expanded) else [expanded]
+        files += matches or [part]
+    return files
+
+
+VALIDATION_SPLIT = "validation"
+_SET_NAME = re.compile(r"^([A-Za-z0-9_]+)=(.+)$")
+
+
+def parse_validation_sets(value: str | None) -> dict:
+    """--validation_file as {store split: [files]}: plain paths make one set (split "validation", metric eval_loss);
+    name=path items make one set each (split "validation.<name>", metric eval_<name>_loss)."""
+    if not value:
+        return {}
+    parts = [p.strip() for p in value.split(",") if p.strip()]
+    named = [_SET_NAME.match(p) for p in parts]
+    if not any(named):
+        return {VALIDATION_SPLIT: expand_data_files(value)}
+    if not all(named):
+        plain = next(p for p, m in zip(parts, named, strict=True) if not m)
+        raise UsageError(
+            f"--validation_file {value}: {plain} has no set name, the others do",
+            "name every set (name=path; a glob such as name=dir/*.jsonl joins files into one set), or none",
+        )
+    sets = {}
+    for match in named:
+        name, path = match.groups()
+        split = f"{VALIDATION_SPLIT}.{name}"
+        if split in sets:
+            raise UsageError(
+                f"--validation_file: the set {name} is named twice",
+                f"give each set one entry (a glob such as {name}=dir/*.jsonl joins several files)",
+            )
+        sets[split] = expand_data_files(path)
+    return sets
+
+
+def eval_metric_prefix(split: str) -> str:
+    """The metric names of a validation split's loss: eval_loss for the unnamed set, eval_<name>_loss for a named."""
+    return "eval_" if split == VALIDATION_SPLIT else f"eval_{split.split('.', 1)[1]}_"
+
+
+def eval_loss_set(metric: str) -> str | None:
+    """The evaluation set whose loss a metric key is ("" for eval_loss, the name for eval_<name>_loss), or None for
+    a key that is no evaluation loss: eval_metric_prefix read backwards."""
+    if not (metric.startswith("eval_") and metric.endswith("loss")):
+        return None
+    return metric[len("eval_") : -len("loss")].rstrip("_")
+
+
+def _check_data_files(flag: str, files: list) -> None:
+    for file in files:
+        path = Path(file)
+        if glob.has_magic(file):
+            raise UsageError(f"--{flag} {file}: the pattern matches no file", "check the glob")
+        if not path.is_file():
+            raise UsageError(f"--{flag} {file}: no such file", "give a local json, jsonl, csv, txt or parquet file")
+        if path.suffix.lower() not in LOCAL_DATA_FORMATS:
+            raise UsageError(
+                f"--{flag} {file}: unsupported file type {path.suffix or '(none)'}",
+                f"use one of {', '.join(sorted(LOCAL_DATA_FORMATS))}",
+            )
+        if not os.access(path, os.R_OK):
+            raise UsageError(f"--{flag} {file}: file is not readable", "check its permissions")
+
+
+def _check_data_sources(data: DataArgs) -> None:
+    if data.dataset_name and data.train_file:
+        raise UsageError("--dataset_name and --train_file: choose one data source")
+    if data.validation_file and not (data.train_file or data.dataset_name):
+        raise UsageError("--validation_file needs --train_file (or --dataset_name) too")
+    _check_data_files("train_file", expand_data_files(data.train_file))
+    _check_data_files("validation_file", [f for files in data.validation_sets.values() for f in files])
+    if data.dataset_name and _looks_local(data.dataset_name) and not Path(data.dataset_name).expanduser().exists():
+        raise UsageError(f"--dataset_name {data.dataset_name}: no such folder", "give a hub dataset name or a folder")
+    if data.data_path and (data.train_file or data.dataset_name):
+        raise UsageError(
+            "--data_path and --train_file/--dataset_name: choose one data source",
+            "--data_path is a store that data/prepare.py made; the others are raw data",
+        )
+    if data.dataset_mix and (data.data_path or data.train_file or data.dataset_name):
+        raise UsageError(
+            "--dataset_mix and another data source: choose one", "--dataset_mix already names every store the run reads"
+        )
+    for path, _ in data.mix:
+        if not Path(path).is_dir():
+            raise UsageError(f"--dataset_mix: {path} is not a folder", "give stores made by data/prepare.py")
+    if data.data_path and not Path(data.data_path).is_dir():
+        raise UsageError(f"--data_path {data.data_path}: no such folder", "prepare it with python data/prepare.py")
+
+
+def _check_peft_run(cfg: RunConfig) -> None:
+    """LoRA adapts pretrained weights on data parallelism; its flags act only with --use_peft."""
+    peft_flags = [f.name for f in dataclasses.fields(PeftArgs) if f.name != "use_peft"]
+    if not cfg.peft.use_peft:
+        given = [name for name in peft_flags if name in cfg.sources]
+        if given:
+            raise UsageError(f"--{given[0]}: only acts with --use_peft", "add --use_peft, or drop the flag")
+        return
+    if not cfg.model.model_name_or_path:
+        raise UsageError(
+            "--use_peft: needs --model_name_or_path (LoRA adapts a pretrained model's weights)",
+            "give the pretrained model's folder or hub id",
+        )
+    parallel = cfg.parallel
+    for name in ("tensor_parallel_size", "sequence_parallel_size", "pipeline_parallel_size"):
+        if getattr(parallel, name) > 1:
+            raise UsageError(
+                f"--use_peft with --{name} {getattr(parallel, name)}: not supported here (untested)",
+                "train the adapter with data parallelism and a ZeRO stage",
+            )
+    if cfg.engine.torch_compile:
+        raise UsageError("--use_peft with --torch_compile: not supported here (untested)", "drop --torch_compile")
+
+
+def _check_output_dir(cfg: RunConfig) -> None:
+    """A folder holding another run (other model or data) is refused; so is starting afresh over a previous run."""
+    run = cfg.run
+    output = Path(run.output_dir)
+    if output.exists() and not output.is_dir():
+        raise UsageError(f"--output_dir {run.output_dir}: exists and is not a folder")
+    previous = output / "run_config.json"
+    if not previous.exists() or run.overwrite_output_dir or run.print_config or cfg.planning.plan:
+        return
+    try:
+        before = run_identity(json.loads(previous.read_text()))
+    except (OSError, ValueError):
+        before = None
+    now = run_identity(cfg.to_dict())
+    if before is not None and before != now:
+        changed = ", ".join(f"{k}: {before[k]} -> {now[k]}" for k in now if before[k] != now[k])
+        raise UsageError(
+            f"--output_dir {run.output_dir}: holds a different run ({changed})",
+            "choose another --output_dir, or pass --overwrite_output_dir to replace that run",
+        )
+    if cfg.checkpoint.resume_from_checkpoint == "none":
+        raise UsageError(
+            f"--output_dir {run.output_dir}: holds a previous run of this model and data",
+            "drop --resume_from_checkpoint none to continue it, or pass --overwrite_output_dir to start again",
+        )
+
+
+def validate_run_config(cfg: RunConfig) -> None:
+    """The checks that need no model, data or process group, slice by slice. Raises UsageError on the first."""
+    for slice_name in (
+        "optim",
+        "parallel",
+        "nonfinite",
+        "checkpoint",
+        "data",
+        "logging",
+        "planning",
+        "engine",
+        "model",
+        "peft",
+    ):
+        getattr(cfg, slice_name).validate()
+    _check_peft_run(cfg)
+    _check_output_dir(cfg)

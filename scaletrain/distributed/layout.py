@@ -1,0 +1,242 @@
+"""The parallel layout: how the world's ranks split into tensor-parallel groups and data-parallel replicas, checked
+against the world size, the model and the DeepSpeed config before anything is built. Imports no torch.
+
+Tensor parallelism is DeepSpeed AutoTP: ranks r*tp .. r*tp+tp-1 form one tensor-parallel group (consecutive ranks,
+so a group stays inside a node), every rank of a group reads the same batches, and the data-parallel size is
+world / tp. AutoTP shards the linear layers along the model's own TP plan where it has one (Llama, Qwen, Mistral
+declare one), else by its heuristic.
+
+Sequence parallelism is DeepSpeed Ulysses (ALST, deepspeed.runtime.sequence_parallel.ulysses_sp): ranks r*sp ..
+r*sp+sp-1 read the same batches and each holds 1/sp of every block's tokens; the attention all-to-alls trade tokens
+for heads. See scaletrain/distributed/sequence_parallel.py.
+
+Pipeline parallelism is deepspeed.pipe: the model's layers cut into stages, stage s on ranks s*dp .. s*dp+dp-1
+(its data-parallel replicas consecutive), micro-batches flowing through the 1F1B schedule. See
+scaletrain/distributed/pipeline.py.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from scaletrain.config.core import ParallelArgs, PlanningArgs
+from scaletrain.distributed.world import DistInfo
+from scaletrain.config.deepspeed_json import ResolvedDSConfig
+from scaletrain.errors import UsageError
+
+# The model dimensions a tensor-parallel split divides (Llama-family names; models without them are not checked).
+_SPLIT_DIMENSIONS = (
+    ("num_attention_heads", "attention heads"),
+    ("num_key_value_heads", "key/value heads"),
+    ("intermediate_size", "MLP width"),
+    ("vocab_size", "vocabulary"),
+)
+
+
+def _layout_flag(parallel: ParallelArgs) -> tuple:
+    """(the flag that sets the model-parallel size, its value)."""
+    if parallel.sequence_parallel_size > 1:
+        return "--sequence_parallel_size", parallel.sequence_parallel_size
+    if parallel.pipeline_parallel_size > 1:
+        return "--pipeline_parallel_size", parallel.pipeline_parallel_size
+    return "--tensor_parallel_size", parallel.tensor_parallel_size
+
+
+def apply_layout(parallel: ParallelArgs, dist: DistInfo) -> DistInfo:
+    """`dist` with the layout set (its dp_world_size and dp_rank follow); the world must split, and one kind of
+    model parallelism at a time (--plan alone plans them together)."""
+    sizes = ("tensor_parallel_size", "sequence_parallel_size", "pipeline_parallel_size")
+    chosen = [name for name in sizes if getattr(parallel, name) > 1]
+    if len(chosen) > 1:
+        raise UsageError(
+            " with ".join(f"--{name} {getattr(parallel, name)}" for name in chosen)
+            + ": combining model-parallel layouts is not supported yet (--plan can plan them)",
+            "choose one of them",
+        )
+    flag, size = _layout_flag(parallel)
+    if dist.world_size % size:
+        raise UsageError(
+            f"{flag} {size} does not divide the world size {dist.world_size}",
+            f"launch a multiple of {size} ranks, or choose a size that divides {dist.world_size}",
+        )
+    return dataclasses.replace(
+        dist,
+        tensor_parallel_size=parallel.tensor_parallel_size,
+        sequence_parallel_size=parallel.sequence_parallel_size,
+        pipeline_parallel_size=parallel.pipeline_parallel_size,
+    )
+
+
+def check_planned_layout(parallel: ParallelArgs, planning: PlanningArgs) -> None:
+    """--plan with a layout: tensor-parallel groups must fit inside a node of the planned cluster, sequence-parallel
+    ones must split its ranks."""
+    if not planning.plan:
+        return
+    tp, sp, pp = parallel.tensor_parallel_size, parallel.sequence_parallel_size, parallel.pipeline_parallel_size
+    if planning.num_gpus % tp:
+        raise UsageError(
+            f"--tensor_parallel_size {tp} does not divide --num_gpus {planning.num_gpus}",
+            "a tensor-parallel group stays inside a node: choose a size that divides the GPUs per node",
+        )
+    ranks = planning.num_gpus * planning.num_nodes
+    if ranks % (tp * sp * pp):
+        raise UsageError(
+            f"the layout (tensor {tp} x sequence {sp} x pipeline {pp}) does not divide the {ranks} planned GPUs",
+            "choose sizes whose product divides --num_gpus x --num_nodes",
+        )
+
+
+def check_model_layout(parallel: ParallelArgs, model_config) -> None:
+    """Every dimension the tensor-parallel split cuts must divide evenly (a rank with no attention head, or uneven
+    shards, is a silent waste or an error deep inside DeepSpeed)."""
+    flag, size = _layout_flag(parallel)
+    if size == 1 or flag == "--pipeline_parallel_size":  # stages cut between layers (pipeline.py checks)
+        return
+    text_config = model_config.get_text_config() if hasattr(model_config, "get_text_config") else model_config
+    # Ulysses splits the attention heads over the sequence-parallel ranks; AutoTP splits every linear layer.
+    dimensions = _SPLIT_DIMENSIONS[:2] if flag == "--sequence_parallel_size" else _SPLIT_DIMENSIONS
+    for name, what in dimensions:
+        value = getattr(text_config, name, None)
+        if isinstance(value, int) and value % size:
+            raise UsageError(
+                f"{flag} {size}: the model's {value} {what} ({name}) do not split into {size} equal parts",
+                f"choose a size that divides {value}",
+            )
+
+
+def check_sequence_layout(parallel: ParallelArgs, block_size: int, attn_implementation: str) -> None:
+    """Ulysses cuts every block into equal shards and wraps the model's SDPA attention."""
+    sp = parallel.sequence_parallel_size
+    if sp == 1:
+        return
+    if block_size % sp:
+        raise UsageError(
+            f"--sequence_parallel_size {sp} does not divide the block size {block_size}",
+            f"choose a --block_size that is a multiple of {sp}",
+        )
+    if attn_implementation != "sdpa":
+        raise UsageError(
+            f"--sequence_parallel_size {sp}: the model's attention is {attn_implementation!r}, and "
+            "DeepSpeed Ulysses wraps SDPA attention here (eager attention needs a 4D mask it drops)",
+            "use a model whose attention implementation is sdpa",
+        )
+
+
+def resolve_layout(parallel: ParallelArgs, ds: ResolvedDSConfig, config_path: str) -> None:
+    """Write the layout into the resolved DeepSpeed config (tensor_parallel section), refusing the combinations that
+    are not supported, with the reason."""
+    tp = parallel.tensor_parallel_size
+    section = ds.config.get("tensor_parallel")
+    section = section if isinstance(section, dict) else {}
+    in_json = section.get("autotp_size")
+    if in_json not in (None, 0, 1, "auto", tp):
+        raise UsageError(
+            f"tensor_parallel.autotp_size {in_json} in {config_path} contradicts --tensor_parallel_size {tp}",
+            "remove the key and pass --tensor_parallel_size",
+        )
+    _resolve_sequence_layout(parallel, ds, config_path)
+    _resolve_pipeline_layout(parallel, ds, config_path)
+    if tp == 1:
+        return
+    if ds.zero_stage == 3:
+        raise UsageError(
+            f"--tensor_parallel_size {tp} with ZeRO stage 3 ({config_path}): AutoTP with ZeRO-3 is not "
+            "supported here (verified only without data parallelism)",
+            "use a ZeRO-1 or ZeRO-2 config with tensor parallelism",
+        )
+    if ds.offloads_optimizer or ds.offloads_params:
+        raise UsageError(
+            f"--tensor_parallel_size {tp} with offload ({config_path}): not supported here (untested)",
+            "use ds_configs/zero1.json or zero2.json with tensor parallelism",
+        )
+    if section.get("vocab_parallel_lm_head") is True:
+        raise UsageError(
+            f"tensor_parallel.vocab_parallel_lm_head in {config_path}: the pipeline's loss needs the "
+            "logits of the whole vocabulary on every rank",
+            "remove the key",
+        )
+    ds.config["tensor_parallel"] = {**section, "autotp_size": tp, "vocab_parallel_lm_head": False}
+    ds.sources["tensor_parallel.autotp_size"] = "--tensor_parallel_size"
+    # With tied embeddings AutoTP would switch to a vocabulary-parallel head by itself (logits of half the
+    # vocabulary per rank); the pipeline's token-weighted loss is computed from the whole logits.
+    ds.sources["tensor_parallel.vocab_parallel_lm_head"] = "tensor parallelism: the loss reads whole logits"
+
+
+def _resolve_sequence_layout(parallel: ParallelArgs, ds: ResolvedDSConfig, config_path: str) -> None:
+    sp = parallel.sequence_parallel_size
+    in_json = ds.config.get("sequence_parallel_size")
+    if in_json not in (None, 1, "auto", sp):
+        raise UsageError(
+            f"sequence_parallel_size {in_json} in {config_path} contradicts --sequence_parallel_size {sp}",
+            "remove the key and pass --sequence_parallel_size",
+        )
+    if sp == 1:
+        return
+    if ds.zero_stage == 0:
+        raise UsageError(
+            f"--sequence_parallel_size {sp} with ZeRO stage 0 ({config_path}): not supported here "
+            "(verified with ZeRO-1, 2 and 3)",
+            "use a ZeRO-1, 2 or 3 config",
+        )
+    if ds.offloads_optimizer or ds.offloads_params:
+        raise UsageError(
+            f"--sequence_parallel_size {sp} with offload ({config_path}): not supported here (untested)",
+            "use ds_configs/zero1.json, zero2.json or zero3.json with sequence parallelism",
+        )
+    ds.config["sequence_parallel_size"] = sp
+    ds.sources["sequence_parallel_size"] = "--sequence_parallel_size"
+
+
+def _resolve_pipeline_layout(parallel: ParallelArgs, ds: ResolvedDSConfig, config_path: str) -> None:
+    pp = parallel.pipeline_parallel_size
+    in_json = (ds.config.get("pipeline") or {}).get("stages") if isinstance(ds.config.get("pipeline"), dict) else None
+    if in_json not in (None, "auto", pp):
+        raise UsageError(
+            f"pipeline.stages {in_json} in {config_path} contradicts --pipeline_parallel_size {pp}",
+            "remove the key and pass --pipeline_parallel_size",
+        )
+    if pp == 1:
+        return
+    if ds.zero_stage >= 2:
+        raise UsageError(
+            f"--pipeline_parallel_size {pp} with ZeRO stage {ds.zero_stage} ({config_path}): DeepSpeed's "
+            "pipeline engine supports ZeRO-0 and ZeRO-1 only (gradients are reduced per stage at the "
+            "end of the schedule, which ZeRO-2's and ZeRO-3's partitioned gradients do not allow)",
+            "use ds_configs/zero1.json with pipeline parallelism",
+        )
+    if ds.offloads_optimizer or ds.offloads_params:
+        raise UsageError(
+            f"--pipeline_parallel_size {pp} with offload ({config_path}): not supported here (untested)",
+            "use ds_configs/zero1.json with pipeline parallelism",
+        )
+
+
+def check_pipeline_run(
+    parallel: ParallelArgs, attention_isolation: bool, precision: str, zero_stage: int, config_path: str
+) -> None:
+    """What the pipeline path does not carry yet, refused before anything is built."""
+    pp = parallel.pipeline_parallel_size
+    if pp == 1:
+        return
+    if attention_isolation:
+        raise UsageError(
+            f"--pipeline_parallel_size {pp} with --attention_isolation: not supported yet (the "
+            "per-document mask would have to be rebuilt inside every stage)",
+            "drop --attention_isolation, or train without pipeline parallelism",
+        )
+    if zero_stage == 0 and precision != "fp32":
+        raise UsageError(
+            f"--pipeline_parallel_size {pp} with ZeRO stage 0 in {precision} ({config_path}): the "
+            "gradient-clipping fix for stage 0 covers fp32 only",
+            "use ds_configs/zero1.json with pipeline parallelism",
+        )
+
+
+def describe_layout(dist: DistInfo) -> str:
+    if dist.pipeline_parallel_size > 1:
+        return f"pipeline parallel {dist.pipeline_parallel_size} x data parallel {dist.dp_world_size}"
+    if dist.sequence_parallel_size > 1:
+        return f"sequence parallel {dist.sequence_parallel_size} x data parallel {dist.dp_world_size}"
+    if dist.tensor_parallel_size == 1:
+        return f"data parallel {dist.dp_world_size}"
+    return f"tensor parallel {dist.tensor_parallel_size} x data parallel {dist.dp_world_size}"

@@ -1,0 +1,374 @@
+"""Pipeline parallelism: a Hugging Face causal LM as a `deepspeed.pipe.PipelineModule`, cut into stages.
+
+The stages are the model's own modules, wrapped so each takes and returns one tensor: the embedding, every decoder
+layer, the final norm and the head (no model is written by hand; the weights, their initialisation and the layers'
+own activation checkpointing are transformers'). Only the hidden state crosses a stage boundary: a decoder layer
+computes its position ids (0 .. T-1, the block's positions) and, for rotary models, the rotary table from them, and
+attention is causal through SDPA's `is_causal` (no mask tensor travels between stages). With tied embeddings the
+head is the embedding's transpose: both ends hold a `TiedLayerSpec` copy, and DeepSpeed all-reduces its gradient.
+
+Topology (DeepSpeed's PipeDataParallelTopology): rank = stage x dp + data-parallel index, so the data-parallel
+replicas of one stage are consecutive ranks (inside a node) and the stage-to-stage transfers cross nodes.
+
+Loss: DeepSpeed's pipe engine calls `loss_fn(logits, labels)` once per micro-batch on the last stage and divides
+its backward by the accumulation steps; `TokenLoss` returns the micro-batch's summed token losses times
+(data-parallel size x accumulation / the global batch's targets), so the gradient is the pipeline's usual mean over
+every real target token of the global batch (scaletrain/train/loop.py).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+from scaletrain.data.blocks import IGNORE_INDEX
+from scaletrain.errors import UsageError
+
+log = logging.getLogger(__name__)
+
+# Causal LMs whose modules map onto stages, by Hugging Face model_type: where each part lives.
+ROTARY = ("llama", "mistral", "qwen2", "qwen3")
+LEARNED_POSITIONS = ("gpt2",)
+SUPPORTED = ROTARY + LEARNED_POSITIONS
+SUPPORTED_NAMES = "Llama, Mistral, Qwen2, Qwen3 (rotary) and GPT-2"
+# Attention that is causal with no mask tensor (SDPA's and flash attention's is_causal); eager needs a mask.
+CAUSAL_WITHOUT_MASK = ("sdpa", "flash_attention_2", "flash_attention_3")
+
+
+def uses_sliding_window(model_config, block_size: int) -> bool:
+    """Whether some layer attends through a sliding window narrower than the block (Mistral v0.1, Qwen with
+    use_sliding_window, layer_types with "sliding_attention"): the stages' plain causal attention would not."""
+    window = getattr(model_config, "sliding_window", None)
+    if not window or window >= block_size or getattr(model_config, "use_sliding_window", True) is False:
+        return False
+    layer_types = getattr(model_config, "layer_types", None)
+    return layer_types is None or "sliding_attention" in layer_types
+
+
+def check_pipeline_model(pp: int, model_config, attn_implementation: str, block_size: int = 0) -> None:
+    """Before anything is built: the model maps onto stages, and its layers split evenly over them."""
+    if pp == 1:
+        return
+    model_type = getattr(model_config, "model_type", None)
+    if model_type not in SUPPORTED:
+        raise UsageError(
+            f"--pipeline_parallel_size {pp}: the model type {model_type!r} has no pipeline mapping "
+            f"here (supported: {SUPPORTED_NAMES})",
+            "use a supported model, or no pipeline parallelism",
+        )
+    layers = model_config.num_hidden_layers
+    if layers % pp:
+        raise UsageError(
+            f"--pipeline_parallel_size {pp} does not divide the model's {layers} decoder layers (num_hidden_layers)",
+            f"choose a size that divides {layers}",
+        )
+    if uses_sliding_window(model_config, block_size):
+        raise UsageError(
+            f"--pipeline_parallel_size {pp}: the model attends through a sliding window of "
+            f"{model_config.sliding_window} tokens, shorter than the block ({block_size}); the "
+            "pipeline's stages attend causally over the whole block",
+            f"use --block_size {model_config.sliding_window} or less, or no pipeline parallelism",
+        )
+    if attn_implementation not in CAUSAL_WITHOUT_MASK:
+        raise UsageError(
+            f"--pipeline_parallel_size {pp}: the model's attention is {attn_implementation!r}; the "
+            "pipeline's stages rely on SDPA's (or flash attention's) causal mode, eager attention "
+            "would need a mask tensor between stages",
+            "use a model whose attention is sdpa",
+        )
+
+
+def _nn():
+    import torch.nn as nn
+
+    return nn
+
+
+def _positions(hidden):
+    import torch
+
+    return torch.arange(hidden.shape[1], device=hidden.device).unsqueeze(0)
+
+
+def _wrapper_classes():
+    """The stage modules (built lazily: importing this file needs no torch)."""
+    nn = _nn()
+
+    class TokenEmbedding(nn.Module):
+        """input ids -> hidden states (the model's token embedding; also the tied head's weight)."""
+
+        def __init__(self, embedding):
+            super().__init__()
+            self.embedding = embedding
+
+        def forward(self, input_ids):
+            return self.embedding(input_ids)
+
+    class LearnedPositions(nn.Module):
+        """GPT-2: hidden + position embedding, then the embedding dropout."""
+
+        def __init__(self, wpe, drop):
+            super().__init__()
+            self.wpe, self.drop = wpe, drop
+
+        def forward(self, hidden):
+            return self.drop(hidden + self.wpe(_positions(hidden)))
+
+    class RotaryDecoderLayer(nn.Module):
+        """One Llama-family decoder layer, with the rotary table computed from the block's positions."""
+
+        def __init__(self, layer, rotary):
+            super().__init__()
+            self.layer = layer
+            self.rotary = rotary  # non-persistent buffers only: nothing of it lands in a checkpoint
+
+        def forward(self, hidden):
+            positions = _positions(hidden)
+            out = self.layer(
+                hidden,
+                attention_mask=None,
+                position_ids=positions,
+                position_embeddings=self.rotary(hidden, positions),
+                use_cache=False,
+            )
+            return out[0] if isinstance(out, tuple) else out
+
+    class PlainDecoderLayer(nn.Module):
+        """One GPT-2 block (positions were added at the embedding)."""
+
+        def __init__(self, layer):
+            super().__init__()
+            self.layer = layer
+
+        def forward(self, hidden):
+            out = self.layer(hidden, attention_mask=None, use_cache=False)
+            return out[0] if isinstance(out, tuple) else out
+
+    class FinalNorm(nn.Module):
+        def __init__(self, norm):
+            super().__init__()
+            self.norm = norm
+
+        def forward(self, hidden):
+            return self.norm(hidden)
+
+    class Head(nn.Module):
+        def __init__(self, head):
+            super().__init__()
+            self.head = head
+
+        def forward(self, hidden):
+            return self.head(hidden)
+
+    return TokenEmbedding, LearnedPositions, RotaryDecoderLayer, PlainDecoderLayer, FinalNorm, Head
+
+
+def _tied_head_forward(embedding_module, hidden):
+    """The tied head on the last stage: logits = hidden @ embedding^T."""
+    import torch.nn.functional as F
+
+    return F.linear(hidden, embedding_module.embedding.weight)
+
+
+@dataclass(frozen=True)
+class StageLayer:
+    """Where a pipeline layer's checkpoint keys go in the Hugging Face state dict: its keys start with `strip`,
+    which becomes `prefix` (a tied head's layer holds nothing of its own: `prefix` None)."""
+
+    strip: str
+    prefix: str | None
+
+
+def layer_specs(hf_model) -> tuple:
+    """(DeepSpeed layer specs in order, the StageLayer of each, the decoder wrapper's class name)."""
+    from deepspeed.pipe import LayerSpec, TiedLayerSpec
+
+    TokenEmbedding, LearnedPositions, RotaryDecoderLayer, PlainDecoderLayer, FinalNorm, Head = _wrapper_classes()
+    config = hf_model.config
+    tied = bool(getattr(config, "tie_word_embeddings", False))
+    specs, places = [], []
+    if config.model_type in ROTARY:
+        base, base_prefix = hf_model.model, "model."
+        embedding, layers, norm = base.embed_tokens, base.layers, base.norm
+        embedding_prefix, norm_prefix = "model.embed_tokens.", "model.norm."
+    else:  # GPT-2
+        base, base_prefix = hf_model.transformer, "transformer."
+        embedding, layers, norm = base.wte, base.h, base.ln_f
+        embedding_prefix, norm_prefix = "transformer.wte.", "transformer.ln_f."
+    if tied:
+        specs.append(TiedLayerSpec("embedding", TokenEmbedding, embedding, tied_weight_attr="embedding.weight"))
+    else:
+        specs.append(LayerSpec(TokenEmbedding, embedding))
+    places.append(StageLayer("embedding.", embedding_prefix))
+    if config.model_type in LEARNED_POSITIONS:
+        specs.append(LayerSpec(LearnedPositions, base.wpe, base.drop))
+        places.append(StageLayer("wpe.", f"{base_prefix}wpe."))
+    decoder = RotaryDecoderLayer if config.model_type in ROTARY else PlainDecoderLayer
+    layer_prefix = "model.layers." if config.model_type in ROTARY else "transformer.h."
+    for i, layer in enumerate(layers):
+        extra = (base.rotary_emb,) if decoder is RotaryDecoderLayer else ()
+        specs.append(LayerSpec(decoder, layer, *extra))
+        places.append(StageLayer("layer.", f"{layer_prefix}{i}."))
+    specs.append(LayerSpec(FinalNorm, norm))
+    places.append(StageLayer("norm.", norm_prefix))
+    if tied:
+        specs.append(
+            TiedLayerSpec(
+                "embedding",
+                TokenEmbedding,
+                embedding,
+                forward_fn=_tied_head_forward,
+                tied_weight_attr="embedding.weight",
+            )
+        )
+        places.append(StageLayer("", None))
+    else:
+        specs.append(LayerSpec(Head, hf_model.lm_head))
+        places.append(StageLayer("head.", "lm_head."))
+    return specs, places, decoder.__name__
+
+
+class TokenLoss:
+    """The pipe engine's loss_fn: the micro-batch's summed token cross-entropy, scaled for the global batch.
+
+    `scale` is set before each step (data-parallel size x accumulation / the global targets); `loss_sum` collects
+    the unscaled sums of this rank's micro-batches (non-zero on the last stage only), which the loop reports."""
+
+    def __init__(self):
+        self.scale = 1.0
+        self.loss_sum = 0.0
+
+    def __call__(self, logits, targets):
+        import torch.nn.functional as F
+
+        summed = F.cross_entropy(
+            logits.reshape(-1, logits.size(-1)).float(), targets.reshape(-1), ignore_index=IGNORE_INDEX, reduction="sum"
+        )
+        self.loss_sum = self.loss_sum + summed.detach()
+        return summed * self.scale
+
+
+def build_pipeline_module(hf_model, pp: int, partition: str):
+    """The PipelineModule of `hf_model` over `pp` stages; this rank builds only its own stage's layers. Needs the
+    process group. Returns (module, loss)."""
+    from deepspeed.pipe import PipelineModule
+
+    specs, places, decoder_name = layer_specs(hf_model)
+    loss = TokenLoss()
+    # "uniform": the same number of decoder layers per stage; "parameters": DeepSpeed balances parameter counts
+    # (the embedding and the head weigh in).
+    method = f"type:{decoder_name}" if partition == "uniform" else "parameters"
+    sizes = [_spec_parameters(spec) for spec in specs]  # before the other stages' specs are emptied
+    module = PipelineModule(layers=specs, num_stages=pp, loss_fn=loss, partition_method=method)
+    from scaletrain.engine.ds_internals import release_other_stages
+
+    release_other_stages(module)
+    log.info(
+        "pipeline stages (--pipeline_partition %s): %s",
+        partition,
+        "; ".join(
+            describe_stage(stage, places[start:stop], sizes[start:stop])
+            for stage, (start, stop) in enumerate(zip(module.parts[:-1], module.parts[1:], strict=True))
+        ),
+    )
+    module.scaletrain_layers = places  # how its layer files map back to Hugging Face names
+    module.hf_config = hf_model.config
+    return module, loss
+
+
+def _spec_parameters(spec) -> int:
+    import torch.nn as nn
+
+    if getattr(spec, "forward_fn", None) is not None:  # the tied head: the embedding's weight, held again
+        return 0
+    return sum(p.numel() for arg in spec.module_args if isinstance(arg, nn.Module) for p in arg.parameters())
+
+
+def describe_stage(stage: int, places: list, sizes: list) -> str:
+    """ "stage 0: embedding + 2 decoder layers (0.89M parameters)"."""
+    decoders = sum(1 for p in places if p.strip == "layer.")
+    parts = [
+        name
+        for name, present in (
+            ("embedding", any(p.strip == "embedding." for p in places)),
+            ("positions", any(p.strip == "wpe." for p in places)),
+            (f"{decoders} decoder layer{'s' if decoders != 1 else ''}", decoders),
+            ("norm", any(p.strip == "norm." for p in places)),
+            ("head", any(p.strip in ("head.", "") for p in places)),
+        )
+        if present
+    ]
+    return f"stage {stage}: {' + '.join(parts)} ({sum(sizes) / 1e6:.2f}M parameters)"
+
+
+def pipe_micro_batches(micro_batches: list) -> list:
+    """Our micro-batches as the pipe engine reads them: (inputs for the first stage, labels for the last).
+    The labels are already shifted: position t holds the target of token t (the last one ignored)."""
+    import torch.nn.functional as F
+
+    return [(batch["input_ids"], F.pad(batch["labels"][:, 1:], (0, 1), value=IGNORE_INDEX)) for batch in micro_batches]
+
+
+LAYER_MAP = "pipeline_layers.json"
+
+
+def hf_parameter_name(pipe_name: str, places: list) -> str:
+    """The Hugging Face name of a PipelineModule parameter: `<layer index>.<key>`, or `tied_modules.<tie key>.<key>`
+    for a tied embedding (layer 0's module)."""
+    head, _, key = pipe_name.partition(".")
+    if head == "tied_modules":
+        _, _, key = key.partition(".")
+        index = 0
+    else:
+        index = int(head)
+    name = _hf_key(places[index], key)
+    if name is None:
+        raise ValueError(f"pipeline parameter {pipe_name!r} does not map onto the model's names")
+    return name
+
+
+def _hf_key(place: dict, key: str):
+    """`key` of a pipeline layer's module under its Hugging Face name, or None where the layer's map does not
+    cover it (a tied head holds nothing of its own; a key outside the wrapped module's prefix)."""
+    if place["prefix"] is None or not key.startswith(place["strip"]):
+        return None
+    return place["prefix"] + key[len(place["strip"]) :]
+
+
+def rename_universal_parameters(universal_dir, places: list) -> None:
+    """A universal checkpoint of a pipeline names each parameter's folder (zero/<name>/) by pipeline layer; rename
+    them to the Hugging Face model's names, so the model without pipeline parallelism loads it."""
+    zero = universal_dir / "zero"
+    for folder in sorted(p for p in zero.iterdir() if p.is_dir()):
+        new = zero / hf_parameter_name(folder.name, places)
+        if new != folder:
+            folder.rename(new)
+
+
+def layer_map(module) -> list:
+    """The JSON-able map of each pipeline layer to its Hugging Face names, saved beside a checkpoint."""
+    return [{"strip": p.strip, "prefix": p.prefix} for p in module.scaletrain_layers]
+
+
+def hf_state_dict_from_layer_files(ckpt, places: list) -> dict:
+    """A Hugging Face state dict from a pipeline checkpoint's `layer_XX-model_states.pt` files (one per layer,
+    written by each stage's first data-parallel rank)."""
+    import re
+
+    import torch
+
+    state = {}
+    files = sorted(ckpt.glob("layer_*-model_states.pt"))
+    if not files:
+        raise FileNotFoundError(f"{ckpt}: no pipeline layer files (layer_XX-model_states.pt)")
+    for path in files:
+        index = int(re.match(r"layer_(\d+)", path.name).group(1))
+        place = places[index]
+        if place["prefix"] is None:
+            continue
+        for key, value in torch.load(path, map_location="cpu", weights_only=True).items():
+            name = _hf_key(place, key)
+            if name is None:
+                raise ValueError(f"{path}: key {key!r} does not start with {place['strip']!r}")
+            state[name] = value
+    return state

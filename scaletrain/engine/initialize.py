@@ -1,0 +1,130 @@
+"""deepspeed.initialize with the resolved config, AdamW parameter groups and the run's LR schedule."""
+
+from __future__ import annotations
+
+import logging
+
+from scaletrain.errors import UsageError
+from scaletrain.engine.schedules import LRSchedule
+
+log = logging.getLogger(__name__)
+
+
+def parameter_groups(model, weight_decay: float) -> list:
+    """Decay matrices only: biases and norm weights (1-D tensors) keep weight_decay 0, as is standard for LMs."""
+    decay, no_decay = [], []
+    for _, param in model.named_parameters():
+        if not param.requires_grad:
+            continue
+        shape = getattr(param, "ds_shape", param.shape)  # ZeRO-3 partitions report their full shape here
+        (decay if len(shape) >= 2 else no_decay).append(param)
+    return [
+        {"params": decay, "weight_decay": weight_decay},
+        {"params": no_decay, "weight_decay": 0.0},
+    ]
+
+
+def build_engine(model, ds_config: dict, weight_decay: float, schedule: LRSchedule, tensor_parallel_size: int = 1):
+    import deepspeed
+    from deepspeed.accelerator import get_accelerator
+    from torch.optim.lr_scheduler import LambdaLR
+
+    from scaletrain.engine import ops
+
+    # The optimizer's compiled ops, built or loaded under our lock (a stale torch build lock cannot hang us).
+    ops.load_ops(ops.engine_ops(ds_config, get_accelerator().device_name()))
+    mpu = None
+    if tensor_parallel_size > 1:  # AutoTP shards the model inside initialize (tensor_parallel.autotp_size)
+        from scaletrain.engine.ds_internals import tensor_parallel_mpu
+
+        mpu = tensor_parallel_mpu(tensor_parallel_size)
+    engine, _, _, _ = deepspeed.initialize(
+        model=model,
+        model_parameters=parameter_groups(model, weight_decay),
+        config=ds_config,
+        lr_scheduler=lambda optimizer: LambdaLR(optimizer, schedule.multiplier),
+        mpu=mpu,
+    )
+    from deepspeed.pipe import PipelineModule
+
+    if isinstance(model, PipelineModule) and engine.zero_optimization_stage() == 0 and engine.gradient_clipping() > 0:
+        from scaletrain.engine.ds_internals import fix_pipeline_stage0_clipping
+
+        fix_pipeline_stage0_clipping(engine)  # DeepSpeed 0.19.8 clips every stage by stage 0's norm
+    log.info(
+        "engine: ZeRO stage %d, optimizer %s, schedule %s (warmup %d of %d steps)",
+        engine.zero_optimization_stage(),
+        type(engine.optimizer).__name__,
+        schedule.kind,
+        schedule.warmup_steps,
+        schedule.total_steps,
+    )
+    return engine
+
+
+def compile_requested(torch_compile: bool, ds_config: dict) -> bool:
+    """--torch_compile, or a "compile" section in the DeepSpeed JSON (which DeepSpeed only reads when
+    engine.compile() is called: without the call the section silently does nothing)."""
+    return torch_compile or "compile" in ds_config
+
+
+def check_compile(requested: bool, layout: tuple, config_path: str) -> None:
+    """torch.compile with a model-parallel layout is refused (untested: Ulysses' all-to-alls, AutoTP's sharded
+    linears and the pipeline's stage modules)."""
+    if requested and any(size > 1 for size in layout):
+        raise UsageError(
+            f'--torch_compile (or a "compile" section in {config_path}) with tensor, sequence or '
+            "pipeline parallelism: not supported here (untested)",
+            "compile with data parallelism only, or drop --torch_compile and the section",
+        )
+
+
+def compile_engine(engine, backend: str, mode: str | None) -> float:
+    """engine.compile() with the backend and mode; its seconds (the graphs are built lazily, at the first steps:
+    that start-up cost shows in their step times)."""
+    import time
+
+    started = time.perf_counter()
+    engine.compile(backend=backend, compile_kwargs={"mode": mode} if mode else {})
+    seconds = time.perf_counter() - started
+    log.info(
+        "torch.compile: backend %s%s, DeepCompile %s (graphs build during the first steps)",
+        backend,
+        f", mode {mode}" if mode else "",
+        "on" if engine.is_deepcompile_enabled() else "off",
+    )
+    return seconds
+
+
+def restore_weight_decay(engine, weight_decay: float) -> None:
+    """Put each parameter group's weight decay back after a universal-checkpoint load: DeepSpeed 0.19.8's ZeRO-3
+    loader (stage3.py, _load_universal_checkpoint) copies group 0's settings onto every group, so the biases and
+    norms (group 1, no decay) would decay from there on, and the resumed run would drift from the one it continues."""
+    groups = engine.optimizer.param_groups
+    if len(groups) != 2:  # not the two groups parameter_groups() made: nothing to put back
+        log.warning(
+            "after the universal-checkpoint load the optimizer has %d parameter groups, not 2; their weight "
+            "decay is left as loaded",
+            len(groups),
+        )
+        return
+    for group, decay in zip(groups, (weight_decay, 0.0), strict=True):  # decay, then no decay (parameter_groups)
+        group["weight_decay"] = decay
+
+
+def release_engine(engine) -> None:
+    """Undo what the engine left outside itself, so that it, and the process groups it holds, are freed when the
+    caller drops it, not while the interpreter exits (where gloo's threads can abort a finished run).
+
+    `engine.destroy()` removes DeepSpeed's hooks. Under ZeRO-3 two module-level references remain, which
+    ds_internals.release_zero3_references drops.
+    """
+    from scaletrain.engine import ds_internals
+
+    engine.destroy()
+    if hasattr(engine, "train_batch"):  # a pipeline engine: its point-to-point groups sit in module globals
+        ds_internals.release_pipeline_references()
+    if engine.zero_optimization_stage() != 3:
+        return
+
+    ds_internals.release_zero3_references(engine.module)

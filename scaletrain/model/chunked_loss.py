@@ -1,0 +1,173 @@
+"""The token loss computed through the LM head in chunks of tokens: the `[tokens, vocabulary]` logits never exist.
+
+A 128k vocabulary at 4 x 4096 tokens makes 8 GB of fp32 logits (plus their gradient) if the loss upcasts the whole
+tensor. Here the head's forward receives the final hidden states and the targets, and for each chunk of tokens
+computes the chunk's logits, upcasts them, adds the chunk's summed cross-entropy, and, when a backward will follow,
+the chunk's gradients right away (softmax minus the one-hot target, times the head weight for the hidden states,
+times the hidden states for the weight, summed over the chunks in the weight's dtype). The backward then only scales
+the stored gradients by the incoming one (the loop's dp / global-targets factor), so the head's matrix products are
+the same three as without chunking, and no logits are recomputed.
+
+Where the head lives: the module keeps its class's parameters and state-dict names; only its class becomes
+`ChunkedLossHead` (a subclass of `nn.Linear`), whose forward returns the summed loss while targets are pending
+(`with head.pending(targets)`) and plain logits otherwise (export, generation). Computing the loss inside the head's
+own forward is what makes it ZeRO-3-safe: DeepSpeed gathers the head's weight around that forward and around its
+backward, as for any module.
+
+Not every model returns the head's output unchanged: Gemma 2/3 soft-cap the logits, Cohere and Granite scale them.
+Those (known by their config keys) keep the whole logits, and a model that changes the head's output in an unknown
+way is caught at its first batch (the returned tensor is not the head's), with a message naming `--loss_chunk_size 0`.
+
+DeepSpeed 0.19.8 ships `TiledFusedLogitsLoss` (runtime/sequence_parallel/ulysses_sp.py), which also computes the
+gradients in the forward, but it writes the weight's gradient into `.grad` itself, assuming an incoming gradient of
+1: the loop's scaling of the loss (and fp16 loss scaling) would not reach the head's weight gradient.
+"""
+
+from __future__ import annotations
+
+import logging
+from contextlib import contextmanager
+
+import torch
+import torch.nn.functional as F
+
+from scaletrain.data.blocks import IGNORE_INDEX
+from scaletrain.observability.memory_planner import auto_loss_chunk
+
+log = logging.getLogger(__name__)
+
+# Config keys of models whose forward changes the head's output before returning it (soft-capping, scaling).
+LOGIT_TRANSFORM_KEYS = ("final_logit_softcapping", "logit_softcapping", "logit_scale", "logits_scaling")
+
+
+class ChunkedCrossEntropy(torch.autograd.Function):
+    """sum over tokens of cross_entropy(hidden @ weight^T + bias, targets), ignoring IGNORE_INDEX targets, in chunks.
+
+    hidden [N, H], weight [V, H], bias [V] or None, targets [N]. With `with_grad` the gradients are computed in the
+    forward (summed over chunks: the weight's in its own dtype, the bias's in fp32) and scaled in the backward.
+    """
+
+    @staticmethod
+    def forward(ctx, hidden, weight, bias, targets, chunk: int, with_grad: bool):
+        total = torch.zeros((), dtype=torch.float32, device=hidden.device)
+        grad_hidden = torch.empty_like(hidden) if with_grad and hidden.requires_grad else None
+        # The weight's gradient is summed over the chunks in the weight's own dtype, as autograd sums the gradients
+        # of a weight used several times: an fp32 accumulator would add V x H x 4 bytes (4.2 GB for a 128k x 8192
+        # head) beside the gradient itself.
+        grad_weight = torch.zeros_like(weight) if with_grad and weight.requires_grad else None
+        grad_bias = (
+            torch.zeros(bias.shape, dtype=torch.float32, device=bias.device)
+            if with_grad and bias is not None and bias.requires_grad
+            else None
+        )
+        for start in range(0, hidden.size(0), chunk):
+            t = targets[start : start + chunk]
+            ignored = t == IGNORE_INDEX
+            safe_targets = t.masked_fill(ignored, 0)
+            # Ignored tokens are masked on the [tokens, hidden] side, never on [tokens, vocabulary]: their hidden
+            # states enter the head as zeros (finite logits whatever the model produced there), so they reach
+            # neither the weight's gradient nor, zeroed below, the hidden states'.
+            skipped = ignored.unsqueeze(1)
+            h = hidden[start : start + chunk].masked_fill(skipped, 0)
+            # One fused pass over the chunk's logits (max, sum of exponentials, subtraction) instead of
+            # logsumexp's several; the softmax for the gradient is its exponential, in place.
+            log_probs = F.log_softmax(F.linear(h, weight, bias), dim=-1, dtype=torch.float32)
+            total -= log_probs.gather(1, safe_targets.unsqueeze(1)).squeeze(1).masked_fill(ignored, 0).sum()
+            if not with_grad:
+                continue
+            # d(summed loss)/d(logits) = softmax - one_hot(target)
+            d_logits = log_probs.exp_()
+            d_logits[torch.arange(t.size(0), device=t.device), safe_targets] -= 1.0
+            if grad_bias is not None:
+                grad_bias += torch.mv(d_logits.t(), (~ignored).to(d_logits.dtype))
+            d_logits = d_logits.to(h.dtype)
+            if grad_hidden is not None:
+                torch.mm(d_logits, weight, out=grad_hidden[start : start + chunk])
+                grad_hidden[start : start + chunk].masked_fill_(skipped, 0)
+            if grad_weight is not None:
+                grad_weight.addmm_(d_logits.t(), h.to(grad_weight.dtype))
+        ctx.grads = (grad_hidden, grad_weight, grad_bias)
+        ctx.dtypes = (hidden.dtype, weight.dtype, None if bias is None else bias.dtype)
+        return total
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        # in place: the stored gradients are this function's own (a V x H copy would double the head's gradient)
+        grads = [
+            None if grad is None else grad.mul_(grad_output).to(dtype)
+            for grad, dtype in zip(ctx.grads, ctx.dtypes, strict=True)
+        ]
+        ctx.grads = None
+        return (*grads, None, None, None)
+
+
+def chunked_token_loss(hidden, weight, bias, targets, chunk: int):
+    """Summed token cross-entropy of `hidden` [..., H] through the head, `chunk` tokens at a time."""
+    flat_hidden, flat_targets = hidden.reshape(-1, hidden.size(-1)), targets.reshape(-1)
+    with_grad = torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad)
+    return ChunkedCrossEntropy.apply(flat_hidden, weight, bias, flat_targets, chunk, with_grad)
+
+
+class ChunkedLossHead(torch.nn.Linear):
+    """An LM head that, while targets are pending, returns the summed token loss instead of the logits."""
+
+    chunk_tokens: int = 0  # set by install_chunked_loss
+
+    @contextmanager
+    def pending(self, targets):
+        """Targets for the next forward (the loss comes back in the model output's `logits` field)."""
+        self.__dict__["_targets"], self.__dict__["_returned"] = targets, None
+        try:
+            yield
+        finally:
+            self.__dict__["_targets"] = None
+
+    # Under --torch_compile the head runs eagerly (a graph break): traced, the chunk loop would unroll into the graph,
+    # and each step's new targets would fail the graph's guards and recompile it.
+    @torch.compiler.disable
+    def forward(self, hidden):
+        targets = self.__dict__.get("_targets")
+        if targets is None:
+            return super().forward(hidden)
+        if hidden.shape[:-1] != targets.shape:
+            raise RuntimeError(
+                f"chunked loss: the head received hidden states of shape {tuple(hidden.shape)} for "
+                f"targets of shape {tuple(targets.shape)}; run with --loss_chunk_size 0"
+            )
+        loss = chunked_token_loss(hidden, self.weight, self.bias, targets, self.chunk_tokens)
+        self.__dict__["_returned"] = loss.data_ptr()
+        return loss
+
+    def check_returned(self, output) -> None:
+        """The model returned the head's loss unchanged (ZeRO-3 returns a detached alias: same storage)."""
+        if output.dim() != 0 or output.data_ptr() != self.__dict__.get("_returned"):
+            raise RuntimeError(
+                "--loss_chunk_size: this model changes the LM head's output before returning it (scaling or "
+                "soft-capping the logits), so the loss cannot be computed inside the head; run with "
+                "--loss_chunk_size 0"
+            )
+
+
+def chunked_loss_head(model) -> ChunkedLossHead | None:
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    return head if isinstance(head, ChunkedLossHead) else None
+
+
+def install_chunked_loss(model, chunk_size: int | None) -> int | None:
+    """Turn the model's LM head into a ChunkedLossHead; returns the tokens per chunk, or None (whole logits)."""
+    if chunk_size == 0:
+        log.info("loss: from the whole logits (--loss_chunk_size 0)")
+        return None
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    config = getattr(model, "config", None)
+    text_config = config.get_text_config() if hasattr(config, "get_text_config") else config
+    transforms = [key for key in LOGIT_TRANSFORM_KEYS if getattr(text_config, key, None) not in (None, 1, 1.0)]
+    if type(head) is not torch.nn.Linear or transforms:
+        why = f"its config sets {', '.join(transforms)}" if transforms else f"its head is a {type(head).__name__}"
+        log.info("loss: whole logits (%s: the loss cannot be chunked through the head)", why)
+        return None
+    tokens = chunk_size or auto_loss_chunk(head.out_features)
+    head.__class__ = ChunkedLossHead
+    head.chunk_tokens = tokens
+    log.info("loss: through the LM head in chunks of %d tokens (the full logits are never built)", tokens)
+    return tokens

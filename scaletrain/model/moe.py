@@ -1,0 +1,161 @@
+"""Mixture-of-experts models (Mixtral, Qwen2-MoE, Qwen3-MoE): detection, the router's load-balancing loss, and the
+expert blocks as ZeRO-3 leaf modules.
+
+A model is MoE when its config carries a router aux-loss coefficient and an expert count (`router_aux_loss_coef`
+with `num_local_experts` or `num_experts`): what transformers' own MoE causal LMs read to add that loss.
+
+The aux loss is transformers' `load_balancing_loss_func` of the model's own module, on the router logits the model
+returns with `output_router_logits=True`, one micro-batch at a time. Padded positions (right padding of the run's
+last block) are left out of the router statistics: they are not data, and counting them would pull the balance
+toward whatever the padding token routes to. The model never sees a mask (causal attention does not need one);
+the real-token mask goes to the loss function only. Without padding this is exactly the value the model itself
+computes into `aux_loss` (and adds to `loss` with `labels`).
+
+ZeRO-3: a sparse-MoE block runs only the experts its tokens reach. Were DeepSpeed to gather each expert's
+parameters in that expert's own forward, a rank whose tokens reach no expert `e` would skip a gather the other
+ranks wait on, and the run would hang. Marked as a leaf (`deepspeed.utils.set_z3_leaf_modules`), the whole block's
+parameters are gathered around the block's forward, on every rank, whatever the routing.
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+from dataclasses import dataclass
+from typing import Any
+from collections.abc import Callable
+
+from scaletrain.config.core import ModelArgs, ParallelArgs
+from scaletrain.errors import UsageError
+
+log = logging.getLogger(__name__)
+
+# model_type -> the class name of its sparse-MoE block (the ZeRO-3 leaf). A new MoE family adds a line here.
+SPARSE_MOE_BLOCKS = {
+    "mixtral": "MixtralSparseMoeBlock",
+    "qwen2_moe": "Qwen2MoeSparseMoeBlock",
+    "qwen3_moe": "Qwen3MoeSparseMoeBlock",
+}
+
+
+def _text_config(model_config):
+    return model_config.get_text_config() if hasattr(model_config, "get_text_config") else model_config
+
+
+def expert_count(model_config) -> int | None:
+    """The number of routed experts of an MoE config; None for a dense model."""
+    text = _text_config(model_config)
+    if getattr(text, "router_aux_loss_coef", None) is None:
+        return None
+    for name in ("num_local_experts", "num_experts"):
+        value = getattr(text, name, None)
+        if isinstance(value, int) and value > 1:
+            return value
+    return None
+
+
+@dataclass(frozen=True)
+class RouterLoss:
+    """How a run adds the router's load-balancing loss: coefficient, experts, top-k and transformers' function."""
+
+    coef: float
+    num_experts: int
+    top_k: int
+    balancing_loss: Callable[..., Any]  # transformers' load_balancing_loss_func of the model's own module
+
+    def aux_loss(self, router_logits: tuple, labels):
+        """The micro-batch's load-balancing loss (a 0-dim fp32 tensor): router statistics over its real tokens.
+
+        `labels` are the batch's unshifted labels, IGNORE_INDEX at padded positions; router_logits one
+        [batch x sequence, experts] tensor per MoE layer, rows in the same order."""
+        from scaletrain.data.blocks import IGNORE_INDEX
+
+        real = labels != IGNORE_INDEX
+        return self.balancing_loss(tuple(router_logits), self.num_experts, self.top_k, real)
+
+
+def resolve_router_loss(args: ModelArgs, parallel: ParallelArgs, model_config, skeleton) -> RouterLoss | None:
+    """The run's RouterLoss (None: a dense model, or --router_aux_loss_coef 0); UsageError for what is refused.
+
+    `skeleton` is the meta-device model: the sparse-MoE block classes are looked up among its modules."""
+    experts = expert_count(model_config)
+    model_type = getattr(model_config, "model_type", type(model_config).__name__)
+    if experts is None:
+        if args.router_aux_loss_coef is not None:
+            raise UsageError(
+                f"--router_aux_loss_coef {args.router_aux_loss_coef}: {type(skeleton).__name__} "
+                f"(model_type {model_type}) is not a mixture-of-experts model",
+                "drop the flag",
+            )
+        return None
+    for flag, size, why in (
+        (
+            "--pipeline_parallel_size",
+            parallel.pipeline_parallel_size,
+            "the pipe stages pass hidden states only, so the router logits (and the load-balancing loss) are lost",
+        ),
+        (
+            "--tensor_parallel_size",
+            parallel.tensor_parallel_size,
+            "AutoTP does not split the experts' stacked 3-D weights, and the routing is untested under it",
+        ),
+        (
+            "--sequence_parallel_size",
+            parallel.sequence_parallel_size,
+            "untested: each rank's router statistics would cover only its part of a block",
+        ),
+    ):
+        if size > 1:
+            raise UsageError(
+                f"{flag} {size} with a mixture-of-experts model ({model_type}): not supported ({why})",
+                "train it with data parallelism and ZeRO-1/2/3",
+            )
+    names = {type(module).__name__ for module in skeleton.modules()}
+    known = SPARSE_MOE_BLOCKS.get(model_type)
+    if known not in names:
+        raise UsageError(
+            f"{type(skeleton).__name__} (model_type {model_type}): a mixture-of-experts config, but no "
+            f"known sparse-MoE block among its modules (known: {', '.join(SPARSE_MOE_BLOCKS.values())})",
+            "add its block class to scaletrain/model/moe.py SPARSE_MOE_BLOCKS",
+        )
+    text = _text_config(model_config)
+    coef = text.router_aux_loss_coef if args.router_aux_loss_coef is None else args.router_aux_loss_coef
+    balancing_loss = getattr(inspect.getmodule(type(skeleton)), "load_balancing_loss_func", None)
+    if balancing_loss is None:
+        raise UsageError(
+            f"{type(skeleton).__name__}: a mixture-of-experts model whose module has no load_balancing_loss_func",
+            "add its aux-loss function to scaletrain/model/moe.py",
+        )
+    top_k = text.num_experts_per_tok
+    source = "--router_aux_loss_coef" if args.router_aux_loss_coef is not None else "the model config"
+    if coef == 0:
+        log.info(
+            "mixture of experts: %d experts, top-%d; no load-balancing loss (coefficient 0 from %s)",
+            experts,
+            top_k,
+            source,
+        )
+        return None
+    log.info(
+        "mixture of experts: %d experts, top-%d; load-balancing loss x %g (from %s), logged as aux_loss",
+        experts,
+        top_k,
+        coef,
+        source,
+    )
+    return RouterLoss(float(coef), experts, top_k, balancing_loss)
+
+
+def mark_leaf_modules(model, model_config) -> None:
+    """ZeRO-3: every sparse-MoE block of an MoE model becomes a leaf module (before deepspeed.initialize)."""
+    if expert_count(model_config) is None:
+        return
+    from deepspeed.utils import set_z3_leaf_modules
+
+    block = SPARSE_MOE_BLOCKS[model_config.model_type]  # resolve_router_loss checked it is there
+    leaves = set_z3_leaf_modules(model, [block])
+    log.info(
+        "ZeRO-3 leaf modules: %d x %s (each block's experts are gathered together, whatever the routing)",
+        len(leaves),
+        block,
+    )

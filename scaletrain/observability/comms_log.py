@@ -1,0 +1,152 @@
+"""--comms_log: what this rank's DeepSpeed collectives cost, per logging window and for the whole run.
+
+DeepSpeed's comms logger (deepspeed.comm, `comms_logger`) times every collective issued through deepspeed.comm
+(ZeRO's reductions and gathers, the pipeline's sends and receives, the pipeline's own step agreement), synchronising
+the device after each one. DeepSpeed 0.19.8 records each op's latency as the running total of all ops of that name
+so far; ds_internals.per_op_comm_latencies turns the records back into each op's own time. Here the records are
+summed per collective type over a logging window, reported as flat metrics (`comm_<type>_count`, `_bytes`, `_ms`,
+`_mean_ms`, `_busbw_gbps`: this rank's), then cleared; the totals over the run are logged as a table at the end.
+
+The logger is switched on only after the engine is built (its start-up broadcasts are not part of training) and
+only where --comms_log asks: the per-op synchronisation removes the overlap of communication with compute.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+log = logging.getLogger(__name__)
+
+# deepspeed.comm's op names (its log names) -> the collective type reported
+COLLECTIVE_TYPES = {
+    "all_reduce": "all_reduce",
+    "inference_all_reduce": "all_reduce",
+    "all_reduce_coalesced": "all_reduce",
+    "reduce_scatter_tensor": "reduce_scatter",
+    "reduce_scatter": "reduce_scatter",
+    "reduce_scatter_coalesced": "reduce_scatter",
+    "all_gather": "all_gather",
+    "all_gather_into_tensor": "all_gather",
+    "all_gather_object": "all_gather",
+    "allgather_fn": "all_gather",
+    "all_gather_coalesced": "all_gather",
+    "broadcast": "broadcast",
+    "broadcast_object_list": "broadcast",
+    "all_to_all_single": "all_to_all",
+    "all_to_all": "all_to_all",
+    "send": "send_recv",
+    "recv": "send_recv",
+    "isend": "send_recv",
+    "irecv": "send_recv",
+    "batch_isend_irecv": "send_recv",
+}
+TYPES = ("all_reduce", "reduce_scatter", "all_gather", "broadcast", "all_to_all", "send_recv", "other")
+
+
+@dataclass
+class CollectiveTotals:
+    count: int = 0
+    bytes: int = 0
+    ms: float = 0.0
+    busbw_ms: float = 0.0  # sum of bus bandwidth x latency, for the latency-weighted mean bandwidth
+
+    def add(self, other: CollectiveTotals) -> None:
+        self.count += other.count
+        self.bytes += other.bytes
+        self.ms += other.ms
+        self.busbw_ms += other.busbw_ms
+
+    def as_metrics(self, name: str) -> dict:
+        return {
+            f"comm_{name}_count": self.count,
+            f"comm_{name}_bytes": self.bytes,
+            f"comm_{name}_ms": self.ms,
+            f"comm_{name}_mean_ms": self.ms / self.count if self.count else 0.0,
+            f"comm_{name}_busbw_gbps": self.busbw_ms / self.ms if self.ms else 0.0,
+        }
+
+
+def collective_type(record_name: str) -> str:
+    return COLLECTIVE_TYPES.get(record_name, "other")
+
+
+def bandwidth_gbps(op: str, size: int, ms: float, world_size: int) -> tuple:
+    """(algorithm bandwidth, bus bandwidth) in Gbit/s of one op moving `size` bytes in `ms`, by the NCCL-tests
+    convention DeepSpeed uses: all-reduce moves 2 (n-1)/n of the buffer per rank on the bus, all-gather and
+    reduce-scatter (n-1)/n of the whole (the size given is one rank's part), all-to-all (n-1)/n, the rest 1.
+    (DeepSpeed's own function exits the process on an op name it does not list, such as all_gather_object.)"""
+    if ms <= 0:
+        return 0.0, 0.0
+    n, kind = world_size, collective_type(op)
+    if kind in ("all_gather", "reduce_scatter"):
+        size *= n
+    per_ms = size / ms
+    if kind == "all_reduce":
+        algbw, busbw = 2 * per_ms, per_ms * 2 * (n - 1) / n
+    elif kind in ("all_gather", "reduce_scatter", "all_to_all"):
+        algbw, busbw = per_ms, per_ms * (n - 1) / n
+    else:
+        algbw = busbw = per_ms
+    return algbw * 8 / 1e6, busbw * 8 / 1e6  # bytes per ms -> Gbit/s
+
+
+def totals_by_type(raw: dict) -> dict:
+    """{type: CollectiveTotals} from the comms logger's records {name: {bytes: [count, [ms], [algbw], [busbw]]}}."""
+    totals: dict = {}
+    for name, by_size in raw.items():
+        bucket = totals.setdefault(collective_type(name), CollectiveTotals())
+        for size, (count, latencies, _, busbws) in by_size.items():
+            bucket.add(
+                CollectiveTotals(
+                    count,
+                    count * int(size),
+                    float(sum(latencies)),
+                    float(sum(b * ms for b, ms in zip(busbws, latencies, strict=True))),
+                )
+            )
+    return totals
+
+
+class CommLog:
+    """The comms logger switched on for the run, read and cleared once per logging window."""
+
+    def __init__(self):
+        import deepspeed.comm as ds_comm
+
+        from scaletrain.engine.ds_internals import per_op_comm_latencies
+
+        world = ds_comm.get_world_size()
+        # DeepSpeed's logger, its records made per op, with this module's bandwidth arithmetic
+        self._logger = per_op_comm_latencies(lambda op, size, ms: bandwidth_gbps(op, size, ms, world))
+        ds_comm.configure(enabled=True, prof_all=True, verbose=False, debug=False)
+        self.run_totals: dict = {}
+
+    def window(self) -> dict:
+        """This window's figures as flat metrics (every rank must call it: each clears its own records)."""
+        window = totals_by_type(self._logger.get_raw_data())
+        self._logger.reset_data()
+        metrics = {}
+        for name in TYPES:
+            if name in window:
+                self.run_totals.setdefault(name, CollectiveTotals()).add(window[name])
+                metrics.update(window[name].as_metrics(name))
+        return metrics
+
+    def summary(self) -> str:
+        """The run's totals, one line per collective type."""
+        self.window()  # what the last window left
+        lines = ["communication (this rank, --comms_log): type | count | bytes | total ms | mean ms | bus Gbit/s"]
+        for name in TYPES:
+            if name in self.run_totals:
+                t = self.run_totals[name]
+                lines.append(
+                    f"  {name} | {t.count} | {t.bytes} | {t.ms:.1f} | {t.ms / t.count:.3f} | "
+                    f"{t.busbw_ms / t.ms if t.ms else 0.0:.3f}"
+                )
+        return "\n".join(lines)
+
+    def close(self) -> None:
+        import deepspeed.comm as ds_comm
+
+        ds_comm.configure(enabled=False)

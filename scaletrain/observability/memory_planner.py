@@ -1,0 +1,412 @@
+"""Memory planner: what each ZeRO stage and offload option needs per GPU and per node, before any GPU is touched.
+
+    python train.py --plan --model_name_or_path X --num_gpus 8 --num_nodes 4 --gpu_memory_gb 80 \\
+        --per_device_train_batch_size 4 --block_size 4096 [--gradient_checkpointing]
+
+The model is built on the meta device (structure only). Model states are counted at their peak as DeepSpeed 0.19
+holds them, per rank, with N parameters on the rank (with --tensor_parallel_size t, its linear layers' weights / t
+plus the rest whole; with --pipeline_parallel_size k, the largest stage: layers / k decoder layers plus the
+embeddings or the head), d = num_gpus x num_nodes / (t k) data-parallel ranks and p = bytes of a weight (2 in
+bf16/fp16, 4 in fp32):
+
+    ZeRO-1            weights p N      + gradients max(p N, G N / d) + optimizer 12 N / d
+    ZeRO-2            weights p N      + gradients G N / d + optimizer 12 N / d
+    ZeRO-3            weights p N / d  + gradients G N / d + optimizer 12 N / d
+    + optimizer offload: gradients and optimizer go to host memory (16 N / d, pinned); GPU keeps bucket buffers
+    + parameter offload (ZeRO-3): the weights' partition too (p N / d)
+
+"optimizer" is ZeRO's fp32 partition: master weights (4) and Adam's two moments (8), kept also in fp32 training.
+G is the reduced gradient partition: 4 (fp32) in fp32 training; in bf16/fp16, ZeRO-1/2 hold the 16-bit partition
+and its fp32 copy at the update (p + 4), ZeRO-3 the 16-bit partition (p; it converts one sub-group at a time).
+Measured on DeepSpeed 0.19 (tests/test_memory_planner.py): ZeRO-1 keeps each parameter's whole gradient (.grad, in the
+weights' dtype) until the accumulation boundary's reduction, so from every backward to the reduction it holds p N of
+gradients, with any gradient accumulation (the ZeRO paper's P_os row); ZeRO-2 reduces into its partition during the
+backward. NVMe offload puts the offloaded states on disk.
+
+Working memory per micro-batch of b sequences of s tokens (hidden h, MLP width f, L layers, vocabulary V;
+16-bit, x2 in fp32), attention through SDPA (no s x s score matrix):
+
+    per layer     s b (18 h + 8 f) bytes: inputs of the norms, Q/K/V, attention output and projection, gated MLP;
+                  with tensor parallelism t: s b (8 h + (10 h + 8 f) / t) (Q/K/V, attention and MLP inside are split);
+                  with sequence parallelism n every per-token term (layers and logits) / n: a rank holds s / n tokens
+                  (ZeRO then partitions over all the ranks: Ulysses runs without an mpu, see sequence_parallel.py)
+    logits        s b V x 10 bytes: the 16-bit logits, their fp32 copy for the loss and its gradient (x1.5 in fp32);
+                  with the chunked loss (--loss_chunk_size, the default without tensor or pipeline parallelism)
+                  only one chunk of c tokens: c V x 10 (x1.5)
+    checkpointing keeps each layer's input (2 s b h) and recomputes one layer at a time
+    pipeline      k stages, 1F1B: the first stage keeps up to k micro-batches in flight for its L / k layers (L
+                  layers' worth, as without a pipeline, but no logits); the last one micro-batch of L / k layers and
+                  the logits; the larger of the two counts
+    ZeRO-3        plus the largest layer gathered whole (weights and gradients, 2 p x its parameters)
+
+The working memory is an estimate (kernels and the allocator decide), the model states a count: the test checks
+them against a real 2-rank CPU run within 10%.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from scaletrain.config.deepspeed_json import bucket_elements
+
+GIB = 2**30
+HEADROOM = 0.90  # plan to use at most 90% of a GPU: allocator fragmentation, NCCL buffers, the CUDA context
+OPTIMIZER_BYTES = 12  # fp32 master weights + Adam m and v
+AUTO_LOSS_CHUNK_BYTES = 256 * 2**20  # --loss_chunk_size auto: a chunk's fp32 logits take at most this much
+
+
+def auto_loss_chunk(vocab_size: int) -> int:
+    """Tokens per chunk of the chunked loss for --loss_chunk_size auto: fp32 logits of at most 256 MiB. Large
+    enough that each chunk's matrix product keeps a GPU busy (523 tokens x 128k vocabulary x hidden), small
+    enough to be a rounding error next to the model's activations."""
+    return max(1, AUTO_LOSS_CHUNK_BYTES // (4 * vocab_size))
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    n_params: int
+    largest_layer_params: int
+    layers: int
+    hidden: int
+    intermediate: int
+    vocab: int
+    linear_params: int = 0  # in nn.Linear layers: what tensor parallelism splits (the rest stays whole per rank)
+    kv_heads: int = 0  # key/value heads (0: unknown): a tensor-parallel size must divide them
+    embedding_params: int = 0  # the input embeddings (tokens, learned positions): the first pipeline stage's
+    head_params: int = 0  # the output head on the last pipeline stage (a tied head holds a copy of the embedding)
+    head_tied: bool = False  # the head's weight is the embedding's (counted once in n_params)
+
+    def params_per_tp_rank(self, tp: int) -> float:
+        return self.n_params - self.linear_params + self.linear_params / tp
+
+    def params_per_rank(self, tp: int, pp: int = 1) -> float:
+        """Parameters on one rank: its tensor-parallel share of the largest pipeline stage (the first, with the
+        embeddings, or the last, with the head, each with layers / pp decoder layers)."""
+        if pp == 1:
+            return self.params_per_tp_rank(tp)
+        body = self.n_params - self.embedding_params - (0 if self.head_tied else self.head_params)
+        largest = body / pp + max(self.embedding_params, self.head_params)
+        return largest * self.params_per_tp_rank(tp) / self.n_params
+
+    @classmethod
+    def from_meta_model(cls, model, model_config) -> ModelShape:
+        import torch
+
+        text = model_config.get_text_config()
+        leaves = [m for m in model.modules() if not list(m.children())]
+        head = model.get_output_embeddings()
+        hidden = getattr(text, "hidden_size", None) or text.n_embd
+        return cls(
+            n_params=sum(p.numel() for p in model.parameters()),
+            largest_layer_params=max(sum(p.numel() for p in m.parameters(recurse=False)) for m in leaves),
+            layers=getattr(text, "num_hidden_layers", None) or text.n_layer,
+            hidden=hidden,
+            intermediate=getattr(text, "intermediate_size", None) or 4 * hidden,
+            vocab=text.vocab_size,
+            linear_params=sum(
+                p.numel()
+                for m in model.modules()
+                if isinstance(m, torch.nn.Linear)
+                for p in m.parameters(recurse=False)
+            ),
+            kv_heads=getattr(text, "num_key_value_heads", None) or getattr(text, "num_attention_heads", 0) or 0,
+            embedding_params=sum(
+                p.numel()
+                for m in model.modules()
+                if isinstance(m, torch.nn.Embedding)
+                for p in m.parameters(recurse=False)
+            ),
+            head_params=head.weight.numel() if head is not None else 0,
+            head_tied=head is not None and head.weight is model.get_input_embeddings().weight,
+        )
+
+    def splits_into(self, tp: int) -> bool:
+        """Whether tensor parallelism of size tp divides what it splits (see scaletrain.distributed.layout)."""
+        return all(d % tp == 0 for d in (self.intermediate, self.vocab, self.kv_heads or tp))
+
+
+@dataclass(frozen=True)
+class Option:
+    name: str
+    ds_config: str  # the file in ds_configs/ that sets it up
+    stage: int
+    offload_optimizer: str = "none"  # "none", "cpu", "nvme"
+    offload_params: str = "none"
+
+
+OPTIONS = [
+    Option("ZeRO-1", "zero1.json", 1),
+    Option("ZeRO-2", "zero2.json", 2),
+    Option("ZeRO-2 + optimizer offload (CPU)", "zero2_offload.json", 2, "cpu"),
+    Option("ZeRO-3", "zero3.json", 3),
+    Option("ZeRO-3 + optimizer and parameter offload (CPU)", "zero3_offload.json", 3, "cpu", "cpu"),
+    Option("ZeRO-3 + optimizer and parameter offload (NVMe)", "zero3_nvme.json", 3, "nvme", "nvme"),
+]
+
+
+@dataclass(frozen=True)
+class Estimate:
+    option: Option
+    params: float  # bytes per GPU
+    grads: float
+    optimizer: float
+    activations: float
+    activations_checkpointed: float
+    host_per_node: float  # bytes of host memory per node for offloaded states
+    nvme_per_node: float
+
+    @property
+    def model_states(self) -> float:
+        return self.params + self.grads + self.optimizer
+
+    def total(self, checkpointing: bool) -> float:
+        return self.model_states + (self.activations_checkpointed if checkpointing else self.activations)
+
+
+def weight_bytes(precision: str) -> int:
+    return 4 if precision == "fp32" else 2
+
+
+def model_state_bytes(
+    option: Option,
+    shape: ModelShape,
+    dp: int,
+    precision: str,
+    tp: int = 1,
+    pp: int = 1,
+    reduce_bucket: int | None = None,
+) -> tuple:
+    """(params, grads, optimizer) bytes on one GPU, and (host, nvme) bytes per rank, for one option.
+    `reduce_bucket`: the reduce bucket in elements (default: dsconfig's rule for a CUDA link)."""
+    p, n = weight_bytes(precision), shape.params_per_rank(tp, pp)
+    grad_bytes = 4 if precision == "fp32" else (p if option.stage == 3 else p + 4)
+    params = p * n / dp if option.stage == 3 else p * n
+    grads, optimizer = grad_bytes * n / dp, OPTIMIZER_BYTES * n / dp
+    if option.stage == 1:  # whole gradients from the backward until the boundary's reduction
+        grads = max(grads, p * n)
+    if option.stage in (1, 3):  # the reduce bucket's buffer, allocated whole (measured; ZeRO-2 reduces in place)
+        bucket = bucket_elements("cuda", precision, shape.n_params)[0] if reduce_bucket is None else reduce_bucket
+        grads += min(bucket, n) * (4 if precision == "fp32" else p)
+    host = nvme = 0.0
+    if option.offload_optimizer != "none":
+        moved = (4 + OPTIMIZER_BYTES) * n / dp  # the fp32 gradient partition and the optimizer states
+        grads = optimizer = 0.0
+        host, nvme = (moved, 0.0) if option.offload_optimizer == "cpu" else (0.0, moved)
+    if option.offload_params != "none":
+        moved, params = params, 0.0
+        if option.offload_params == "cpu":
+            host += moved
+        else:
+            nvme += moved
+    return params, grads, optimizer, host, nvme
+
+
+def activation_bytes(
+    shape: ModelShape,
+    micro_batch: int,
+    block_size: int,
+    precision: str,
+    stage: int = 1,
+    tp: int = 1,
+    sp: int = 1,
+    pp: int = 1,
+    loss_chunk: int | None = None,
+) -> tuple:
+    """Working memory (without, with) activation checkpointing, bytes per GPU for one micro-batch (under pipeline
+    parallelism: of the stage that needs most). `loss_chunk`: tokens per chunk of the chunked loss (None: whole
+    logits; tensor and pipeline parallelism always take the whole logits)."""
+    scale = 2 if precision == "fp32" else 1
+    tokens = micro_batch * block_size / sp
+    per_layer = tokens * (8 * shape.hidden + (10 * shape.hidden + 8 * shape.intermediate) / tp) * scale
+    logit_tokens = min(tokens, loss_chunk) if loss_chunk and tp == 1 and pp == 1 else tokens
+    logits = logit_tokens * shape.vocab * 10 * (1.5 if precision == "fp32" else 1)
+    kept = 2 * tokens * shape.hidden * scale  # a checkpointed layer's input
+    # 1F1B: the first stage holds the activations of up to pp micro-batches in flight for its layers / pp layers
+    # (as many layers' worth as the whole model for one micro-batch), the last stage one micro-batch and the logits.
+    first_stage = (shape.layers * per_layer, shape.layers * kept + per_layer)
+    last_stage = (shape.layers / pp * per_layer + logits, shape.layers / pp * kept + per_layer + logits)
+    without, with_checkpointing = (max(first_stage[i], last_stage[i]) for i in (0, 1))
+    gathered = 2 * weight_bytes(precision) * shape.largest_layer_params if stage == 3 else 0
+    return without + gathered, with_checkpointing + gathered
+
+
+def options_for(tp: int, sp: int = 1, pp: int = 1) -> list[Option]:
+    """The options the pipeline runs with this layout (TP: ZeRO-1/2, SP: ZeRO-1/2/3, PP: ZeRO-1; none with
+    offload)."""
+    if pp > 1:
+        return [o for o in OPTIONS if o.stage == 1]
+    if tp > 1:
+        return [o for o in OPTIONS if o.stage < 3 and o.offload_optimizer == "none"]
+    return OPTIONS if sp == 1 else [o for o in OPTIONS if o.offload_optimizer == "none"]
+
+
+def plan_memory(
+    shape: ModelShape,
+    gpus_per_node: int,
+    nodes: int,
+    micro_batch: int,
+    block_size: int,
+    precision: str,
+    tp: int = 1,
+    sp: int = 1,
+    pp: int = 1,
+    loss_chunk: int | None = None,
+) -> list[Estimate]:
+    dp = gpus_per_node * nodes // (tp * pp)  # the ranks ZeRO partitions over (under SP: all of them)
+    estimates = []
+    for option in options_for(tp, sp, pp):
+        act, act_ckpt = activation_bytes(
+            shape, micro_batch, block_size, precision, option.stage, tp, sp, pp, loss_chunk
+        )
+        params, grads, optimizer, host, nvme = model_state_bytes(option, shape, dp, precision, tp, pp)
+        estimates.append(
+            Estimate(option, params, grads, optimizer, act, act_ckpt, host * gpus_per_node, nvme * gpus_per_node)
+        )
+    return estimates
+
+
+def recommend(
+    estimates: list[Estimate], gpu_bytes: float, host_bytes: float | None, checkpointing_allowed: bool = True
+) -> tuple | None:
+    """The first option (fastest first: less communication, no offload) that fits: (estimate, checkpointing)."""
+    for checkpointing in (False, True) if checkpointing_allowed else (False,):
+        for est in estimates:
+            if est.total(checkpointing) <= HEADROOM * gpu_bytes and (
+                host_bytes is None or est.host_per_node <= HEADROOM * host_bytes
+            ):
+                return est, checkpointing
+    return None
+
+
+def recommend_layout(
+    shape: ModelShape,
+    gpus_per_node: int,
+    nodes: int,
+    micro_batch: int,
+    block_size: int,
+    precision: str,
+    gpu_bytes: float,
+    host_bytes: float | None,
+    loss_chunk: int | None = None,
+) -> tuple | None:
+    """(tensor-parallel size, pipeline stages, estimate, checkpointing) of the fastest layout that fits, in this
+    order: pure data parallelism without offload (ZeRO-1, 2, 3), then tensor parallelism inside a node (2, 4, ...
+    GPUs; its all-reduces stay on the node's links), then pipeline stages (2, 4, ...; point-to-point transfers of
+    one activation per micro-batch, which cross nodes well, at the cost of the pipeline's bubble), then offload
+    (host memory and PCIe are slower still). Tensor and pipeline parallelism together are not proposed: the
+    pipeline does not run them together yet."""
+    plain = plan_memory(shape, gpus_per_node, nodes, micro_batch, block_size, precision, loss_chunk=loss_chunk)
+    in_gpu = [e for e in plain if e.option.offload_optimizer == "none"]
+    choice = recommend(in_gpu, gpu_bytes, host_bytes)
+    if choice:
+        return (1, 1, *choice)
+    tp = 2
+    while tp <= gpus_per_node:
+        if gpus_per_node % tp == 0 and shape.splits_into(tp):
+            choice = recommend(
+                plan_memory(shape, gpus_per_node, nodes, micro_batch, block_size, precision, tp), gpu_bytes, host_bytes
+            )
+            if choice:
+                return (tp, 1, *choice)
+        tp *= 2
+    pp = 2
+    while pp <= min(shape.layers, gpus_per_node * nodes):
+        if shape.layers % pp == 0 and (gpus_per_node * nodes) % pp == 0:
+            choice = recommend(
+                plan_memory(shape, gpus_per_node, nodes, micro_batch, block_size, precision, pp=pp),
+                gpu_bytes,
+                host_bytes,
+            )
+            if choice:
+                return (1, pp, *choice)
+        pp *= 2
+    choice = recommend([e for e in plain if e.option.offload_optimizer != "none"], gpu_bytes, host_bytes)
+    return (1, 1, *choice) if choice else None
+
+
+def _describe(ranks: int, tp: int, sp: int, pp: int) -> str:
+    sizes = [(kind, size) for kind, size in (("tensor", tp), ("sequence", sp), ("pipeline", pp)) if size > 1]
+    if not sizes:
+        return f"{ranks} data-parallel ranks"
+    model_parallel = tp * sp * pp
+    return (
+        f"{ranks} ranks: "
+        + " x ".join(f"{kind} parallel {size}" for kind, size in sizes)
+        + f" x {ranks // model_parallel} data-parallel"
+    )
+
+
+def _layout_flags(tp: int, sp: int, pp: int) -> str:
+    return "".join(
+        f" --{kind}_parallel_size {size}"
+        for kind, size in (("tensor", tp), ("sequence", sp), ("pipeline", pp))
+        if size > 1
+    )
+
+
+def render(
+    estimates: list[Estimate],
+    shape: ModelShape,
+    gpus_per_node: int,
+    nodes: int,
+    gpu_memory_gb: float,
+    host_memory_gb: float | None,
+    micro_batch: int,
+    block_size: int,
+    precision: str,
+    tp: int = 1,
+    sp: int = 1,
+    pp: int = 1,
+    loss_chunk: int | None = None,
+) -> str:
+    gb = lambda b: f"{b / GIB:.2f}"  # noqa: E731
+    gpu_bytes, host_bytes = gpu_memory_gb * GIB, None if host_memory_gb is None else host_memory_gb * GIB
+    layout = _describe(nodes * gpus_per_node, tp, sp, pp)
+    lines = [
+        f"memory plan: {shape.n_params / 1e6:.1f}M parameters, {nodes} node(s) x {gpus_per_node} GPU(s) = "
+        f"{layout}, {precision}, micro-batch {micro_batch} x {block_size} tokens, "
+        f"{gpu_memory_gb:g} GB per GPU" + ("" if host_memory_gb is None else f", {host_memory_gb:g} GB host per node"),
+        "GB per GPU unless marked; 'fits' leaves 10% of the GPU free (fragmentation, communication buffers)",
+        "",
+        "| option | params | grads | optimizer | model states | working (no ckpt / ckpt) | total (no ckpt / "
+        "ckpt) | host per node | NVMe per node | fits (no ckpt / ckpt) | config |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for est in estimates:
+        fits = []
+        for ckpt in (False, True):
+            ok = est.total(ckpt) <= HEADROOM * gpu_bytes and (
+                host_bytes is None or est.host_per_node <= HEADROOM * host_bytes
+            )
+            fits.append("yes" if ok else "no")
+        lines.append(
+            f"| {est.option.name} | {gb(est.params)} | {gb(est.grads)} | {gb(est.optimizer)} | {gb(est.model_states)} "
+            f"| {gb(est.activations)} / {gb(est.activations_checkpointed)} | {gb(est.total(False))} / "
+            f"{gb(est.total(True))} | {gb(est.host_per_node)} | {gb(est.nvme_per_node)} | {' / '.join(fits)} | "
+            f"ds_configs/{est.option.ds_config} |"
+        )
+    if tp == 1 and sp == 1 and pp == 1:  # the layout is open: data parallelism, then TP, then PP, then offload
+        choice = recommend_layout(
+            shape, gpus_per_node, nodes, micro_batch, block_size, precision, gpu_bytes, host_bytes, loss_chunk
+        )
+    else:  # the layout was given
+        choice = recommend(estimates, gpu_bytes, host_bytes)
+        choice = choice and (tp, pp, *choice)
+    lines.append("")
+    if sum(size > 1 for size in (tp, sp, pp)) > 1:
+        lines.append("planning only: train.py does not yet run several model-parallel layouts together")
+    if choice is None:
+        lines.append(
+            "recommended: nothing fits; lower --per_device_train_batch_size or --block_size, add GPUs or "
+            "nodes (ZeRO-3 divides the model states by the rank count), or use GPUs with more memory"
+        )
+    else:
+        chosen_tp, chosen_pp, est, ckpt = choice
+        lines.append(
+            f"recommended: --config ds_configs/{est.option.ds_config}"
+            + _layout_flags(chosen_tp, sp, chosen_pp)
+            + (" --gradient_checkpointing" if ckpt else "")
+            + f" ({est.option.name}{', activation checkpointing' if ckpt else ''}: "
+            f"{gb(est.total(ckpt))} of {gpu_memory_gb:g} GB per GPU)"
+        )
+    return "\n".join(lines)

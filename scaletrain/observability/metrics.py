@@ -1,0 +1,387 @@
+"""Where the numbers go: console, a JSONL file in the run folder (always), and wandb when asked.
+
+A logging window accumulates this rank's loss sum; at the logging step one all-reduce turns it into the mean
+over every real token of every global batch in the window, the same number however the batch is split.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import statistics
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+from collections.abc import Callable
+
+from scaletrain.errors import SAVED_REQUEUE_EXIT_CODE, UsageError
+
+log = logging.getLogger(__name__)
+METRICS_FILE = "metrics.jsonl"
+
+
+# pipeline: under pipeline parallelism, the 1F1B schedule up to the update (forwards, backwards and the
+# stage-to-stage transfers interleave, so they are one phase; forward and backward stay 0 there).
+PHASES = ("data_wait", "forward", "backward", "pipeline", "optimizer", "sync", "checkpoint")
+
+
+class PhaseClock:
+    """Splits a step into phases by laps.
+
+    On a CPU the work is done when a call returns, so every step is timed by phase at no cost. On a GPU a lap must
+    synchronise first (else a phase's time is the previous phase's kernels finishing), and a synchronisation per
+    lap, a few per micro-batch, would serialise host and device and take away DeepSpeed's overlap of communication
+    with compute. So there only the steps started with `measured=True` (the loop asks for the steps it logs) are split
+    into phases; every other step runs without a single synchronisation here, and its phases stay unmeasured.
+    `synchronize` replaces torch.cuda.synchronize (tests count the calls)."""
+
+    def __init__(self, device, synchronize: Callable[[], None] | None = None):
+        self.on_gpu = device.type == "cuda"
+        self._sync = lambda: None
+        if self.on_gpu:
+            import torch
+
+            self._sync = synchronize or (lambda: torch.cuda.synchronize(device))
+        self.phases = dict.fromkeys(PHASES, 0.0)
+        self.measured = True
+        self._last = 0.0
+
+    def start(self, measured: bool = True) -> None:
+        self.measured = measured or not self.on_gpu
+        if self.measured:
+            self._sync()
+        self.phases = dict.fromkeys(PHASES, 0.0)
+        self._last = time.perf_counter()
+
+    def lap(self, phase: str) -> None:
+        if not self.measured:
+            return
+        self._sync()
+        now = time.perf_counter()
+        self.phases[phase] += now - self._last
+        self._last = now
+
+
+@dataclass(frozen=True)
+class ThroughputModel:
+    """What turns tokens/s into TFLOP/s, MFU and HFU (scaletrain.observability.flops)."""
+
+    flops_per_token: float
+    hardware_flops_per_token: float
+    peak_tflops: float | None  # per device; None when unknown (then no MFU)
+    world_size: int
+
+
+@dataclass
+class LogWindow:
+    """Sums since the last logging step."""
+
+    loss_sum: Any = 0.0  # this rank's summed token losses (a device tensor: no host sync per step)
+    targets: int = 0  # global loss targets (identical on every rank)
+    samples: int = 0  # global blocks trained
+    steps: int = 0
+    seconds: float = 0.0  # wall-clock of the steps, measured start to end independently of the phases
+    phases: dict = field(default_factory=lambda: dict.fromkeys(PHASES, 0.0))
+    phase_steps: int = 0  # the steps split into phases (all of them on a CPU; the logged ones on a GPU)
+    grad_norm: Any = None  # the last applied step's, read only when the window is summarized
+    loss_targets: int = 0  # targets of the applied steps (a skipped step's loss stays out of the mean)
+    skipped: int = 0  # steps whose update was not applied
+    aux_sum: Any = None  # MoE: this rank's shares of the applied steps' mean load-balancing losses (None: dense)
+
+    @property
+    def applied_steps(self) -> int:
+        return self.steps - self.skipped
+
+    def add(
+        self,
+        loss_sum,
+        targets: int,
+        samples: int,
+        seconds: float,
+        phases: dict | None,
+        grad_norm,
+        skipped: bool = False,
+        aux_share=None,
+    ) -> None:
+        """`phases`: the step's split, or None for a step that was not split (a GPU step not logged); `aux_share`:
+        an MoE step's share of its mean load-balancing loss on this rank (None for a dense model)."""
+        if aux_share is not None and self.aux_sum is None:
+            self.aux_sum = 0.0
+        if skipped:
+            self.skipped += 1
+        else:
+            if aux_share is not None:
+                self.aux_sum = self.aux_sum + aux_share
+            self.loss_sum = self.loss_sum + loss_sum
+            self.loss_targets += targets
+            self.grad_norm = grad_norm
+        self.targets += targets
+        self.samples += samples
+        self.steps += 1
+        self.seconds += seconds
+        if phases is not None:
+            self.phase_steps += 1
+            for name, value in phases.items():
+                self.phases[name] += value
+
+    def summarize(self, device, throughput: ThroughputModel | None = None) -> dict:
+        """Reduce across ranks (a collective: every rank must call it at the same step)."""
+        import torch
+        import torch.distributed as torch_dist
+
+        step_time = self.seconds / max(self.steps, 1)
+        # One collective: every rank's summed loss and load-balancing loss shares (added up) and its forward time per
+        # step, the straggler signal. Not the step time: the step's collectives make every rank wait for the
+        # slowest, so all ranks' step times are the same. The forward holds no gradient communication (ZeRO-3's
+        # parameter gathers and tensor parallelism's all-reduces do wait in it, which blurs the signal there).
+        mine = torch.zeros(3, dtype=torch.float64, device=device)
+        mine[0] = torch.as_tensor(self.loss_sum, dtype=torch.float64, device=device).reshape(())
+        mine[1] = self.phases["forward"] / self.phase_steps if self.phase_steps else 0.0
+        aux = 0.0 if self.aux_sum is None else self.aux_sum
+        mine[2] = torch.as_tensor(aux, dtype=torch.float64, device=device).reshape(())
+        gathered = [torch.zeros_like(mine) for _ in range(torch_dist.get_world_size())]
+        torch_dist.all_gather(gathered, mine)
+        rows = torch.stack(gathered).cpu()
+        total = rows[:, 0].sum()
+        forward_times = rows[:, 1].tolist()
+        slowest = max(range(len(forward_times)), key=forward_times.__getitem__)
+        median_forward = statistics.median(forward_times)
+        tokens_per_s = self.targets / self.seconds if self.seconds else 0.0
+        record = {
+            "loss": total.item() / self.loss_targets if self.loss_targets else None,  # None: all skipped
+            # MoE: the mean over the applied steps of each step's mean load-balancing loss (not times the coefficient)
+            "aux_loss": rows[:, 2].sum().item() / self.applied_steps
+            if self.aux_sum is not None and self.applied_steps
+            else None,
+            "skipped": self.skipped,
+            "grad_norm": None if self.grad_norm is None else float(self.grad_norm),
+            "tokens_per_s": tokens_per_s,
+            "samples_per_s": self.samples / self.seconds if self.seconds else 0.0,
+            "step_time_s": step_time,
+            # the mean over the steps split into phases (none: no phase keys, rather than zeros)
+            **(
+                {f"{name}_s": value / self.phase_steps for name, value in self.phases.items()}
+                if self.phase_steps
+                else {}
+            ),
+            # None where no forward was timed apart (the pipeline's interleaved schedule)
+            **(
+                {
+                    "slowest_rank": slowest,
+                    "slowest_rank_forward_s": forward_times[slowest],
+                    "straggler_ratio": forward_times[slowest] / median_forward,
+                }
+                if median_forward > 0
+                else {}
+            ),
+            **memory_stats(device),
+        }
+        if throughput is not None:
+            tflops = tokens_per_s * throughput.flops_per_token / throughput.world_size / 1e12
+            record["tflops_per_device"] = tflops
+            if throughput.peak_tflops:
+                record["mfu"] = tflops / throughput.peak_tflops
+                record["hfu"] = (
+                    tokens_per_s
+                    * throughput.hardware_flops_per_token
+                    / throughput.world_size
+                    / 1e12
+                    / throughput.peak_tflops
+                )
+        return record
+
+
+def memory_stats(device) -> dict:
+    import psutil
+
+    stats = {"cpu_rss_gb": psutil.Process().memory_info().rss / 2**30}
+    if device.type == "cuda":
+        import torch
+
+        stats["gpu_allocated_gb"] = torch.cuda.memory_allocated(device) / 2**30
+        stats["gpu_peak_gb"] = torch.cuda.max_memory_allocated(device) / 2**30
+    return stats
+
+
+def _secret_free(config: dict) -> dict:
+    """Drop anything that looks like a credential before a config leaves the process."""
+    markers = ("token", "key", "secret", "password")
+    return {k: v for k, v in config.items() if not any(m in k.lower() for m in markers)}
+
+
+def read_records(path: Path) -> tuple:
+    """(records of a metrics.jsonl, whether its last line was torn). A last line cut short (a SIGKILL or a full disk
+    in the middle of a write) is dropped; an unreadable line before it means the file is damaged: UsageError."""
+    lines = [line for line in path.read_text(encoding="utf-8", errors="replace").splitlines() if line.strip()]
+    records = []
+    for number, line in enumerate(lines, 1):
+        try:
+            record = json.loads(line)
+            if not isinstance(record, dict) or not isinstance(record.get("step"), int):
+                raise ValueError("not a record with a step")
+        except ValueError as err:
+            if number == len(lines):
+                return records, True
+            raise UsageError(
+                f"{path}: line {number} is not a metrics record ({err}); the file is damaged before its end",
+                f"move {path.name} aside to resume with a new one (checkpoints are not affected)",
+            ) from None
+        records.append(record)
+    return records, False
+
+
+def _keep_records_up_to(path: Path, step: int) -> None:
+    """A resumed run repeats the steps after its checkpoint: drop their old records so each step appears once."""
+    if not path.exists():
+        return
+    records, torn = read_records(path)
+    if torn:
+        log.warning("%s: its last line was cut short (a kill or a full disk during a write); dropped it", path)
+    kept = [json.dumps(record) for record in records if record["step"] <= step]
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text("".join(line + "\n" for line in kept))
+    os.replace(tmp, path)
+
+
+class MetricsLogger:
+    def __init__(
+        self,
+        output_dir: str,
+        is_main: bool,
+        sinks: tuple,
+        run_name: str,
+        run_config: dict,
+        resume_step: int = 0,
+        wandb_run_id: str | None = None,
+        write_files: bool = True,
+    ):
+        self.is_main = is_main
+        self.path = Path(output_dir) / METRICS_FILE
+        self._file = None
+        self._wandb = None
+        self._tensorboard = None
+        self.last_record: dict | None = None
+        self.latest: dict = {}  # each key's newest value (the model card's final losses)
+        self.wandb_run_id = wandb_run_id
+        if not is_main or not write_files:  # --dry_run writes nothing: console only
+            return
+        _keep_records_up_to(self.path, resume_step)
+        self._file = open(self.path, "a", encoding="utf-8")
+        if "tensorboard" in sinks:
+            from torch.utils.tensorboard import SummaryWriter
+
+            # purge_step: a resumed run replaces the events of the steps it trains again.
+            self._tensorboard = SummaryWriter(str(Path(output_dir) / "tensorboard"), purge_step=resume_step + 1)
+        if "wandb" in sinks:
+            import wandb
+
+            # resume="allow" with the saved id: a resumed run continues the same wandb run.
+            self._wandb = wandb.init(
+                project=os.environ.get("WANDB_PROJECT", "scaletrain"),
+                name=run_name,
+                dir=output_dir,
+                config=_secret_free(run_config),
+                id=wandb_run_id,
+                resume="allow" if wandb_run_id else None,
+            )
+            self.wandb_run_id = self._wandb.id
+
+    def log(self, record: dict) -> None:
+        """Write one record (rank 0 only; other ranks return at once)."""
+        if not self.is_main:
+            return
+        record = {k: v for k, v in record.items() if v is not None}
+        self.last_record = record
+        self.latest.update(record)
+        if self._file is not None:
+            self._file.write(json.dumps(record) + "\n")
+            self._file.flush()
+        if self._wandb is not None:
+            self._wandb.log({k: v for k, v in record.items() if k != "step"}, step=record["step"])
+        if self._tensorboard is not None:
+            for key, value in record.items():
+                if key not in ("step", "time") and isinstance(value, (int, float)):
+                    self._tensorboard.add_scalar(key, value, record["step"])
+        log.info("  ".join(_fmt(k, v) for k, v in record.items() if k != "time"))
+
+    def log_generations(self, step: int, rows: list) -> None:
+        """--eval_prompts: one metrics.jsonl record {"step", "generations": [{"prompt", "completion"}]}, a wandb
+        table, and a console line per prompt (rank 0 only)."""
+        if not self.is_main:
+            return
+        if self._file is not None:
+            self._file.write(json.dumps({"step": step, "generations": rows}) + "\n")
+            self._file.flush()
+        if self._wandb is not None:
+            import wandb
+
+            table = wandb.Table(
+                columns=["step", "prompt", "completion"],
+                data=[[step, row["prompt"], row["completion"]] for row in rows],
+            )
+            self._wandb.log({"generations": table}, step=step)
+        for row in rows:
+            log.info("step %d: %r -> %r", step, row["prompt"][-80:], row["completion"][:200])
+
+    def rewind(self, step: int) -> None:
+        """A rollback: the records after `step` are of steps that will be trained again (rank 0 rewrites the file;
+        wandb and TensorBoard keep their points, the new ones are logged over them)."""
+        if self._file is None:
+            return
+        self._file.close()
+        _keep_records_up_to(self.path, step)
+        self._file = open(self.path, "a", encoding="utf-8")
+
+    def close(self, exit_code: int = 0) -> None:
+        """`exit_code` is the run's: wandb shows a non-zero one as failed, and 85 (saved after a preemption
+        signal) as preempted, so a crashed run no longer shows as finished."""
+        if self._file is not None:
+            self._file.close()
+            self._file = None
+        if self._wandb is not None:
+            if exit_code == SAVED_REQUEUE_EXIT_CODE:
+                self._wandb.mark_preempting()
+            self._wandb.finish(exit_code=exit_code)
+            self._wandb = None
+        if self._tensorboard is not None:
+            self._tensorboard.close()
+            self._tensorboard = None
+
+
+def _fmt(key: str, value) -> str:
+    if isinstance(value, float):
+        if key == "lr":
+            return f"{key}={value:.3e}"
+        return f"{key}={value:.4g}" if math.isfinite(value) else f"{key}={value}"
+    return f"{key}={value}"
+
+
+class StepProfiler:
+    """--profile_steps A-B: a torch profiler trace of steps A..B (1-based), one Chrome trace per rank."""
+
+    def __init__(self, steps: tuple | None, out_dir: str, rank: int):
+        self.steps = steps
+        self.out = Path(out_dir) / "profile"
+        self.rank = rank
+        self._prof = None
+
+    def before_step(self, step: int) -> None:
+        if self.steps and step == self.steps[0]:
+            import torch
+            from torch.profiler import ProfilerActivity, profile
+
+            activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+            self._prof = profile(activities=activities)
+            self._prof.start()
+
+    def after_step(self, step: int) -> None:
+        if self._prof is not None and step == self.steps[1]:
+            self._prof.stop()
+            self.out.mkdir(parents=True, exist_ok=True)
+            path = self.out / f"trace_rank{self.rank}_steps{self.steps[0]}-{self.steps[1]}.json"
+            self._prof.export_chrome_trace(str(path))
+            self._prof = None
+            log.info("profiler trace of steps %d-%d: %s", self.steps[0], self.steps[1], path)

@@ -1,0 +1,137 @@
+"""Non-finite losses and gradient norms, and loss spikes: skip the update on every rank, keep a ledger, roll back.
+
+The decision is global. Before the optimizer step of each step, the ranks all-reduce their summed losses (in the
+same small all-reduce that agrees on preemption), so every rank sees the same global loss and takes the same
+decision, even when only one rank's batch went bad. A skipped update goes through DeepSpeed's own overflow path
+(the one fp16 loss scaling uses): no weight or optimizer-state change, the gradients are cleared, and the LR
+schedule does not advance. DeepSpeed also refuses a step whose gradient norm is non-finite; those steps are
+caught after the fact (`engine.was_step_applied()`) and handled the same way, except under fp16, where an
+overflow is the loss scaler's normal business.
+
+Every skipped step is written to <output_dir>/nonfinite_ledger.jsonl with the global sample ids (block indices
+of the training order) of its batch. After --max_consecutive_skips skips in a row the run rolls back to the last
+committed checkpoint and continues with the data after the offending batches; with --on_nonfinite stop it ends
+at the first one with a message and errors.NONFINITE_EXIT_CODE (3).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from collections.abc import Callable
+
+from scaletrain.config.core import NonFiniteArgs
+from scaletrain.errors import NonFiniteStop
+from scaletrain.train.state import TrainState
+
+log = logging.getLogger(__name__)
+
+LEDGER_FILE = "nonfinite_ledger.jsonl"
+SPIKE_WARMUP_STEPS = 10  # applied steps before the running mean is trusted for spike detection
+MEAN_DECAY = 0.95  # exponential running mean once warmed up
+
+
+@dataclass(frozen=True)
+class NonFinitePolicy:
+    action: str  # "skip" or "stop"
+    max_consecutive_skips: int  # 0: never roll back
+    loss_spike_factor: float  # 0: off
+    fp16: bool  # DeepSpeed-side skips are loss-scale overflows, not failures
+
+    @classmethod
+    def from_args(cls, args: NonFiniteArgs, fp16: bool) -> NonFinitePolicy:
+        return cls(args.on_nonfinite, args.max_consecutive_skips, args.loss_spike_factor, fp16)
+
+
+class NonFiniteGuard:
+    """Judges each step before its update, counts skips after it, and writes the ledger (rank 0)."""
+
+    def __init__(
+        self, policy: NonFinitePolicy, state: TrainState, output_dir: str, is_main: bool, write_files: bool = True
+    ):
+        self.policy = policy
+        self.state = state
+        self.ledger = Path(output_dir) / LEDGER_FILE if is_main and write_files else None
+
+    def judge(self, global_loss: float) -> str | None:
+        """Why this step's update must not be applied, or None. Same input on every rank, same answer."""
+        if not math.isfinite(global_loss):
+            return "nonfinite_loss"
+        mean, factor = self.state.loss_mean, self.policy.loss_spike_factor
+        if (
+            factor
+            and mean is not None
+            and self.state.loss_mean_steps >= SPIKE_WARMUP_STEPS
+            and global_loss > factor * mean
+        ):
+            return "loss_spike"
+        return None
+
+    def after_step(
+        self, step: int, global_loss: float, forced: str | None, applied: bool, sample_ids: Callable[[], list]
+    ) -> str:
+        """ "ok", "skipped" or "rollback"; raises NonFiniteStop under --on_nonfinite stop."""
+        state = self.state
+        reason = forced
+        if reason is None and not applied:
+            if self.policy.fp16:
+                return "ok"  # a loss-scale overflow: the scaler lowers the scale and the next step goes on
+            reason = "nonfinite_grad_norm"
+        if reason is None:
+            state.consecutive_skips = 0
+            n = state.loss_mean_steps
+            state.loss_mean = (
+                global_loss
+                if state.loss_mean is None
+                else (
+                    state.loss_mean + (global_loss - state.loss_mean) / (n + 1)
+                    if n < SPIKE_WARMUP_STEPS
+                    else MEAN_DECAY * state.loss_mean + (1 - MEAN_DECAY) * global_loss
+                )
+            )
+            state.loss_mean_steps = n + 1
+            return "ok"
+        state.consecutive_skips += 1
+        samples = sample_ids()
+        self.record(
+            {
+                "step": step,
+                "event": "skipped",
+                "reason": reason,
+                "loss": global_loss if math.isfinite(global_loss) else str(global_loss),
+                "running_mean_loss": state.loss_mean,
+                "consecutive": state.consecutive_skips,
+                "data_step": step + state.data_offset,
+                "samples": samples,
+            }
+        )
+        if self.policy.action == "stop":
+            raise NonFiniteStop(
+                f"step {step}: {reason.replace('_', ' ')} (loss {global_loss:.4g}) on global samples "
+                f"{_short(samples)}; stopped (--on_nonfinite stop). The ledger is {LEDGER_FILE} in "
+                "the run folder; rerun with --on_nonfinite skip to skip such steps"
+            )
+        log.warning(
+            "step %d: %s (loss %.4g); update skipped on every rank (%d in a row), samples %s",
+            step,
+            reason.replace("_", " "),
+            global_loss,
+            state.consecutive_skips,
+            _short(samples),
+        )
+        limit = self.policy.max_consecutive_skips
+        return "rollback" if limit and state.consecutive_skips >= limit else "skipped"
+
+    def record(self, entry: dict) -> None:
+        if self.ledger is None:
+            return
+        with open(self.ledger, "a", encoding="utf-8") as handle:
+            handle.write(json.dumps({"time": round(time.time(), 3), **entry}) + "\n")
+
+
+def _short(ids: list, limit: int = 8) -> str:
+    return str(ids) if len(ids) <= limit else f"{ids[:limit]}... ({len(ids)} samples)"

@@ -9,7 +9,7 @@ The phases of a run, in order; each lives in its own module of scaletrain/.
 import sys
 import traceback
 
-from scaletrain.distributed.world import read_launch_env
+from scaletrain.distributed import read_launch_env
 from scaletrain.errors import RunEnded
 from scaletrain.logs import setup_logging
 
@@ -29,7 +29,7 @@ def main(argv=None) -> int:
 
         run = Run.from_flags(argv, dist)  # flags, recipe, DeepSpeed JSON, model config, tokenizer: exit 2 on a mistake
     except RunEnded as err:
-        from scaletrain.distributed.agreement import stop_with_the_others
+        from scaletrain.distributed import stop_with_the_others
 
         return report(stop_with_the_others(err, dist, argv), dist)  # the other ranks learn of it at the rendezvous
     if run.cfg.run.print_config:

@@ -18,7 +18,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from scaletrain.config.core import DataArgs, ModelArgs, OptimArgs, _Parser, add_flags, slices_from  # noqa: E402
+from scaletrain.config.slices import DataArgs, ModelArgs, OptimArgs  # noqa: E402
+from scaletrain.config.cli import _Parser, add_flags, slices_from  # noqa: E402
 from scaletrain.errors import PrepareError, UsageError  # noqa: E402
 from scaletrain.logs import setup_logging, silence_library_logs  # noqa: E402
 

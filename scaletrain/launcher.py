@@ -32,7 +32,7 @@ from pathlib import Path
 import psutil
 
 from scaletrain.errors import SAVED_REQUEUE_EXIT_CODE
-from scaletrain.train.preemption import PREEMPTION_RECORD_ENV, RANK_PREEMPTION_SIGNAL
+from scaletrain.train import PREEMPTION_RECORD_ENV, RANK_PREEMPTION_SIGNAL
 
 log = logging.getLogger("scaletrain.launcher")
 RELAY_INTERVAL_S = 5.0

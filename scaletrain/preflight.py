@@ -7,7 +7,6 @@ the run with exit code 2 and leaves the output folder as it was.
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import json
 import logging
 import shutil
@@ -16,44 +15,44 @@ from pathlib import Path
 from typing import Any
 from collections.abc import Sequence
 
-from scaletrain.checkpoint.core import (
+from scaletrain.checkpoint import (
+    check_push_target,
     check_resumable,
     offload_setting,
     read_train_state,
     resolve_resume,
     saved_zero_stage,
 )
-from scaletrain.config.core import DataArgs, ModelArgs, RunConfig, explain_run_config, parse_run_config
+from scaletrain.config import (
+    explain_run_config,
+    HardwareFacts,
+    load_ds_config,
+    parse_run_config,
+    resolve_ds_config,
+    ResolvedDSConfig,
+    RunConfig,
+)
 from scaletrain.errors import UsageError
-from scaletrain.data.raw import check_data_files
-from scaletrain.data.chat_store import resolve_chat_data
-from scaletrain.distributed import world as distributed
-from scaletrain.distributed.world import DistInfo
-from scaletrain.config.deepspeed_json import HardwareFacts, ResolvedDSConfig, load_ds_config, resolve_ds_config
-from scaletrain.engine.initialize import check_compile, compile_requested
-from scaletrain.observability.flops import ModelFlops, model_flops
-from scaletrain.observability.eval_prompts import load_eval_prompts
-from scaletrain.model.lora import base_identity, check_lora, describe as describe_adapter
-from scaletrain.model.qlora import check_qlora
-from scaletrain.distributed.layout import (
-    apply_layout,
+from scaletrain.data import check_block_size, check_data_source
+from scaletrain.distributed import (
     check_model_layout,
-    check_pipeline_run,
-    check_planned_layout,
+    check_pipeline_layout,
     check_sequence_layout,
     describe_layout,
+    DistInfo,
+    place_ranks,
+    rank_hosts,
     resolve_layout,
 )
-from scaletrain.distributed.pipeline import check_pipeline_model
-from scaletrain.model.moe import resolve_router_loss
-from scaletrain.checkpoint.publish import check_push_target
-from scaletrain.observability.metrics import METRICS_FILE, read_records
-from scaletrain.model.build import (
-    check_attention_isolation,
+from scaletrain.engine import check_compile, compile_requested
+from scaletrain.observability import load_eval_prompts, METRICS_FILE, model_flops, ModelFlops, read_records
+from scaletrain.model import (
+    check_model_features,
+    check_tokenizer_fits,
+    describe_model,
     load_model_config,
     load_tokenizer,
     max_positions,
-    meta_model,
 )
 
 log = logging.getLogger(__name__)
@@ -81,13 +80,9 @@ class ResolvedRun:
     reshard: bool = False  # the checkpoint loads through a universal one (other ranks, layout or offload)
     model_shape: Any = None  # --plan: the memory planner's view of the model (memory_planner.ModelShape)
     previous_run_config: dict | None = None  # run_config.json of the run being resumed, where there is one
-    router_loss: Any = (
-        None  # a mixture-of-experts model's load-balancing loss (scaletrain.model.moe.RouterLoss) or None
-    )
-    eval_prompts: Any = (
-        None  # --eval_prompts read and tokenized (scaletrain.observability.eval_prompts.EvalPrompts) or None
-    )
-    chat: Any = None  # chat data (scaletrain.data.chat_store.ChatData): its template and loss mode, or None for text
+    router_loss: Any = None  # a mixture-of-experts model's load-balancing loss (model/moe.py RouterLoss) or None
+    eval_prompts: Any = None  # --eval_prompts read and tokenized (observability/eval_prompts.py) or None
+    chat: Any = None  # chat data (data/chat_store.py ChatData): its template and loss mode, or None for text
 
 
 def hardware_facts() -> HardwareFacts:
@@ -105,54 +100,6 @@ def _hidden_size(model_config) -> int:
         if isinstance(value, int) and value > 0:
             return value
     raise UsageError(f"{type(model_config).__name__}: cannot find the model's hidden size")
-
-
-def _check_stores(data: DataArgs, tokenizer_source: str, tokenizer) -> int | None:
-    """Prepared stores must have been made with this run's tokenizer and one block size. Returns that size."""
-    from scaletrain.data.token_store import read_manifest, tokenizer_hash
-
-    sizes = set()
-    flag = data.store_flag
-    for path in data.store_paths:
-        fingerprint = read_manifest(Path(path))["fingerprint"]
-        if fingerprint["tokenizer_sha256"] != tokenizer_hash(tokenizer):
-            raise UsageError(
-                f"{flag} {path}: prepared with a different tokenizer than {tokenizer_source}",
-                "prepare the store with this run's --tokenizer_name",
-            )
-        if data.block_size is not None and data.block_size != fingerprint["block_size"]:
-            raise UsageError(
-                f"--block_size {data.block_size}: the store {path} was prepared for block size "
-                f"{fingerprint['block_size']}",
-                "drop --block_size, or prepare a store for this size",
-            )
-        sizes.add(fingerprint["block_size"])
-    if len(sizes) > 1:
-        raise UsageError(
-            f"--dataset_mix: the stores have different block sizes ({sorted(sizes)})",
-            "prepare every store with the same --block_size",
-        )
-    return sizes.pop() if sizes else None
-
-
-def _block_size(data: DataArgs, model_config, store_block_size: int | None) -> int:
-    limit = max_positions(model_config)
-    if store_block_size is not None:
-        if store_block_size > limit:
-            raise UsageError(
-                f"{', '.join(data.store_paths)}: block size {store_block_size} is above the model's "
-                f"maximum positions ({limit})",
-                f"prepare a store with --block_size {limit} or less",
-            )
-        return store_block_size
-    if data.block_size is None:
-        return min(1024, limit)
-    if data.block_size > limit:
-        raise UsageError(
-            f"--block_size {data.block_size}: above the model's maximum positions ({limit})",
-            f"use --block_size {limit} or less",
-        )
-    return data.block_size
 
 
 def checkpoint_bytes(n_params: int, precision: str, trainable: int | None = None, merged: bool = False) -> tuple:
@@ -186,26 +133,6 @@ def _check_disk_space(
             f"need about {needed / 1e9:.1f} GB ({how})",
             "free space or point --output_dir at a larger disk",
         )
-
-
-def _check_tokenizer_fits(model: ModelArgs, model_config, tokenizer) -> None:
-    vocab = getattr(model_config.get_text_config(), "vocab_size", None)
-    if vocab is not None and len(tokenizer) > vocab:
-        raise UsageError(
-            f"--tokenizer_name {model.tokenizer_source}: {len(tokenizer)} tokens, but the model's vocabulary has "
-            f"{vocab}",
-            "use the model's own tokenizer, or a config whose vocab_size covers the tokenizer",
-        )
-
-
-def _model_facts(skeleton, model_config) -> dict:
-    """What a checkpoint must match to be resumed by this model: its type, size and parameter names and shapes."""
-    names = ",".join(f"{n}:{tuple(p.shape)}" for n, p in skeleton.named_parameters())
-    return {
-        "model_type": getattr(model_config, "model_type", None),
-        "n_params": sum(p.numel() for p in skeleton.parameters()),
-        "parameter_names": hashlib.sha256(names.encode()).hexdigest()[:16],
-    }
 
 
 def _read_json(path: Path) -> dict | None:
@@ -344,95 +271,36 @@ def _resume_point(cfg: RunConfig, ds: ResolvedDSConfig, model_facts: dict, dist:
 
 
 def resolve_run(argv: Sequence[str] | None, dist: DistInfo) -> ResolvedRun:
-    """Flags, DeepSpeed JSON, model config, tokenizer, data checks and resume point: UsageError on a mistake."""
+    """Every check before heavy work, one line per concern in the order problems are reported (UsageError, exit 2).
+    Each wing checks its own flags; what one check finds is handed on to those after it that need it."""
     cfg = parse_run_config(argv)
-    # --plan plans the cluster it names, not this launch: the layout must fit its nodes instead.
-    dist = dist if cfg.planning.plan else apply_layout(cfg.parallel, dist)
-    check_planned_layout(cfg.parallel, cfg.planning)
+    dist = place_ranks(cfg.parallel, cfg.planning, dist)
     raw_ds_config = load_ds_config(cfg.engine.config)
     model_config = load_model_config(cfg.model)
     check_model_layout(cfg.parallel, model_config)
     tokenizer = load_tokenizer(cfg.model)
-    chat = resolve_chat_data(cfg.data, tokenizer, reads_first_row=dist.rank == 0)  # one hub request, not one a rank
-    if chat is None:
-        check_data_files(cfg.data)
-    elif chat.template is not None:  # the export carries the template the model was trained with
-        tokenizer.chat_template = chat.template.text
-    isolates_documents = cfg.data.attention_isolation or chat is not None  # chat data packs whole examples, isolated
+    chat = check_data_source(cfg.data, tokenizer, reads_first_row=dist.rank == 0)  # one hub request, not one a rank
     check_push_target(cfg.checkpoint.push_to_hub, cfg.checkpoint.export_hf_at_end)
-    _check_tokenizer_fits(cfg.model, model_config, tokenizer)
-    store_block_size = _check_stores(cfg.data, cfg.model.tokenizer_source, tokenizer)
-    block_size = _block_size(cfg.data, model_config, store_block_size)
-    skeleton = meta_model(model_config, cfg.model.trust_remote_code, cfg.model.attn_implementation)
-    model_facts = {
-        **_model_facts(skeleton, model_config),
-        "adapter": describe_adapter(cfg.peft) if cfg.peft.use_peft else None,
-    }
-    if cfg.peft.use_peft:  # a LoRA checkpoint holds no base: which one it was trained on
-        model_facts["base"] = base_identity(cfg.model.model_name_or_path)
+    check_tokenizer_fits(cfg.model, model_config, tokenizer)
+    block_size = check_block_size(cfg.data, cfg.model.tokenizer_source, tokenizer, max_positions(model_config))
+    skeleton, model_facts = describe_model(cfg, model_config)
     hardware = hardware_facts()
-    ds = resolve_ds_config(
-        raw_ds_config,
-        cfg.engine,
-        cfg.optim,
-        cfg.explicit_flags,
-        dist.dp_world_size,
-        _hidden_size(model_config),
-        hardware,
-        model_facts["n_params"],
-    )
-    if not cfg.planning.plan:  # --plan covers every ZeRO option for the layout, whatever --config says
-        resolve_layout(cfg.parallel, ds, cfg.engine.config)
-    check_rampup(cfg.optim.rampup_batch_size, ds, dist.dp_world_size)
-    if cfg.nonfinite.on_nonfinite == "skip" and ds.zero_stage == 0 and ds.precision != "fp32":
-        raise UsageError(
-            f"--on_nonfinite skip: updates of ZeRO stage 0 in {ds.precision} cannot be skipped",
-            "use a ZeRO stage 1-3 config, or --on_nonfinite stop",
-        )
-    check_attention_isolation(
-        cfg.model.attn_implementation,
-        isolates_documents,
-        ds.config["train_micro_batch_size_per_gpu"],
-        cfg.optim.per_device_eval_batch_size,
-    )
-    if cfg.model.gradient_checkpointing and not getattr(skeleton, "supports_gradient_checkpointing", False):
-        raise UsageError(
-            f"--gradient_checkpointing: {type(skeleton).__name__} does not support it",
-            "drop the flag, or use ZeRO-3 / offload to save memory instead",
-        )
-    router_loss = resolve_router_loss(cfg.model, cfg.parallel, model_config, skeleton)
-    if cfg.peft.use_peft:
-        if cfg.peft.load_in_4bit:
-            check_qlora(cfg, ds, hardware)
-        check_lora(cfg.peft, skeleton, hardware.accelerator, router_loss is not None)
-    check_sequence_layout(cfg.parallel, block_size, skeleton.config._attn_implementation)
-    check_compile(
-        compile_requested(cfg.engine.torch_compile, ds.config),
-        (dist.tensor_parallel_size, dist.sequence_parallel_size, dist.pipeline_parallel_size),
-        cfg.engine.config,
-    )
-    if not cfg.planning.plan:
-        check_pipeline_model(
-            cfg.parallel.pipeline_parallel_size, model_config, skeleton.config._attn_implementation, block_size
-        )
-        check_pipeline_run(cfg.parallel, isolates_documents, ds.precision, ds.zero_stage, cfg.engine.config)
+    ds = _resolve_engine_config(cfg, raw_ds_config, dist, model_config, hardware, model_facts["n_params"])
+    isolates_documents = cfg.data.attention_isolation or chat is not None  # chat data packs whole examples, isolated
+    router_loss = check_model_features(cfg, ds, skeleton, model_config, hardware, isolates_documents)
+    attn = skeleton.config._attn_implementation
+    layout = (dist.tensor_parallel_size, dist.sequence_parallel_size, dist.pipeline_parallel_size)
+    check_sequence_layout(cfg.parallel, block_size, attn)
+    check_compile(compile_requested(cfg.engine.torch_compile, ds.config), layout, cfg.engine.config)
+    if not cfg.planning.plan:  # --plan covers every layout option, whatever this launch is
+        check_pipeline_layout(cfg.parallel, model_config, attn, block_size, isolates_documents, ds, cfg.engine.config)
+    logging_args = cfg.logging
     eval_prompts = load_eval_prompts(
-        cfg.logging.eval_prompts,
-        tokenizer,
-        cfg.logging.eval_max_new_tokens,
-        max_positions(model_config),
-        (dist.tensor_parallel_size, dist.sequence_parallel_size, dist.pipeline_parallel_size),
+        logging_args.eval_prompts, tokenizer, logging_args.eval_max_new_tokens, max_positions(model_config), layout
     )
     resume_from, resume_state, reshard, previous = _resolve_resume_point(cfg, ds, model_facts, dist)
     trained = _trained_model(cfg, skeleton, model_config)
-    if not (cfg.run.print_config or cfg.planning.plan):
-        adapter = sum(p.numel() for p in trained.parameters() if p.requires_grad) if cfg.peft.use_peft else None
-        _check_disk_space(cfg.run.output_dir, model_facts["n_params"], ds.precision, adapter, cfg.peft.merge_lora)
-    model_shape = None
-    if cfg.planning.plan:
-        from scaletrain.observability import memory_planner
-
-        model_shape = memory_planner.ModelShape.from_meta_model(skeleton, model_config)
+    _check_disk_space_for(cfg, ds, model_facts["n_params"], trained)
     return ResolvedRun(
         cfg,
         ds,
@@ -446,7 +314,7 @@ def resolve_run(argv: Sequence[str] | None, dist: DistInfo) -> ResolvedRun:
         resume_state=resume_state,
         reshard=reshard,
         flops=model_flops(trained, model_config, block_size),
-        model_shape=model_shape,
+        model_shape=_planned_model_shape(cfg, skeleton, model_config),
         previous_run_config=previous,
         router_loss=router_loss,
         eval_prompts=eval_prompts,
@@ -454,11 +322,54 @@ def resolve_run(argv: Sequence[str] | None, dist: DistInfo) -> ResolvedRun:
     )
 
 
+def _resolve_engine_config(
+    cfg: RunConfig, raw_ds_config: dict, dist: DistInfo, model_config, hardware: HardwareFacts, n_params: int
+) -> ResolvedDSConfig:
+    """The DeepSpeed JSON with every "auto" filled, and the engine-side checks that need it: the parallel layout's
+    DeepSpeed keys, the batch ramp-up, and whether a non-finite update can be skipped."""
+    ds = resolve_ds_config(
+        raw_ds_config,
+        cfg.engine,
+        cfg.optim,
+        cfg.explicit_flags,
+        dist.dp_world_size,
+        _hidden_size(model_config),
+        hardware,
+        n_params,
+    )
+    if not cfg.planning.plan:  # --plan covers every ZeRO option for the layout, whatever --config says
+        resolve_layout(cfg.parallel, ds, cfg.engine.config)
+    check_rampup(cfg.optim.rampup_batch_size, ds, dist.dp_world_size)
+    if cfg.nonfinite.on_nonfinite == "skip" and ds.zero_stage == 0 and ds.precision != "fp32":
+        raise UsageError(
+            f"--on_nonfinite skip: updates of ZeRO stage 0 in {ds.precision} cannot be skipped",
+            "use a ZeRO stage 1-3 config, or --on_nonfinite stop",
+        )
+    return ds
+
+
+def _check_disk_space_for(cfg: RunConfig, ds: ResolvedDSConfig, n_params: int, trained) -> None:
+    """A run that will save: room for one checkpoint and the export (--print_config and --plan save nothing)."""
+    if cfg.run.print_config or cfg.planning.plan:
+        return
+    adapter = sum(p.numel() for p in trained.parameters() if p.requires_grad) if cfg.peft.use_peft else None
+    _check_disk_space(cfg.run.output_dir, n_params, ds.precision, adapter, cfg.peft.merge_lora)
+
+
+def _planned_model_shape(cfg: RunConfig, skeleton, model_config):
+    """--plan: the memory planner's view of the model (observability.ModelShape); None otherwise."""
+    if not cfg.planning.plan:
+        return None
+    from scaletrain.observability import ModelShape
+
+    return ModelShape.from_meta_model(skeleton, model_config)
+
+
 def _trained_model(cfg: RunConfig, skeleton, model_config):
     """The meta model as it trains: with --use_peft, the base frozen and the adapter added (FLOPs, disk space)."""
     if not cfg.peft.use_peft:
         return skeleton
-    from scaletrain.model.lora import meta_lora_model
+    from scaletrain.model import meta_lora_model
 
     return meta_lora_model(model_config, cfg.peft, cfg.model.model_name_or_path, cfg.model.trust_remote_code)
 
@@ -491,7 +402,7 @@ def _ranges(ranks: list) -> str:
 
 
 def describe_launch(resolved: ResolvedRun, dist: DistInfo) -> None:
-    hosts = distributed.rank_hosts()
+    hosts = rank_hosts()
     placement = ", ".join(
         f"{host} (ranks {_ranges([r for r, h in enumerate(hosts) if h == host])})" for host in dict.fromkeys(hosts)
     )
@@ -521,7 +432,7 @@ def write_run_folder(resolved: ResolvedRun, extra: dict, dist: DistInfo) -> None
 
 def print_memory_plan(resolved: ResolvedRun) -> None:
     """--plan: the memory table for each ZeRO stage and offload option, and the recommended config."""
-    from scaletrain.observability import memory_planner
+    from scaletrain.observability import auto_loss_chunk, plan_memory, render_memory_plan
 
     planning, optim, engine = resolved.cfg.planning, resolved.cfg.optim, resolved.cfg.engine
     shape = resolved.model_shape  # from the meta model resolve_run built
@@ -529,8 +440,8 @@ def print_memory_plan(resolved: ResolvedRun) -> None:
     parallel = resolved.cfg.parallel
     tp, sp, pp = parallel.tensor_parallel_size, parallel.sequence_parallel_size, parallel.pipeline_parallel_size
     chunk = resolved.cfg.model.loss_chunk_size
-    loss_chunk = None if chunk == 0 else chunk or memory_planner.auto_loss_chunk(shape.vocab)
-    estimates = memory_planner.plan_memory(
+    loss_chunk = None if chunk == 0 else chunk or auto_loss_chunk(shape.vocab)
+    estimates = plan_memory(
         shape,
         planning.num_gpus,
         planning.num_nodes,
@@ -543,7 +454,7 @@ def print_memory_plan(resolved: ResolvedRun) -> None:
         loss_chunk,
     )
     print(
-        memory_planner.render(
+        render_memory_plan(
             estimates,
             shape,
             planning.num_gpus,

@@ -12,30 +12,78 @@ from pathlib import Path
 from typing import Any
 from collections.abc import Sequence
 
-from scaletrain.distributed import agreement
-from scaletrain.checkpoint import core as checkpoint
-from scaletrain.distributed import world as distributed
-from scaletrain.engine import initialize as engine_lib
-from scaletrain.model import lora
-from scaletrain.model import build as model_lib
-from scaletrain.model import moe
-from scaletrain.distributed import pipeline
-from scaletrain.checkpoint import publish
-from scaletrain.model import qlora
-from scaletrain.distributed import sequence_parallel
-from scaletrain.data import preparation as store_prep
-from scaletrain.data import token_store as tokenstore
-from scaletrain.data import chat_store
-from scaletrain.data import packing
-from scaletrain.data.blocks import EvalBatches, MixedBlocks, PackedBlocks, eval_batches
-from scaletrain.config.core import VALIDATION_SPLIT, eval_metric_prefix
-from scaletrain.errors import NonFiniteStop, RunEnded, UsageError
-from scaletrain.distributed.world import DistInfo
+from scaletrain.checkpoint import (
+    checkpoint_parameters,
+    clear_previous_run,
+    committed_step,
+    complete_export,
+    ensure_universal,
+    export_hf_model,
+    load_checkpoint,
+    newest_committed,
+    offload_setting,
+    planned_checkpoint_bytes,
+    push_to_hub,
+    reply_end_ids,
+    RUN_FILES,
+    save_checkpoint,
+    verified_resume_checkpoint,
+)
+from scaletrain.data import (
+    attach_masks,
+    BatchRamp,
+    describe_data,
+    ensure_token_store,
+    GlobalOrder,
+    open_store,
+    PackedBlocks,
+    StepBatches,
+    store_plan,
+    training_blocks,
+    validation_sets,
+)
+from scaletrain.distributed import (
+    barrier,
+    broadcast_from_main,
+    build_pipeline_module,
+    communication_threads,
+    DistInfo,
+    init_distributed,
+    preflight_facts,
+    register_ulysses,
+    sequence_shard,
+    settle,
+    store_facts,
+    teardown_distributed,
+    use_shm_allreduce,
+)
+from scaletrain.engine import (
+    build_engine,
+    compile_engine,
+    compile_requested,
+    describe_schedule_change,
+    LRSchedule,
+    release_engine,
+    restart_schedule,
+    restore_weight_decay,
+    SkipSwitch,
+    warmup_steps_for,
+)
+from scaletrain.model import apply_lora, base_identity, build_model, build_qlora_model, mark_leaf_modules, merged_dir
+from scaletrain.errors import NonFiniteStop, RunEnded
 from scaletrain.logs import silence_library_logs
-from scaletrain.train.loop import LoopHooks, LoopSettings, PipelineStep, evaluate_sets, train_loop
-from scaletrain.observability.flops import peak_tflops
-from scaletrain.observability.eval_prompts import generate_samples
-from scaletrain.observability.metrics import MetricsLogger, StepProfiler, ThroughputModel
+from scaletrain.train import (
+    evaluate_sets,
+    LoopHooks,
+    LoopSettings,
+    NonFiniteGuard,
+    NonFinitePolicy,
+    PipelineStep,
+    PreemptionFlag,
+    train_loop,
+    TrainState,
+)
+from scaletrain.observability import generate_samples, MetricsLogger, peak_tflops, StepProfiler, ThroughputModel
 from scaletrain.preflight import (
     RUN_CONFIG_FILE,
     ResolvedRun,
@@ -47,12 +95,6 @@ from scaletrain.preflight import (
     resume_elsewhere,
     write_run_folder,
 )
-from scaletrain.data.sampling import BatchRamp, GlobalOrder, StepBatches
-from scaletrain.engine.schedules import LRSchedule, describe_schedule_change, restart_schedule, warmup_steps_for
-from scaletrain.train.preemption import PreemptionFlag
-from scaletrain.train.nonfinite import NonFiniteGuard, NonFinitePolicy
-from scaletrain.engine.ds_internals import SkipSwitch
-from scaletrain.train.state import TrainState
 
 log = logging.getLogger(__name__)
 
@@ -102,7 +144,7 @@ class Run:
         self.state.sequence_parallel_size = self.dist.sequence_parallel_size
         self.state.pipeline_parallel_size = self.dist.pipeline_parallel_size
         self.state.zero_stage = self.resolved.ds.zero_stage
-        self.state.offload = checkpoint.offload_setting(self.resolved.ds)
+        self.state.offload = offload_setting(self.resolved.ds)
 
     def print_config(self) -> None:
         print_config(self.resolved, self.dist)
@@ -112,30 +154,30 @@ class Run:
 
     def init_distributed(self) -> None:
         """The process group, then every rank's pre-flight verdict: a rank whose pre-flight failed joins too
-        (agreement.stop_with_the_others), so its mistake stops every rank here; the ranks also compare the resume
+        (distributed.stop_with_the_others), so its mistake stops every rank here; the ranks also compare the resume
         checkpoint, tokenizer and run configuration each found, before any rank acts on them."""
-        self.dist = distributed.init_distributed(self.dist)
-        agreement.settle(self.dist, facts=agreement.preflight_facts(self.resolved))
+        self.dist = init_distributed(self.dist)
+        settle(self.dist, facts=preflight_facts(self.resolved))
         if self.cfg.engine.cpu_shm_allreduce:  # after the rendezvous: every rank decides on the same facts
-            self._shm_allreduce = distributed.use_shm_allreduce(self.dist)
+            self._shm_allreduce = use_shm_allreduce(self.dist)
         describe_launch(self.resolved, self.dist)
         seed_everything(self.cfg.optim.seed)
 
     def build_model(self) -> None:
         if self.cfg.peft.load_in_4bit:  # QLoRA: the base in 4 bits on this rank's GPU, then LoRA as below
-            self.model, self._zero3_keepalive = qlora.build_model(
+            self.model, self._zero3_keepalive = build_qlora_model(
                 self.cfg.model, self.resolved.model_config, self.resolved.ds
             )
         else:
-            self.model, self._zero3_keepalive = model_lib.build_model(
+            self.model, self._zero3_keepalive = build_model(
                 self.cfg.model, self.resolved.model_config, self.resolved.ds.config, self.resolved.ds.zero_stage
             )
         if self.cfg.peft.use_peft:  # LoRA: peft wraps the built (ZeRO-3: partitioned) model; only the adapter trains
-            self.model = lora.apply_lora(self.model, self.cfg.peft)
+            self.model = apply_lora(self.model, self.cfg.peft)
         if self.resolved.ds.zero_stage == 3:  # before deepspeed.initialize, which installs the gather hooks
-            moe.mark_leaf_modules(self.model, self.resolved.model_config)
+            mark_leaf_modules(self.model, self.resolved.model_config)
         if self.dist.sequence_parallel_size > 1:
-            sequence_parallel.register_ulysses(
+            register_ulysses(
                 self.model,
                 self.dist.sequence_parallel_size,
                 self.resolved.ds.config["train_micro_batch_size_per_gpu"],
@@ -143,7 +185,7 @@ class Run:
                 self.cfg.data.attention_isolation or self.resolved.chat is not None,
             )
         if self.dist.pipeline_parallel_size > 1:  # this rank keeps its stage's layers of the model it built
-            self.model, self.pipeline_loss = pipeline.build_pipeline_module(
+            self.model, self.pipeline_loss = build_pipeline_module(
                 self.model, self.dist.pipeline_parallel_size, self.cfg.parallel.pipeline_partition
             )
 
@@ -156,7 +198,7 @@ class Run:
             self.prepare_data()
         except RunEnded as err:
             error = err
-        agreement.settle(self.dist, error, None if error else agreement.store_facts(self.stores))
+        settle(self.dist, error, None if error else store_facts(self.stores))
 
     def prepare_resume(self) -> None:
         """The checkpoint's files checked against their SHA-256 by every rank (a share each) before anything reads
@@ -166,20 +208,20 @@ class Run:
         chosen = self.resolved.resume_from
         if chosen is None:
             return
-        verified = checkpoint.verified_resume_checkpoint(
+        verified = verified_resume_checkpoint(
             chosen, self.cfg.checkpoint.resume_from_checkpoint == "auto", self.dist.rank, self.dist.world_size
         )
         if verified != chosen:
             self.resolved = resume_elsewhere(self.resolved, verified)
         if self.resolved.reshard:
-            checkpoint.ensure_universal(self.resolved.resume_from, self.dist.rank)
+            ensure_universal(self.resolved.resume_from, self.dist.rank)
 
     def prepare_data(self) -> None:
         """Token stores: --data_path or --dataset_mix as given, or raw data prepared once (local rank 0 of each
         node prepares; the others wait on the file system, with a way out if it fails or dies)."""
         paths = [Path(p) for p in self.cfg.data.store_paths]
         if not paths:
-            chat = self.resolved.chat and chat_store.store_plan(  # chat data: tokens and a loss mask
+            chat = self.resolved.chat and store_plan(  # chat data: tokens and a loss mask
                 self.cfg.data,
                 self.resolved.tokenizer,
                 self.resolved.block_size,
@@ -187,7 +229,7 @@ class Run:
                 show_progress=self.dist.is_main,
             )
             paths = [
-                store_prep.ensure_token_store(
+                ensure_token_store(
                     self.cfg.data,
                     self.resolved.tokenizer,
                     self.cfg.model.tokenizer_source,
@@ -198,24 +240,15 @@ class Run:
                     **(chat or {}),
                 )
             ]
-        self.stores = [tokenstore.open_store(p) for p in paths]
-        self.stores = [chat_store.attach_masks(s, p) for s, p in zip(self.stores, paths, strict=True)]  # chat data
+        self.stores = [open_store(p) for p in paths]
+        self.stores = [attach_masks(s, p) for s, p in zip(self.stores, paths, strict=True)]  # chat data
         log.info("token store(s): %s", ", ".join(map(str, paths)))
 
     def build_data(self) -> None:
         """Packed blocks from the stores, this rank's view of the global order, the LR schedule's length and the
         fixed evaluation set."""
         data, optim, dist, size = self.cfg.data, self.cfg.optim, self.dist, self.resolved.block_size
-        train = [packing.blocks_for(s, "train", size, data) for s in self.stores]  # chat data: whole examples
-        if any(t is None for t in train):
-            raise UsageError(
-                f"{data.data_path or data.dataset_mix or data.train_data_file or data.dataset_name}: "
-                "no training tokens",
-                "give data with at least one non-empty document",
-            )
-        self.train_blocks = MixedBlocks(train, [w for _, w in data.mix], optim.seed) if data.mix else train[0]
-        if data.print_samples and isinstance(train[0], packing.PackedExamples):
-            packing.print_samples(train[0], data.print_samples, self.resolved.tokenizer)
+        self.train_blocks = training_blocks(self.stores, data, size, optim.seed, self.resolved.tokenizer)
         # Batch sizes as DeepSpeed will use them: an explicit JSON value stands where the flag was not typed.
         micro = self.resolved.ds.config["train_micro_batch_size_per_gpu"]
         accumulation = self.resolved.ds.config["gradient_accumulation_steps"]
@@ -250,63 +283,25 @@ class Run:
         )
         if changed and dist.is_main:  # every rank computes the same: say it once
             log.warning(changed)
-        self.eval_sets = self.validation_sets()
-        b = self.train_blocks
-        log.info(
-            "data: %d documents, %d tokens -> %d blocks of %d (last block %d real tokens, padded; none "
-            "dropped); global batch %d blocks = %d micro x %d accumulation x %d ranks; %d steps/epoch, "
-            "%d steps",
-            b.n_documents,
-            b.n_tokens,
-            len(b),
-            b.block_size,
-            b.last_block_length,
-            self.order.global_batch,
-            micro,
-            accumulation,
+        self.eval_sets = validation_sets(
+            self.stores,
+            data,
+            size,
+            optim.per_device_eval_batch_size,
+            dist.dp_rank,
             dist.dp_world_size,
-            self.order.steps_per_epoch,
-            total,
+            self.cfg.logging.max_eval_samples,
         )
+        log.info(describe_data(self.train_blocks, self.order, micro, accumulation, dist.dp_world_size, total))
         if ramp:
             stages = self.order.stages
             log.info("batch ramp-up: %s", ", ".join(f"{s.global_batch} from step {s.start_step}" for s in stages))
-
-    def validation_sets(self) -> dict:
-        """{validation split: EvalBatches}: each set's blocks, the same fixed set on every run (each rank the same
-        number of batches). A set that several stores hold (a --dataset_mix) is one set: their blocks in turn."""
-        data, dist, size = self.cfg.data, self.dist, self.resolved.block_size
-        splits = dict.fromkeys(name for s in self.stores for name in s["splits"] if name.startswith(VALIDATION_SPLIT))
-        sets = {}
-        for split in splits:
-            parts = [packing.blocks_for(s, split, size, data) for s in self.stores if split in s["splits"]]
-            batches = EvalBatches.chain(
-                [
-                    eval_batches(
-                        blocks,
-                        self.cfg.optim.per_device_eval_batch_size,
-                        dist.dp_rank,
-                        dist.dp_world_size,
-                        self.cfg.logging.max_eval_samples,
-                    )
-                    for blocks in parts
-                    if blocks is not None
-                ]
-            )
-            if batches:
-                sets[split] = batches
-        if len(sets) > 1 or set(sets) - {VALIDATION_SPLIT}:
-            log.info(
-                "evaluation sets: %s",
-                ", ".join(f"{eval_metric_prefix(split)}loss ({len(b)} batches per rank)" for split, b in sets.items()),
-            )
-        return sets
 
     def write_run_folder(self) -> None:
         if self.cfg.run.dry_run:
             return  # a dry run leaves the output folder as it was
         if self.resolved.resume_from is None and self.cfg.run.overwrite_output_dir and self.dist.is_main:
-            checkpoint.clear_previous_run(self.cfg.run.output_dir)  # an explicit fresh start in a used folder
+            clear_previous_run(self.cfg.run.output_dir)  # an explicit fresh start in a used folder
         write_run_folder(
             self.resolved,
             {
@@ -317,10 +312,10 @@ class Run:
             },
             self.dist,
         )
-        distributed.barrier()  # the folder exists before any rank writes into it
+        barrier()  # the folder exists before any rank writes into it
 
     def build_engine(self) -> None:
-        self.engine = engine_lib.build_engine(
+        self.engine = build_engine(
             self.model,
             self.resolved.ds.config,
             self.cfg.optim.weight_decay,
@@ -330,14 +325,14 @@ class Run:
         if self.pipeline_loss is not None:
             self.pipeline_step = PipelineStep(self.engine, self.pipeline_loss)
         else:  # after deepspeed.initialize (tensor parallelism may replace the head), before compile
-            from scaletrain.model.chunked_loss import install_chunked_loss
+            from scaletrain.model import install_chunked_loss
 
             install_chunked_loss(self.engine.module, self.cfg.model.loss_chunk_size)
         engine_args = self.cfg.engine
-        if engine_lib.compile_requested(engine_args.torch_compile, self.resolved.ds.config):
-            engine_lib.compile_engine(self.engine, engine_args.torch_compile_backend, engine_args.torch_compile_mode)
+        if compile_requested(engine_args.torch_compile, self.resolved.ds.config):
+            compile_engine(self.engine, engine_args.torch_compile_backend, engine_args.torch_compile_mode)
         if self.cfg.logging.comms_log:  # from here on: the engine's start-up broadcasts are not training's
-            from scaletrain.observability.comms_log import CommLog
+            from scaletrain.observability import CommLog
 
             self.comm_log = CommLog()
         # From here a SIGUSR1/SIGTERM becomes a checkpoint at the next step boundary instead of a lost run.
@@ -346,11 +341,11 @@ class Run:
     def resume(self) -> None:
         """Restore the newest committed checkpoint (or the one asked for); every rank loads its own shards."""
         if self.resolved.resume_from is not None:
-            checkpoint.load_checkpoint(
+            load_checkpoint(
                 self.engine, self.resolved.resume_from, self.state, self.dist.rank, universal=self.resolved.reshard
             )
             if self.resolved.reshard:
-                engine_lib.restore_weight_decay(self.engine, self.cfg.optim.weight_decay)
+                restore_weight_decay(self.engine, self.cfg.optim.weight_decay)
             # The checkpoint restored the saving run's peak LR and next LR; this run's flags decide from here on.
             restart_schedule(self.engine.lr_scheduler, self.schedule, peak_lr(self.resolved.ds))
             self._record_layout()
@@ -368,12 +363,12 @@ class Run:
 
     def save(self) -> Path:
         facts, adapter_only = self.resolved.model_facts, self.cfg.peft.use_peft  # LoRA: the base is not saved
-        n_params, n_tensors = checkpoint.checkpoint_parameters(self.engine.module, adapter_only)
+        n_params, n_tensors = checkpoint_parameters(self.engine.module, adapter_only)
         if not adapter_only:
             n_params = self.resolved.n_params  # the whole model (a pipeline stage's module holds its layers alone)
         if facts and facts.get("base") and facts["base"]["weights"] is None:  # a hub base first downloaded by this run
-            facts["base"] = lora.base_identity(facts["base"]["source"])
-        planned = checkpoint.planned_checkpoint_bytes(
+            facts["base"] = base_identity(facts["base"]["source"])
+        planned = planned_checkpoint_bytes(
             n_params,
             self.resolved.ds.precision,
             self.resolved.ds.zero_stage,
@@ -381,7 +376,7 @@ class Run:
             n_tensors,
             self.dist.world_size,
         )
-        return checkpoint.save_checkpoint(
+        return save_checkpoint(
             self.engine,
             self.cfg.run.output_dir,
             self.state,
@@ -426,7 +421,7 @@ class Run:
         )
         shard = None
         if self.dist.sequence_parallel_size > 1:  # each rank of a sequence-parallel group keeps its part of a block
-            shard = partial(sequence_parallel.shard, sp_rank=self.dist.sp_rank, sp=self.dist.sequence_parallel_size)
+            shard = partial(sequence_shard, sp_rank=self.dist.sp_rank, sp=self.dist.sequence_parallel_size)
         batches = StepBatches(self.train_blocks, self.order, self.dist.dp_rank, shard)
         policy = NonFinitePolicy.from_args(self.cfg.nonfinite, fp16=self.resolved.ds.precision == "fp16")
         self.guard = NonFiniteGuard(policy, self.state, self.cfg.run.output_dir, self.dist.is_main, write_files=not dry)
@@ -452,7 +447,7 @@ class Run:
             self.engine,
             self.resolved.eval_prompts,
             tokenizer,
-            publish.reply_end_ids(tokenizer),
+            reply_end_ids(tokenizer),
             synced=self.dist.world_size > 1,
         )
         self.metrics.log_generations(step, rows)
@@ -461,9 +456,7 @@ class Run:
         """--max_consecutive_skips reached: back to the newest committed checkpoint, the data past the streak."""
         state = self.state
         # Chosen once, by rank 0: ranks scanning a shared folder at different moments could load different steps.
-        newest = distributed.broadcast_from_main(
-            checkpoint.newest_committed(self.cfg.run.output_dir) if self.dist.is_main else None
-        )
+        newest = broadcast_from_main(newest_committed(self.cfg.run.output_dir) if self.dist.is_main else None)
         if newest is None:
             raise NonFiniteStop(
                 f"step {state.step}: {state.consecutive_skips} updates skipped in a row and no "
@@ -474,9 +467,9 @@ class Run:
         data_step, position, from_step = state.step + state.data_offset, state.samples_seen, state.step
         # A checkpoint from another rank count (this run's resharded start) loads through its universal form.
         universal = self.resolved.reshard and newest == self.resolved.resume_from
-        checkpoint.load_checkpoint(self.engine, newest, state, self.dist.rank, universal=universal)
+        load_checkpoint(self.engine, newest, state, self.dist.rank, universal=universal)
         if universal:
-            engine_lib.restore_weight_decay(self.engine, self.cfg.optim.weight_decay)
+            restore_weight_decay(self.engine, self.cfg.optim.weight_decay)
         restart_schedule(self.engine.lr_scheduler, self.schedule, peak_lr(self.resolved.ds))  # as in resume()
         self._record_layout()
         state.data_offset = data_step - state.step  # the next step trains on the batch after the streak
@@ -523,13 +516,11 @@ class Run:
         if self.resolved.eval_prompts:
             self.generate_samples(self.state.step)
         # Decided once, by rank 0: ranks that disagreed about entering the collective save would hang in it.
-        newest = distributed.broadcast_from_main(
-            checkpoint.newest_committed(self.cfg.run.output_dir) if self.dist.is_main else None
-        )
-        if self.cfg.checkpoint.save_at_end and (newest is None or checkpoint.committed_step(newest) != self.state.step):
+        newest = broadcast_from_main(newest_committed(self.cfg.run.output_dir) if self.dist.is_main else None)
+        if self.cfg.checkpoint.save_at_end and (newest is None or committed_step(newest) != self.state.step):
             self.save()
         if self.cfg.checkpoint.export_hf_at_end:
-            checkpoint.export_hf_model(
+            export_hf_model(
                 self.engine,
                 self.resolved.tokenizer,
                 self.cfg.run.output_dir,
@@ -540,8 +531,8 @@ class Run:
             if self.dist.is_main:  # generation config and model card: the folder is complete and publishable
                 run_config = json.loads((Path(self.cfg.run.output_dir) / RUN_CONFIG_FILE).read_text())
                 out = self.cfg.run.output_dir
-                for folder in (out, *([lora.merged_dir(out)] if self.cfg.peft.merge_lora else [])):
-                    publish.complete_export(
+                for folder in (out, *([merged_dir(out)] if self.cfg.peft.merge_lora else [])):
+                    complete_export(
                         folder, self.resolved.tokenizer, self.resolved.model_config, run_config, self.metrics.latest
                     )
         if self.comm_log is not None:
@@ -560,9 +551,9 @@ class Run:
             return 0
         out = self.cfg.run.output_dir
         try:
-            publish.push_to_hub(out, repo, private=self.cfg.checkpoint.hub_private_repo)
+            push_to_hub(out, repo, private=self.cfg.checkpoint.hub_private_repo)
         except Exception as err:
-            excludes = " ".join(f"--exclude '{p}'" for p in publish.RUN_FILES)
+            excludes = " ".join(f"--exclude '{p}'" for p in RUN_FILES)
             print(
                 f"train.py: push failed: --push_to_hub {repo}: {type(err).__name__}: {str(err).splitlines()[0]}; "
                 f"the trained model in {out} is complete; push it again with: hf upload {repo} {out} {excludes}",
@@ -592,12 +583,12 @@ class Run:
         # a finished run (SIGABRT, "terminate called without an active exception"). Free them here instead.
         if self.engine is not None:
             try:
-                engine_lib.release_engine(self.engine)
+                release_engine(self.engine)
             except Exception as err:  # never hide the error that brought us here, nor skip the teardown
                 log.warning("could not release the DeepSpeed engine cleanly: %s", err)
         self.engine = self.model = self._zero3_keepalive = self.guard = self.pipeline_step = None
-        distributed.teardown_distributed(self.dist.rank)
-        lingering = distributed.communication_threads()
+        teardown_distributed(self.dist.rank)
+        lingering = communication_threads()
         if lingering:
             log.warning(
                 "%d communication threads outlive the process group: something still holds it, and the "

@@ -22,14 +22,15 @@ Figures:
   is stopped and reported as such.
 - steady tokens/s: whole blocks per step (batch x ranks x block) between the end of step --warmup and the last
   step, over the wall-clock time between them (train.py: the `time` stamps of its metrics.jsonl, every
-  --logging_steps; HF: a callback's stamp at every step end), as scripts/bench_overhead.py computes it. Each side
+  --logging_steps; HF: a callback's stamp at every step end), as scripts/bench/overhead.py computes it. Each side
   also reports the input tokens and target labels it trained per step; the run fails unless they agree (the
   targets up to train.py's padding: it pads an epoch's last partial block, which group_texts drops).
 
     python scripts/compare_hf_trainer.py --measure memory       # 1 rank, hidden 64, 2 layers, vocab 128,256,
                                                                 # 4 x 2048 tokens per step, 6 steps
     python scripts/compare_hf_trainer.py --measure throughput   # 2 ranks, the 5.0M-parameter Llama of
-                                                                # bench_overhead.py, 4 x 256 tokens per rank, 60 steps
+                                                                # scripts/bench/overhead.py, 4 x 256 tokens per rank,
+                                                                # 60 steps
     python scripts/compare_hf_trainer.py --measure both --json figures.json
 
 One round of --measure memory takes about 5 minutes on 2 cores (two runs of ~13 GiB: 4 x 2048 x 128,256 fp32
@@ -61,7 +62,7 @@ sys.path.insert(0, str(REPO))
 
 from data.build_tiny_llama import tiny_llama_variant  # noqa: E402
 from scaletrain.distributed.world import free_port  # noqa: E402
-from scripts.bench_overhead import BIN, bench_model, steady_rate  # noqa: E402
+from scripts.bench.common import BIN, bench_model, steady_rate  # noqa: E402
 
 TINY_VOCAB = 4096  # data/tiny-llama's tokenizer; a larger model vocabulary simply has unused rows
 # Per-measure defaults (issue 13's two targets); any flag typed on the command line overrides them.
@@ -105,7 +106,7 @@ class RunFailed(Exception):
 
 def model_shape(s: argparse.Namespace) -> dict:
     """Config values of the model: data/tiny-llama's (4 heads, 2 key/value heads; --heads, --kv_heads) widened to
-    --hidden_size, MLP width 8/3 x hidden rounded to a multiple of 16 (688 at 256: bench_overhead.py's Llama)."""
+    --hidden_size, MLP width 8/3 x hidden rounded to a multiple of 16 (688 at 256: bench/overhead.py's Llama)."""
     return dict(
         hidden_size=s.hidden_size,
         intermediate_size=round(s.hidden_size * 8 / 3 / 16) * 16,

@@ -20,8 +20,11 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from scaletrain.checkpoint.core import committed_step, export_pipeline_checkpoint, read_train_state, verify  # noqa: E402
-from scaletrain.config.core import DEFAULT_MODEL_DIR, UsageError  # noqa: E402
+from scaletrain.checkpoint.commit import committed_step, verify  # noqa: E402
+from scaletrain.checkpoint.export import export_pipeline_checkpoint  # noqa: E402
+from scaletrain.checkpoint.resume import read_train_state  # noqa: E402
+from scaletrain.config.slices import DEFAULT_MODEL_DIR  # noqa: E402
+from scaletrain.errors import UsageError  # noqa: E402
 from scaletrain.model.lora import merged_dir, peft_args_of  # noqa: E402
 from scaletrain.observability.metrics import METRICS_FILE, read_records  # noqa: E402
 from scaletrain.checkpoint.publish import check_push_target, push_to_hub, write_generation_config, write_model_card  # noqa: E402

@@ -21,7 +21,8 @@ from pathlib import Path
 REPO_ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO_ROOT))
 
-from scaletrain.config import RunConfig, build_parser  # noqa: E402
+from scaletrain.config.run_config import RunConfig  # noqa: E402
+from scaletrain.config.cli import build_parser  # noqa: E402
 
 FLAGS_MD = REPO_ROOT / "docs" / "flags.md"
 REGENERATE = "python scripts/flags_reference.py"
@@ -44,9 +45,7 @@ it came from. The checks run on these values are in [Configuration](configuratio
 def slices() -> list:
     """[(slice name, its dataclass)], in RunConfig's order (the order of --help and --print_config)."""
     hints = typing.get_type_hints(RunConfig)
-    return [
-        (f.name, hints[f.name]) for f in dataclasses.fields(RunConfig) if dataclasses.is_dataclass(hints[f.name])
-    ]
+    return [(f.name, hints[f.name]) for f in dataclasses.fields(RunConfig) if dataclasses.is_dataclass(hints[f.name])]
 
 
 def spellings() -> dict:
@@ -61,7 +60,8 @@ def spellings() -> dict:
 
 def _cell(text: str) -> str:
     """Text for one Markdown table cell."""
-    return " ".join(str(text).split()).replace("|", "\\|")
+    text = " ".join(str(text).split()).replace("|", "\\|")
+    return text.replace("<", "&lt;").replace(">", "&gt;")  # <output_dir> would read as an HTML tag
 
 
 def _hint(owner: type, f: dataclasses.Field):

@@ -59,7 +59,7 @@ sys.path.insert(0, str(REPO))
 
 from scaletrain.distributed.world import free_port  # noqa: E402
 from scripts.compare_hf_trainer import build_model, common_env, model_shape, n_parameters  # noqa: E402
-from scripts.bench_overhead import BIN  # noqa: E402
+from scripts.bench.common import BIN  # noqa: E402
 
 LOSS_RTOL = 2e-2  # bf16 against fp32 over the first steps: bf16 rounds to ~3 significant digits
 MEMORY_MARGIN = 0.25  # the plan's working memory is an estimate; allocator slack and buffers come on top

@@ -157,7 +157,7 @@ UNIVERSAL_WAIT = """
 import os, sys, time
 from pathlib import Path
 import deepspeed
-from scaletrain.checkpoint.core import ensure_universal
+from scaletrain.checkpoint.resume import ensure_universal
 deepspeed.init_distributed(dist_backend="gloo", auto_mpi_discovery=False)
 started = time.monotonic()
 try:

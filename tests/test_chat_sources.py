@@ -24,7 +24,7 @@ from transformers import AutoTokenizer
 
 from scaletrain.data.blocks import IGNORE_INDEX, MixedBlocks
 from scaletrain.data.chat_store import attach_masks, prepare_chat_store, resolve_chat_data
-from scaletrain.config.core import parse_run_config
+from scaletrain.config.cli import parse_run_config
 from scaletrain.errors import UsageError
 from scaletrain.data.packing import blocks_for
 from scaletrain.data.token_store import open_store

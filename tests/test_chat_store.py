@@ -19,7 +19,7 @@ from transformers import AutoTokenizer
 
 from scaletrain.data.blocks import EMPTY_SLOT, IGNORE_INDEX
 from scaletrain.data.chat_store import attach_masks, chat_fingerprint, prepare_chat_store, resolve_chat_data
-from scaletrain.config.core import parse_run_config
+from scaletrain.config.cli import parse_run_config
 from scaletrain.errors import UsageError
 from scaletrain.data.packing import best_fit_decreasing, blocks_for, pack_examples, print_samples
 from scaletrain.data.preparation import default_store_path

@@ -181,7 +181,7 @@ def test_sigkill_one_rank_then_restart_resumes_exactly(ds_config, tmp_path, cach
 
 def test_sigkill_during_a_save_resumes_from_the_previous_checkpoint(tmp_path, cache_dir):
     from data.build_tiny_llama import tiny_llama_variant
-    from scaletrain.checkpoint.core import verify
+    from scaletrain.checkpoint.commit import verify
 
     # A wider model (17M parameters, 270 MB of checkpoint) so that a save lasts long enough to be killed inside.
     model = tiny_llama_variant(tmp_path / "model", hidden_size=512, intermediate_size=1408, head_dim=128)
@@ -325,7 +325,7 @@ def small_disk(tmp_path):
 
 
 def test_a_full_disk_stops_the_save_cleanly_and_keeps_the_previous_checkpoint(small_disk, cache_dir):
-    from scaletrain.checkpoint.core import verify
+    from scaletrain.checkpoint.commit import verify
 
     run_dir = small_disk / "run"
     proc = launch(

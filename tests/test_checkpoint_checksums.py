@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from scaletrain.checkpoint.core import (
+from scaletrain.checkpoint.commit import (
     checksum_shares,
     describe_write_failure,
     find_damage,
@@ -94,7 +94,7 @@ def test_a_damaged_auto_checkpoint_falls_back_and_is_never_picked_again(tmp_path
     assert verified_resume_checkpoint(newest, auto=True, rank=0, world_size=1) == older
     assert not newest.exists() and (root / "damaged-step16" / "model.pt").is_file()  # kept, under another name
     assert (root / "latest").read_text().strip() == "step8"
-    from scaletrain.checkpoint.core import newest_committed
+    from scaletrain.checkpoint.commit import newest_committed
 
     assert newest_committed(str(tmp_path)) == older  # a later auto resume skips it without hashing anything
 

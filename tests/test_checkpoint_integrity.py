@@ -63,7 +63,7 @@ def test_a_damaged_checkpoint_falls_back_to_the_previous_one_on_every_rank(one_r
     assert f"resumed from {ckpts / f'step{SAVE_EVERY}'} (step {SAVE_EVERY}," in proc.stdout
     # Marked, so that a later auto resume never picks it again; the run then committed a new step 16.
     assert (ckpts / f"damaged-step{STEPS}" / damaged.name).is_file()
-    from scaletrain.checkpoint.core import verify
+    from scaletrain.checkpoint.commit import verify
 
     assert verify(ckpts / f"step{STEPS}") is None
     losses, expected = step_losses(run_dir), step_losses(one_rank_run)
@@ -130,7 +130,7 @@ def test_a_disk_that_fills_during_a_save_stops_every_rank_and_keeps_the_previous
     """The space check before the step-8 save passes (the disk holds as many bytes as step 4's files), but tmpfs
     gives whole pages, so the write runs out in the middle: torch's writer raises (a RuntimeError) on one rank or
     both, and the commit may fail on rank 0 alone. Every rank must stop with one message naming step 4."""
-    from scaletrain.checkpoint.core import verify
+    from scaletrain.checkpoint.commit import verify
 
     with small_tmpfs(tmp_path / "disk", "80m") as disk:
         run_dir = disk / "run"

@@ -19,7 +19,7 @@ from scaletrain.model.chunked_loss import (
     chunked_token_loss,
     install_chunked_loss,
 )
-from scaletrain.config.core import parse_run_config
+from scaletrain.config.cli import parse_run_config
 from scaletrain.errors import UsageError
 from scaletrain.observability.memory_planner import activation_bytes, auto_loss_chunk
 from tests.conftest import REPO, check_ok, launch, layout_flags, read_metrics

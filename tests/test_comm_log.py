@@ -2,7 +2,7 @@
 
 Real collectives on 2 gloo ranks: a known sequence whose per-op logged latencies must add up to (at most) its
 wall-clock time, and DeepSpeed's own figures checked to still be running totals (when an upgrade fixes that, the
-correction in scaletrain/engine/ds_internals.py must go, and this fails). Then train.py --comms_log end to end.
+correction in scaletrain/engine/ds_internals/comm.py must go, and this fails). Then train.py --comms_log end to end.
 """
 
 from __future__ import annotations
@@ -137,7 +137,7 @@ def test_comms_log_reports_each_window_and_a_summary(tmp_path, cache_dir):
 
 
 def test_without_the_flag_nothing_is_logged(tmp_path):
-    from scaletrain.config.core import parse_run_config
+    from scaletrain.config.cli import parse_run_config
 
     assert not parse_run_config([]).logging.comms_log
     assert parse_run_config(["--comms_log"]).logging.comms_log

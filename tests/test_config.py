@@ -4,7 +4,9 @@ import json
 
 import pytest
 
-from scaletrain.config.core import DEFAULT_MODEL_DIR, DEFAULT_TRAIN_FILE, UsageError, parse_run_config
+from scaletrain.config.slices import DEFAULT_MODEL_DIR, DEFAULT_TRAIN_FILE
+from scaletrain.errors import UsageError
+from scaletrain.config.cli import parse_run_config
 
 ZERO3 = ["--config", "ds_configs/zero3.json"]
 

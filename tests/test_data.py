@@ -10,7 +10,9 @@ import torch
 from transformers import AutoTokenizer
 
 from scaletrain.data.blocks import EMPTY_SLOT, IGNORE_INDEX, MixedBlocks, PackedBlocks, blocks_from_store, eval_batches
-from scaletrain.config.core import UsageError, parse_dataset_mix, parse_run_config
+from scaletrain.errors import UsageError
+from scaletrain.config.values import parse_dataset_mix
+from scaletrain.config.cli import parse_run_config
 from scaletrain.data.sampling import GlobalOrder, StepBatches
 from scaletrain.data.preparation import prepare_token_store, store_fingerprint
 from scaletrain.data.token_store import open_store

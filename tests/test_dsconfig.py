@@ -4,7 +4,8 @@ import json
 
 import pytest
 
-from scaletrain.config.core import UsageError, parse_run_config
+from scaletrain.errors import UsageError
+from scaletrain.config.cli import parse_run_config
 from scaletrain.config.deepspeed_json import HardwareFacts, load_ds_config, resolve_ds_config
 from tests.conftest import REPO
 

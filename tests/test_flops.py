@@ -57,7 +57,7 @@ def test_lora_flops_per_token_match_a_counted_training_step():
     from torch.utils.flop_counter import FlopCounterMode
     from transformers import AutoModelForCausalLM
 
-    from scaletrain.config.core import PeftArgs
+    from scaletrain.config.slices import PeftArgs
     from scaletrain.model.lora import apply_lora, meta_lora_model
 
     config = AutoConfig.from_pretrained(REPO / "data" / "tiny-llama")

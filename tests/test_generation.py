@@ -9,7 +9,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from scaletrain.config.core import DEFAULT_MODEL_DIR
+from scaletrain.config.slices import DEFAULT_MODEL_DIR
 from scaletrain.errors import UsageError
 from scaletrain.observability.eval_prompts import load_eval_prompts
 from tests.conftest import FAST_FLAGS, check_ok, launch, read_metrics, REPO

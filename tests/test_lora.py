@@ -140,10 +140,10 @@ def fake_checkpoint(run_dir: Path, base: Path, adapter, base_identity: dict | No
     from transformers import AutoConfig
 
     from scaletrain.model.build import meta_model
-    from scaletrain.preflight import _model_facts
+    from scaletrain.model.checks import model_facts
 
     config = AutoConfig.from_pretrained(base)
-    facts = {**_model_facts(meta_model(config, False), config), "adapter": adapter}
+    facts = {**model_facts(meta_model(config, False), config), "adapter": adapter}
     if base_identity is not None:
         facts["base"] = base_identity
     ckpt = run_dir / "checkpoints" / "step4"
@@ -285,7 +285,7 @@ def check_the_checkpoint_holds_the_adapter_alone(ckpt: Path, base: Path, run_dir
     from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
     from safetensors.torch import load_file
 
-    from scaletrain.checkpoint.core import FIRST_SAVE_MARGIN, planned_checkpoint_bytes
+    from scaletrain.checkpoint.save import FIRST_SAVE_MARGIN, planned_checkpoint_bytes
 
     saved = get_fp32_state_dict_from_zero_checkpoint(str(ckpt.parent), tag=ckpt.name)  # frozen ones too, if saved
     assert len(saved) == 2 * 7 * 4 and all(".lora_" in k for k in saved), sorted(saved)[:4]  # A, B of 7 x 4 layers
@@ -449,7 +449,7 @@ def test_a_lora_checkpoint_resumes_resharded_on_one_rank_with_its_adapter_and_mo
 
     from safetensors.torch import load_file
 
-    from scaletrain.checkpoint.core import universal_path
+    from scaletrain.checkpoint.commit import universal_path
     from scaletrain.engine.ds_internals import universal_conversion_command
 
     reference_dir = uninterrupted.run_dir(ds_config)

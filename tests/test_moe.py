@@ -21,7 +21,7 @@ import torch
 
 from scaletrain.data.blocks import IGNORE_INDEX
 from scaletrain.model.chunked_loss import install_chunked_loss
-from scaletrain.config.core import ModelArgs, ParallelArgs
+from scaletrain.config.slices import ModelArgs, ParallelArgs
 from scaletrain.errors import UsageError
 from scaletrain.train.loop import token_and_router_losses
 from scaletrain.model.moe import SPARSE_MOE_BLOCKS, expert_count, resolve_router_loss

@@ -123,7 +123,7 @@ def metric_steps(run_dir: Path) -> list:
 
 
 def test_sbatch_two_nodes_trains_commits_and_exports(slurm, tmp_path):
-    from scaletrain.checkpoint.core import verify
+    from scaletrain.checkpoint.commit import verify
 
     run_dir = tmp_path / "run"
     job = slurm.submit(["--nodes=2", str(SBATCH)], [*TRAIN_FLAGS, "--output_dir", str(run_dir), "--max_steps", "6"])

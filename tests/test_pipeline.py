@@ -32,7 +32,7 @@ def assert_export_matches_engine(run_dir: Path) -> None:
 
 
 def assert_checkpoint_written(run_dir: Path, step: int) -> None:
-    from scaletrain.checkpoint.core import verify
+    from scaletrain.checkpoint.commit import verify
 
     ckpt = run_dir / "checkpoints" / f"step{step}"
     assert ckpt.is_dir() and verify(ckpt) is None, f"no committed checkpoint in {ckpt}"

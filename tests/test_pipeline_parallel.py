@@ -18,7 +18,8 @@ from pathlib import Path
 
 import pytest
 
-from scaletrain.config.core import ParallelArgs, parse_run_config
+from scaletrain.config.slices import ParallelArgs
+from scaletrain.config.cli import parse_run_config
 from scaletrain.distributed.world import DistInfo
 from scaletrain.errors import UsageError
 from scaletrain.distributed.layout import apply_layout, check_pipeline_run, resolve_layout

@@ -210,7 +210,7 @@ def test_ranks_waiting_for_the_store_stop_when_local_rank_0_fails(failure, tmp_p
     themselves, with the preparing rank's kind of error, instead of polling for a manifest that never comes."""
     from transformers import AutoTokenizer
 
-    from scaletrain.config.core import parse_run_config
+    from scaletrain.config.cli import parse_run_config
     from scaletrain.errors import PrepareError, TokenStoreFailed, UsageError
     from scaletrain.data.preparation import ensure_token_store
 

@@ -10,7 +10,7 @@ import pytest
 from huggingface_hub import ModelCard
 from transformers import AutoConfig, AutoTokenizer, GenerationConfig
 
-from scaletrain.config.core import DEFAULT_MODEL_DIR
+from scaletrain.config.slices import DEFAULT_MODEL_DIR
 from scaletrain.errors import UsageError
 from scaletrain.checkpoint.publish import (
     RUN_FILES,

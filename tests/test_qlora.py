@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from scaletrain.model import qlora
-from scaletrain.config.core import parse_run_config
+from scaletrain.config.cli import parse_run_config
 from scaletrain.config.deepspeed_json import HardwareFacts, load_ds_config, resolve_ds_config
 from scaletrain.errors import UsageError
 from tests.conftest import REPO
@@ -245,7 +245,7 @@ def test_the_4bit_weights_are_stored_in_the_dtype_deepspeed_runs_in(
 
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
 def test_the_qlora_build_path_quantizes_the_base_and_trains_only_the_adapter(precision, base_model):
-    """The GPU check is bypassed explicitly: qlora.build_model is called directly with device="cpu" (the run's
+    """The GPU check is bypassed explicitly: qlora.build_qlora_model is called directly with device="cpu" (the run's
     preflight, qlora.check_qlora, refuses a CPU), and bitsandbytes' CPU backend computes the 4-bit products. The
     rest is the real path: from_pretrained with the BitsAndBytesConfig, prepare_model_for_kbit_training with
     activation checkpointing, lora.apply_lora, one forward and backward (no DeepSpeed)."""
@@ -278,7 +278,7 @@ def test_the_qlora_build_path_quantizes_the_base_and_trains_only_the_adapter(pre
         precision=precision,
         precision_reason="given by the test",
     )
-    model, keepalive = qlora.build_model(
+    model, keepalive = qlora.build_qlora_model(
         cfg.model, AutoConfig.from_pretrained(base_model), ds, device="cpu", bf16_fast=False
     )
     assert keepalive is None and model.is_loaded_in_4bit

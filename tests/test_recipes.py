@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from scaletrain.config.core import UsageError, explain_run_config, parse_run_config
+from scaletrain.errors import UsageError
+from scaletrain.config.cli import explain_run_config, parse_run_config
 from tests.conftest import REPO, check_ok, launch
 
 RECIPES = sorted((REPO / "recipes").glob("*.yaml"))

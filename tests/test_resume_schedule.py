@@ -122,7 +122,7 @@ def test_another_peak_lr_is_refused_unless_allowed(finished, tmp_path, cache_dir
 
 def _resolved_ds(tmp_path, json_lr, *flags):
     """The flags and the DeepSpeed config resolved from zero2.json with optimizer.params.lr set to `json_lr`."""
-    from scaletrain.config.core import parse_run_config
+    from scaletrain.config.cli import parse_run_config
     from scaletrain.config.deepspeed_json import HardwareFacts, load_ds_config, resolve_ds_config
 
     config = json.loads((REPO / "ds_configs" / "zero2.json").read_text())

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from scaletrain.config.core import ParallelArgs
+from scaletrain.config.slices import ParallelArgs
 from scaletrain.errors import UsageError
 from scaletrain.distributed.world import DistInfo
 from scaletrain.distributed.layout import apply_layout, check_model_layout, check_sequence_layout, resolve_layout
@@ -91,17 +91,17 @@ def test_a_sequence_parallel_checkpoint_resumes_on_the_same_layout_and_on_one_ra
 def test_each_rank_keeps_its_part_of_the_block_with_labels_shifted_across_the_cut():
     import torch
 
-    from scaletrain.distributed.sequence_parallel import shard
+    from scaletrain.distributed.sequence_parallel import sequence_shard
 
     ids = torch.arange(16).reshape(2, 8)
     labels = ids.clone()
     labels[1, 6:] = -100  # padding at the end of the second block
-    first, second = (shard({"input_ids": ids, "labels": labels}, r, 2) for r in (0, 1))
+    first, second = (sequence_shard({"input_ids": ids, "labels": labels}, r, 2) for r in (0, 1))
     assert torch.equal(torch.cat([first["input_ids"], second["input_ids"]], 1), ids)
     assert first["shift_labels"][0].tolist() == [1, 2, 3, 4]  # the last one is the next shard's first token
     assert second["shift_labels"].tolist() == [[5, 6, 7, -100], [13, -100, -100, -100]]
     assert second["position_ids"][0].tolist() == [4, 5, 6, 7]
-    isolated = shard(
+    isolated = sequence_shard(
         {"input_ids": ids, "labels": labels, "position_ids": torch.tensor([[0, 1, 2, 0, 1, 2, 3, 4]] * 2)}, 1, 2
     )
     assert isolated["position_ids"][0].tolist() == [1, 2, 3, 4]

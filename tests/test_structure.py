@@ -1,5 +1,6 @@
-"""The code's shape, checked: no import cycle inside scaletrain/ (function-level imports included), no function over
-80 lines, and a config module that a mistyped flag can reach without importing numpy or torch."""
+"""The code's shape, checked: one wing (subpackage) per concern, each wing's face (its __init__.py) the only way in
+from another wing, no import cycle between modules or between wings (function-level imports included), no module
+over 600 lines, no function over 80, and a config that a mistyped flag can reach without importing numpy or torch."""
 
 from __future__ import annotations
 
@@ -11,24 +12,45 @@ from tests.conftest import REPO
 
 PACKAGE = REPO / "scaletrain"
 MAX_FUNCTION_LINES = 80
+MAX_MODULE_LINES = 600
 
 
 def modules() -> dict:
-    return {path.stem: ast.parse(path.read_text(), str(path)) for path in sorted(PACKAGE.glob("*.py"))}
+    """Every module of the package by dotted name below scaletrain: "run", "data.blocks", "data" (the face)."""
+    found = {}
+    for path in sorted(PACKAGE.rglob("*.py")):
+        parts = path.relative_to(PACKAGE).with_suffix("").parts
+        name = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+        if name:  # scaletrain/__init__.py itself holds nothing
+            found[name] = ast.parse(path.read_text(), str(path))
+    return found
 
 
-def imported_modules(tree: ast.AST, known: set) -> set:
-    """scaletrain modules a module imports anywhere in it, at the top or inside a function."""
+def wing(module: str) -> str:
+    """The wing a module belongs to ("data.blocks" -> "data"); a top-level module is a wing of its own."""
+    return module.split(".")[0]
+
+
+def imports(tree: ast.AST, known: set) -> set:
+    """(module imported, via a face?) for every scaletrain import in a module, at the top or inside a function.
+    `from scaletrain.data import blocks` names a module; `from scaletrain.data import PackedBlocks` the face."""
     found = set()
     for node in ast.walk(tree):
         if isinstance(node, ast.Import):
-            found |= {a.name.split(".")[1] for a in node.names if a.name.startswith("scaletrain.")}
-        elif isinstance(node, ast.ImportFrom) and node.module:
-            if node.module == "scaletrain":  # from scaletrain import checkpoint, model
-                found |= {a.name for a in node.names if a.name in known}
-            elif node.module.startswith("scaletrain."):
-                found.add(node.module.split(".")[1])
-    return found
+            found |= {a.name.removeprefix("scaletrain.") for a in node.names if a.name.startswith("scaletrain.")}
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            if node.module != "scaletrain" and not node.module.startswith("scaletrain."):
+                continue
+            base = node.module.removeprefix("scaletrain").removeprefix(".")
+            for alias in node.names:
+                sub = f"{base}.{alias.name}" if base else alias.name
+                found.add(sub if sub in known else base)
+    return found - {""}
+
+
+def import_graph() -> dict:
+    trees = modules()
+    return {name: imports(tree, set(trees)) - {name} for name, tree in trees.items()}
 
 
 def find_cycle(graph: dict):
@@ -60,18 +82,75 @@ def test_the_cycle_finder_finds_a_planted_cycle():
     assert find_cycle({"a": {"b"}, "b": {"c"}, "c": set()}) is None
 
 
-def test_no_import_cycle_inside_the_package_lazy_imports_included():
-    trees = modules()
-    graph = {name: imported_modules(tree, set(trees)) - {name} for name, tree in trees.items()}
-    assert graph["run"] >= {"checkpoint", "preflight", "loop"}, "the import scan misses imports"
-    assert "config" in graph["raw_data"] and "errors" in graph["config"]
-    cycle = find_cycle(graph)
+def test_the_import_scan_sees_modules_faces_and_lazy_imports():
+    graph = import_graph()
+    assert {"checkpoint", "preflight", "train"} <= graph["run"], "the scan misses the run's imports"
+    assert "config" in graph["data.raw"] and "errors" in graph["config.checks"]
+    assert "engine.ds_internals" in graph["engine.ops"], "a sibling imported as a module is that module"
+    assert "engine" in graph["distributed.world"], "a lazy (function-level) import through a face is seen"
+
+
+def test_no_import_cycle_between_modules_lazy_imports_included():
+    cycle = find_cycle(import_graph())
     assert cycle is None, "import cycle: " + " -> ".join(cycle)
+
+
+def test_no_import_cycle_between_wings():
+    wings = {}
+    for name, targets in import_graph().items():
+        wings.setdefault(wing(name), set()).update(wing(t) for t in targets if wing(t) != wing(name))
+    assert len(wings) >= 12, sorted(wings)  # 8 wings and the ground floor (run, preflight, launcher, errors, logs)
+    cycle = find_cycle(wings)
+    assert cycle is None, "wings import each other: " + " -> ".join(cycle)
+
+
+def test_another_wing_is_entered_only_through_its_face():
+    trees = modules()
+    private = sorted(
+        f"{name} imports scaletrain.{target}"
+        for name, targets in import_graph().items()
+        for target in targets
+        if wing(target) != wing(name) and "." in target
+    )
+    assert not private, "import these from the wing's __init__.py instead: " + "; ".join(private)
+    faces = [name for name in trees if "." not in name and (PACKAGE / name / "__init__.py").exists()]
+    assert len(faces) == 8, faces
+
+
+def test_each_face_exports_exactly_what_other_wings_import_from_it():
+    trees = modules()
+    faces = {name for name in trees if (PACKAGE / name / "__init__.py").exists()}
+    used = {face: set() for face in faces}
+    entrypoint = ast.parse((REPO / "train.py").read_text())  # train.py enters through the faces too
+    for name, tree in [*trees.items(), ("train.py", entrypoint)]:
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("scaletrain."):
+                face = node.module.removeprefix("scaletrain.")
+                if face in faces and wing(name) != face:
+                    used[face] |= {a.name for a in node.names}
+    for face in sorted(faces):
+        exported = next(
+            {elt.value for elt in node.value.elts}
+            for node in trees[face].body
+            if isinstance(node, ast.Assign) and getattr(node.targets[0], "id", "") == "__all__"
+        )
+        assert exported == used[face], (
+            f"{face}/__init__.py: unused {exported - used[face]}, missing {used[face] - exported}"
+        )
+
+
+def test_no_module_in_the_package_is_longer_than_600_lines():
+    long = sorted(
+        f"{p.relative_to(PACKAGE)} ({n} lines)"
+        for p in PACKAGE.rglob("*.py")
+        if (n := len(p.read_text().splitlines())) > MAX_MODULE_LINES
+    )
+    assert not long, "split these: " + "; ".join(long)
 
 
 def test_no_function_in_the_package_is_longer_than_80_lines():
     long = [
-        f"{name}.py:{node.lineno} {node.name} ({node.end_lineno - node.lineno + 1} lines)"
+        f"{name}:{node.lineno} {node.name} ({node.end_lineno - node.lineno + 1} lines)"
         for name, tree in modules().items()
         for node in ast.walk(tree)
         if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))
@@ -83,9 +162,9 @@ def test_no_function_in_the_package_is_longer_than_80_lines():
 def test_importing_the_config_loads_neither_numpy_nor_torch():
     heavy = ("numpy", "torch", "transformers", "deepspeed", "datasets")
     code = (
-        "import sys; import scaletrain.config.core, scaletrain.errors; "
+        "import sys; import scaletrain.config, scaletrain.errors; "
         f"print(','.join(m for m in {heavy} if m in sys.modules))"
     )
     proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
-    assert proc.stdout.strip() == "", f"importing scaletrain.config.core loaded {proc.stdout.strip()}"
+    assert proc.stdout.strip() == "", f"importing scaletrain.config loaded {proc.stdout.strip()}"

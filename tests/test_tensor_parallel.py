@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from scaletrain.config.core import ParallelArgs
+from scaletrain.config.slices import ParallelArgs
 from scaletrain.distributed.world import DistInfo
 from scaletrain.errors import UsageError
 from scaletrain.distributed.layout import apply_layout, check_model_layout, resolve_layout

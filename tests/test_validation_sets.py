@@ -15,7 +15,8 @@ from pathlib import Path
 import pytest
 from transformers import AutoTokenizer
 
-from scaletrain.config.core import eval_metric_prefix, parse_run_config, parse_validation_sets
+from scaletrain.config.values import eval_metric_prefix, parse_validation_sets
+from scaletrain.config.cli import parse_run_config
 from scaletrain.errors import UsageError
 from scaletrain.checkpoint.publish import final_losses
 from scaletrain.data.preparation import prepare_token_store

@@ -1,4 +1,4 @@
-"""Which ZeRO setting changes a resume converts, loads directly or refuses (scaletrain.checkpoint.core.
+"""Which ZeRO setting changes a resume converts, loads directly or refuses (scaletrain.checkpoint.resume.
 zero_setting_change), decided from the checkpoint's train state or, for older checkpoints, its file names. The real
 resumes are in tests/test_checkpoint.py (ZeRO-1 -> 2 directly, ZeRO-2 -> 2 with offload through a universal
 checkpoint, both exact)."""
@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from scaletrain.checkpoint.core import saved_zero_stage, zero_setting_change
+from scaletrain.checkpoint.resume import saved_zero_stage, zero_setting_change
 from scaletrain.errors import UsageError
 
 NONE, CPU = "optimizer=none,param=none", "optimizer=cpu,param=none"

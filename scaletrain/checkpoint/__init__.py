@@ -1,1 +1,47 @@
-"""checkpoint"""
+"""Checkpoints: the commit protocol over DeepSpeed's sharded save, resume (with universal conversion), the Hugging
+Face export, and publishing to the hub.
+
+This face re-exports what other parts of scaletrain use; inside the wing, modules import each other by path.
+"""
+
+from scaletrain.checkpoint.commit import (
+    clear_previous_run,
+    committed_step,
+    newest_committed,
+    verified_resume_checkpoint,
+)
+from scaletrain.checkpoint.export import export_hf_model
+from scaletrain.checkpoint.publish import RUN_FILES, check_push_target, complete_export, push_to_hub, reply_end_ids
+from scaletrain.checkpoint.resume import (
+    check_resumable,
+    ensure_universal,
+    load_checkpoint,
+    offload_setting,
+    read_train_state,
+    resolve_resume,
+    saved_zero_stage,
+)
+from scaletrain.checkpoint.save import checkpoint_parameters, planned_checkpoint_bytes, save_checkpoint
+
+__all__ = [
+    "RUN_FILES",
+    "check_push_target",
+    "check_resumable",
+    "checkpoint_parameters",
+    "clear_previous_run",
+    "committed_step",
+    "complete_export",
+    "ensure_universal",
+    "export_hf_model",
+    "load_checkpoint",
+    "newest_committed",
+    "offload_setting",
+    "planned_checkpoint_bytes",
+    "push_to_hub",
+    "read_train_state",
+    "reply_end_ids",
+    "resolve_resume",
+    "save_checkpoint",
+    "saved_zero_stage",
+    "verified_resume_checkpoint",
+]

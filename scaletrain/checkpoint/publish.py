@@ -20,7 +20,7 @@ import time
 from pathlib import Path
 from collections.abc import Callable
 
-from scaletrain.config.core import eval_loss_set
+from scaletrain.config import eval_loss_set
 from scaletrain.errors import UsageError
 
 log = logging.getLogger(__name__)

@@ -1,1 +1,46 @@
-"""config"""
+"""The run's configuration: one frozen dataclass per concern composed in RunConfig, the flat command line and
+recipes, the cross-slice checks, and the DeepSpeed JSON resolved from them (its schema included).
+
+This face re-exports what other parts of scaletrain use; inside the wing, modules import each other by path.
+"""
+
+from scaletrain.config.cli import explain_run_config, parse_run_config
+from scaletrain.config.deepspeed_json import (
+    HardwareFacts,
+    ResolvedDSConfig,
+    bucket_elements,
+    load_ds_config,
+    resolve_ds_config,
+)
+from scaletrain.config.run_config import RunConfig
+from scaletrain.config.slices import DataArgs, ModelArgs, NonFiniteArgs, OptimArgs, ParallelArgs, PeftArgs, PlanningArgs
+from scaletrain.config.values import (
+    LOCAL_DATA_FORMATS,
+    VALIDATION_SPLIT,
+    eval_loss_set,
+    eval_metric_prefix,
+    expand_data_files,
+)
+
+__all__ = [
+    "DataArgs",
+    "HardwareFacts",
+    "LOCAL_DATA_FORMATS",
+    "ModelArgs",
+    "NonFiniteArgs",
+    "OptimArgs",
+    "ParallelArgs",
+    "PeftArgs",
+    "PlanningArgs",
+    "ResolvedDSConfig",
+    "RunConfig",
+    "VALIDATION_SPLIT",
+    "bucket_elements",
+    "eval_loss_set",
+    "eval_metric_prefix",
+    "expand_data_files",
+    "explain_run_config",
+    "load_ds_config",
+    "parse_run_config",
+    "resolve_ds_config",
+]

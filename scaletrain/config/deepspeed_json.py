@@ -14,9 +14,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from scaletrain.config.core import NVME_PATH_ENV, EngineArgs, OptimArgs
-from scaletrain.errors import UsageError
 from scaletrain.config.deepspeed_schema import check_ds_keys
+from scaletrain.config.slices import NVME_PATH_ENV, EngineArgs, OptimArgs
+from scaletrain.errors import UsageError
 
 AUTO = "auto"
 DEFAULT_OPTIMIZER = {
@@ -291,6 +291,81 @@ def _leftover_autos(tree: Any, prefix: str = "") -> list:
     return [prefix.rstrip(".")] if tree == AUTO else []
 
 
+def _refuse_owned_sections(r: _Resolver, config_path: str) -> None:
+    """Sections the pipeline owns itself: the LR schedule and the communication log."""
+    if "scheduler" in r.config:
+        raise UsageError(
+            f'--config {config_path}: has a "scheduler" section; this pipeline owns the LR schedule',
+            "remove the section and use --lr_scheduler_type, --warmup_steps/--warmup_ratio, --min_lr_ratio",
+        )
+    if "comms_logger" in r.config:  # DeepSpeed 0.19.8's own logger reports cumulative latencies (each op's
+        raise UsageError(  # figure includes every earlier one); --comms_log corrects them and reports per window
+            f'--config {config_path}: has a "comms_logger" section; the pipeline reports communication itself',
+            "remove the section and pass --comms_log",
+        )
+
+
+def _resolve_batch(r: _Resolver, optim: OptimArgs, dp_world_size: int, config_path: str) -> None:
+    """Micro batch, accumulation and global batch, which must agree; and the gradient clipping."""
+    micro = optim.per_device_train_batch_size
+    gas = optim.gradient_accumulation_steps
+    r.fill("train_micro_batch_size_per_gpu", micro, "--per_device_train_batch_size")
+    r.fill("gradient_accumulation_steps", gas, "--gradient_accumulation_steps")
+    micro = r.config["train_micro_batch_size_per_gpu"]
+    gas = r.config["gradient_accumulation_steps"]
+    r.fill(
+        "train_batch_size",
+        micro * gas * dp_world_size,
+        f"micro batch {micro} x accumulation {gas} x data-parallel size {dp_world_size}",
+    )
+    global_batch = r.config["train_batch_size"]
+    if global_batch != micro * gas * dp_world_size:
+        raise UsageError(
+            f"train_batch_size {global_batch} in {config_path} != micro batch {micro} x accumulation {gas} "
+            f"x data-parallel size {dp_world_size} = {micro * gas * dp_world_size}",
+            'set train_batch_size to "auto" or change the batch flags',
+        )
+    r.fill("gradient_clipping", optim.max_grad_norm, "--max_grad_norm")
+
+
+def _resolve_optimizer(r: _Resolver, optim: OptimArgs) -> None:
+    """The optimizer section (AdamW when the JSON has none) and its hyperparameters from the flags."""
+    if "optimizer" not in r.config:
+        r.config["optimizer"] = copy.deepcopy(DEFAULT_OPTIMIZER)
+        r.sources["optimizer.type"] = "default: AdamW"
+    r.fill("optimizer.params.lr", optim.learning_rate, "--learning_rate")
+    r.fill("optimizer.params.betas", [optim.adam_beta1, optim.adam_beta2], "--adam_beta1/--adam_beta2")
+    r.fill("optimizer.params.eps", optim.adam_epsilon, "--adam_epsilon")
+    r.fill("optimizer.params.weight_decay", optim.weight_decay, "--weight_decay")
+
+
+def _resolve_zero(
+    r: _Resolver, engine: EngineArgs, hw: HardwareFacts, precision: str, hidden_size: int, n_params: int | None
+) -> None:
+    """The ZeRO section: collective bucket sizes, the ZeRO-3 persistence threshold, and NVMe offload."""
+    r.config.setdefault("zero_optimization", {"stage": 0})
+    bucket, why = bucket_elements(hw.accelerator, precision, n_params)
+    for key in ("reduce_bucket_size", "allgather_bucket_size", "stage3_prefetch_bucket_size"):
+        r.fill(f"zero_optimization.{key}", bucket, why)
+    r.fill(
+        "zero_optimization.stage3_param_persistence_threshold", 10 * hidden_size, f"10 x hidden_size ({hidden_size})"
+    )
+    _resolve_nvme(r, engine)
+
+
+def _resolve_cpu_adam(r: _Resolver, hw: HardwareFacts, resolved: ResolvedDSConfig) -> None:
+    """On a CPU without optimizer offload, Adam is torch's fused AdamW rather than DeepSpeed's GPU kernel."""
+    optimizer_type = str(r.config["optimizer"].get("type", "")).lower()
+    if hw.accelerator == "cpu" and optimizer_type in ADAM_TYPES and not resolved.offloads_optimizer:
+        # DeepSpeed's default Adam is FusedAdam, a JIT-built GPU kernel; on a CPU torch's AdamW does the same
+        # update without a multi-minute build. Offload keeps DeepSpeedCPUAdam, the optimizer offload is made for.
+        r.fill("optimizer.params.torch_adam", True, "cpu without offload: torch AdamW, no FusedAdam build")
+        if "foreach" not in r.config["optimizer"].get("params", {}):
+            # torch's default for CPU tensors is its per-tensor loop: ~13x slower than the fused kernel on a ZeRO
+            # partition (14.7 against 1.1 ms for 2.5M fp32 elements on one core here), about 4% of a small step.
+            r.fill("optimizer.params.fused", True, "cpu: torch's fused AdamW kernel (its default is a Python loop)")
+
+
 def resolve_ds_config(
     raw: dict,
     engine: EngineArgs,
@@ -308,66 +383,14 @@ def resolve_ds_config(
     r = _Resolver(raw, engine.config)
     _check_zero_and_offload(r)
     _check_flag_contradictions(r, optim, explicit)
-    if "scheduler" in r.config:
-        raise UsageError(
-            f'--config {engine.config}: has a "scheduler" section; this pipeline owns the LR schedule',
-            "remove the section and use --lr_scheduler_type, --warmup_steps/--warmup_ratio, --min_lr_ratio",
-        )
-    if "comms_logger" in r.config:  # DeepSpeed 0.19.8's own logger reports cumulative latencies (each op's
-        raise UsageError(  # figure includes every earlier one); --comms_log corrects them and reports per window
-            f'--config {engine.config}: has a "comms_logger" section; the pipeline reports communication itself',
-            "remove the section and pass --comms_log",
-        )
-
-    micro = optim.per_device_train_batch_size
-    gas = optim.gradient_accumulation_steps
-    r.fill("train_micro_batch_size_per_gpu", micro, "--per_device_train_batch_size")
-    r.fill("gradient_accumulation_steps", gas, "--gradient_accumulation_steps")
-    micro = r.config["train_micro_batch_size_per_gpu"]
-    gas = r.config["gradient_accumulation_steps"]
-    r.fill(
-        "train_batch_size",
-        micro * gas * dp_world_size,
-        f"micro batch {micro} x accumulation {gas} x data-parallel size {dp_world_size}",
-    )
-    global_batch = r.config["train_batch_size"]
-    if global_batch != micro * gas * dp_world_size:
-        raise UsageError(
-            f"train_batch_size {global_batch} in {engine.config} != micro batch {micro} x accumulation {gas} "
-            f"x data-parallel size {dp_world_size} = {micro * gas * dp_world_size}",
-            'set train_batch_size to "auto" or change the batch flags',
-        )
-    r.fill("gradient_clipping", optim.max_grad_norm, "--max_grad_norm")
-
-    if "optimizer" not in r.config:
-        r.config["optimizer"] = copy.deepcopy(DEFAULT_OPTIMIZER)
-        r.sources["optimizer.type"] = "default: AdamW"
-    r.fill("optimizer.params.lr", optim.learning_rate, "--learning_rate")
-    r.fill("optimizer.params.betas", [optim.adam_beta1, optim.adam_beta2], "--adam_beta1/--adam_beta2")
-    r.fill("optimizer.params.eps", optim.adam_epsilon, "--adam_epsilon")
-    r.fill("optimizer.params.weight_decay", optim.weight_decay, "--weight_decay")
-
+    _refuse_owned_sections(r, engine.config)
+    _resolve_batch(r, optim, dp_world_size, engine.config)
+    _resolve_optimizer(r, optim)
     precision, reason = _resolve_precision(r, engine, hw)
-
-    r.config.setdefault("zero_optimization", {"stage": 0})
-    bucket, why = bucket_elements(hw.accelerator, precision, n_params)
-    for key in ("reduce_bucket_size", "allgather_bucket_size", "stage3_prefetch_bucket_size"):
-        r.fill(f"zero_optimization.{key}", bucket, why)
-    r.fill(
-        "zero_optimization.stage3_param_persistence_threshold", 10 * hidden_size, f"10 x hidden_size ({hidden_size})"
-    )
-    _resolve_nvme(r, engine)
+    _resolve_zero(r, engine, hw, precision, hidden_size, n_params)
 
     resolved = ResolvedDSConfig(r.config, r.sources, precision, reason)
-    optimizer_type = str(r.config["optimizer"].get("type", "")).lower()
-    if hw.accelerator == "cpu" and optimizer_type in ADAM_TYPES and not resolved.offloads_optimizer:
-        # DeepSpeed's default Adam is FusedAdam, a JIT-built GPU kernel; on a CPU torch's AdamW does the same
-        # update without a multi-minute build. Offload keeps DeepSpeedCPUAdam, the optimizer offload is made for.
-        r.fill("optimizer.params.torch_adam", True, "cpu without offload: torch AdamW, no FusedAdam build")
-        if "foreach" not in r.config["optimizer"].get("params", {}):
-            # torch's default for CPU tensors is its per-tensor loop: ~13x slower than the fused kernel on a ZeRO
-            # partition (14.7 against 1.1 ms for 2.5M fp32 elements on one core here), about 4% of a small step.
-            r.fill("optimizer.params.fused", True, "cpu: torch's fused AdamW kernel (its default is a Python loop)")
+    _resolve_cpu_adam(r, hw, resolved)
     r.fill("steps_per_print", 2**31 - 1, "default: the pipeline logs its own metrics")
 
     leftover = _leftover_autos(r.config)

@@ -62,24 +62,34 @@ class PackedBlocks:
 
     def batch(self, indices: np.ndarray) -> dict:
         """Tensors for the given block indices; EMPTY_SLOT rows are all padding and carry no loss."""
-        import torch
+        return padded_batch(indices, self.block_size, self.pad_id, self._fill_row, self.isolate_documents)
 
+    def _fill_row(self, index: int, ids: np.ndarray, labels: np.ndarray, positions: np.ndarray) -> None:
+        """Block `index` into one padded row: its tokens are trained on as they are."""
         b = self.block_size
-        rows = np.full((len(indices), b), self.pad_id, dtype=np.int64)
-        labels = np.full((len(indices), b), IGNORE_INDEX, dtype=np.int64)
-        positions = np.tile(np.arange(b), (len(indices), 1))
-        for row, index in enumerate(indices):
-            if index == EMPTY_SLOT:
-                continue
-            chunk = self.stream[index * b : (index + 1) * b]
-            rows[row, : len(chunk)] = chunk
-            labels[row, : len(chunk)] = chunk
-            if self.isolate_documents:
-                positions[row] = self._position_ids(int(index) * b)
-        batch = {"input_ids": torch.from_numpy(rows), "labels": torch.from_numpy(labels)}
+        chunk = self.stream[index * b : (index + 1) * b]
+        ids[: len(chunk)] = chunk
+        labels[: len(chunk)] = chunk
         if self.isolate_documents:
-            batch["position_ids"] = torch.from_numpy(positions)
-        return batch
+            positions[:] = self._position_ids(index * b)
+
+
+def padded_batch(indices: np.ndarray, block_size: int, pad_id: int, fill_row, with_positions: bool) -> dict:
+    """The tensors of a micro-batch of blocks, shared by every kind of blocks: each row starts as padding with no
+    loss and positions 0..block_size-1; fill_row(index, ids, labels, positions) writes block `index` into its row
+    (numpy views, in place). EMPTY_SLOT rows stay padding. position_ids only `with_positions`."""
+    import torch
+
+    rows = np.full((len(indices), block_size), pad_id, dtype=np.int64)
+    labels = np.full((len(indices), block_size), IGNORE_INDEX, dtype=np.int64)
+    positions = np.tile(np.arange(block_size), (len(indices), 1))
+    for row, index in enumerate(indices):
+        if index != EMPTY_SLOT:
+            fill_row(int(index), rows[row], labels[row], positions[row])
+    batch = {"input_ids": torch.from_numpy(rows), "labels": torch.from_numpy(labels)}
+    if with_positions:
+        batch["position_ids"] = torch.from_numpy(positions)
+    return batch
 
 
 def blocks_from_store(opened: dict, split: str, block_size: int, isolate_documents: bool) -> PackedBlocks | None:

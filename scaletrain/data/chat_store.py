@@ -28,7 +28,7 @@ from pathlib import Path
 import numpy as np
 
 from scaletrain.data.chat_render import ChatTemplate, check_masks, check_messages, load_chat_template, render_example
-from scaletrain.config.core import DataArgs
+from scaletrain.config import DataArgs
 from scaletrain.errors import UsageError
 from scaletrain.data.raw import record_kind
 from scaletrain.data.token_store import FORMAT_VERSION, MANIFEST, Fingerprint, read_manifest

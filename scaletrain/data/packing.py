@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from scaletrain.data.blocks import EMPTY_SLOT, IGNORE_INDEX, blocks_from_store
+from scaletrain.data.blocks import EMPTY_SLOT, IGNORE_INDEX, blocks_from_store, padded_batch
 
 log = logging.getLogger(__name__)
 
@@ -106,31 +106,21 @@ class PackedExamples:
 
     def batch(self, indices: np.ndarray) -> dict:
         """Tensors for the given block indices; EMPTY_SLOT rows are all padding and carry no loss."""
-        import torch
+        return padded_batch(indices, self.block_size, self.pad_id, self._fill_row, with_positions=True)
 
-        b = self.block_size
-        rows = np.full((len(indices), b), self.pad_id, dtype=np.int64)
-        labels = np.full((len(indices), b), IGNORE_INDEX, dtype=np.int64)
-        positions = np.tile(np.arange(b), (len(indices), 1))
-        for row, index in enumerate(indices):
-            if index == EMPTY_SLOT:
-                continue
-            at = 0
-            for example in self.bins[int(index)]:
-                start, n = int(self.starts[example]), int(self.lengths[example])
-                ids = self.tokens[start : start + n].astype(np.int64)  # a uint16 store cannot hold IGNORE_INDEX
-                rows[row, at : at + n] = ids
-                trained = self.mask[start : start + n].astype(bool)
-                trained[0] = False  # the first token of an example has no context in it
-                labels[row, at : at + n] = np.where(trained, ids, IGNORE_INDEX)
-                positions[row, at : at + n] = np.arange(n)
-                at += n
-            positions[row, at:] = np.arange(b - at)  # the padding is a sequence of its own
-        return {
-            "input_ids": torch.from_numpy(rows),
-            "labels": torch.from_numpy(labels),
-            "position_ids": torch.from_numpy(positions),
-        }
+    def _fill_row(self, index: int, row: np.ndarray, labels: np.ndarray, positions: np.ndarray) -> None:
+        """The examples of block `index` one after the other into a padded row, each with its own positions."""
+        at = 0
+        for example in self.bins[index]:
+            start, n = int(self.starts[example]), int(self.lengths[example])
+            ids = self.tokens[start : start + n].astype(np.int64)  # a uint16 store cannot hold IGNORE_INDEX
+            row[at : at + n] = ids
+            trained = self.mask[start : start + n].astype(bool)
+            trained[0] = False  # the first token of an example has no context in it
+            labels[at : at + n] = np.where(trained, ids, IGNORE_INDEX)
+            positions[at : at + n] = np.arange(n)
+            at += n
+        positions[at:] = np.arange(self.block_size - at)  # the padding is a sequence of its own
 
 
 def pack_examples(tokens, mask, starts, block_size: int, pad_id: int, truncation: str) -> PackedExamples | None:

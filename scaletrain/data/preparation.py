@@ -15,7 +15,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from collections.abc import Iterator
 
-from scaletrain.config.core import DataArgs, OptimArgs
+from scaletrain.config import DataArgs, OptimArgs
 from scaletrain.errors import PreparerDied, TokenStoreFailed, UsageError
 from scaletrain.data.raw import check_text_column, load_raw_datasets, local_data_files
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from scaletrain.config.core import LOCAL_DATA_FORMATS, DataArgs, expand_data_files
+from scaletrain.config import LOCAL_DATA_FORMATS, DataArgs, expand_data_files
 from scaletrain.errors import UsageError
 
 

@@ -466,17 +466,9 @@ def write_store(
     """Tokenize every split into `store`, atomically: a temporary folder renamed into place when complete. With
     `held_out`, the validation split is drawn from splits["train"] first."""
     store = Path(store)
-    if not getattr(tokenizer, "is_fast", False):
-        raise UsageError(
-            f"tokenizer {tokenizer_dir}: the token store needs a fast (Rust) tokenizer",
-            "use a tokenizer with a tokenizer.json",
-        )
+    _require_fast(tokenizer, tokenizer_dir)
     dtype = _dtype_for(len(tokenizer))
-    # A tokenizer that appends EOS itself would double it; the store adds exactly one after each document.
-    # The backend's single encode: a batch call here would start the Rust thread pool at its default size before
-    # RAYON_NUM_THREADS below is set, and --num_proc 1 would then still tokenize on every core.
-    probe = tokenizer.backend_tokenizer.encode("x", add_special_tokens=True).ids
-    add_special = not (probe and probe[-1] == tokenizer.eos_token_id)
+    add_special = _adds_special_tokens(tokenizer)
     tmp = store.parent / f".{store.name}.tmp-{os.getpid()}"  # store_prep.partial_folders: removed if left
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
@@ -488,44 +480,12 @@ def write_store(
         _save_tokenizer(tokenizer, tokenizer_file)
         init_args = (str(tokenizer_file), tokenizer.eos_token_id, dtype.str, add_special)
         started = time.perf_counter()
-        if num_proc > MAX_TOKENIZER_THREADS:
-            pool = WorkerPool(num_proc, init_args)
-            encode = pool.map
-        else:
-            # One process: the Rust tokenizer spreads each batch over num_proc threads itself, which beats worker
-            # processes (no start-up, no pickling) until the serial Python part (ids -> array) is the bottleneck.
-            os.environ.setdefault("RAYON_NUM_THREADS", str(num_proc))
-            _init_worker(*init_args, None)
-            encode = lambda batches: map(_encode_texts, batches)  # noqa: E731
-        counts = {}
-        if held_out is not None:
-            counts["validation"], train = _write_held_out(
-                splits["train"], held_out, tmp, fingerprint.text_column, batch_size, encode, show_progress
-            )
-            splits = {"train": train}
-        counts.update(
-            {
-                name: _write_split(ds, tmp, name, fingerprint.text_column, batch_size, encode, show_progress)
-                for name, ds in splits.items()
-                if ds is not None
-            }
-        )
+        pool, encode = _start_encoder(num_proc, init_args)
+        counts = _write_splits(splits, held_out, tmp, fingerprint.text_column, batch_size, encode, show_progress)
         tokenizer_file.unlink()
         for mapping in tmp.glob("*.indices.arrow"):
             mapping.unlink()
-        manifest = {
-            "format_version": FORMAT_VERSION,
-            "fingerprint": fingerprint.as_dict(),
-            "dtype": dtype.str,
-            "eos_id": tokenizer.eos_token_id,
-            "pad_id": tokenizer.pad_token_id,
-            "splits": counts,
-            "prepared_seconds": round(time.perf_counter() - started, 2),
-        }
-        if content_sha256 is not None:
-            manifest["source_sha256"] = content_sha256
-        if source_revision is not None:
-            manifest["source_revision"] = source_revision  # the hub dataset's commit the store was made from
+        manifest = _manifest(fingerprint, dtype, tokenizer, counts, started, content_sha256, source_revision)
         (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
         os.replace(tmp, store)  # onto nothing, or an empty folder (prepare_token_store refuses any other)
         finished = True
@@ -543,3 +503,77 @@ def write_store(
             pool.close(finished)
         shutil.rmtree(tmp, ignore_errors=True)  # the partial store after a failure (renamed away after a success)
     return store
+
+
+def _require_fast(tokenizer, tokenizer_dir: str) -> None:
+    if not getattr(tokenizer, "is_fast", False):
+        raise UsageError(
+            f"tokenizer {tokenizer_dir}: the token store needs a fast (Rust) tokenizer",
+            "use a tokenizer with a tokenizer.json",
+        )
+
+
+def _adds_special_tokens(tokenizer) -> bool:
+    """Whether the workers encode with special tokens: not when the tokenizer appends EOS itself, which would double
+    it; the store adds exactly one after each document."""
+    # The backend's single encode: a batch call here would start the Rust thread pool at its default size before
+    # RAYON_NUM_THREADS (_start_encoder) is set, and --num_proc 1 would then still tokenize on every core.
+    probe = tokenizer.backend_tokenizer.encode("x", add_special_tokens=True).ids
+    return not (probe and probe[-1] == tokenizer.eos_token_id)
+
+
+def _start_encoder(num_proc: int, init_args: tuple) -> tuple:
+    """(the worker pool or None, encode: batches of texts -> (flat ids, lengths) per batch)."""
+    if num_proc > MAX_TOKENIZER_THREADS:
+        pool = WorkerPool(num_proc, init_args)
+        return pool, pool.map
+    # One process: the Rust tokenizer spreads each batch over num_proc threads itself, which beats worker
+    # processes (no start-up, no pickling) until the serial Python part (ids -> array) is the bottleneck.
+    os.environ.setdefault("RAYON_NUM_THREADS", str(num_proc))
+    _init_worker(*init_args, None)
+    return None, lambda batches: map(_encode_texts, batches)
+
+
+def _write_splits(
+    splits: dict, held_out: HeldOut | None, out: Path, column: str, batch_size: int, encode, show_progress: bool
+) -> dict:
+    """Every split's counts by name, validation first when it is held out of the training split."""
+    counts = {}
+    if held_out is not None:
+        counts["validation"], train = _write_held_out(
+            splits["train"], held_out, out, column, batch_size, encode, show_progress
+        )
+        splits = {"train": train}
+    counts.update(
+        {
+            name: _write_split(ds, out, name, column, batch_size, encode, show_progress)
+            for name, ds in splits.items()
+            if ds is not None
+        }
+    )
+    return counts
+
+
+def _manifest(
+    fingerprint: Fingerprint,
+    dtype: np.dtype,
+    tokenizer,
+    counts: dict,
+    started: float,
+    content_sha256: dict | None,
+    source_revision: str | None,
+) -> dict:
+    manifest = {
+        "format_version": FORMAT_VERSION,
+        "fingerprint": fingerprint.as_dict(),
+        "dtype": dtype.str,
+        "eos_id": tokenizer.eos_token_id,
+        "pad_id": tokenizer.pad_token_id,
+        "splits": counts,
+        "prepared_seconds": round(time.perf_counter() - started, 2),
+    }
+    if content_sha256 is not None:
+        manifest["source_sha256"] = content_sha256
+    if source_revision is not None:
+        manifest["source_revision"] = source_revision  # the hub dataset's commit the store was made from
+    return manifest

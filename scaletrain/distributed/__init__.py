@@ -1,1 +1,69 @@
-"""distributed"""
+"""Distributed facts: the launch and world (DistInfo, process groups), the parallel layout, pipeline and sequence
+parallelism, and how ranks agree before they train together.
+
+This face re-exports what other parts of scaletrain use; inside the wing, modules import each other by path.
+"""
+
+from scaletrain.distributed.agreement import preflight_facts, settle, stop_with_the_others, store_facts
+from scaletrain.distributed.layout import (
+    check_model_layout,
+    check_pipeline_layout,
+    check_sequence_layout,
+    describe_layout,
+    place_ranks,
+    resolve_layout,
+)
+from scaletrain.distributed.pipeline import (
+    LAYER_MAP,
+    build_pipeline_module,
+    hf_state_dict_from_layer_files,
+    layer_map,
+    pipe_micro_batches,
+    rename_universal_parameters,
+)
+from scaletrain.distributed.sequence_parallel import register_ulysses, sequence_shard
+from scaletrain.distributed.world import (
+    DistInfo,
+    all_gather_objects,
+    any_rank,
+    barrier,
+    broadcast_from_main,
+    communication_threads,
+    init_distributed,
+    rank_hosts,
+    read_launch_env,
+    teardown_distributed,
+    use_shm_allreduce,
+)
+
+__all__ = [
+    "DistInfo",
+    "LAYER_MAP",
+    "all_gather_objects",
+    "any_rank",
+    "barrier",
+    "broadcast_from_main",
+    "build_pipeline_module",
+    "check_model_layout",
+    "check_pipeline_layout",
+    "check_sequence_layout",
+    "communication_threads",
+    "describe_layout",
+    "hf_state_dict_from_layer_files",
+    "init_distributed",
+    "layer_map",
+    "pipe_micro_batches",
+    "place_ranks",
+    "preflight_facts",
+    "rank_hosts",
+    "read_launch_env",
+    "register_ulysses",
+    "rename_universal_parameters",
+    "resolve_layout",
+    "sequence_shard",
+    "settle",
+    "stop_with_the_others",
+    "store_facts",
+    "teardown_distributed",
+    "use_shm_allreduce",
+]

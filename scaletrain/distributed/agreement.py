@@ -137,7 +137,7 @@ def _flatten(value, prefix: str = "") -> dict:
 
 def preflight_facts(resolved) -> dict:
     """What every rank decided in its pre-flight from its own file system and environment."""
-    from scaletrain.data.token_store import tokenizer_hash
+    from scaletrain.data import tokenizer_hash
 
     resume = resolved.resume_from
     step = (resolved.resume_state or {}).get("step")

@@ -19,9 +19,9 @@ from __future__ import annotations
 
 import dataclasses
 
-from scaletrain.config.core import ParallelArgs, PlanningArgs
+from scaletrain.config import ParallelArgs, PlanningArgs, ResolvedDSConfig
+from scaletrain.distributed.pipeline import check_pipeline_model
 from scaletrain.distributed.world import DistInfo
-from scaletrain.config.deepspeed_json import ResolvedDSConfig
 from scaletrain.errors import UsageError
 
 # The model dimensions a tensor-parallel split divides (Llama-family names; models without them are not checked).
@@ -65,6 +65,14 @@ def apply_layout(parallel: ParallelArgs, dist: DistInfo) -> DistInfo:
         sequence_parallel_size=parallel.sequence_parallel_size,
         pipeline_parallel_size=parallel.pipeline_parallel_size,
     )
+
+
+def place_ranks(parallel: ParallelArgs, planning: PlanningArgs, dist: DistInfo) -> DistInfo:
+    """This launch's ranks with the run's layout; --plan plans the cluster it names, not this launch, so there the
+    layout must fit the planned nodes instead."""
+    dist = dist if planning.plan else apply_layout(parallel, dist)
+    check_planned_layout(parallel, planning)
+    return dist
 
 
 def check_planned_layout(parallel: ParallelArgs, planning: PlanningArgs) -> None:
@@ -230,6 +238,20 @@ def check_pipeline_run(
             "gradient-clipping fix for stage 0 covers fp32 only",
             "use ds_configs/zero1.json with pipeline parallelism",
         )
+
+
+def check_pipeline_layout(
+    parallel: ParallelArgs,
+    model_config,
+    attn_implementation: str,
+    block_size: int,
+    isolates_documents: bool,
+    ds: ResolvedDSConfig,
+    config_path: str,
+) -> None:
+    """Pipeline parallelism: the model maps onto its stages, and the run asks nothing the pipeline path lacks."""
+    check_pipeline_model(parallel.pipeline_parallel_size, model_config, attn_implementation, block_size)
+    check_pipeline_run(parallel, isolates_documents, ds.precision, ds.zero_stage, config_path)
 
 
 def describe_layout(dist: DistInfo) -> str:

@@ -21,7 +21,7 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 
-from scaletrain.data.blocks import IGNORE_INDEX
+from scaletrain.data import IGNORE_INDEX
 from scaletrain.errors import UsageError
 
 log = logging.getLogger(__name__)
@@ -260,7 +260,7 @@ def build_pipeline_module(hf_model, pp: int, partition: str):
     method = f"type:{decoder_name}" if partition == "uniform" else "parameters"
     sizes = [_spec_parameters(spec) for spec in specs]  # before the other stages' specs are emptied
     module = PipelineModule(layers=specs, num_stages=pp, loss_fn=loss, partition_method=method)
-    from scaletrain.engine.ds_internals import release_other_stages
+    from scaletrain.engine import release_other_stages
 
     release_other_stages(module)
     log.info(

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import logging
 
-from scaletrain.data.blocks import IGNORE_INDEX
+from scaletrain.data import IGNORE_INDEX
 
 log = logging.getLogger(__name__)
 
@@ -73,7 +73,7 @@ def register_ulysses(
     )
 
 
-def shard(batch: dict, sp_rank: int, sp: int) -> dict:
+def sequence_shard(batch: dict, sp_rank: int, sp: int) -> dict:
     """This rank's tokens of a micro-batch: input ids, position ids and the pre-shifted labels ("shift_labels")."""
     import torch
     import torch.nn.functional as F

@@ -142,13 +142,13 @@ def init_distributed(dist: DistInfo) -> DistInfo:
     if accelerator == "cpu" and dist.world_size == 1:
         # DeepSpeed JIT-builds its shared-memory all-reduce op on every CPU start (tens of seconds to minutes
         # on a fresh machine). A single rank never communicates, so skip the build.
-        from scaletrain.engine import ds_internals
+        from scaletrain.engine import skip_shm_op_build
 
-        ds_internals.skip_shm_op_build()
+        skip_shm_op_build()
     elif accelerator == "cpu":
-        from scaletrain.engine import ops
+        from scaletrain.engine import comm_ops, load_ops
 
-        ops.load_ops(ops.comm_ops(accelerator, dist.world_size))  # under our lock; DeepSpeed then finds it loaded
+        load_ops(comm_ops(accelerator, dist.world_size))  # under our lock; DeepSpeed then finds it loaded
     if accelerator == "cpu":
         share_cpu_cores()
     backend = "gloo" if accelerator == "cpu" else get_accelerator().communication_backend_name()
@@ -194,12 +194,12 @@ def use_shm_allreduce(dist: DistInfo):
     """Large gradient all-reduces through DeepSpeed's shared-memory kernel where shm_allreduce_refusal allows: the
     installed ds_internals.ShmAllReduce (its counters say how much it carried), or None with the reason logged.
     A collective on CPU ranks (every rank's facts); nothing to do, and no collective, on a GPU or a single rank."""
-    from scaletrain.engine import ds_internals
+    from scaletrain.engine import ShmAllReduce
 
     if dist.accelerator != "cpu" or dist.world_size == 1:
         return None
     log = logging.getLogger(__name__)
-    router = ds_internals.ShmAllReduce(dist.world_size, SHM_MIN_BYTES)
+    router = ShmAllReduce(dist.world_size, SHM_MIN_BYTES)
     facts = all_gather_objects((os.environ.get("LOCAL_SIZE"), sorted(os.sched_getaffinity(0)), router.usable))
     cores = len(set().union(*(set(affinity) for _, affinity, _ in facts)))
     refusal = shm_allreduce_refusal(dist, [size for size, _, _ in facts], cores, [ok for _, _, ok in facts])

@@ -1,1 +1,53 @@
-"""engine"""
+"""The DeepSpeed engine: deepspeed.initialize with parameter groups, the LR schedules, DeepSpeed's compiled ops, and
+the one place that touches DeepSpeed internals (version-guarded).
+
+This face re-exports what other parts of scaletrain use; inside the wing, modules import each other by path.
+"""
+
+from scaletrain.engine.ds_internals import (
+    ShmAllReduce,
+    SkipSwitch,
+    before_pipeline_update,
+    gathered_state_dict,
+    per_op_comm_latencies,
+    recorded_checkpoint_writes,
+    release_other_stages,
+    skip_shm_op_build,
+    universal_checkpoint_info,
+    universal_conversion_command,
+)
+from scaletrain.engine.initialize import (
+    build_engine,
+    check_compile,
+    compile_engine,
+    compile_requested,
+    release_engine,
+    restore_weight_decay,
+)
+from scaletrain.engine.ops import comm_ops, load_ops
+from scaletrain.engine.schedules import LRSchedule, describe_schedule_change, restart_schedule, warmup_steps_for
+
+__all__ = [
+    "LRSchedule",
+    "ShmAllReduce",
+    "SkipSwitch",
+    "before_pipeline_update",
+    "build_engine",
+    "check_compile",
+    "comm_ops",
+    "compile_engine",
+    "compile_requested",
+    "describe_schedule_change",
+    "gathered_state_dict",
+    "load_ops",
+    "per_op_comm_latencies",
+    "recorded_checkpoint_writes",
+    "release_engine",
+    "release_other_stages",
+    "restart_schedule",
+    "restore_weight_decay",
+    "skip_shm_op_build",
+    "universal_checkpoint_info",
+    "universal_conversion_command",
+    "warmup_steps_for",
+]

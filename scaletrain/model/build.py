@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from scaletrain.config.core import ModelArgs
+from scaletrain.config import ModelArgs
 from scaletrain.errors import UsageError
 
 log = logging.getLogger(__name__)

@@ -31,8 +31,8 @@ from contextlib import contextmanager
 import torch
 import torch.nn.functional as F
 
-from scaletrain.data.blocks import IGNORE_INDEX
-from scaletrain.observability.memory_planner import auto_loss_chunk
+from scaletrain.data import IGNORE_INDEX
+from scaletrain.observability import auto_loss_chunk
 
 log = logging.getLogger(__name__)
 

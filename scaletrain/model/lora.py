@@ -21,14 +21,14 @@ import logging
 from contextlib import contextmanager
 from pathlib import Path
 
-from scaletrain.config.core import PeftArgs
+from scaletrain.config import PeftArgs
 from scaletrain.errors import UsageError
 
 log = logging.getLogger(__name__)
 MERGED_DIR = "merged"
 
 
-def describe(args: PeftArgs) -> str:
+def describe_adapter(args: PeftArgs) -> str:
     """The adapter's shape in one line: checkpoints record it, and a resume with another one is refused."""
     return f"lora r={args.lora_r} alpha={args.lora_alpha} targets={args.lora_target_modules}"
 
@@ -85,7 +85,7 @@ def apply_lora(model, args: PeftArgs):
     trainable, total = wrapped.get_nb_trainable_parameters()  # counts ZeRO-3 partitions by their full size
     log.info(
         "LoRA (%s, dropout %g): %.3fM trainable of %.2fM parameters (%.2f%%)",
-        describe(args),
+        describe_adapter(args),
         args.lora_dropout,
         trainable / 1e6,
         total / 1e6,

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from typing import Any
 from collections.abc import Callable
 
-from scaletrain.config.core import ModelArgs, ParallelArgs
+from scaletrain.config import ModelArgs, ParallelArgs
 from scaletrain.errors import UsageError
 
 log = logging.getLogger(__name__)
@@ -68,7 +68,7 @@ class RouterLoss:
 
         `labels` are the batch's unshifted labels, IGNORE_INDEX at padded positions; router_logits one
         [batch x sequence, experts] tensor per MoE layer, rows in the same order."""
-        from scaletrain.data.blocks import IGNORE_INDEX
+        from scaletrain.data import IGNORE_INDEX
 
         real = labels != IGNORE_INDEX
         return self.balancing_loss(tuple(router_logits), self.num_experts, self.top_k, real)

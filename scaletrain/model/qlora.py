@@ -25,8 +25,7 @@ from typing import Any
 
 from packaging.version import Version
 
-from scaletrain.config.core import ModelArgs, RunConfig
-from scaletrain.config.deepspeed_json import HardwareFacts, ResolvedDSConfig
+from scaletrain.config import HardwareFacts, ModelArgs, ResolvedDSConfig, RunConfig
 from scaletrain.errors import UsageError
 
 log = logging.getLogger(__name__)
@@ -119,7 +118,7 @@ def model_kwargs(model_args: ModelArgs, precision: str, bf16_fast: bool, device:
     }
 
 
-def build_model(
+def build_qlora_model(
     model_args: ModelArgs, model_config, ds: ResolvedDSConfig, device: Any = None, bf16_fast: bool | None = None
 ) -> tuple:
     """(model, keepalive) as model.build_model returns them: the pretrained base in 4 bits, prepared for training by

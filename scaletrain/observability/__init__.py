@@ -1,1 +1,48 @@
-"""observability"""
+"""Observability: metrics sinks and timers, FLOPs and MFU, the communication log, the memory planner, evaluation
+prompts.
+
+This face re-exports what other parts of scaletrain use; inside the wing, modules import each other by path.
+"""
+
+from scaletrain.observability.comms_log import CommLog
+from scaletrain.observability.eval_prompts import generate_samples, load_eval_prompts
+from scaletrain.observability.flops import ModelFlops, model_flops, peak_tflops
+from scaletrain.observability.memory_planner import (
+    ModelShape,
+    OPTIMIZER_BYTES,
+    auto_loss_chunk,
+    plan_memory,
+    render_memory_plan,
+    weight_bytes,
+)
+from scaletrain.observability.metrics import (
+    LogWindow,
+    METRICS_FILE,
+    MetricsLogger,
+    PhaseClock,
+    StepProfiler,
+    ThroughputModel,
+    read_records,
+)
+
+__all__ = [
+    "CommLog",
+    "LogWindow",
+    "METRICS_FILE",
+    "MetricsLogger",
+    "ModelFlops",
+    "ModelShape",
+    "OPTIMIZER_BYTES",
+    "PhaseClock",
+    "StepProfiler",
+    "ThroughputModel",
+    "auto_loss_chunk",
+    "generate_samples",
+    "load_eval_prompts",
+    "model_flops",
+    "peak_tflops",
+    "plan_memory",
+    "read_records",
+    "render_memory_plan",
+    "weight_bytes",
+]

@@ -114,7 +114,7 @@ class CommLog:
     def __init__(self):
         import deepspeed.comm as ds_comm
 
-        from scaletrain.engine.ds_internals import per_op_comm_latencies
+        from scaletrain.engine import per_op_comm_latencies
 
         world = ds_comm.get_world_size()
         # DeepSpeed's logger, its records made per op, with this module's bandwidth arithmetic

@@ -47,7 +47,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from scaletrain.config.deepspeed_json import bucket_elements
+from scaletrain.config import bucket_elements
 
 GIB = 2**30
 HEADROOM = 0.90  # plan to use at most 90% of a GPU: allocator fragmentation, NCCL buffers, the CUDA context
@@ -344,7 +344,7 @@ def _layout_flags(tp: int, sp: int, pp: int) -> str:
     )
 
 
-def render(
+def render_memory_plan(
     estimates: list[Estimate],
     shape: ModelShape,
     gpus_per_node: int,

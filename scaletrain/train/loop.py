@@ -33,20 +33,13 @@ from dataclasses import dataclass
 from functools import partial
 from typing import Any
 
-from scaletrain.data.blocks import IGNORE_INDEX, EvalBatches
-from scaletrain.config.core import eval_metric_prefix
+from scaletrain.data import EvalBatches, IGNORE_INDEX, StepBatches
+from scaletrain.config import eval_metric_prefix
 from scaletrain.errors import Preempted
 from scaletrain.train.preemption import PreemptionFlag, record_preemption_saved
-from scaletrain.observability.metrics import (
-    LogWindow,
-    MetricsLogger,
-    PhaseClock,
-    StepProfiler,
-    ThroughputModel,
-)
-from scaletrain.engine.ds_internals import SkipSwitch
+from scaletrain.observability import LogWindow, MetricsLogger, PhaseClock, StepProfiler, ThroughputModel
+from scaletrain.engine import SkipSwitch
 from scaletrain.train.nonfinite import NonFiniteGuard
-from scaletrain.data.sampling import StepBatches
 from scaletrain.train.state import TrainState
 
 log = logging.getLogger(__name__)
@@ -72,7 +65,7 @@ def _forward_losses(engine, batch: dict, **forward_kwargs) -> tuple:
     """(summed cross-entropy, the model's output) of one micro-batch."""
     import torch.nn.functional as F
 
-    from scaletrain.model.chunked_loss import chunked_loss_head
+    from scaletrain.model import chunked_loss_head
 
     input_ids = batch["input_ids"].to(engine.device, non_blocking=True)
     # Padding sits only at the end of a block (right padding) and causal attention never looks ahead, so no
@@ -362,7 +355,7 @@ class PipelineStep:
     (ds_internals.before_pipeline_update)."""
 
     def __init__(self, engine, loss):
-        from scaletrain.engine.ds_internals import before_pipeline_update
+        from scaletrain.engine import before_pipeline_update
 
         self.loss = loss  # scaletrain.distributed.pipeline.TokenLoss, the pipe engine's loss_fn
         self._before_update: Callable[[], None] | None = None
@@ -375,7 +368,7 @@ class PipelineStep:
     def step(
         self, engine, batches: StepBatches, data_step: int, settings: LoopSettings, hooks: LoopHooks, timers: StepTimers
     ) -> StepResult:
-        from scaletrain.distributed.pipeline import pipe_micro_batches
+        from scaletrain.distributed import pipe_micro_batches
 
         clock = timers.start_step()
         micro_batches, targets, blocks = batches.for_step(data_step)
@@ -425,7 +418,7 @@ class PipelineStep:
         import deepspeed.comm as ds_comm
         import torch
 
-        from scaletrain.distributed.pipeline import pipe_micro_batches
+        from scaletrain.distributed import pipe_micro_batches
 
         self.loss.scale, self.loss.loss_sum = 1.0, 0.0
         # The stages agree on an activation's shape once per schedule, so each run of equal-shaped batches (the

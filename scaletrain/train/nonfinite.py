@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from collections.abc import Callable
 
-from scaletrain.config.core import NonFiniteArgs
+from scaletrain.config import NonFiniteArgs
 from scaletrain.errors import NonFiniteStop
 from scaletrain.train.state import TrainState
 

@@ -10,15 +10,19 @@ give every rank the same sum. Prints one Markdown row per size (rank 0): the fig
 
 from __future__ import annotations
 
-import argparse
 import statistics
-import time
+import sys
+from functools import partial
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+from scripts.bench.common import bench_parser, timed  # noqa: E402
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = bench_parser(__doc__, repeats=15)
     parser.add_argument("--sizes_kb", default="64,256,1024,2048,4096,8192,16384,65536")
-    parser.add_argument("--repeats", type=int, default=15)
     parser.add_argument("--local_rank", type=int, default=0)  # the deepspeed launcher appends it
     args = parser.parse_args()
 
@@ -48,9 +52,7 @@ def main() -> None:
             for way, all_reduce in ways.items():
                 tensor = torch.full((n,), float(rank + 1))
                 dist.barrier()
-                start = time.perf_counter()
-                all_reduce(tensor)
-                times[way].append(time.perf_counter() - start)
+                times[way].append(timed(partial(all_reduce, tensor)))
                 expected = world * (world + 1) / 2
                 if not bool((tensor == expected).all()):
                     raise SystemExit(f"{way}: wrong sum at {size_kb} KB")

@@ -7,14 +7,15 @@ Mistral v0.2 template fixture and the tiny tokenizer, with --assistant_only_loss
 scaletrain.data.chat_store.render_split. Prints conversations/s for each and the ratio. Both include the workers' start.
 """
 
-import argparse
 import json
 import sys
-import time
+from functools import partial
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
+
+from scripts.bench.common import bench_parser, timed  # noqa: E402
 
 
 def main() -> None:
@@ -24,7 +25,7 @@ def main() -> None:
     from scaletrain.data.chat_render import load_chat_template
     from scaletrain.data.chat_store import ChatData, render_split
 
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = bench_parser(__doc__)
     parser.add_argument("--copies", type=int, default=2000)
     parser.add_argument("--workers", type=int, default=2)
     args = parser.parse_args()
@@ -35,9 +36,8 @@ def main() -> None:
     chat = ChatData("messages", template, "assistant_only")
     rates = {}
     for workers in (1, args.workers):
-        started = time.perf_counter()
-        render_split(ds, tokenizer, chat, "train", False, workers=workers)
-        rates[workers] = len(ds) / (time.perf_counter() - started)
+        seconds = timed(partial(render_split, ds, tokenizer, chat, "train", False, workers=workers))
+        rates[workers] = len(ds) / seconds
         print(f"workers={workers}: {len(ds)} conversations, {rates[workers]:.0f}/s")
     print(f"ratio {args.workers} workers / 1 process: {rates[args.workers] / rates[1]:.2f}")
 

@@ -11,10 +11,8 @@ vocabulary 4096), and the same with a 32k vocabulary. Run it in a checkout of an
 
 from __future__ import annotations
 
-import argparse
 import statistics
 import sys
-import time
 from functools import partial
 from pathlib import Path
 
@@ -26,25 +24,23 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from scaletrain.data.blocks import IGNORE_INDEX  # noqa: E402
 from scaletrain.model.chunked_loss import chunked_token_loss  # noqa: E402
 from scaletrain.observability.memory_planner import auto_loss_chunk  # noqa: E402
+from scripts.bench.common import bench_parser, timed  # noqa: E402
 
 
 def whole_logits_loss(hidden, weight, targets):
     return F.cross_entropy(F.linear(hidden, weight).float(), targets, ignore_index=IGNORE_INDEX, reduction="sum")
 
 
-def timed(loss_fn, hidden, weight) -> float:
+def timed_step(loss_fn, hidden, weight) -> float:
     hidden.grad = weight.grad = None
-    started = time.perf_counter()
-    loss_fn().backward()
-    return time.perf_counter() - started
+    return timed(lambda: loss_fn().backward())
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = bench_parser(__doc__, rounds=15)
     parser.add_argument("--tokens", type=int, default=1024)
     parser.add_argument("--hidden", type=int, default=256)
     parser.add_argument("--vocab", default="4096,32768")
-    parser.add_argument("--rounds", type=int, default=15)
     parser.add_argument("--threads", type=int, default=1)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
@@ -63,10 +59,10 @@ def main() -> None:
         }
         times = {name: [] for name in sides}
         for fn in sides.values():  # warm-up
-            timed(fn, hidden, weight)
+            timed_step(fn, hidden, weight)
         for _ in range(args.rounds):
             for name, fn in sides.items():
-                times[name].append(timed(fn, hidden, weight))
+                times[name].append(timed_step(fn, hidden, weight))
         chunked, whole = (statistics.median(times[name]) * 1e3 for name in ("chunked", "whole"))
         print(
             f"| {args.tokens} x {args.hidden} x {vocab} | {min(chunk, args.tokens)} | {chunked:.1f} | {whole:.1f} "

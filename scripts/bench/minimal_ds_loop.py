@@ -1,4 +1,4 @@
-"""Baseline for scripts/bench_overhead.py: the smallest correct DeepSpeed training loop.
+"""Baseline for scripts/bench/overhead.py: the smallest correct DeepSpeed training loop.
 
 Same model config, same packed blocks, same resolved DeepSpeed JSON (read from the pipeline's run folder) and
 same batch as train.py, with nothing else: no metrics, no progress bar, no loss normalisation across ranks.
@@ -18,7 +18,7 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-from scaletrain.config.core import parse_run_config  # noqa: E402
+from scaletrain.config.cli import parse_run_config  # noqa: E402
 from scaletrain.data.blocks import blocks_from_store  # noqa: E402
 from scaletrain.data.preparation import ensure_token_store  # noqa: E402
 from scaletrain.data.token_store import open_store  # noqa: E402

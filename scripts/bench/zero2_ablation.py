@@ -1,6 +1,6 @@
 """train.py alone under variants of ds_configs/zero2.json: which DeepSpeed setting moves steady tokens/s.
 
-2 ranks (deepspeed launcher), the 5.0M-parameter Llama of scripts/bench_overhead.py, 4 x 256 tokens per rank per step,
+2 ranks (deepspeed launcher), the 5.0M-parameter Llama of scripts/bench/overhead.py, 4 x 256 tokens per rank per step,
 60 steps, fp32; steady tokens/s from the end of step 10 (metrics.jsonl stamps); variants alternate, --rounds times.
 
     python scripts/bench/zero2_ablation.py [--variants default,bucket_model,...] [--rounds 2]
@@ -10,7 +10,6 @@ Variants: default, unfused, no_overlap, allreduce, bucket5e8, bucket_model, redu
 
 from __future__ import annotations
 
-import argparse
 import copy
 import json
 import statistics
@@ -21,7 +20,15 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
-from scripts.bench_overhead import bench_model, launch, steady_rate  # noqa: E402
+from scripts.bench.common import (  # noqa: E402
+    bench_model,
+    bench_parser,
+    launch,
+    median_runs,
+    metrics,
+    records_rate,
+    train_args,
+)
 
 VARIANTS = {  # (zero_optimization changes, optimizer.params changes)
     "default": ({}, {}),
@@ -39,9 +46,8 @@ STEPS, WARMUP, BATCH, BLOCK, RANKS = 60, 10, 4, 256, 2
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = bench_parser(__doc__, rounds=2)
     parser.add_argument("--variants", default=",".join(VARIANTS))
-    parser.add_argument("--rounds", type=int, default=2)
     args = parser.parse_args()
     names = args.variants.split(",")
     base = json.loads((REPO / "ds_configs" / "zero2.json").read_text())
@@ -58,33 +64,10 @@ def main() -> None:
                 path = tmp / f"{name}.json"
                 path.write_text(json.dumps(config))
                 run = tmp / f"{name}{round_}"
-                launch(
-                    "train.py",
-                    [
-                        "--config",
-                        str(path),
-                        "--config_name",
-                        str(model),
-                        "--output_dir",
-                        str(run),
-                        "--max_steps",
-                        str(STEPS),
-                        "--block_size",
-                        str(BLOCK),
-                        "--per_device_train_batch_size",
-                        str(BATCH),
-                        "--validation_split_percentage",
-                        "0",
-                        "--no-export_hf_at_end",
-                        "--no-save_at_end",
-                        "--disable_tqdm",
-                    ],
-                    RANKS,
-                )
-                records = [r for r in map(json.loads, (run / "metrics.jsonl").read_text().splitlines()) if "loss" in r]
-                rate = steady_rate(
-                    [r["step"] for r in records], [r["time"] for r in records], RANKS * BATCH * BLOCK, WARMUP
-                )
+                flags = train_args(path, model, run, STEPS, BLOCK, BATCH, "--no-export_hf_at_end", "--no-save_at_end")
+                launch("train.py", flags, RANKS)
+                records = metrics(run, "loss")
+                rate = records_rate(records, RANKS * BATCH * BLOCK, WARMUP)
                 rates[name].append(rate)
                 print(
                     f"round {round_}: {name}: {rate:.0f} tokens/s (forward {records[-1]['forward_s']:.3f} s, "
@@ -93,8 +76,7 @@ def main() -> None:
                 )
     default = statistics.median(rates.get("default") or rates[names[0]])
     for name in names:
-        median = statistics.median(rates[name])
-        print(f"| {name} | {median:.0f} ({', '.join(f'{r:.0f}' for r in rates[name])}) | {median / default:.2f} |")
+        print(f"| {name} | {median_runs(rates[name])} | {statistics.median(rates[name]) / default:.2f} |")
 
 
 if __name__ == "__main__":

@@ -1,7 +1,7 @@
 """Checkpoint benchmark: save and load seconds against checkpoint size; start-to-first-step after a resume at an
 early and at a late data position (equal within noise: a resume seeks to its position, it replays no data).
 
-    python scripts/bench_checkpoint.py            # prints Markdown rows for BENCHMARKS.md and JSON lines
+    python scripts/bench/checkpoint.py            # prints Markdown rows for BENCHMARKS.md and JSON lines
 
 Sizes: the tiny Llama widened (hidden 128 / 512 / 1024), ZeRO-2, 2 ranks, fp32, one committed checkpoint each;
 the save and load seconds are the ones train.py logs (DeepSpeed save + commit; DeepSpeed load + train state), and
@@ -12,24 +12,21 @@ first epoch); each is resumed in a fresh process timed from Popen to the wall-cl
 
 from __future__ import annotations
 
-import argparse
 import json
-import os
 import re
 import shutil
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
 from data.build_tiny_llama import tiny_llama_variant  # noqa: E402
+from scripts.bench.common import bench_parser, launch, metrics  # noqa: E402
 
-BIN = Path(sys.executable).parent
 COMMON = [
     "--config",
     "ds_configs/zero2.json",
@@ -51,13 +48,9 @@ def model(folder: Path, hidden: int, layers: int) -> Path:
 
 
 def train(args: list, nprocs: int = 2) -> tuple:
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "PYTHONPATH": str(REPO)}
-    cmd = [str(BIN / "deepspeed"), "--num_gpus", str(nprocs), "train.py", *COMMON, *args]
+    """(the wall-clock time at the launch, train.py's stdout) of one run with COMMON and `args`."""
     started = time.time()
-    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True)
-    if proc.returncode != 0:
-        sys.exit(f"{' '.join(cmd)} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
-    return started, proc.stdout
+    return started, launch("train.py", [*COMMON, *args], nprocs)
 
 
 def seconds(pattern: str, text: str) -> list:
@@ -69,9 +62,8 @@ def dir_bytes(folder: Path) -> int:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = bench_parser(__doc__, rounds=3)
     parser.add_argument("--late", type=int, default=400, help="the late save step (the first epoch has 435)")
-    parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--positions_only", action="store_true", help="skip the save/load sizes part")
     parser.add_argument("--sizes_only", action="store_true", help="skip the resume-position part")
     args = parser.parse_args()
@@ -80,41 +72,15 @@ def main() -> None:
     for hidden, layers in () if args.positions_only else ((128, 4), (512, 8), (1024, 8)):
         folder = model(tmp / f"m{hidden}", hidden, layers)
         out = tmp / f"run{hidden}"
-        _, log = train(
-            [
-                "--config_name",
-                str(folder),
-                "--tokenizer_name",
-                str(folder),
-                "--output_dir",
-                str(out),
-                "--max_steps",
-                "2",
-                "--per_device_train_batch_size",
-                "2",
-            ]
-        )
+        run = ["--config_name", str(folder), "--tokenizer_name", str(folder), "--output_dir", str(out)]
+        run += ["--max_steps", "2", "--per_device_train_batch_size", "2"]
+        _, log = train(run)
         size = dir_bytes(out / "checkpoints" / "step2")
         save = seconds(r"saved checkpoint \S+ in ([\d.]+)s", log)[-1]
         save_hash = seconds(r"saved checkpoint \S+ in [\d.]+s \(of which SHA-256 ([\d.]+)s on rank 0", log)[-1]
         loads, checks = [], []
         for _ in range(args.rounds):
-            _, log = train(
-                [
-                    "--config_name",
-                    str(folder),
-                    "--tokenizer_name",
-                    str(folder),
-                    "--output_dir",
-                    str(out),
-                    "--max_steps",
-                    "2",
-                    "--per_device_train_batch_size",
-                    "2",
-                    "--resume_from_checkpoint",
-                    str(out / "checkpoints" / "step2"),
-                ]
-            )
+            _, log = train([*run, "--resume_from_checkpoint", str(out / "checkpoints" / "step2")])
             loads += seconds(r"resumed from \S+ \(step \d+, \d+ samples seen\) in ([\d.]+)s", log)[:1]
             checks += seconds(r"checked the SHA-256 of \d+ of \S+ files \([\d.]+ MB\) in ([\d.]+)s on rank 0", log)[:1]
         rows.append(
@@ -159,8 +125,7 @@ def main() -> None:
             started, _ = train(
                 ["--output_dir", str(resumed), "--max_steps", str(step + 1), "--per_device_train_batch_size", "4"]
             )  # --resume_from_checkpoint auto
-            records = [json.loads(line) for line in (resumed / "metrics.jsonl").read_text().splitlines()]
-            [first] = [r for r in records if r["step"] == step + 1 and "tokens_per_s" in r]
+            [first] = [r for r in metrics(resumed, "tokens_per_s") if r["step"] == step + 1]
             first_step[label].append(round(first["time"] - started, 2))
     first_step["ratio_late_over_early"] = statistics.median(first_step["late"]) / statistics.median(first_step["early"])
     print(json.dumps(first_step))

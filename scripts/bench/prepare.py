@@ -9,7 +9,7 @@ tokenized with an 8k byte-level BPE trained on it here. Three measurements, each
              and encode_batch_fast (no character offsets, what the store calls): the tokenizing alone, nothing else
 and the share of corpus tokens each packing keeps for training.
 
-    python scripts/bench_prepare.py --num_proc 2
+    python scripts/bench/prepare.py --num_proc 2
 """
 
 from __future__ import annotations
@@ -25,8 +25,10 @@ import time
 from itertools import chain
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
+
+from scripts.bench.common import bench_parser  # noqa: E402
 
 
 def build_corpus(folder: Path) -> Path:
@@ -95,7 +97,7 @@ def run_recipe(corpus: Path, tokenizer_dir: Path, block_size: int, num_proc: int
 
 
 def run_store(corpus: Path, tokenizer_dir: Path, block_size: int, num_proc: int, out: Path) -> tuple:
-    from scaletrain.config.core import DataArgs
+    from scaletrain.config.slices import DataArgs
     from scaletrain.data.preparation import prepare_token_store
     from scaletrain.data.token_store import open_store
     from transformers import AutoTokenizer
@@ -139,9 +141,8 @@ def measure(which: str, corpus: Path, tokenizer_dir: Path, block_size: int, num_
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = bench_parser(__doc__, block_size=1024)
     parser.add_argument("--num_proc", type=int, default=2)
-    parser.add_argument("--block_size", type=int, default=1024)
     parser.add_argument("--only", choices=["tokenizer", "tokenizer_fast", "recipe", "store"], help=argparse.SUPPRESS)
     parser.add_argument("--work", help=argparse.SUPPRESS)
     args = parser.parse_args()

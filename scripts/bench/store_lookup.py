@@ -1,7 +1,7 @@
 """Start-up cost of finding the cached token store: what every rank computes at every start of train.py on raw
 data (the store's fingerprint and its cache path), on a --train_file of --size_gib GiB written here.
 
-    python scripts/bench_store_lookup.py --size_gib 1
+    python scripts/bench/store_lookup.py --size_gib 1
 
 Run it from another checkout (PYTHONPATH) to compare versions; the file is read once before timing (page cache warm,
 the lookup's best case: a cold read from a network file system is slower).
@@ -9,27 +9,26 @@ the lookup's best case: a cold read from a network file system is slower).
 
 from __future__ import annotations
 
-import argparse
 import json
 import statistics
 import sys
 import tempfile
-import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
+
+from scripts.bench.common import bench_parser, timed  # noqa: E402
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = bench_parser(__doc__, repeats=3)
     parser.add_argument("--size_gib", type=float, default=1.0)
-    parser.add_argument("--repeats", type=int, default=3)
     args = parser.parse_args()
 
     from transformers import AutoTokenizer
 
-    from scaletrain.config.core import parse_run_config
+    from scaletrain.config.cli import parse_run_config
     from scaletrain.data.preparation import default_store_path, store_fingerprint
 
     with tempfile.TemporaryDirectory() as tmp:
@@ -43,11 +42,7 @@ def main() -> None:
         ).data
         tokenizer = AutoTokenizer.from_pretrained(REPO / "data" / "tiny-llama")
         corpus.read_bytes()  # into the page cache
-        times = []
-        for _ in range(args.repeats):
-            started = time.perf_counter()
-            default_store_path(store_fingerprint(data, tokenizer, 64))
-            times.append(time.perf_counter() - started)
+        times = [timed(lambda: default_store_path(store_fingerprint(data, tokenizer, 64))) for _ in range(args.repeats)]
         each = ", ".join(f"{t * 1000:.1f}" for t in times)
         print(
             f"store lookup, {corpus.stat().st_size / 2**30:.2f} GiB --train_file: median "

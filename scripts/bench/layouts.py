@@ -7,24 +7,31 @@ B/4 through the 1F1B schedule), on the same global batch of B blocks,
 and reports steady-state tokens/s per rank (tokens between the end of step --warmup and the last step, over the
 wall-clock stamps of metrics.jsonl, divided by the ranks).
 
-    python scripts/bench_layouts.py               # prints Markdown rows for BENCHMARKS.md and a JSON line
+    python scripts/bench/layouts.py               # prints Markdown rows for BENCHMARKS.md and a JSON line
 
 On a CPU this measures the CPU (gloo, shared-memory all-reduce, 2 cores), not what a GPU node with NVLink does.
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import statistics
 import sys
 import tempfile
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
-from scripts.bench_overhead import bench_model, launch, steady_rate  # noqa: E402
+from scripts.bench.common import (  # noqa: E402
+    bench_model,
+    bench_parser,
+    launch,
+    median_runs,
+    metrics,
+    records_rate,
+    train_args,
+)
 
 LAYOUTS = {  # name -> (flags, micro-batch as a fraction of the global batch, ZeRO config)
     "data parallel 2": ([], 2, "zero2"),
@@ -35,11 +42,7 @@ LAYOUTS = {  # name -> (flags, micro-batch as a fraction of the global batch, Ze
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--steps", type=int, default=40)
-    parser.add_argument("--warmup", type=int, default=10)
-    parser.add_argument("--rounds", type=int, default=2)
-    parser.add_argument("--block_size", type=int, default=256)
+    parser = bench_parser(__doc__, steps=40, warmup=10, rounds=2, block_size=256)
     parser.add_argument("--global_batch", type=int, default=8)
     args = parser.parse_args()
 
@@ -47,46 +50,26 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = bench_model(Path(tmp) / "model")
         for round_ in range(args.rounds):
-            for name, (flags, split, config) in LAYOUTS.items():
+            for name, (layout, split, config) in LAYOUTS.items():
                 run_dir = Path(tmp) / f"{name.replace(' ', '_')}{round_}"
-                launch(
-                    "train.py",
-                    [
-                        "--config",
-                        f"ds_configs/{config}.json",
-                        "--config_name",
-                        str(model_dir),
-                        "--output_dir",
-                        str(run_dir),
-                        "--max_steps",
-                        str(args.steps),
-                        "--block_size",
-                        str(args.block_size),
-                        "--per_device_train_batch_size",
-                        str(args.global_batch // split),
-                        "--validation_split_percentage",
-                        "0",
-                        "--no-export_hf_at_end",
-                        "--disable_tqdm",
-                        *flags,
-                    ],
-                    2,
+                batch = args.global_batch // split
+                flags = train_args(
+                    f"ds_configs/{config}.json",
+                    model_dir,
+                    run_dir,
+                    args.steps,
+                    args.block_size,
+                    batch,
+                    "--no-export_hf_at_end",
+                    *layout,
                 )
-                records = [
-                    r for r in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines()) if "loss" in r
-                ]
-                rate = steady_rate(
-                    [r["step"] for r in records],
-                    [r["time"] for r in records],
-                    args.global_batch * args.block_size,
-                    args.warmup,
-                )
+                launch("train.py", flags, 2)
+                rate = records_rate(metrics(run_dir, "loss"), args.global_batch * args.block_size, args.warmup)
                 rates[name].append(rate / 2)
                 print(f"round {round_}: {name}: {rates[name][-1]:.0f} tokens/s per rank", flush=True)
     baseline = statistics.median(rates["data parallel 2"])
     for name, values in rates.items():
-        median = statistics.median(values)
-        print(f"| {name} | {median:.0f} ({', '.join(f'{v:.0f}' for v in values)}) | {median / baseline:.2f} |")
+        print(f"| {name} | {median_runs(values)} | {statistics.median(values) / baseline:.2f} |")
     print(
         json.dumps(
             {

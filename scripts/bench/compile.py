@@ -5,72 +5,51 @@ benchmark, logging every step: eager, then --torch_compile (inductor). Reports t
 after --warmup) and the start-up cost: the compiled run's extra time over its first --warmup steps (graph capture and
 code generation happen there) against the eager run's.
 
-    python scripts/bench_compile.py [--steps 40 --warmup 10 --rounds 2]   # Markdown rows and a JSON line
+    python scripts/bench/compile.py [--steps 40 --warmup 10 --rounds 2]   # Markdown rows and a JSON line
 
 On a CPU this measures inductor's C++/OpenMP code on 2 cores, not Triton kernels on a GPU.
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import statistics
 import sys
 import tempfile
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
-from scripts.bench_overhead import bench_model, launch  # noqa: E402
+from scripts.bench.common import bench_model, bench_parser, launch, median_runs, metrics, train_args  # noqa: E402
 
 MODES = {"eager": [], "compiled (inductor)": ["--torch_compile"]}
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--steps", type=int, default=40)
-    parser.add_argument("--warmup", type=int, default=10)
-    parser.add_argument("--rounds", type=int, default=2)
-    parser.add_argument("--block_size", type=int, default=256)
-    parser.add_argument("--batch", type=int, default=4)
-    args = parser.parse_args()
+    args = bench_parser(__doc__, steps=40, warmup=10, rounds=2, block_size=256, batch=4).parse_args()
 
     steady = {name: [] for name in MODES}
     startup = {name: [] for name in MODES}
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = bench_model(Path(tmp) / "model")
         for round_ in range(args.rounds):
-            for name, flags in MODES.items():
+            for name, mode in MODES.items():
                 run_dir = Path(tmp) / f"{name.split()[0]}{round_}"
-                launch(
-                    "train.py",
-                    [
-                        "--config",
-                        "ds_configs/zero2.json",
-                        "--config_name",
-                        str(model_dir),
-                        "--output_dir",
-                        str(run_dir),
-                        "--max_steps",
-                        str(args.steps),
-                        "--logging_steps",
-                        "1",
-                        "--block_size",
-                        str(args.block_size),
-                        "--per_device_train_batch_size",
-                        str(args.batch),
-                        "--validation_split_percentage",
-                        "0",
-                        "--no-export_hf_at_end",
-                        "--disable_tqdm",
-                        *flags,
-                    ],
-                    1,
+                flags = train_args(
+                    "ds_configs/zero2.json",
+                    model_dir,
+                    run_dir,
+                    args.steps,
+                    args.block_size,
+                    args.batch,
+                    "--logging_steps",
+                    "1",
+                    "--no-export_hf_at_end",
+                    *mode,
                 )
-                records = [
-                    r for r in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines()) if "loss" in r
-                ]
+                launch("train.py", flags, 1)
+                records = metrics(run_dir, "loss")
                 times = [r["step_time_s"] for r in records]
                 steady[name].append(statistics.median(times[args.warmup :]))
                 startup[name].append(sum(times[: args.warmup]))
@@ -83,10 +62,7 @@ def main() -> None:
     for name in MODES:
         step = statistics.median(steady[name])
         extra = statistics.median(startup[name]) - statistics.median(startup["eager"])
-        print(
-            f"| {name} | {step * 1e3:.1f} ({', '.join(f'{v * 1e3:.1f}' for v in steady[name])}) | "
-            f"{step / eager:.2f} | {extra:+.1f} s |"
-        )
+        print(f"| {name} | {median_runs(steady[name], '.1f', 1e3)} | {step / eager:.2f} | {extra:+.1f} s |")
     print(
         json.dumps(
             {

@@ -1,0 +1,68 @@
+"""Every hook that check_hooks() resolves from its class or module, without an engine, from every area module (the
+instance-only ones are checked where they are used); tests/test_ds_internals.py runs it, so an upgrade that moves
+one fails there first."""
+
+from __future__ import annotations
+
+from scaletrain.engine.ds_internals.checkpoints import (
+    CHECKPOINT_WRITE,
+    RECOVERY_SCRIPT,
+    UNIVERSAL_CONVERTER,
+    UNIVERSAL_VERSION,
+)
+from scaletrain.engine.ds_internals.comm import (
+    BACKEND_ALL_REDUCE,
+    COMM_BACKEND,
+    COMMS_APPEND,
+    COMMS_LOGGER,
+    SHM_BUILD,
+)
+from scaletrain.engine.ds_internals.op_builds import (
+    BUILD_DIRECTORY,
+    BUILDER_COMPATIBLE,
+    BUILDER_LOAD,
+    CREATE_OP_BUILDER,
+    INSTALLED_OPS,
+)
+from scaletrain.engine.ds_internals.optimizer import STAGE3_CHECK, STAGE3_CLEANUP, STAGE12_CHECK, STAGE12_INIT
+from scaletrain.engine.ds_internals.pipeline import PIPE_CLIP, PIPE_INSTRUCTIONS, PIPE_OPTIMIZER_STEP
+from scaletrain.engine.ds_internals.release import FWD_MODULE_STACK, PARAMS_TO_RELEASE, PIPE_P2P_GRID, PIPE_P2P_GROUPS
+from scaletrain.engine.ds_internals.tensor_parallel import TP_GATHER, TP_GROUPS
+
+# What check_hooks() resolves from the classes; the instance-only ones are checked where they are used.
+HOOKS = (
+    STAGE3_CHECK,
+    STAGE3_CLEANUP,
+    STAGE12_CHECK,
+    STAGE12_INIT,
+    FWD_MODULE_STACK,
+    PARAMS_TO_RELEASE,
+    BUILD_DIRECTORY,
+    INSTALLED_OPS,
+    CREATE_OP_BUILDER,
+    BUILDER_LOAD,
+    BUILDER_COMPATIBLE,
+    SHM_BUILD,
+    COMM_BACKEND,
+    BACKEND_ALL_REDUCE,
+    UNIVERSAL_CONVERTER,
+    UNIVERSAL_VERSION,
+    TP_GROUPS,
+    TP_GATHER,
+    PIPE_INSTRUCTIONS,
+    PIPE_OPTIMIZER_STEP,
+    PIPE_CLIP,
+    PIPE_P2P_GROUPS,
+    PIPE_P2P_GRID,
+    COMMS_LOGGER,
+    COMMS_APPEND,
+    CHECKPOINT_WRITE,
+    RECOVERY_SCRIPT,
+)
+
+
+def check_hooks() -> list[str]:
+    """Resolve every hook against the installed DeepSpeed and torch, without an engine; the names checked."""
+    for hook in HOOKS:
+        hook.resolve()
+    return [hook.where for hook in HOOKS]

@@ -1,0 +1,103 @@
+"""DeepSpeed's checkpoints: the universal checkpoint (the version scaletrain writes into every checkpoint, and the
+ds_to_universal converter that reshards one for another rank count), and the record of every file a save writes,
+with a failed write (a full disk) kept instead of raised so that the failing rank still reaches DeepSpeed's barriers."""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+from scaletrain.engine.ds_internals.guard import Hook
+
+UNIVERSAL_CHECKPOINT_VERSION = 0.4  # the universal_checkpoint_info version DeepSpeed 0.19 writes and converts
+_UNIVERSAL, _UNIVERSAL_INSTEAD = "resuming on another rank count", "resume with the rank count it was saved with"
+
+
+def _not_ours(version: Any) -> str | None:
+    if version == UNIVERSAL_CHECKPOINT_VERSION:
+        return None
+    return f"is {version}, scaletrain writes {UNIVERSAL_CHECKPOINT_VERSION} into its checkpoints"
+
+
+UNIVERSAL_CONVERTER = Hook("deepspeed.checkpoint.ds_to_universal", None, _UNIVERSAL, _UNIVERSAL_INSTEAD)
+UNIVERSAL_VERSION = Hook(
+    "deepspeed.checkpoint.constants",
+    "UNIVERSAL_CHECKPOINT_VERSION_VALUE",
+    _UNIVERSAL,
+    _UNIVERSAL_INSTEAD,
+    problem=_not_ours,
+)
+_SAVE = "checksums and full-disk handling of checkpoint saves"
+CHECKPOINT_WRITE = Hook("deepspeed.runtime.checkpoint_engine.checkpoint_engine:CheckpointEngine", "save", _SAVE)
+RECOVERY_SCRIPT = Hook("deepspeed.runtime.engine:DeepSpeedEngine", "_copy_recovery_script", _SAVE)
+
+
+def universal_checkpoint_info(tensor_parallel_size: int = 1) -> dict:
+    """The client-state entry that lets ds_to_universal convert a checkpoint for another rank count. Under tensor
+    parallelism AutoTP records its own (how each parameter is split), and the client state would overwrite it: then
+    ds_to_universal merges the shards wrongly without an error. So none is added there."""
+    if tensor_parallel_size > 1:
+        return {}
+    return {"universal_checkpoint_info": {"universal_checkpoint_version": UNIVERSAL_CHECKPOINT_VERSION}}
+
+
+def universal_conversion_command(ckpt, out) -> list[str]:
+    """The command that converts checkpoint folder `ckpt` into a universal checkpoint in `out`."""
+    module = UNIVERSAL_CONVERTER.resolve()
+    return [
+        sys.executable,
+        "-m",
+        module,
+        "--input_folder",
+        str(ckpt),
+        "--output_folder",
+        str(out),
+        "--inject_missing_state",
+    ]
+
+
+@dataclass
+class CheckpointWrites:
+    """What one rank wrote during engine.save_checkpoint: the files, and the first write that failed (or None)."""
+
+    paths: list = field(default_factory=list)
+    failed: tuple | None = None  # (path, exception)
+
+
+@contextmanager
+def recorded_checkpoint_writes(engine, is_write_failure: Callable[[BaseException], bool]) -> Iterator[CheckpointWrites]:
+    """Record this rank's checkpoint files while DeepSpeed saves. A write failure (`is_write_failure`: a full disk)
+    is kept instead of raised, and later writes are skipped: raising would leave this rank out of the barriers that
+    DeepSpeed's save_checkpoint runs after the writes, with the other ranks waiting in them for ever."""
+    writes = CheckpointWrites()
+    checkpoint_engine = engine.checkpoint_engine
+    write = CHECKPOINT_WRITE.on(checkpoint_engine)
+    copy_script = RECOVERY_SCRIPT.on(engine)
+
+    def guarded(action: Callable[..., Any], where: str, *args: Any, **kwargs: Any) -> bool:
+        if writes.failed is not None:
+            return False
+        try:
+            action(*args, **kwargs)
+        except (OSError, RuntimeError) as err:
+            if not is_write_failure(err):
+                raise
+            writes.failed = (str(where), err)
+            return False
+        return True
+
+    def save(state_dict, path, *args, **kwargs):
+        if guarded(write, path, state_dict, path, *args, **kwargs):
+            writes.paths.append(str(path))
+
+    def copy_recovery_script(save_path, *args, **kwargs):  # its files are not recorded: rank 0 hashes those
+        guarded(copy_script, save_path, save_path, *args, **kwargs)
+
+    checkpoint_engine.save, engine._copy_recovery_script = save, copy_recovery_script
+    try:
+        yield writes
+    finally:
+        del checkpoint_engine.save, engine._copy_recovery_script  # the class's methods again

@@ -1,0 +1,79 @@
+"""DeepSpeed's pipeline engine: the step-boundary agreement run right before each update (the schedule's
+OptimizerStep), ZeRO-0's gradient clipping fixed to use every stage's norm, and other stages' layers released.
+
+The clipping: under ZeRO-0, DeepSpeed 0.19.8 computes the clipping norm with the pipe grid as `mpu`, whose "model
+parallel rank" is the stage, so only stage 0's gradients enter the norm and every stage clips by it;
+fix_pipeline_stage0_clipping replaces DeepSpeedEngine.clip_fp32_gradients with the norm over every stage."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from scaletrain.engine.ds_internals.guard import Hook, require
+
+_PP, _PP_INSTEAD = "pipeline parallelism (--pipeline_parallel_size)", "train without --pipeline_parallel_size"
+PIPE_INSTRUCTIONS = Hook("deepspeed.runtime.pipe.engine:PipelineEngine", "_INSTRUCTION_MAP", _PP, _PP_INSTEAD)
+PIPE_OPTIMIZER_STEP = Hook("deepspeed.runtime.pipe.schedule", "OptimizerStep", _PP, _PP_INSTEAD)
+PIPE_SPECS = Hook("deepspeed.runtime.pipe.module:PipelineModule", "_layer_specs", _PP, _PP_INSTEAD)  # instance
+PIPE_CLIP = Hook("deepspeed.runtime.engine:DeepSpeedEngine", "clip_fp32_gradients", _PP, _PP_INSTEAD)
+
+
+def before_pipeline_update(engine, callback: Callable[[], None]) -> None:
+    """Call `callback()` on every rank right before each pipeline update (the schedule's OptimizerStep, which every
+    stage reaches once per train_batch, after its gradients are reduced): a collective there lines up."""
+    step_instruction = PIPE_OPTIMIZER_STEP.resolve()
+    table = dict(PIPE_INSTRUCTIONS.on(type(engine)))
+    update = table[step_instruction]
+
+    def agreed_update(self, *args, **kwargs):
+        callback()
+        return update(self, *args, **kwargs)
+
+    table[step_instruction] = agreed_update
+    engine._INSTRUCTION_MAP = table  # the instance's table: the class's stays DeepSpeed's
+
+
+def fix_pipeline_stage0_clipping(engine) -> None:
+    """ZeRO-0 under pipeline parallelism: clip by the norm of every stage's gradients (see the module docstring).
+
+    Each parameter counts once: a tied weight (held by the first and last stage, its gradient all-reduced between
+    them) only on the lowest rank of its tie group. The norm is summed over the pipe group (the data-parallel
+    replicas hold equal, already averaged gradients) and kept as the engine's global gradient norm."""
+    import torch
+    import torch.distributed as torch_dist
+
+    PIPE_CLIP.on(engine)
+    module, grid = engine.module, engine.grid
+    tied_elsewhere = set()
+    for comm in getattr(module, "tied_comms", {}).values():
+        if engine.global_rank != min(comm["ranks"]):
+            tied_elsewhere.update(id(p) for p in comm["module"].parameters())
+    counted = [p for p in module.parameters() if id(p) not in tied_elsewhere]
+    max_norm = engine.gradient_clipping()
+
+    def clip_over_every_stage():
+        squares = torch.zeros(1, dtype=torch.float64, device=engine.device)
+        for param in counted:
+            if param.grad is not None:
+                squares += param.grad.detach().double().pow(2).sum()
+        torch_dist.all_reduce(squares, group=grid.get_pipe_parallel_group())
+        norm = float(squares.sqrt())
+        factor = max_norm / (norm + 1e-6)
+        if factor < 1.0:
+            for param in module.parameters():
+                if param.grad is not None:
+                    param.grad.detach().mul_(factor)
+        engine._global_grad_norm = norm
+        return norm
+
+    engine.clip_fp32_gradients = clip_over_every_stage
+
+
+def release_other_stages(module) -> None:
+    """Drop the PipelineModule's references to the layers of other stages (their LayerSpecs hold the Hugging Face
+    modules they wrap), so each rank keeps only its own stage's weights once the full model it built is gone."""
+    specs = PIPE_SPECS.on(module)
+    start, stop = require(module, "_local_start", _PP, _PP_INSTEAD), require(module, "_local_stop", _PP, _PP_INSTEAD)
+    for index, spec in enumerate(specs):
+        if not start <= index < stop and hasattr(spec, "module_args"):
+            spec.module_args, spec.module_kwargs = (), {}

@@ -44,7 +44,7 @@ from scaletrain.distributed import (
     rank_hosts,
     resolve_layout,
 )
-from scaletrain.engine import check_compile, compile_requested
+from scaletrain.engine import check_compile, check_deepspeed_hooks, compile_requested
 from scaletrain.observability import load_eval_prompts, METRICS_FILE, model_flops, ModelFlops, read_records
 from scaletrain.model import (
     check_model_features,
@@ -83,6 +83,7 @@ class ResolvedRun:
     router_loss: Any = None  # a mixture-of-experts model's load-balancing loss (model/moe.py RouterLoss) or None
     eval_prompts: Any = None  # --eval_prompts read and tokenized (observability/eval_prompts.py) or None
     chat: Any = None  # chat data (data/chat_store.py ChatData): its template and loss mode, or None for text
+    attn_implementation: str | None = None  # the attention backend: --attn_implementation, or transformers' choice
 
 
 def hardware_facts() -> HardwareFacts:
@@ -275,6 +276,7 @@ def resolve_run(argv: Sequence[str] | None, dist: DistInfo) -> ResolvedRun:
     Each wing checks its own flags; what one check finds is handed on to those after it that need it."""
     cfg = parse_run_config(argv)
     dist = place_ranks(cfg.parallel, cfg.planning, dist)
+    check_deepspeed_hooks()  # a DeepSpeed internal that moved: one line now, not a crash in the first step
     raw_ds_config = load_ds_config(cfg.engine.config)
     model_config = load_model_config(cfg.model)
     check_model_layout(cfg.parallel, model_config)
@@ -319,6 +321,7 @@ def resolve_run(argv: Sequence[str] | None, dist: DistInfo) -> ResolvedRun:
         router_loss=router_loss,
         eval_prompts=eval_prompts,
         chat=chat,
+        attn_implementation=attn,
     )
 
 
@@ -415,6 +418,12 @@ def describe_launch(resolved: ResolvedRun, dist: DistInfo) -> None:
         describe_layout(dist),
     )
     log.info("precision: %s (%s)", resolved.ds.precision, resolved.ds.precision_reason)
+    named = resolved.cfg.model.attn_implementation is not None
+    log.info(
+        "attention: %s (%s)",
+        resolved.attn_implementation,
+        "--attn_implementation" if named else f"transformers' choice for {resolved.model_config.model_type}",
+    )
     log.info("resolved DeepSpeed config (%s):\n%s", resolved.cfg.engine.config, resolved.ds.explained())
 
 

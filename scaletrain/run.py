@@ -3,10 +3,10 @@ what one phase hands to the next, so train.py can read as a table of contents.""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import random
-import sys
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -23,9 +23,8 @@ from scaletrain.checkpoint import (
     newest_committed,
     offload_setting,
     planned_checkpoint_bytes,
-    push_to_hub,
+    publish_export,
     reply_end_ids,
-    RUN_FILES,
     save_checkpoint,
     verified_resume_checkpoint,
 )
@@ -43,6 +42,7 @@ from scaletrain.data import (
     validation_sets,
 )
 from scaletrain.distributed import (
+    all_gather_objects,
     barrier,
     broadcast_from_main,
     build_pipeline_module,
@@ -67,7 +67,7 @@ from scaletrain.engine import (
     restart_schedule,
     restore_weight_decay,
     SkipSwitch,
-    warmup_steps_for,
+    schedule_for,
 )
 from scaletrain.model import apply_lora, base_identity, build_model, build_qlora_model, mark_leaf_modules, merged_dir
 from scaletrain.errors import NonFiniteStop, RunEnded
@@ -83,7 +83,14 @@ from scaletrain.train import (
     train_loop,
     TrainState,
 )
-from scaletrain.observability import generate_samples, MetricsLogger, peak_tflops, StepProfiler, ThroughputModel
+from scaletrain.observability import (
+    comms_summary,
+    generate_samples,
+    MetricsLogger,
+    peak_tflops,
+    StepProfiler,
+    ThroughputModel,
+)
 from scaletrain.preflight import (
     RUN_CONFIG_FILE,
     ResolvedRun,
@@ -164,13 +171,13 @@ class Run:
         seed_everything(self.cfg.optim.seed)
 
     def build_model(self) -> None:
+        # The backend the pre-flight's meta model was built with: the one named, or the one transformers chose.
+        args = dataclasses.replace(self.cfg.model, attn_implementation=self.resolved.attn_implementation)
         if self.cfg.peft.load_in_4bit:  # QLoRA: the base in 4 bits on this rank's GPU, then LoRA as below
-            self.model, self._zero3_keepalive = build_qlora_model(
-                self.cfg.model, self.resolved.model_config, self.resolved.ds
-            )
+            self.model, self._zero3_keepalive = build_qlora_model(args, self.resolved.model_config, self.resolved.ds)
         else:
             self.model, self._zero3_keepalive = build_model(
-                self.cfg.model, self.resolved.model_config, self.resolved.ds.config, self.resolved.ds.zero_stage
+                args, self.resolved.model_config, self.resolved.ds.config, self.resolved.ds.zero_stage
             )
         if self.cfg.peft.use_peft:  # LoRA: peft wraps the built (ZeRO-3: partitioned) model; only the adapter trains
             self.model = apply_lora(self.model, self.cfg.peft)
@@ -267,10 +274,11 @@ class Run:
             ramp=ramp or None,
         )
         total = optim.max_steps if optim.max_steps > 0 else self.order.total_steps(optim.num_train_epochs)
-        self.schedule = LRSchedule(
+        self.schedule = schedule_for(
             optim.lr_scheduler_type,
             total,
-            warmup_steps_for(total, optim.warmup_steps, optim.warmup_ratio),
+            optim.warmup_steps,
+            optim.warmup_ratio,
             optim.min_lr_ratio,
             optim.decay_ratio,
         )
@@ -509,14 +517,16 @@ class Run:
                 ),
             )
             return
-        if self.eval_sets:
-            self.metrics.log(
-                {"step": self.state.step, **evaluate_sets(self.engine, self.eval_sets, self.pipeline_step)}
-            )
-        if self.resolved.eval_prompts:
-            self.generate_samples(self.state.step)
-        # Decided once, by rank 0: ranks that disagreed about entering the collective save would hang in it.
-        newest = broadcast_from_main(newest_committed(self.cfg.run.output_dir) if self.dist.is_main else None)
+        # Decided once, by rank 0: ranks that disagreed about entering a collective save or evaluation would hang in
+        # it. A run resumed at its last step (already complete) has evaluated it: its records are not repeated.
+        step = self.state.step
+        newest, evaluated = broadcast_from_main(
+            (newest_committed(self.cfg.run.output_dir), self.metrics.evaluated(step)) if self.dist.is_main else None
+        )
+        if self.eval_sets and not evaluated:
+            self.metrics.log({"step": step, **evaluate_sets(self.engine, self.eval_sets, self.pipeline_step)})
+        if self.resolved.eval_prompts and not evaluated:
+            self.generate_samples(step)
         if self.cfg.checkpoint.save_at_end and (newest is None or committed_step(newest) != self.state.step):
             self.save()
         if self.cfg.checkpoint.export_hf_at_end:
@@ -535,8 +545,8 @@ class Run:
                     complete_export(
                         folder, self.resolved.tokenizer, self.resolved.model_config, run_config, self.metrics.latest
                     )
-        if self.comm_log is not None:
-            log.info(self.comm_log.summary())
+        if self.comm_log is not None:  # every rank's totals, gathered: a slow link shows
+            log.info(comms_summary(all_gather_objects(self.comm_log.totals())))
         log.info(
             "done: %d steps, %d tokens trained; outputs in %s",
             self.state.step,
@@ -549,18 +559,7 @@ class Run:
         repo = self.cfg.checkpoint.push_to_hub
         if not repo or not self.dist.is_main or self.cfg.run.dry_run:
             return 0
-        out = self.cfg.run.output_dir
-        try:
-            push_to_hub(out, repo, private=self.cfg.checkpoint.hub_private_repo)
-        except Exception as err:
-            excludes = " ".join(f"--exclude '{p}'" for p in RUN_FILES)
-            print(
-                f"train.py: push failed: --push_to_hub {repo}: {type(err).__name__}: {str(err).splitlines()[0]}; "
-                f"the trained model in {out} is complete; push it again with: hf upload {repo} {out} {excludes}",
-                file=sys.stderr,
-            )
-            return 1
-        return 0
+        return publish_export(self.cfg.run.output_dir, repo, self.cfg.checkpoint.hub_private_repo)
 
     def close(self, exit_code: int = 0) -> None:
         """Free everything the run holds, on the error path too; `exit_code` (the process's) goes to wandb."""

@@ -36,13 +36,23 @@ def plot(run_dir: Path, out: Path) -> Path:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    train, evals = load(run_dir)
+    fig = dashboard(*load(run_dir), title=str(run_dir))
+    fig.savefig(out, dpi=90)
+    plt.close(fig)
+    return out
+
+
+def dashboard(train: list, evals: list, title: str):
+    """The figure: loss, LR, gradient norm, tokens/s, MFU (its own panel: on a second axis of the tokens/s panel
+    its curve, the same shape, hid the other), memory, and step time by phase."""
+    import matplotlib.pyplot as plt
+
     steps = [r["step"] for r in train]
 
     def series(key):
         return [r.get(key, float("nan")) for r in train]
 
-    fig, axes = plt.subplots(3, 2, figsize=(13, 11))
+    fig, axes = plt.subplots(4, 2, figsize=(13, 14))
     ax = axes[0, 0]
     ax.plot(steps, series("loss"), label="train loss")
     # One line per evaluation set: eval_loss, or eval_<name>_loss for each named --validation_file set.
@@ -56,33 +66,36 @@ def plot(run_dir: Path, out: Path) -> Path:
     axes[0, 1].set_title("learning rate")
     axes[1, 0].plot(steps, series("grad_norm"))
     axes[1, 0].set_title("gradient norm")
-    ax = axes[1, 1]
-    ax.plot(steps, series("tokens_per_s"), label="tokens/s")
-    ax.set_title("throughput")
-    if any("mfu" in r for r in train):
-        twin = ax.twinx()
-        twin.plot(steps, [100 * m for m in series("mfu")], color="tab:red", label="MFU %")
-        twin.set_ylabel("MFU %")
-    ax.legend(loc="lower right")
+    axes[1, 1].plot(steps, series("tokens_per_s"), label="tokens/s")
+    axes[1, 1].set_title("throughput (tokens/s)")
     ax = axes[2, 0]
+    for key, label, style in (("mfu", "MFU", "-"), ("hfu", "HFU (with recomputation)", "--")):  # equal without it
+        if any(key in r for r in train):
+            ax.plot(steps, [100 * m for m in series(key)], style, label=label)
+    ax.set_title("model FLOPs utilisation (%)")
+    if ax.lines:
+        ax.legend()
+    else:
+        ax.text(0.5, 0.5, "no MFU: the device's peak is unknown", ha="center", va="center", transform=ax.transAxes)
+    ax = axes[2, 1]
     for key in ("gpu_peak_gb", "gpu_allocated_gb", "cpu_rss_gb"):
         if any(key in r for r in train):
             ax.plot(steps, series(key), label=key)
     ax.set_title("memory (GiB)")
     ax.legend()
-    ax = axes[2, 1]
+    ax = axes[3, 0]
     present = [p for p in PHASES if any(f"{p}_s" in r for r in train)]
-    ax.stackplot(steps, *[series(f"{p}_s") for p in present], labels=present)
+    if present:
+        ax.stackplot(steps, *[series(f"{p}_s") for p in present], labels=present)
     ax.plot(steps, series("step_time_s"), "k--", label="step time")
     ax.set_title("step time by phase (s)")
     ax.legend(loc="upper right", fontsize="small")
+    axes[3, 1].set_visible(False)
     for a in axes.flat:
         a.set_xlabel("step")
-    fig.suptitle(str(run_dir))
+    fig.suptitle(title)
     fig.tight_layout()
-    fig.savefig(out, dpi=90)
-    plt.close(fig)
-    return out
+    return fig
 
 
 def main(argv=None) -> int:

@@ -551,3 +551,30 @@ def test_secrets_never_reach_logs_configs_or_metrics(tmp_path, cache_dir, monkey
             data = path.read_bytes()
             assert not any(s.encode() in data for s in secrets.values()), path
     assert os.environ.get("WANDB_API_KEY") != secrets["WANDB_API_KEY"]
+
+
+@pytest.mark.parametrize(
+    "owner, name",
+    [
+        ("deepspeed.runtime.zero.stage3.DeepSpeedZeroOptimizer_Stage3", "_overflow_check_and_loss_scale_update"),
+        ("deepspeed.runtime.zero.config", "DeepSpeedZeroConfig"),  # read by the DeepSpeed JSON's key check
+    ],
+)
+def test_a_moved_deepspeed_hook_is_one_line_exit_2_before_anything_is_built(owner, name, tmp_path, offline, capsys):
+    """An upgrade of DeepSpeed that moved an internal the pipeline hooks (here removed from the real module) is
+    found by the pre-flight, as a usage-style error naming the internal, before any model is built."""
+    import importlib
+
+    module, _, cls = owner.partition(".DeepSpeed")
+    target = getattr(importlib.import_module(module), "DeepSpeed" + cls) if cls else importlib.import_module(owner)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.delattr(target, name)
+        assert_refused(
+            name,
+            ["--config", str(ZERO2), "--output_dir", str(tmp_path / "out")],
+            tmp_path / "out",
+            capsys,
+            f"{owner}.{name}",
+            "is missing, which scaletrain needs for",
+            "pip install -r requirements.txt installs the DeepSpeed these hooks were checked against",
+        )

@@ -8,11 +8,12 @@ correction in scaletrain/engine/ds_internals/comm.py must go, and this fails). T
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
 
-from scaletrain.observability.comms_log import CollectiveTotals, bandwidth_gbps, totals_by_type
+from scaletrain.observability.comms_log import CollectiveTotals, bandwidth_gbps, comms_summary, totals_by_type
 from tests.conftest import FAST_FLAGS, REPO, check_ok, launch, read_metrics
 
 
@@ -34,6 +35,20 @@ def test_records_sum_per_collective_type_with_the_bus_bandwidth_convention():
     assert bandwidth_gbps("all_gather_into_tensor", 10**6, 1.0, 2) == pytest.approx((16.0, 8.0))  # 2 parts
     assert bandwidth_gbps("send", 10**6, 1.0, 2) == pytest.approx((8.0, 8.0))
     assert bandwidth_gbps("all_gather_object", 10, 0.0, 2) == (0.0, 0.0)  # DeepSpeed's exits on this name
+
+
+def test_the_summary_shows_every_rank_and_the_rank_that_spent_longest():
+    per_rank = [
+        {"all_reduce": CollectiveTotals(4, 4000, 10.0, 80.0)},
+        {"all_reduce": CollectiveTotals(4, 4000, 25.0, 100.0), "send_recv": CollectiveTotals(1, 10, 1.0, 1.0)},
+    ]
+    lines = comms_summary(per_rank).splitlines()
+    assert lines[0].startswith("communication (every rank, --comms_log): type | rank |")
+    assert "  all_reduce | 0 | 4 | 4000 | 10.0 | 2.500 | 8.000" in lines
+    assert "  all_reduce | 1 | 4 | 4000 | 25.0 | 6.250 | 4.000" in lines
+    assert "  all_reduce: longest on rank 1, 2.50x rank 0's" in lines
+    assert "  send_recv | 1 | 1 | 10 | 1.0 | 1.000 | 1.000" in lines
+    assert not any(line.startswith("  send_recv: longest") for line in lines)  # one rank: nothing to compare
 
 
 KNOWN_SEQUENCE = """
@@ -70,9 +85,14 @@ metrics = comm.window()
 logged = list(comms_logger.get_raw_data().get("all_reduce", {{}}).values())
 after = timed(lambda: dist.all_reduce(x), 3)
 second = comm.window()
+# each rank alone in a group of one: no bus traffic, whatever the world's size (the op's own group counts)
+alone = [dist.new_group([r]) for r in range(dist.get_world_size())][dist.get_rank()]
+for _ in range(2):
+    dist.all_reduce(x, group=alone)
+solo = comm.window()
 comm.close()
 json.dump({{"raw_walls": raw_walls, "raw_logged": raw_logged, "walls": walls, "metrics": metrics, "after": after,
-           "second": second}}, open({out!r} + f"/rank{{dist.get_rank()}}.json", "w"))
+           "second": second, "solo": solo}}, open({out!r} + f"/rank{{dist.get_rank()}}.json", "w"))
 from scaletrain.distributed.world import teardown_distributed
 teardown_distributed(dist.get_rank())  # and its shared-memory all-reduce buffer
 """
@@ -100,6 +120,9 @@ def test_per_op_latencies_add_up_to_the_wall_time_of_known_collectives(tmp_path,
         # the next window counts only its own ops (the running total carries over, the records do not)
         s = r["second"]
         assert s["comm_all_reduce_count"] == 3 and s["comm_all_reduce_ms"] <= sum(r["after"]) + 1.0
+        # an all-reduce on a one-rank group moves nothing on the bus (with the world's size it would be > 0)
+        solo = r["solo"]
+        assert solo["comm_all_reduce_count"] == 2 and solo["comm_all_reduce_busbw_gbps"] == 0.0, solo
 
 
 @pytest.mark.slow  # a 2-rank run of 4 steps
@@ -132,8 +155,10 @@ def test_comms_log_reports_each_window_and_a_summary(tmp_path, cache_dir):
         window_ms = 2 * r["step_time_s"] * 1000
         assert r["comm_all_reduce_ms"] + r["comm_all_gather_ms"] <= window_ms, (r, window_ms)
     output = proc.stdout + proc.stderr
-    assert "communication (this rank, --comms_log): type | count" in output
-    assert "  all_reduce | " in output
+    assert "communication (every rank, --comms_log): type | rank | count" in output
+    for rank in (0, 1):  # every rank's totals, gathered to rank 0's table
+        assert re.search(rf"^  all_reduce \| {rank} \| [1-9]\d* \| ", output, re.M), output[-3000:]
+    assert re.search(r"^  all_reduce: longest on rank [01], \d+\.\d\dx rank [01]'s$", output, re.M)
 
 
 def test_without_the_flag_nothing_is_logged(tmp_path):

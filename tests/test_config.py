@@ -74,3 +74,42 @@ def test_output_dir_with_a_previous_run_resumes_or_is_refused(tmp_path):
     (tmp_path / "run_config.json").write_text(json.dumps({"config_name": "elsewhere"}))
     with pytest.raises(UsageError, match="holds a different run"):
         parse_run_config(ZERO3 + ["--output_dir", str(tmp_path)])
+
+
+def test_activation_checkpointing_is_an_alias_of_gradient_checkpointing(tmp_path):
+    """transformers 5's name for it: --activation_checkpointing and its --no- form set --gradient_checkpointing."""
+    out = ["--output_dir", str(tmp_path)]
+    assert parse_run_config(ZERO3 + out + ["--activation_checkpointing"]).model.gradient_checkpointing
+    cfg = parse_run_config(ZERO3 + out + ["--gradient_checkpointing", "--no-activation_checkpointing"])
+    assert not cfg.model.gradient_checkpointing
+    assert cfg.source_of("gradient_checkpointing") == "command line"
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text("activation_checkpointing: true\n")
+    assert parse_run_config(ZERO3 + out + ["--recipe", str(recipe)]).model.gradient_checkpointing
+
+
+@pytest.mark.parametrize(
+    "name, ours", [("warmup_stable_decay", "wsd"), ("cosine_with_min_lr", "cosine"), ("constant", "constant")]
+)
+def test_hugging_face_schedule_names_that_are_ours_are_accepted(name, ours, tmp_path):
+    out = ["--output_dir", str(tmp_path)]
+    assert parse_run_config(ZERO3 + out + ["--lr_scheduler_type", name]).optim.lr_scheduler_type == ours
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text(f"lr_scheduler_type: {name}\n")
+    assert parse_run_config(ZERO3 + out + ["--recipe", str(recipe)]).optim.lr_scheduler_type == ours
+
+
+@pytest.mark.parametrize(
+    "argv, message, hint",
+    [
+        (["--lr_scheduler_type", "polynomial"], "a Hugging Face schedule that is not one of ours", "closest is linear"),
+        (["--lr_scheduler_type", "cosine_with_restarts"], "not one of ours", "closest is cosine"),
+        (["--lr_scheduler_type", "wsdd"], "not a schedule", "did you mean wsd?"),
+        (["--lr_scheduler_type", "constant", "--warmup_steps", "5"], "constant has no warmup", "constant_with_warmup"),
+    ],
+)
+def test_other_schedule_names_are_refused_with_the_closest_of_ours(argv, message, hint, tmp_path):
+    with pytest.raises(UsageError) as err:
+        parse_run_config(ZERO3 + ["--output_dir", str(tmp_path)] + argv)
+    assert str(err.value).startswith(f"--lr_scheduler_type {argv[1]}") and message in str(err.value)
+    assert hint in err.value.hint

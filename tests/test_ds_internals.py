@@ -294,3 +294,28 @@ def test_importing_the_module_imports_neither_torch_nor_deepspeed():
     code = "import sys, scaletrain.engine.ds_internals; print(sorted({'torch', 'deepspeed'} & set(sys.modules)))"
     out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"
+
+
+def test_the_json_key_check_reads_deepspeed_config_models_through_ds_internals():
+    """DeepSpeed's pydantic config models are hooks like the others (checked by check_hooks, so by the pre-flight),
+    and the schema module imports nothing from DeepSpeed itself."""
+    import ast
+
+    from scaletrain.engine.ds_internals.checklist import HOOKS
+    from scaletrain.engine.ds_internals.config_models import CONFIG_MODELS, deepspeed_config_models
+
+    assert set(CONFIG_MODELS.values()) <= set(HOOKS)
+    models = deepspeed_config_models()
+    assert (
+        models["zero_optimization"].__name__ == "DeepSpeedZeroConfig"
+        and "stage" in models["zero_optimization"].model_fields
+    )
+    schema = REPO / "scaletrain" / "config" / "deepspeed_schema.py"
+    imported = {
+        node.module if isinstance(node, ast.ImportFrom) else alias.name
+        for node in ast.walk(ast.parse(schema.read_text()))
+        if isinstance(node, (ast.Import, ast.ImportFrom))
+        for alias in node.names
+    }
+    assert not {m for m in imported if m and m.split(".")[0] == "deepspeed"}, imported
+    assert "scaletrain.engine" in imported

@@ -70,3 +70,35 @@ def test_resume_after_a_torn_metrics_line_trains_on_and_a_damaged_file_is_refuse
         "(char 0)); the file is damaged before its end"
     ]
     assert metrics.read_text() == before
+
+
+@pytest.mark.slow
+def test_a_complete_run_started_again_logs_its_final_evaluation_once(tmp_path, cache_dir):
+    """Started again, a complete run resumes at its last step and only re-exports: its final evaluation and
+    generations, already in metrics.jsonl, are not run and logged a second time. The same flags with one step more
+    do evaluate the new last step."""
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text(json.dumps({"prompt": "Once upon a time"}) + "\n")
+    out = tmp_path / "run"
+    flags = [
+        "--config",
+        str(REPO / "ds_configs/zero2.json"),
+        "--output_dir",
+        str(out),
+        *FAST_FLAGS,
+        "--eval_steps",
+        "2",
+        "--eval_prompts",
+        str(prompts),
+        "--eval_max_new_tokens",
+        "4",
+    ]
+
+    def steps_with(key: str) -> list:
+        return [r["step"] for r in read_metrics(out) if key in r]
+
+    for _ in range(2):
+        check_ok(launch(REPO / "train.py", [*flags, "--max_steps", "4"], "python", cache_dir))
+        assert steps_with("eval_loss") == [2, 4] and steps_with("generations") == [2, 4]
+    check_ok(launch(REPO / "train.py", [*flags, "--max_steps", "5"], "python", cache_dir))
+    assert steps_with("eval_loss") == [2, 4, 5] and steps_with("generations") == [2, 4, 5]

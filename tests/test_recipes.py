@@ -71,7 +71,7 @@ def test_deepspeed_alias_works_in_a_recipe(tmp_path):
         ("learning_rate: fast\n", "learning_rate: 'fast' is not a number"),
         ("max_steps: 1.5\n", "max_steps: 1.5 is not an integer"),
         ("bf16: yes please\n", "bf16: 'yes please' is not true or false"),
-        ("lr_scheduler_type: cosin\n", "lr_scheduler_type: 'cosin' is not one of cosine, linear"),
+        ("lr_scheduler_type: cosin\n", "lr_scheduler_type: 'cosin': not a schedule (ours: cosine, linear"),
         ("seed: null\n", "seed: needs a value"),
         ("recipe: other.yaml\n", "a recipe cannot name another recipe"),
         ("- learning_rate\n", "must be a mapping of flag names to values, not a list"),

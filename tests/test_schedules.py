@@ -5,7 +5,13 @@ import re
 
 import pytest
 
-from scaletrain.engine.schedules import LRSchedule, describe_schedule_change, restart_schedule, warmup_steps_for
+from scaletrain.engine.schedules import (
+    LRSchedule,
+    describe_schedule_change,
+    restart_schedule,
+    schedule_for,
+    warmup_steps_for,
+)
 
 T, W, R = 50, 5, 0.1
 
@@ -32,6 +38,13 @@ def test_linear_decays_from_peak_to_min():
 def test_constant_with_warmup():
     s = LRSchedule("constant_with_warmup", T, W, R)
     assert [s.multiplier(i) for i in range(W, T)] == [1.0] * (T - W)
+
+
+def test_constant_is_flat_from_the_first_update_whatever_the_warmup_ratio():
+    """Hugging Face's `constant`: no warmup, so --warmup_ratio (ours defaults to 0.05) does not apply to it."""
+    s = schedule_for("constant", T, 0, 0.5, R, 0.2)
+    assert s.warmup_steps == 0 and [s.multiplier(i) for i in range(T)] == [1.0] * T
+    assert schedule_for("constant_with_warmup", T, 0, 0.5, R, 0.2).warmup_steps == T // 2
 
 
 def test_warmup_stable_decay():

@@ -11,7 +11,7 @@ from scaletrain.checkpoint.commit import (
     verified_resume_checkpoint,
 )
 from scaletrain.checkpoint.export import export_hf_model
-from scaletrain.checkpoint.publish import RUN_FILES, check_push_target, complete_export, push_to_hub, reply_end_ids
+from scaletrain.checkpoint.publish import check_push_target, complete_export, publish_export, reply_end_ids
 from scaletrain.checkpoint.resume import (
     check_resumable,
     ensure_universal,
@@ -24,7 +24,6 @@ from scaletrain.checkpoint.resume import (
 from scaletrain.checkpoint.save import checkpoint_parameters, planned_checkpoint_bytes, save_checkpoint
 
 __all__ = [
-    "RUN_FILES",
     "check_push_target",
     "check_resumable",
     "checkpoint_parameters",
@@ -37,7 +36,7 @@ __all__ = [
     "newest_committed",
     "offload_setting",
     "planned_checkpoint_bytes",
-    "push_to_hub",
+    "publish_export",
     "read_train_state",
     "reply_end_ids",
     "resolve_resume",

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import logging
 import os
+import sys
 import time
 from pathlib import Path
 from collections.abc import Callable
@@ -254,3 +255,19 @@ def push_to_hub(
             sleep(pause)
             pause *= 2
     raise AssertionError("unreachable")
+
+
+def publish_export(folder: str, repo_id: str, private: bool) -> int:
+    """--push_to_hub at the end of a run: the exit code. A failed push says how to push the complete export again
+    by hand (the training itself succeeded; nothing is lost)."""
+    try:
+        push_to_hub(folder, repo_id, private=private)
+    except Exception as err:
+        excludes = " ".join(f"--exclude '{p}'" for p in RUN_FILES)
+        print(
+            f"train.py: push failed: --push_to_hub {repo_id}: {type(err).__name__}: {str(err).splitlines()[0]}; "
+            f"the trained model in {folder} is complete; push it again with: hf upload {repo_id} {folder} {excludes}",
+            file=sys.stderr,
+        )
+        return 1
+    return 0

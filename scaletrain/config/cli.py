@@ -16,7 +16,7 @@ from collections.abc import Sequence
 
 from scaletrain.config.checks import validate_run_config
 from scaletrain.config.recipes import _recipe_flag, load_recipe
-from scaletrain.config.run_config import FLAG_ALIASES, SLICES, RunConfig, _nargs, _value_type
+from scaletrain.config.run_config import FLAG_ALIASES, SLICES, RunConfig, _nargs, _value_type, flag_fields
 from scaletrain.errors import UsageError
 
 COMMAND_LINE = "command line"
@@ -64,9 +64,8 @@ def add_flags(
             default_text = "" if value is None else f" (default: {value})"
             if _nargs(owner, f):
                 meta["nargs"] = _nargs(owner, f)
-            group.add_argument(
-                f"--{f.name}", type=_value_type(owner, f), default=default, help=help_text + default_text, **meta
-            )
+            meta.setdefault("type", _value_type(owner, f))  # a field's own converter (Hugging Face's names) wins
+            group.add_argument(f"--{f.name}", default=default, help=help_text + default_text, **meta)
 
 
 def build_parser(suppress_defaults: bool = False, defaults: dict | None = None) -> argparse.ArgumentParser:
@@ -77,9 +76,14 @@ def build_parser(suppress_defaults: bool = False, defaults: dict | None = None) 
         allow_abbrev=False,
     )
     add_flags(parser, suppress_defaults=suppress_defaults, defaults=defaults)
+    switches = {f.name for slice_name, f in flag_fields() if _value_type(SLICES[slice_name], f) is bool}
     for alias, name in FLAG_ALIASES.items():
         parser.add_argument(
-            f"--{alias}", dest=name, default=argparse.SUPPRESS, help=f"Alias of --{name} (Hugging Face spelling)."
+            f"--{alias}",
+            dest=name,
+            default=argparse.SUPPRESS,
+            help=f"Alias of --{name} (Hugging Face spelling).",
+            **({"action": argparse.BooleanOptionalAction} if name in switches else {}),
         )
     return parser
 

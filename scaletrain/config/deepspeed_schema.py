@@ -152,27 +152,11 @@ def _model_keys(model_cls) -> set:
 
 
 def _pydantic_sections() -> dict:
-    """Key sets of the sections DeepSpeed validates with pydantic models (imported lazily: deepspeed is heavy)."""
-    from deepspeed.monitor.config import CometConfig, CSVConfig, TensorBoardConfig, WandbConfig
-    from deepspeed.runtime.precision_config import DeepSpeedBF16Config, DeepSpeedFP16Config
-    from deepspeed.runtime.zero.config import DeepSpeedZeroConfig
-    from deepspeed.runtime.zero.offload_config import (
-        DeepSpeedZeroOffloadOptimizerConfig,
-        DeepSpeedZeroOffloadParamConfig,
-    )
+    """Key sets of the sections DeepSpeed validates with pydantic models, found through engine/ds_internals (the
+    one place that touches DeepSpeed's internals; imported lazily: deepspeed is heavy)."""
+    from scaletrain.engine import deepspeed_config_models
 
-    return {
-        "zero_optimization": _model_keys(DeepSpeedZeroConfig),
-        "zero_optimization.offload_param": _model_keys(DeepSpeedZeroOffloadParamConfig),
-        "zero_optimization.offload_optimizer": _model_keys(DeepSpeedZeroOffloadOptimizerConfig),
-        "bf16": _model_keys(DeepSpeedBF16Config),
-        "bfloat16": _model_keys(DeepSpeedBF16Config),
-        "fp16": _model_keys(DeepSpeedFP16Config),
-        "tensorboard": _model_keys(TensorBoardConfig),
-        "wandb": _model_keys(WandbConfig),
-        "csv_monitor": _model_keys(CSVConfig),
-        "comet": _model_keys(CometConfig),
-    }
+    return {section: _model_keys(model) for section, model in deepspeed_config_models().items()}
 
 
 def _unknown(keys, known: set, where: str, path: str) -> UsageError | None:

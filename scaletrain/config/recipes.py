@@ -82,7 +82,13 @@ def _recipe_value(path: str, name: str, value, owner: type, f: dataclasses.Field
         return tuple(_recipe_scalar(where, v, kind, f.metadata.get("choices")) for v in value)
     if isinstance(value, list) and kind is str:  # a comma-separated flag written as a YAML list
         value = ",".join(str(v) for v in value)
-    return _recipe_scalar(where, value, kind, f.metadata.get("choices"))
+    converted = _recipe_scalar(where, value, kind, f.metadata.get("choices"))
+    if "type" not in f.metadata:
+        return converted
+    try:
+        return f.metadata["type"](converted)  # the flag's own converter: Hugging Face's names too
+    except UsageError as err:  # named as the recipe's key, not as a typed flag
+        raise UsageError(f"{where}: {converted!r}: {err.message.split(': ', 1)[1]}", err.hint) from None
 
 
 def _recipe_scalar(where: str, value, kind: type, choices):

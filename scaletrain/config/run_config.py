@@ -37,7 +37,8 @@ SLICES = {
     "logging": LoggingArgs,
     "planning": PlanningArgs,
 }
-FLAG_ALIASES = {"deepspeed": "config"}  # Hugging Face's spelling of the DeepSpeed JSON flag
+# Hugging Face's spellings: of the DeepSpeed JSON flag, and transformers 5's name for activation checkpointing.
+FLAG_ALIASES = {"deepspeed": "config", "activation_checkpointing": "gradient_checkpointing"}
 
 
 @dataclass(frozen=True)

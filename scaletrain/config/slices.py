@@ -18,6 +18,7 @@ from scaletrain.config.values import (
     _check_data_sources,
     _check_model_path,
     _check_not_negative,
+    lr_schedule_name,
     parse_dataset_mix,
     parse_validation_sets,
 )
@@ -30,7 +31,6 @@ DEFAULT_VALIDATION_FILE = REPO_ROOT / "data" / "sample" / "validation.jsonl"
 DEFAULT_DS_CONFIG = "ds_configs/zero3.json"
 NVME_PATH_ENV = "SCALETRAIN_NVME_PATH"
 
-LR_SCHEDULES = ("cosine", "linear", "constant_with_warmup", "wsd")
 RAMPUP_LR_SCALINGS = ("none", "sqrt", "linear")
 REPORT_SINKS = ("none", "wandb", "tensorboard")
 
@@ -68,10 +68,11 @@ class ModelArgs:
     tokenizer_name: str | None = _flag(None, "Tokenizer (hub id or local folder). Default: the model's.")
     trust_remote_code: bool = _flag(False, "Allow model/tokenizer code from the hub to run. Off unless asked.")
     gradient_checkpointing: bool = _flag(False, "Recompute activations in backward to save memory.")
-    attn_implementation: str = _flag(
-        "sdpa",
+    attn_implementation: str | None = _flag(
+        None,
         "Attention backend, by transformers' name: sdpa, eager, flash_attention_2, flash_attention_3, "
-        "flex_attention, or a hub kernel (e.g. kernels-community/flash-attn); checked before anything heavy.",
+        "flex_attention, or a hub kernel (e.g. kernels-community/flash-attn); checked before anything heavy. "
+        "Default: transformers' choice for the model (sdpa where the model has it, eager otherwise).",
     )
     loss_chunk_size: int | None = _flag(
         None,
@@ -283,7 +284,13 @@ class OptimArgs:
     adam_beta2: float = _flag(0.95, "AdamW beta2.")
     adam_epsilon: float = _flag(1e-8, "AdamW epsilon.")
     max_grad_norm: float = _flag(1.0, "Gradient clipping norm (0 disables).")
-    lr_scheduler_type: str = _flag("cosine", "LR schedule after warmup.", choices=LR_SCHEDULES)
+    lr_scheduler_type: str = _flag(
+        "cosine",
+        "LR schedule after warmup: cosine, linear, constant (no warmup, Hugging Face's meaning), "
+        "constant_with_warmup, wsd; Hugging Face's warmup_stable_decay and cosine_with_min_lr are taken as wsd and "
+        "cosine.",
+        type=lr_schedule_name,
+    )
     warmup_steps: int = _flag(0, "Linear warmup steps (overrides --warmup_ratio when > 0).")
     warmup_ratio: float = _flag(0.05, "Warmup as a fraction of the total steps.")
     min_lr_ratio: float = _flag(0.1, "Final LR as a fraction of the peak (cosine, linear, wsd).")
@@ -319,6 +326,12 @@ class OptimArgs:
         )
         if self.warmup_steps < 0:
             raise UsageError(f"--warmup_steps {self.warmup_steps}: must not be negative")
+        if self.lr_scheduler_type == "constant" and self.warmup_steps > 0:
+            raise UsageError(
+                f"--lr_scheduler_type constant with --warmup_steps {self.warmup_steps}: constant has no warmup "
+                "(Hugging Face's meaning)",
+                "use --lr_scheduler_type constant_with_warmup",
+            )
         if self.learning_rate <= 0:
             raise UsageError(f"--learning_rate {self.learning_rate}: must be positive")
         for name in ("warmup_ratio", "min_lr_ratio", "decay_ratio"):

@@ -6,6 +6,7 @@ Pure Python: no numpy, no torch.
 
 from __future__ import annotations
 
+import difflib
 import glob
 import os
 import re
@@ -13,6 +14,37 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from scaletrain.errors import UsageError
+
+LR_SCHEDULES = ("cosine", "linear", "constant", "constant_with_warmup", "wsd")
+# Hugging Face's (and TRL's) names for schedules that are ours, and the closest of ours to those that are not.
+HF_LR_SCHEDULES = {"warmup_stable_decay": "wsd", "cosine_with_min_lr": "cosine", "cosine_warmup_with_min_lr": "cosine"}
+CLOSEST_LR_SCHEDULE = {
+    "cosine_with_restarts": "cosine (one decay, no restarts)",
+    "polynomial": "linear (a polynomial of power 1; --min_lr_ratio sets the end)",
+    "inverse_sqrt": "wsd (a stable phase, then a decay over --decay_ratio of the run)",
+    "reduce_lr_on_plateau": "constant_with_warmup (no schedule here follows a metric)",
+}
+
+
+def lr_schedule_name(value: str) -> str:
+    """--lr_scheduler_type: one of ours, or Hugging Face's name for one of ours (warmup_stable_decay is wsd,
+    cosine_with_min_lr is cosine with --min_lr_ratio); any other name is refused with the closest of ours."""
+    if value in LR_SCHEDULES:
+        return value
+    if value in HF_LR_SCHEDULES:
+        return HF_LR_SCHEDULES[value]
+    ours = ", ".join(LR_SCHEDULES)
+    if value in CLOSEST_LR_SCHEDULE:
+        raise UsageError(
+            f"--lr_scheduler_type {value}: a Hugging Face schedule that is not one of ours ({ours})",
+            f"the closest is {CLOSEST_LR_SCHEDULE[value]}",
+        )
+    close = difflib.get_close_matches(value, [*LR_SCHEDULES, *HF_LR_SCHEDULES], n=1)
+    raise UsageError(
+        f"--lr_scheduler_type {value}: not a schedule (ours: {ours}; also {', '.join(HF_LR_SCHEDULES)})",
+        f"did you mean {close[0]}?" if close else "see train.py --help",
+    )
+
 
 LOCAL_DATA_FORMATS = {".json": "json", ".jsonl": "json", ".csv": "csv", ".txt": "text", ".parquet": "parquet"}
 

@@ -5,6 +5,8 @@ This face re-exports what other parts of scaletrain use; inside the wing, module
 """
 
 from scaletrain.engine.ds_internals import (
+    check_deepspeed_hooks,
+    deepspeed_config_models,
     ShmAllReduce,
     SkipSwitch,
     before_pipeline_update,
@@ -25,9 +27,11 @@ from scaletrain.engine.initialize import (
     restore_weight_decay,
 )
 from scaletrain.engine.ops import comm_ops, load_ops
-from scaletrain.engine.schedules import LRSchedule, describe_schedule_change, restart_schedule, warmup_steps_for
+from scaletrain.engine.schedules import LRSchedule, describe_schedule_change, restart_schedule, schedule_for
 
 __all__ = [
+    "check_deepspeed_hooks",
+    "deepspeed_config_models",
     "LRSchedule",
     "ShmAllReduce",
     "SkipSwitch",
@@ -49,5 +53,5 @@ __all__ = [
     "skip_shm_op_build",
     "universal_checkpoint_info",
     "universal_conversion_command",
-    "warmup_steps_for",
+    "schedule_for",
 ]

@@ -6,6 +6,7 @@ is 0 on its first update (peak LR) and 1 on the last update of the run (min_lr_r
   cosine:               r + (1 - r) * 0.5 * (1 + cos(pi * p))       decay over all updates after warmup
   linear:               1 - (1 - r) * p                              decay over all updates after warmup
   constant_with_warmup: 1
+  constant:             1 from the first update (no warmup: Hugging Face's meaning)
   wsd (warmup-stable-decay): 1 until the last D = round(decay_ratio * T) updates, then linear to r over them
 """
 
@@ -32,7 +33,7 @@ class LRSchedule:
     def multiplier(self, step: int) -> float:
         if step < self.warmup_steps:
             return (step + 1) / self.warmup_steps
-        if self.kind == "constant_with_warmup":
+        if self.kind in ("constant", "constant_with_warmup"):
             return 1.0
         start = self.total_steps - self.decay_steps
         if step < start:
@@ -44,6 +45,14 @@ class LRSchedule:
         if self.kind in ("linear", "wsd"):
             return 1.0 - (1.0 - r) * p
         raise ValueError(f"unknown schedule {self.kind}")
+
+
+def schedule_for(
+    kind: str, total_steps: int, warmup_steps: int, warmup_ratio: float, min_lr_ratio: float, decay_ratio: float
+) -> LRSchedule:
+    """The run's schedule from its flags; `constant` has no warmup, whatever --warmup_ratio says."""
+    warmup = 0 if kind == "constant" else warmup_steps_for(total_steps, warmup_steps, warmup_ratio)
+    return LRSchedule(kind, total_steps, warmup, min_lr_ratio, decay_ratio)
 
 
 def warmup_steps_for(total_steps: int, warmup_steps: int, warmup_ratio: float) -> int:

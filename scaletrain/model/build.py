@@ -105,9 +105,10 @@ def build_model(args: ModelArgs, model_config, ds_config: dict, zero_stage: int)
     return model, keepalive
 
 
-def meta_model(model_config, trust_remote_code: bool, attn_implementation: str = "sdpa"):
+def meta_model(model_config, trust_remote_code: bool, attn_implementation: str | None = None):
     """The model's structure without weights (meta device): parameter count and class facts, in seconds. An
-    attention backend that is not installed, or that the model does not support, is a UsageError here."""
+    attention backend that is not installed, or that the model does not support, is a UsageError here; None lets
+    transformers choose (its config's _attn_implementation then says what it chose)."""
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -119,7 +120,8 @@ def meta_model(model_config, trust_remote_code: bool, attn_implementation: str =
     except (ImportError, ValueError) as exc:  # transformers' checks of the backend (installed, supported)
         raise UsageError(
             f"--attn_implementation {attn_implementation}: {_first_line(exc)}",
-            "use sdpa (the default), eager, flex_attention, or install the backend's package",
+            "drop --attn_implementation to let transformers choose for this model (sdpa where the model has it, "
+            "eager otherwise), or install the backend's package",
         ) from exc
 
 

@@ -4,7 +4,7 @@ prompts.
 This face re-exports what other parts of scaletrain use; inside the wing, modules import each other by path.
 """
 
-from scaletrain.observability.comms_log import CommLog
+from scaletrain.observability.comms_log import CommLog, comms_summary
 from scaletrain.observability.eval_prompts import generate_samples, load_eval_prompts
 from scaletrain.observability.flops import ModelFlops, model_flops, peak_tflops
 from scaletrain.observability.memory_planner import (
@@ -27,6 +27,7 @@ from scaletrain.observability.metrics import (
 
 __all__ = [
     "CommLog",
+    "comms_summary",
     "LogWindow",
     "METRICS_FILE",
     "MetricsLogger",

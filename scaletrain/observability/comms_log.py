@@ -5,7 +5,9 @@ DeepSpeed's comms logger (deepspeed.comm, `comms_logger`) times every collective
 the device after each one. DeepSpeed 0.19.8 records each op's latency as the running total of all ops of that name
 so far; ds_internals.per_op_comm_latencies turns the records back into each op's own time. Here the records are
 summed per collective type over a logging window, reported as flat metrics (`comm_<type>_count`, `_bytes`, `_ms`,
-`_mean_ms`, `_busbw_gbps`: this rank's), then cleared; the totals over the run are logged as a table at the end.
+`_mean_ms`, `_busbw_gbps`: rank 0's), then cleared; at the end every rank's totals over the run are gathered and
+logged as one table, rank by rank, so a slow link shows. Bus bandwidth counts each op's own group (a tensor-parallel
+all-reduce moves data among its group, not the world).
 
 The logger is switched on only after the engine is built (its start-up broadcasts are not part of training) and
 only where --comms_log asks: the per-op synchronisation removes the overlap of communication with compute.
@@ -71,14 +73,14 @@ def collective_type(record_name: str) -> str:
     return COLLECTIVE_TYPES.get(record_name, "other")
 
 
-def bandwidth_gbps(op: str, size: int, ms: float, world_size: int) -> tuple:
+def bandwidth_gbps(op: str, size: int, ms: float, group_size: int) -> tuple:
     """(algorithm bandwidth, bus bandwidth) in Gbit/s of one op moving `size` bytes in `ms`, by the NCCL-tests
     convention DeepSpeed uses: all-reduce moves 2 (n-1)/n of the buffer per rank on the bus, all-gather and
     reduce-scatter (n-1)/n of the whole (the size given is one rank's part), all-to-all (n-1)/n, the rest 1.
     (DeepSpeed's own function exits the process on an op name it does not list, such as all_gather_object.)"""
     if ms <= 0:
         return 0.0, 0.0
-    n, kind = world_size, collective_type(op)
+    n, kind = group_size, collective_type(op)
     if kind in ("all_gather", "reduce_scatter"):
         size *= n
     per_ms = size / ms
@@ -117,8 +119,8 @@ class CommLog:
         from scaletrain.engine import per_op_comm_latencies
 
         world = ds_comm.get_world_size()
-        # DeepSpeed's logger, its records made per op, with this module's bandwidth arithmetic
-        self._logger = per_op_comm_latencies(lambda op, size, ms: bandwidth_gbps(op, size, ms, world))
+        # DeepSpeed's logger, its records made per op, with this module's bandwidth arithmetic over the op's group
+        self._logger = per_op_comm_latencies(lambda op, size, ms, group: bandwidth_gbps(op, size, ms, group or world))
         ds_comm.configure(enabled=True, prof_all=True, verbose=False, debug=False)
         self.run_totals: dict = {}
 
@@ -133,20 +135,33 @@ class CommLog:
                 metrics.update(window[name].as_metrics(name))
         return metrics
 
-    def summary(self) -> str:
-        """The run's totals, one line per collective type."""
-        self.window()  # what the last window left
-        lines = ["communication (this rank, --comms_log): type | count | bytes | total ms | mean ms | bus Gbit/s"]
-        for name in TYPES:
-            if name in self.run_totals:
-                t = self.run_totals[name]
-                lines.append(
-                    f"  {name} | {t.count} | {t.bytes} | {t.ms:.1f} | {t.ms / t.count:.3f} | "
-                    f"{t.busbw_ms / t.ms if t.ms else 0.0:.3f}"
-                )
-        return "\n".join(lines)
+    def totals(self) -> dict:
+        """This rank's totals over the run, what the last window left included: {type: CollectiveTotals}."""
+        self.window()
+        return dict(self.run_totals)
 
     def close(self) -> None:
         import deepspeed.comm as ds_comm
 
         ds_comm.configure(enabled=False)
+
+
+def comms_summary(per_rank: list) -> str:
+    """Every rank's totals over the run (`per_rank[r]`: rank r's CommLog.totals()), one line per collective type
+    and rank, and for each type the rank that spent longest in it against the fastest (a slow link or a straggler)."""
+    lines = ["communication (every rank, --comms_log): type | rank | count | bytes | total ms | mean ms | bus Gbit/s"]
+    for name in TYPES:
+        ranks = [(rank, totals[name]) for rank, totals in enumerate(per_rank) if name in totals]
+        for rank, t in ranks:
+            lines.append(
+                f"  {name} | {rank} | {t.count} | {t.bytes} | {t.ms:.1f} | {t.ms / t.count:.3f} | "
+                f"{t.busbw_ms / t.ms if t.ms else 0.0:.3f}"
+            )
+        if len(ranks) < 2:
+            continue
+        slowest, fastest = max(ranks, key=lambda r: r[1].ms), min(ranks, key=lambda r: r[1].ms)
+        if fastest[1].ms > 0:
+            lines.append(
+                f"  {name}: longest on rank {slowest[0]}, {slowest[1].ms / fastest[1].ms:.2f}x rank {fastest[0]}'s"
+            )
+    return "\n".join(lines)

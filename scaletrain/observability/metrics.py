@@ -233,17 +233,24 @@ def read_records(path: Path) -> tuple:
     return records, False
 
 
-def _keep_records_up_to(path: Path, step: int) -> None:
-    """A resumed run repeats the steps after its checkpoint: drop their old records so each step appears once."""
+def _keep_records_up_to(path: Path, step: int) -> list:
+    """A resumed run repeats the steps after its checkpoint: drop their old records so each step appears once.
+    The records kept."""
     if not path.exists():
-        return
+        return []
     records, torn = read_records(path)
     if torn:
         log.warning("%s: its last line was cut short (a kill or a full disk during a write); dropped it", path)
-    kept = [json.dumps(record) for record in records if record["step"] <= step]
+    kept = [record for record in records if record["step"] <= step]
     tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text("".join(line + "\n" for line in kept))
+    tmp.write_text("".join(json.dumps(record) + "\n" for record in kept))
     os.replace(tmp, path)
+    return kept
+
+
+def _is_evaluation(record: dict) -> bool:
+    """An evaluation's losses, or --eval_prompts' generations."""
+    return "generations" in record or any(key.startswith("eval_") for key in record)
 
 
 class MetricsLogger:
@@ -266,9 +273,11 @@ class MetricsLogger:
         self.last_record: dict | None = None
         self.latest: dict = {}  # each key's newest value (the model card's final losses)
         self.wandb_run_id = wandb_run_id
+        self._evaluated_steps: set = set()  # steps with an evaluation record, this attempt's and the kept ones
         if not is_main or not write_files:  # --dry_run writes nothing: console only
             return
-        _keep_records_up_to(self.path, resume_step)
+        kept = _keep_records_up_to(self.path, resume_step)
+        self._evaluated_steps = {record["step"] for record in kept if _is_evaluation(record)}
         self._file = open(self.path, "a", encoding="utf-8")
         if "tensorboard" in sinks:
             from torch.utils.tensorboard import SummaryWriter
@@ -296,6 +305,8 @@ class MetricsLogger:
         record = {k: v for k, v in record.items() if v is not None}
         self.last_record = record
         self.latest.update(record)
+        if _is_evaluation(record):
+            self._evaluated_steps.add(record["step"])
         if self._file is not None:
             self._file.write(json.dumps(record) + "\n")
             self._file.flush()
@@ -307,11 +318,16 @@ class MetricsLogger:
                     self._tensorboard.add_scalar(key, value, record["step"])
         log.info("  ".join(_fmt(k, v) for k, v in record.items() if k != "time"))
 
+    def evaluated(self, step: int) -> bool:
+        """Whether `step` has an evaluation record (rank 0's knowledge: the others hold no records)."""
+        return step in self._evaluated_steps
+
     def log_generations(self, step: int, rows: list) -> None:
         """--eval_prompts: one metrics.jsonl record {"step", "generations": [{"prompt", "completion"}]}, a wandb
         table, and a console line per prompt (rank 0 only)."""
         if not self.is_main:
             return
+        self._evaluated_steps.add(step)
         if self._file is not None:
             self._file.write(json.dumps({"step": step, "generations": rows}) + "\n")
             self._file.flush()

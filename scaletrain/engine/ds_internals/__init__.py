@@ -57,6 +57,9 @@ Hooks, why we need them, and the test that proves they still act:
   replaces the instance's append with one that keeps each op's own time (and refuses a total that shrinks: a
   fixed DeepSpeed). tests/test_comm_log.py (per-op latencies against wall-clock times of known collectives, and
   that DeepSpeed's own figures are still running totals).
+- deepspeed.comm.comm.get_msg_size_from_args: the logger is not told an op's group, so --comms_log wraps this module
+  global (timed_op calls it with the op and its arguments just before the op) to note the group's size, for each
+  op's bus bandwidth. tests/test_comm_log.py (an all-reduce on a one-rank group has no bus traffic).
 - engine.checkpoint_engine.save (every shard DeepSpeed writes, on an instance) and
   DeepSpeedEngine._copy_recovery_script (rank 0's copy of zero_to_fp32.py): recorded_checkpoint_writes keeps each
   rank's list of written files (checksummed into commit.json) and turns a failed write (a full disk) into a recorded
@@ -70,6 +73,7 @@ touches.
 from __future__ import annotations
 
 from scaletrain.engine.ds_internals.checklist import (
+    check_deepspeed_hooks,
     HOOKS,
     check_hooks,
 )
@@ -84,10 +88,12 @@ from scaletrain.engine.ds_internals.checkpoints import (
     universal_checkpoint_info,
     universal_conversion_command,
 )
+from scaletrain.engine.ds_internals.config_models import CONFIG_MODELS, deepspeed_config_models
 from scaletrain.engine.ds_internals.comm import (
     BACKEND_ALL_REDUCE,
     COMMS_APPEND,
     COMMS_LOGGER,
+    COMMS_MSG_SIZE,
     COMMS_RECORDS,
     COMM_BACKEND,
     SHM_BUILD,
@@ -162,6 +168,7 @@ __all__ = [
     "CHECKPOINT_WRITE",
     "COMMS_APPEND",
     "COMMS_LOGGER",
+    "COMMS_MSG_SIZE",
     "COMMS_RECORDS",
     "COMM_BACKEND",
     "CREATE_OP_BUILDER",
@@ -197,7 +204,10 @@ __all__ = [
     "UNIVERSAL_CONVERTER",
     "UNIVERSAL_VERSION",
     "before_pipeline_update",
+    "check_deepspeed_hooks",
     "check_hooks",
+    "CONFIG_MODELS",
+    "deepspeed_config_models",
     "check_version",
     "create_op_builder",
     "fix_pipeline_stage0_clipping",

@@ -4,6 +4,8 @@ one fails there first."""
 
 from __future__ import annotations
 
+from scaletrain.errors import UsageError
+
 from scaletrain.engine.ds_internals.checkpoints import (
     CHECKPOINT_WRITE,
     RECOVERY_SCRIPT,
@@ -15,8 +17,11 @@ from scaletrain.engine.ds_internals.comm import (
     COMM_BACKEND,
     COMMS_APPEND,
     COMMS_LOGGER,
+    COMMS_MSG_SIZE,
     SHM_BUILD,
 )
+from scaletrain.engine.ds_internals.config_models import CONFIG_MODELS
+from scaletrain.engine.ds_internals.guard import DeepSpeedInternalsMoved
 from scaletrain.engine.ds_internals.op_builds import (
     BUILD_DIRECTORY,
     BUILDER_COMPATIBLE,
@@ -56,8 +61,10 @@ HOOKS = (
     PIPE_P2P_GRID,
     COMMS_LOGGER,
     COMMS_APPEND,
+    COMMS_MSG_SIZE,
     CHECKPOINT_WRITE,
     RECOVERY_SCRIPT,
+    *CONFIG_MODELS.values(),
 )
 
 
@@ -66,3 +73,14 @@ def check_hooks() -> list[str]:
     for hook in HOOKS:
         hook.resolve()
     return [hook.where for hook in HOOKS]
+
+
+def check_deepspeed_hooks() -> None:
+    """The pre-flight's check of the installed DeepSpeed: a hook that moved ends the run with one line and exit
+    code 2, before anything is built, instead of a crash deep inside the first step or the first save."""
+    try:
+        check_hooks()
+    except DeepSpeedInternalsMoved as err:
+        raise UsageError(
+            str(err), "pip install -r requirements.txt installs the DeepSpeed these hooks were checked against"
+        ) from None

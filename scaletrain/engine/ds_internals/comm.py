@@ -4,10 +4,14 @@ each op's own latency (--comms_log).
 
 The comms logger: DeepSpeed 0.19.8 hands CommsLogger.append the running total of every op of a name so far (timed_op
 reads its timer with reset=False) as the op's latency; per_op_comm_latencies replaces the instance's append with one
-that keeps each op's own time, and refuses a total that shrinks (a fixed DeepSpeed)."""
+that keeps each op's own time, and refuses a total that shrinks (a fixed DeepSpeed). The logger is not told which
+group an op ran on, so the bus bandwidth of a subgroup's op (a tensor-parallel all-reduce) would be computed with the
+world's size; timed_op measures the op's size just before it runs (get_msg_size_from_args, a module global of
+deepspeed.comm.comm, given the op and its arguments), so that function is wrapped to note the op's group size."""
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable
 
 from scaletrain.engine.ds_internals.guard import Hook, moved
@@ -22,6 +26,7 @@ _COMMS, _COMMS_INSTEAD = "the communication log (--comms_log)", "train without -
 COMMS_LOGGER = Hook("deepspeed.comm.comm", "comms_logger", _COMMS, _COMMS_INSTEAD)
 COMMS_APPEND = Hook("deepspeed.utils.comms_logging:CommsLogger", "append", _COMMS, _COMMS_INSTEAD)
 COMMS_RECORDS = Hook("deepspeed.utils.comms_logging:CommsLogger", "comms_dict", _COMMS, _COMMS_INSTEAD)  # instance
+COMMS_MSG_SIZE = Hook("deepspeed.comm.comm", "get_msg_size_from_args", _COMMS, _COMMS_INSTEAD)
 
 
 def skip_shm_op_build() -> None:
@@ -110,14 +115,34 @@ def _is_sum(op) -> bool:
     return op is None or getattr(op, "name", None) == "SUM"
 
 
-def per_op_comm_latencies(bandwidth: Callable[[str, int, float], tuple]):
+def _group_size(func, args: tuple, kwargs: dict) -> int | None:
+    """The size of the group a deepspeed.comm op runs on; None for the world (no group given, or not found)."""
+    import torch.distributed as torch_dist
+
+    try:
+        group = inspect.signature(func).bind_partial(*args, **kwargs).arguments.get("group")
+        return None if group is None else torch_dist.get_world_size(group)
+    except (TypeError, ValueError, RuntimeError):
+        return None
+
+
+def per_op_comm_latencies(bandwidth: Callable[[str, int, float, int | None], tuple]):
     """DeepSpeed's comms logger, made to record each op's own latency (see the module docstring) with
-    `bandwidth(op, bytes, ms) -> (algbw, busbw)`; its records keep DeepSpeed's format,
-    {name: {bytes: [count, [ms], [algbw], [busbw]]}}."""
+    `bandwidth(op, bytes, ms, group size or None for the world) -> (algbw, busbw)`; its records keep DeepSpeed's
+    format, {name: {bytes: [count, [ms], [algbw], [busbw]]}}."""
     logger = COMMS_LOGGER.resolve()
     COMMS_APPEND.on(logger)
     records = COMMS_RECORDS.on(logger)
+    comm_module = COMMS_MSG_SIZE.owner_object()
+    size_of = COMMS_MSG_SIZE.on(comm_module)
     running = {}  # the last running total per op name
+    pending = {}  # the group size of the op being timed (ops are timed one at a time: each is made blocking)
+
+    def msg_size_noting_group(func, *args, **kwargs):
+        pending["group_size"] = _group_size(func, args, kwargs)
+        return size_of(func, *args, **kwargs)
+
+    comm_module.get_msg_size_from_args = msg_size_noting_group
 
     def append(raw_name, record_name, latency, msg_size):
         own = latency - running.get(record_name, 0.0)
@@ -129,7 +154,7 @@ def per_op_comm_latencies(bandwidth: Callable[[str, int, float], tuple]):
                 _COMMS_INSTEAD,
             )
         running[record_name] = latency
-        algbw, busbw = bandwidth(raw_name, msg_size, own)
+        algbw, busbw = bandwidth(raw_name, msg_size, own, pending.pop("group_size", None))
         entry = records.setdefault(record_name, {}).setdefault(msg_size, [0, [], [], []])
         entry[0] += 1
         entry[1].append(own)

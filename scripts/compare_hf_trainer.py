@@ -62,7 +62,7 @@ sys.path.insert(0, str(REPO))
 
 from data.build_tiny_llama import tiny_llama_variant  # noqa: E402
 from scaletrain.distributed.world import free_port  # noqa: E402
-from scripts.bench.common import BIN, bench_model, steady_rate  # noqa: E402
+from scripts.bench.common import DEEPSPEED, bench_model, child_env, steady_rate  # noqa: E402
 
 TINY_VOCAB = 4096  # data/tiny-llama's tokenizer; a larger model vocabulary simply has unused rows
 # Per-measure defaults (issue 13's two targets); any flag typed on the command line overrides them.
@@ -187,27 +187,29 @@ def hf_ds_config(stage: int) -> dict:
 # --- launching, with GNU time and a memory guard ---------------------------------------------------------------
 
 
-def _tree_rss(proc: psutil.Process) -> int:
-    total = 0
+GNU_TIME = "/usr/bin/time"  # optional: where an image lacks it, the largest process's sampled RSS stands in
+
+
+def _tree_rss(proc: psutil.Process) -> tuple:
+    """(the process tree's total RSS, its largest single process's), in bytes."""
+    sizes = []
     for p in [proc, *proc.children(recursive=True)]:
         try:
-            total += p.memory_info().rss
+            sizes.append(p.memory_info().rss)
         except psutil.Error:
             pass  # ended in between
-    return total
+    return sum(sizes), max(sizes, default=0)
 
 
 def launch(script: str, args: list, s: argparse.Namespace, env: dict, log: Path) -> dict:
     """Run `script` under `/usr/bin/time -f %M deepspeed --num_gpus R`; {"max_rss_kb", "tree_peak_rss_kb"}.
-    Raises RunFailed with the command and its output's tail when it fails or outgrows the memory guard."""
+    Without GNU time, max_rss_kb is the largest single process's RSS sampled every 0.1 s (max_rss_source says
+    which). Raises RunFailed with the command and its output's tail when it fails or outgrows the memory guard."""
     time_file = log.with_suffix(".maxrss")
+    gnu_time = [GNU_TIME, "-f", "%M", "-o", str(time_file)] if Path(GNU_TIME).is_file() else []
     cmd = [
-        "/usr/bin/time",
-        "-f",
-        "%M",
-        "-o",
-        str(time_file),
-        str(BIN / "deepspeed"),
+        *gnu_time,
+        *DEEPSPEED,
         "--num_gpus",
         str(s.ranks),
         "--master_port",
@@ -217,15 +219,15 @@ def launch(script: str, args: list, s: argparse.Namespace, env: dict, log: Path)
     ]
     limit = s.max_rss_gb * GIB
     load_before, started = round(os.getloadavg()[0], 2), time.monotonic()  # another job on the machine shows here
-    peak, stopped = 0, None
+    peak, single_peak, stopped = 0, 0, None
     with log.open("w") as out:
         proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
         watched = psutil.Process(proc.pid)
         deadline = time.monotonic() + s.timeout
         try:
             while proc.poll() is None:
-                rss = _tree_rss(watched)
-                peak = max(peak, rss)
+                rss, largest = _tree_rss(watched)
+                peak, single_peak = max(peak, rss), max(single_peak, largest)
                 if rss > limit:
                     stopped = f"its process tree passed --max_rss_gb {s.max_rss_gb:g} ({rss / GIB:.1f} GiB)"
                 elif psutil.virtual_memory().available < GIB:
@@ -244,7 +246,8 @@ def launch(script: str, args: list, s: argparse.Namespace, env: dict, log: Path)
         why = f"stopped: {stopped}" if stopped else f"exit {proc.returncode}"
         raise RunFailed(f"{' '.join(cmd)}\n{why}; tree peak {peak / GIB:.2f} GiB; log {log}, its tail:\n{tail}")
     return {
-        "max_rss_kb": int(time_file.read_text().split()[-1]),
+        "max_rss_kb": int(time_file.read_text().split()[-1]) if gnu_time else single_peak // 1024,
+        "max_rss_source": "GNU time" if gnu_time else "sampled (no /usr/bin/time)",
         "tree_peak_rss_kb": peak // 1024,
         "wall_s": round(time.monotonic() - started, 1),
         "load_before": load_before,
@@ -253,14 +256,13 @@ def launch(script: str, args: list, s: argparse.Namespace, env: dict, log: Path)
 
 
 def common_env(tmp: Path) -> dict:
-    env = dict(os.environ)
+    env = child_env()  # the repository first on PYTHONPATH, the caller's kept (packages carried with --target)
     env.update(
         {
             "HF_HUB_OFFLINE": "1",
             "HF_DATASETS_OFFLINE": "1",
             "TOKENIZERS_PARALLELISM": "false",
             "WANDB_MODE": "offline",
-            "PYTHONPATH": str(REPO),
             "SCALETRAIN_CACHE": str(tmp / "scaletrain_cache"),  # each side tokenizes in its first round
             "HF_DATASETS_CACHE": str(tmp / "datasets_cache"),
         }

@@ -59,7 +59,7 @@ sys.path.insert(0, str(REPO))
 
 from scaletrain.distributed.world import free_port  # noqa: E402
 from scripts.compare_hf_trainer import build_model, common_env, model_shape, n_parameters  # noqa: E402
-from scripts.bench.common import BIN  # noqa: E402
+from scripts.bench.common import DEEPSPEED  # noqa: E402
 
 LOSS_RTOL = 2e-2  # bf16 against fp32 over the first steps: bf16 rounds to ~3 significant digits
 MEMORY_MARGIN = 0.25  # the plan's working memory is an estimate; allocator slack and buffers come on top
@@ -217,9 +217,11 @@ def specs(setup: Setup, model: Path, work: Path, flash: bool, extra: tuple) -> l
         ],
         Spec(
             "fp32_ref",
-            f"loss reference: ZeRO-2, fp32, {size}",
+            f"loss reference: ZeRO-2, fp32, activation checkpointing, {size}",
             "train",
-            ("--config", str(fp32_config(work)), *common),
+            # Checkpointing changes no loss, and without it torch 2.11's fp32 attention for this model falls back
+            # to a kernel that keeps ~4 GiB per layer: close to a whole H200.
+            ("--config", str(fp32_config(work)), *common, "--gradient_checkpointing"),
             setup.ref_steps,
         ),
         speed("sdpa_ckpt", "sdpa + activation checkpointing", ("--gradient_checkpointing",), (2, True)),
@@ -294,15 +296,10 @@ def launch(cmd: list, log: Path, env: dict, timeout: float) -> str | None:
     return None if proc.returncode == 0 else f"exit {proc.returncode}"
 
 
-def deepspeed_launcher() -> str:
-    beside = BIN / "deepspeed"  # the launcher of the interpreter running this (a venv), else the one on PATH
-    return str(beside) if beside.exists() else (shutil.which("deepspeed") or "deepspeed")
-
-
 def run_train(spec: Spec, setup: Setup, work: Path, env: dict, timeout: float, row: Row) -> None:
     out = work / spec.name
     cmd = [
-        deepspeed_launcher(),
+        *DEEPSPEED,  # no launcher script assumed: a `pip install --target` puts none beside the interpreter
         "--num_gpus",
         "1",
         "--master_port",
@@ -573,6 +570,79 @@ def parse_args(argv=None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
+def machine_facts(work: Path) -> dict:
+    """What the machine has, printed before any run: Python and package versions (as installed, a `--target` folder
+    on PYTHONPATH included), CUDA, the GPU and its driver, nvcc, free disk under the work folder and free memory."""
+    import importlib.metadata
+
+    import psutil
+
+    facts = {"python": sys.version.split()[0]}
+    for name in ("torch", "transformers", "deepspeed", "datasets", "peft", "flash_attn"):
+        try:
+            facts[name] = importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            facts[name] = "missing"
+    try:
+        import torch
+
+        facts["cuda"] = torch.version.cuda or "none (a CPU build of torch)"
+        facts["gpu"] = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "none"
+    except ImportError as err:
+        facts["cuda"] = facts["gpu"] = f"torch does not import ({err})"
+    facts["driver"] = _first_line(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"])
+    facts["nvcc"] = _first_line(["nvcc", "--version"], last=True)
+    facts["free_disk_gb"] = round(shutil.disk_usage(work).free / 2**30, 1)
+    facts["free_memory_gb"] = round(psutil.virtual_memory().available / 2**30, 1)
+    return facts
+
+
+def _first_line(cmd: list, last: bool = False) -> str:
+    """A command's first (or last) line of output, or why there is none."""
+    if shutil.which(cmd[0]) is None:
+        return f"no {cmd[0]}"
+    try:
+        lines = subprocess.run(cmd, capture_output=True, text=True, timeout=30).stdout.strip().splitlines()
+    except (OSError, subprocess.TimeoutExpired) as err:
+        return f"{cmd[0]} failed ({err})"
+    return (lines[-1] if last else lines[0]).strip() if lines else f"{cmd[0]} printed nothing"
+
+
+def run_row(spec: Spec, row: Row, setup: Setup, work: Path, env: dict, args, model: Path, gpu_memory_gb: float):
+    """One row of the check; the plan's figures for a `plan` row. Anything that stops a row from starting (a missing
+    program, a folder that cannot be written) makes that row FAILED, with the reason: the next row still runs."""
+    try:
+        if spec.kind == "ops":
+            run_ops(row, env, args.timeout)
+        elif spec.kind == "plan":
+            return run_plan(spec, env, args.timeout, row, gpu_memory_gb)
+        elif spec.kind == "hf":
+            run_hf(spec, setup, work, env, args.timeout, row)
+        else:
+            if "--load_in_4bit" in spec.args:
+                save_pretrained_base(model, work / PRETRAINED)
+            run_train(spec, setup, work, env, args.timeout, row)
+    except Exception as err:
+        row.status, row.checks = FAILED, [f"could not run: {type(err).__name__}: {err}; log {row.log}"]
+    return None
+
+
+def write_result(path: Path, setup: Setup, n: int, started: float, rows: dict, planned: dict, reference, facts: dict):
+    """The rows so far as JSON: written after every row, so a check cut short still leaves what it measured."""
+    result = {
+        "machine": facts,
+        "setup": dataclasses.asdict(setup),
+        "parameters": n,
+        "total_s": round(time.monotonic() - started, 1),
+        "exit_code": exit_code(rows),
+        "finished": all(row.status != "not run" for row in rows.values()),
+        "planned_gb": {f"zero{k[0]}{'_ckpt' if k[1] else ''}": v for k, v in planned.items()},
+        "loss_reference": reference,
+        "rows": [dataclasses.asdict(r) for r in rows.values()],
+    }
+    path.write_text(json.dumps(result, indent=2))
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     setup = CPU_SETUP if args.cpu_test else GPU_SETUP
@@ -584,6 +654,8 @@ def main(argv=None) -> int:
         )
         return 2
     work.mkdir(parents=True, exist_ok=True)
+    facts = machine_facts(work)
+    print("gpu_check: machine: " + ", ".join(f"{k} {v}" for k, v in facts.items()), flush=True)
     flash = importlib.util.find_spec("flash_attn") is not None
     model = build_model(work / "model", argparse.Namespace(**dataclasses.asdict(setup)))
     all_specs = specs(setup, model, work, flash, tuple(shlex.split(args.train_args)))
@@ -604,6 +676,8 @@ def main(argv=None) -> int:
 
         gpu_memory_gb = torch.cuda.get_device_properties(0).total_memory / 2**30
     rows = {s.name: Row(s.name, s.what, log=str(work / f"{s.name}.log")) for s in all_specs}
+    n = n_parameters(model_shape(setup), setup.heads, setup.kv_heads)
+    json_path = Path(args.json) if args.json else work / "gpu_check.json"
     planned, reference, started = {}, None, time.monotonic()
     for spec in all_specs:
         row = rows[spec.name]
@@ -613,49 +687,29 @@ def main(argv=None) -> int:
         if (only and spec.name not in only) or spec.name in skip:
             row.status = "skipped"
             continue
-        print(f"gpu_check: {spec.name}: {spec.what} ...", flush=True)
+        print(f"gpu_check: {spec.name}: {spec.what} ... (log {row.log})", flush=True)
         t0 = time.monotonic()
-        if spec.kind == "ops":
-            run_ops(row, env, args.timeout)
-        elif spec.kind == "plan":
-            planned = run_plan(spec, env, args.timeout, row, gpu_memory_gb)
-        elif spec.kind == "hf":
-            run_hf(spec, setup, work, env, args.timeout, row)
-        else:
-            if "--load_in_4bit" in spec.args:
-                save_pretrained_base(model, work / PRETRAINED)
-            run_train(spec, setup, work, env, args.timeout, row)
-            if spec.name == "fp32_ref" and row.status == OK:
-                reference = row.losses[: setup.ref_steps]
+        planned = run_row(spec, row, setup, work, env, args, model, gpu_memory_gb) or planned
+        if spec.name == "fp32_ref" and row.status == OK:
+            reference = row.losses[: setup.ref_steps]
         row.seconds = time.monotonic() - t0
         print(
             f"gpu_check: {spec.name}: {row.status} in {row.seconds:.0f}s (total {time.monotonic() - started:.0f}s)",
             flush=True,
         )
+        write_result(json_path, setup, n, started, rows, planned, reference, facts)
     apply_checks(rows, {s.name: s for s in all_specs}, planned, reference)
     total = time.monotonic() - started
-    n = n_parameters(model_shape(setup), setup.heads, setup.kv_heads)
     header = (
         f"## GPU check ({'CPU test mode' if args.cpu_test else 'GPU'}): {n / 1e9:.2f}B-parameter Llama "
         f"(hidden {setup.hidden_size}, {setup.layers} layers, {setup.heads} heads / {setup.kv_heads} key/value,"
         f" vocab {setup.vocab_size}), {setup.batch} x {setup.block_size} tokens per step, 1 "
         f"{'GPU' if setup.gpu else 'CPU rank'}; loss tolerance {LOSS_RTOL:g} relative, memory margin "
-        f"{MEMORY_MARGIN:.0%}; total {total:.0f}s; work dir {work}"
+        f"{MEMORY_MARGIN:.0%}; total {total:.0f}s; work dir {work} (each row's log: WORK_DIR/<run>.log)"
     )
-    table = render(rows, header)
-    print("\n" + table)
+    print("\n" + render(rows, header))
+    write_result(json_path, setup, n, started, rows, planned, reference, facts)
     code = exit_code(rows)
-    result = {
-        "setup": dataclasses.asdict(setup),
-        "parameters": n,
-        "total_s": round(total, 1),
-        "exit_code": code,
-        "planned_gb": {f"zero{k[0]}{'_ckpt' if k[1] else ''}": v for k, v in planned.items()},
-        "loss_reference": reference,
-        "rows": [dataclasses.asdict(r) for r in rows.values()],
-    }
-    json_path = Path(args.json) if args.json else work / "gpu_check.json"
-    json_path.write_text(json.dumps(result, indent=2))
     print(f"\nexit code {code}; rows in {json_path}")
     return code
 

@@ -23,13 +23,17 @@ import tempfile
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from scripts.bench.common import DEEPSPEED  # noqa: E402
+
 PHASES = ("data_wait", "forward", "backward", "pipeline", "optimizer", "sync", "checkpoint")
 
 
 def run_job(world: int, out: Path, steps: int, launcher_args: str, extra: list) -> dict:
     run_dir = out / f"world{world}"
     cmd = [
-        str(Path(sys.executable).parent / "deepspeed"),
+        *DEEPSPEED,
         "--num_gpus",
         str(world),
         *shlex.split(launcher_args),

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -207,3 +209,76 @@ def test_cpu_mode_exits_non_zero_when_a_run_fails(tmp_path):
     zero1 = next(r for r in result["rows"] if r["run"] == "zero1")
     assert zero1["status"] == "FAILED" and zero1["checks"][0].startswith("exit ")
     assert "| zero1 |" in proc.stdout and "exit code 1" in proc.stdout
+
+
+# --- the first run on an offline GPU machine (issue 29): packages carried with `pip install --target`, no launcher
+# script beside the interpreter, no /usr/bin/time, a row that cannot start --------------------------------------
+
+
+@pytest.mark.slow  # one launch, ~30 s
+def test_cpu_mode_runs_from_a_target_install_with_no_launcher_beside_the_interpreter(tmp_path):
+    """The image's own interpreter (no `deepspeed` script beside it, none on PATH) with the packages on PYTHONPATH,
+    as `pip install --no-index --no-deps --target DIR` leaves them: every child keeps that PYTHONPATH, and the
+    launcher is found as a module."""
+    import sysconfig
+
+    base = sys._base_executable
+    assert not (Path(base).parent / "deepspeed").exists(), "the base interpreter has a launcher script beside it"
+    target = sysconfig.get_paths()["purelib"]  # this venv's packages, used as the carried --target folder
+    path = os.pathsep.join(p for p in os.environ["PATH"].split(os.pathsep) if not (Path(p) / "deepspeed").exists())
+    env = {**subprocess_env(tmp_path), "PYTHON": base, "PYTHONPATH": target, "PATH": path}
+    cmd = ["bash", "scripts/gpu_check.sh", "--cpu_test", "--work_dir", str(tmp_path / "work"), "--only", "zero2"]
+    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    result = json.loads((tmp_path / "work" / "gpu_check.json").read_text())
+    zero2 = next(r for r in result["rows"] if r["run"] == "zero2")
+    assert zero2["status"] == "ok" and zero2["steps"] == gc.CPU_SETUP.zero_steps
+    assert result["machine"]["deepspeed"] != "missing" and result["machine"]["gpu"] == "none"
+    assert "gpu_check: machine: python " in proc.stdout and "free_disk_gb" in proc.stdout
+
+
+def test_a_row_that_cannot_start_is_failed_and_the_json_is_written_after_each_row(tmp_path, monkeypatch):
+    json_path = tmp_path / "check.json"
+    seen = []
+
+    def run_train(spec, setup, work, env, timeout, row):
+        if spec.name == "default":
+            raise FileNotFoundError(2, "No such file or directory", "deepspeed")
+        seen.append(json.loads(json_path.read_text()))  # what a check killed now would leave behind
+        row.status, row.steps, row.losses = gc.OK, 1, [1.0]
+
+    monkeypatch.setattr(gc, "run_train", run_train)
+    code = gc.main(
+        ["--cpu_test", "--work_dir", str(tmp_path / "w"), "--only", "default,zero1", "--json", str(json_path)]
+    )
+    assert code == 1
+    after_default = {r["run"]: r for r in seen[0]["rows"]}
+    assert after_default["default"]["status"] == "FAILED" and not seen[0]["finished"]
+    assert after_default["default"]["checks"][0].startswith("could not run: FileNotFoundError")
+    assert after_default["zero1"]["status"] == "not run"
+    final = {r["run"]: r for r in json.loads(json_path.read_text())["rows"]}
+    assert final["zero1"]["status"] == "ok" and final["default"]["status"] == "FAILED"
+
+
+@pytest.mark.slow  # one launch of a tiny script, ~10 s
+def test_without_gnu_time_the_largest_process_sampled_rss_stands_in(tmp_path, monkeypatch):
+    import argparse
+
+    from scripts import compare_hf_trainer as cmp
+
+    script = tmp_path / "hold.py"
+    script.write_text("import time\nblock = bytearray(200 * 2**20)\ntime.sleep(2)\n")
+    monkeypatch.setattr(cmp, "GNU_TIME", str(tmp_path / "no" / "time"))
+    s = argparse.Namespace(ranks=1, max_rss_gb=8, timeout=120)
+    result = cmp.launch(str(script), [], s, cmp.common_env(tmp_path), tmp_path / "hold.log")
+    assert result["max_rss_source"] == "sampled (no /usr/bin/time)"
+    assert 200 * 1024 <= result["max_rss_kb"] <= result["tree_peak_rss_kb"], result
+
+
+def test_every_child_keeps_the_callers_pythonpath_after_the_repository(tmp_path, monkeypatch):
+    from scripts import compare_hf_trainer as cmp
+    from scripts.bench.common import child_env
+
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(["/carried/packages", str(REPO)]))
+    for env in (cmp.common_env(tmp_path), child_env(HF_HUB_OFFLINE="1")):
+        assert env["PYTHONPATH"].split(os.pathsep) == [str(REPO), "/carried/packages"]

@@ -23,7 +23,20 @@ from collections.abc import Callable
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
-BIN = Path(sys.executable).parent  # the deepspeed launcher beside this interpreter (a venv)
+BIN = Path(sys.executable).parent  # this interpreter's folder (a venv's bin)
+# The deepspeed launcher as a module of this interpreter: found wherever deepspeed is importable (a venv, or a
+# `pip install --target DIR` on PYTHONPATH, which puts no `deepspeed` script beside the interpreter).
+DEEPSPEED = (sys.executable, "-m", "deepspeed.launcher.runner")
+
+
+def child_env(**overrides) -> dict:
+    """This process's environment for a child run from the repository: the repository first on PYTHONPATH, the
+    caller's PYTHONPATH kept after it (packages carried beside an image's own, `pip install --target`)."""
+    env = {**os.environ, **overrides}
+    kept = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p and p != str(REPO)]
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO), *kept])
+    return env
+
 
 # The flags several benchmarks take: name -> (type, help). Each benchmark gives its own defaults.
 SHARED_FLAGS = {
@@ -57,8 +70,8 @@ def bench_model(folder: Path) -> Path:
 def launch(script: str, args: list, nprocs: int) -> str:
     """Run `script` (train.py, or a script of this folder) with `args` under the deepspeed launcher on `nprocs`
     ranks, from the repository, offline; its stdout. Exits with the command and its output's tail if it fails."""
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "PYTHONPATH": str(REPO)}
-    cmd = [str(BIN / "deepspeed"), "--num_gpus", str(nprocs), script, *args]
+    env = child_env(HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1")
+    cmd = [*DEEPSPEED, "--num_gpus", str(nprocs), script, *args]
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True)
     if proc.returncode != 0:
         sys.exit(f"{' '.join(cmd)} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")

@@ -3,6 +3,11 @@
 # not yet measured), after `pip install -r requirements.txt`. The work is in scripts/gpu_check.py (its docstring
 # lists the runs); this file checks that there is a GPU and hands over.
 #
+# On an offline GPU image with its own torch (never reinstall it) but no deepspeed or datasets: where PyPI is
+# reachable, `python scripts/gpu_wheels.py` writes .whl/ (the missing packages, ~6 MiB); on the GPU machine:
+#   python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl \
+#       && PYTHONPATH=/tmp/site bash scripts/gpu_check.sh
+#
 #   bash scripts/gpu_check.sh [--work_dir DIR] [--only zero1,zero2] [--skip sdpa_compile] [--json FILE]
 #   bash scripts/gpu_check.sh --cpu_test        # the same program on a CPU, tiny and fp32 (what the tests run)
 #

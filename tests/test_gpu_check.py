@@ -282,3 +282,23 @@ def test_every_child_keeps_the_callers_pythonpath_after_the_repository(tmp_path,
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join(["/carried/packages", str(REPO)]))
     for env in (cmp.common_env(tmp_path), child_env(HF_HUB_OFFLINE="1")):
         assert env["PYTHONPATH"].split(os.pathsep) == [str(REPO), "/carried/packages"]
+
+
+def test_the_wheels_to_carry_are_the_pins_and_every_need_the_image_lacks():
+    """`pip install --no-deps --target` installs exactly the carried wheels: each of their requirements must be
+    carried too or be in the image; torch and the image's packages are never carried (torch is never reinstalled)."""
+    import importlib.metadata
+    import re
+
+    from scripts import gpu_wheels
+
+    carry = gpu_wheels.to_carry()
+    pinned = gpu_wheels.pins(REPO / "requirements.txt")
+    assert carry["deepspeed"] == pinned["deepspeed"] and carry["datasets"] == pinned["datasets"]
+    assert "torch" not in carry and not set(carry) & gpu_wheels.IMAGE_HAS
+    for name in carry:
+        for requirement in importlib.metadata.requires(name) or []:
+            if "extra ==" in requirement:
+                continue
+            needed = re.match(r"[A-Za-z0-9_.-]+", requirement).group(0).lower().replace("_", "-")
+            assert needed in carry or needed in gpu_wheels.IMAGE_HAS, f"{name} needs {needed}: carry it"

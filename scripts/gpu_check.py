@@ -138,6 +138,7 @@ class Row:
     seconds: float | None = None
     losses: list = field(default_factory=list)
     log: str | None = None
+    mfu_causal_measured: float | None = None  # tokens/s x causal model FLOPs / the card's measured matmul rate
 
     def fail_check(self, text: str) -> None:
         self.checks.append(text)
@@ -524,14 +525,15 @@ def render(rows: dict, header: str) -> str:
     lines = [
         header,
         "",
-        "| run | what | steps | tokens/s | MFU | peak GPU GB | planned GB | check | status |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| run | what | steps | tokens/s | MFU | MFU causal/measured | peak GPU GB | planned GB | check | status |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for row in rows.values():
         took = f" ({row.seconds:.0f}s)" if row.seconds is not None else ""
         lines.append(
             f"| {row.run} | {row.what} | {_num(row.steps, 'd')} | {_num(row.tokens_per_s, '.0f')} | "
-            f"{_num(row.mfu, '.1%')} | {_num(row.peak_gb, '.2f')} | {_num(row.planned_gb, '.2f')} | "
+            f"{_num(row.mfu, '.1%')} | {_num(row.mfu_causal_measured, '.1%')} | {_num(row.peak_gb, '.2f')} | "
+            f"{_num(row.planned_gb, '.2f')} | "
             f"{'; '.join(row.checks)} | {row.status}{took} |"
         )
     return "\n".join(lines)
@@ -627,10 +629,41 @@ def run_row(spec: Spec, row: Row, setup: Setup, work: Path, env: dict, args, mod
     return None
 
 
+def measured_peak(setup: Setup) -> float:
+    """The card's matrix-product rate in the runs' precision, measured once at the start (TFLOP/s); on a CPU, fp32."""
+    from scaletrain.observability.flops import measured_matmul_tflops
+
+    if setup.gpu:
+        return measured_matmul_tflops("cuda", setup.precision, seconds=2.0, size=8192)
+    return measured_matmul_tflops("cpu", "fp32", seconds=0.3, size=512)
+
+
+def causal_flops_per_token(model: Path, setup: Setup) -> float:
+    """Model FLOPs per token of the check's Llama with the attention term counted causally (half the T x T square),
+    as Megatron-LM and FlashAttention's benchmarks count it; train.py's own MFU counts the whole square (PaLM)."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from scaletrain.observability.flops import model_flops
+
+    config = AutoConfig.from_pretrained(model)
+    with torch.device("meta"):
+        meta = AutoModelForCausalLM.from_config(config)
+    return model_flops(meta, config, setup.block_size).per_token(causal=True)
+
+
+def add_measured_mfu(rows: dict, flops_per_token: float, peak_tflops: float) -> None:
+    """MFU against the measured rate, causal attention, for the rows that trained the check's Llama in full (not the
+    default job's tiny model, not QLoRA's frozen base)."""
+    for name, row in rows.items():
+        if row.tokens_per_s and peak_tflops > 0 and name not in ("default", "qlora"):
+            row.mfu_causal_measured = row.tokens_per_s * flops_per_token / (peak_tflops * 1e12)
+
+
 def write_result(path: Path, setup: Setup, n: int, started: float, rows: dict, planned: dict, reference, facts: dict):
     """The rows so far as JSON: written after every row, so a check cut short still leaves what it measured."""
     result = {
-        "machine": facts,
+        "machine": facts,  # measured_matmul_tflops: the peak of the "MFU causal/measured" column
         "setup": dataclasses.asdict(setup),
         "parameters": n,
         "total_s": round(time.monotonic() - started, 1),
@@ -655,6 +688,7 @@ def main(argv=None) -> int:
         return 2
     work.mkdir(parents=True, exist_ok=True)
     facts = machine_facts(work)
+    facts["measured_matmul_tflops"] = round(measured_peak(setup), 2)
     print("gpu_check: machine: " + ", ".join(f"{k} {v}" for k, v in facts.items()), flush=True)
     flash = importlib.util.find_spec("flash_attn") is not None
     model = build_model(work / "model", argparse.Namespace(**dataclasses.asdict(setup)))
@@ -699,13 +733,17 @@ def main(argv=None) -> int:
         )
         write_result(json_path, setup, n, started, rows, planned, reference, facts)
     apply_checks(rows, {s.name: s for s in all_specs}, planned, reference)
+    add_measured_mfu(rows, causal_flops_per_token(model, setup), facts["measured_matmul_tflops"])
     total = time.monotonic() - started
     header = (
         f"## GPU check ({'CPU test mode' if args.cpu_test else 'GPU'}): {n / 1e9:.2f}B-parameter Llama "
         f"(hidden {setup.hidden_size}, {setup.layers} layers, {setup.heads} heads / {setup.kv_heads} key/value,"
         f" vocab {setup.vocab_size}), {setup.batch} x {setup.block_size} tokens per step, 1 "
         f"{'GPU' if setup.gpu else 'CPU rank'}; loss tolerance {LOSS_RTOL:g} relative, memory margin "
-        f"{MEMORY_MARGIN:.0%}; total {total:.0f}s; work dir {work} (each row's log: WORK_DIR/<run>.log)"
+        f"{MEMORY_MARGIN:.0%}; total {total:.0f}s; work dir {work} (each row's log: WORK_DIR/<run>.log). MFU: "
+        f"PaLM's count (attention's whole T x T square) over the datasheet peak, as train.py logs it; beside it, "
+        f"attention counted causally over the matrix-product rate measured on this device at the start "
+        f"({facts['measured_matmul_tflops']:g} TFLOP/s), the figure peers (Megatron-LM, FlashAttention) report"
     )
     print("\n" + render(rows, header))
     write_result(json_path, setup, n, started, rows, planned, reference, facts)

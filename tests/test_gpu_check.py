@@ -199,6 +199,8 @@ def test_cpu_mode_runs_the_plan_a_zero_run_and_the_reference_and_checks_them(tmp
     assert len(result["loss_reference"]) == gc.CPU_SETUP.ref_steps
     assert any(c.startswith("loss vs fp32, first 3 steps: max rel. diff") for c in zero3["checks"])
     assert "| zero3 | ZeRO-3, fp32, sdpa" in proc.stdout and "| run | what | steps |" in proc.stdout
+    # MFU beside train.py's: attention counted causally, over the matmul rate measured at the start
+    assert result["machine"]["measured_matmul_tflops"] > 0 and 0 < zero3["mfu_causal_measured"] < 1
     assert not (tmp_path / "work" / "zero3" / "checkpoints").exists()  # --no-save_at_end: no 14 GB per 1B run
 
 
@@ -302,3 +304,18 @@ def test_the_wheels_to_carry_are_the_pins_and_every_need_the_image_lacks():
                 continue
             needed = re.match(r"[A-Za-z0-9_.-]+", requirement).group(0).lower().replace("_", "-")
             assert needed in carry or needed in gpu_wheels.IMAGE_HAS, f"{name} needs {needed}: carry it"
+
+
+def test_mfu_against_the_measured_rate_counts_attention_causally():
+    from scaletrain.observability.flops import ModelFlops
+
+    flops = ModelFlops(matmul_params=1000, layers=2, heads=4, head_dim=8, seq_len=64)
+    full, causal = flops.per_token(), flops.per_token(causal=True)
+    assert full == 6 * 1000 + 12 * 2 * 4 * 8 * 64 and causal == 6 * 1000 + 6 * 2 * 4 * 8 * 64
+    assert flops.per_token(recompute=True, causal=True) == 8 * 1000 + 8 * 2 * 4 * 8 * 64
+    rows = {name: gc.Row(name, "") for name in ("zero2", "default", "qlora", "flash")}
+    rows["zero2"].tokens_per_s = rows["default"].tokens_per_s = rows["qlora"].tokens_per_s = 5000.0
+    gc.add_measured_mfu(rows, causal, peak_tflops=0.5)
+    assert rows["zero2"].mfu_causal_measured == pytest.approx(5000.0 * causal / 0.5e12)
+    # the default job's tiny model and QLoRA's frozen base are other FLOPs; a row that did not run has no figure
+    assert [rows[n].mfu_causal_measured for n in ("default", "qlora", "flash")] == [None, None, None]

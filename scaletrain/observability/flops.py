@@ -5,7 +5,9 @@ Training FLOPs per token (PaLM, appendix B, the formula most MFU figures use):
     hardware FLOPs = 8 * N + 16 * L * H * Q * T      (activation checkpointing recomputes the forward once more)
 N: parameters of the matrix multiplications (every nn.Linear, the output head included; embedding lookups and
 norms do no matmul), L layers, H attention heads, Q head dimension, T sequence length (the block size). The
-attention term counts QK^T and attention x V over the full T x T square, as PaLM does.
+attention term counts QK^T and attention x V over the full T x T square, as PaLM does (and the MFU train.py logs);
+a causal model computes only half of that square, and causal=True counts that half (6 * L * H * Q * T for model
+FLOPs), as Megatron-LM and FlashAttention's benchmarks do: the figure to compare with theirs.
 
 Frozen weights (LoRA's base) skip their weight gradient, a third of their training work: each of the F frozen
 matmul parameters costs 4 (forward 2, input gradient 2), or 6 with the recomputed forward, instead of 6 or 8:
@@ -43,9 +45,10 @@ class ModelFlops:
     seq_len: int
     frozen_matmul_params: int = 0  # of matmul_params, those that train no weight gradient (LoRA's base)
 
-    def per_token(self, recompute: bool = False) -> float:
-        """Training FLOPs per token: model FLOPs (recompute=False) or hardware FLOPs (recompute=True)."""
-        attention = self.layers * self.heads * self.head_dim * self.seq_len
+    def per_token(self, recompute: bool = False, causal: bool = False) -> float:
+        """Training FLOPs per token: model FLOPs (recompute=False) or hardware FLOPs (recompute=True); with
+        causal=True the attention term counts the causal half of the T x T square only."""
+        attention = self.layers * self.heads * self.head_dim * self.seq_len / (2 if causal else 1)
         trained, frozen = self.matmul_params - self.frozen_matmul_params, self.frozen_matmul_params
         if recompute:
             return 8 * trained + 6 * frozen + 16 * attention
@@ -68,17 +71,29 @@ def model_flops(meta_model, model_config, seq_len: int) -> ModelFlops:
 
 def calibrate_cpu_tflops(seconds: float = 0.5, size: int = 1024) -> float:
     """Measured fp32 matrix-product rate of this CPU (all its threads), in TFLOP/s."""
+    return measured_matmul_tflops("cpu", "fp32", seconds, size)
+
+
+def measured_matmul_tflops(device: str, precision: str, seconds: float = 0.5, size: int = 1024) -> float:
+    """The matrix-product rate measured on `device` ("cpu" or "cuda") in `precision`, in TFLOP/s: the peak that a
+    card reaches in practice, beside its datasheet's (an H100 SXM measures well below its 989 bf16 TFLOP/s)."""
     import torch
 
+    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[precision]
     # A generator of its own: the calibration runs after a resume restored the RNG, and drawing from the global one
     # would shift every later random draw (dropout) away from the uninterrupted run's.
     generator = torch.Generator().manual_seed(0)
-    a, b = torch.randn(size, size, generator=generator), torch.randn(size, size, generator=generator)
+    a, b = (torch.randn(size, size, generator=generator).to(device, dtype) for _ in range(2))
+    synchronize = torch.cuda.synchronize if device == "cuda" else (lambda: None)
     torch.mm(a, b)  # warm up
+    synchronize()
+    burst = 10 if device == "cuda" else 1  # a GPU queues products: time ten between synchronisations
     runs, started = 0, time.perf_counter()
     while time.perf_counter() - started < seconds:
-        torch.mm(a, b)
-        runs += 1
+        for _ in range(burst):
+            torch.mm(a, b)
+        synchronize()
+        runs += burst
     return 2 * size**3 * runs / (time.perf_counter() - started) / 1e12
 
 

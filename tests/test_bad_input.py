@@ -513,6 +513,7 @@ def test_error_is_printed_once_under_a_two_rank_launch(tmp_path, cache_dir):
     assert not out.exists()
 
 
+@pytest.mark.slow  # over 10 s: a real run (the fast tier stays under 3 minutes)
 def test_secrets_never_reach_logs_configs_or_metrics(tmp_path, cache_dir, monkeypatch):
     """A run with credentials in its environment: none of them appears in its output or its run folder."""
     secrets = {"WANDB_API_KEY": "wandb-secret-3f9a1c", "HF_TOKEN": "hf_secret_77d2e0"}

@@ -197,6 +197,7 @@ def test_plan_command_prints_every_option_and_a_recommendation(tmp_path):
     assert not out.exists()  # a plan writes nothing
 
 
+@pytest.mark.slow  # over 10 s: a real run (the fast tier stays under 3 minutes)
 def test_plan_recommends_tensor_parallelism_inside_a_node_before_offload(tmp_path):
     """A 70B Llama on 4 nodes x 8 GPUs of 80 GB, 4096 tokens per micro-batch: ZeRO-1/2 hold the whole weights and
     do not fit; ZeRO-3 (with checkpointing) does, and comes first; with --tensor_parallel_size 8 the plan is the TP

@@ -102,6 +102,7 @@ def test_two_ranks_train_checkpoint_and_export(ds_config, tmp_path, cache_dir):
     assert set(glob.glob("/dev/shm/deepspeed_allreduce_buffer_*")) <= shm_before
 
 
+@pytest.mark.slow  # over 10 s: a real run (the fast tier stays under 3 minutes)
 def test_single_process_python_with_wandb_offline(tmp_path, cache_dir):
     run_dir = tmp_path / "run"
     proc = launch(

@@ -211,10 +211,12 @@ def dry_run(name, tmp_path, cache_dir, pretrained):
     assert not out.exists()  # a dry run writes nothing
 
 
+@pytest.mark.slow  # over 10 s: a real run (the fast tier stays under 3 minutes)
 def test_pretrain_recipe_dry_run_runs_one_real_step(tmp_path, cache_dir, pretrained_tiny):
     dry_run("pretrain_small.yaml", tmp_path, cache_dir, pretrained_tiny)
 
 
+@pytest.mark.slow  # over 10 s: a real run (the fast tier stays under 3 minutes)
 def test_sft_chat_recipe_dry_run_runs_one_real_step_on_chat_data(tmp_path, cache_dir, pretrained_tiny):
     dry_run("sft_chat.yaml", tmp_path, cache_dir, pretrained_tiny)
 

@@ -23,7 +23,6 @@ from collections.abc import Callable
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
-BIN = Path(sys.executable).parent  # this interpreter's folder (a venv's bin)
 # The deepspeed launcher as a module of this interpreter: found wherever deepspeed is importable (a venv, or a
 # `pip install --target DIR` on PYTHONPATH, which puts no `deepspeed` script beside the interpreter).
 DEEPSPEED = (sys.executable, "-m", "deepspeed.launcher.runner")

@@ -141,10 +141,12 @@ def test_sigterm_to_every_process_of_the_launch_still_saves_and_exits_85(tmp_pat
 
 def start_toy(cache: Path, **env: str) -> subprocess.Popen:
     cmd = [*LAUNCHER, "--num_gpus", "2", "--master_port", str(free_port()), str(TOY_RANK)]
+    agree_dir = cache / "agree"
+    agree_dir.mkdir()
     return subprocess.Popen(
         cmd,
         cwd=REPO,
-        env={**subprocess_env(cache), **env},
+        env={**subprocess_env(cache), "TOY_AGREE_DIR": str(agree_dir), **env},
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,

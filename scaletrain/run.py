@@ -85,6 +85,7 @@ from scaletrain.train import (
 )
 from scaletrain.observability import (
     comms_summary,
+    HostMemoryPhase,
     generate_samples,
     MetricsLogger,
     peak_tflops,
@@ -171,13 +172,15 @@ class Run:
         seed_everything(self.cfg.optim.seed)
 
     def build_model(self) -> None:
+        memory = HostMemoryPhase("model build")
         # The backend the pre-flight's meta model was built with: the one named, or the one transformers chose.
         args = dataclasses.replace(self.cfg.model, attn_implementation=self.resolved.attn_implementation)
         if self.cfg.peft.load_in_4bit:  # QLoRA: the base in 4 bits on this rank's GPU, then LoRA as below
             self.model, self._zero3_keepalive = build_qlora_model(args, self.resolved.model_config, self.resolved.ds)
         else:
+            pipeline = self.dist.pipeline_parallel_size > 1 and not self.cfg.peft.use_peft  # stages built alone
             self.model, self._zero3_keepalive = build_model(
-                args, self.resolved.model_config, self.resolved.ds.config, self.resolved.ds.zero_stage
+                args, self.resolved.model_config, self.resolved.ds.config, self.resolved.ds.zero_stage, pipeline
             )
         if self.cfg.peft.use_peft:  # LoRA: peft wraps the built (ZeRO-3: partitioned) model; only the adapter trains
             self.model = apply_lora(self.model, self.cfg.peft)
@@ -195,6 +198,7 @@ class Run:
             self.model, self.pipeline_loss = build_pipeline_module(
                 self.model, self.dist.pipeline_parallel_size, self.cfg.parallel.pipeline_partition
             )
+        memory.report()
 
     def prepare_inputs(self) -> None:
         """The resume conversion and the token store, then the ranks settle: a failure on any rank (a node whose

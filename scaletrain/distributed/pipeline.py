@@ -249,10 +249,13 @@ class TokenLoss:
 
 
 def build_pipeline_module(hf_model, pp: int, partition: str):
-    """The PipelineModule of `hf_model` over `pp` stages; this rank builds only its own stage's layers. Needs the
-    process group. Returns (module, loss)."""
-    from deepspeed.pipe import PipelineModule
+    """The PipelineModule of `hf_model` over `pp` stages; this rank builds only its own stage's layers (and, for a
+    model on the meta device, reads only their weights: model/stage_weights.py). Needs the process group. Returns
+    (module, loss)."""
+    from scaletrain.engine import pipeline_module_class, release_other_stages
 
+    weights = getattr(hf_model, "stage_weights", None)
+    PipelineModule = pipeline_module_class(weights.load_into if weights is not None else None)
     specs, places, decoder_name = layer_specs(hf_model)
     loss = TokenLoss()
     # "uniform": the same number of decoder layers per stage; "parameters": DeepSpeed balances parameter counts
@@ -260,8 +263,6 @@ def build_pipeline_module(hf_model, pp: int, partition: str):
     method = f"type:{decoder_name}" if partition == "uniform" else "parameters"
     sizes = [_spec_parameters(spec) for spec in specs]  # before the other stages' specs are emptied
     module = PipelineModule(layers=specs, num_stages=pp, loss_fn=loss, partition_method=method)
-    from scaletrain.engine import release_other_stages
-
     release_other_stages(module)
     log.info(
         "pipeline stages (--pipeline_partition %s): %s",

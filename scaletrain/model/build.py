@@ -66,19 +66,27 @@ def load_tokenizer(args: ModelArgs):
     return tokenizer
 
 
-def build_model(args: ModelArgs, model_config, ds_config: dict, zero_stage: int) -> tuple:
+def build_model(args: ModelArgs, model_config, ds_config: dict, zero_stage: int, pipeline: bool = False) -> tuple:
     """Return (model, keepalive). Under ZeRO-3 each parameter is partitioned as it is created.
 
     transformers builds the model inside `deepspeed.zero.Init` while an `HfDeepSpeedConfig` is alive, both for
     `from_pretrained` (weights are loaded shard by shard into the partitions) and `from_config`. The returned
     keepalive must outlive the engine: transformers holds only a weak reference to it.
+
+    `pipeline`: the model is cut into pipeline stages next; a pretrained safetensors checkpoint is then built on
+    the meta device, and each stage reads only its own weights (stage_weights.py).
     """
     import torch
     from transformers import AutoModelForCausalLM
     from transformers.integrations import HfDeepSpeedConfig
 
+    from scaletrain.model.stage_weights import stage_weights_model
+
     keepalive: Any = HfDeepSpeedConfig(ds_config) if zero_stage == 3 else None
-    if args.model_name_or_path:
+    staged = stage_weights_model(args, model_config) if pipeline and args.model_name_or_path else None
+    if staged is not None:
+        model = staged
+    elif args.model_name_or_path:
         model = AutoModelForCausalLM.from_pretrained(
             args.model_name_or_path,
             config=model_config,
@@ -100,7 +108,11 @@ def build_model(args: ModelArgs, model_config, ds_config: dict, zero_stage: int)
         type(model).__name__,
         args.model_source,
         n_params / 1e6,
-        ", built sharded (ZeRO-3)" if zero_stage == 3 else "",
+        ", built sharded (ZeRO-3)"
+        if zero_stage == 3
+        else ", on the meta device (each pipeline stage reads its own weights)"
+        if staged is not None
+        else "",
     )
     return model, keepalive
 

@@ -51,7 +51,9 @@ Hooks, why we need them, and the test that proves they still act:
   norm and every stage clips by it; scaletrain replaces it with the norm over every stage.
   tests/test_pipeline_parallel.py (ZeRO-0 against one rank, gradient clipping acting).
   PipelineModule._layer_specs / _local_start / _local_stop: the specs of other stages' layers hold the Hugging Face
-  modules they wrap; they are emptied so those modules are freed.
+  modules they wrap; they are emptied so those modules are freed. PipelineModule._build (called by its __init__
+  between partitioning and the move to the device): a subclass gives a stage built from meta-device modules its
+  weights there, read from the safetensors files. tests/test_stage_build.py.
 - deepspeed.comm.comm.comms_logger, CommsLogger.append and .comms_dict: DeepSpeed 0.19.8 hands append the running
   total of every op of a name so far (timed_op reads its timer with reset=False) as the op's latency; --comms_log
   replaces the instance's append with one that keeps each op's own time (and refuses a total that shrinks: a
@@ -134,12 +136,14 @@ from scaletrain.engine.ds_internals.optimizer import (
     SkipSwitch,
 )
 from scaletrain.engine.ds_internals.pipeline import (
+    PIPE_BUILD,
     PIPE_CLIP,
     PIPE_INSTRUCTIONS,
     PIPE_OPTIMIZER_STEP,
     PIPE_SPECS,
     before_pipeline_update,
     fix_pipeline_stage0_clipping,
+    pipeline_module_class,
     release_other_stages,
 )
 from scaletrain.engine.ds_internals.release import (
@@ -181,6 +185,7 @@ __all__ = [
     "NonFiniteSkipBroken",
     "OVERFLOW",
     "PARAMS_TO_RELEASE",
+    "PIPE_BUILD",
     "PIPE_CLIP",
     "PIPE_INSTRUCTIONS",
     "PIPE_OPTIMIZER_STEP",
@@ -216,6 +221,7 @@ __all__ = [
     "op_preinstalled",
     "per_op_comm_latencies",
     "recorded_checkpoint_writes",
+    "pipeline_module_class",
     "release_other_stages",
     "release_pipeline_references",
     "release_zero3_references",

@@ -30,7 +30,7 @@ from scaletrain.engine.ds_internals.op_builds import (
     INSTALLED_OPS,
 )
 from scaletrain.engine.ds_internals.optimizer import STAGE3_CHECK, STAGE3_CLEANUP, STAGE12_CHECK, STAGE12_INIT
-from scaletrain.engine.ds_internals.pipeline import PIPE_CLIP, PIPE_INSTRUCTIONS, PIPE_OPTIMIZER_STEP
+from scaletrain.engine.ds_internals.pipeline import PIPE_BUILD, PIPE_CLIP, PIPE_INSTRUCTIONS, PIPE_OPTIMIZER_STEP
 from scaletrain.engine.ds_internals.release import FWD_MODULE_STACK, PARAMS_TO_RELEASE, PIPE_P2P_GRID, PIPE_P2P_GROUPS
 from scaletrain.engine.ds_internals.tensor_parallel import TP_GATHER, TP_GROUPS
 
@@ -57,6 +57,7 @@ HOOKS = (
     PIPE_INSTRUCTIONS,
     PIPE_OPTIMIZER_STEP,
     PIPE_CLIP,
+    PIPE_BUILD,
     PIPE_P2P_GROUPS,
     PIPE_P2P_GRID,
     COMMS_LOGGER,

@@ -16,6 +16,26 @@ PIPE_INSTRUCTIONS = Hook("deepspeed.runtime.pipe.engine:PipelineEngine", "_INSTR
 PIPE_OPTIMIZER_STEP = Hook("deepspeed.runtime.pipe.schedule", "OptimizerStep", _PP, _PP_INSTEAD)
 PIPE_SPECS = Hook("deepspeed.runtime.pipe.module:PipelineModule", "_layer_specs", _PP, _PP_INSTEAD)  # instance
 PIPE_CLIP = Hook("deepspeed.runtime.engine:DeepSpeedEngine", "clip_fp32_gradients", _PP, _PP_INSTEAD)
+# PipelineModule.__init__ partitions the layers, calls _build() (this rank's layers only), then moves them to the
+# device: a stage built from meta-device modules gets its weights between the two.
+PIPE_BUILD = Hook("deepspeed.runtime.pipe.module:PipelineModule", "_build", _PP, _PP_INSTEAD)
+
+
+def pipeline_module_class(after_build: Callable | None = None) -> type:
+    """DeepSpeed's PipelineModule, or (with `after_build`) a subclass that calls `after_build(module)` right after
+    DeepSpeed has built this rank's layers and before it moves them to the device: the one moment this rank's
+    stage exists alone, so meta-device layers can be given their weights there."""
+    pipeline_module = PIPE_BUILD.owner_object()
+    PIPE_BUILD.resolve()
+    if after_build is None:
+        return pipeline_module
+
+    class StagePipelineModule(pipeline_module):
+        def _build(self):
+            super()._build()
+            after_build(self)
+
+    return StagePipelineModule
 
 
 def before_pipeline_update(engine, callback: Callable[[], None]) -> None:

@@ -45,7 +45,7 @@ from scaletrain.distributed import (
     resolve_layout,
 )
 from scaletrain.engine import check_compile, check_deepspeed_hooks, compile_requested
-from scaletrain.observability import load_eval_prompts, METRICS_FILE, model_flops, ModelFlops, read_records
+from scaletrain.observability import load_eval_prompts, METRICS_FILE, model_flops, ModelFlops, ModelShape, read_records
 from scaletrain.model import (
     check_model_features,
     check_tokenizer_fits,
@@ -287,7 +287,7 @@ def resolve_run(argv: Sequence[str] | None, dist: DistInfo) -> ResolvedRun:
     block_size = check_block_size(cfg.data, cfg.model.tokenizer_source, tokenizer, max_positions(model_config))
     skeleton, model_facts = describe_model(cfg, model_config)
     hardware = hardware_facts()
-    ds = _resolve_engine_config(cfg, raw_ds_config, dist, model_config, hardware, model_facts["n_params"])
+    ds = _resolve_engine_config(cfg, raw_ds_config, dist, model_config, hardware, skeleton)
     isolates_documents = cfg.data.attention_isolation or chat is not None  # chat data packs whole examples, isolated
     router_loss = check_model_features(cfg, ds, skeleton, model_config, hardware, isolates_documents)
     attn = skeleton.config._attn_implementation
@@ -326,10 +326,12 @@ def resolve_run(argv: Sequence[str] | None, dist: DistInfo) -> ResolvedRun:
 
 
 def _resolve_engine_config(
-    cfg: RunConfig, raw_ds_config: dict, dist: DistInfo, model_config, hardware: HardwareFacts, n_params: int
+    cfg: RunConfig, raw_ds_config: dict, dist: DistInfo, model_config, hardware: HardwareFacts, skeleton
 ) -> ResolvedDSConfig:
     """The DeepSpeed JSON with every "auto" filled, and the engine-side checks that need it: the parallel layout's
     DeepSpeed keys, the batch ramp-up, and whether a non-finite update can be skipped."""
+    pp = dist.pipeline_parallel_size
+    shape = ModelShape.from_meta_model(skeleton, model_config)
     ds = resolve_ds_config(
         raw_ds_config,
         cfg.engine,
@@ -338,7 +340,8 @@ def _resolve_engine_config(
         dist.dp_world_size,
         _hidden_size(model_config),
         hardware,
-        n_params,
+        shape.n_params,
+        int(shape.params_per_rank(1, pp)) if pp > 1 else None,
     )
     if not cfg.planning.plan:  # --plan covers every ZeRO option for the layout, whatever --config says
         resolve_layout(cfg.parallel, ds, cfg.engine.config)

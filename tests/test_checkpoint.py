@@ -24,7 +24,7 @@ from tests.conftest import (
     REPO,
     VENV_BIN,
     check_ok,
-    free_port,
+    deepspeed_cmd,
     freeze,
     launch,
     logged_steps,
@@ -66,9 +66,8 @@ def flags(ds_config: str, run_dir: Path, max_steps: int = STEPS) -> list:
 
 
 def start(args: list, cache: Path) -> subprocess.Popen:
-    cmd = [str(VENV_BIN / "deepspeed"), "--num_gpus", "2", "--master_port", str(free_port()), "train.py", *args]
     return subprocess.Popen(
-        cmd,
+        deepspeed_cmd(2, "train.py", args),
         cwd=REPO,
         env=subprocess_env(cache),
         stdout=subprocess.PIPE,

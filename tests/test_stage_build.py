@@ -21,16 +21,15 @@ TINY = REPO / "data" / "tiny-llama"
 
 
 def _save_pretrained(folder: Path, shard: str | None = None, dtype=torch.float32, **overrides) -> Path:
+    """The tiny Llama (with `overrides`) and random weights saved in `dtype`, with its tokenizer."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    config = AutoConfig.from_pretrained(TINY)
-    for name, value in overrides.items():
-        setattr(config, name, value)
+    from data.build_tiny_llama import tiny_llama_variant
+
+    tiny_llama_variant(folder, **overrides)
     torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(config).to(dtype)
+    model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(folder)).to(dtype)
     model.save_pretrained(folder, **({"max_shard_size": shard} if shard else {}))
-    for name in ("tokenizer.json", "tokenizer_config.json"):
-        (folder / name).write_bytes((TINY / name).read_bytes())
     return folder
 
 
@@ -244,12 +243,9 @@ def test_a_random_init_stage_builds_at_most_0_6x_the_whole_model(tmp_path):
     import subprocess
     import sys
 
-    from transformers import AutoConfig
+    from data.build_tiny_llama import tiny_llama_variant
 
-    config = AutoConfig.from_pretrained(TINY)
-    for name, value in {**WIDE, "vocab_size": 4096, "num_hidden_layers": 16}.items():
-        setattr(config, name, value)
-    config.save_pretrained(tmp_path)
+    tiny_llama_variant(tmp_path, **{**WIDE, "vocab_size": 4096, "num_hidden_layers": 16})
     grown = {}
     for mode in ("whole", "stage"):
         proc = subprocess.run(

@@ -50,14 +50,15 @@ LATENCY_SHARE = 0.10  # a bucket spends at most this share of its collective's t
 MAX_BUCKET_ELEMENTS = 500_000_000  # DeepSpeed's own default, the memory bound (2 GB of fp32 per bucket buffer)
 
 
-def bucket_elements(accelerator: str, precision: str, n_params: int | None) -> tuple:
+def bucket_elements(accelerator: str, precision: str, n_params: int | None, cap: str = "the model") -> tuple:
     """(elements, why) of a collective bucket (reduce, all-gather, ZeRO-3 prefetch).
 
     A collective of B bytes takes a + B / b on a link of latency a and bandwidth b; latency is at most a share s of
     it from B = a b (1 - s) / s = 9 a b (s = 10%). Bounded above by the model's parameter count (one bucket holds
     every gradient: larger buys nothing, and ZeRO-2 allocates its buckets whole) and by DeepSpeed's default of 5e8
     elements (memory). The "auto" rule it replaces (hidden^2) gave 65,536 elements on a hidden-256 model: a 256 KB
-    all-reduce that gloo spends ~80% of in latency."""
+    all-reduce that gloo spends ~80% of in latency. Under pipeline parallelism `n_params` is the largest stage's
+    (`cap` names it): a rank reduces only its stage's gradients, and ZeRO-1 allocates its bucket whole."""
     link = LINKS.get(accelerator, LINKS["cuda"])
     element_bytes = 4 if precision == "fp32" else 2
     amortised = int(link.latency_s * link.bandwidth_bytes_per_s * (1 - LATENCY_SHARE) / LATENCY_SHARE / element_bytes)
@@ -67,7 +68,7 @@ def bucket_elements(accelerator: str, precision: str, n_params: int | None) -> t
         f"latency <= 10%) / {element_bytes} bytes = {amortised}"
     )
     if elements < amortised:
-        why += f", capped at {'the model' if elements == n_params else 'DeepSpeed default'} ({elements})"
+        why += f", capped at {cap if elements == n_params else 'DeepSpeed default'} ({elements})"
     return elements, why
 
 
@@ -340,11 +341,20 @@ def _resolve_optimizer(r: _Resolver, optim: OptimArgs) -> None:
 
 
 def _resolve_zero(
-    r: _Resolver, engine: EngineArgs, hw: HardwareFacts, precision: str, hidden_size: int, n_params: int | None
+    r: _Resolver,
+    engine: EngineArgs,
+    hw: HardwareFacts,
+    precision: str,
+    hidden_size: int,
+    n_params: int | None,
+    stage_params: int | None,
 ) -> None:
     """The ZeRO section: collective bucket sizes, the ZeRO-3 persistence threshold, and NVMe offload."""
     r.config.setdefault("zero_optimization", {"stage": 0})
-    bucket, why = bucket_elements(hw.accelerator, precision, n_params)
+    if stage_params:
+        bucket, why = bucket_elements(hw.accelerator, precision, stage_params, "the largest pipeline stage")
+    else:
+        bucket, why = bucket_elements(hw.accelerator, precision, n_params)
     for key in ("reduce_bucket_size", "allgather_bucket_size", "stage3_prefetch_bucket_size"):
         r.fill(f"zero_optimization.{key}", bucket, why)
     r.fill(
@@ -375,10 +385,11 @@ def resolve_ds_config(
     hidden_size: int,
     hw: HardwareFacts,
     n_params: int | None = None,
+    stage_params: int | None = None,
 ) -> ResolvedDSConfig:
     """Fill every "auto" of a DeepSpeed JSON from the engine and optimisation flags (`explicit`: the flags the user
-    set, which must agree with an explicit JSON value). Raises UsageError naming the key when something cannot be
-    decided."""
+    set, which must agree with an explicit JSON value). `stage_params`: the largest pipeline stage's parameters,
+    under pipeline parallelism. Raises UsageError naming the key when something cannot be decided."""
     check_ds_keys(raw, engine.config)
     r = _Resolver(raw, engine.config)
     _check_zero_and_offload(r)
@@ -387,7 +398,7 @@ def resolve_ds_config(
     _resolve_batch(r, optim, dp_world_size, engine.config)
     _resolve_optimizer(r, optim)
     precision, reason = _resolve_precision(r, engine, hw)
-    _resolve_zero(r, engine, hw, precision, hidden_size, n_params)
+    _resolve_zero(r, engine, hw, precision, hidden_size, n_params, stage_params)
 
     resolved = ResolvedDSConfig(r.config, r.sources, precision, reason)
     _resolve_cpu_adam(r, hw, resolved)

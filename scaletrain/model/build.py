@@ -83,7 +83,7 @@ def build_model(args: ModelArgs, model_config, ds_config: dict, zero_stage: int,
     from scaletrain.model.stage_weights import stage_weights_model
 
     keepalive: Any = HfDeepSpeedConfig(ds_config) if zero_stage == 3 else None
-    staged = stage_weights_model(args, model_config) if pipeline and args.model_name_or_path else None
+    staged = stage_weights_model(args, model_config) if pipeline else None
     if staged is not None:
         model = staged
     elif args.model_name_or_path:

@@ -36,7 +36,9 @@ Working memory per micro-batch of b sequences of s tokens (hidden h, MLP width f
     checkpointing keeps each layer's input (2 s b h) and recomputes one layer at a time
     pipeline      k stages, 1F1B: the first stage keeps up to k micro-batches in flight for its L / k layers (L
                   layers' worth, as without a pipeline, but no logits); the last one micro-batch of L / k layers and
-                  the logits; the larger of the two counts
+                  the logits, plus the logits DeepSpeed's pipe engine keeps in its other output buffer (each stage
+                  keeps its outputs in at least 2 buffers through the step: on the last stage, 2 s b V p of logits
+                  are still held at the update, measured); the larger of the two counts
     ZeRO-3        plus the largest layer gathered whole (weights and gradients, 2 p x its parameters)
 
 The working memory is an estimate (kernels and the allocator decide), the model states a count: the test checks
@@ -222,12 +224,21 @@ def activation_bytes(
     logits = logit_tokens * shape.vocab * 10 * (1.5 if precision == "fp32" else 1)
     kept = 2 * tokens * shape.hidden * scale  # a checkpointed layer's input
     # 1F1B: the first stage holds the activations of up to pp micro-batches in flight for its layers / pp layers
-    # (as many layers' worth as the whole model for one micro-batch), the last stage one micro-batch and the logits.
+    # (as many layers' worth as the whole model for one micro-batch), the last stage one micro-batch and the logits,
+    # and the logits of the pipe engine's other output buffer.
     first_stage = (shape.layers * per_layer, shape.layers * kept + per_layer)
+    logits += pipeline_kept_outputs(shape, micro_batch, block_size, precision) / 2 if pp > 1 else 0
     last_stage = (shape.layers / pp * per_layer + logits, shape.layers / pp * kept + per_layer + logits)
     without, with_checkpointing = (max(first_stage[i], last_stage[i]) for i in (0, 1))
     gathered = 2 * weight_bytes(precision) * shape.largest_layer_params if stage == 3 else 0
     return without + gathered, with_checkpointing + gathered
+
+
+def pipeline_kept_outputs(shape: ModelShape, micro_batch: int, block_size: int, precision: str) -> float:
+    """Bytes of the last pipeline stage's outputs (its logits) that DeepSpeed's pipe engine keeps through a step: its
+    TrainSchedule gives every stage at least 2 buffers (num_pipe_buffers), each holding one micro-batch's outputs
+    until the next step reuses it, so 2 s b V p are still alive at the update."""
+    return 2 * micro_batch * block_size * shape.vocab * weight_bytes(precision)
 
 
 def options_for(tp: int, sp: int = 1, pp: int = 1) -> list[Option]:

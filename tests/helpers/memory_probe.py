@@ -3,6 +3,9 @@ optimizer update (the peak of model states: weights, reduced gradients, optimize
 and partitions; the backward has freed the activations): the bytes of every distinct tensor storage alive in the
 process. Writes memory_rank<R>.json (a list, one figure per step) into --output_dir.
 
+Under pipeline parallelism the pipe engine never calls engine.step: the figure is taken right before its update
+instruction (engine.before_pipeline_update, where the run's own step-boundary agreement runs too).
+
 Launched like train.py (deepspeed / torchrun / python) with train.py's flags.
 """
 
@@ -42,6 +45,12 @@ def main() -> None:
     before_update, before_reduce, accumulating = [], [], []
 
     def measure(engine):
+        from deepspeed.runtime.pipe.engine import PipelineEngine
+
+        if isinstance(engine, PipelineEngine):  # one update per train_batch, and no engine.step
+            from scaletrain.engine import before_pipeline_update
+
+            before_pipeline_update(engine, lambda: before_update.append(live_tensor_bytes(engine.module)))
         original_step = engine.step
 
         def step(*args, **kwargs):

@@ -40,9 +40,10 @@ def pipeline_module_class(after_build: Callable | None = None) -> type:
 
 def before_pipeline_update(engine, callback: Callable[[], None]) -> None:
     """Call `callback()` on every rank right before each pipeline update (the schedule's OptimizerStep, which every
-    stage reaches once per train_batch, after its gradients are reduced): a collective there lines up."""
+    stage reaches once per train_batch, after its gradients are reduced): a collective there lines up. Callbacks
+    added to one engine chain (the last added runs first)."""
     step_instruction = PIPE_OPTIMIZER_STEP.resolve()
-    table = dict(PIPE_INSTRUCTIONS.on(type(engine)))
+    table = dict(PIPE_INSTRUCTIONS.on(engine))  # the instance's table where a callback was added before
     update = table[step_instruction]
 
     def agreed_update(self, *args, **kwargs):

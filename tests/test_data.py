@@ -185,6 +185,37 @@ def test_attention_isolation_matches_each_document_run_alone(attn, micro, tokeni
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(TINY), attn_implementation=attn).eval()
     assert model.config._attn_implementation == attn
+    _check_isolated_pieces_equal_each_alone(model, tokenizer, micro)
+
+
+def test_attention_isolation_is_exact_with_the_backend_transformers_picks_for_gemma2(tokenizer):
+    """--attn_implementation left unset: Gemma-2 (soft-capped attention, sliding-window layers) gets the backend
+    transformers picks for it, and packed documents stay isolated with it, as the run's default promises."""
+    import torch
+    from transformers import AutoModelForCausalLM, Gemma2Config
+
+    torch.manual_seed(0)
+    config = Gemma2Config(
+        vocab_size=4096,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        sliding_window=8,  # shorter than the documents: the window and the isolation combine
+        pad_token_id=2,
+        bos_token_id=0,
+        eos_token_id=1,
+    )
+    model = AutoModelForCausalLM.from_config(config).eval()
+    assert model.config._attn_implementation in ("sdpa", "eager")
+    _check_isolated_pieces_equal_each_alone(model, tokenizer, 4)
+
+
+def _check_isolated_pieces_equal_each_alone(model, tokenizer, micro: int) -> None:
+    import torch
+
     texts = (
         "A short one.",
         "Then a longer document follows here, with more words.",

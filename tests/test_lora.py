@@ -372,7 +372,9 @@ def test_only_the_adapter_trains_and_its_export_reproduces_the_engine(variant, u
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("ds_config", ["zero1", "zero2", "zero3"])
+# ZeRO-2 is left out to keep CI in its budget: test_checkpoint.py kills and resumes a full ZeRO-2 run, and the adapter's
+# states go through the same ZeRO-1/2 optimizer as ZeRO-1's here; ZeRO-3 partitions them differently.
+@pytest.mark.parametrize("ds_config", ["zero1", "zero3"])
 def test_lora_sigkill_one_rank_then_restart_resumes_exactly(ds_config, tmp_path, cache_dir, uninterrupted, base_model):
     from safetensors.torch import load_file
 

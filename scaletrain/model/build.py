@@ -73,8 +73,8 @@ def build_model(args: ModelArgs, model_config, ds_config: dict, zero_stage: int,
     `from_pretrained` (weights are loaded shard by shard into the partitions) and `from_config`. The returned
     keepalive must outlive the engine: transformers holds only a weak reference to it.
 
-    `pipeline`: the model is cut into pipeline stages next; a pretrained safetensors checkpoint is then built on
-    the meta device, and each stage reads only its own weights (stage_weights.py).
+    `pipeline`: the model is cut into pipeline stages next, so it is built on the meta device and each stage gets
+    only its own values: read from a pretrained safetensors checkpoint, or a random init's replayed (stage_weights.py).
     """
     import torch
     from transformers import AutoModelForCausalLM

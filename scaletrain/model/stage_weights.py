@@ -7,9 +7,10 @@ and calls StageWeights.load_into on it before it moves the layers to the device.
   the stage owns is read, and nothing else; non-persistent buffers (the rotary tables) are computed by the model's
   own `_init_weights`. A checkpoint in another format, or one that lacks some tensor, builds the whole model.
 - a random init (--config_name): the whole model's construction and `_init_weights` are replayed on the meta
-  device, each random draw made into a scratch tensor of the same shape on the CPU (so the random stream advances
-  exactly as in a whole build, one tensor in memory at a time) and kept only for the stage's own tensors: the
-  values equal a whole-model build's, and so one-rank equality holds under pipeline parallelism.
+  device, each random draw of another stage's tensor made into a scratch buffer on the CPU (as large as the largest
+  tensor: the random stream advances exactly as in a whole build) and the stage's own tensors made real just before
+  their modules' `_init_weights` runs: the values, and the random stream after them, equal a whole-model build's, so
+  one-rank equality holds under pipeline parallelism.
 """
 
 from __future__ import annotations
@@ -98,7 +99,8 @@ class StageWeights:
 
     def load_into(self, stage_module) -> None:
         """Give every meta tensor of `stage_module` (this rank's layers, wrapping the model's own modules) its
-        value, in fp32. A tensor shared by two modules stays one tensor."""
+        value, in the meta tensor's dtype (a pretrained model is built in fp32, as from_pretrained builds it here;
+        a random init in its config's dtype, as from_config does). A tensor shared by two modules stays one."""
         import torch
 
         slots = [(owner, slot, attr, t) for owner in stage_module.modules() for slot, attr, t in _meta_slots(owner)]
@@ -109,8 +111,8 @@ class StageWeights:
             if id(tensor) not in placed:
                 value = values[id(tensor)]
                 value = value.data if isinstance(value, torch.nn.Parameter) else value
-                if value.is_floating_point():
-                    value = value.to(torch.float32)
+                if value.is_floating_point() and tensor.is_floating_point():
+                    value = value.to(tensor.dtype)
                 placed[id(tensor)] = torch.nn.Parameter(value, tensor.requires_grad) if slot == "_parameters" else value
             getattr(owner, slot)[attr] = placed[id(tensor)]
 
@@ -185,7 +187,6 @@ class ReplayedInit:
         self.outer_class, self.build = outer_class, build
 
     def __call__(self, wanted: dict) -> dict:
-
         owned = {name for names, _, _ in wanted.values() for name in names}
         with _draws_replayed_on_meta_tensors(), _init_weights_on_meta(owned, self.outer_class):
             replay = self.build()

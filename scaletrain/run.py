@@ -6,7 +6,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
-import random
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -74,6 +73,7 @@ from scaletrain.errors import NonFiniteStop, RunEnded
 from scaletrain.logs import silence_library_logs
 from scaletrain.train import (
     evaluate_sets,
+    seed_everything,
     LoopHooks,
     LoopSettings,
     NonFiniteGuard,
@@ -85,6 +85,7 @@ from scaletrain.train import (
 )
 from scaletrain.observability import (
     comms_summary,
+    GoodputLedger,
     HostMemoryPhase,
     generate_samples,
     MetricsLogger,
@@ -107,15 +108,6 @@ from scaletrain.preflight import (
 log = logging.getLogger(__name__)
 
 
-def seed_everything(seed: int) -> None:
-    import numpy as np
-    import torch
-
-    random.seed(seed)
-    np.random.seed(seed)
-    torch.manual_seed(seed)
-
-
 class Run:
     def __init__(self, resolved: ResolvedRun):
         self.resolved = resolved
@@ -134,6 +126,7 @@ class Run:
         self.pipeline_step: PipelineStep | None = None
         self.comm_log: Any = None  # --comms_log
         self.metrics: MetricsLogger | None = None
+        self.ledger: GoodputLedger | None = None  # goodput.json: where the wall-clock time went, every attempt
         self.state = TrainState(world_size=dist.dp_world_size)
         self._record_layout()
         self.preemption = PreemptionFlag()
@@ -372,6 +365,8 @@ class Run:
             write_files=not self.cfg.run.dry_run,
         )
         self.state.wandb_run_id = self.metrics.wandb_run_id
+        self.ledger = GoodputLedger(self.cfg.run.output_dir, self.dist.is_main and not self.cfg.run.dry_run)
+        self.ledger.begin(self.state.step)
 
     def save(self) -> Path:
         facts, adapter_only = self.resolved.model_facts, self.cfg.peft.use_peft  # LoRA: the base is not saved
@@ -388,7 +383,7 @@ class Run:
             n_tensors,
             self.dist.world_size,
         )
-        return save_checkpoint(
+        path = save_checkpoint(
             self.engine,
             self.cfg.run.output_dir,
             self.state,
@@ -397,6 +392,8 @@ class Run:
             model_facts=facts,
             planned_bytes=planned,
         )
+        self.ledger.committed(self.state.step)
+        return path
 
     def throughput_model(self) -> ThroughputModel:
         """FLOPs per token and the device peak, for TFLOP/s, MFU and HFU (the peak is calibrated on rank 0 only:
@@ -449,6 +446,7 @@ class Run:
             pipeline=self.pipeline_step,
             comm_log=self.comm_log,
             generate=self.generate_samples if self.resolved.eval_prompts else None,
+            ledger=self.ledger,
         )
         train_loop(self.engine, batches, self.state, settings, hooks)
 
@@ -571,6 +569,8 @@ class Run:
         if self.comm_log is not None:
             self.comm_log.close()
             self.comm_log = None
+        if self.ledger is not None:
+            self.ledger.end(exit_code, self.metrics)
         if self.metrics is not None:
             self.metrics.close(exit_code)
         if self._shm_allreduce is not None:

@@ -139,6 +139,22 @@ def latest_step(run_dir: Path) -> int:
     return int((run_dir / "checkpoints" / "latest").read_text().strip().removeprefix("step"))
 
 
+def check_goodput(run_dir: Path, resumed_at: int, first_ended) -> dict:
+    """The goodput ledger of a run killed (or stopped) once and resumed from `resumed_at`: two attempts, the first
+    ended as `first_ended` says (a predicate on its exit code: None when it was killed before it could say), every
+    second of the run in one category, and the steps trained again after the resume counted as lost work."""
+    ledger = json.loads((run_dir / "goodput.json").read_text())
+    first, second = ledger["attempts"]
+    assert (first["first_step"], second["first_step"]) == (0, resumed_at), ledger["attempts"]
+    assert first_ended(first["exit_code"]) and second["exit_code"] == 0, ledger["attempts"]
+    assert first["last_step"] > resumed_at and second["last_step"] == max(step_losses(run_dir))
+    assert sum(ledger["seconds"].values()) == pytest.approx(ledger["wall_s"], abs=0.01)
+    assert ledger["seconds"]["lost_work"] > 0 and ledger["seconds"]["productive"] > 0
+    assert ledger["seconds"]["between_attempts"] >= 0 and 0 < ledger["goodput"] < 1
+    assert ledger["wall_s"] == pytest.approx(second["end"] - first["start"], abs=0.01)
+    return ledger
+
+
 def run_flags(name: str, run_dir: Path) -> list:
     """flags() of a ZeRO config name, or of `<config>_pp2`: 2 pipeline stages, whose one replica reads the whole
     global batch of the 2-rank data-parallel reference."""
@@ -176,6 +192,7 @@ def test_sigkill_one_rank_then_restart_resumes_exactly(ds_config, tmp_path, cach
     reference = uninterrupted.losses(config)
     for step in range(1, STEPS + 1):  # another layout than the reference: equal to 1e-5, not to the last bits
         assert losses[step] == pytest.approx(reference[step], rel=1e-5 if layout else 1e-6, abs=1e-7), step
+    check_goodput(run_dir, saved, lambda code: code != 0)  # rank 0 ended on its peer's death, or was stopped
 
 
 def test_sigkill_during_a_save_resumes_from_the_previous_checkpoint(tmp_path, cache_dir):
@@ -217,6 +234,7 @@ def test_sigkill_during_a_save_resumes_from_the_previous_checkpoint(tmp_path, ca
     for step in range(1, 7):
         assert losses[step] == pytest.approx(expected[step], rel=1e-6, abs=1e-7), step
     assert verify(ckpts / "step6") is None
+    check_goodput(run_dir, 2, lambda code: code is None)  # killed with -9: its last record stands
 
 
 def test_sigusr1_saves_exits_for_requeue_and_continues_exactly(tmp_path, cache_dir, uninterrupted):
@@ -243,6 +261,11 @@ def test_sigusr1_saves_exits_for_requeue_and_continues_exactly(tmp_path, cache_d
     assert sorted(losses) == list(range(1, STEPS + 1))
     for step in range(1, STEPS + 1):
         assert losses[step] == pytest.approx(reference[step], rel=1e-6, abs=1e-7), step
+    ledger = json.loads((run_dir / "goodput.json").read_text())
+    assert [a["exit_code"] for a in ledger["attempts"]] == [85, 0]  # the requeue's save: nothing lost
+    assert [a["first_step"] for a in ledger["attempts"]] == [0, saved_step]
+    assert sum(ledger["seconds"].values()) == pytest.approx(ledger["wall_s"], abs=0.01)
+    assert ledger["seconds"]["lost_work"] == 0 and ledger["seconds"]["checkpoint"] > 0
 
 
 # (TP 2 was dropped to keep CI in its budget: test_tensor_parallel.py saves and resumes TP checkpoints, and the signal

@@ -282,7 +282,9 @@ def prune_checkpoints(root: Path, limit: int, keep: Path) -> None:
 
 
 def clear_previous_run(output_dir: str) -> None:
-    """--overwrite_output_dir without resuming: the old checkpoints and metrics go, so nothing stale resumes."""
+    """--overwrite_output_dir without resuming: the old checkpoints, metrics and goodput ledger go, so nothing stale
+    resumes or is counted as an earlier attempt of this run."""
     out = Path(output_dir)
     shutil.rmtree(out / CHECKPOINT_DIR, ignore_errors=True)
     (out / "metrics.jsonl").unlink(missing_ok=True)
+    (out / "goodput.json").unlink(missing_ok=True)

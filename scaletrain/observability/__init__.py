@@ -6,6 +6,7 @@ This face re-exports what other parts of scaletrain use; inside the wing, module
 
 from scaletrain.observability.comms_log import CommLog, comms_summary
 from scaletrain.observability.eval_prompts import generate_samples, load_eval_prompts
+from scaletrain.observability.goodput import GoodputLedger
 from scaletrain.observability.host_memory import HostMemoryPhase
 from scaletrain.observability.flops import ModelFlops, model_flops, peak_tflops
 from scaletrain.observability.memory_planner import (
@@ -28,6 +29,7 @@ from scaletrain.observability.metrics import (
 
 __all__ = [
     "CommLog",
+    "GoodputLedger",
     "HostMemoryPhase",
     "comms_summary",
     "LogWindow",

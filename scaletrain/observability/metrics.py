@@ -318,6 +318,11 @@ class MetricsLogger:
                     self._tensorboard.add_scalar(key, value, record["step"])
         log.info("  ".join(_fmt(k, v) for k, v in record.items() if k != "time"))
 
+    def summarize(self, values: dict) -> None:
+        """Figures of the whole run (the goodput ledger's) in wandb's run summary; rank 0 only."""
+        if self.is_main and self._wandb is not None:
+            self._wandb.summary.update(values)
+
     def evaluated(self, step: int) -> bool:
         """Whether `step` has an evaluation record (rank 0's knowledge: the others hold no records)."""
         return step in self._evaluated_steps

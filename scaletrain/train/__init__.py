@@ -7,7 +7,7 @@ This face re-exports what other parts of scaletrain use; inside the wing, module
 from scaletrain.train.loop import LoopHooks, LoopSettings, PipelineStep, evaluate_sets, train_loop
 from scaletrain.train.nonfinite import NonFiniteGuard, NonFinitePolicy
 from scaletrain.train.preemption import PREEMPTION_RECORD_ENV, PreemptionFlag, RANK_PREEMPTION_SIGNAL
-from scaletrain.train.state import TrainState
+from scaletrain.train.state import TrainState, seed_everything
 
 __all__ = [
     "LoopHooks",
@@ -20,5 +20,6 @@ __all__ = [
     "RANK_PREEMPTION_SIGNAL",
     "TrainState",
     "evaluate_sets",
+    "seed_everything",
     "train_loop",
 ]

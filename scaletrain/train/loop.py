@@ -141,6 +141,7 @@ class LoopHooks:
     pipeline: Any = None  # a PipelineStep: the step runs through DeepSpeed's pipe schedule (train_batch)
     comm_log: Any = None  # --comms_log: scaletrain.observability.comms_log.CommLog, read once per logging window
     generate: Callable[[int], None] | None = None  # --eval_prompts: greedy generations at each evaluation
+    ledger: Any = None  # observability.GoodputLedger: each step's time, evaluations', saves'
 
 
 @dataclass(frozen=True)
@@ -244,17 +245,24 @@ def train_loop(engine, batches: StepBatches, state: TrainState, settings: LoopSe
             if hooks.profiler:
                 hooks.profiler.before_step(state.step + 1)
             started = time.perf_counter()
+            if hooks.ledger:
+                hooks.ledger.step_started()
             timers.measure_phases = _logged(state.step + 1, settings)  # a GPU synchronises per phase only then
             data_step = state.step + state.data_offset  # rollbacks jump the data past offending batches
             step = hooks.pipeline.step if hooks.pipeline else optimizer_step
             result = step(engine, batches, data_step, settings, hooks, timers)
             if _count_step(state, result, hooks.guard, partial(batches.sample_ids, data_step)) == "rollback":
                 hooks.rollback()  # restores the last committed checkpoint and moves the data past this streak
+                if hooks.ledger:
+                    hooks.ledger.rolled_back(state.step)
                 window = LogWindow()
                 bar.reset(total=settings.max_steps)
                 bar.update(state.step)
                 continue
+            saving = timers.pending_checkpoint  # the save before this step, which held it
             seconds, phases = timers.close_step(started)
+            if hooks.ledger:
+                hooks.ledger.step(state.step, seconds, phases["data_wait"] if phases else 0.0, saving)
             window.add(
                 result.loss_sum,
                 result.targets,
@@ -272,6 +280,8 @@ def train_loop(engine, batches: StepBatches, state: TrainState, settings: LoopSe
             if _logged(state.step, settings) or result.preempted:
                 _log_window(engine, window, bar, state, settings, hooks, batches)
                 window = LogWindow()
+                if hooks.ledger:  # so that a kill -9 loses at most a logging window of the ledger
+                    hooks.ledger.write()
             if result.preempted:
                 _save_for_preemption(state.step, settings, hooks, timers)
                 raise Preempted(state.step)
@@ -543,6 +553,8 @@ def _log_window(
 
 def _save_for_preemption(step: int, settings: LoopSettings, hooks: LoopHooks, timers: StepTimers) -> None:
     seconds = timers.timed_save(hooks.save)
+    if hooks.ledger:  # no step follows to carry the save's time
+        hooks.ledger.save_held(seconds)
     record_preemption_saved(step)  # for scaletrain.launcher, which may not see the ranks' exit code 85
     log.info(
         "preemption (%s): checkpoint committed at step %d in %.1fs",
@@ -560,10 +572,13 @@ def _save_for_preemption(step: int, settings: LoopSettings, hooks: LoopHooks, ti
 
 
 def _evaluate_when_due(engine, step: int, settings: LoopSettings, hooks: LoopHooks) -> None:
+    started = time.perf_counter()
     if hooks.eval_sets and settings.eval_steps and step % settings.eval_steps == 0:
         hooks.metrics.log({"step": step, **evaluate_sets(engine, hooks.eval_sets, hooks.pipeline)})
     if hooks.generate is not None and settings.eval_steps and step % settings.eval_steps == 0:
         hooks.generate(step)
+    if hooks.ledger:
+        hooks.ledger.evaluation(time.perf_counter() - started)
 
 
 def _save_when_due(step: int, settings: LoopSettings, hooks: LoopHooks, timers: StepTimers, interval_due: bool) -> None:

@@ -5,6 +5,18 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 
 
+def seed_everything(seed: int) -> None:
+    """Python's, NumPy's and torch's random generators, from the run's --seed."""
+    import random
+
+    import numpy as np
+    import torch
+
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+
+
 @dataclass
 class TrainState:
     step: int = 0  # optimizer updates done

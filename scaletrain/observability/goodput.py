@@ -1,0 +1,182 @@
+"""The goodput ledger: where a run's wall-clock time went, across every attempt (restarts, requeues, preemptions).
+
+`<output_dir>/goodput.json` is rewritten by rank 0 at every logging record, every committed checkpoint and every end
+of an attempt, so an attempt killed with -9 still counts up to its last write:
+
+    {"wall_s": s, "goodput": productive / wall,
+     "seconds": {"productive", "startup", "data_wait", "checkpoint", "eval", "lost_work", "between_attempts", "other"},
+     "attempts": [{"start", "end", "exit_code", "first_step", "last_step", ...}]}
+
+The categories add up to wall_s, the time from the first attempt's start to the latest attempt's last write:
+- startup: an attempt's start (its process) to its first step;
+- productive: the steps' own time (without data wait and saves), of steps that were kept;
+- lost_work: the time of steps computed again after a restart (those after the checkpoint the next attempt resumed
+  from);
+- data_wait, checkpoint (the time saves held training), eval (evaluations during training);
+- between_attempts: from an attempt's last write to the next attempt's start (a requeue's wait, a crash's tail);
+- other: the rest (the final evaluation, save and export, the shutdown).
+
+Each attempt keeps the cumulative step time at each checkpoint it committed, so the lost work of an attempt is known
+whichever checkpoint the next one resumed from.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+from pathlib import Path
+
+log = logging.getLogger(__name__)
+
+LEDGER_FILE = "goodput.json"
+CATEGORIES = ("productive", "startup", "data_wait", "checkpoint", "eval", "lost_work", "between_attempts", "other")
+
+
+def process_start_time() -> float:
+    """This process's start, as the epoch time (the attempt's start: imports and the launch count as startup)."""
+    import psutil
+
+    return psutil.Process(os.getpid()).create_time()
+
+
+def new_attempt(start: float) -> dict:
+    return {
+        "start": start,
+        "end": start,
+        "exit_code": None,  # None: still running, or killed before it could say
+        "first_step": None,
+        "last_step": None,
+        "first_step_at": None,  # when its first step began (the end of its startup)
+        "step_s": 0.0,  # the steps' own time: wall time less data wait and saves
+        "data_wait_s": 0.0,
+        "checkpoint_s": 0.0,
+        "eval_s": 0.0,
+        "commits": [],  # [step, step_s so far] at each committed checkpoint
+        "rolled_back_s": 0.0,  # step time undone by rollbacks to a checkpoint within the attempt (lost work)
+    }
+
+
+def _step_s_up_to(attempt: dict, step: int) -> float:
+    """The attempt's step time up to `step` (a checkpoint the next attempt resumed from)."""
+    first, last = attempt["first_step"], attempt["last_step"]
+    if first is None or step <= first:
+        return 0.0
+    if last is None or step >= last:
+        return attempt["step_s"]
+    for committed, so_far in attempt["commits"]:
+        if committed == step:
+            return so_far
+    return attempt["step_s"] * (step - first) / (last - first)  # a step it never committed: pro rata
+
+
+def totals(attempts: list) -> dict:
+    """The ledger of `attempts` (oldest first): wall_s, goodput, seconds by category (adding up to wall_s)."""
+    seconds = dict.fromkeys(CATEGORIES, 0.0)
+    for index, attempt in enumerate(attempts):
+        following = attempts[index + 1] if index + 1 < len(attempts) else None
+        kept = attempt["step_s"]
+        if following is not None:
+            resumed_at = following["first_step"]
+            kept = attempt["step_s"] if resumed_at is None else _step_s_up_to(attempt, resumed_at)
+            seconds["between_attempts"] += max(0.0, following["start"] - attempt["end"])
+        seconds["productive"] += kept
+        seconds["lost_work"] += attempt["step_s"] - kept + attempt["rolled_back_s"]
+        seconds["startup"] += (attempt["first_step_at"] or attempt["end"]) - attempt["start"]
+        for category in ("data_wait", "checkpoint", "eval"):
+            seconds[category] += attempt[f"{category}_s"]
+    wall = attempts[-1]["end"] - attempts[0]["start"] if attempts else 0.0
+    seconds["other"] = wall - sum(v for k, v in seconds.items() if k != "other")
+    return {
+        "wall_s": round(wall, 3),
+        "goodput": round(seconds["productive"] / wall, 4) if wall > 0 else 0.0,
+        "seconds": {k: round(v, 3) for k, v in seconds.items()},
+    }
+
+
+def read_ledger(output_dir) -> dict | None:
+    path = Path(output_dir) / LEDGER_FILE
+    return json.loads(path.read_text()) if path.is_file() else None
+
+
+def render_table(ledger: dict) -> str:
+    """The ledger as a text table: each category's seconds and share of the wall-clock time."""
+    wall = ledger["wall_s"] or 1.0
+    rows = [f"goodput {ledger['goodput']:.1%} of {ledger['wall_s']:.0f} s over {len(ledger['attempts'])} attempt(s)"]
+    rows += [f"  {name:<17} {value:>10.1f} s  {value / wall:6.1%}" for name, value in ledger["seconds"].items()]
+    return "\n".join(rows)
+
+
+class GoodputLedger:
+    """This attempt's bookkeeping, appended to the attempts already in the ledger (rank 0 writes; the others only
+    count, so every rank can call every method)."""
+
+    def __init__(self, output_dir, is_main: bool, started: float | None = None, clock=time.time):
+        self.path = Path(output_dir) / LEDGER_FILE
+        self.is_main, self.clock = is_main, clock
+        previous = read_ledger(output_dir) if is_main else None
+        self.attempts = list(previous["attempts"]) if previous else []
+        self.attempt = new_attempt(process_start_time() if started is None else started)
+        self.attempts.append(self.attempt)
+
+    def begin(self, step: int) -> None:
+        """Training starts (or resumes) after `step`."""
+        self.attempt["first_step"] = self.attempt["last_step"] = step
+
+    def step_started(self) -> None:
+        if self.attempt["first_step_at"] is None:
+            self.attempt["first_step_at"] = self.clock()
+
+    def step(self, step: int, seconds: float, data_wait: float, checkpoint: float) -> None:
+        """Book one step: its wall seconds, of which `data_wait` waiting for data and `checkpoint` a save's."""
+        self.attempt["last_step"] = step
+        self.attempt["step_s"] += max(0.0, seconds - data_wait - checkpoint)
+        self.attempt["data_wait_s"] += data_wait
+        self.attempt["checkpoint_s"] += checkpoint
+
+    def rolled_back(self, step: int) -> None:
+        """The run went back to its checkpoint of `step` (the non-finite guard's rollback): the step time since is
+        lost work, and the steps from there are booked again."""
+        kept = _step_s_up_to(self.attempt, step)
+        self.attempt["rolled_back_s"] += self.attempt["step_s"] - kept
+        self.attempt["step_s"] = kept
+        self.attempt["commits"] = [c for c in self.attempt["commits"] if c[0] <= step]
+        self.attempt["last_step"] = step
+
+    def save_held(self, seconds: float) -> None:
+        """A save that no step's time includes (the preemption's, right before the exit) held training so long."""
+        self.attempt["checkpoint_s"] += seconds
+
+    def evaluation(self, seconds: float) -> None:
+        self.attempt["eval_s"] += seconds
+
+    def committed(self, step: int) -> None:
+        """A checkpoint of `step` is committed: remember the step time so far, and write."""
+        self.attempt["commits"].append([step, self.attempt["step_s"]])
+        self.write()
+
+    def end(self, exit_code: int, metrics=None) -> dict | None:
+        """The attempt ends: write, log the table and put the figures in the metrics' summary (wandb) on rank 0;
+        the ledger."""
+        self.attempt["exit_code"] = exit_code
+        ledger = self.write()
+        if ledger is not None:
+            log.info("%s", render_table(ledger))
+            if metrics is not None:
+                metrics.summarize(
+                    {"goodput": ledger["goodput"], "wall_s": ledger["wall_s"]}
+                    | {f"goodput_{name}_s": value for name, value in ledger["seconds"].items()}
+                )
+        return ledger
+
+    def write(self) -> dict | None:
+        """Rewrite goodput.json (rank 0), atomically; the ledger."""
+        if not self.is_main:
+            return None
+        self.attempt["end"] = self.clock()
+        ledger = {**totals(self.attempts), "attempts": self.attempts}
+        tmp = self.path.with_name(f".{LEDGER_FILE}.tmp")
+        tmp.write_text(json.dumps(ledger, indent=1))
+        os.replace(tmp, self.path)
+        return ledger

@@ -126,7 +126,8 @@ class Run:
         self.pipeline_step: PipelineStep | None = None
         self.comm_log: Any = None  # --comms_log
         self.metrics: MetricsLogger | None = None
-        self.ledger: GoodputLedger | None = None  # goodput.json: where the wall-clock time went, every attempt
+        # goodput.json (where the wall-clock time went): resume() starts this attempt's; until then, one writing nothing
+        self.ledger = GoodputLedger(self.cfg.run.output_dir, is_main=False, started=0.0)
         self.state = TrainState(world_size=dist.dp_world_size)
         self._record_layout()
         self.preemption = PreemptionFlag()
@@ -569,8 +570,7 @@ class Run:
         if self.comm_log is not None:
             self.comm_log.close()
             self.comm_log = None
-        if self.ledger is not None:
-            self.ledger.end(exit_code, self.metrics)
+        self.ledger.end(exit_code, self.metrics)
         if self.metrics is not None:
             self.metrics.close(exit_code)
         if self._shm_allreduce is not None:

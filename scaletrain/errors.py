@@ -10,6 +10,7 @@ USAGE_EXIT_CODE = 2  # a user mistake, found before heavy work
 FAILED_EXIT_CODE = 1  # the run could not go on (full disk, a failed preparation); nothing committed was lost
 NONFINITE_EXIT_CODE = 3  # --on_nonfinite stop: not a requeue, the same data would fail again
 SAVED_REQUEUE_EXIT_CODE = 85  # preempted, checkpoint committed: "saved, please requeue"
+HANG_EXIT_CODE = 86  # no progress for --hang_timeout: the stuck ranks named, stacks dumped (train/hang.py)
 
 
 class RunEnded(Exception):

@@ -16,6 +16,11 @@ Where the scheduler signals every process at once (Slurm's time limit or `scance
 launch.py gets the SIGTERM too and gives the ranks its 30 s: the ranks record a committed preemption save in the
 file named by faults.PREEMPTION_RECORD_ENV, and this launcher exits 85 on that record whatever DeepSpeed's
 launcher reports. Without a record the launcher's own exit code passes through (128 + N for a signal N).
+
+A hang (train/hang.py): the live ranks dump their stacks and exit 86, and the ranks of a host SIGKILL its frozen
+ones; a host whose ranks are all frozen has no one to do it, so this launcher SIGKILLs what is left of its host's
+ranks HANG_KILL_AFTER_S after a rank's report appeared (each rank names its report's folder in the file
+HANG_NOTE_ENV names), and exits 86.
 """
 
 from __future__ import annotations
@@ -31,11 +36,15 @@ from pathlib import Path
 
 import psutil
 
-from scaletrain.errors import SAVED_REQUEUE_EXIT_CODE
-from scaletrain.train import PREEMPTION_RECORD_ENV, RANK_PREEMPTION_SIGNAL
+from scaletrain.errors import HANG_EXIT_CODE, SAVED_REQUEUE_EXIT_CODE
+from scaletrain.train import HANG_NOTE_ENV, PREEMPTION_RECORD_ENV, RANK_PREEMPTION_SIGNAL, REPORT_FILE
 
 log = logging.getLogger("scaletrain.launcher")
 RELAY_INTERVAL_S = 5.0
+HANG_CHECK_INTERVAL_S = 2.0
+# After a rank reported a hang, the live ranks dump their stacks and exit within seconds (train/hang.py); what is
+# left of this host's ranks this long after the report is frozen, and is SIGKILLed (SIGTERM would wait for it).
+HANG_KILL_AFTER_S = 20.0
 DEEPSPEED_LAUNCH_MODULE = "deepspeed.launcher.launch"  # the per-node process whose children are the ranks
 
 
@@ -111,11 +120,46 @@ class SignalRelay:
                 pass
 
 
-def wait_for_run(runner: subprocess.Popen, relay: SignalRelay) -> int:
+class HangEnd:
+    """Ends what is left of this host's ranks once some rank reported a hang (train/hang.py), even where every rank
+    of this host is frozen and so cannot act: each rank names its hang folder in the note file at its start."""
+
+    def __init__(self, note: Path):
+        self.note = note
+        self.reported_at: float | None = None  # when this launcher first saw the report
+        self._last_check = 0.0
+
+    def reported(self, now_or_never: bool = False) -> bool:
+        """Whether a rank reported a hang (the file system is read at most every HANG_CHECK_INTERVAL_S, except
+        `now_or_never`: the last look, once the run has ended)."""
+        if self.reported_at is not None:
+            return True
+        now = time.monotonic()
+        if (not now_or_never and now - self._last_check < HANG_CHECK_INTERVAL_S) or not self.note.exists():
+            return False
+        self._last_check = now
+        if any((Path(folder) / REPORT_FILE).exists() for folder in set(self.note.read_text().split())):
+            self.reported_at = now
+        return self.reported_at is not None
+
+    def kill_if_due(self, group: int) -> None:
+        if not self.reported() or time.monotonic() - self.reported_at < HANG_KILL_AFTER_S:
+            return
+        for rank in rank_processes(group):
+            try:
+                rank.kill()
+                log.warning("launcher: hang reported; rank process %d still here: killed (SIGKILL)", rank.pid)
+            except psutil.NoSuchProcess:
+                pass
+
+
+def wait_for_run(runner: subprocess.Popen, relay: SignalRelay, hang: HangEnd | None = None) -> int:
     """The runner's exit status, once no process of its group is left (launch.py and the ranks outlive a runner
     that a SIGTERM to every process killed)."""
     while runner.poll() is None or _group_alive(runner.pid):
         relay.relay_if_due()
+        if hang is not None:
+            hang.kill_if_due(runner.pid)
         time.sleep(0.2)
     return runner.returncode if runner.returncode >= 0 else 128 - runner.returncode
 
@@ -132,12 +176,15 @@ def _group_alive(group: int) -> bool:
     return True
 
 
-def exit_code(runner_code: int, record: Path) -> int:
-    """85 when a rank recorded a committed preemption save; otherwise DeepSpeed's launcher's exit code."""
+def exit_code(runner_code: int, record: Path, hang: HangEnd | None = None) -> int:
+    """85 when a rank recorded a committed preemption save; 86 when a rank reported a hang (the frozen ranks this
+    launcher killed would otherwise make it -9); otherwise DeepSpeed's launcher's exit code."""
     saved = record.read_text().split("\n")[0] if record.exists() else ""
     if saved:
         log.warning("launcher: the ranks saved for preemption (%s); exit %d", saved, SAVED_REQUEUE_EXIT_CODE)
         return SAVED_REQUEUE_EXIT_CODE
+    if runner_code != 0 and hang is not None and hang.reported(now_or_never=True):
+        return HANG_EXIT_CODE
     return runner_code
 
 
@@ -145,7 +192,8 @@ def main(argv: list) -> int:
     logging.basicConfig(format="[%(asctime)s] %(message)s", level=logging.INFO)
     with tempfile.TemporaryDirectory(prefix="scaletrain-launcher-") as folder:
         record = Path(folder) / "preempted"
-        env = {**os.environ, PREEMPTION_RECORD_ENV: str(record)}
+        hang = HangEnd(Path(folder) / "hang-folders")
+        env = {**os.environ, PREEMPTION_RECORD_ENV: str(record), HANG_NOTE_ENV: str(hang.note)}
         relay = SignalRelay()
         relay.install(signal.SIGTERM, signal.SIGINT)  # reset to the default in the child when it execs
         # SIGUSR1 is ignored in DeepSpeed's launcher processes (an ignored signal stays ignored across exec; the
@@ -156,7 +204,7 @@ def main(argv: list) -> int:
             [sys.executable, "-u", "-m", "deepspeed.launcher.runner", *argv], env=env, start_new_session=True
         )
         relay.install(RANK_PREEMPTION_SIGNAL)
-        return exit_code(wait_for_run(relay.runner, relay), record)
+        return exit_code(wait_for_run(relay.runner, relay, hang), record, hang)
 
 
 if __name__ == "__main__":

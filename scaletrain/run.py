@@ -69,9 +69,11 @@ from scaletrain.engine import (
     schedule_for,
 )
 from scaletrain.model import apply_lora, base_identity, build_model, build_qlora_model, mark_leaf_modules, merged_dir
-from scaletrain.errors import NonFiniteStop, RunEnded
+from scaletrain.errors import HANG_EXIT_CODE, NonFiniteStop, RunEnded
 from scaletrain.logs import silence_library_logs
 from scaletrain.train import (
+    enable_flight_recorder,
+    start_hang_watch,
     evaluate_sets,
     seed_everything,
     LoopHooks,
@@ -85,13 +87,13 @@ from scaletrain.train import (
 )
 from scaletrain.observability import (
     comms_summary,
+    describe_dry_run,
     GoodputLedger,
     HostMemoryPhase,
     generate_samples,
     MetricsLogger,
-    peak_tflops,
     StepProfiler,
-    ThroughputModel,
+    throughput_model,
 )
 from scaletrain.preflight import (
     RUN_CONFIG_FILE,
@@ -132,6 +134,7 @@ class Run:
         self._record_layout()
         self.preemption = PreemptionFlag()
         self.guard: NonFiniteGuard | None = None
+        self.watch: Any = None  # train.hang.HangWatch, from watch_for_hangs() (--hang_timeout)
 
     @classmethod
     def from_flags(cls, argv: Sequence[str] | None, dist: DistInfo) -> Run:
@@ -158,7 +161,8 @@ class Run:
         """The process group, then every rank's pre-flight verdict: a rank whose pre-flight failed joins too
         (distributed.stop_with_the_others), so its mistake stops every rank here; the ranks also compare the resume
         checkpoint, tokenizer and run configuration each found, before any rank acts on them."""
-        self.dist = init_distributed(self.dist)
+        enable_flight_recorder(self.cfg.run.output_dir)  # on a GPU: NCCL's trace, for a hang's report
+        self.dist = init_distributed(self.dist, self.cfg.hang.ddp_timeout)
         settle(self.dist, facts=preflight_facts(self.resolved))
         if self.cfg.engine.cpu_shm_allreduce:  # after the rendezvous: every rank decides on the same facts
             self._shm_allreduce = use_shm_allreduce(self.dist)
@@ -369,6 +373,12 @@ class Run:
         self.ledger = GoodputLedger(self.cfg.run.output_dir, self.dist.is_main and not self.cfg.run.dry_run)
         self.ledger.begin(self.state.step)
 
+    def watch_for_hangs(self) -> None:
+        """--hang_timeout: this rank's heartbeat, and a watch that ends a stuck run naming the ranks that stopped."""
+        if not self.cfg.run.dry_run:
+            on_hang = partial(self.ledger.end, HANG_EXIT_CODE)  # the attempt's end in goodput.json
+            self.watch = start_hang_watch(self.cfg.hang, self.cfg.run.output_dir, self.dist, on_hang)
+
     def save(self) -> Path:
         facts, adapter_only = self.resolved.model_facts, self.cfg.peft.use_peft  # LoRA: the base is not saved
         n_params, n_tensors = checkpoint_parameters(self.engine.module, adapter_only)
@@ -396,23 +406,6 @@ class Run:
         self.ledger.committed(self.state.step)
         return path
 
-    def throughput_model(self) -> ThroughputModel:
-        """FLOPs per token and the device peak, for TFLOP/s, MFU and HFU (the peak is calibrated on rank 0 only:
-        the figures are reported from there, and calibrating on every rank at once would share the cores)."""
-        peak, source = (None, "not measured on this rank")
-        if self.dist.is_main:
-            peak, source = peak_tflops(self.dist.accelerator, self.resolved.ds.precision, self.cfg.logging.peak_tflops)
-            log.info(
-                "peak %s TFLOP/s per device (%s); %.3g model FLOPs per token",
-                "unknown" if peak is None else f"{peak:.3g}",
-                source,
-                self.resolved.flops.per_token(),
-            )
-        recompute = self.cfg.model.gradient_checkpointing
-        flops = self.resolved.flops
-        # Per device: every rank of the world, tensor-parallel ones included (the model's FLOPs count once).
-        return ThroughputModel(flops.per_token(), flops.per_token(recompute=recompute), peak, self.dist.world_size)
-
     def train(self) -> None:
         dry = self.cfg.run.dry_run  # one full step, logged, nothing saved
         settings = LoopSettings(
@@ -425,7 +418,15 @@ class Run:
             gradient_divisor=self.dist.dp_world_size * self.dist.sequence_parallel_size,
             loss_share=1.0 if self.dist.tp_rank == 0 else 0.0,
             show_progress=self.dist.is_main and not self.cfg.logging.disable_tqdm,
-            throughput=self.throughput_model(),
+            throughput=throughput_model(
+                self.resolved.flops,
+                self.dist.accelerator,
+                self.resolved.ds.precision,
+                self.cfg.logging.peak_tflops,
+                self.cfg.model.gradient_checkpointing,
+                self.dist.world_size,
+                self.dist.is_main,
+            ),
             rampup_lr_exponent={"none": 0.0, "sqrt": 0.5, "linear": 1.0}[self.cfg.optim.rampup_lr_scaling],
             router_loss=self.resolved.router_loss,
         )
@@ -448,6 +449,7 @@ class Run:
             comm_log=self.comm_log,
             generate=self.generate_samples if self.resolved.eval_prompts else None,
             ledger=self.ledger,
+            watch=self.watch,
         )
         train_loop(self.engine, batches, self.state, settings, hooks)
 
@@ -507,19 +509,10 @@ class Run:
 
     def finish(self) -> None:
         if self.cfg.run.dry_run:
-            record = self.metrics.last_record or {}
-            log.info(
-                "dry run OK: one step in %.2fs (forward %.2fs, backward %.2fs, optimizer %.2fs); memory: %s; "
-                "nothing was saved",
-                record.get("step_time_s", 0),
-                record.get("forward_s", 0),
-                record.get("backward_s", 0),
-                record.get("optimizer_s", 0),
-                ", ".join(
-                    f"{k} {record[k]:.2f}" for k in ("gpu_peak_gb", "gpu_allocated_gb", "cpu_rss_gb") if k in record
-                ),
-            )
+            log.info(describe_dry_run(self.metrics.last_record or {}))
             return
+        if self.watch is not None:
+            self.watch.phase("end of run: evaluation, save, export", long=True)
         # Decided once, by rank 0: ranks that disagreed about entering a collective save or evaluation would hang in
         # it. A run resumed at its last step (already complete) has evaluated it: its records are not repeated.
         step = self.state.step
@@ -567,6 +560,8 @@ class Run:
     def close(self, exit_code: int = 0) -> None:
         """Free everything the run holds, on the error path too; `exit_code` (the process's) goes to wandb."""
         self.preemption.uninstall()
+        if self.watch is not None:
+            self.watch.stop()
         if self.comm_log is not None:
             self.comm_log.close()
             self.comm_log = None

@@ -303,6 +303,21 @@ CASES = {
         "--loss_spike_factor",
         "--loss_spike_factor 0.5: must be above 1",
     ),
+    "hang timeout not below the process group's": (
+        lambda t: ["--hang_timeout", "900", "--ddp_timeout", "600"],
+        "--hang_timeout",
+        "--hang_timeout 900: must be below --ddp_timeout 600",
+    ),
+    "hang timeout too short": (
+        lambda t: ["--hang_timeout", "2"],
+        "--hang_timeout",
+        "--hang_timeout 2: must be at least 5 seconds",
+    ),
+    "process group timeout not positive": (
+        lambda t: ["--ddp_timeout", "0", "--hang_timeout", "0"],
+        "--ddp_timeout",
+        "--ddp_timeout 0: must be positive",
+    ),
     "unknown non-finite action": (lambda t: ["--on_nonfinite", "ignore"], "--on_nonfinite", "invalid choice: 'ignore'"),
     "negative skip limit": (
         lambda t: ["--max_consecutive_skips", "-1"],

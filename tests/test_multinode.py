@@ -194,6 +194,43 @@ def test_preemption_signals_save_requeue_and_resume_each_time(slurm, tmp_path):
     assert metric_steps(run_dir) == list(range(1, 41))  # every step exactly once across the three runs
 
 
+def _freeze_rank_1_of_a_new_attempt(slurm, job: str, run_dir: Path, attempts_before: int) -> int:
+    """Once the run's next attempt (its heartbeat folder the `attempts_before + 1`-th) has trained two steps, SIGSTOP
+    its rank 1 (on node n2, alone there: nobody on its host can kill it but its launcher); its pid."""
+    deadline, seen = time.monotonic() + 600, None
+    while True:
+        assert time.monotonic() < deadline and slurm.queued(job), slurm.log(job)[-4000:]
+        folders = sorted((run_dir / "hang").glob("*/heartbeat")) if (run_dir / "hang").is_dir() else []
+        if len(folders) > attempts_before and not (folders[-1].parent / "report.txt").exists():
+            seen = max(logged_steps(run_dir) or [0]) if seen is None else seen  # where this attempt started
+            beat = folders[-1] / "rank-00001.json"
+            step = json.loads(beat.read_text())["step"] if beat.exists() else 0
+            if step >= seen + 3:
+                pid = json.loads(beat.read_text())["pid"]
+                freeze(pid)
+                return pid
+        time.sleep(0.1)
+
+
+def test_a_hang_is_requeued_once_and_a_second_hang_ends_the_job(slurm, tmp_path):
+    """Rank 1 frozen (SIGSTOP) on node n2: rank 0 names it and exits 86, n2's launcher SIGKILLs it, train.sbatch
+    requeues the job once; the requeued run resumes, and when rank 1 freezes again the job ends with 86."""
+    run_dir = tmp_path / "run"
+    flags = ["--output_dir", str(run_dir), "--max_steps", "400", "--save_steps", "2", "--logging_steps", "1"]
+    job = slurm.submit(["--nodes=2", str(SBATCH)], [*TRAIN_FLAGS, *flags, "--hang_timeout", "6"])
+    victims = [_freeze_rank_1_of_a_new_attempt(slurm, job, run_dir, 0)]
+    victims.append(_freeze_rank_1_of_a_new_attempt(slurm, job, run_dir, 1))
+    facts, log = slurm.wait(job, timeout=600), slurm.log(job)
+    assert (facts["JobState"], facts["ExitCode"], facts["Restarts"]) == ("FAILED", "86:0", "1"), log[-4000:]
+    assert log.count("train.py: hang: ") == 2, log[-4000:]
+    assert log.count("requeueing job") == 1 and "training hung again (exit 86" in log, log[-4000:]
+    assert re.search(r"resumed from \S+/step\d+", log)
+    assert len(list((run_dir / "hang").glob("*/report.txt"))) == 2
+    for pid in victims:  # killed by n2's launcher (SIGTERM would wait for a frozen process forever)
+        assert not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+    assert "rank process" in log and "killed (SIGKILL)" in log
+
+
 def test_srun_direct_mode_maps_slurm_ranks(slurm, tmp_path):
     run_dir = tmp_path / "run"
     command = " ".join(

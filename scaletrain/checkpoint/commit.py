@@ -282,9 +282,12 @@ def prune_checkpoints(root: Path, limit: int, keep: Path) -> None:
 
 
 def clear_previous_run(output_dir: str) -> None:
-    """--overwrite_output_dir without resuming: the old checkpoints, metrics and goodput ledger go, so nothing stale
-    resumes or is counted as an earlier attempt of this run."""
+    """--overwrite_output_dir without resuming: the old checkpoints, metrics, goodput ledger and hang reports go, so
+    nothing stale resumes or is counted as an earlier attempt of this run."""
+    from scaletrain.train import HANG_DIR
+
     out = Path(output_dir)
     shutil.rmtree(out / CHECKPOINT_DIR, ignore_errors=True)
+    shutil.rmtree(out / HANG_DIR, ignore_errors=True)
     (out / "metrics.jsonl").unlink(missing_ok=True)
     (out / "goodput.json").unlink(missing_ok=True)

@@ -13,7 +13,8 @@ from scaletrain.config.deepspeed_json import (
     resolve_ds_config,
 )
 from scaletrain.config.run_config import RunConfig
-from scaletrain.config.slices import DataArgs, ModelArgs, NonFiniteArgs, OptimArgs, ParallelArgs, PeftArgs, PlanningArgs
+from scaletrain.config.guards import HangArgs, NonFiniteArgs
+from scaletrain.config.slices import DataArgs, ModelArgs, OptimArgs, ParallelArgs, PeftArgs, PlanningArgs
 from scaletrain.config.values import (
     LOCAL_DATA_FORMATS,
     VALIDATION_SPLIT,
@@ -24,6 +25,7 @@ from scaletrain.config.values import (
 
 __all__ = [
     "DataArgs",
+    "HangArgs",
     "HardwareFacts",
     "LOCAL_DATA_FORMATS",
     "ModelArgs",

@@ -84,6 +84,7 @@ def validate_run_config(cfg: RunConfig) -> None:
         "optim",
         "parallel",
         "nonfinite",
+        "hang",
         "checkpoint",
         "data",
         "logging",

@@ -9,13 +9,13 @@ import typing
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
+from scaletrain.config.guards import HangArgs, NonFiniteArgs
 from scaletrain.config.slices import (
     CheckpointArgs,
     DataArgs,
     EngineArgs,
     LoggingArgs,
     ModelArgs,
-    NonFiniteArgs,
     OptimArgs,
     ParallelArgs,
     PeftArgs,
@@ -34,6 +34,7 @@ SLICES = {
     "parallel": ParallelArgs,
     "checkpoint": CheckpointArgs,
     "nonfinite": NonFiniteArgs,
+    "hang": HangArgs,
     "logging": LoggingArgs,
     "planning": PlanningArgs,
 }
@@ -52,6 +53,7 @@ class RunConfig:
     parallel: ParallelArgs = field(default_factory=ParallelArgs)
     checkpoint: CheckpointArgs = field(default_factory=CheckpointArgs)
     nonfinite: NonFiniteArgs = field(default_factory=NonFiniteArgs)
+    hang: HangArgs = field(default_factory=HangArgs)
     logging: LoggingArgs = field(default_factory=LoggingArgs)
     planning: PlanningArgs = field(default_factory=PlanningArgs)
     # Not flags: where each value that is not a default came from ("command line", or "recipe <file>").

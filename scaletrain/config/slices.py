@@ -428,36 +428,6 @@ class CheckpointArgs:
 
 
 @dataclass(frozen=True)
-class NonFiniteArgs:
-    """What a non-finite loss or gradient norm, or a loss spike, does to the run."""
-
-    on_nonfinite: str = _flag(
-        "skip",
-        "A non-finite loss or gradient norm, or a loss spike: skip the update on every rank (and roll back "
-        "after --max_consecutive_skips), or stop with a message.",
-        choices=("skip", "stop"),
-    )
-    max_consecutive_skips: int = _flag(
-        5,
-        "After this many skipped updates in a row, roll back to the last committed checkpoint and continue "
-        "past the offending samples (0: never roll back).",
-    )
-    loss_spike_factor: float = _flag(
-        0.0,
-        "Treat a step whose loss exceeds this multiple of the running mean loss like a non-finite one "
-        "(0: off; e.g. 3).",
-    )
-
-    def validate(self) -> None:
-        _check_not_negative(self, ("max_consecutive_skips",))
-        if self.loss_spike_factor != 0 and self.loss_spike_factor <= 1:
-            raise UsageError(
-                f"--loss_spike_factor {self.loss_spike_factor}: must be above 1 (or 0 to turn it off)",
-                "e.g. 3: a step with three times the running mean loss is skipped",
-            )
-
-
-@dataclass(frozen=True)
 class LoggingArgs:
     """Metrics, evaluation, sinks, profiling and the progress bar."""
 

@@ -32,6 +32,7 @@ from scaletrain.distributed.world import (
     init_distributed,
     rank_hosts,
     read_launch_env,
+    process_group_timeout,
     teardown_distributed,
     use_shm_allreduce,
 )
@@ -64,6 +65,7 @@ __all__ = [
     "settle",
     "stop_with_the_others",
     "store_facts",
+    "process_group_timeout",
     "teardown_distributed",
     "use_shm_allreduce",
 ]

@@ -132,8 +132,15 @@ def first_node(nodelist: str) -> str:
     return out[0]
 
 
-def init_distributed(dist: DistInfo) -> DistInfo:
-    """Create the process group (gloo on CPU, nccl on CUDA) and bind this rank to its device."""
+# Hugging Face's --ddp_timeout default; a rank whose pre-flight failed joins the others with it (its flags unread).
+DEFAULT_DDP_TIMEOUT_S = 1800.0
+
+
+def init_distributed(dist: DistInfo, timeout_s: float = DEFAULT_DDP_TIMEOUT_S) -> DistInfo:
+    """Create the process group (gloo on CPU, nccl on CUDA) and bind this rank to its device. `timeout_s`
+    (--ddp_timeout): how long a collective waits before it raises; DeepSpeed 0.19.8's own default is 10 minutes."""
+    import datetime
+
     import deepspeed
     from deepspeed.accelerator import get_accelerator
 
@@ -154,8 +161,10 @@ def init_distributed(dist: DistInfo) -> DistInfo:
     backend = "gloo" if accelerator == "cpu" else get_accelerator().communication_backend_name()
     if accelerator != "cpu":
         get_accelerator().set_device(dist.local_rank)
-    deepspeed.init_distributed(dist_backend=backend, auto_mpi_discovery=False)
-    _start_object_group(backend)
+    deepspeed.init_distributed(
+        dist_backend=backend, auto_mpi_discovery=False, timeout=datetime.timedelta(seconds=timeout_s)
+    )
+    _start_object_group(backend, datetime.timedelta(seconds=timeout_s))
     return dataclasses.replace(dist, accelerator=accelerator)
 
 
@@ -275,14 +284,14 @@ def any_rank(flag: bool) -> bool:
 _OBJECT_GROUP = None  # where objects travel: None (the default group) under gloo, a gloo group beside NCCL
 
 
-def _start_object_group(backend: str) -> None:
+def _start_object_group(backend: str, timeout) -> None:
     """Objects (verdicts, decisions) travel over gloo: a peer that died closes its sockets, so a gloo collective
     fails at once where an NCCL one would wait for its timeout; and they need no device copies. Called by every
     rank at the same point (new_group is a collective)."""
     global _OBJECT_GROUP
     import torch.distributed as torch_dist
 
-    _OBJECT_GROUP = None if backend == "gloo" else torch_dist.new_group(backend="gloo")
+    _OBJECT_GROUP = None if backend == "gloo" else torch_dist.new_group(backend="gloo", timeout=timeout)
 
 
 def _grouped() -> bool:
@@ -318,6 +327,19 @@ def barrier() -> None:
     import deepspeed.comm as ds_comm
 
     ds_comm.barrier()
+
+
+def process_group_timeout() -> float | None:
+    """The default process group's timeout in seconds, as torch holds it (None where it cannot be read)."""
+    import torch
+    import torch.distributed as torch_dist
+
+    try:
+        group = torch_dist.distributed_c10d._get_default_group()
+        device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        return group._get_backend(device).options._timeout.total_seconds()
+    except (AttributeError, RuntimeError, ValueError):
+        return None
 
 
 def teardown_distributed(rank: int = 0) -> None:

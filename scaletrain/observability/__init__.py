@@ -8,7 +8,7 @@ from scaletrain.observability.comms_log import CommLog, comms_summary
 from scaletrain.observability.eval_prompts import generate_samples, load_eval_prompts
 from scaletrain.observability.goodput import GoodputLedger
 from scaletrain.observability.host_memory import HostMemoryPhase
-from scaletrain.observability.flops import ModelFlops, model_flops, peak_tflops
+from scaletrain.observability.flops import ModelFlops, model_flops, throughput_model
 from scaletrain.observability.memory_planner import (
     ModelShape,
     OPTIMIZER_BYTES,
@@ -24,6 +24,7 @@ from scaletrain.observability.metrics import (
     PhaseClock,
     StepProfiler,
     ThroughputModel,
+    describe_dry_run,
     read_records,
 )
 
@@ -32,6 +33,7 @@ __all__ = [
     "GoodputLedger",
     "HostMemoryPhase",
     "comms_summary",
+    "describe_dry_run",
     "LogWindow",
     "METRICS_FILE",
     "MetricsLogger",
@@ -45,7 +47,7 @@ __all__ = [
     "generate_samples",
     "load_eval_prompts",
     "model_flops",
-    "peak_tflops",
+    "throughput_model",
     "plan_memory",
     "read_records",
     "render_memory_plan",

@@ -121,3 +121,29 @@ def peak_tflops(accelerator: str, precision: str, override: float | None) -> tup
         return None, f"unknown device {name}"
     log.warning("no peak FLOPs known for accelerator %s: MFU is not reported (pass --peak_tflops)", accelerator)
     return None, f"unknown accelerator {accelerator}"
+
+
+def throughput_model(
+    flops: ModelFlops,
+    accelerator: str,
+    precision: str,
+    override: float | None,
+    recompute: bool,
+    world_size: int,
+    is_main: bool,
+):
+    """FLOPs per token and the device peak, for TFLOP/s, MFU and HFU (the peak is calibrated on rank 0 only: the
+    figures are reported from there, and calibrating on every rank at once would share the cores). Per device:
+    every rank of the world, tensor-parallel ones included (the model's FLOPs count once)."""
+    from scaletrain.observability.metrics import ThroughputModel
+
+    peak, source = (None, "not measured on this rank")
+    if is_main:
+        peak, source = peak_tflops(accelerator, precision, override)
+        log.info(
+            "peak %s TFLOP/s per device (%s); %.3g model FLOPs per token",
+            "unknown" if peak is None else f"{peak:.3g}",
+            source,
+            flops.per_token(),
+        )
+    return ThroughputModel(flops.per_token(), flops.per_token(recompute=recompute), peak, world_size)

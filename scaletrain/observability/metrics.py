@@ -406,3 +406,13 @@ class StepProfiler:
             self._prof.export_chrome_trace(str(path))
             self._prof = None
             log.info("profiler trace of steps %d-%d: %s", self.steps[0], self.steps[1], path)
+
+
+def describe_dry_run(record: dict) -> str:
+    """The line a --dry_run ends with, from its one step's record."""
+    memory = ", ".join(f"{k} {record[k]:.2f}" for k in ("gpu_peak_gb", "gpu_allocated_gb", "cpu_rss_gb") if k in record)
+    return (
+        f"dry run OK: one step in {record.get('step_time_s', 0):.2f}s (forward {record.get('forward_s', 0):.2f}s, "
+        f"backward {record.get('backward_s', 0):.2f}s, optimizer {record.get('optimizer_s', 0):.2f}s); memory: "
+        f"{memory}; nothing was saved"
+    )

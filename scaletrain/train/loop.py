@@ -39,56 +39,11 @@ from scaletrain.errors import Preempted
 from scaletrain.train.preemption import PreemptionFlag, record_preemption_saved
 from scaletrain.observability import LogWindow, MetricsLogger, PhaseClock, StepProfiler, ThroughputModel
 from scaletrain.engine import SkipSwitch
+from scaletrain.train.losses import token_and_router_losses, token_loss_sum
 from scaletrain.train.nonfinite import NonFiniteGuard
 from scaletrain.train.state import TrainState
 
 log = logging.getLogger(__name__)
-
-
-def token_loss_sum(engine, batch: dict):
-    """Summed cross-entropy over the batch's real targets (labels shifted by one inside the block).
-
-    With a chunked-loss head (scaletrain/model/chunked_loss.py, the default) the head computes it chunk by chunk and the
-    whole logits never exist; with --loss_chunk_size 0 (or a model whose head cannot chunk) from the whole logits.
-    """
-    return _forward_losses(engine, batch)[0]
-
-
-def token_and_router_losses(engine, batch: dict, router_loss) -> tuple:
-    """(summed cross-entropy as token_loss_sum, the micro-batch's load-balancing loss): an MoE model's forward asked
-    for its router logits."""
-    summed, output = _forward_losses(engine, batch, output_router_logits=True)
-    return summed, router_loss.aux_loss(output.router_logits, batch["labels"].to(engine.device, non_blocking=True))
-
-
-def _forward_losses(engine, batch: dict, **forward_kwargs) -> tuple:
-    """(summed cross-entropy, the model's output) of one micro-batch."""
-    import torch.nn.functional as F
-
-    from scaletrain.model import chunked_loss_head
-
-    input_ids = batch["input_ids"].to(engine.device, non_blocking=True)
-    # Padding sits only at the end of a block (right padding) and causal attention never looks ahead, so no
-    # attention mask is needed: real tokens never see padding, and padded positions carry no loss.
-    extra = {}
-    if "position_ids" in batch:  # attention isolation: transformers masks attention per document from these
-        extra["position_ids"] = batch["position_ids"].to(engine.device, non_blocking=True)
-    if "shift_labels" in batch:  # a sequence-parallel shard: its labels were shifted over the whole block
-        targets = batch["shift_labels"].to(engine.device, non_blocking=True)
-    else:  # shift the labels, not the logits: slicing logits[:, :-1] would copy the largest activation of the step
-        targets = F.pad(batch["labels"][:, 1:].to(engine.device, non_blocking=True), (0, 1), value=IGNORE_INDEX)
-    extra.update(forward_kwargs)
-    head = chunked_loss_head(engine.module)
-    if head is not None:
-        with head.pending(targets):
-            output = engine(input_ids=input_ids, use_cache=False, **extra)
-        head.check_returned(output.logits)
-        return output.logits, output
-    output = engine(input_ids=input_ids, use_cache=False, **extra)
-    logits = output.logits
-    return F.cross_entropy(
-        logits.reshape(-1, logits.size(-1)).float(), targets.reshape(-1), ignore_index=IGNORE_INDEX, reduction="sum"
-    ), output
 
 
 def agree_step(device, loss_sum, *flags: bool) -> tuple:
@@ -142,6 +97,7 @@ class LoopHooks:
     comm_log: Any = None  # --comms_log: scaletrain.observability.comms_log.CommLog, read once per logging window
     generate: Callable[[int], None] | None = None  # --eval_prompts: greedy generations at each evaluation
     ledger: Any = None  # observability.GoodputLedger: each step's time, evaluations', saves'
+    watch: Any = None  # train.hang.HangWatch: where the loop is, for the hang watch (--hang_timeout)
 
 
 @dataclass(frozen=True)
@@ -240,8 +196,11 @@ def train_loop(engine, batches: StepBatches, state: TrainState, settings: LoopSe
         unit="step",
         dynamic_ncols=True,
     )
+    first = True  # the first step of an attempt (compiles, warms up) has the long allowance
     with logging_redirect_tqdm():
         while state.step < settings.max_steps:
+            _note(hooks, "forward/backward", state.step + 1, long=first)
+            first = False
             if hooks.profiler:
                 hooks.profiler.before_step(state.step + 1)
             started = time.perf_counter()
@@ -252,6 +211,7 @@ def train_loop(engine, batches: StepBatches, state: TrainState, settings: LoopSe
             step = hooks.pipeline.step if hooks.pipeline else optimizer_step
             result = step(engine, batches, data_step, settings, hooks, timers)
             if _count_step(state, result, hooks.guard, partial(batches.sample_ids, data_step)) == "rollback":
+                _note(hooks, "rollback", long=True)
                 hooks.rollback()  # restores the last committed checkpoint and moves the data past this streak
                 if hooks.ledger:
                     hooks.ledger.rolled_back(state.step)
@@ -283,6 +243,7 @@ def train_loop(engine, batches: StepBatches, state: TrainState, settings: LoopSe
                 if hooks.ledger:  # so that a kill -9 loses at most a logging window of the ledger
                     hooks.ledger.write()
             if result.preempted:
+                _note(hooks, "preemption save", long=True)
                 _save_for_preemption(state.step, settings, hooks, timers)
                 raise Preempted(state.step)
             if not last:  # at the last step finish() evaluates and saves
@@ -330,6 +291,7 @@ def optimizer_step(
     )
     # One small all-reduce before the update: the global loss (for the non-finite and spike checks) and the flags
     # every rank must agree on at this step boundary.
+    _note(hooks, "step-boundary all-reduce")
     global_loss_sum, preempted, interval_due = agree_step(
         engine.device, loss_sum, hooks.preemption.signal_name is not None, timers.save_due()
     )
@@ -338,6 +300,7 @@ def optimizer_step(
     if hooks.switch:
         hooks.switch.skip = forced is not None
     clock.lap("sync")
+    _note(hooks, "optimizer update")
     with scaled_lr(engine, rampup_lr_factor(batches, data_step, settings)):
         engine.step()  # the update, at the accumulation boundary
     clock.lap("optimizer")
@@ -391,6 +354,7 @@ class PipelineStep:
 
         def before_update() -> None:  # the last stage holds the losses; every other rank adds 0
             clock.lap("pipeline")
+            _note(hooks, "step-boundary all-reduce")
             total, preempted, interval_due = agree_step(
                 engine.device, self.loss.loss_sum, hooks.preemption.signal_name is not None, timers.save_due()
             )
@@ -573,9 +537,12 @@ def _save_for_preemption(step: int, settings: LoopSettings, hooks: LoopHooks, ti
 
 def _evaluate_when_due(engine, step: int, settings: LoopSettings, hooks: LoopHooks) -> None:
     started = time.perf_counter()
-    if hooks.eval_sets and settings.eval_steps and step % settings.eval_steps == 0:
+    due = settings.eval_steps and step % settings.eval_steps == 0
+    if due and (hooks.eval_sets or hooks.generate is not None):
+        _note(hooks, "evaluation", long=True)
+    if hooks.eval_sets and due:
         hooks.metrics.log({"step": step, **evaluate_sets(engine, hooks.eval_sets, hooks.pipeline)})
-    if hooks.generate is not None and settings.eval_steps and step % settings.eval_steps == 0:
+    if hooks.generate is not None and due:
         hooks.generate(step)
     if hooks.ledger:
         hooks.ledger.evaluation(time.perf_counter() - started)
@@ -583,4 +550,11 @@ def _evaluate_when_due(engine, step: int, settings: LoopSettings, hooks: LoopHoo
 
 def _save_when_due(step: int, settings: LoopSettings, hooks: LoopHooks, timers: StepTimers, interval_due: bool) -> None:
     if interval_due or (settings.save_steps and step % settings.save_steps == 0):
+        _note(hooks, "save", long=True)
         timers.timed_save(hooks.save)
+
+
+def _note(hooks: LoopHooks, phase: str, step: int | None = None, long: bool = False) -> None:
+    """Tell the hang watch where the loop is now (HangWatch.phase)."""
+    if hooks.watch is not None:
+        hooks.watch.phase(phase, step, long)

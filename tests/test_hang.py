@@ -1,0 +1,295 @@
+"""Hangs end with a name (scaletrain/train/hang.py): the judgement of the heartbeats, the watch's end in a process of
+its own (the real watch thread, the test playing the other ranks), scaletrain.launcher's part, and a real 2-rank
+DeepSpeed run with one rank frozen by SIGSTOP. The Slurm requeue-once is in test_multinode.py; a slow rank that is
+not a hang is in test_straggler.py.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+from tests.conftest import FAST_FLAGS, REPO, check_ok, deepspeed_cmd, freeze, launch, logged_steps, subprocess_env
+
+from scaletrain.errors import HANG_EXIT_CODE
+from scaletrain.train.hang import (
+    HEARTBEAT_DIR,
+    REPORT_FILE,
+    describe_hang,
+    enable_flight_recorder,
+    long_allowance,
+    suspects,
+)
+
+ALONE = REPO / "tests" / "helpers" / "hang_watch_alone.py"
+NOW = 1_000_000.0
+
+
+def beat(rank: int, step: int = 5, phase: str = "forward/backward", age: float = 0.0, finished: bool = False) -> dict:
+    return {
+        "rank": rank,
+        "host": f"node{rank // 2}",
+        "pid": 1000 + rank,
+        "step": step,
+        "phase": phase,
+        "since": NOW - 30,
+        "beat": NOW - age,
+        "seq": 3,
+        "finished": finished,
+    }
+
+
+# --- whom the heartbeats name --------------------------------------------------------------------------------------
+
+
+def test_a_rank_whose_heartbeat_stopped_is_named_before_anything_else():
+    beats = {0: beat(0), 1: beat(1, age=40), 2: beat(2, step=3), 3: beat(3)}
+    named, why = suspects(beats, 4, NOW, timeout=30)
+    assert named == [1] and "no heartbeat" in why
+
+
+def test_a_finished_rank_is_not_a_hang_and_the_rank_behind_is_named():
+    beats = {0: beat(0, age=100, finished=True), 1: beat(1, step=6), 2: beat(2, step=5), 3: beat(3, step=6)}
+    assert suspects(beats, 4, NOW, timeout=30) == ([2], "behind the others' step 6")
+
+
+def test_a_rank_in_another_phase_than_most_is_named_and_all_alike_are_all_named():
+    beats = {r: beat(r, phase="step-boundary all-reduce") for r in range(4)}
+    beats[3] = beat(3, phase="forward/backward")
+    named, why = suspects(beats, 4, NOW, timeout=30)
+    assert named == [3] and "step-boundary all-reduce" in why
+    alike = {r: beat(r) for r in range(2)}
+    assert suspects(alike, 2, NOW, timeout=30)[0] == [0, 1]
+
+
+def test_a_rank_without_heartbeat_file_is_named_with_the_likely_cause():
+    named, why = suspects({0: beat(0)}, 2, NOW, timeout=30)
+    assert named == [1] and "--output_dir shared" in why
+
+
+def test_the_report_gives_every_rank_where_it_was_and_since_when():
+    beats = {0: beat(0), 1: beat(1, age=40)}
+    line, text = describe_hang(beats, 2, NOW, timeout=30, stuck_s=45)
+    assert line.startswith("no progress for 45s; stopped: rank 1 (node0, pid 1001) at step 5, forward/backward")
+    rows = text.splitlines()[2:]
+    assert len(rows) == 2 and "last heartbeat 40s ago" in rows[1] and "last heartbeat 0s ago" in rows[0]
+
+
+def test_long_phases_end_before_the_process_group_times_out():
+    assert long_allowance(600, 1800) == 1740
+    assert long_allowance(590, 600) == 590  # never shorter than --hang_timeout itself
+
+
+def test_the_nccl_flight_recorder_is_turned_on_for_gpu_runs_only_and_the_users_settings_stay():
+    env = {"TORCH_NCCL_TRACE_BUFFER_SIZE": "500"}
+    enable_flight_recorder("/runs/a", env, cuda=True)
+    assert env["TORCH_NCCL_TRACE_BUFFER_SIZE"] == "500"  # the user's
+    assert env["TORCH_NCCL_DUMP_ON_TIMEOUT"] == "1"
+    assert env["TORCH_FR_DUMP_TEMP_FILE"] == "/runs/a/hang/nccl_trace_rank_"
+    cpu = {}
+    enable_flight_recorder("/runs/a", cpu, cuda=False)
+    assert cpu == {}
+
+
+# --- the watch thread's end, in a process of its own ---------------------------------------------------------------
+
+
+def write_beat(folder: Path, record: dict) -> None:
+    (folder / HEARTBEAT_DIR).mkdir(parents=True, exist_ok=True)
+    (folder / HEARTBEAT_DIR / f"rank-{record['rank']:05d}.json").write_text(json.dumps(record))
+
+
+def alone(folder: Path, world: int, timeout: float, allowance: float, kind: str) -> subprocess.Popen:
+    return subprocess.Popen(
+        [sys.executable, str(ALONE), str(folder), str(world), str(timeout), str(allowance), kind],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+
+
+def test_a_frozen_peer_is_named_stacks_are_dumped_it_is_killed_and_the_rank_exits_86(tmp_path):
+    folder = tmp_path / "hang" / "attempt"
+    frozen = subprocess.Popen(["sleep", "300"])  # the peer: a process of this host whose heartbeat stops
+    write_beat(folder, {**beat(1), "host": socket.gethostname(), "pid": frozen.pid, "beat": time.time()})
+    watch = alone(folder, 2, timeout=1.0, allowance=100.0, kind="long")  # a long phase: the frozen peer ends it
+    try:
+        out, err = watch.communicate(timeout=60)
+        assert watch.returncode == HANG_EXIT_CODE, err
+        assert frozen.wait(timeout=30) == -signal.SIGKILL  # a frozen rank ignores SIGTERM: SIGKILL, after the exit
+    finally:
+        frozen.kill()
+    line = [x for x in err.splitlines() if x.startswith("train.py: hang:")]
+    assert len(line) == 1, err
+    assert f"stopped: rank 1 ({socket.gethostname()}, pid {frozen.pid}) at step 5" in line[0]
+    assert "no heartbeat for 1s or more" in line[0] and f"exit {HANG_EXIT_CODE}" in line[0]
+    assert "on_hang ran" in out
+    stacks = (folder / "stacks-rank-00000.txt").read_text()
+    assert stacks.startswith("rank 0 ") and "step 7, a phase of the test" in stacks
+    assert "hang_watch_alone.py" in stacks and "in main" in stacks  # the main thread, where it was stuck
+    report = (folder / REPORT_FILE).read_text()
+    assert "rank 0 (" in report and f"pid {frozen.pid}" in report
+
+
+@pytest.mark.parametrize("kind", ["short", "long"])
+def test_a_phase_known_to_be_long_gets_its_allowance_and_a_step_does_not(tmp_path, kind):
+    folder = tmp_path / "attempt"
+    watch = alone(folder, 1, timeout=1.0, allowance=4.0, kind=kind)
+    _, err = watch.communicate(timeout=60)
+    assert watch.returncode == HANG_EXIT_CODE, err
+    stuck = float(re.search(r"no progress for (\d+)s", err).group(1))
+    assert (stuck >= 4.0) if kind == "long" else (1.0 <= stuck < 4.0), err
+    assert "every rank alive and waiting at the same place" in err
+
+
+def test_another_ranks_report_makes_this_rank_dump_its_stacks_and_exit_without_a_second_message(tmp_path):
+    folder = tmp_path / "attempt"
+    write_beat(folder, {**beat(1), "beat": time.time() + 600})  # a peer alive throughout
+    watch = alone(folder, 2, timeout=20.0, allowance=100.0, kind="short")
+    assert watch.stdout.readline().strip() == "watching"
+    (folder / "stacks-rank-00001.txt").write_text("rank 1's stacks\n")  # rank 1 declared, and dumped its own
+    (folder / REPORT_FILE).write_text("declared by rank 1\n")
+    _, err = watch.communicate(timeout=60)
+    assert watch.returncode == HANG_EXIT_CODE
+    assert "train.py: hang:" not in err  # the declaring rank says it, once
+    assert "hang_watch_alone.py" in (folder / "stacks-rank-00000.txt").read_text()
+
+
+# --- scaletrain.launcher: a host whose ranks are all frozen --------------------------------------------------------
+
+
+def test_the_launcher_kills_what_is_left_of_its_ranks_once_a_report_is_there_and_exits_86(tmp_path, monkeypatch):
+    from scaletrain import launcher
+
+    # A stand-in for DeepSpeed's launch.py (its command line names the module, as rank_processes looks for) with one
+    # "rank" child, in a session of its own as the runner's.
+    tree = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            "import subprocess, sys; subprocess.Popen(['sleep', '300']).wait()",
+            launcher.DEEPSPEED_LAUNCH_MODULE,
+        ],
+        start_new_session=True,
+    )
+    try:
+        deadline = time.monotonic() + 30
+        while not launcher.rank_processes(tree.pid):
+            assert time.monotonic() < deadline
+            time.sleep(0.1)
+        (rank,) = launcher.rank_processes(tree.pid)
+        note = tmp_path / "hang-folders"
+        attempt = tmp_path / "run" / "hang" / "attempt"
+        attempt.mkdir(parents=True)
+        note.write_text(f"{attempt}\n")
+        hang = launcher.HangEnd(note)
+        assert not hang.reported(now_or_never=True)
+        hang.kill_if_due(tree.pid)
+        assert rank.is_running()  # no report: nothing is killed
+        (attempt / REPORT_FILE).write_text("rank 1 stopped\n")
+        monkeypatch.setattr(launcher, "HANG_KILL_AFTER_S", 0.0)
+        assert hang.reported(now_or_never=True)
+        hang.kill_if_due(tree.pid)
+        assert hang.reported_at is not None
+        rank.wait(timeout=10)  # gone (it ignored nothing: SIGKILL); psutil.TimeoutExpired otherwise
+        tree.wait(timeout=10)
+        assert launcher.exit_code(1, tmp_path / "no-preemption-record", hang) == HANG_EXIT_CODE
+        assert launcher.exit_code(0, tmp_path / "no-preemption-record", hang) == 0  # a run that finished anyway
+    finally:
+        if tree.poll() is None:
+            os.killpg(tree.pid, signal.SIGKILL)
+
+
+# --- a real run ---------------------------------------------------------------------------------------------------
+
+
+def run_processes(run_dir: Path) -> list:
+    """The processes still running whose command line names the run folder."""
+    alive = []
+    for proc in psutil.process_iter(["cmdline"]):
+        try:
+            if any(str(run_dir) in part for part in proc.info["cmdline"] or []):
+                alive.append(proc)
+        except psutil.Error:
+            continue
+    return alive
+
+
+@pytest.mark.slow
+def test_a_rank_frozen_with_sigstop_ends_the_job_named_with_stacks_and_no_process_left_then_it_resumes(
+    tmp_path, cache_dir
+):
+    run_dir = tmp_path / "run"
+    hang_timeout = 6
+    flags = [
+        "--config",
+        "ds_configs/zero2.json",
+        "--output_dir",
+        str(run_dir),
+        "--max_steps",
+        "12",
+        "--save_steps",
+        "2",
+        *FAST_FLAGS,
+        "--logging_steps",
+        "1",
+        "--hang_timeout",
+        str(hang_timeout),
+        "--ddp_timeout",
+        "120",
+        "--no-export_hf_at_end",
+    ]
+    proc = subprocess.Popen(
+        deepspeed_cmd(2, REPO / "train.py", flags),
+        cwd=REPO,
+        env=subprocess_env(cache_dir),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    try:
+        deadline = time.monotonic() + 300
+        while not [s for s in logged_steps(run_dir) if s >= 3]:
+            assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()[0][-4000:]
+            time.sleep(0.1)
+        (attempt,) = (run_dir / "hang").iterdir()
+        victim = json.loads((attempt / HEARTBEAT_DIR / "rank-00001.json").read_text())["pid"]
+        freeze(victim)
+        frozen_at = time.monotonic()
+        output, _ = proc.communicate(timeout=hang_timeout + 120)
+    finally:
+        proc.kill()
+    ended_after = time.monotonic() - frozen_at
+    assert proc.returncode == HANG_EXIT_CODE, output[-4000:]
+    assert ended_after < hang_timeout + 60, ended_after  # the issue's bound
+    assert "process group timeout 120s; hang watch: --hang_timeout 6s" in output  # the value torch holds
+    line = re.search(r"train\.py: hang: (.*)", output).group(1)
+    assert f"stopped: rank 1 ({socket.gethostname()}, pid {victim}) at step" in line, line
+    assert "no heartbeat" in line and str(attempt / "stacks-rank-*.txt") in line
+    stacks = (attempt / "stacks-rank-00000.txt").read_text()
+    assert "all_reduce" in stacks, stacks  # rank 0 was waiting for rank 1 in a collective
+    assert not (attempt / "stacks-rank-00001.txt").exists()  # a frozen rank writes nothing
+    deadline = time.monotonic() + 10  # the launcher has reaped its children; nothing else may be left either
+    while run_processes(run_dir) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not run_processes(run_dir)
+    assert not psutil.pid_exists(victim) or psutil.Process(victim).status() == psutil.STATUS_ZOMBIE
+    ledger = json.loads((run_dir / "goodput.json").read_text())
+    assert ledger["attempts"][-1]["exit_code"] == HANG_EXIT_CODE
+
+    # The requeued job: resumes from the newest committed checkpoint; the hang's report stays for the user.
+    check_ok(launch(REPO / "train.py", flags, "deepspeed", cache_dir, nprocs=2))
+    assert (attempt / REPORT_FILE).exists()
+    assert logged_steps(run_dir)[-1] == 12
+    first, second = json.loads((run_dir / "goodput.json").read_text())["attempts"]
+    assert second["exit_code"] == 0 and 2 <= second["first_step"] <= first["last_step"]  # resumed, not restarted

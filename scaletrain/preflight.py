@@ -482,3 +482,13 @@ def print_memory_plan(resolved: ResolvedRun) -> None:
             loss_chunk,
         )
     )
+    if resolved.cfg.checkpoint.async_save:  # the host memory asynchronous saves take beside the plan above
+        from scaletrain.checkpoint import snapshot_bytes_per_rank
+
+        world = planning.num_gpus * planning.num_nodes
+        per_rank = {zero: snapshot_bytes_per_rank(shape.n_params, precision, zero, world) / 2**30 for zero in (1, 3)}
+        print(
+            f"--async_save: snapshot buffers in host memory (/dev/shm), per rank: up to {per_rank[1]:.2f} GiB under "
+            f"ZeRO-0/1/2 (rank 0 also copies the module's weights), {per_rank[3]:.2f} GiB under ZeRO-3; x "
+            f"{planning.num_gpus} ranks per node (--no-async_save needs none)"
+        )

@@ -12,6 +12,8 @@ from typing import Any
 from collections.abc import Sequence
 
 from scaletrain.checkpoint import (
+    background_writer,
+    BackgroundWriter,
     checkpoint_parameters,
     clear_previous_run,
     committed_step,
@@ -24,7 +26,10 @@ from scaletrain.checkpoint import (
     planned_checkpoint_bytes,
     publish_export,
     reply_end_ids,
+    roll_back,
     save_checkpoint,
+    settle_checkpoint,
+    start_checkpoint,
     verified_resume_checkpoint,
 )
 from scaletrain.data import (
@@ -69,7 +74,7 @@ from scaletrain.engine import (
     schedule_for,
 )
 from scaletrain.model import apply_lora, base_identity, build_model, build_qlora_model, mark_leaf_modules, merged_dir
-from scaletrain.errors import HANG_EXIT_CODE, NonFiniteStop, RunEnded
+from scaletrain.errors import HANG_EXIT_CODE, RunEnded
 from scaletrain.logs import silence_library_logs
 from scaletrain.train import (
     enable_flight_recorder,
@@ -135,6 +140,8 @@ class Run:
         self.preemption = PreemptionFlag()
         self.guard: NonFiniteGuard | None = None
         self.watch: Any = None  # train.hang.HangWatch, from watch_for_hangs() (--hang_timeout)
+        self.writer: BackgroundWriter | None = None  # --async_save: this rank's writer process, from resume()
+        self._in_flight_step_s = 0.0  # the ledger's step seconds when the save in flight was taken
 
     @classmethod
     def from_flags(cls, argv: Sequence[str] | None, dist: DistInfo) -> Run:
@@ -354,11 +361,7 @@ class Run:
             load_checkpoint(
                 self.engine, self.resolved.resume_from, self.state, self.dist.rank, universal=self.resolved.reshard
             )
-            if self.resolved.reshard:
-                restore_weight_decay(self.engine, self.cfg.optim.weight_decay)
-            # The checkpoint restored the saving run's peak LR and next LR; this run's flags decide from here on.
-            restart_schedule(self.engine.lr_scheduler, self.schedule, peak_lr(self.resolved.ds))
-            self._record_layout()
+            self._reloaded(self.resolved.reshard)
         self.metrics = MetricsLogger(
             self.cfg.run.output_dir,
             self.dist.is_main,
@@ -372,6 +375,10 @@ class Run:
         self.state.wandb_run_id = self.metrics.wandb_run_id
         self.ledger = GoodputLedger(self.cfg.run.output_dir, self.dist.is_main and not self.cfg.run.dry_run)
         self.ledger.begin(self.state.step)
+        ckpt, ds = self.cfg.checkpoint, self.resolved.ds
+        if ckpt.async_save and not self.cfg.run.dry_run:
+            periodic = bool(ckpt.save_steps or ckpt.save_interval_minutes)
+            self.writer = background_writer(self.resolved.n_params, ds.precision, ds.zero_stage, self.dist, periodic)
 
     def watch_for_hangs(self) -> None:
         """--hang_timeout: this rank's heartbeat, and a watch that ends a stuck run naming the ranks that stopped."""
@@ -379,7 +386,11 @@ class Run:
             on_hang = partial(self.ledger.end, HANG_EXIT_CODE)  # the attempt's end in goodput.json
             self.watch = start_hang_watch(self.cfg.hang, self.cfg.run.output_dir, self.dist, on_hang)
 
-    def save(self) -> Path:
+    def save(self, now: bool = False) -> Path | None:
+        """A checkpoint of this step: committed before this returns (synchronous saves, or `now`: the end of the run,
+        a preemption), or (--async_save) taken now, written in the background and committed at a later step
+        boundary (commit_pending). Either way a save in flight is committed first: at most one at a time."""
+        self.commit_pending(wait=True)
         facts, adapter_only = self.resolved.model_facts, self.cfg.peft.use_peft  # LoRA: the base is not saved
         n_params, n_tensors = checkpoint_parameters(self.engine.module, adapter_only)
         if not adapter_only:
@@ -394,17 +405,22 @@ class Run:
             n_tensors,
             self.dist.world_size,
         )
-        path = save_checkpoint(
-            self.engine,
-            self.cfg.run.output_dir,
-            self.state,
-            self.dist.rank,
-            self.cfg.checkpoint.save_total_limit,
-            model_facts=facts,
-            planned_bytes=planned,
-        )
+        out, rank = self.cfg.run.output_dir, self.dist.rank
+        if self.writer is not None and not now:
+            start_checkpoint(self.engine, out, self.state, rank, self.writer, model_facts=facts, planned_bytes=planned)
+            self._in_flight_step_s = self.ledger.attempt["step_s"]
+            return None
+        limit = self.cfg.checkpoint.save_total_limit
+        path = save_checkpoint(self.engine, out, self.state, rank, limit, model_facts=facts, planned_bytes=planned)
         self.ledger.committed(self.state.step)
         return path
+
+    def commit_pending(self, wait: bool = False) -> None:
+        """--async_save, at a step boundary (every rank): commit the save in flight once every rank's write is done
+        (`wait`: this rank's first); a failed write ends the run here."""
+        step = self.writer and self.writer.in_flight and self.writer.in_flight.step  # None: nothing in flight
+        if step and settle_checkpoint(self.writer, self.dist.rank, self.cfg.checkpoint.save_total_limit, wait):
+            self.ledger.committed(step, self._in_flight_step_s)
 
     def train(self) -> None:
         dry = self.cfg.run.dry_run  # one full step, logged, nothing saved
@@ -439,6 +455,8 @@ class Run:
         hooks = LoopHooks(
             metrics=self.metrics,
             save=self.save,
+            save_now=partial(self.save, now=True),
+            commit_pending=self.commit_pending,
             preemption=self.preemption,
             eval_sets=self.eval_sets,
             profiler=StepProfiler(self.cfg.logging.profile_range, self.cfg.run.output_dir, self.dist.rank),
@@ -467,45 +485,27 @@ class Run:
 
     def rollback(self) -> None:
         """--max_consecutive_skips reached: back to the newest committed checkpoint, the data past the streak."""
-        state = self.state
-        # Chosen once, by rank 0: ranks scanning a shared folder at different moments could load different steps.
-        newest = broadcast_from_main(newest_committed(self.cfg.run.output_dir) if self.dist.is_main else None)
-        if newest is None:
-            raise NonFiniteStop(
-                f"step {state.step}: {state.consecutive_skips} updates skipped in a row and no "
-                "committed checkpoint to roll back to; lower the learning rate or check the data "
-                f"(the samples are in {self.cfg.run.output_dir}/nonfinite_ledger.jsonl), and use "
-                "--save_steps so a rollback has a checkpoint"
-            )
-        data_step, position, from_step = state.step + state.data_offset, state.samples_seen, state.step
-        # A checkpoint from another rank count (this run's resharded start) loads through its universal form.
-        universal = self.resolved.reshard and newest == self.resolved.resume_from
-        load_checkpoint(self.engine, newest, state, self.dist.rank, universal=universal)
+        self.commit_pending(wait=True)  # a save in flight is committed first: it may be the one to go back to
+        resharded = self.resolved.resume_from if self.resolved.reshard else None
+        roll_back(
+            self.engine,
+            self.state,
+            self.cfg.run.output_dir,
+            self.dist,
+            resharded,
+            self._reloaded,
+            self.metrics,
+            self.guard,
+            self.cfg.nonfinite.max_consecutive_skips,
+        )
+
+    def _reloaded(self, universal: bool) -> None:
+        """After a checkpoint was loaded (resume, rollback): this run's flags rule from here on. A universal load
+        restores no weight decay; the checkpoint restored the saving run's peak LR and next LR."""
         if universal:
             restore_weight_decay(self.engine, self.cfg.optim.weight_decay)
-        restart_schedule(self.engine.lr_scheduler, self.schedule, peak_lr(self.resolved.ds))  # as in resume()
+        restart_schedule(self.engine.lr_scheduler, self.schedule, peak_lr(self.resolved.ds))
         self._record_layout()
-        state.data_offset = data_step - state.step  # the next step trains on the batch after the streak
-        state.samples_seen = position  # the data position keeps moving forward: nothing is replayed
-        state.consecutive_skips = 0
-        self.metrics.rewind(state.step)
-        self.guard.record(
-            {
-                "step": from_step,
-                "event": "rollback",
-                "to_checkpoint": newest.name,
-                "to_step": state.step,
-                "data_offset": state.data_offset,
-            }
-        )
-        log.warning(
-            "rolled back to %s (step %d) after %d skipped updates in a row; training continues with the "
-            "data after step %d",
-            newest,
-            state.step,
-            self.cfg.nonfinite.max_consecutive_skips,
-            from_step,
-        )
 
     def finish(self) -> None:
         if self.cfg.run.dry_run:
@@ -513,6 +513,7 @@ class Run:
             return
         if self.watch is not None:
             self.watch.phase("end of run: evaluation, save, export", long=True)
+        self.commit_pending(wait=True)  # --async_save: the save in flight is committed before anything else
         # Decided once, by rank 0: ranks that disagreed about entering a collective save or evaluation would hang in
         # it. A run resumed at its last step (already complete) has evaluated it: its records are not repeated.
         step = self.state.step
@@ -524,7 +525,7 @@ class Run:
         if self.resolved.eval_prompts and not evaluated:
             self.generate_samples(step)
         if self.cfg.checkpoint.save_at_end and (newest is None or committed_step(newest) != self.state.step):
-            self.save()
+            self.save(now=True)
         if self.cfg.checkpoint.export_hf_at_end:
             export_hf_model(
                 self.engine,
@@ -560,6 +561,9 @@ class Run:
     def close(self, exit_code: int = 0) -> None:
         """Free everything the run holds, on the error path too; `exit_code` (the process's) goes to wandb."""
         self.preemption.uninstall()
+        if self.writer is not None:  # a write still in flight here (a crash) is never committed
+            self.writer.close()
+            self.writer = None
         if self.watch is not None:
             self.watch.stop()
         if self.comm_log is not None:

@@ -172,8 +172,12 @@ def test_sigkill_one_rank_then_restart_resumes_exactly(ds_config, tmp_path, cach
     args = run_flags(ds_config, run_dir)
     proc = start(args, cache_dir)
     ranks = rank_processes(proc)
-    # Steps trained after the step-8 checkpoint: stop both ranks there, so the kill lands mid-run on any machine.
-    wait_for(lambda: any(step > SAVE_EVERY for step in logged_steps(run_dir)), proc)
+    # Steps trained after the step-8 checkpoint, committed (an asynchronous save commits at a later step boundary):
+    # stop both ranks there, so the kill lands mid-run on any machine.
+    wait_for(
+        lambda: (run_dir / "checkpoints" / "latest").exists() and any(s > SAVE_EVERY for s in logged_steps(run_dir)),
+        proc,
+    )
     freeze(*(rank.pid for rank in ranks))
     saved, logged = latest_step(run_dir), max(logged_steps(run_dir))
     assert SAVE_EVERY <= saved < logged < STEPS, f"stopped at step {logged}, newest checkpoint step{saved}"

@@ -135,7 +135,8 @@ def test_a_disk_that_fills_during_a_save_stops_every_rank_and_keeps_the_previous
     with small_tmpfs(tmp_path / "disk", "80m") as disk:
         run_dir = disk / "run"
         ckpts = run_dir / "checkpoints"
-        proc = start(full_disk_flags(run_dir), cache_dir)
+        # Synchronous saves: the write fails inside the save (an asynchronous one's writer: test_async_save.py)
+        proc = start(full_disk_flags(run_dir) + ["--no-async_save"], cache_dir)
         ranks = rank_processes(proc)
         wait_for(lambda: (ckpts / "latest").exists() and latest_step(run_dir) == 4, proc)
         freeze(*(rank.pid for rank in ranks))  # between the two saves

@@ -382,7 +382,10 @@ def test_lora_sigkill_one_rank_then_restart_resumes_exactly(ds_config, tmp_path,
     args = lora_flags(ds_config, run_dir, base_model)
     proc = start(args, cache_dir)
     ranks = rank_processes(proc)
-    wait_for(lambda: any(step > SAVE_EVERY for step in logged_steps(run_dir)), proc)  # past the step-4 checkpoint
+    wait_for(  # past the step-4 checkpoint, committed (an asynchronous save commits at a later step boundary)
+        lambda: (run_dir / "checkpoints" / "latest").exists() and any(s > SAVE_EVERY for s in logged_steps(run_dir)),
+        proc,
+    )
     freeze(*(rank.pid for rank in ranks))
     saved, logged = latest_step(run_dir), max(logged_steps(run_dir))
     assert SAVE_EVERY <= saved < logged < STEPS, f"stopped at step {logged}, newest checkpoint step{saved}"

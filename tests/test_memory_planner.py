@@ -241,7 +241,10 @@ def test_plan_command_prints_every_option_and_a_recommendation(tmp_path):
     assert lines[0].startswith("memory plan: 1.8M parameters, 2 node(s) x 8 GPU(s) = 16 data-parallel ranks, bf16")
     for option in memory_planner.OPTIONS:
         assert any(line.startswith(f"| {option.name} |") for line in lines), option.name
-    assert lines[-1].startswith("recommended: --config ds_configs/zero1.json")
+    assert lines[-2].startswith("recommended: --config ds_configs/zero1.json")
+    # 1.8M parameters: 12 bytes each over 16 ranks, plus rank 0's bf16 weights; ZeRO-3 the partition alone
+    assert lines[-1].startswith("--async_save: snapshot buffers in host memory (/dev/shm), per rank: up to 0.00 GiB")
+    assert "x 8 ranks per node" in lines[-1]
     assert not out.exists()  # a plan writes nothing
 
 

@@ -21,9 +21,21 @@ from scaletrain.checkpoint.resume import (
     resolve_resume,
     saved_zero_stage,
 )
-from scaletrain.checkpoint.save import checkpoint_parameters, planned_checkpoint_bytes, save_checkpoint
+from scaletrain.checkpoint.async_save import BackgroundWriter
+from scaletrain.checkpoint.rollback import roll_back
+from scaletrain.checkpoint.save import (
+    checkpoint_parameters,
+    planned_checkpoint_bytes,
+    save_checkpoint,
+    background_writer,
+    settle_checkpoint,
+    snapshot_bytes_per_rank,
+    start_checkpoint,
+)
 
 __all__ = [
+    "BackgroundWriter",
+    "background_writer",
     "check_push_target",
     "check_resumable",
     "checkpoint_parameters",
@@ -40,7 +52,11 @@ __all__ = [
     "read_train_state",
     "reply_end_ids",
     "resolve_resume",
+    "roll_back",
     "save_checkpoint",
+    "settle_checkpoint",
+    "snapshot_bytes_per_rank",
+    "start_checkpoint",
     "saved_zero_stage",
     "verified_resume_checkpoint",
 ]

@@ -25,6 +25,7 @@ from scaletrain.checkpoint.commit import (
     prune_checkpoints,
     remove_universal_copies,
 )
+from scaletrain.checkpoint.async_save import BackgroundWriter, InFlight
 from scaletrain.distributed import LAYER_MAP
 from scaletrain.errors import CheckpointWriteError
 from scaletrain.train import TrainState
@@ -139,7 +140,7 @@ def save_checkpoint(
     started = time.perf_counter()
     if rank == 0:
         root.mkdir(parents=True, exist_ok=True)
-        shutil.rmtree(tmp, ignore_errors=True)  # leftovers of a save that was killed
+        _clear_unfinished(root)
     barrier()
     previous = _check_disk_space(root, tag, planned_bytes)
     written, failed = _write_checkpoint_files(engine, tmp, state, rank, model_facts)
@@ -158,6 +159,13 @@ def save_checkpoint(
         rank,
     )
     return final
+
+
+def _clear_unfinished(root: Path) -> None:
+    """Rank 0, before a save (no other is in flight): the folders of saves that never committed (a kill, a crash with
+    a background write in flight) go, with the space they hold."""
+    for unfinished in root.glob(f"{TMP_PREFIX}*"):
+        shutil.rmtree(unfinished, ignore_errors=True)
 
 
 def _check_disk_space(root: Path, tag: str, planned_bytes: int) -> Path | None:
@@ -290,3 +298,137 @@ def _write_own_files(engine, tmp: Path, state: TrainState, rank: int, model_fact
             (tmp / LAYER_MAP).write_text(json.dumps(layer_map(engine.module), indent=1) + "\n")
             written.append(tmp / LAYER_MAP)
     return written
+
+
+# --- asynchronous saves (async_save.py): the snapshot on the training path, the commit at a later step boundary ---
+
+
+def start_checkpoint(
+    engine,
+    output_dir: str,
+    state: TrainState,
+    rank: int,
+    writer: BackgroundWriter,
+    model_facts: dict | None = None,
+    planned_bytes: int = 0,
+) -> None:
+    """Every rank: the space check as for save_checkpoint, then DeepSpeed's save with each file's state dict taken
+    into this rank's host buffers instead of written, this rank's own small files (RNG and train state) written, and
+    the snapshot handed to the writer process. Training goes on; settle_checkpoint commits it later."""
+    from scaletrain.distributed import any_rank, barrier
+    from scaletrain.engine import recorded_checkpoint_writes, universal_checkpoint_info
+
+    root = Path(output_dir) / CHECKPOINT_DIR
+    tag = f"{PREFIX}{state.step}"
+    tmp = root / f"{TMP_PREFIX}{tag}"
+    started = time.perf_counter()
+    if rank == 0:
+        root.mkdir(parents=True, exist_ok=True)
+        _clear_unfinished(root)
+    barrier()
+    previous = _check_disk_space(root, tag, planned_bytes)
+    snapshot = writer.snapshot()
+    client_state = {"train_state": state.state_dict(), **universal_checkpoint_info(state.tensor_parallel_size)}
+    with recorded_checkpoint_writes(engine, is_write_failure, write=snapshot.take) as writes:
+        engine.save_checkpoint(
+            str(tmp.parent),
+            tag=tmp.name,
+            client_state=client_state,
+            save_latest=False,
+            exclude_frozen_parameters=without_frozen_base(engine),
+        )
+    failed, own = writes.failed, []
+    if failed is None:
+        try:
+            own = _write_own_files(engine, tmp, state, rank, model_facts)
+        except (OSError, RuntimeError) as err:
+            if not is_write_failure(err):
+                raise
+            failed = (str(tmp), err)
+    if any_rank(failed is not None):  # every rank takes the synchronous failure path: one message, nothing kept
+        _gather_checksums(tmp, tag, own, failed, rank, previous)
+    own_checksums = {str(p.relative_to(tmp)): file_checksum(p) for p in own}
+    writer.submit(InFlight(tag, tmp, state.step, previous, own_checksums, time.perf_counter()), snapshot)
+    log.info(
+        "checkpoint %s: snapshot taken in %.2fs (%.2f GB of host buffers); written in the background",
+        tag,
+        time.perf_counter() - started,
+        writer.buffers.nbytes / 1e9,
+    )
+
+
+def settle_checkpoint(writer: BackgroundWriter, rank: int, save_total_limit: int, wait: bool = False) -> Path | None:
+    """Every rank, at the same step boundary, while a save is in flight: the ranks agree (one small all-reduce)
+    whether every rank's write is done or one failed. Done: the checksums are gathered and rank 0 commits (the
+    committed path is returned); failed: every rank raises CheckpointWriteError naming the checkpoint and the cause;
+    otherwise None (still writing). `wait`: until this rank's write is done first (a drain)."""
+    from scaletrain.distributed import all_gather_objects, max_over_ranks
+
+    flight = writer.in_flight
+    if flight is None:
+        return None
+    status = writer.status(wait=wait)
+    if max_over_ranks({"done": 0, "writing": 1, "failed": 2}[status]) == 1:
+        return None
+    failure = None
+    if status == "failed":
+        failure = f"rank {rank} could not write {flight.result[1]} ({flight.result[2]})"
+    # (a rank still writing when another's write failed sends nothing: nothing is committed)
+    checksums = {} if status != "done" else {**flight.own_checksums, **_relative(flight.result[1], flight.tmp)}
+    reports = all_gather_objects((failure, checksums))
+    writer.in_flight = None
+    failures = [f for f, _ in reports if f]
+    if failures:
+        if rank == 0:
+            shutil.rmtree(flight.tmp, ignore_errors=True)
+        raise CheckpointWriteError(
+            f"checkpoint {flight.tag}: {failures[0]}; it was not committed and its folder was removed, "
+            f"{_intact(flight.previous)}",
+            every_rank=True,
+        )
+    final = flight.tmp.parent / flight.tag
+    _commit_on_rank0(
+        flight.tmp, final, flight.step, {k: v for _, sums in reports for k, v in sums.items()}, rank, flight.previous
+    )
+    if rank == 0:
+        prune_checkpoints(final.parent, save_total_limit, keep=final)
+        remove_universal_copies(final.parent)
+    log.info("committed checkpoint %s, written in the background in %.2fs", final, time.perf_counter() - flight.started)
+    return final
+
+
+def _relative(checksums: dict, tmp: Path) -> dict:
+    return {str(Path(path).relative_to(tmp)): digest for path, digest in checksums.items()}
+
+
+def snapshot_bytes_per_rank(n_params: int, precision: str, zero_stage: int, world_size: int) -> int:
+    """The most one rank copies into host buffers at an asynchronous save: its partition of the fp32 master weights
+    and Adam moments, plus (ZeRO-0/1/2, rank 0) the module's weights in the training dtype."""
+    from scaletrain.observability import OPTIMIZER_BYTES, weight_bytes
+
+    weights = 0 if zero_stage == 3 else n_params * weight_bytes(precision)
+    return n_params * OPTIMIZER_BYTES // max(world_size, 1) + weights
+
+
+def background_writer(
+    n_params: int, precision: str, zero_stage: int, dist, periodic_saves: bool
+) -> BackgroundWriter | None:
+    """--async_save: this rank's writer, unless a host of the run cannot hold the snapshot buffers (then every rank
+    saves synchronously, said once per host: the ranks must agree, their saves are collectives). With
+    `periodic_saves` its process starts now, so that its start (an interpreter importing torch, seconds) is behind
+    it at the first save; otherwise at the first save (a preemption's, or a rollback's, is synchronous)."""
+    import os
+
+    from scaletrain.checkpoint.async_save import snapshot_refusal
+    from scaletrain.distributed import any_rank
+
+    per_rank = snapshot_bytes_per_rank(n_params, precision, zero_stage, dist.world_size)
+    refusal = snapshot_refusal(per_rank, int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("LOCAL_SIZE", 1))))
+    if any_rank(refusal is not None):
+        if dist.local_rank == 0:
+            log.warning("--async_save: %s; saves are synchronous", refusal or "another host cannot hold its buffers")
+        return None
+    writer = BackgroundWriter(dist.rank)
+    if periodic_saves:
+        writer.start()
+    return writer

@@ -398,6 +398,13 @@ class CheckpointArgs:
         "Resume with another peak --learning_rate than the run being resumed (refused without it; another "
         "--max_steps, warmup or schedule is only warned about).",
     )
+    async_save: bool = _flag(
+        True,
+        "Saves hold training only while each rank copies its share into host buffers; a writer process per rank "
+        "writes the files in the background and the checkpoint is committed at a later step boundary "
+        "(--no-async_save: every save written before training goes on). Falls back to synchronous saves, said in "
+        "the first lines, where the host cannot hold the buffers.",
+    )
     preemption_grace_seconds: float = _flag(
         120.0, "Seconds a scheduler allows between its signal and the kill; a slower save is warned about."
     )

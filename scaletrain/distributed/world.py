@@ -269,16 +269,21 @@ def rank_hosts() -> list:
 
 def any_rank(flag: bool) -> bool:
     """True on every rank when `flag` is True on any (a collective; without a process group, the flag)."""
+    return bool(max_over_ranks(1.0 if flag else 0.0))
+
+
+def max_over_ranks(value: float) -> float:
+    """The largest of every rank's `value`, on every rank (a collective; without a process group, the value)."""
     import torch
     import torch.distributed as torch_dist
 
     if not (torch_dist.is_available() and torch_dist.is_initialized()):
-        return flag
+        return value
     from deepspeed.accelerator import get_accelerator
 
-    tensor = torch.tensor([1.0 if flag else 0.0], device=get_accelerator().current_device_name())
+    tensor = torch.tensor([float(value)], device=get_accelerator().current_device_name())
     torch_dist.all_reduce(tensor, op=torch_dist.ReduceOp.MAX)
-    return bool(tensor.item())
+    return tensor.item()
 
 
 _OBJECT_GROUP = None  # where objects travel: None (the default group) under gloo, a gloo group beside NCCL

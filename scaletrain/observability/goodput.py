@@ -151,9 +151,10 @@ class GoodputLedger:
     def evaluation(self, seconds: float) -> None:
         self.attempt["eval_s"] += seconds
 
-    def committed(self, step: int) -> None:
-        """A checkpoint of `step` is committed: remember the step time so far, and write."""
-        self.attempt["commits"].append([step, self.attempt["step_s"]])
+    def committed(self, step: int, step_s: float | None = None) -> None:
+        """A checkpoint of `step` is committed: remember the step time up to it (`step_s`, for a save written in the
+        background and committed steps later: the step time when it was taken; default: so far), and write."""
+        self.attempt["commits"].append([step, self.attempt["step_s"] if step_s is None else step_s])
         self.write()
 
     def end(self, exit_code: int, metrics=None) -> dict | None:

@@ -86,7 +86,7 @@ class LoopHooks:
     """What the loop calls out to besides the engine and the data: sinks, saves, signals, the non-finite guard."""
 
     metrics: MetricsLogger
-    save: Callable[[], Any]  # commits a checkpoint of the current step (a collective: every rank calls it)
+    save: Callable[[], Any]  # a checkpoint of the current step (a collective: every rank calls it), maybe async
     preemption: PreemptionFlag
     eval_sets: dict | None = None  # {validation split: EvalBatches}, read lazily from the store
     profiler: StepProfiler | None = None
@@ -97,6 +97,8 @@ class LoopHooks:
     comm_log: Any = None  # --comms_log: scaletrain.observability.comms_log.CommLog, read once per logging window
     generate: Callable[[int], None] | None = None  # --eval_prompts: greedy generations at each evaluation
     ledger: Any = None  # observability.GoodputLedger: each step's time, evaluations', saves'
+    save_now: Callable[[], Any] | None = None  # a save committed before it returns (a preemption); default: save
+    commit_pending: Callable[[], None] | None = None  # --async_save: commit the save in flight once written
     watch: Any = None  # train.hang.HangWatch: where the loop is, for the hang watch (--hang_timeout)
 
 
@@ -235,6 +237,8 @@ def train_loop(engine, batches: StepBatches, state: TrainState, settings: LoopSe
             )
             if hooks.profiler:
                 hooks.profiler.after_step(state.step)
+            if hooks.commit_pending is not None:  # a background save: committed once every rank's write is done
+                hooks.commit_pending()  # (before this step's record: a failed write is said before more is written)
             bar.update(1)
             last = state.step == settings.max_steps
             if _logged(state.step, settings) or result.preempted:
@@ -516,7 +520,7 @@ def _log_window(
 
 
 def _save_for_preemption(step: int, settings: LoopSettings, hooks: LoopHooks, timers: StepTimers) -> None:
-    seconds = timers.timed_save(hooks.save)
+    seconds = timers.timed_save(hooks.save_now or hooks.save)  # a write in flight is committed first
     if hooks.ledger:  # no step follows to carry the save's time
         hooks.ledger.save_held(seconds)
     record_preemption_saved(step)  # for scaletrain.launcher, which may not see the ranks' exit code 85

@@ -8,6 +8,7 @@ import sys
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 
 from scaletrain.engine.ds_internals.guard import Hook
@@ -68,13 +69,21 @@ class CheckpointWrites:
 
 
 @contextmanager
-def recorded_checkpoint_writes(engine, is_write_failure: Callable[[BaseException], bool]) -> Iterator[CheckpointWrites]:
+def recorded_checkpoint_writes(
+    engine, is_write_failure: Callable[[BaseException], bool], write: Callable | None = None
+) -> Iterator[CheckpointWrites]:
     """Record this rank's checkpoint files while DeepSpeed saves. A write failure (`is_write_failure`: a full disk)
     is kept instead of raised, and later writes are skipped: raising would leave this rank out of the barriers that
-    DeepSpeed's save_checkpoint runs after the writes, with the other ranks waiting in them for ever."""
+    DeepSpeed's save_checkpoint runs after the writes, with the other ranks waiting in them for ever. `write`
+    (state_dict, path, zipfile_serialization), where given, takes each file's state dict instead of DeepSpeed's
+    checkpoint engine (an asynchronous save's snapshot)."""
     writes = CheckpointWrites()
     checkpoint_engine = engine.checkpoint_engine
-    write = CHECKPOINT_WRITE.on(checkpoint_engine)
+    if write is None:
+        write = CHECKPOINT_WRITE.on(checkpoint_engine)
+    else:
+        CHECKPOINT_WRITE.on(checkpoint_engine)  # the same version check: DeepSpeed still writes through save()
+        write = partial(write, zipfile_serialization=getattr(checkpoint_engine, "zipfile_serialization", True))
     copy_script = RECOVERY_SCRIPT.on(engine)
 
     def guarded(action: Callable[..., Any], where: str, *args: Any, **kwargs: Any) -> bool:

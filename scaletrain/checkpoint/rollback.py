@@ -1,0 +1,67 @@
+"""The non-finite guard's rollback (--max_consecutive_skips): back to the newest committed checkpoint, with the data
+position moved past the streak of bad batches."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from pathlib import Path
+
+from scaletrain.checkpoint.commit import newest_committed
+from scaletrain.checkpoint.resume import load_checkpoint
+from scaletrain.errors import NonFiniteStop
+from scaletrain.train import TrainState
+
+log = logging.getLogger(__name__)
+
+
+def roll_back(
+    engine,
+    state: TrainState,
+    output_dir: str,
+    dist,
+    resharded_from: Path | None,
+    reloaded: Callable[[bool], None],
+    metrics,
+    guard,
+    max_skips: int,
+) -> None:
+    """Every rank: load the newest committed checkpoint (chosen by rank 0), keep the data moving forward (the next
+    step trains on the batch after the streak, nothing is replayed), and record the jump. `resharded_from`: the
+    checkpoint this run started from on another rank count (it loads through its universal form); `reloaded(
+    universal)`: what the run redoes after a load (its own LR schedule, weight decay and layout)."""
+    from scaletrain.distributed import broadcast_from_main
+
+    # Chosen once, by rank 0: ranks scanning a shared folder at different moments could load different steps.
+    newest = broadcast_from_main(newest_committed(output_dir) if dist.is_main else None)
+    if newest is None:
+        raise NonFiniteStop(
+            f"step {state.step}: {state.consecutive_skips} updates skipped in a row and no "
+            "committed checkpoint to roll back to; lower the learning rate or check the data "
+            f"(the samples are in {output_dir}/nonfinite_ledger.jsonl), and use "
+            "--save_steps so a rollback has a checkpoint"
+        )
+    data_step, position, from_step = state.step + state.data_offset, state.samples_seen, state.step
+    universal = resharded_from is not None and newest == resharded_from
+    load_checkpoint(engine, newest, state, dist.rank, universal=universal)
+    reloaded(universal)
+    state.data_offset = data_step - state.step  # the next step trains on the batch after the streak
+    state.samples_seen = position  # the data position keeps moving forward: nothing is replayed
+    state.consecutive_skips = 0
+    metrics.rewind(state.step)
+    guard.record(
+        {
+            "step": from_step,
+            "event": "rollback",
+            "to_checkpoint": newest.name,
+            "to_step": state.step,
+            "data_offset": state.data_offset,
+        }
+    )
+    log.warning(
+        "rolled back to %s (step %d) after %d skipped updates in a row; training continues with the data after step %d",
+        newest,
+        state.step,
+        max_skips,
+        from_step,
+    )

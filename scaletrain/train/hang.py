@@ -289,10 +289,10 @@ class HangWatch:
                 allowance = self.long_allowance if self._long else self.timeout
                 if stopped_ranks(beats, now, self.timeout) or stuck >= allowance:
                     self._declare(beats, now, stuck)
-            except OSError as err:  # the run folder unwritable for a moment: training goes on, said once
+            except Exception as err:  # the run folder unwritable a moment, a stray file: training goes on, said once
                 if not warned:
                     warned = True
-                    log.warning("hang watch: could not write the heartbeat in %s: %s", self.folder, err)
+                    log.warning("hang watch: %s in %s: %s", type(err).__name__, self.folder, err)
 
     def _declare(self, beats: dict, now: float, stuck: float) -> None:
         line, text = describe_hang(beats, self.world_size, now, self.timeout, stuck)

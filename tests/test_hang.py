@@ -259,7 +259,8 @@ def test_a_rank_frozen_with_sigstop_ends_the_job_named_with_stacks_and_no_proces
     )
     try:
         deadline = time.monotonic() + 300
-        while not [s for s in logged_steps(run_dir) if s >= 3]:
+        # a checkpoint committed (an asynchronous save commits at a later step boundary) and training past it
+        while not ((run_dir / "checkpoints" / "latest").exists() and [s for s in logged_steps(run_dir) if s >= 3]):
             assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()[0][-4000:]
             time.sleep(0.1)
         (attempt,) = (run_dir / "hang").iterdir()

@@ -195,8 +195,9 @@ def test_preemption_signals_save_requeue_and_resume_each_time(slurm, tmp_path):
 
 
 def _freeze_rank_1_of_a_new_attempt(slurm, job: str, run_dir: Path, attempts_before: int) -> int:
-    """Once the run's next attempt (its heartbeat folder the `attempts_before + 1`-th) has trained two steps, SIGSTOP
-    its rank 1 (on node n2, alone there: nobody on its host can kill it but its launcher); its pid."""
+    """Once the run's next attempt (its heartbeat folder the `attempts_before + 1`-th) has trained two steps, with a
+    checkpoint committed, SIGSTOP its rank 1 (on node n2, alone there: nobody on its host can kill it but its
+    launcher); its pid."""
     deadline, seen = time.monotonic() + 600, None
     while True:
         assert time.monotonic() < deadline and slurm.queued(job), slurm.log(job)[-4000:]
@@ -205,7 +206,7 @@ def _freeze_rank_1_of_a_new_attempt(slurm, job: str, run_dir: Path, attempts_bef
             seen = max(logged_steps(run_dir) or [0]) if seen is None else seen  # where this attempt started
             beat = folders[-1] / "rank-00001.json"
             step = json.loads(beat.read_text())["step"] if beat.exists() else 0
-            if step >= seen + 3:
+            if step >= seen + 3 and (run_dir / "checkpoints" / "latest").exists():  # committed (saves are async)
                 pid = json.loads(beat.read_text())["pid"]
                 freeze(pid)
                 return pid

@@ -134,17 +134,11 @@ def save_checkpoint(
     """
     from scaletrain.distributed import barrier
 
-    root = Path(output_dir) / CHECKPOINT_DIR
-    tag = f"{PREFIX}{state.step}"
-    tmp = root / f"{TMP_PREFIX}{tag}"
     started = time.perf_counter()
-    if rank == 0:
-        root.mkdir(parents=True, exist_ok=True)
-        _clear_unfinished(root)
-    barrier()
-    previous = _check_disk_space(root, tag, planned_bytes)
-    written, failed = _write_checkpoint_files(engine, tmp, state, rank, model_facts)
-    checksums, hashed = _gather_checksums(tmp, tag, written, failed, rank, previous)
+    tmp, previous = _begin_save(output_dir, state.step, rank, planned_bytes)
+    root, tag = tmp.parent, f"{PREFIX}{state.step}"
+    deepspeeds, own, failed = _write_checkpoint_files(engine, tmp, state, rank, model_facts)
+    checksums, hashed = _gather_checksums(tmp, tag, deepspeeds + own, failed, rank, previous)
     final = root / tag
     hashed += _commit_on_rank0(tmp, final, state.step, checksums, rank, previous)
     if rank == 0:
@@ -159,6 +153,20 @@ def save_checkpoint(
         rank,
     )
     return final
+
+
+def _begin_save(output_dir: str, step: int, rank: int, planned_bytes: int) -> tuple:
+    """Every rank, at the start of a save of `step`: rank 0 makes the folder and clears unfinished saves, then the
+    agreed space check; (the temporary folder, the newest committed checkpoint)."""
+    from scaletrain.distributed import barrier
+
+    root = Path(output_dir) / CHECKPOINT_DIR
+    if rank == 0:
+        root.mkdir(parents=True, exist_ok=True)
+        _clear_unfinished(root)
+    barrier()
+    previous = _check_disk_space(root, f"{PREFIX}{step}", planned_bytes)
+    return root / f"{TMP_PREFIX}{PREFIX}{step}", previous
 
 
 def _clear_unfinished(root: Path) -> None:
@@ -189,15 +197,18 @@ def _check_disk_space(root: Path, tag: str, planned_bytes: int) -> Path | None:
     return previous
 
 
-def _write_checkpoint_files(engine, tmp: Path, state: TrainState, rank: int, model_facts: dict | None) -> tuple:
-    """DeepSpeed's shards, then this rank's own files, into the temporary folder: (paths written, the first failed
-    write as (path, error) or None). A failed write is recorded rather than raised, so that this rank still reaches
-    the collectives of DeepSpeed's save and of _gather_checksums with the others."""
+def _write_checkpoint_files(
+    engine, tmp: Path, state: TrainState, rank: int, model_facts: dict | None, write=None
+) -> tuple:
+    """DeepSpeed's shards, then this rank's own files, into the temporary folder: (DeepSpeed's paths, this rank's own
+    files, the first failed write as (path, error) or None). A failed write is recorded rather than raised, so that
+    this rank still reaches the collectives of DeepSpeed's save and of _gather_checksums with the others. `write`:
+    takes DeepSpeed's state dicts instead of writing them (an asynchronous save's snapshot)."""
     from scaletrain.engine import recorded_checkpoint_writes, universal_checkpoint_info
 
     # universal_checkpoint_info lets DeepSpeed's ds_to_universal convert this checkpoint for another rank count.
     client_state = {"train_state": state.state_dict(), **universal_checkpoint_info(state.tensor_parallel_size)}
-    with recorded_checkpoint_writes(engine, is_write_failure) as writes:
+    with recorded_checkpoint_writes(engine, is_write_failure, write) as writes:
         engine.save_checkpoint(
             str(tmp.parent),
             tag=tmp.name,
@@ -205,16 +216,15 @@ def _write_checkpoint_files(engine, tmp: Path, state: TrainState, rank: int, mod
             save_latest=False,
             exclude_frozen_parameters=without_frozen_base(engine),
         )
-    written, failed = [Path(p) for p in writes.paths], writes.failed
+    deepspeeds, own, failed = [Path(p) for p in writes.paths], [], writes.failed
     if failed is None:
         try:
-            ours = _write_own_files(engine, tmp, state, rank, model_facts)
-            written += ours
+            own = _write_own_files(engine, tmp, state, rank, model_facts)
         except (OSError, RuntimeError) as err:
             if not is_write_failure(err):
                 raise
             failed = (str(tmp), err)
-    return written, failed
+    return deepspeeds, own, failed
 
 
 def _gather_checksums(tmp: Path, tag: str, written: list, failed: tuple | None, rank: int, previous) -> tuple:
@@ -315,36 +325,13 @@ def start_checkpoint(
     """Every rank: the space check as for save_checkpoint, then DeepSpeed's save with each file's state dict taken
     into this rank's host buffers instead of written, this rank's own small files (RNG and train state) written, and
     the snapshot handed to the writer process. Training goes on; settle_checkpoint commits it later."""
-    from scaletrain.distributed import any_rank, barrier
-    from scaletrain.engine import recorded_checkpoint_writes, universal_checkpoint_info
+    from scaletrain.distributed import any_rank
 
-    root = Path(output_dir) / CHECKPOINT_DIR
-    tag = f"{PREFIX}{state.step}"
-    tmp = root / f"{TMP_PREFIX}{tag}"
     started = time.perf_counter()
-    if rank == 0:
-        root.mkdir(parents=True, exist_ok=True)
-        _clear_unfinished(root)
-    barrier()
-    previous = _check_disk_space(root, tag, planned_bytes)
+    tmp, previous = _begin_save(output_dir, state.step, rank, planned_bytes)
+    tag = f"{PREFIX}{state.step}"
     snapshot = writer.snapshot()
-    client_state = {"train_state": state.state_dict(), **universal_checkpoint_info(state.tensor_parallel_size)}
-    with recorded_checkpoint_writes(engine, is_write_failure, write=snapshot.take) as writes:
-        engine.save_checkpoint(
-            str(tmp.parent),
-            tag=tmp.name,
-            client_state=client_state,
-            save_latest=False,
-            exclude_frozen_parameters=without_frozen_base(engine),
-        )
-    failed, own = writes.failed, []
-    if failed is None:
-        try:
-            own = _write_own_files(engine, tmp, state, rank, model_facts)
-        except (OSError, RuntimeError) as err:
-            if not is_write_failure(err):
-                raise
-            failed = (str(tmp), err)
+    _, own, failed = _write_checkpoint_files(engine, tmp, state, rank, model_facts, write=snapshot.take)
     if any_rank(failed is not None):  # every rank takes the synchronous failure path: one message, nothing kept
         _gather_checksums(tmp, tag, own, failed, rank, previous)
     own_checksums = {str(p.relative_to(tmp)): file_checksum(p) for p in own}

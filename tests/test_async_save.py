@@ -31,6 +31,8 @@ from tests.conftest import (
     train_losses,
 )
 
+from tests.test_checkpoint import wait_for
+
 from scaletrain.checkpoint.async_save import (
     BUFFER_PREFIX,
     SHM_ROOT,
@@ -194,15 +196,6 @@ def writer_pids(ranks: list) -> list:
     return writers
 
 
-def wait_for(predicate, proc, what: str, timeout: float = 300):
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if proc.poll() is not None or time.monotonic() > deadline:
-            out = proc.communicate()[0] if proc.poll() is not None else ""
-            pytest.fail(f"{what}: not reached (exit {proc.poll()})\n{out[-4000:]}")
-        time.sleep(0.01)
-
-
 def start_with_a_write_in_flight(run_dir: Path, cache_dir: Path, *extra: str, before_thaw=None) -> tuple:
     """A 2-rank run whose save of step 8 is being written in the background, its writers frozen there (the save of
     step 4 committed); the ranks train on until the next save (or the end) waits for it: (the launch, the rank pids,
@@ -220,12 +213,12 @@ def start_with_a_write_in_flight(run_dir: Path, cache_dir: Path, *extra: str, be
     checkpoints = run_dir / "checkpoints"
     # The writers start with the run (periodic saves): hold the ranks until they are ready, so that the first write
     # is not held up by their start and step 4 commits steps before step 8's save.
-    wait_for(lambda: len(rank_pids(run_dir)) == 2 and len(writer_pids(rank_pids(run_dir))) == 2, proc, "the writers")
+    wait_for(lambda: len(rank_pids(run_dir)) == 2 and len(writer_pids(rank_pids(run_dir))) == 2, proc)
     ranks = rank_pids(run_dir)
     freeze(*ranks)
-    wait_for(lambda: all(psutil.Process(w).name() == WRITER_NAME for w in writer_pids(ranks)), proc, "writers ready")
+    wait_for(lambda: all(psutil.Process(w).name() == WRITER_NAME for w in writer_pids(ranks)), proc)
     thaw(*ranks)
-    wait_for(lambda: (checkpoints / "step4" / "commit.json").exists(), proc, "the save of step 4 committed")
+    wait_for(lambda: (checkpoints / "step4" / "commit.json").exists(), proc)  # the save of step 4 committed
     freeze(*ranks)  # the next save is 4 steps away: stop here to freeze the idle writers before it
     assert not (checkpoints / ".tmp-step8").exists()
     writers = writer_pids(ranks)
@@ -235,7 +228,7 @@ def start_with_a_write_in_flight(run_dir: Path, cache_dir: Path, *extra: str, be
         before_thaw()
     thaw(*ranks)
     # step 8's snapshot handed over (each rank's own files are in its folder), the writers frozen before writing
-    wait_for(lambda: len(list((checkpoints / ".tmp-step8").glob("rng_state_rank*.pt"))) == 2, proc, "step 8 taken")
+    wait_for(lambda: len(list((checkpoints / ".tmp-step8").glob("rng_state_rank*.pt"))) == 2, proc)
     return proc, ranks, writers
 
 

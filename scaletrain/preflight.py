@@ -292,7 +292,7 @@ def resolve_run(argv: Sequence[str] | None, dist: DistInfo) -> ResolvedRun:
     router_loss = check_model_features(cfg, ds, skeleton, model_config, hardware, isolates_documents)
     attn = skeleton.config._attn_implementation
     layout = (dist.tensor_parallel_size, dist.sequence_parallel_size, dist.pipeline_parallel_size)
-    check_sequence_layout(cfg.parallel, block_size, attn)
+    check_sequence_layout(cfg.parallel, block_size, attn, hardware.accelerator)
     check_compile(compile_requested(cfg.engine.torch_compile, ds.config), layout, cfg.engine.config)
     if not cfg.planning.plan:  # --plan covers every layout option, whatever this launch is
         check_pipeline_layout(cfg.parallel, model_config, attn, block_size, isolates_documents, ds, cfg.engine.config)

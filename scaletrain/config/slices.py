@@ -68,6 +68,17 @@ class ModelArgs:
     tokenizer_name: str | None = _flag(None, "Tokenizer (hub id or local folder). Default: the model's.")
     trust_remote_code: bool = _flag(False, "Allow model/tokenizer code from the hub to run. Off unless asked.")
     gradient_checkpointing: bool = _flag(False, "Recompute activations in backward to save memory.")
+    activation_offloading: bool = _flag(
+        False,
+        "With --gradient_checkpointing: keep each checkpointed layer's input in host memory (pinned, copied on a "
+        "side stream) and bring it back for the backward.",
+    )
+    tiled_mlp: bool = _flag(
+        False,
+        "Compute each decoder layer's MLP slice by slice along the sequence (ALST's TiledMLP), forward and "
+        "backward, so its [tokens, intermediate] tensors never exist whole.",
+    )
+    tiled_mlp_shards: int = _flag(0, "Slices of --tiled_mlp. Default (0): ceil(tokens / hidden size), as ALST.")
     attn_implementation: str | None = _flag(
         None,
         "Attention backend, by transformers' name: sdpa, eager, flash_attention_2, flash_attention_3, "
@@ -103,6 +114,18 @@ class ModelArgs:
             )
         for flag in ("model_name_or_path", "config_name", "tokenizer_name"):
             _check_model_path(flag, getattr(self, flag))
+        if self.activation_offloading and not self.gradient_checkpointing:
+            raise UsageError(
+                "--activation_offloading without --gradient_checkpointing: it offloads the inputs of the "
+                "checkpointed layers, and there are none",
+                "add --gradient_checkpointing",
+            )
+        if self.tiled_mlp_shards < 0 or (self.tiled_mlp_shards and not self.tiled_mlp):
+            raise UsageError(
+                f"--tiled_mlp_shards {self.tiled_mlp_shards}: "
+                + ("must not be negative" if self.tiled_mlp_shards < 0 else "given without --tiled_mlp"),
+                "add --tiled_mlp and give a number of slices (0: ALST's default)",
+            )
         if self.loss_chunk_size is not None and self.loss_chunk_size < 0:
             raise UsageError(
                 f"--loss_chunk_size {self.loss_chunk_size}: must not be negative",

@@ -101,9 +101,10 @@ def check_model_layout(parallel: ParallelArgs, model_config) -> None:
     if size == 1 or flag == "--pipeline_parallel_size":  # stages cut between layers (pipeline.py checks)
         return
     text_config = model_config.get_text_config() if hasattr(model_config, "get_text_config") else model_config
-    # Ulysses splits the attention heads over the sequence-parallel ranks; AutoTP splits every linear layer.
-    dimensions = _SPLIT_DIMENSIONS[:2] if flag == "--sequence_parallel_size" else _SPLIT_DIMENSIONS
-    for name, what in dimensions:
+    if flag == "--sequence_parallel_size":
+        _check_ulysses_heads(size, text_config)
+        return
+    for name, what in _SPLIT_DIMENSIONS:  # AutoTP splits every linear layer
         value = getattr(text_config, name, None)
         if isinstance(value, int) and value % size:
             raise UsageError(
@@ -112,8 +113,35 @@ def check_model_layout(parallel: ParallelArgs, model_config) -> None:
             )
 
 
-def check_sequence_layout(parallel: ParallelArgs, block_size: int, attn_implementation: str) -> None:
-    """Ulysses cuts every block into equal shards and wraps the model's SDPA attention."""
+def _check_ulysses_heads(sp: int, text_config) -> None:
+    """Ulysses gives each rank 1/sp of the query heads; the key/value heads are split the same way when sp divides
+    them, or repeated across the group when sp is a multiple of them (MQA and GQA past the KV heads), as DeepSpeed's
+    UlyssesSPAttentionHF does."""
+    heads = getattr(text_config, "num_attention_heads", None)
+    if not isinstance(heads, int):
+        return
+    kv_heads = getattr(text_config, "num_key_value_heads", None) or heads
+    if heads % sp:
+        raise UsageError(
+            f"--sequence_parallel_size {sp}: the model's {heads} attention heads (num_attention_heads) do not split "
+            f"into {sp} equal parts",
+            f"choose a size that divides {heads}",
+        )
+    if kv_heads % sp and sp % kv_heads:
+        raise UsageError(
+            f"--sequence_parallel_size {sp}: the model's {kv_heads} key/value heads (num_key_value_heads) neither "
+            f"split into {sp} parts nor repeat evenly over {sp} ranks",
+            f"choose a size that divides {kv_heads} or is a multiple of it (and divides {heads})",
+        )
+
+
+# The attention backends Ulysses wraps here: SDPA (documents isolated by our per-document attention) and
+# FlashAttention 2/3 (documents isolated by transformers from the gathered position ids, on a GPU only).
+ULYSSES_BACKENDS = ("sdpa", "flash_attention_2", "flash_attention_3")
+
+
+def check_sequence_layout(parallel: ParallelArgs, block_size: int, attn_implementation: str, accelerator: str) -> None:
+    """Ulysses cuts every block into equal shards and wraps the model's SDPA or FlashAttention."""
     sp = parallel.sequence_parallel_size
     if sp == 1:
         return
@@ -122,11 +150,17 @@ def check_sequence_layout(parallel: ParallelArgs, block_size: int, attn_implemen
             f"--sequence_parallel_size {sp} does not divide the block size {block_size}",
             f"choose a --block_size that is a multiple of {sp}",
         )
-    if attn_implementation != "sdpa":
+    if attn_implementation not in ULYSSES_BACKENDS:
         raise UsageError(
             f"--sequence_parallel_size {sp}: the model's attention is {attn_implementation!r}, and "
-            "DeepSpeed Ulysses wraps SDPA attention here (eager attention needs a 4D mask it drops)",
-            "use a model whose attention implementation is sdpa",
+            "DeepSpeed Ulysses wraps SDPA or FlashAttention here (eager attention needs a 4D mask it drops)",
+            "pass --attn_implementation sdpa (or flash_attention_2 on a GPU)",
+        )
+    if attn_implementation.startswith("flash_attention") and accelerator != "cuda":
+        raise UsageError(
+            f"--sequence_parallel_size {sp} with --attn_implementation {attn_implementation}: FlashAttention "
+            f"runs on CUDA GPUs, and this run's accelerator is {accelerator}",
+            "pass --attn_implementation sdpa",
         )
 
 
@@ -186,10 +220,13 @@ def _resolve_sequence_layout(parallel: ParallelArgs, ds: ResolvedDSConfig, confi
             "(verified with ZeRO-1, 2 and 3)",
             "use a ZeRO-1, 2 or 3 config",
         )
-    if ds.offloads_optimizer or ds.offloads_params:
+    zero = ds.config.get("zero_optimization", {})
+    nvme = [key for key in ("offload_optimizer", "offload_param") if (zero.get(key) or {}).get("device") == "nvme"]
+    if nvme:
         raise UsageError(
-            f"--sequence_parallel_size {sp} with offload ({config_path}): not supported here (untested)",
-            "use ds_configs/zero1.json, zero2.json or zero3.json with sequence parallelism",
+            f"--sequence_parallel_size {sp} with zero_optimization.{nvme[0]} on NVMe ({config_path}): not "
+            "supported here (verified with CPU offload)",
+            "use ds_configs/zero3_offload.json (CPU offload) with sequence parallelism",
         )
     ds.config["sequence_parallel_size"] = sp
     ds.sources["sequence_parallel_size"] = "--sequence_parallel_size"

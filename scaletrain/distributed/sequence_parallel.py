@@ -13,8 +13,12 @@ sequence-parallel group while ZeRO-3 averages, its checkpoints record the SP siz
 ds_to_universal then rejects, and the engine's data-parallel size is None.)
 
 Ulysses drops the attention mask (it relies on causal SDPA), so documents packed in a block would attend to each
-other: under --attention_isolation the core SDPA is wrapped to build the per-document causal mask from the gathered
-position ids, as transformers does for one rank.
+other: under --attention_isolation the core SDPA is wrapped to attend within each document (found from the gathered
+position ids, as transformers does for one rank) with causal SDPA on the document alone: memory linear in the
+block's length, no [T, T] mask.
+
+Past the KV heads (a degree that is a multiple of the model's KV heads, down to one: MQA) Ulysses repeats the KV
+heads across the group; it divides the query heads in any case.
 """
 
 from __future__ import annotations
@@ -27,8 +31,9 @@ log = logging.getLogger(__name__)
 
 
 def _isolating_sdpa(core):
-    """SDPA that masks attention per document when it gets the whole sequence without a mask (Ulysses' call)."""
-    import torch
+    """SDPA that keeps packed documents apart when it gets the whole sequence without a mask (Ulysses' call):
+    causal attention over each document on its own, so nothing of size [T, T] exists (a boolean mask would be
+    16 GiB at 128K tokens, and with a mask SDPA leaves its memory-efficient kernels for one that keeps the scores)."""
     from transformers.masking_utils import find_packed_sequence_indices
 
     def attention(module, query, key, value, attention_mask, *args, **kwargs):
@@ -36,10 +41,47 @@ def _isolating_sdpa(core):
         if attention_mask is None and positions is not None and positions.shape[-1] == query.shape[2] == key.shape[2]:
             documents = find_packed_sequence_indices(positions.expand(query.shape[0], -1))
             if documents is not None:
-                n = query.shape[2]
-                causal = torch.ones(n, n, dtype=torch.bool, device=query.device).tril()
-                attention_mask = (causal & (documents[:, :, None] == documents[:, None, :]))[:, None]
+                return _per_document(core, documents, module, query, key, value, *args, **kwargs)
         return core(module, query, key, value, attention_mask, *args, **kwargs)
+
+    return attention
+
+
+def document_spans(documents) -> list:
+    """[(start, end)] of each run of equal document indices in one row."""
+    import torch
+
+    cuts = (torch.nonzero(documents[1:] != documents[:-1]).flatten() + 1).tolist()
+    return list(zip([0, *cuts], [*cuts, documents.shape[0]], strict=True))
+
+
+def _per_document(core, documents, module, query, key, value, *args, **kwargs):
+    """Causal attention of each document of each row alone; outputs [batch, T, heads, head_dim] as SDPA's."""
+    import torch
+
+    rows = []
+    for row in range(query.shape[0]):
+        pieces = [
+            core(module, *(t[row : row + 1, :, lo:hi] for t in (query, key, value)), None, *args, **kwargs)[0]
+            for lo, hi in document_spans(documents[row])
+        ]
+        rows.append(torch.cat(pieces, dim=1))
+    return torch.cat(rows, dim=0), None
+
+
+def _keeping_kv_groups(ulysses):
+    """Ulysses, leaving each attention module's num_key_value_groups as it found it. Past the KV heads (the degree a
+    multiple of them) DeepSpeed repeats the KV heads across the group and sets the module's groups to the local
+    ratio for its own call, for good; an evaluation (whole blocks, Ulysses bypassed) would then repeat the KV heads
+    too few times."""
+
+    def attention(module, *args, **kwargs):
+        groups = getattr(module, "num_key_value_groups", None)
+        try:
+            return ulysses(module, *args, **kwargs)
+        finally:
+            if groups is not None:
+                module.num_key_value_groups = groups
 
     return attention
 
@@ -47,25 +89,29 @@ def _isolating_sdpa(core):
 def register_ulysses(
     model, sequence_parallel_size: int, micro_batch: int, block_size: int, attention_isolation: bool
 ) -> None:
-    """Route the model's SDPA attention through Ulysses (process-wide: transformers' attention table), before the
-    first forward. Evaluation bypasses it (disable_in_eval): every rank evaluates whole blocks."""
+    """Route the model's attention (SDPA or FlashAttention) through Ulysses (process-wide: transformers' attention
+    table), before the first forward. Evaluation bypasses it (disable_in_eval): every rank evaluates whole blocks.
+    FlashAttention keeps packed documents apart by itself, from the gathered position ids."""
     from deepspeed.runtime.sequence_parallel.ulysses_sp import UlyssesSPAttentionHF
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-    if attention_isolation:
+    backend = model.config._attn_implementation
+    if attention_isolation and backend == "sdpa":
         ALL_ATTENTION_FUNCTIONS["sdpa"] = _isolating_sdpa(ALL_ATTENTION_FUNCTIONS["sdpa"])
     # The returned mpu is not passed to deepspeed.initialize: see the module docstring.
     UlyssesSPAttentionHF.register_with_transformers(
         model_name_or_path=model,
-        core_attn_implementation="sdpa",
+        core_attn_implementation=backend,
         sequence_parallel_size=sequence_parallel_size,
         micro_batch_size=micro_batch,
         seq_length=block_size,
         seq_length_is_variable=True,
         disable_in_eval=True,
     )
+    ALL_ATTENTION_FUNCTIONS[backend] = _keeping_kv_groups(ALL_ATTENTION_FUNCTIONS[backend])
     log.info(
-        "sequence parallelism: DeepSpeed Ulysses over %d ranks, %d tokens of each %d-token block per rank%s",
+        "sequence parallelism: DeepSpeed Ulysses (%s) over %d ranks, %d tokens of each %d-token block per rank%s",
+        backend,
         sequence_parallel_size,
         block_size // sequence_parallel_size,
         block_size,

@@ -7,6 +7,8 @@ from typing import Any
 
 from scaletrain.config import ModelArgs
 from scaletrain.errors import UsageError
+from scaletrain.model.activation_offload import install_activation_offloading
+from scaletrain.model.tiled_mlp import install_tiled_mlp
 
 log = logging.getLogger(__name__)
 
@@ -102,6 +104,7 @@ def build_model(args: ModelArgs, model_config, ds_config: dict, zero_stage: int,
         # Non-reentrant checkpointing works with ZeRO-3's parameter hooks and with inputs that need no grad.
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         model.config.use_cache = False
+    install_memory_features(model, args)
     n_params = sum(getattr(p, "ds_numel", p.numel()) for p in model.parameters())
     log.info(
         "model: %s (%s), %.2fM parameters%s",
@@ -115,6 +118,14 @@ def build_model(args: ModelArgs, model_config, ds_config: dict, zero_stage: int,
         else "",
     )
     return model, keepalive
+
+
+def install_memory_features(model, args: ModelArgs) -> None:
+    """The long-sequence memory features asked for: the tiled MLP, the checkpointed inputs offloaded to host."""
+    if args.tiled_mlp:
+        install_tiled_mlp(model, args.tiled_mlp_shards)
+    if args.activation_offloading:
+        install_activation_offloading(model)
 
 
 def meta_model(model_config, trust_remote_code: bool, attn_implementation: str | None = None):

@@ -1,6 +1,6 @@
 """The model's pre-flight: the tokenizer against the model, the meta model and what a checkpoint must match, and
-the model-side features a run asks for (attention backend, activation checkpointing, the router loss, LoRA and
-QLoRA), checked before anything is built (a mistake ends the run with exit code 2)."""
+the model-side features a run asks for (attention backend, activation checkpointing, the tiled MLP, the router
+loss, LoRA and QLoRA), checked before anything is built (a mistake ends the run with exit code 2)."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ from scaletrain.model.build import check_attention_isolation, meta_model
 from scaletrain.model.lora import base_identity, check_lora, describe_adapter
 from scaletrain.model.moe import resolve_router_loss
 from scaletrain.model.qlora import check_qlora
+from scaletrain.model.tiled_mlp import check_tiled_mlp
 
 
 def check_tokenizer_fits(model: ModelArgs, model_config, tokenizer) -> None:
@@ -73,6 +74,8 @@ def check_model_features(
             f"--gradient_checkpointing: {type(skeleton).__name__} does not support it",
             "drop the flag, or use ZeRO-3 / offload to save memory instead",
         )
+    if cfg.model.tiled_mlp:
+        check_tiled_mlp(skeleton)
     router_loss = resolve_router_loss(cfg.model, cfg.parallel, model_config, skeleton)
     if cfg.peft.use_peft:
         if cfg.peft.load_in_4bit:

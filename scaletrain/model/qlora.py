@@ -27,6 +27,7 @@ from packaging.version import Version
 
 from scaletrain.config import HardwareFacts, ModelArgs, ResolvedDSConfig, RunConfig
 from scaletrain.errors import UsageError
+from scaletrain.model.build import install_memory_features
 
 log = logging.getLogger(__name__)
 
@@ -145,6 +146,7 @@ def build_qlora_model(
     )
     if model_args.gradient_checkpointing:
         model.config.use_cache = False
+    install_memory_features(model, model_args)
     settings = kwargs["quantization_config"]
     n_4bit = sum(1 for module in model.modules() if type(module).__name__ == "Linear4bit")
     log.info(

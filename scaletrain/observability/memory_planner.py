@@ -74,6 +74,7 @@ class ModelShape:
     vocab: int
     linear_params: int = 0  # in nn.Linear layers: what tensor parallelism splits (the rest stays whole per rank)
     kv_heads: int = 0  # key/value heads (0: unknown): a tensor-parallel size must divide them
+    heads: int = 0  # query heads (0: unknown): Ulysses splits them over the sequence-parallel ranks
     embedding_params: int = 0  # the input embeddings (tokens, learned positions): the first pipeline stage's
     head_params: int = 0  # the output head on the last pipeline stage (a tied head holds a copy of the embedding)
     head_tied: bool = False  # the head's weight is the embedding's (counted once in n_params)
@@ -112,6 +113,7 @@ class ModelShape:
                 for p in m.parameters(recurse=False)
             ),
             kv_heads=getattr(text, "num_key_value_heads", None) or getattr(text, "num_attention_heads", 0) or 0,
+            heads=getattr(text, "num_attention_heads", 0) or 0,
             embedding_params=sum(
                 p.numel()
                 for m in model.modules()
@@ -213,22 +215,31 @@ def activation_bytes(
     sp: int = 1,
     pp: int = 1,
     loss_chunk: int | None = None,
+    tiled_mlp: bool = False,
+    offload: bool = False,
 ) -> tuple:
     """Working memory (without, with) activation checkpointing, bytes per GPU for one micro-batch (under pipeline
     parallelism: of the stage that needs most). `loss_chunk`: tokens per chunk of the chunked loss (None: whole
-    logits; tensor and pipeline parallelism always take the whole logits)."""
+    logits; tensor and pipeline parallelism always take the whole logits). `tiled_mlp`: the MLP's intermediates
+    for one slice of `hidden` tokens at a time; `offload`: the checkpointed inputs in host memory (two layers' worth
+    in flight on the GPU: one going out, one coming back)."""
     scale = 2 if precision == "fp32" else 1
     tokens = micro_batch * block_size / sp
-    per_layer = tokens * (8 * shape.hidden + (10 * shape.hidden + 8 * shape.intermediate) / tp) * scale
+    mlp_tokens = min(tokens, shape.hidden) if tiled_mlp else tokens
+    per_layer = (
+        tokens * (8 * shape.hidden + 10 * shape.hidden / tp) + mlp_tokens * 8 * shape.intermediate / tp
+    ) * scale
     logit_tokens = min(tokens, loss_chunk) if loss_chunk and tp == 1 and pp == 1 else tokens
     logits = logit_tokens * shape.vocab * 10 * (1.5 if precision == "fp32" else 1)
     kept = 2 * tokens * shape.hidden * scale  # a checkpointed layer's input
+    kept_layers = min(shape.layers, 2) if offload else shape.layers
     # 1F1B: the first stage holds the activations of up to pp micro-batches in flight for its layers / pp layers
     # (as many layers' worth as the whole model for one micro-batch), the last stage one micro-batch and the logits,
     # and the logits of the pipe engine's other output buffer.
-    first_stage = (shape.layers * per_layer, shape.layers * kept + per_layer)
+    first_stage = (shape.layers * per_layer, kept_layers * kept + per_layer)
     logits += pipeline_kept_outputs(shape, micro_batch, block_size, precision) / 2 if pp > 1 else 0
-    last_stage = (shape.layers / pp * per_layer + logits, shape.layers / pp * kept + per_layer + logits)
+    last_kept = min(kept_layers, shape.layers / pp) * kept
+    last_stage = (shape.layers / pp * per_layer + logits, last_kept + per_layer + logits)
     without, with_checkpointing = (max(first_stage[i], last_stage[i]) for i in (0, 1))
     gathered = 2 * weight_bytes(precision) * shape.largest_layer_params if stage == 3 else 0
     return without + gathered, with_checkpointing + gathered
@@ -242,13 +253,13 @@ def pipeline_kept_outputs(shape: ModelShape, micro_batch: int, block_size: int, 
 
 
 def options_for(tp: int, sp: int = 1, pp: int = 1) -> list[Option]:
-    """The options the pipeline runs with this layout (TP: ZeRO-1/2, SP: ZeRO-1/2/3, PP: ZeRO-1; none with
-    offload)."""
+    """The options the pipeline runs with this layout (TP: ZeRO-1/2, PP: ZeRO-1, neither with offload; SP:
+    ZeRO-1/2/3 with CPU offload, not NVMe)."""
     if pp > 1:
         return [o for o in OPTIONS if o.stage == 1]
     if tp > 1:
         return [o for o in OPTIONS if o.stage < 3 and o.offload_optimizer == "none"]
-    return OPTIONS if sp == 1 else [o for o in OPTIONS if o.offload_optimizer == "none"]
+    return OPTIONS if sp == 1 else [o for o in OPTIONS if o.offload_optimizer != "nvme"]
 
 
 def plan_memory(
@@ -396,6 +407,10 @@ def render_memory_plan(
             f"{gb(est.total(True))} | {gb(est.host_per_node)} | {gb(est.nvme_per_node)} | {' / '.join(fits)} | "
             f"ds_configs/{est.option.ds_config} |"
         )
+    if tp == 1 and pp == 1 and shape.heads:  # how long a block can get, with the long-context features
+        from scaletrain.observability.long_context_plan import render_longest_blocks
+
+        lines += ["", *render_longest_blocks(shape, gpus_per_node, nodes, precision, gpu_bytes, host_bytes, loss_chunk)]
     if tp == 1 and sp == 1 and pp == 1:  # the layout is open: data parallelism, then TP, then PP, then offload
         choice = recommend_layout(
             shape, gpus_per_node, nodes, micro_batch, block_size, precision, gpu_bytes, host_bytes, loss_chunk

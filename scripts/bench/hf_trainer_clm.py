@@ -63,6 +63,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=42)
     p.add_argument("--bf16", action="store_true")
     p.add_argument("--attn_implementation", default="sdpa")
+    p.add_argument("--gradient_checkpointing", action="store_true", help="TrainingArguments(gradient_checkpointing)")
     p.add_argument("--local_rank", type=int, default=-1)  # the deepspeed launcher passes it
     return p.parse_args()
 
@@ -194,6 +195,7 @@ def main() -> None:
         save_strategy="no",
         report_to="none",
         disable_tqdm=True,
+        gradient_checkpointing=args.gradient_checkpointing,
     )
     print(f"rank {training_args.process_index}: device {training_args.device}")  # sets up the process group
     assert training_args.world_size == int(os.environ.get("WORLD_SIZE", 1)), "accelerate missed the ranks"

@@ -59,7 +59,9 @@ def test_model_state_formulas_by_stage_and_offload():
     assert memory_planner.activation_bytes(shape, 2, 16, "bf16", sp=2) == memory_planner.activation_bytes(
         shape, 1, 16, "bf16"
     )
-    assert [o.name for o in memory_planner.options_for(1, 2)] == ["ZeRO-1", "ZeRO-2", "ZeRO-3"]
+    assert [o.name for o in memory_planner.options_for(1, 2)] == [  # sequence parallelism: CPU offload, no NVMe
+        o.name for o in memory_planner.OPTIONS if o.offload_optimizer != "nvme"
+    ]
     # pipeline stages: the largest stage's parameters (its layers / k, plus the embedding or the head), ZeRO-1 only
     staged = memory_planner.ModelShape(
         n_params=1000,
@@ -246,7 +248,56 @@ def test_plan_command_prints_every_option_and_a_recommendation(tmp_path):
     # 1.8M parameters: 12 bytes each over 16 ranks, plus rank 0's bf16 weights; ZeRO-3 the partition alone
     assert lines[-1].startswith("--async_save: snapshot buffers in host memory (/dev/shm), per rank: up to 0.00 GiB")
     assert "x 8 ranks per node" in lines[-1]
+    assert any(line.startswith("longest block (micro-batch 1, activation checkpointing") for line in lines)
+    # the tiny Llama's 4 heads: Ulysses reaches 4 of the 16 GPUs
+    assert "| features | sequence parallel 1 | sequence parallel 4 |" in lines
     assert not out.exists()  # a plan writes nothing
+
+
+LLAMA_8B = memory_planner.ModelShape(  # Llama-3.1-8B: hidden 4096, MLP 14336, 32 layers, 32 heads, 8 KV heads
+    n_params=8_030_261_248,
+    largest_layer_params=128256 * 4096,
+    layers=32,
+    hidden=4096,
+    intermediate=14336,
+    vocab=128256,
+    kv_heads=8,
+    heads=32,
+)
+
+
+def test_tiled_mlp_and_offloading_shrink_the_planned_working_memory():
+    shape, tokens = LLAMA_8B, 131072
+    base = memory_planner.activation_bytes(shape, 1, tokens, "bf16", stage=3)[1]
+    tiled = memory_planner.activation_bytes(shape, 1, tokens, "bf16", stage=3, tiled_mlp=True)[1]
+    both = memory_planner.activation_bytes(shape, 1, tokens, "bf16", stage=3, tiled_mlp=True, offload=True)[1]
+    # the MLP's 8 f bytes per token leave for one slice of 4096 tokens; the kept inputs drop from 32 layers to 2
+    assert base - tiled == pytest.approx((tokens - 4096) * 8 * 14336)
+    assert tiled - both == pytest.approx(30 * 2 * tokens * 4096)
+
+
+def test_the_longest_block_is_the_longest_that_fits():
+    from scaletrain.observability.long_context_plan import FEATURE_SETS, GRAIN, longest_block, sequence_degrees
+
+    gpu, chunk = 80 * memory_planner.GIB, memory_planner.auto_loss_chunk(LLAMA_8B.vocab)
+
+    def longest(sp: int, tiled: bool, offload: bool, host=None, gpus: int = 8) -> tuple:
+        return longest_block(LLAMA_8B, gpus, 1, "bf16", gpu, host, sp, chunk, tiled, offload)
+
+    lengths = [longest(8, tiled, offload)[0] for _, tiled, offload in FEATURE_SETS]
+    assert lengths[0] < lengths[1] < lengths[2]  # each feature makes room
+    tokens, host, option = longest(8, True, True)
+    assert option.name == "ZeRO-3 + optimizer and parameter offload (CPU)"  # the leanest option SP runs
+    working = memory_planner.activation_bytes(LLAMA_8B, 1, tokens, "bf16", 3, 1, 8, 1, chunk, True, True)[1]
+    more = memory_planner.activation_bytes(LLAMA_8B, 1, tokens + GRAIN, "bf16", 3, 1, 8, 1, chunk, True, True)[1]
+    assert working <= memory_planner.HEADROOM * gpu < more  # the states are offloaded: the working memory decides
+    assert host == 32 * 2 * tokens / 8 * 4096 * 2  # every layer's input for this GPU's tokens, in bf16
+    assert 7.5 < tokens / longest(1, True, True, gpus=1)[0] <= 8.1  # SP 8 holds about 8 times the tokens of one GPU
+    capped = longest(8, True, True, host=1000 * memory_planner.GIB)
+    assert capped[0] < tokens and capped[1] * 8 <= 0.9 * 1000 * memory_planner.GIB  # the host binds offloading
+    assert sequence_degrees(LLAMA_8B, 64) == [1, 32]  # 64 GPUs: Ulysses stops at the 32 query heads
+    # 12 heads, 4 KV heads on 24 GPUs: 12 (KV heads repeated 3 times); 6 neither divides nor is a multiple of 4
+    assert sequence_degrees(memory_planner.ModelShape(1, 1, 1, 64, 64, 64, kv_heads=4, heads=12), 24) == [1, 12]
 
 
 @pytest.mark.slow  # over 10 s: a real run (the fast tier stays under 3 minutes)

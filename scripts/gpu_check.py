@@ -22,6 +22,10 @@ Runs, in order (one GPU, `deepspeed --num_gpus 1 train.py ...`, each logging eve
   an adapter's optimizer states against full training).
 - `hf`: scripts/compare_hf_trainer.py --measure throughput --ranks 1 --precision bf16 on the same model, batch,
   ZeRO-2 and sdpa (one round: train.py, then the HF Trainer + DeepSpeed): steady tokens/s and the ratio.
+- `long_context` (with --long_context): scripts/bench/longest_block.py, the longest block of a Llama-8B-shaped
+  model (4 of its layers, random init) that trains on the GPU with ZeRO-3 + CPU offload, activation checkpointing
+  and offloading and the tiled MLP, doubled from 64K tokens until a run fails; its step time. Check: at least 1M
+  tokens (issue 27's goal). Minutes of attention at 1M tokens: run it as a command of its own.
 
 tokens/s and MFU are the medians of the per-step metrics.jsonl records after the first steps (--warmup); peak
 GPU GB is the largest `gpu_peak_gb` there (torch.cuda.max_memory_allocated, GiB, as --plan counts). Check: the
@@ -259,6 +263,12 @@ def specs(setup: Setup, model: Path, work: Path, flash: bool, extra: tuple) -> l
             "hf",
             steps=setup.speed_steps,
         ),
+        Spec(
+            "long_context",
+            "longest block: Llama-8B shape (4 layers), ZeRO-3 + CPU offload, checkpointing + activation offloading "
+            "+ tiled MLP, doubled from 64K tokens (scripts/bench/longest_block.py)",
+            "longest",
+        ),
     ]
     return [dataclasses.replace(s, args=(*s.args, *extra)) if s.kind == "train" else s for s in runs]
 
@@ -446,6 +456,31 @@ def run_hf(spec: Spec, setup: Setup, work: Path, env: dict, timeout: float, row:
     return ratio
 
 
+LONG_CONTEXT_GOAL = 2**20  # tokens in one block on one H200 (issue 27; ALST: 500K on one H100-80GB)
+
+
+def run_longest(setup: Setup, work: Path, env: dict, timeout: float, row: Row) -> None:
+    """scripts/bench/longest_block.py: the longest block that trains, its step time and peak; on a GPU the check
+    is the 1M-token goal."""
+    cmd = [sys.executable, "scripts/bench/longest_block.py", "--work_dir", str(work / "long_context")]
+    cmd += ["--timeout", str(int(timeout))] + ([] if setup.gpu else ["--cpu_test"])
+    problem = launch(cmd, Path(row.log), env, timeout * 8)
+    lines = Path(row.log).read_text().strip().splitlines()
+    summary = json.loads(lines[-1]) if lines and lines[-1].startswith("{") else None
+    if summary is None or not summary["longest_tokens"]:
+        row.status, row.checks = FAILED, [f"{problem or 'no block trained'}; log {row.log}"]
+        return
+    best = next(a for a in summary["attempts"] if a["tokens"] == summary["longest_tokens"])
+    row.status, row.steps, row.peak_gb, row.tokens_per_s = OK, 1, best["peak_gb"], summary["tokens_per_s"]
+    tokens = summary["longest_tokens"]
+    row.checks = [
+        f"longest block {tokens} tokens{f' ({tokens // 1024}K)' if tokens >= 1024 else ''}, step "
+        f"{summary['step_s']} s; stopped by {summary['stopped_by']}"
+    ]
+    if setup.gpu and tokens < LONG_CONTEXT_GOAL:
+        row.fail_check(f"below the goal of {LONG_CONTEXT_GOAL // 1024}K tokens")
+
+
 def run_ops(row: Row, env: dict, timeout: float) -> None:
     cmd = [sys.executable, "scripts/build_ops.py", "--config", "ds_configs/zero2.json"]
     problem = launch(cmd, Path(row.log), env, timeout)
@@ -548,6 +583,8 @@ def runs_to_skip(args: argparse.Namespace) -> list:
     skip = [n for n in args.skip.split(",") if n]
     if not (args.qlora or "qlora" in args.only.split(",")):
         skip.append("qlora")  # its memory check compares with zero3: --only qlora,zero3
+    if not (args.long_context or "long_context" in args.only.split(",")):
+        skip.append("long_context")  # minutes of quadratic attention at 1M tokens
     return skip
 
 
@@ -565,6 +602,12 @@ def parse_args(argv=None) -> argparse.Namespace:
         "--qlora",
         action="store_true",
         help="also run the qlora row (~1 minute more: the default check stays within its 8 minutes)",
+    )
+    p.add_argument(
+        "--long_context",
+        action="store_true",
+        help="also run the long_context row (the longest block one GPU trains, doubling from 64K tokens: "
+        "~10-15 minutes, run it as a command of its own: --only long_context --long_context)",
     )
     p.add_argument("--json", help="write the rows here (default: WORK_DIR/gpu_check.json)")
     p.add_argument("--timeout", type=float, default=600, help="seconds per run before it counts as failed")
@@ -620,6 +663,8 @@ def run_row(spec: Spec, row: Row, setup: Setup, work: Path, env: dict, args, mod
             return run_plan(spec, env, args.timeout, row, gpu_memory_gb)
         elif spec.kind == "hf":
             run_hf(spec, setup, work, env, args.timeout, row)
+        elif spec.kind == "longest":
+            run_longest(setup, work, env, args.timeout, row)
         else:
             if "--load_in_4bit" in spec.args:
                 save_pretrained_base(model, work / PRETRAINED)
@@ -656,7 +701,7 @@ def add_measured_mfu(rows: dict, flops_per_token: float, peak_tflops: float) -> 
     """MFU against the measured rate, causal attention, for the rows that trained the check's Llama in full (not the
     default job's tiny model, not QLoRA's frozen base)."""
     for name, row in rows.items():
-        if row.tokens_per_s and peak_tflops > 0 and name not in ("default", "qlora"):
+        if row.tokens_per_s and peak_tflops > 0 and name not in ("default", "qlora", "long_context"):
             row.mfu_causal_measured = row.tokens_per_s * flops_per_token / (peak_tflops * 1e12)
 
 

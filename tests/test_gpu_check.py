@@ -117,10 +117,10 @@ def test_the_runs_cpu_mode_skips_gpu_rows_and_extra_flags_reach_train_runs_only(
 
 
 def test_the_qlora_row_runs_only_when_asked_for():
-    assert gc.runs_to_skip(gc.parse_args([])) == ["qlora"]
-    assert gc.runs_to_skip(gc.parse_args(["--skip", "hf"])) == ["hf", "qlora"]
-    assert gc.runs_to_skip(gc.parse_args(["--qlora"])) == []
-    assert gc.runs_to_skip(gc.parse_args(["--only", "qlora,zero3"])) == []
+    assert gc.runs_to_skip(gc.parse_args([])) == ["qlora", "long_context"]
+    assert gc.runs_to_skip(gc.parse_args(["--skip", "hf"])) == ["hf", "qlora", "long_context"]
+    assert gc.runs_to_skip(gc.parse_args(["--qlora", "--long_context"])) == []
+    assert gc.runs_to_skip(gc.parse_args(["--only", "qlora,zero3,long_context"])) == []
 
 
 def test_the_qlora_row_must_use_less_memory_than_full_zero3():
@@ -179,6 +179,7 @@ def test_cpu_mode_runs_the_plan_a_zero_run_and_the_reference_and_checks_them(tmp
         "flash_ckpt",
         "qlora",
         "hf",
+        "long_context",
     ]
     assert {n: r["status"] for n, r in rows.items() if r["status"] != "ok"} == {
         "ops": "not needed on a CPU",
@@ -191,6 +192,7 @@ def test_cpu_mode_runs_the_plan_a_zero_run_and_the_reference_and_checks_them(tmp
         "flash_ckpt": "needs a GPU",
         "qlora": "needs a GPU",
         "hf": "skipped",
+        "long_context": "skipped",
     }
     assert set(result["planned_gb"]) == {"zero1", "zero1_ckpt", "zero2", "zero2_ckpt", "zero3", "zero3_ckpt"}
     zero3 = rows["zero3"]
@@ -202,6 +204,18 @@ def test_cpu_mode_runs_the_plan_a_zero_run_and_the_reference_and_checks_them(tmp
     # MFU beside train.py's: attention counted causally, over the matmul rate measured at the start
     assert result["machine"]["measured_matmul_tflops"] > 0 and 0 < zero3["mfu_causal_measured"] < 1
     assert not (tmp_path / "work" / "zero3" / "checkpoints").exists()  # --no-save_at_end: no 14 GB per 1B run
+
+
+@pytest.mark.slow  # two launches of train.py (256 and 512 tokens), ~45 s
+def test_the_long_context_row_reports_the_longest_block_that_trained(tmp_path):
+    proc, result = _run(tmp_path, "--only", "long_context", "--long_context")
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    row = {r["run"]: r for r in result["rows"]}["long_context"]
+    assert row["status"] == "ok" and row["tokens_per_s"] > 0
+    assert row["checks"][0].startswith("longest block 512 tokens, step ")
+    assert row["checks"][0].endswith("stopped by --max_tokens")
+    log = Path(row["log"]).read_text()
+    assert "longest_block: 256 tokens: ok" in log and "longest_block: 512 tokens: ok" in log
 
 
 @pytest.mark.slow  # one launch that fails at once, ~15 s

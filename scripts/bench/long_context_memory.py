@@ -29,6 +29,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
+from scaletrain.distributed.world import free_port  # noqa: E402
 from scripts.bench.common import DEEPSPEED, bench_parser, child_env, train_args  # noqa: E402
 
 VARIANTS = {  # name -> train.py flags on top of gradient checkpointing
@@ -67,7 +68,8 @@ def peak_mib(cmd: list) -> float:
 
 def train_cmd(model: Path, run_dir: Path, block: int, steps: int, nprocs: int, flags: list) -> list:
     args = train_args(REPO / "ds_configs" / "zero2.json", model, run_dir, steps, block, 1, "--gradient_checkpointing")
-    return [*DEEPSPEED, "--num_gpus", str(nprocs), "train.py", *args, "--save_steps", "0", *flags]
+    launcher = [*DEEPSPEED, "--num_gpus", str(nprocs), "--master_port", str(free_port())]
+    return [*launcher, "train.py", *args, "--save_steps", "0", *flags]
 
 
 def trainer_cmd(model: Path, run_dir: Path, block: int, steps: int) -> list:
@@ -78,7 +80,8 @@ def trainer_cmd(model: Path, run_dir: Path, block: int, steps: int) -> list:
     run_dir.mkdir(parents=True)
     (run_dir / "ds.json").write_text(json.dumps(hf_ds_config(2)))
     return [
-        *DEEPSPEED, "--num_gpus", "1", "scripts/bench/hf_trainer_clm.py", "--config_name", str(model),
+        *DEEPSPEED, "--num_gpus", "1", "--master_port", str(free_port()), "scripts/bench/hf_trainer_clm.py",
+        "--config_name", str(model),
         "--deepspeed", str(run_dir / "ds.json"), "--output_dir", str(run_dir),
         "--block_size", str(block), "--per_device_train_batch_size", "1", "--per_device_eval_batch_size", "1",
         "--max_eval_samples", "1", "--validation_file", train, "--max_steps", str(steps), "--eval_steps",

@@ -444,7 +444,7 @@ def write_run_folder(resolved: ResolvedRun, extra: dict, dist: DistInfo) -> None
 
 def print_memory_plan(resolved: ResolvedRun) -> None:
     """--plan: the memory table for each ZeRO stage and offload option, and the recommended config."""
-    from scaletrain.observability import auto_loss_chunk, plan_memory, render_memory_plan
+    from scaletrain.observability import auto_loss_chunk, plan_memory, render_longest_blocks, render_memory_plan
 
     planning, optim, engine = resolved.cfg.planning, resolved.cfg.optim, resolved.cfg.engine
     shape = resolved.model_shape  # from the meta model resolve_run built
@@ -453,6 +453,13 @@ def print_memory_plan(resolved: ResolvedRun) -> None:
     tp, sp, pp = parallel.tensor_parallel_size, parallel.sequence_parallel_size, parallel.pipeline_parallel_size
     chunk = resolved.cfg.model.loss_chunk_size
     loss_chunk = None if chunk == 0 else chunk or auto_loss_chunk(shape.vocab)
+    longest_blocks = None
+    if tp == 1 and pp == 1 and shape.heads:  # the longest block with each long-context feature
+        host = planning.host_memory_gb and planning.host_memory_gb * 2**30
+        gpu = planning.gpu_memory_gb * 2**30
+        longest_blocks = render_longest_blocks(
+            shape, planning.num_gpus, planning.num_nodes, precision, gpu, host, loss_chunk
+        )
     estimates = plan_memory(
         shape,
         planning.num_gpus,
@@ -480,6 +487,7 @@ def print_memory_plan(resolved: ResolvedRun) -> None:
             sp,
             pp,
             loss_chunk,
+            longest_blocks,
         )
     )
     if resolved.cfg.checkpoint.async_save:  # the host memory asynchronous saves take beside the plan above

@@ -9,6 +9,7 @@ from scaletrain.observability.eval_prompts import generate_samples, load_eval_pr
 from scaletrain.observability.goodput import GoodputLedger
 from scaletrain.observability.host_memory import HostMemoryPhase
 from scaletrain.observability.flops import ModelFlops, model_flops, throughput_model
+from scaletrain.observability.long_context_plan import render_longest_blocks
 from scaletrain.observability.memory_planner import (
     ModelShape,
     OPTIMIZER_BYTES,
@@ -50,6 +51,7 @@ __all__ = [
     "throughput_model",
     "plan_memory",
     "read_records",
+    "render_longest_blocks",
     "render_memory_plan",
     "weight_bytes",
 ]

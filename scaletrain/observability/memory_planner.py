@@ -380,6 +380,7 @@ def render_memory_plan(
     sp: int = 1,
     pp: int = 1,
     loss_chunk: int | None = None,
+    longest_blocks: list | None = None,
 ) -> str:
     gb = lambda b: f"{b / GIB:.2f}"  # noqa: E731
     gpu_bytes, host_bytes = gpu_memory_gb * GIB, None if host_memory_gb is None else host_memory_gb * GIB
@@ -407,10 +408,8 @@ def render_memory_plan(
             f"{gb(est.total(True))} | {gb(est.host_per_node)} | {gb(est.nvme_per_node)} | {' / '.join(fits)} | "
             f"ds_configs/{est.option.ds_config} |"
         )
-    if tp == 1 and pp == 1 and shape.heads:  # how long a block can get, with the long-context features
-        from scaletrain.observability.long_context_plan import render_longest_blocks
-
-        lines += ["", *render_longest_blocks(shape, gpus_per_node, nodes, precision, gpu_bytes, host_bytes, loss_chunk)]
+    if longest_blocks:  # how long a block can get, with the long-context features (long_context_plan.py)
+        lines += ["", *longest_blocks]
     if tp == 1 and sp == 1 and pp == 1:  # the layout is open: data parallelism, then TP, then PP, then offload
         choice = recommend_layout(
             shape, gpus_per_node, nodes, micro_batch, block_size, precision, gpu_bytes, host_bytes, loss_chunk

@@ -10,8 +10,9 @@ peak). What a block of T tokens costs is reported as the peak at T minus the pea
     python scripts/bench/long_context_memory.py                      # 512, 16384 and 32768 tokens
     python scripts/bench/long_context_memory.py --blocks 512,16384 --sp_block 16384
 
-Variants on one rank: gradient checkpointing alone, + --tiled_mlp, + --activation_offloading, both; the Trainer with
-gradient checkpointing (scripts/bench/hf_trainer_clm.py). Under sequence parallelism 2 (two ranks, one block of
+Variants on one rank: gradient checkpointing alone, + --tiled_mlp, + --activation_offloading, both, and both with the
+loss in chunks of 1024 tokens (--loss_chunk_size: the auto chunk holds 16K tokens of this small vocabulary); the
+Trainer with gradient checkpointing (scripts/bench/hf_trainer_clm.py). Under sequence parallelism 2 (two ranks, one block of
 --sp_block tokens with several documents in it): with and without --attention_isolation.
 
 On a CPU, activation offloading moves nothing off the device (host memory is the device): it runs its copy path and
@@ -37,7 +38,12 @@ VARIANTS = {  # name -> train.py flags on top of gradient checkpointing
     "+ tiled MLP": ["--tiled_mlp"],
     "+ activation offloading": ["--activation_offloading"],
     "+ tiled MLP + offloading": ["--tiled_mlp", "--activation_offloading"],
+    # the auto loss chunk (256 MiB of fp32 logits) is 16K tokens of this 4096-word vocabulary: no chunking at 16K
+    "+ tiled MLP + offloading + loss chunks of 1024": [
+        "--tiled_mlp", "--activation_offloading", "--loss_chunk_size", "1024",
+    ],  # fmt: skip
 }
+EVERY_FEATURE = "+ tiled MLP + offloading + loss chunks of 1024"
 TRAINER = "Trainer + DeepSpeed, checkpointing"
 
 
@@ -93,19 +99,23 @@ def main() -> None:
     parser = bench_parser(__doc__, steps=2)
     parser.add_argument("--blocks", default="512,16384,32768", help="block lengths; the first is the baseline")
     parser.add_argument("--sp_block", type=int, default=16384, help="block of the sequence-parallel pair (0: none)")
+    parser.add_argument("--variants", default="", help="comma-separated variant names to run (default: all)")
+    parser.add_argument("--no_trainer", action="store_true", help="leave out the Trainer runs")
     args = parser.parse_args()
     blocks = [int(b) for b in args.blocks.split(",")]
+    variants = {n: f for n, f in VARIANTS.items() if not args.variants or n in args.variants.split(",")}
     results: dict = {}
     with tempfile.TemporaryDirectory() as tmp:
         model = wide_llama(Path(tmp) / "model", max(blocks + [args.sp_block]))
         for block in blocks:
-            for name, flags in VARIANTS.items():
+            for name, flags in variants.items():
                 run = Path(tmp) / f"{len(results)}"
                 results[(name, block)] = peak_mib(train_cmd(model, run, block, args.steps, 1, flags))
                 print(f"{name:32s} {block:6d} tokens: peak {results[(name, block)]:8.0f} MiB", flush=True)
-            run = Path(tmp) / f"{len(results)}"
-            results[(TRAINER, block)] = peak_mib(trainer_cmd(model, run, block, args.steps))
-            print(f"{TRAINER:32s} {block:6d} tokens: peak {results[(TRAINER, block)]:8.0f} MiB", flush=True)
+            if not args.no_trainer:
+                run = Path(tmp) / f"{len(results)}"
+                results[(TRAINER, block)] = peak_mib(trainer_cmd(model, run, block, args.steps))
+                print(f"{TRAINER:32s} {block:6d} tokens: peak {results[(TRAINER, block)]:8.0f} MiB", flush=True)
         sp = {}
         if args.sp_block:
             for isolation in (False, True):
@@ -116,11 +126,11 @@ def main() -> None:
     base = blocks[0]
     print(f"\n| variant | peak at {base} (MiB) | " + " | ".join(f"peak at {b} / added over {base}" for b in blocks[1:]))
     print("|---|---|" + "---|" * (len(blocks) - 1))
-    for name in [*VARIANTS, TRAINER]:
+    for name in [*variants, *([] if args.no_trainer else [TRAINER])]:
         cells = [f"{results[(name, b)]:.0f} / +{results[(name, b)] - results[(name, base)]:.0f}" for b in blocks[1:]]
         print(f"| {name} | {results[(name, base)]:.0f} | " + " | ".join(cells) + " |")
-    for b in blocks[1:]:
-        ours = results[("+ tiled MLP + offloading", b)] - results[("+ tiled MLP + offloading", base)]
+    for b in blocks[1:] if EVERY_FEATURE in variants and not args.no_trainer else []:
+        ours = results[(EVERY_FEATURE, b)] - results[(EVERY_FEATURE, base)]
         theirs = results[(TRAINER, b)] - results[(TRAINER, base)]
         print(f"added at {b}: train.py with every feature / the Trainer = {ours / theirs:.2f}")
     if sp:

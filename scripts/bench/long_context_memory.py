@@ -12,8 +12,8 @@ peak). What a block of T tokens costs is reported as the peak at T minus the pea
 
 Variants on one rank: gradient checkpointing alone, + --tiled_mlp, + --activation_offloading, both, and both with the
 loss in chunks of 1024 tokens (--loss_chunk_size: the auto chunk holds 16K tokens of this small vocabulary); the
-Trainer with gradient checkpointing (scripts/bench/hf_trainer_clm.py). Under sequence parallelism 2 (two ranks, one block of
---sp_block tokens with several documents in it): with and without --attention_isolation.
+Trainer with gradient checkpointing (scripts/bench/hf_trainer_clm.py). Under sequence parallelism 2 (two ranks, one
+block of --sp_block tokens with several documents in it): with and without --attention_isolation.
 
 On a CPU, activation offloading moves nothing off the device (host memory is the device): it runs its copy path and
 its figure shows what that copy costs, not what it saves on a GPU.
@@ -40,7 +40,10 @@ VARIANTS = {  # name -> train.py flags on top of gradient checkpointing
     "+ tiled MLP + offloading": ["--tiled_mlp", "--activation_offloading"],
     # the auto loss chunk (256 MiB of fp32 logits) is 16K tokens of this 4096-word vocabulary: no chunking at 16K
     "+ tiled MLP + offloading + loss chunks of 1024": [
-        "--tiled_mlp", "--activation_offloading", "--loss_chunk_size", "1024",
+        "--tiled_mlp",
+        "--activation_offloading",
+        "--loss_chunk_size",
+        "1024",
     ],  # fmt: skip
 }
 EVERY_FEATURE = "+ tiled MLP + offloading + loss chunks of 1024"

@@ -9,6 +9,7 @@ on one rank (ZeRO-2) and under sequence parallelism with ZeRO-3, against the lay
 from __future__ import annotations
 
 import gc
+import shutil
 import weakref
 from pathlib import Path
 
@@ -139,16 +140,25 @@ def test_bad_flags_are_refused(args, message):
 FEATURES = ["--tiled_mlp", "--tiled_mlp_shards", "4", "--gradient_checkpointing", "--activation_offloading"]
 
 
-@pytest.mark.slow  # a 1-rank run and a 2-rank run of 8 steps (the references are the layout tests')
+@pytest.mark.slow  # two 1-rank runs and a 2-rank run of 8 steps (the references are the layout tests')
 def test_the_memory_features_train_as_the_reference(layout_reference, layout_reference_zero3, tmp_path, cache_dir):
-    """Every feature on, on one rank under ZeRO-2 and under sequence parallelism 2 with ZeRO-3: losses and gradient
-    norms equal to the plain runs'."""
+    """Every feature on, on one rank under ZeRO-2 (then resumed from its step-4 checkpoint) and under sequence
+    parallelism 2 with ZeRO-3: losses and gradient norms equal to the plain runs'."""
     one_rank = tmp_path / "one_rank"
     proc = launch(REPO / "train.py", layout_flags(one_rank, "zero2", *FEATURES), "python", cache_dir)
     check_ok(proc)
     assert "tiled MLP: 4 MLPs computed in 4 slices" in proc.stderr + proc.stdout
     assert "activation offloading: the inputs of 4 checkpointed layers" in proc.stderr + proc.stdout
     _assert_matches(one_rank, layout_reference)
+    resumed = tmp_path / "resumed"  # from the step-4 checkpoint, with the features: steps 5-8 as the reference's
+    (resumed / "checkpoints").mkdir(parents=True)
+    shutil.copytree(one_rank / "checkpoints" / "step4", resumed / "checkpoints" / "step4")
+    for name in ("run_config.json", "ds_config.json"):
+        shutil.copy(one_rank / name, resumed / name)
+    proc = launch(REPO / "train.py", layout_flags(resumed, "zero2", *FEATURES), "python", cache_dir)
+    check_ok(proc)
+    assert f"resumed from {resumed / 'checkpoints' / 'step4'}" in proc.stdout + proc.stderr
+    _assert_matches(resumed, layout_reference, steps=range(5, 9))
     sharded = tmp_path / "sp2_zero3"
     sp = ["--sequence_parallel_size", "2"]
     check_ok(launch(REPO / "train.py", layout_flags(sharded, "zero3", *FEATURES, *sp), "deepspeed", cache_dir, 2))

@@ -1,9 +1,10 @@
 """Sequence parallelism (--sequence_parallel_size, DeepSpeed Ulysses) against a single-rank run of the same batches.
 
-Real runs of train.py on 2 gloo CPU ranks, fp32, the tiny Llama, clipping that acts: per-step losses within 1e-5
-relative and gradient norms within 1e-4 over 8 steps for ZeRO-1, 2 and 3 (a gradient scale off by the SP size, the
-DeepSpeed 0.19.8 pitfall with the mpu, shows as twice the gradient norm), documents kept apart under
---attention_isolation, the export equal to the reference's, and a resume on the same layout and on one rank.
+Real runs of train.py on 2 gloo CPU ranks (4 for SP 4), fp32, the tiny Llama, clipping that acts: per-step losses
+within 1e-5 relative and gradient norms within 1e-4 over 8 steps for ZeRO-1, ZeRO-3 with CPU offload, and ZeRO-2
+past the KV heads (MQA at SP 2, GQA at SP 4) (a gradient scale off by the SP size, the DeepSpeed 0.19.8 pitfall with
+the mpu, shows as twice the gradient norm), documents kept apart under --attention_isolation by per-document attention,
+the export equal to the reference's, and a resume on the same layout and on one rank.
 """
 
 from __future__ import annotations
@@ -48,9 +49,10 @@ def sp2_zero1(tmp_path_factory, cache_dir) -> Path:
     return run_dir
 
 
-@pytest.mark.slow  # 1-rank references and three 2-rank runs of 8 steps
-# (ZeRO-2 runs under sequence parallelism in the test past the KV heads below)
-@pytest.mark.parametrize("config", ["zero1", "zero3", "zero3_offload"])
+@pytest.mark.slow  # 1-rank references and two 2-rank runs of 8 steps
+# (ZeRO-2 runs under sequence parallelism in the test past the KV heads below, plain ZeRO-3 in test_long_context.py
+# with every memory feature; both left out here to keep CI in its budget)
+@pytest.mark.parametrize("config", ["zero1", "zero3_offload"])
 def test_sequence_parallel_matches_one_rank(config, reference, sp2_zero1, request, tmp_path, cache_dir):
     run_dir = sp2_zero1 if config == "zero1" else tmp_path / "sp2"
     if config != "zero1":

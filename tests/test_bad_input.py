@@ -96,6 +96,19 @@ def small_vocab_model(tmp: Path) -> list:
     return ["--config_name", str(folder), "--tokenizer_name", str(TINY)]
 
 
+def moe_model(tmp: Path) -> list:
+    """A tiny Qwen2-MoE config: its decoder MLPs are expert blocks, which --tiled_mlp cannot tile."""
+    config = {
+        "model_type": "qwen2_moe", "hidden_size": 64, "intermediate_size": 128, "moe_intermediate_size": 32,
+        "shared_expert_intermediate_size": 32, "num_hidden_layers": 2, "num_attention_heads": 4,
+        "num_key_value_heads": 2, "num_experts": 4, "num_experts_per_tok": 2, "vocab_size": 4096,
+    }  # fmt: skip
+    folder = tmp / "moe"
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps(config))
+    return ["--config_name", str(folder), "--tokenizer_name", str(TINY), "--tiled_mlp"]
+
+
 def previous_run(tmp: Path, identity: dict) -> None:
     out = tmp / "out"
     out.mkdir()
@@ -371,6 +384,16 @@ CASES = {
         lambda t: ["--sequence_parallel_size", "2"],
         "--sequence_parallel_size",
         "--sequence_parallel_size 2 does not divide the world size 1",
+    ),
+    "tiled MLP on a mixture of experts": (
+        moe_model,
+        "--tiled_mlp",
+        "model.layers.0.mlp is a Qwen2MoeSparseMoeBlock, which does not work token by token",
+    ),
+    "activation offloading without checkpointing": (
+        lambda t: ["--activation_offloading"],
+        "--activation_offloading",
+        "--activation_offloading without --gradient_checkpointing",
     ),
     "push to a malformed repository id": (
         lambda t: ["--push_to_hub", "not a/valid id"],

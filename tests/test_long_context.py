@@ -97,6 +97,27 @@ def test_tiled_mlp_and_offloading_together(dense):
     _assert_same(_loss_and_grads(model, tokens), expected)
 
 
+def test_the_tiled_mlp_trains_a_lora_adapter_as_the_dense_one():
+    """LoRA on every linear layer of a frozen base: only the adapter's weights get gradients, the same with tiles."""
+    import torch
+    from peft import LoraConfig, get_peft_model
+
+    tokens = torch.randint(0, 4096, (2, 64), generator=torch.Generator().manual_seed(2))
+    results = []
+    for tiled in (False, True):
+        model = _tiny_llama(checkpointing=True)
+        model.enable_input_require_grads()
+        adapter = LoraConfig(r=4, target_modules="all-linear", init_lora_weights=False)
+        model = get_peft_model(model, adapter)
+        if tiled:
+            install_tiled_mlp(model, shards=4)
+        loss = model(input_ids=tokens, labels=tokens).loss
+        loss.backward()
+        results.append((loss.item(), {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}))
+    assert any("mlp" in name for name in results[0][1])  # the MLP's adapters are among the trained weights
+    _assert_same(results[1], results[0])
+
+
 def test_slices_follow_alst_unless_given():
     assert tile_count(tokens=16384, hidden=4096, shards=0) == 4
     assert tile_count(tokens=1000, hidden=4096, shards=0) == 1

@@ -444,7 +444,13 @@ def write_run_folder(resolved: ResolvedRun, extra: dict, dist: DistInfo) -> None
 
 def print_memory_plan(resolved: ResolvedRun) -> None:
     """--plan: the memory table for each ZeRO stage and offload option, and the recommended config."""
-    from scaletrain.observability import auto_loss_chunk, plan_memory, render_longest_blocks, render_memory_plan
+    from scaletrain.observability import (
+        MemoryFeatures,
+        auto_loss_chunk,
+        plan_memory,
+        render_longest_blocks,
+        render_memory_plan,
+    )
 
     planning, optim, engine = resolved.cfg.planning, resolved.cfg.optim, resolved.cfg.engine
     shape = resolved.model_shape  # from the meta model resolve_run built
@@ -453,6 +459,7 @@ def print_memory_plan(resolved: ResolvedRun) -> None:
     tp, sp, pp = parallel.tensor_parallel_size, parallel.sequence_parallel_size, parallel.pipeline_parallel_size
     chunk = resolved.cfg.model.loss_chunk_size
     loss_chunk = None if chunk == 0 else chunk or auto_loss_chunk(shape.vocab)
+    features = MemoryFeatures(resolved.cfg.model.tiled_mlp, resolved.cfg.model.activation_offloading)
     longest_blocks = None
     if tp == 1 and pp == 1 and shape.heads:  # the longest block with each long-context feature
         host = planning.host_memory_gb and planning.host_memory_gb * 2**30
@@ -471,6 +478,7 @@ def print_memory_plan(resolved: ResolvedRun) -> None:
         sp,
         pp,
         loss_chunk,
+        features,
     )
     print(
         render_memory_plan(
@@ -488,6 +496,7 @@ def print_memory_plan(resolved: ResolvedRun) -> None:
             pp,
             loss_chunk,
             longest_blocks,
+            features,
         )
     )
     if resolved.cfg.checkpoint.async_save:  # the host memory asynchronous saves take beside the plan above

@@ -276,6 +276,23 @@ def test_tiled_mlp_and_offloading_shrink_the_planned_working_memory():
     assert tiled - both == pytest.approx(30 * 2 * tokens * 4096)
 
 
+def test_the_plan_counts_the_runs_memory_features():
+    """--plan --tiled_mlp --activation_offloading: the table's checkpointed working memory shrinks as
+    activation_bytes says, and the offloaded checkpoints show in the host memory per node."""
+    plain = memory_planner.plan_memory(LLAMA_8B, 8, 1, 1, 131072, "bf16", sp=8)
+    features = memory_planner.MemoryFeatures(tiled_mlp=True, offload=True)
+    lean = memory_planner.plan_memory(LLAMA_8B, 8, 1, 1, 131072, "bf16", sp=8, features=features)
+    for before, after in zip(plain, lean, strict=True):
+        expected = memory_planner.activation_bytes(LLAMA_8B, 1, 131072, "bf16", before.option.stage, 1, 8, 1, None,
+                                                   True, True)[1]  # fmt: skip
+        assert after.activations_checkpointed == expected < before.activations_checkpointed
+        offloaded = 8 * 32 * 2 * (131072 / 8) * 4096  # 8 GPUs, 32 layers' inputs of 16K tokens each, bf16
+        assert after.host_per_node - before.host_per_node == pytest.approx(offloaded)
+    header = memory_planner.render_memory_plan(lean, LLAMA_8B, 8, 1, 80, None, 1, 131072, "bf16", sp=8,
+                                               features=features).splitlines()[0]  # fmt: skip
+    assert header.endswith("micro-batch 1 x 131072 tokens, with tiled MLP and activation offloading, 80 GB per GPU")
+
+
 def test_the_longest_block_is_the_longest_that_fits():
     from scaletrain.observability.long_context_plan import FEATURE_SETS, GRAIN, longest_block, sequence_degrees
 
@@ -291,7 +308,7 @@ def test_the_longest_block_is_the_longest_that_fits():
     working = memory_planner.activation_bytes(LLAMA_8B, 1, tokens, "bf16", 3, 1, 8, 1, chunk, True, True)[1]
     more = memory_planner.activation_bytes(LLAMA_8B, 1, tokens + GRAIN, "bf16", 3, 1, 8, 1, chunk, True, True)[1]
     assert working <= memory_planner.HEADROOM * gpu < more  # the states are offloaded: the working memory decides
-    assert host == 32 * 2 * tokens / 8 * 4096 * 2  # every layer's input for this GPU's tokens, in bf16
+    assert host == 32 * tokens / 8 * 4096 * 2  # every layer's input for this GPU's tokens, in bf16
     assert 7.5 < tokens / longest(1, True, True, gpus=1)[0] <= 8.1  # SP 8 holds about 8 times the tokens of one GPU
     capped = longest(8, True, True, host=1000 * memory_planner.GIB)
     assert capped[0] < tokens and capped[1] * 8 <= 0.9 * 1000 * memory_planner.GIB  # the host binds offloading

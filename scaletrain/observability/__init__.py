@@ -11,6 +11,7 @@ from scaletrain.observability.host_memory import HostMemoryPhase
 from scaletrain.observability.flops import ModelFlops, model_flops, throughput_model
 from scaletrain.observability.long_context_plan import render_longest_blocks
 from scaletrain.observability.memory_planner import (
+    MemoryFeatures,
     ModelShape,
     OPTIMIZER_BYTES,
     auto_loss_chunk,
@@ -39,6 +40,7 @@ __all__ = [
     "METRICS_FILE",
     "MetricsLogger",
     "ModelFlops",
+    "MemoryFeatures",
     "ModelShape",
     "OPTIMIZER_BYTES",
     "PhaseClock",

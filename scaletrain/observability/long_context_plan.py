@@ -18,6 +18,7 @@ from scaletrain.observability.memory_planner import (
     ModelShape,
     activation_bytes,
     model_state_bytes,
+    offloaded_checkpoint_bytes,
     options_for,
 )
 
@@ -57,10 +58,9 @@ def longest_block(
         key=lambda o: (o.offload_optimizer == "nvme", sum(model_state_bytes(o, shape, ranks, precision)[:3])),
     )
     params, grads, optimizer, host_states, _ = model_state_bytes(option, shape, ranks, precision)
-    weight = 4 if precision == "fp32" else 2
 
     def offloaded(tokens: int) -> float:  # a GPU's checkpointed inputs in host memory
-        return shape.layers * 2 * tokens / sp * shape.hidden * weight if offload else 0
+        return offloaded_checkpoint_bytes(shape, tokens / sp, precision) if offload else 0
 
     def fits(tokens: int) -> bool:
         working = activation_bytes(shape, 1, tokens, precision, option.stage, 1, sp, 1, loss_chunk, tiled_mlp, offload)

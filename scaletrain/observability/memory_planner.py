@@ -48,6 +48,7 @@ them against a real 2-rank CPU run within 10%.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import partial
 
 from scaletrain.config import bucket_elements
 
@@ -127,6 +128,22 @@ class ModelShape:
     def splits_into(self, tp: int) -> bool:
         """Whether tensor parallelism of size tp divides what it splits (see scaletrain.distributed.layout)."""
         return all(d % tp == 0 for d in (self.intermediate, self.vocab, self.kv_heads or tp))
+
+
+@dataclass(frozen=True)
+class MemoryFeatures:
+    """The run's long-context memory features the working memory is counted with (--tiled_mlp,
+    --activation_offloading)."""
+
+    tiled_mlp: bool = False
+    offload: bool = False
+
+    def describe(self) -> str:
+        names = [n for n, on in (("tiled MLP", self.tiled_mlp), ("activation offloading", self.offload)) if on]
+        return f", with {' and '.join(names)}" if names else ""
+
+
+NO_FEATURES = MemoryFeatures()
 
 
 @dataclass(frozen=True)
@@ -245,6 +262,11 @@ def activation_bytes(
     return without + gathered, with_checkpointing + gathered
 
 
+def offloaded_checkpoint_bytes(shape: ModelShape, tokens: float, precision: str) -> float:
+    """Host bytes per GPU that --activation_offloading takes: every layer's input for this GPU's tokens."""
+    return shape.layers * 2 * tokens * shape.hidden * (2 if precision == "fp32" else 1)
+
+
 def pipeline_kept_outputs(shape: ModelShape, micro_batch: int, block_size: int, precision: str) -> float:
     """Bytes of the last pipeline stage's outputs (its logits) that DeepSpeed's pipe engine keeps through a step: its
     TrainSchedule gives every stage at least 2 buffers (num_pipe_buffers), each holding one micro-batch's outputs
@@ -273,14 +295,26 @@ def plan_memory(
     sp: int = 1,
     pp: int = 1,
     loss_chunk: int | None = None,
+    features: MemoryFeatures = NO_FEATURES,
 ) -> list[Estimate]:
     dp = gpus_per_node * nodes // (tp * pp)  # the ranks ZeRO partitions over (under SP: all of them)
     estimates = []
     for option in options_for(tp, sp, pp):
         act, act_ckpt = activation_bytes(
-            shape, micro_batch, block_size, precision, option.stage, tp, sp, pp, loss_chunk
+            shape,
+            micro_batch,
+            block_size,
+            precision,
+            option.stage,
+            tp,
+            sp,
+            pp,
+            loss_chunk,
+            features.tiled_mlp,
+            features.offload,
         )
         params, grads, optimizer, host, nvme = model_state_bytes(option, shape, dp, precision, tp, pp)
+        host += offloaded_checkpoint_bytes(shape, micro_batch * block_size / sp, precision) if features.offload else 0
         estimates.append(
             Estimate(option, params, grads, optimizer, act, act_ckpt, host * gpus_per_node, nvme * gpus_per_node)
         )
@@ -310,6 +344,7 @@ def recommend_layout(
     gpu_bytes: float,
     host_bytes: float | None,
     loss_chunk: int | None = None,
+    features: MemoryFeatures = NO_FEATURES,
 ) -> tuple | None:
     """(tensor-parallel size, pipeline stages, estimate, checkpointing) of the fastest layout that fits, in this
     order: pure data parallelism without offload (ZeRO-1, 2, 3), then tensor parallelism inside a node (2, 4, ...
@@ -317,7 +352,8 @@ def recommend_layout(
     one activation per micro-batch, which cross nodes well, at the cost of the pipeline's bubble), then offload
     (host memory and PCIe are slower still). Tensor and pipeline parallelism together are not proposed: the
     pipeline does not run them together yet."""
-    plain = plan_memory(shape, gpus_per_node, nodes, micro_batch, block_size, precision, loss_chunk=loss_chunk)
+    plan = partial(plan_memory, shape, gpus_per_node, nodes, micro_batch, block_size, precision, features=features)
+    plain = plan(loss_chunk=loss_chunk)
     in_gpu = [e for e in plain if e.option.offload_optimizer == "none"]
     choice = recommend(in_gpu, gpu_bytes, host_bytes)
     if choice:
@@ -325,20 +361,14 @@ def recommend_layout(
     tp = 2
     while tp <= gpus_per_node:
         if gpus_per_node % tp == 0 and shape.splits_into(tp):
-            choice = recommend(
-                plan_memory(shape, gpus_per_node, nodes, micro_batch, block_size, precision, tp), gpu_bytes, host_bytes
-            )
+            choice = recommend(plan(tp), gpu_bytes, host_bytes)
             if choice:
                 return (tp, 1, *choice)
         tp *= 2
     pp = 2
     while pp <= min(shape.layers, gpus_per_node * nodes):
         if shape.layers % pp == 0 and (gpus_per_node * nodes) % pp == 0:
-            choice = recommend(
-                plan_memory(shape, gpus_per_node, nodes, micro_batch, block_size, precision, pp=pp),
-                gpu_bytes,
-                host_bytes,
-            )
+            choice = recommend(plan(pp=pp), gpu_bytes, host_bytes)
             if choice:
                 return (1, pp, *choice)
         pp *= 2
@@ -381,13 +411,14 @@ def render_memory_plan(
     pp: int = 1,
     loss_chunk: int | None = None,
     longest_blocks: list | None = None,
+    features: MemoryFeatures = NO_FEATURES,
 ) -> str:
     gb = lambda b: f"{b / GIB:.2f}"  # noqa: E731
     gpu_bytes, host_bytes = gpu_memory_gb * GIB, None if host_memory_gb is None else host_memory_gb * GIB
     layout = _describe(nodes * gpus_per_node, tp, sp, pp)
     lines = [
         f"memory plan: {shape.n_params / 1e6:.1f}M parameters, {nodes} node(s) x {gpus_per_node} GPU(s) = "
-        f"{layout}, {precision}, micro-batch {micro_batch} x {block_size} tokens, "
+        f"{layout}, {precision}, micro-batch {micro_batch} x {block_size} tokens{features.describe()}, "
         f"{gpu_memory_gb:g} GB per GPU" + ("" if host_memory_gb is None else f", {host_memory_gb:g} GB host per node"),
         "GB per GPU unless marked; 'fits' leaves 10% of the GPU free (fragmentation, communication buffers)",
         "",
@@ -412,7 +443,7 @@ def render_memory_plan(
         lines += ["", *longest_blocks]
     if tp == 1 and sp == 1 and pp == 1:  # the layout is open: data parallelism, then TP, then PP, then offload
         choice = recommend_layout(
-            shape, gpus_per_node, nodes, micro_batch, block_size, precision, gpu_bytes, host_bytes, loss_chunk
+            shape, gpus_per_node, nodes, micro_batch, block_size, precision, gpu_bytes, host_bytes, loss_chunk, features
         )
     else:  # the layout was given
         choice = recommend(estimates, gpu_bytes, host_bytes)

@@ -90,13 +90,9 @@ def test_a_sequence_parallel_checkpoint_resumes_on_the_same_layout_and_on_one_ra
 
 def _mqa_model(folder: Path) -> Path:
     """The tiny Llama with one key/value head (multi-query attention), trained from scratch."""
-    import json
-    import shutil
+    from data.build_tiny_llama import tiny_llama_variant
 
-    shutil.copytree(REPO / "data" / "tiny-llama", folder)
-    config = json.loads((folder / "config.json").read_text())
-    (folder / "config.json").write_text(json.dumps({**config, "num_key_value_heads": 1}))
-    return folder
+    return tiny_llama_variant(folder, num_key_value_heads=1)
 
 
 def _assert_same_eval(run_dir: Path, reference: Path) -> None:

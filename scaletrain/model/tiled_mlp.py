@@ -32,14 +32,10 @@ def _decoder_mlps(model) -> list:
 
 def _is_layer(module) -> bool:
     """A decoder layer: an attention module beside an `mlp` one."""
-    has_attention = any(hasattr(module, a) for a in ("self_attn", "attn", "attention"))
-    return has_attention and isinstance(getattr(module, "mlp", None), _module_type())
-
-
-def _module_type():
     import torch
 
-    return torch.nn.Module
+    has_attention = any(hasattr(module, a) for a in ("self_attn", "attn", "attention"))
+    return has_attention and isinstance(getattr(module, "mlp", None), torch.nn.Module)
 
 
 def _tileable(mlp) -> bool:

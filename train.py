@@ -47,6 +47,7 @@ def main(argv=None) -> int:
         run.write_run_folder()  # resolved configs saved only after everything above succeeded
         run.build_engine()  # deepspeed.initialize with the resolved config and LR schedule
         run.resume()  # newest committed checkpoint (or none): weights, optimizer, schedule, RNG, data position
+        run.reference_log_probs()  # preference pairs: the starting model's log-probs of each pair, once (or read)
         run.watch_for_hangs()  # heartbeats: a run stuck for --hang_timeout ends naming the ranks that stopped (86)
         run.train()  # the loop: forward, backward, step, metrics, eval, periodic and preemption saves
         run.finish()  # final eval, DeepSpeed checkpoint, Hugging Face export

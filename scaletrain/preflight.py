@@ -24,6 +24,7 @@ from scaletrain.checkpoint import (
     saved_zero_stage,
 )
 from scaletrain.config import (
+    check_preference_run,
     explain_run_config,
     HardwareFacts,
     load_ds_config,
@@ -45,6 +46,7 @@ from scaletrain.distributed import (
     resolve_layout,
 )
 from scaletrain.engine import check_compile, check_deepspeed_hooks, compile_requested
+from scaletrain.train import check_reference_model
 from scaletrain.observability import load_eval_prompts, METRICS_FILE, model_flops, ModelFlops, ModelShape, read_records
 from scaletrain.model import (
     check_model_features,
@@ -288,8 +290,11 @@ def resolve_run(argv: Sequence[str] | None, dist: DistInfo) -> ResolvedRun:
     skeleton, model_facts = describe_model(cfg, model_config)
     hardware = hardware_facts()
     ds = _resolve_engine_config(cfg, raw_ds_config, dist, model_config, hardware, skeleton)
-    isolates_documents = cfg.data.attention_isolation or chat is not None  # chat data packs whole examples, isolated
+    # chat data packs whole examples, isolated; preference pairs are never packed together
+    isolates_documents = cfg.data.attention_isolation or (chat is not None and chat.kind != "preference")
     router_loss = check_model_features(cfg, ds, skeleton, model_config, hardware, isolates_documents)
+    check_preference_run(cfg, chat is not None and chat.kind == "preference", router_loss is not None)
+    check_reference_model(cfg, model_config)
     attn = skeleton.config._attn_implementation
     layout = (dist.tensor_parallel_size, dist.sequence_parallel_size, dist.pipeline_parallel_size)
     check_sequence_layout(cfg.parallel, block_size, attn, hardware.accelerator)

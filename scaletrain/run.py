@@ -82,11 +82,13 @@ from scaletrain.train import (
     evaluate_sets,
     seed_everything,
     LoopHooks,
-    LoopSettings,
+    loop_settings,
     NonFiniteGuard,
     NonFinitePolicy,
     PipelineStep,
     PreemptionFlag,
+    preference_objective,
+    prepare_reference,
     train_loop,
     TrainState,
 )
@@ -98,7 +100,6 @@ from scaletrain.observability import (
     generate_samples,
     MetricsLogger,
     StepProfiler,
-    throughput_model,
 )
 from scaletrain.preflight import (
     RUN_CONFIG_FILE,
@@ -142,6 +143,7 @@ class Run:
         self.watch: Any = None  # train.hang.HangWatch, from watch_for_hangs() (--hang_timeout)
         self.writer: BackgroundWriter | None = None  # --async_save: this rank's writer process, from resume()
         self._in_flight_step_s = 0.0  # the ledger's step seconds when the save in flight was taken
+        self.objective = preference_objective(resolved)  # preference pairs: the loss and metrics of each micro-batch
 
     @classmethod
     def from_flags(cls, argv: Sequence[str] | None, dist: DistInfo) -> Run:
@@ -380,6 +382,16 @@ class Run:
             periodic = bool(ckpt.save_steps or ckpt.save_interval_minutes)
             self.writer = background_writer(self.resolved.n_params, ds.precision, ds.zero_stage, self.dist, periodic)
 
+    def reference_log_probs(self) -> None:
+        """Preference pairs: the reference's log-probs of every pair, read back or computed once before step 1."""
+        if self.objective is not None:
+            fresh, store, dry = self.state.step == 0, self.stores[0]["path"], self.cfg.run.dry_run
+            only = self.order.global_batch_indices(self.state.step + self.state.data_offset) if dry else None
+            reference = prepare_reference(
+                self.engine, self.resolved, self.dist, self.train_blocks, self.eval_sets, store, fresh, only
+            )
+            self.objective = dataclasses.replace(self.objective, reference=reference)
+
     def watch_for_hangs(self) -> None:
         """--hang_timeout: this rank's heartbeat, and a watch that ends a stuck run naming the ranks that stopped."""
         if not self.cfg.run.dry_run:
@@ -424,28 +436,7 @@ class Run:
 
     def train(self) -> None:
         dry = self.cfg.run.dry_run  # one full step, logged, nothing saved
-        settings = LoopSettings(
-            max_steps=min(self.state.step + 1, self.schedule.total_steps) if dry else self.schedule.total_steps,
-            logging_steps=1 if dry else self.cfg.logging.logging_steps,
-            eval_steps=0 if dry else self.cfg.logging.eval_steps,
-            save_steps=0 if dry else self.cfg.checkpoint.save_steps,
-            save_interval_minutes=0 if dry else self.cfg.checkpoint.save_interval_minutes,
-            preemption_grace_seconds=self.cfg.checkpoint.preemption_grace_seconds,
-            gradient_divisor=self.dist.dp_world_size * self.dist.sequence_parallel_size,
-            loss_share=1.0 if self.dist.tp_rank == 0 else 0.0,
-            show_progress=self.dist.is_main and not self.cfg.logging.disable_tqdm,
-            throughput=throughput_model(
-                self.resolved.flops,
-                self.dist.accelerator,
-                self.resolved.ds.precision,
-                self.cfg.logging.peak_tflops,
-                self.cfg.model.gradient_checkpointing,
-                self.dist.world_size,
-                self.dist.is_main,
-            ),
-            rampup_lr_exponent={"none": 0.0, "sqrt": 0.5, "linear": 1.0}[self.cfg.optim.rampup_lr_scaling],
-            router_loss=self.resolved.router_loss,
-        )
+        settings = loop_settings(self.resolved, self.dist, self.state.step, self.schedule.total_steps, self.objective)
         shard = None
         if self.dist.sequence_parallel_size > 1:  # each rank of a sequence-parallel group keeps its part of a block
             shard = partial(sequence_shard, sp_rank=self.dist.sp_rank, sp=self.dist.sequence_parallel_size)
@@ -521,7 +512,8 @@ class Run:
             (newest_committed(self.cfg.run.output_dir), self.metrics.evaluated(step)) if self.dist.is_main else None
         )
         if self.eval_sets and not evaluated:
-            self.metrics.log({"step": step, **evaluate_sets(self.engine, self.eval_sets, self.pipeline_step)})
+            evaluator = self.pipeline_step or self.objective
+            self.metrics.log({"step": step, **evaluate_sets(self.engine, self.eval_sets, evaluator)})
         if self.resolved.eval_prompts and not evaluated:
             self.generate_samples(step)
         if self.cfg.checkpoint.save_at_end and (newest is None or committed_step(newest) != self.state.step):
@@ -536,9 +528,9 @@ class Run:
                 self.cfg.model.trust_remote_code,
             )
             if self.dist.is_main:  # generation config and model card: the folder is complete and publishable
-                run_config = json.loads((Path(self.cfg.run.output_dir) / RUN_CONFIG_FILE).read_text())
-                out = self.cfg.run.output_dir
-                for folder in (out, *([merged_dir(out)] if self.cfg.peft.merge_lora else [])):
+                out, merged = self.cfg.run.output_dir, self.cfg.peft.merge_lora
+                run_config = json.loads((Path(out) / RUN_CONFIG_FILE).read_text())
+                for folder in (out, *([merged_dir(out)] if merged else [])):
                     complete_export(
                         folder, self.resolved.tokenizer, self.resolved.model_config, run_config, self.metrics.latest
                     )
@@ -588,7 +580,9 @@ class Run:
                 release_engine(self.engine)
             except Exception as err:  # never hide the error that brought us here, nor skip the teardown
                 log.warning("could not release the DeepSpeed engine cleanly: %s", err)
-        self.engine = self.model = self._zero3_keepalive = self.guard = self.pipeline_step = None
+        if self.objective is not None and self.objective.reference is not None:  # a live reference's own engine
+            release_engine(self.objective.reference)
+        self.engine = self.model = self._zero3_keepalive = self.guard = self.pipeline_step = self.objective = None
         teardown_distributed(self.dist.rank)
         lingering = communication_threads()
         if lingering:

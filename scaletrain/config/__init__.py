@@ -14,6 +14,7 @@ from scaletrain.config.deepspeed_json import (
 )
 from scaletrain.config.run_config import RunConfig
 from scaletrain.config.guards import HangArgs, NonFiniteArgs
+from scaletrain.config.preference import LOSS_TYPES, REFERENCE_FREE_LOSSES, PreferenceArgs, check_preference_run
 from scaletrain.config.slices import DataArgs, ModelArgs, OptimArgs, ParallelArgs, PeftArgs, PlanningArgs
 from scaletrain.config.values import (
     LOCAL_DATA_FORMATS,
@@ -28,16 +29,20 @@ __all__ = [
     "HangArgs",
     "HardwareFacts",
     "LOCAL_DATA_FORMATS",
+    "LOSS_TYPES",
     "ModelArgs",
     "NonFiniteArgs",
     "OptimArgs",
     "ParallelArgs",
     "PeftArgs",
     "PlanningArgs",
+    "PreferenceArgs",
+    "REFERENCE_FREE_LOSSES",
     "ResolvedDSConfig",
     "RunConfig",
     "VALIDATION_SPLIT",
     "bucket_elements",
+    "check_preference_run",
     "eval_loss_set",
     "eval_metric_prefix",
     "expand_data_files",

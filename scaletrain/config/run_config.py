@@ -10,6 +10,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 from scaletrain.config.guards import HangArgs, NonFiniteArgs
+from scaletrain.config.preference import PreferenceArgs
 from scaletrain.config.slices import (
     CheckpointArgs,
     DataArgs,
@@ -29,6 +30,7 @@ SLICES = {
     "model": ModelArgs,
     "peft": PeftArgs,
     "data": DataArgs,
+    "preference": PreferenceArgs,
     "optim": OptimArgs,
     "engine": EngineArgs,
     "parallel": ParallelArgs,
@@ -48,6 +50,7 @@ class RunConfig:
     model: ModelArgs = field(default_factory=ModelArgs)
     peft: PeftArgs = field(default_factory=PeftArgs)
     data: DataArgs = field(default_factory=DataArgs)
+    preference: PreferenceArgs = field(default_factory=PreferenceArgs)
     optim: OptimArgs = field(default_factory=OptimArgs)
     engine: EngineArgs = field(default_factory=EngineArgs)
     parallel: ParallelArgs = field(default_factory=ParallelArgs)

@@ -4,7 +4,7 @@ order each rank reads from.
 This face re-exports what other parts of scaletrain use; inside the wing, modules import each other by path.
 """
 
-from scaletrain.data.blocks import EvalBatches, IGNORE_INDEX, PackedBlocks
+from scaletrain.data.blocks import EMPTY_SLOT, EvalBatches, IGNORE_INDEX, PackedBlocks
 from scaletrain.data.chat_store import attach_masks, store_plan
 from scaletrain.data.checks import check_block_size, check_data_source
 from scaletrain.data.preparation import ensure_token_store
@@ -14,6 +14,7 @@ from scaletrain.data.training_data import describe_data, training_blocks, valida
 
 __all__ = [
     "BatchRamp",
+    "EMPTY_SLOT",
     "EvalBatches",
     "GlobalOrder",
     "IGNORE_INDEX",

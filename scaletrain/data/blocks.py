@@ -130,6 +130,10 @@ class EvalBatches(Sequence):
         """Rows of batch i, without building it (the last batch of a set may be smaller)."""
         return len(self._batches[i][1])
 
+    def sources(self) -> list:
+        """The distinct blocks objects the batches read from, in order."""
+        return list({id(blocks): blocks for blocks, _ in self._batches}.values())
+
     def targets(self) -> int:
         """Loss targets over all the batches, from the block lengths alone."""
         return sum(blocks.targets_in(indices) for blocks, indices in self._batches)

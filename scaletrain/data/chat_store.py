@@ -43,9 +43,10 @@ MASK_DTYPE = np.dtype(np.uint8)
 class ChatData:
     """What the pre-flight found: the kind of chat dataset, the template that renders it and what the loss trains."""
 
-    kind: str  # "messages" or "prompt_completion"
+    kind: str  # "messages", "prompt_completion" or "preference" (chosen/rejected pairs)
     template: ChatTemplate | None  # None for a prompt/completion of plain strings (no template needed)
-    loss_mode: str  # "assistant_only", "completion_only" or "all"
+    loss_mode: str  # "assistant_only", "completion_only", "all" or "preference" (each pair's two completions)
+    sources: tuple = ()  # ((split, the files or dataset it is read from), ...): what a bad row's error names
 
 
 @dataclass(frozen=True)
@@ -172,6 +173,13 @@ def resolve_chat_data(data: DataArgs, tokenizer, reads_first_row: bool = True) -
                 )
         return None
     where, first = records[0]
+    if kind == "preference":
+        from scaletrain.data.preference_store import PREFERENCE_KIND, check_same_preference_format, preference_template
+
+        read = [(w, r) for w, r in records if not any(value is NOT_READ for value in r.values())]
+        check_same_preference_format(read)
+        template = preference_template(where, first, data, tokenizer, unread=len(read) < len(records))
+        return ChatData(PREFERENCE_KIND, template, PREFERENCE_KIND, _split_sources(data))
     if kind == "messages":
         if first["messages"] is not NOT_READ:
             check_messages(first["messages"], 0)
@@ -189,6 +197,17 @@ def resolve_chat_data(data: DataArgs, tokenizer, reads_first_row: bool = True) -
         )
     template = load_chat_template(tokenizer, data.chat_template) if conversational or data.chat_template else None
     return ChatData(kind, template, "completion_only")
+
+
+def _split_sources(data: DataArgs) -> tuple:
+    """((split, "--flag value"), ...) of the run's raw data, for the errors that name a bad row's file."""
+    from scaletrain.data.raw import local_data_files
+
+    named = [("train", f"--dataset_name {data.dataset_name}")] if data.dataset_name else []
+    for split, files in local_data_files(data).items():
+        flag = "--train_file" if split == "train" else "--validation_file"
+        named.append((split, f"{flag} {','.join(map(str, files))}"))
+    return tuple(named)
 
 
 def _chat_data_of_stores(data: DataArgs) -> ChatData | None:
@@ -261,8 +280,13 @@ def chat_fingerprint(data: DataArgs, tokenizer, block_size: int, chat: ChatData)
     )
 
 
-def _check_rows(ds, kind: str, split: str) -> None:
+def _check_rows(ds, chat: ChatData, split: str) -> None:
     """Every row's messages, before any is rendered: a bad row deep in the file is refused as early as the first."""
+    kind = chat.kind
+    if kind == "preference":
+        from scaletrain.data.preference_store import check_preference_rows
+
+        return check_preference_rows(ds, dict(chat.sources).get(split, f"{split} data"))
     columns = ("messages",) if kind == "messages" else ("prompt", "completion")
     for name in columns:
         if name not in ds.column_names:
@@ -285,7 +309,7 @@ _RENDERER: dict = {}
 
 
 def _init_renderer(
-    tokenizer_dir: str, template: ChatTemplate | None, assistant_only: bool, parent_pid: int | None
+    tokenizer_dir: str, template: ChatTemplate | None, assistant_only: bool, kind: str, parent_pid: int | None
 ) -> None:
     """A rendering worker: the run's tokenizer from its saved folder, one tokenizer thread."""
     from transformers import AutoTokenizer
@@ -296,19 +320,29 @@ def _init_renderer(
     if parent_pid is not None:
         _die_with_parent(parent_pid)
     _RENDERER.update(
-        tokenizer=AutoTokenizer.from_pretrained(tokenizer_dir), template=template, assistant_only=assistant_only
+        tokenizer=AutoTokenizer.from_pretrained(tokenizer_dir),
+        template=template,
+        assistant_only=assistant_only,
+        kind=kind,
     )
 
 
 def _render_rows(batch: tuple) -> tuple:
     """(ids, mask, lengths) of rows numbered from `first` (the numbers errors name), as flat arrays: cheap to send
-    back from a worker."""
+    back from a worker. A preference row is two sequences, its chosen then its rejected one."""
     first, rows = batch
     w = _RENDERER
-    rendered = [
-        render_example(row, w["tokenizer"], w["template"], first + k, assistant_only=w["assistant_only"])
-        for k, row in enumerate(rows)
-    ]
+    if w["kind"] == "preference":
+        from scaletrain.data.preference_render import render_pair
+
+        rendered = [
+            seq for k, row in enumerate(rows) for seq in render_pair(row, w["tokenizer"], w["template"], first + k)
+        ]
+    else:
+        rendered = [
+            render_example(row, w["tokenizer"], w["template"], first + k, assistant_only=w["assistant_only"])
+            for k, row in enumerate(rows)
+        ]
     ids = np.fromiter((i for r in rendered for i in r.input_ids), dtype=np.int64)
     mask = np.fromiter((m for r in rendered for m in r.loss_mask), dtype=MASK_DTYPE)
     return ids, mask, np.fromiter((len(r.input_ids) for r in rendered), dtype=np.int64, count=len(rendered))
@@ -330,7 +364,7 @@ def render_split(ds, tokenizer, chat: ChatData, split: str, show_progress: bool,
 
     from scaletrain.data.token_store import WorkerPool, _dtype_for
 
-    _check_rows(ds, chat.kind, split)
+    _check_rows(ds, chat, split)
     assistant_only = chat.loss_mode != "all"
     ids, masks, lengths = [], [], []
     dtype = _dtype_for(len(tokenizer))
@@ -342,13 +376,15 @@ def render_split(ds, tokenizer, chat: ChatData, split: str, show_progress: bool,
                 tokenizer.save_pretrained(tokenizer_dir)
                 pool = WorkerPool(
                     min(workers, len(ds) // RENDER_BATCH),
-                    (tokenizer_dir, chat.template, assistant_only),
+                    (tokenizer_dir, chat.template, assistant_only, chat.kind),
                     _init_renderer,
                     _render_rows,
                 )
                 results = pool.map(_row_batches(ds))
             else:
-                _RENDERER.update(tokenizer=tokenizer, template=chat.template, assistant_only=assistant_only)
+                _RENDERER.update(
+                    tokenizer=tokenizer, template=chat.template, assistant_only=assistant_only, kind=chat.kind
+                )
                 results = map(_render_rows, _row_batches(ds))
             for batch_ids, batch_mask, batch_lengths in results:
                 ids.append(batch_ids.astype(dtype))
@@ -390,7 +426,7 @@ def write_chat_store(
     except WorkerDied as err:
         raise err.as_prepare_error(f"chat store {store}", "rendering", "--preprocessing_num_workers") from None
     train_ids, train_mask, train_lengths = rendered["train"]
-    if chat.loss_mode != "all":  # before anything is written: a refused dataset leaves nothing behind
+    if chat.loss_mode not in ("all", "preference"):  # before anything is written: a refused dataset leaves nothing
         bounds = np.cumsum(train_lengths)[:-1]
         summary = check_masks((m.astype(np.int64) for m in np.split(train_mask, bounds)), chat.template)
         if summary.examples_without_trained_tokens:

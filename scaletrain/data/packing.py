@@ -170,7 +170,12 @@ def examples_from_store(opened: dict, split: str, block_size: int, truncation: s
 
 
 def blocks_for(opened: dict, split: str, block_size: int, data):
-    """The blocks of one split of a store: whole examples for a chat store, the cut stream for plain text."""
+    """The blocks of one split of a store: preference pairs, whole examples for a chat store, the cut stream for
+    plain text."""
+    if opened["manifest"].get("chat_kind") == "preference":
+        from scaletrain.data.pairs import pairs_from_store
+
+        return pairs_from_store(opened, split, block_size, data.truncation)
     if "masks" in opened:
         return examples_from_store(opened, split, block_size, data.truncation)
     return blocks_from_store(opened, split, block_size, data.attention_isolation)

@@ -10,7 +10,10 @@ from scaletrain.errors import UsageError
 
 
 def record_kind(record: dict) -> str | None:
-    """ "messages", "prompt_completion", or None for a record of plain text (chat data: data/chat_store.py)."""
+    """ "messages", "prompt_completion", "preference" (chosen/rejected pairs), or None for a record of plain text
+    (chat data: data/chat_store.py; preference pairs: data/preference_store.py)."""
+    if "chosen" in record or "rejected" in record:  # one without the other is refused by name when checked
+        return "preference"
     if "messages" in record:
         return "messages"
     if "prompt" in record and "completion" in record:
@@ -149,7 +152,11 @@ def check_text_column(ds, column: str, source: str) -> None:
     if column not in ds.column_names:
         kind = record_kind(dict.fromkeys(ds.column_names))
         if kind is not None:  # chat data whose first record the pre-flight could not read, taken for plain text
-            columns = "a messages column" if kind == "messages" else "prompt and completion columns"
+            columns = {
+                "messages": "a messages column",
+                "prompt_completion": "prompt and completion columns",
+                "preference": "chosen and rejected columns",
+            }[kind]
             raise UsageError(
                 f"--text_column {column}: not a column of {source}, which has {columns}: chat data that the "
                 "pre-flight could not recognise (its first record could not be read ahead), so it was read as text",

@@ -194,6 +194,11 @@ class StepBatches:
         n_blocks = int((global_indices != EMPTY_SLOT).sum())
         return micro, global_targets, n_blocks
 
+    def tokens_for(self, step: int) -> int | None:
+        """Real tokens of one step's whole global batch, where its blocks say it (preference pairs); else None."""
+        counted = getattr(self.blocks, "tokens_in", None)
+        return None if counted is None else counted(self._global_indices(step))
+
     def sample_ids(self, step: int) -> list:
         """The global sample ids (block indices of the training order) of one step's whole global batch."""
         return [int(i) for i in self._global_indices(step) if i != EMPTY_SLOT]

@@ -204,7 +204,7 @@ def open_store(store: Path, expected: Fingerprint | None = None) -> dict:
             )
         tokens = np.memmap(tokens_path, dtype=dtype, mode="r") if info["n_tokens"] else np.zeros(0, dtype)
         splits[split] = StoreSplit(tokens, doc_starts)
-    return {"manifest": manifest, "splits": splits}
+    return {"manifest": manifest, "splits": splits, "path": Path(store)}
 
 
 # --- writing ---------------------------------------------------------------------------------------------------

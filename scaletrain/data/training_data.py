@@ -55,6 +55,12 @@ def validation_sets(
 
 def describe_data(blocks, order, micro: int, accumulation: int, dp_world_size: int, total_steps: int) -> str:
     """The data line of a run's first logs: documents, tokens, blocks and how they make the global batch."""
+    if getattr(blocks, "unit", None) == "pairs":
+        return (
+            f"data: {len(blocks)} preference pairs, {blocks.n_tokens} tokens (both sequences); global batch "
+            f"{order.global_batch} pairs = {micro} micro x {accumulation} accumulation x {dp_world_size} ranks; "
+            f"{order.steps_per_epoch} steps/epoch, {total_steps} steps"
+        )
     return (
         f"data: {blocks.n_documents} documents, {blocks.n_tokens} tokens -> {len(blocks)} blocks of "
         f"{blocks.block_size} (last block {blocks.last_block_length} real tokens, padded; none dropped); global "

@@ -90,6 +90,8 @@ class LogWindow:
     loss_targets: int = 0  # targets of the applied steps (a skipped step's loss stays out of the mean)
     skipped: int = 0  # steps whose update was not applied
     aux_sum: Any = None  # MoE: this rank's shares of the applied steps' mean load-balancing losses (None: dense)
+    metric_sums: dict | None = None  # preference pairs: this rank's sums of TRL's metrics over the applied steps
+    tokens: int = 0  # tokens processed, where they are not the targets (preference pairs: targets count pairs)
 
     @property
     def applied_steps(self) -> int:
@@ -105,6 +107,8 @@ class LogWindow:
         grad_norm,
         skipped: bool = False,
         aux_share=None,
+        metric_sums: dict | None = None,
+        tokens: int | None = None,
     ) -> None:
         """`phases`: the step's split, or None for a step that was not split (a GPU step not logged); `aux_share`:
         an MoE step's share of its mean load-balancing loss on this rank (None for a dense model)."""
@@ -117,8 +121,12 @@ class LogWindow:
                 self.aux_sum = self.aux_sum + aux_share
             self.loss_sum = self.loss_sum + loss_sum
             self.loss_targets += targets
+            if metric_sums is not None:
+                old = self.metric_sums or dict.fromkeys(metric_sums, 0.0)
+                self.metric_sums = {name: old[name] + value for name, value in metric_sums.items()}
             self.grad_norm = grad_norm
         self.targets += targets
+        self.tokens += targets if tokens is None else tokens
         self.samples += samples
         self.steps += 1
         self.seconds += seconds
@@ -137,11 +145,14 @@ class LogWindow:
         # step, the straggler signal. Not the step time: the step's collectives make every rank wait for the
         # slowest, so all ranks' step times are the same. The forward holds no gradient communication (ZeRO-3's
         # parameter gathers and tensor parallelism's all-reduces do wait in it, which blurs the signal there).
-        mine = torch.zeros(3, dtype=torch.float64, device=device)
+        extra = sorted(self.metric_sums or {})  # the same names on every rank: the same data kind
+        mine = torch.zeros(3 + len(extra), dtype=torch.float64, device=device)
         mine[0] = torch.as_tensor(self.loss_sum, dtype=torch.float64, device=device).reshape(())
         mine[1] = self.phases["forward"] / self.phase_steps if self.phase_steps else 0.0
         aux = 0.0 if self.aux_sum is None else self.aux_sum
         mine[2] = torch.as_tensor(aux, dtype=torch.float64, device=device).reshape(())
+        for k, name in enumerate(extra):
+            mine[3 + k] = torch.as_tensor(self.metric_sums[name], dtype=torch.float64, device=device).reshape(())
         gathered = [torch.zeros_like(mine) for _ in range(torch_dist.get_world_size())]
         torch_dist.all_gather(gathered, mine)
         rows = torch.stack(gathered).cpu()
@@ -149,13 +160,18 @@ class LogWindow:
         forward_times = rows[:, 1].tolist()
         slowest = max(range(len(forward_times)), key=forward_times.__getitem__)
         median_forward = statistics.median(forward_times)
-        tokens_per_s = self.targets / self.seconds if self.seconds else 0.0
+        tokens_per_s = self.tokens / self.seconds if self.seconds else 0.0
         record = {
             "loss": total.item() / self.loss_targets if self.loss_targets else None,  # None: all skipped
             # MoE: the mean over the applied steps of each step's mean load-balancing loss (not times the coefficient)
             "aux_loss": rows[:, 2].sum().item() / self.applied_steps
             if self.aux_sum is not None and self.applied_steps
             else None,
+            # preference pairs: TRL's metrics, each the mean over the applied steps' pairs
+            **{
+                name: rows[:, 3 + k].sum().item() / self.loss_targets if self.loss_targets else None
+                for k, name in enumerate(extra)
+            },
             "skipped": self.skipped,
             "grad_norm": None if self.grad_norm is None else float(self.grad_norm),
             "tokens_per_s": tokens_per_s,

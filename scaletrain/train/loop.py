@@ -36,11 +36,11 @@ from typing import Any
 from scaletrain.data import EvalBatches, IGNORE_INDEX, StepBatches
 from scaletrain.config import eval_metric_prefix
 from scaletrain.errors import Preempted
-from scaletrain.train.preemption import PreemptionFlag, record_preemption_saved
-from scaletrain.observability import LogWindow, MetricsLogger, PhaseClock, StepProfiler, ThroughputModel
-from scaletrain.engine import SkipSwitch
+from scaletrain.train.preemption import record_preemption_saved
+from scaletrain.observability import LogWindow, PhaseClock
 from scaletrain.train.losses import token_and_router_losses, token_loss_sum
 from scaletrain.train.nonfinite import NonFiniteGuard
+from scaletrain.train.settings import LoopHooks, LoopSettings
 from scaletrain.train.state import TrainState
 
 log = logging.getLogger(__name__)
@@ -64,45 +64,6 @@ def agree_step(device, loss_sum, *flags: bool) -> tuple:
 
 
 @dataclass(frozen=True)
-class LoopSettings:
-    max_steps: int
-    logging_steps: int
-    eval_steps: int
-    save_steps: int
-    save_interval_minutes: float
-    preemption_grace_seconds: float
-    gradient_divisor: int  # the ranks DeepSpeed averages gradients over (the data-parallel ones; all under SP)
-    show_progress: bool
-    throughput: ThroughputModel | None = None
-    rampup_lr_exponent: float = 0.0  # during a batch ramp-up the LR is scaled by (batch / full batch) ** this
-    # This rank's share of the reported loss: the ranks of a tensor-parallel group compute the same loss, so only the
-    # first of each group counts (0 x NaN is NaN: a non-finite loss is still seen).
-    loss_share: float = 1.0
-    router_loss: Any = None  # an MoE model's load-balancing loss (scaletrain.model.moe.RouterLoss), or None
-
-
-@dataclass(frozen=True)
-class LoopHooks:
-    """What the loop calls out to besides the engine and the data: sinks, saves, signals, the non-finite guard."""
-
-    metrics: MetricsLogger
-    save: Callable[[], Any]  # a checkpoint of the current step (a collective: every rank calls it), maybe async
-    preemption: PreemptionFlag
-    eval_sets: dict | None = None  # {validation split: EvalBatches}, read lazily from the store
-    profiler: StepProfiler | None = None
-    guard: NonFiniteGuard | None = None
-    switch: SkipSwitch | None = None  # lets the guard skip an update through DeepSpeed's overflow path
-    rollback: Callable[[], None] | None = None  # the guard's "rollback": back to the last committed checkpoint
-    pipeline: Any = None  # a PipelineStep: the step runs through DeepSpeed's pipe schedule (train_batch)
-    comm_log: Any = None  # --comms_log: scaletrain.observability.comms_log.CommLog, read once per logging window
-    generate: Callable[[int], None] | None = None  # --eval_prompts: greedy generations at each evaluation
-    ledger: Any = None  # observability.GoodputLedger: each step's time, evaluations', saves'
-    save_now: Callable[[], Any] | None = None  # a save committed before it returns (a preemption); default: save
-    commit_pending: Callable[[], None] | None = None  # --async_save: commit the save in flight once written
-    watch: Any = None  # train.hang.HangWatch: where the loop is, for the hang watch (--hang_timeout)
-
-
-@dataclass(frozen=True)
 class StepResult:
     """One optimizer step, as the loop books it."""
 
@@ -115,6 +76,8 @@ class StepResult:
     forced: str | None  # why the guard skipped the update, or None
     applied: bool  # the update happened (DeepSpeed also refuses one whose gradient norm is not finite)
     aux_share: Any = None  # MoE: this rank's share of the step's mean load-balancing loss (summed over ranks: the mean)
+    metric_sums: dict | None = None  # a preference step's metric sums on this rank (over ranks / targets: the mean)
+    tokens: int | None = None  # tokens the step processed where they are not its targets (preference pairs)
 
 
 class StepTimers:
@@ -154,10 +117,11 @@ class StepTimers:
         return seconds, self.clock.phases if self.clock.measured else None
 
 
-def evaluate_sets(engine, sets: dict, pipeline=None) -> dict:
+def evaluate_sets(engine, sets: dict, evaluator=None) -> dict:
     """Each validation set's mean loss and perplexity: eval_loss for the unnamed set, eval_<name>_loss for each
-    named one (--validation_file name=path,...), in the order given."""
-    run_eval = pipeline.evaluate if pipeline else evaluate
+    named one (--validation_file name=path,...), in the order given. `evaluator`: what evaluates instead of the token
+    loss here (a PipelineStep, or a preference run's objective), through its `evaluate(engine, batches, prefix)`."""
+    run_eval = evaluator.evaluate if evaluator else evaluate
     return {
         key: value
         for split, batches in sets.items()
@@ -234,6 +198,8 @@ def train_loop(engine, batches: StepBatches, state: TrainState, settings: LoopSe
                 engine.get_global_grad_norm(),
                 skipped=not result.applied,
                 aux_share=result.aux_share,
+                metric_sums=result.metric_sums,
+                tokens=result.tokens,
             )
             if hooks.profiler:
                 hooks.profiler.after_step(state.step)
@@ -274,19 +240,21 @@ def optimizer_step(
         clock=clock,
         router_loss=settings.router_loss,
         micro_batches=len(micro_batches),
+        objective=settings.objective,
     )
     *accumulating, boundary = micro_batches
-    loss_sum, aux_sum = 0.0, 0.0
+    loss_sum, aux_sum, metric_sums = 0.0, 0.0, None
     for batch in accumulating:
         engine.set_gradient_accumulation_boundary(False)
-        summed, aux = backward(batch)
-        loss_sum, aux_sum = loss_sum + summed, aux_sum + aux
+        summed, aux, metrics = backward(batch)
+        loss_sum, aux_sum, metric_sums = loss_sum + summed, aux_sum + aux, _add_sums(metric_sums, metrics)
         engine.step()  # inside the accumulation: no update, DeepSpeed counts the micro-batch
         clock.lap("optimizer")
     # The boundary is ours, not DeepSpeed's count of micro-steps modulo the accumulation steps, which a change of
     # the accumulation (a ramp-up stage) would put in the middle of a step.
     engine.set_gradient_accumulation_boundary(True)
-    summed, aux = backward(boundary)
+    summed, aux, metrics = backward(boundary)
+    metric_sums = _add_sums(metric_sums, metrics)
     loss_sum = (loss_sum + summed) * settings.loss_share
     aux_share = (
         None
@@ -322,7 +290,16 @@ def optimizer_step(
         forced,
         applied=engine.was_step_applied(),
         aux_share=aux_share,
+        metric_sums=metric_sums,
+        tokens=batches.tokens_for(data_step) if settings.objective is not None else None,
     )
+
+
+def _add_sums(total: dict | None, more: dict | None) -> dict | None:
+    """Metric sums of the micro-batches so far, plus one more's (None: a token-loss step has none)."""
+    if more is None:
+        return total
+    return dict(more) if total is None else {name: total[name] + value for name, value in more.items()}
 
 
 class PipelineStep:
@@ -450,21 +427,25 @@ def scaled_lr(engine, factor: float):
 
 
 def _forward_backward(
-    engine, batch: dict, scale: float, clock: PhaseClock, router_loss=None, micro_batches: int = 1
+    engine, batch: dict, scale: float, clock: PhaseClock, router_loss=None, micro_batches: int = 1, objective=None
 ) -> tuple:
     """One micro-batch: the backward of its share of the step's objective; (its summed token loss, its
-    load-balancing loss or 0), detached."""
-    if router_loss is None:
+    load-balancing loss or 0, a preference objective's metric sums or None), detached."""
+    metrics = None
+    if objective is not None:  # preference pairs: the summed per-pair loss (targets_in counted the pairs)
+        summed, metrics = objective(engine, batch)
+        aux, objective_value = 0.0, summed * scale
+    elif router_loss is None:
         summed = token_loss_sum(engine, batch)  # looked up at each call: tests/helpers/inject_nonfinite.py wraps it
-        aux, objective = 0.0, summed * scale
+        aux, objective_value = 0.0, summed * scale
     else:  # the module docstring derives the aux factor
         summed, aux = token_and_router_losses(engine, batch, router_loss)
-        objective = summed * scale + aux * (router_loss.coef / micro_batches)
+        objective_value = summed * scale + aux * (router_loss.coef / micro_batches)
         aux = aux.detach()
     clock.lap("forward")
-    engine.backward(objective, scale_wrt_gas=False)
+    engine.backward(objective_value, scale_wrt_gas=False)
     clock.lap("backward")
-    return summed.detach(), aux
+    return summed.detach(), aux, metrics
 
 
 def _logged(step: int, settings: LoopSettings) -> bool:
@@ -487,7 +468,7 @@ def _count_step(
     if not result.applied:
         state.skipped_steps += 1
     else:
-        state.tokens_seen += result.targets
+        state.tokens_seen += result.targets if result.tokens is None else result.tokens
     return verdict
 
 
@@ -545,7 +526,9 @@ def _evaluate_when_due(engine, step: int, settings: LoopSettings, hooks: LoopHoo
     if due and (hooks.eval_sets or hooks.generate is not None):
         _note(hooks, "evaluation", long=True)
     if hooks.eval_sets and due:
-        hooks.metrics.log({"step": step, **evaluate_sets(engine, hooks.eval_sets, hooks.pipeline)})
+        hooks.metrics.log(
+            {"step": step, **evaluate_sets(engine, hooks.eval_sets, hooks.pipeline or settings.objective)}
+        )
     if hooks.generate is not None and due:
         hooks.generate(step)
     if hooks.ledger:

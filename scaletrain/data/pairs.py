@@ -1,0 +1,148 @@
+"""Preference pairs read back from a preference store (scaletrain/data/preference_store.py) for training: pair i of a
+split is its sequences 2i (prompt + chosen) and 2i + 1 (prompt + rejected).
+
+A pair plays the part of a block for the sampler and the loop: the global order draws pair indices, so
+--per_device_train_batch_size counts pairs and a pair's two sequences are always in the same micro-batch. A
+micro-batch of B pairs is 2B rows, the B chosen sequences then the B rejected ones (TRL's order), right-padded to the
+micro-batch's longest sequence (no attention mask is needed: causal attention never looks ahead at the padding).
+Labels are the completion tokens; `targets_in` counts pairs, so the loop's loss normaliser (sum over the global
+batch / global targets) makes the step's loss the mean over the pairs of the global batch, for any number of ranks
+and accumulation steps.
+
+A sequence longer than `block_size` follows --truncation: `truncate` cuts its prompt from the start (the completion,
+what the loss compares, stays whole; a completion longer than the block alone is cut at its end), `drop` leaves the
+pair out; either way the count is logged. Reference log-probabilities (scaletrain/train/reference.py), once attached,
+travel in each batch as `ref_chosen_logps` / `ref_rejected_logps`.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from scaletrain.data.blocks import EMPTY_SLOT, IGNORE_INDEX
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class PreferencePairs:
+    tokens: np.ndarray  # flat token ids of every sequence (a memmap of the store)
+    mask: np.ndarray  # 1 on completion tokens
+    starts: np.ndarray  # each sequence's first token in `tokens`, after truncation
+    lengths: np.ndarray  # each sequence's length, after truncation
+    completion_at: np.ndarray  # where each sequence's completion starts, counted from its (truncated) start
+    kept: np.ndarray  # the split's pair numbers left after --truncation drop, in order
+    block_size: int
+    pad_id: int
+    truncated: int = 0  # sequences cut to the block
+    dropped: int = 0  # pairs left out
+    ref_logps: np.ndarray | None = None  # [pairs of the split, 2]: the reference's chosen / rejected log-probs
+    isolate_documents: bool = False  # sequences are never packed together: nothing to isolate
+    unit: str = field(default="pairs", init=False)
+
+    def __len__(self) -> int:
+        return len(self.kept)
+
+    @property
+    def n_split_pairs(self) -> int:
+        """Pairs of the split, those --truncation drop left out included (the reference arrays' length)."""
+        return len(self.starts) // 2
+
+    @property
+    def n_tokens(self) -> int:
+        rows = np.concatenate([2 * self.kept, 2 * self.kept + 1])
+        return int(self.lengths[rows].sum())
+
+    @property
+    def n_documents(self) -> int:
+        return len(self.kept)
+
+    @property
+    def last_block_length(self) -> int:
+        return self.block_size
+
+    def targets_in(self, indices: np.ndarray) -> int:
+        """The loss normaliser's count: the real pairs among `indices` (the loss is a mean over pairs)."""
+        return int((indices != EMPTY_SLOT).sum())
+
+    def tokens_in(self, indices: np.ndarray) -> int:
+        """Real tokens of the given pairs (both sequences, prompts included): what their forward processes, the
+        step's throughput."""
+        real = self.kept[indices[indices != EMPTY_SLOT]]
+        return int(self.lengths[np.concatenate([2 * real, 2 * real + 1])].sum())
+
+    def batch(self, indices: np.ndarray) -> dict:
+        """2B rows for B pair indices (EMPTY_SLOT: a pair of padding rows with no loss): chosen rows, then rejected."""
+        import torch
+
+        real = indices != EMPTY_SLOT
+        pairs = np.where(real, self.kept[np.where(real, indices, 0)], -1)
+        rows = [2 * p if p >= 0 else -1 for p in pairs] + [2 * p + 1 if p >= 0 else -1 for p in pairs]
+        width = max([int(self.lengths[r]) for r in rows if r >= 0] or [2])
+        ids = np.full((len(rows), width), self.pad_id, dtype=np.int64)
+        labels = np.full((len(rows), width), IGNORE_INDEX, dtype=np.int64)
+        for k, r in enumerate(rows):
+            if r < 0:
+                continue
+            start, n, at = int(self.starts[r]), int(self.lengths[r]), int(self.completion_at[r])
+            ids[k, :n] = self.tokens[start : start + n]
+            labels[k, at:n] = ids[k, at:n]
+        batch = {
+            "input_ids": torch.from_numpy(ids),
+            "labels": torch.from_numpy(labels),
+            "pair_ids": torch.from_numpy(pairs.astype(np.int64)),
+        }
+        if self.ref_logps is not None:
+            ref = np.where(real[:, None], self.ref_logps[np.maximum(pairs, 0)], 0.0)
+            batch["ref_chosen_logps"] = torch.from_numpy(ref[:, 0].astype(np.float64))
+            batch["ref_rejected_logps"] = torch.from_numpy(ref[:, 1].astype(np.float64))
+        return batch
+
+
+def pairs_from_store(opened: dict, split: str, block_size: int, truncation: str) -> PreferencePairs | None:
+    """The pairs of one split of a preference store, with --truncation applied; None when no pair is left."""
+    part = opened["splits"].get(split)
+    if part is None or part.n_tokens == 0:
+        return None
+    mask = opened["masks"][split]
+    starts = np.asarray(part.doc_starts, dtype=np.int64)
+    ends = np.concatenate([starts[1:], [len(part.tokens)]]).astype(np.int64)
+    full = ends - starts
+    trained = np.flatnonzero(np.asarray(mask))  # the first trained token of a sequence starts its completion
+    prompt = trained[np.searchsorted(trained, starts)] - starts
+    over = np.maximum(full - block_size, 0)
+    too_long = over > 0
+    pair_too_long = too_long[0::2] | too_long[1::2]
+    if truncation == "drop":
+        kept = np.flatnonzero(~pair_too_long)
+        cut = np.zeros_like(over)
+    else:
+        kept = np.arange(len(starts) // 2)
+        cut = np.minimum(over, prompt)  # the prompt's first tokens go first
+    lengths = np.minimum(full - cut, block_size)
+    pairs = PreferencePairs(
+        part.tokens,
+        np.asarray(mask),
+        starts + cut,
+        lengths,
+        prompt - cut,
+        kept,
+        block_size,
+        opened["manifest"]["pad_id"],
+        truncated=int(too_long.sum()) if truncation == "truncate" else 0,
+        dropped=int(pair_too_long.sum()) if truncation == "drop" else 0,
+    )
+    if not len(pairs):
+        return None
+    log.info(
+        "preference data (%s): %d pairs; %d %s longer than the block %s",
+        split,
+        len(pairs),
+        pairs.truncated + pairs.dropped,
+        "sequences" if truncation == "truncate" else "pairs",
+        "truncated to it (prompt first)" if truncation == "truncate" else "dropped",
+    )
+    return pairs

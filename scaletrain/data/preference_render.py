@@ -1,0 +1,268 @@
+"""Preference data: one row of a TRL preference dataset (a prompt, a chosen and a rejected completion) turned into
+two token sequences, prompt + chosen and prompt + rejected, each trained on its completion only, tokenized exactly as
+TRL 1.16's DPOTrainer does (`_prepare_dataset`), so that a DPO run here sees the very ids a TRL run sees.
+
+Three of TRL's row formats are accepted, told apart by the row's columns and value types:
+
+    explicit_text            {"prompt": str, "chosen": str, "rejected": str}
+    explicit_conversational  {"prompt": [messages], "chosen": [messages], "rejected": [messages]}
+    implicit_conversational  {"chosen": [messages], "rejected": [messages]}: the prompt is the turns both share
+
+TRL's tokenization, followed to the token: plain text gets the EOS text appended to each completion unless it already
+ends with it, and is tokenized with the tokenizer's own special tokens (a BOS where the tokenizer adds one); a
+conversation is rendered with the chat template and tokenized with `add_special_tokens=False` (the template writes
+its own BOS), the prompt with the generation prompt. Prompt, prompt + chosen and prompt + rejected are tokenized
+whole, and the completion starts where the prompt's ids and each whole sequence's ids first differ (the shorter of
+the two common prefixes). That is not always the end of the prompt: a BPE merge across the boundary ("is " + "blue"
+is "is", " blue", not "is", " ", "blue"), or a template that renders the prompt alone differently, moves the start
+back, and those prompt tokens are trained as completion. chat_render.py cuts at the boundary instead, as at
+inference; here TRL's choice is kept on purpose, because a preference run is checked against TRL's numbers.
+
+The rows TRL would take but that train nothing true are refused, naming `example {index}` (the caller prefixes the
+file or split): identical chosen and rejected, an empty completion, an implicit pair whose shared turns are not a
+prompt, a plain-text pair without a prompt, and a conversational row without a chat template.
+
+Pure functions over a Hugging Face tokenizer; nothing here touches the token store.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from scaletrain.data.chat_render import ChatTemplate, MaskedTokens, _render, check_messages
+from scaletrain.errors import UsageError
+
+PREFERENCE_FORMATS = ("explicit_text", "explicit_conversational", "implicit_conversational")
+_PROMPT_ROLES = ("system", "user")  # the turns a reply answers
+_FORMAT_FIX = (
+    "a preference row is TRL's: prompt, chosen and rejected (all text or all message lists), or chosen and rejected "
+    "message lists that repeat the prompt turns"
+)
+
+
+def preference_format(row: dict, index: int = 0) -> str:
+    """Which of PREFERENCE_FORMATS the row is in, from its columns and their value types (a string is text, a list
+    is messages, checked later). A plain-text pair without a prompt is refused: TRL's extract_prompt would take
+    their common characters as the prompt, cutting at the first character that differs, which can split a word
+    ("It is bad" / "It is bold": prompt "It is b"), so the completions trained would not be the ones written."""
+    has_chosen, has_rejected = "chosen" in row, "rejected" in row
+    if not (has_chosen and has_rejected):
+        present, missing = ("chosen", "rejected") if has_chosen else ("rejected", "chosen")
+        if not (has_chosen or has_rejected):
+            raise UsageError(
+                f"example {index} has neither a chosen nor a rejected column (columns: {', '.join(sorted(row))})",
+                _FORMAT_FIX,
+            )
+        raise UsageError(f"example {index} has a {present} column but no {missing} column", _FORMAT_FIX)
+    chosen_kind, rejected_kind = _kind(row, "chosen", index), _kind(row, "rejected", index)
+    if chosen_kind != rejected_kind:
+        raise UsageError(f"example {index}: chosen is {chosen_kind} but rejected is {rejected_kind}", _FORMAT_FIX)
+    if "prompt" in row:
+        prompt_kind = _kind(row, "prompt", index)
+        if prompt_kind != chosen_kind:
+            raise UsageError(
+                f"example {index}: the prompt is {prompt_kind} but chosen and rejected are {chosen_kind}",
+                "give prompt, chosen and rejected all as text or all as message lists",
+            )
+        return "explicit_text" if chosen_kind == "text" else "explicit_conversational"
+    if chosen_kind == "text":
+        raise UsageError(
+            f"example {index}: plain-text chosen and rejected without a prompt column",
+            "add a prompt column: a text prompt cannot be told from the completions (TRL's extract_prompt cuts at "
+            'the first differing character, which can split a word: "It is bad" / "It is bold" -> "It is b")',
+        )
+    return "implicit_conversational"
+
+
+def _kind(row: dict, field: str, index: int) -> str:
+    value = row[field]
+    if isinstance(value, str):
+        return "text"
+    if isinstance(value, (list, tuple)):
+        return "a message list"
+    raise UsageError(
+        f"example {index}: {field} is {type(value).__name__}, neither text nor a message list", _FORMAT_FIX
+    )
+
+
+def mixed_formats_error(first: str, other: str, index: int) -> UsageError:
+    """The error for a row whose format is not the first row's (the caller raises it)."""
+    return UsageError(
+        f"example {index} is {other} but example 0 is {first}: a preference dataset has one format",
+        "convert the rows to one format (TRL too decides from the first row whether to extract prompts and append "
+        "EOS, and would mistreat the others)",
+    )
+
+
+def check_same_format(rows: Iterable[dict], first_format: str) -> None:
+    """Refuse a dataset whose rows are not all in `first_format`, naming the first row that differs."""
+    for index, row in enumerate(rows):
+        fmt = preference_format(row, index)
+        if fmt != first_format:
+            raise mixed_formats_error(first_format, fmt, index)
+
+
+def check_pair(row: dict, index: int, fmt: str) -> tuple:
+    """The row's (prompt, chosen, rejected), the prompt taken out of chosen and rejected for an implicit row, after
+    refusing what trains nothing true: identical completions, an empty one, and messages that are not a prompt and
+    a reply.
+
+    A conversational completion is one or more assistant turns with text, after a prompt that ends with a system or
+    user turn. TRL's extract_prompt takes the longest common prefix of the two message lists as the prompt, whatever
+    follows; this is stricter, because what follows is trained as the model's reply: a pair that differs at an
+    earlier turn (a user turn, or an assistant turn that later turns answer) would train user text, or replies to
+    different contexts, as the completion, and a pair where one list extends the other leaves TRL's prompt one turn
+    short of their common prefix."""
+    assert fmt in PREFERENCE_FORMATS, fmt
+    if fmt == "explicit_text":
+        prompt, chosen, rejected = row["prompt"], row["chosen"], row["rejected"]
+        for field, text in (("chosen", chosen), ("rejected", rejected)):
+            if not text.strip():
+                raise UsageError(
+                    f"example {index}: the {field} completion is empty", "drop the example, or fill in the completion"
+                )
+        _check_different(chosen, rejected, index)
+        return prompt, chosen, rejected
+    for field in ("prompt", "chosen", "rejected") if fmt == "explicit_conversational" else ("chosen", "rejected"):
+        check_messages(row[field], index, field)
+    if fmt == "explicit_conversational":
+        prompt, chosen, rejected = list(row["prompt"]), list(row["chosen"]), list(row["rejected"])
+        _check_different(chosen, rejected, index)
+        if prompt[-1]["role"] not in _PROMPT_ROLES:
+            raise UsageError(
+                f"example {index}: the prompt ends with an assistant turn; a completion answers a system or user turn",
+                "end the prompt with the user turn the completions answer",
+            )
+    else:
+        prompt, chosen, rejected = _extract_prompt(list(row["chosen"]), list(row["rejected"]), index)
+    for field, completion in (("chosen", chosen), ("rejected", rejected)):
+        _check_completion(completion, field, index)
+    return prompt, chosen, rejected
+
+
+def _check_different(chosen, rejected, index: int) -> None:
+    if chosen == rejected:
+        raise UsageError(
+            f"example {index}: chosen and rejected are identical, so the pair prefers nothing",
+            "drop the example",
+        )
+
+
+def _extract_prompt(chosen: list, rejected: list, index: int) -> tuple:
+    """The turns chosen and rejected share (their longest common prefix, as TRL's extract_prompt), and what follows
+    in each; refused unless the shared turns end with a system or user turn and only assistant turns follow."""
+    _check_different(chosen, rejected, index)
+    shared = 0
+    while shared < min(len(chosen), len(rejected)) and chosen[shared] == rejected[shared]:
+        shared += 1
+    fix = (
+        "an implicit-prompt pair repeats the same prompt turns in chosen and rejected and differs only in the final "
+        "assistant turn(s); or give the prompt in a prompt column"
+    )
+    for field, messages, other in (("chosen", chosen, "rejected"), ("rejected", rejected, "chosen")):
+        if shared == len(messages):
+            raise UsageError(
+                f"example {index}: {field} has no turn after the {shared} turns it shares with {other}, so its "
+                "completion is empty",
+                fix,
+            )
+    turn = next(
+        (
+            (field, j, m["role"])
+            for field, ms in (("chosen", chosen), ("rejected", rejected))
+            for j, m in enumerate(ms)
+            if j >= shared and m["role"] != "assistant"
+        ),
+        None,
+    )
+    if turn is not None or shared == 0:
+        where = f", where {turn[0]}[{turn[1]}] is a {turn[2]} turn" if turn else ": no prompt turn is shared"
+        raise UsageError(
+            f"example {index}: chosen and rejected do not share their prompt turns: they differ from message "
+            f"{shared} on{where}; only the final assistant turn(s) may differ",
+            fix,
+        )
+    if chosen[shared - 1]["role"] not in _PROMPT_ROLES:
+        raise UsageError(
+            f"example {index}: the turns chosen and rejected share end with an assistant turn (message {shared - 1}); "
+            "a completion answers a system or user turn",
+            fix,
+        )
+    return chosen[:shared], chosen[shared:], rejected[shared:]
+
+
+def _check_completion(completion: list, field: str, index: int) -> None:
+    for j, message in enumerate(completion):
+        if message["role"] != "assistant":
+            raise UsageError(
+                f"example {index}: {field}[{j}] is a {message['role']} turn; a completion holds only assistant turns",
+                "put the conversation before the reply in the prompt column",
+            )
+        if not message["content"].strip():
+            raise UsageError(
+                f"example {index}: {field}[{j}] (assistant) is empty", "drop the example, or fill in the reply"
+            )
+
+
+def render_pair(row: dict, tokenizer, template: ChatTemplate | None, index: int) -> tuple[MaskedTokens, MaskedTokens]:
+    """(prompt + chosen, prompt + rejected) as TRL tokenizes them, each trained on its completion only."""
+    fmt = preference_format(row, index)
+    if fmt != "explicit_text" and template is None:
+        raise UsageError(
+            f"example {index}: a conversational preference pair needs a chat template",
+            "pass --chat_template FILE, or use a tokenizer that has one",
+        )
+    prompt, chosen, rejected = check_pair(row, index, fmt)
+    if fmt == "explicit_text":
+        prompt_ids, chosen_ids, rejected_ids = _tokenize_text(prompt, chosen, rejected, tokenizer, index)
+    else:
+        prompt_ids, chosen_ids, rejected_ids = (
+            _tokenize_chat(messages, tokenizer, template, index, generation_prompt)
+            for messages, generation_prompt in ((prompt, True), (prompt + chosen, False), (prompt + rejected, False))
+        )
+    # TRL: the completion starts where the tokenized prompt and prompt + completion diverge (common_prefix_length)
+    prompt_len = min(_common_prefix_length(prompt_ids, chosen_ids), _common_prefix_length(prompt_ids, rejected_ids))
+    pair = []
+    for field, ids in (("chosen", chosen_ids), ("rejected", rejected_ids)):
+        completion_ids = ids[prompt_len:]
+        if not completion_ids:
+            source = template.source if template is not None else "the tokenizer"
+            raise UsageError(
+                f"example {index}: {source} leaves no token of the {field} completion after the prompt",
+                "check that the chat template renders the final assistant turn",
+            )
+        pair.append(
+            MaskedTokens(prompt_ids[:prompt_len] + completion_ids, [0] * prompt_len + [1] * len(completion_ids))
+        )
+    return pair[0], pair[1]
+
+
+def _tokenize_text(prompt: str, chosen: str, rejected: str, tokenizer, index: int) -> tuple:
+    """TRL's plain-text path: EOS text appended unless there, the tokenizer's special tokens added (TRL calls the
+    tokenizer on the text with its defaults)."""
+    eos = tokenizer.eos_token
+    if eos is None:
+        raise UsageError(
+            f"the tokenizer {tokenizer.name_or_path} has no EOS token to end a completion with",
+            "use a tokenizer with an eos_token, or conversational rows and a chat template",
+        )
+    chosen, rejected = (text if text.endswith(eos) else text + eos for text in (chosen, rejected))
+    _check_different(chosen, rejected, index)  # "yes" and "yes</s>" are one completion
+    return tuple(tokenizer(text)["input_ids"] for text in (prompt, prompt + chosen, prompt + rejected))
+
+
+def _tokenize_chat(messages: list, tokenizer, template: ChatTemplate, index: int, generation_prompt: bool) -> list:
+    """TRL's conversational path: apply_chat_template(tokenize=True), which tokenizes the rendered text with
+    add_special_tokens=False; rendered through chat_render so a template's refusal names the example."""
+    text = _render(tokenizer, template, messages, generation_prompt, index)
+    return tokenizer(text, add_special_tokens=False)["input_ids"]
+
+
+def _common_prefix_length(ids: list, other_ids: list) -> int:
+    """TRL's common_prefix_length: how many leading tokens the two share."""
+    length = 0
+    for token, other in zip(ids, other_ids, strict=False):
+        if token != other:
+            break
+        length += 1
+    return length

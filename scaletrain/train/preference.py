@@ -1,0 +1,133 @@
+"""The objective of a preference run (data of chosen/rejected pairs): one micro-batch's summed per-pair loss, and the
+sums behind TRL's metrics.
+
+A micro-batch holds B pairs as 2B rows (scaletrain/data/pairs.py). One forward of the policy gives every row's
+summed log-probability over its completion tokens; the reference's come with the batch (precomputed once,
+scaletrain/train/reference.py) or, with --no-precompute_ref_log_probs, from a forward of the reference at every step:
+its own engine (ZeRO-sharded, no gradients), or under LoRA the same model with its adapter disabled (the base: no
+second model). PreferenceLoss (scaletrain/train/preference_loss.py)
+turns them into per-pair losses, summed here; the loop divides the sum by the global batch's pair count (targets_in
+counts pairs), so the step's loss is the mean over the pairs of the global batch on any number of ranks and
+accumulation steps, and the metrics are sums divided by that same count after the logging window's all-reduce.
+
+Padding pairs (the epoch's last, short global batch) run through the forward (ZeRO-3's gathers are collectives)
+but stay out of the loss and the metrics.
+"""
+
+from __future__ import annotations
+
+from contextlib import nullcontext
+from dataclasses import dataclass
+
+from scaletrain.data import IGNORE_INDEX
+
+METRIC_NAMES = (
+    "rewards/chosen",
+    "rewards/rejected",
+    "rewards/accuracies",
+    "rewards/margins",
+    "logps/chosen",
+    "logps/rejected",
+)
+
+
+def _aligned_targets(labels):
+    """labels shifted left by one: position t holds the token the logits at t predict."""
+    import torch.nn.functional as F
+
+    return F.pad(labels[:, 1:], (0, 1), value=IGNORE_INDEX)
+
+
+def row_logps(model, batch: dict, device) -> tuple:
+    """(summed completion log-probs per row, completion tokens per row) of one forward of `model` (the engine, or
+    the module itself for a reference pass)."""
+    from scaletrain.train.preference_loss import sequence_logps
+
+    input_ids = batch["input_ids"].to(device, non_blocking=True)
+    targets = _aligned_targets(batch["labels"].to(device, non_blocking=True))
+    output = model(input_ids=input_ids, use_cache=False)
+    return sequence_logps(output.logits, targets)
+
+
+@dataclass(frozen=True)
+class PreferenceObjective:
+    """Called by the loop for each micro-batch: (summed per-pair loss, {metric: summed value}), both on the device."""
+
+    loss: object  # scaletrain.train.preference_loss.PreferenceLoss
+    live_reference: bool = False  # the reference runs at every step: the reference engine, or the LoRA base
+    reference: object = None  # the reference's own engine (train/reference.py), or None: the LoRA base
+
+    def __call__(self, engine, batch: dict) -> tuple:
+        import torch
+
+        from scaletrain.train.preference_loss import SequenceLogps, metric_sums
+
+        logps, counts = row_logps(engine, batch, engine.device)
+        real = batch["pair_ids"].to(engine.device) >= 0
+        n = real.numel()
+        policy = _pairs(SequenceLogps, logps, counts, n, real)
+        reference = None
+        if self.loss.needs_reference:
+            if "ref_chosen_logps" in batch:
+                chosen = batch["ref_chosen_logps"].to(engine.device, dtype=logps.dtype)[real]
+                rejected = batch["ref_rejected_logps"].to(engine.device, dtype=logps.dtype)[real]
+                reference = SequenceLogps(chosen, rejected, policy.chosen_tokens, policy.rejected_tokens)
+            elif self.live_reference:
+                with torch.no_grad(), _adapter_disabled(engine.module) if self.reference is None else nullcontext():
+                    model = engine.module if self.reference is None else self.reference
+                    ref_logps, _ = row_logps(model, batch, engine.device)
+                reference = _pairs(SequenceLogps, ref_logps.to(logps.dtype), counts, n, real)
+            else:  # the pre-flight refuses this; a batch without its reference must not train silently on zeros
+                raise RuntimeError("preference loss: the batch carries no reference log-probabilities")
+        terms = self.loss.pair_terms(policy, reference)
+        # 0 x the log-probs keeps the graph connected when every pair is padding (the backward still runs).
+        summed = terms.loss.sum() + 0.0 * logps.sum()
+        return summed, metric_sums(terms, policy)
+
+    def evaluate(self, engine, batches, prefix: str = "eval_") -> dict:
+        return evaluate_pairs(engine, batches, self, prefix)
+
+
+def _pairs(cls, logps, counts, n: int, real):
+    """SequenceLogps of the real pairs: rows [0, n) are the chosen sequences, [n, 2n) the rejected ones."""
+    return cls(logps[:n][real], logps[n:][real], counts[:n][real], counts[n:][real])
+
+
+def _adapter_disabled(module):
+    """peft's context that runs the base model alone; nothing to disable on a model without an adapter."""
+    disable = getattr(module, "disable_adapter", None)
+    return disable() if disable is not None else nullcontext()
+
+
+def evaluate_pairs(engine, batches, objective: PreferenceObjective, prefix: str = "eval_") -> dict:
+    """Mean loss and TRL's metrics over a fixed set of validation pairs, across ranks."""
+    import deepspeed.comm as ds_comm
+    import torch
+
+    engine.eval()
+    sums = torch.zeros(2 + len(METRIC_NAMES), dtype=torch.float64, device=engine.device)
+    with torch.no_grad():
+        for batch in batches:
+            summed, metrics = objective(engine, batch)
+            sums[0] += summed.double()
+            sums[1] += int((batch["pair_ids"] >= 0).sum())
+            for k, name in enumerate(METRIC_NAMES):
+                sums[2 + k] += metrics[name].double()
+    engine.train()
+    ds_comm.all_reduce(sums)
+    pairs = sums[1].clamp(min=1)
+    record = {f"{prefix}loss": (sums[0] / pairs).item()}
+    record.update({f"{prefix}{name}": (sums[2 + k] / pairs).item() for k, name in enumerate(METRIC_NAMES)})
+    return record
+
+
+def preference_objective(resolved) -> PreferenceObjective | None:
+    """The objective of a run on preference data (its chat data says so), or None for token data."""
+    chat = resolved.chat
+    if chat is None or chat.kind != "preference":
+        return None
+    from scaletrain.train.preference_loss import PreferenceLoss
+
+    args = resolved.cfg.preference
+    loss = PreferenceLoss(args.loss_type, args.beta, args.label_smoothing, args.simpo_gamma)
+    return PreferenceObjective(loss, live_reference=loss.needs_reference and not args.precompute_ref_log_probs)

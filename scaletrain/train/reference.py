@@ -1,0 +1,238 @@
+"""The reference model's log-probabilities of every preference pair, computed once and reused
+(--precompute_ref_log_probs, the default).
+
+The reference of a DPO run is its starting model, and before the first step the engine *is* the starting model: so
+the pass runs on the training engine itself, under the run's ZeRO stage and precision (ZeRO-3: sharded, never a
+second copy of the weights), each data-parallel rank a share of the pairs, gathered by one all-reduce. Under LoRA the
+adapter starts at zero, so that engine is the base with the adapter disabled, exactly the reference TRL uses.
+
+The result is saved beside the store, `<store>/reference/<split>-<key>.npy` (and a .json naming what the key
+holds), keyed by the reference's identity: the starting model (its weight files' sampled SHA-256, or the config and
+seed of a model trained from scratch), the precision, and how the pairs were cut (block size, truncation). A restart,
+a resume on another number of ranks and a later run on the same store and model read it back; a resumed run whose
+file is missing cannot recompute it (its engine is no longer the starting model) and stops, saying so.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import math
+import os
+from pathlib import Path
+
+import numpy as np
+
+from scaletrain.data import EMPTY_SLOT
+from scaletrain.errors import UsageError
+
+log = logging.getLogger(__name__)
+
+
+def reference_identity(model_name_or_path, config_name, seed: int, precision: str, block_size: int, truncation: str):
+    """What the saved log-probabilities depend on (JSON-serialisable)."""
+    if model_name_or_path:
+        from scaletrain.model import base_identity
+
+        model = base_identity(model_name_or_path)
+    else:  # trained from scratch: the initial weights are the config's, drawn with the seed
+        model = {"config": config_name, "seed": seed}
+    return {"model": model, "precision": precision, "block_size": block_size, "truncation": truncation}
+
+
+def reference_file(store: Path, split: str, identity: dict) -> Path:
+    key = hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()[:16]
+    return Path(store) / "reference" / f"{split}-{key}.npy"
+
+
+def attach_reference_logps(
+    engine, sets: dict, store: Path, identity: dict, dist, micro_batch: int, fresh: bool, only=None, source=None
+):
+    """Give every PreferencePairs in `sets` ({split: pairs}) its reference log-probabilities: read back, or (a fresh
+    run only) computed on `engine` now and saved (by each node's local rank 0, beside that node's store). `only`:
+    the training pairs a dry run's one step reads, computed alone and not saved."""
+    for split, pairs in sets.items():
+        path = reference_file(store, split, identity)
+        if only is not None and not path.exists():
+            if split == "train":
+                pairs.ref_logps = compute_reference_logps(
+                    engine, pairs, micro_batch, dist.dp_rank, dist.dp_world_size, only
+                )
+                log.info("reference log-probs: the dry run's %d pairs computed (not saved)", len(only))
+            continue
+        if path.exists():
+            values = np.load(path)
+            if values.shape != (pairs.n_split_pairs, 2):
+                raise UsageError(
+                    f"{path}: holds {values.shape[0]} pairs' reference log-probabilities, the store's {split} split "
+                    f"has {pairs.n_split_pairs} (a damaged file)",
+                    "delete it: a fresh run computes it again",
+                )
+            log.info("reference log-probs (%s): read from %s", split, path)
+        elif not fresh:
+            raise UsageError(
+                f"{path}: the reference log-probabilities of this run's {split} pairs are missing, and a resumed run "
+                "cannot compute them (its model is no longer the starting model)",
+                "restore the file from where the run first started, or start afresh (--resume_from_checkpoint none)",
+            )
+        else:
+            values = compute_reference_logps(engine, pairs, micro_batch, dist.dp_rank, dist.dp_world_size)
+            if dist.local_rank == 0:
+                _save(path, values, identity)
+            log.info(
+                "reference log-probs (%s): %d pairs computed by %s, saved to %s",
+                split,
+                len(pairs),
+                source or "the starting model",
+                path,
+            )
+        pairs.ref_logps = values
+
+
+def compute_reference_logps(engine, pairs, micro_batch: int, dp_rank: int, dp_world: int, only=None) -> np.ndarray:
+    """[pairs of the split, 2]: each kept pair's (chosen, rejected) summed completion log-probs under `engine` (of
+    the pair indices `only`, where given; 0 for the others), in eval mode and without gradients. Every rank runs the
+    same number of forwards (ZeRO-3 gathers are collectives)."""
+    import deepspeed.comm as ds_comm
+    import torch
+
+    from scaletrain.train.preference import row_logps
+
+    wanted = np.arange(len(pairs)) if only is None else np.asarray(only, dtype=np.int64)
+    wanted = wanted[wanted != EMPTY_SLOT]
+    per_rank = max(1, math.ceil(math.ceil(len(wanted) / dp_world) / micro_batch)) * micro_batch
+    mine = np.full(per_rank, EMPTY_SLOT, dtype=np.int64)
+    owned = wanted[dp_rank::dp_world]
+    mine[: len(owned)] = owned
+    values = torch.zeros(pairs.n_split_pairs, 2, dtype=torch.float64, device=engine.device)
+    engine.eval()
+    with torch.no_grad():
+        for chunk in mine.reshape(-1, micro_batch):
+            batch = pairs.batch(chunk)
+            logps, _ = row_logps(engine, batch, engine.device)
+            ids = batch["pair_ids"].to(engine.device)
+            real = ids >= 0
+            n = len(chunk)
+            values[ids[real], 0] = logps[:n][real].double()
+            values[ids[real], 1] = logps[n:][real].double()
+    engine.train()
+    ds_comm.all_reduce(values)  # each pair was computed by exactly one rank
+    return values.cpu().numpy()
+
+
+def _save(path: Path, values: np.ndarray, identity: dict) -> None:
+    """Atomically: a file that exists is complete."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    with open(tmp, "wb") as f:
+        np.save(f, values)
+    path.with_suffix(".json").write_text(json.dumps(identity, indent=2) + "\n")
+    os.replace(tmp, path)
+
+
+def prepare_reference(engine, resolved, dist, train_pairs, eval_sets: dict, store: Path, fresh: bool, only=None):
+    """A preference run's reference, before the first step: its log-probs of the training pairs and of every
+    validation set (`eval_sets`: {split: EvalBatches}) read back or computed now (--precompute_ref_log_probs), or,
+    for a reference that runs at every step, its engine (returned; None where the reference is the LoRA base or the
+    loss needs none). `only`: a dry run's first global batch (its pairs alone are computed, nothing is saved)."""
+    cfg = resolved.cfg
+    args = cfg.preference
+    separate = reference_model_args(cfg) is not None
+    if not args.needs_reference or not args.precompute_ref_log_probs:
+        return build_reference_engine(cfg, resolved.ds.config, resolved.ds.zero_stage) if separate else None
+    identity = reference_identity(
+        args.ref_model_name_or_path or cfg.model.model_name_or_path,
+        cfg.model.config_name,
+        cfg.optim.seed,
+        resolved.ds.precision,
+        resolved.block_size,
+        cfg.data.truncation,
+    )
+    sets = {"train": train_pairs, **{split: b.sources()[0] for split, b in eval_sets.items()}}
+    micro = max(resolved.ds.config["train_micro_batch_size_per_gpu"], cfg.optim.per_device_eval_batch_size)
+    missing = any(not reference_file(store, split, identity).exists() for split in sets)
+    reference = (
+        build_reference_engine(cfg, resolved.ds.config, resolved.ds.zero_stage) if separate and missing else None
+    )
+    try:  # a separate reference can compute what a resumed run misses; the starting model only on a fresh start
+        source = f"--ref_model_name_or_path {args.ref_model_name_or_path}" if reference is not None else None
+        attach_reference_logps(reference or engine, sets, store, identity, dist, micro, fresh or separate, only, source)
+    finally:
+        if reference is not None:
+            from scaletrain.engine import release_engine
+
+            release_engine(reference)
+    return None
+
+
+def reference_model_args(cfg):
+    """ModelArgs of a separate reference model (--ref_model_name_or_path, or the starting model where the reference
+    runs live and is not the LoRA base), or None when the training engine is the reference. No memory features:
+    it runs without gradients."""
+    import dataclasses
+
+    args = cfg.preference
+    live = args.needs_reference and not args.precompute_ref_log_probs
+    path = args.ref_model_name_or_path or (cfg.model.model_name_or_path if live and not cfg.peft.use_peft else None)
+    if path is None:
+        return None
+    return dataclasses.replace(
+        cfg.model,
+        model_name_or_path=path,
+        config_name=None,
+        gradient_checkpointing=False,
+        activation_offloading=False,
+        tiled_mlp=False,
+    )
+
+
+def check_reference_model(cfg, model_config) -> None:
+    """Pre-flight: a separate reference model must read the policy's tokens (the same vocabulary)."""
+    args = reference_model_args(cfg)
+    if args is None or not cfg.preference.ref_model_name_or_path:
+        return
+    from scaletrain.model import load_model_config
+
+    try:
+        ref_config = load_model_config(args)
+    except UsageError as err:
+        raise UsageError(err.message.replace("--model_name_or_path", "--ref_model_name_or_path"), err.hint) from None
+    ours, theirs = (getattr(c.get_text_config(), "vocab_size", None) for c in (model_config, ref_config))
+    if ours != theirs:
+        raise UsageError(
+            f"--ref_model_name_or_path {args.model_name_or_path}: a vocabulary of {theirs} tokens, the policy's has "
+            f"{ours}",
+            "give a reference with the policy's tokenizer (usually the SFT model the policy starts from)",
+        )
+
+
+def build_reference_engine(cfg, ds_config: dict, zero_stage: int):
+    """The reference model as its own DeepSpeed engine without optimizer or gradients, as TRL prepares one: under
+    ZeRO-3 sharded like the policy (built inside zero.Init), under ZeRO-1/2 whole on each rank (stage 0)."""
+    import copy
+
+    import deepspeed
+
+    from scaletrain.model import build_model, load_model_config
+
+    from transformers.integrations import deepspeed as hf_deepspeed
+
+    args = reference_model_args(cfg)
+    policy_config = hf_deepspeed._hf_deepspeed_config_weak_ref  # building the reference's replaces it
+    config = copy.deepcopy(ds_config)
+    for key in ("optimizer", "scheduler"):
+        config.pop(key, None)
+    zero = config.setdefault("zero_optimization", {})
+    zero.pop("offload_optimizer", None)
+    if zero_stage != 3:
+        config["zero_optimization"] = {"stage": 0}
+    model, keepalive = build_model(args, load_model_config(args), config, zero_stage if zero_stage == 3 else 0)
+    if policy_config is not None and policy_config() is not None:
+        hf_deepspeed.set_hf_deepspeed_config(policy_config())
+    model.requires_grad_(False)
+    engine, *_ = deepspeed.initialize(model=model, config=config)
+    engine.eval()
+    engine.scaletrain_keepalive = keepalive  # transformers holds the ZeRO-3 config weakly: keep it with the engine
+    log.info("reference model: %s, its own engine (ZeRO stage %d, no optimizer)", args.model_name_or_path, zero_stage)
+    return engine

@@ -3,6 +3,9 @@ from. The shipped recipes in recipes/ are exercised with --print_config and --dr
 
 from __future__ import annotations
 
+import re
+from pathlib import Path
+
 import pytest
 
 from scaletrain.errors import UsageError
@@ -127,6 +130,17 @@ RECIPE_OVERRIDES = {
         "--chat_template",
         "tests/fixtures/chat_templates/mistral-7b-instruct-v0.2.jinja",
     ],
+    # preference pairs as conversations sharing their prompt turns, rendered with the Qwen 2.5 template
+    "dpo.yaml": lambda pretrained: [
+        "--model_name_or_path",
+        str(pretrained),
+        "--block_size",
+        "128",
+        "--train_file",
+        "tests/fixtures/preference/pairs.jsonl",
+        "--chat_template",
+        "tests/fixtures/chat_templates/qwen2.5-instruct.jinja",
+    ],
 }
 
 
@@ -179,6 +193,10 @@ def test_print_config_says_which_values_came_from_the_recipe(name, tmp_path, pre
             "chat_template = 'tests/fixtures/chat_templates/mistral-7b-instruct-v0.2.jinja'  <- --chat_template"
             in printed
         )
+    elif name == "dpo.yaml":
+        assert f"loss_type = 'sigmoid'  <- recipe {path}" in printed
+        assert f"beta = 0.1  <- recipe {path}" in printed
+        assert f"learning_rate = 5e-07  <- recipe {path}" in printed
     else:
         assert f"gradient_checkpointing = True  <- recipe {path}" in printed
         assert f"model_name_or_path = '{pretrained_tiny}'  <- --model_name_or_path" in printed
@@ -209,6 +227,7 @@ def dry_run(name, tmp_path, cache_dir, pretrained):
     check_ok(proc)
     assert "dry run OK: one step in" in proc.stderr + proc.stdout
     assert not out.exists()  # a dry run writes nothing
+    return proc.stderr + proc.stdout
 
 
 @pytest.mark.slow  # over 10 s: a real run (the fast tier stays under 3 minutes)
@@ -231,3 +250,15 @@ def test_continue_pretrain_recipe_dry_run_runs_one_real_step_under_zero3_offload
 @pytest.mark.slow
 def test_lora_recipe_dry_run_runs_one_real_step_under_zero3(tmp_path, cache_dir, pretrained_tiny, compiled_ops):
     dry_run("lora_zero3.yaml", tmp_path, cache_dir, pretrained_tiny)
+
+
+@pytest.mark.slow  # over 10 s: a real run
+def test_dpo_recipe_dry_run_runs_one_real_step_with_the_reference_of_its_pairs_alone(
+    tmp_path, cache_dir, pretrained_tiny
+):
+    """ZeRO-3, gradient checkpointing, conversational pairs: one real step, whose pairs' reference log-probs are
+    computed alone and not saved (a dry run reads no more of the data than its step needs)."""
+    log = dry_run("dpo.yaml", tmp_path, cache_dir, pretrained_tiny)
+    assert "reference log-probs: the dry run's 16 pairs computed (not saved)" in log  # 4 x 4 x 1 rank: one batch
+    store = Path(re.search(r"token store\(s\): (\S+)", log).group(1))
+    assert (store / "manifest.json").exists() and not (store / "reference").exists()

@@ -372,3 +372,19 @@ def test_a_reference_model_of_its_own_runs_live_or_precomputed(dpo_runs):
     )
     for step in pre:
         assert other_live[step]["loss"] == pytest.approx(pre[step]["loss"], rel=1e-5, abs=1e-5), step
+
+
+def test_print_samples_shows_each_pair_with_its_completions_marked(tmp_path, tokenizer, offline, caplog):
+    import logging
+
+    from scaletrain.data.pairs import print_pairs
+
+    opened, _, rows = prepared(tmp_path, tokenizer, preference_data.explicit_text(tmp_path / "p.jsonl", n=4))
+    pairs = pairs_from_store(opened, "train", 1024, "truncate")
+    with caplog.at_level(logging.INFO, logger="scaletrain.data.pairs"):
+        print_pairs(pairs, 2, tokenizer)
+    shown = [r.getMessage() for r in caplog.records]
+    assert len(shown) == 4 and "pair 0, chosen" in shown[0] and "pair 1, rejected" in shown[3]
+    for message, completion in zip(shown, [rows[0]["chosen"], rows[0]["rejected"], rows[1]["chosen"]], strict=False):
+        marked = message.split("[[", 1)[1].split("]]", 1)[0]
+        assert completion.strip() in marked and rows[0]["prompt"].split(":")[0] not in marked

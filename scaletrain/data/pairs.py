@@ -146,3 +146,23 @@ def pairs_from_store(opened: dict, split: str, block_size: int, truncation: str)
         "truncated to it (prompt first)" if truncation == "truncate" else "dropped",
     )
     return pairs
+
+
+def print_pairs(pairs: PreferencePairs, n: int, tokenizer) -> None:
+    """--print_samples N on preference data: the first N pairs as trained, each completion's tokens marked."""
+    from scaletrain.data.chat_render import format_sample
+
+    for shown, pair in enumerate(pairs.kept[:n]):
+        for side, row in (("chosen", 2 * pair), ("rejected", 2 * pair + 1)):
+            start, length, at = int(pairs.starts[row]), int(pairs.lengths[row]), int(pairs.completion_at[row])
+            ids = pairs.tokens[start : start + length].tolist()
+            mask = [0] * at + [1] * (length - at)
+            log.info(
+                "sample %d (pair %d, %s, %d tokens, %d trained):\n%s",
+                shown + 1,
+                pair,
+                side,
+                length,
+                length - at,
+                format_sample(ids, mask, tokenizer),
+            )

@@ -8,6 +8,7 @@ import logging
 from scaletrain.config import VALIDATION_SPLIT, DataArgs, eval_metric_prefix
 from scaletrain.data.blocks import EvalBatches, MixedBlocks, eval_batches
 from scaletrain.data.packing import PackedExamples, blocks_for, print_samples
+from scaletrain.data.pairs import PreferencePairs, print_pairs
 from scaletrain.errors import UsageError
 
 log = logging.getLogger(__name__)
@@ -24,6 +25,8 @@ def training_blocks(stores: list, data: DataArgs, block_size: int, seed: int, to
         )
     if data.print_samples and isinstance(train[0], PackedExamples):
         print_samples(train[0], data.print_samples, tokenizer)
+    elif data.print_samples and isinstance(train[0], PreferencePairs):
+        print_pairs(train[0], data.print_samples, tokenizer)
     return MixedBlocks(train, [w for _, w in data.mix], seed) if data.mix else train[0]
 
 

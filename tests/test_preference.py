@@ -355,8 +355,7 @@ def test_a_resumed_run_without_its_reference_file_stops_naming_it(tmp_path, toke
 def test_a_reference_model_of_its_own_runs_live_or_precomputed(dpo_runs):
     """Without LoRA, --no-precompute_ref_log_probs runs the starting model as its own engine (ZeRO-3, no optimizer) at
     every step: the same losses as the precomputed log-probs. --ref_model_name_or_path names another model, whose
-    log-probs are computed by its own engine before step 1: step 1's loss is no longer log 2, and a live run with it
-    trains as the precomputed one."""
+    log-probs are computed by its own engine before step 1 (then freed): step 1's loss is no longer log 2."""
     one = records(dpo_runs.run("one_rank"))
     live = records(dpo_runs.run("live_reference", "--no-precompute_ref_log_probs"))
     assert "reference model: " in dpo_runs.logs["live_reference"]
@@ -367,11 +366,7 @@ def test_a_reference_model_of_its_own_runs_live_or_precomputed(dpo_runs):
     pre = records(dpo_runs.run("other_reference", "--ref_model_name_or_path", other))
     assert f"computed by --ref_model_name_or_path {other}" in dpo_runs.logs["other_reference"]
     assert abs(pre[1]["loss"] - math.log(2)) > 1e-3 and pre[1]["rewards/margins"] != 0
-    other_live = records(
-        dpo_runs.run("other_reference_live", "--ref_model_name_or_path", other, "--no-precompute_ref_log_probs")
-    )
-    for step in pre:
-        assert other_live[step]["loss"] == pytest.approx(pre[step]["loss"], rel=1e-5, abs=1e-5), step
+    assert pre[STEPS]["loss"] < pre[1]["loss"]
 
 
 def test_print_samples_shows_each_pair_with_its_completions_marked(tmp_path, tokenizer, offline, caplog):

@@ -1,0 +1,468 @@
+"""train.py's preference training (DPO) against TRL 1.16's DPOTrainer on the same pairs: per-step losses, and
+steady pairs per second with each side's defaults.
+
+Both sides load the same weights (a Llama built from data/tiny-llama's config, widened to ~5M parameters as
+scripts/bench/common.py's bench_model, random init from --seed, saved once to the work folder) and train on the
+same pairs file (tests/helpers/preference_data.py's arithmetic questions) with the same hyper-parameters: sigmoid
+loss, beta 0.1, --learning_rate, a constant LR with no warmup, AdamW (0.9, 0.95, eps 1e-8, no weight decay),
+gradient clipping at 1.0, fp32, --batch pairs per step on one process, max_length = block_size (every pair fits:
+checked on both sides, nothing is truncated), a log record at every step.
+
+- TRL: DPOTrainer(DPOConfig) in a child process, TRL installed with `pip install --no-deps --target DIR
+  trl==1.16.0` (never into the venv; its requirements are checked against the venv first) and found through
+  PYTHONPATH=DIR (the caller's PYTHONPATH kept after it). Its defaults otherwise: the reference model is a second
+  copy of the model run at every step (precompute_ref_log_probs off; --trl_precompute_ref_log_probs turns it
+  on), dropout disabled, no DeepSpeed (one process). Two of its defaults are overridden because they change what is
+  computed, not how fast the trainer is: bf16 (fp32 here, as ours) and gradient checkpointing (off, as ours).
+- ours: `python train.py --config ds_configs/zero2.json --model_name_or_path MODEL ...` (ZeRO-2 on one process,
+  CPU), its defaults otherwise: reference log-probabilities precomputed before the first step.
+
+The data order: the pairs file is one global batch by default (--pairs = --batch), so every step of both sides
+trains on the same pairs (ours draws a seeded permutation of them, TRL's sampler shuffles them; within a step the
+order of pairs does not change the loss). With more pairs than the batch the orders differ and the losses are not
+compared.
+
+Figures:
+- loss at each step, both sides (the first round's), and the relative difference |ours - TRL| / |TRL| (goal:
+  within 1e-3 on the first --loss_steps steps; the first is log 2 on both, the policy being its own reference).
+- steady pairs/s of each run from wall-clock stamps at every step end (ours: metrics.jsonl's `time`, TRL: a
+  callback's, as scripts/bench/hf_trainer_clm.py's StepClock), steps up to --warmup left out: the median step's
+  pairs/s (the headline: robust to another process taking the cores for a moment) and --batch x steps over the
+  span from step --warmup to the last; each the median over --rounds alternating rounds, and the ratio ours / TRL
+  of the medians (goal: >= 1.5). Ours' median per-step `samples_per_s` and TRL's own `train_samples_per_second`
+  (all steps, start-up included) are in the JSON too.
+- --cpu-threads (OMP_NUM_THREADS of both sides) is 1 by default: on a small machine that other jobs share, two
+  threads per process made single steps take 10-50x longer at random (OpenMP threads waiting on each other).
+
+    python scripts/bench/compare_trl_dpo.py --steps 16 --warmup 4 --batch 8 --rounds 2 --out figures.json  # ~1 min
+    python scripts/bench/compare_trl_dpo.py --trl_precompute_ref_log_probs ...  # no reference model on either side
+    python scripts/bench/compare_trl_dpo.py --quick  # data/tiny-llama's size, 4 pairs, 4 steps, 1 round (~25 s)
+
+Prints a Markdown table and the goals as a JSON line, writes every figure as JSON (--out); each run's output is
+kept in the work folder; exits non-zero with a run's command and the tail of its output if one fails.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import re
+import statistics
+import subprocess
+import sys
+import tempfile
+from collections.abc import Callable
+from itertools import pairwise
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO))
+
+from scripts.bench.common import bench_parser, child_env, median_runs, metrics, steady_rate  # noqa: E402
+
+TRL_VERSION = "1.16.0"
+DS_CONFIG = "ds_configs/zero2.json"
+LOSS_GOAL, SPEED_GOAL = 1e-3, 1.5
+# The hyper-parameters both sides are given explicitly (train.py's flag and DPOConfig's field share each name).
+SHARED_HPARAMS = dict(
+    beta=0.1,
+    loss_type="sigmoid",
+    adam_beta1=0.9,
+    adam_beta2=0.95,
+    adam_epsilon=1e-8,
+    weight_decay=0.0,
+    max_grad_norm=1.0,
+)
+# Model shapes over data/tiny-llama's config (hidden 128, 4 layers, vocab 4096): the benchmark's ~5M parameters
+# (bench_model's), and the tiny model itself for --quick.
+MODEL_SHAPES = {
+    "bench": dict(hidden_size=256, intermediate_size=688, head_dim=64),
+    "tiny": {},
+}
+QUICK = dict(steps=4, warmup=2, rounds=1, batch=4, model="tiny", loss_steps=4)
+OUR_PAIRS_LINE = re.compile(r"preference data \(train\): (\d+) pairs; (\d+) (?:sequences|pairs) longer than the block")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = bench_parser(__doc__, steps=16, warmup=4, rounds=2, block_size=128)
+    parser.add_argument("--batch", type=int, default=8, help="pairs per step (--per_device_train_batch_size)")
+    parser.add_argument("--pairs", type=int, default=None, help="pairs in the file (default: --batch, one batch)")
+    parser.add_argument("--cpu-threads", type=int, default=1, help="OMP_NUM_THREADS of both sides (default 1)")
+    parser.add_argument("--learning_rate", type=float, default=1e-5)
+    parser.add_argument("--seed", type=int, default=42, help="weights, pairs and both trainers' seed")
+    parser.add_argument("--model", choices=sorted(MODEL_SHAPES), default="bench", help="model shape (default bench)")
+    parser.add_argument("--loss_steps", type=int, default=5, help="steps whose losses must agree (default 5)")
+    parser.add_argument(
+        "--trl_precompute_ref_log_probs", action="store_true", help="TRL's reference log-probs computed up front"
+    )
+    parser.add_argument(
+        "--our_precompute_ref_log_probs",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="train.py's reference log-probs computed before the first step (its default: on)",
+    )
+    parser.add_argument("--trl_dir", type=Path, default=None, help="TRL's install folder (default: WORK/trl)")
+    parser.add_argument("--work_dir", type=Path, default=None, help="model, pairs, runs (default: a temp folder)")
+    parser.add_argument("--out", type=Path, default=None, help="write the figures here as JSON")
+    parser.add_argument("--quick", action="store_true", help=f"small run for a smoke test: {QUICK}")
+    parser.add_argument("--trl_side", type=Path, default=None, help=argparse.SUPPRESS)  # the child: its spec file
+    return parser
+
+
+def parse_args(argv: list | None = None) -> argparse.Namespace:
+    """The flags; --quick changes the defaults only, so a flag typed beside it still wins."""
+    argv = sys.argv[1:] if argv is None else argv
+    parser = build_parser()
+    if "--quick" in argv:
+        parser.set_defaults(**QUICK)
+    args = parser.parse_args(argv)
+    args.pairs = args.pairs or args.batch
+    if args.pairs < args.batch:
+        parser.error(f"--pairs {args.pairs}: at least --batch {args.batch} (a whole batch)")
+    if args.rounds < 1:
+        parser.error(f"--rounds {args.rounds}: at least 1")
+    if not 0 < args.warmup < args.steps:
+        parser.error(f"--warmup {args.warmup} must be in [1, --steps {args.steps})")
+    return args
+
+
+# ---- TRL: install, environment, the child's spec ------------------------------------------------------------
+
+
+def install_trl(target: Path) -> Path:
+    """TRL 1.16.0 in `target` (pip --no-deps --target, from the configured index), unless already there."""
+    if not (target / f"trl-{TRL_VERSION}.dist-info").is_dir():
+        cmd = [sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", "--target", str(target)]
+        run_checked([*cmd, f"trl=={TRL_VERSION}"], dict(os.environ), target.parent / "pip_trl.log")
+    return target
+
+
+def unmet_requirements(metadata: str, version_of: Callable[[str], str | None]) -> list:
+    """The unconditional Requires-Dist lines of a METADATA text that `version_of` (name -> installed version, None
+    when absent) does not satisfy, each as 'requirement (installed: version)'. Extras and other platforms are not
+    asked for."""
+    from packaging.requirements import Requirement
+
+    unmet = []
+    for line in metadata.splitlines():
+        if not line.startswith("Requires-Dist:"):
+            continue
+        req = Requirement(line.split(":", 1)[1].strip())
+        if req.marker is not None and not req.marker.evaluate({"extra": ""}):
+            continue
+        have = version_of(req.name)
+        if have is None or not req.specifier.contains(have, prereleases=True):
+            unmet.append(f"{req} (installed: {have or 'none'})")
+    return unmet
+
+
+def installed_version(name: str) -> str | None:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version(name)
+    except PackageNotFoundError:
+        return None
+
+
+def trl_env(trl_dir: Path, threads: int, cache: Path) -> dict:
+    """The TRL child's environment: TRL's folder first on PYTHONPATH, then child_env's (the repository, then the
+    caller's PYTHONPATH); offline, OMP_NUM_THREADS."""
+    env = run_env(threads, cache)
+    env["PYTHONPATH"] = os.pathsep.join([str(trl_dir), env["PYTHONPATH"]])
+    return env
+
+
+def run_env(threads: int, cache: Path) -> dict:
+    """Either side's environment: offline, the thread count, caches in the work folder."""
+    return child_env(
+        HF_HUB_OFFLINE="1",
+        HF_DATASETS_OFFLINE="1",
+        HF_DATASETS_CACHE=str(cache / "datasets"),
+        SCALETRAIN_CACHE=str(cache / "scaletrain"),
+        TOKENIZERS_PARALLELISM="false",
+        OMP_NUM_THREADS=str(threads),
+    )
+
+
+def trl_spec(args: argparse.Namespace, model: Path, pairs: Path, out_dir: Path) -> dict:
+    """What the TRL child runs: DPOConfig's fields, the model and pairs, where it writes its record."""
+    config = dict(
+        output_dir=str(out_dir),
+        per_device_train_batch_size=args.batch,
+        max_steps=args.steps,
+        learning_rate=args.learning_rate,
+        lr_scheduler_type="constant",
+        warmup_steps=0,
+        max_length=args.block_size,
+        precompute_ref_log_probs=args.trl_precompute_ref_log_probs,
+        bf16=False,  # TRL's default is bf16 autocast; fp32 as ours
+        activation_checkpointing=False,  # TRL's default is on (as gradient_checkpointing); ours is off
+        logging_steps=1,
+        save_strategy="no",
+        report_to="none",
+        disable_tqdm=True,
+        seed=args.seed,
+        **SHARED_HPARAMS,
+    )
+    return dict(
+        trl_version=TRL_VERSION,
+        model=str(model),
+        train_file=str(pairs),
+        record=str(out_dir / "trl_steps.json"),
+        config=config,
+    )
+
+
+def trl_command(spec_file: Path) -> list:
+    return [sys.executable, str(Path(__file__).resolve()), "--trl_side", str(spec_file)]
+
+
+def our_command(args: argparse.Namespace, model: Path, pairs: Path, out_dir: Path) -> list:
+    """train.py on one process: the ZeRO-2 JSON, the shared hyper-parameters, a record at every step, no save."""
+    flags = dict(
+        config=DS_CONFIG,
+        model_name_or_path=model,
+        train_file=pairs,
+        validation_split_percentage=0,
+        output_dir=out_dir,
+        max_steps=args.steps,
+        per_device_train_batch_size=args.batch,
+        block_size=args.block_size,
+        learning_rate=args.learning_rate,
+        lr_scheduler_type="constant",  # no warmup (Hugging Face's meaning), as TRL's
+        warmup_steps=0,
+        logging_steps=1,
+        seed=args.seed,
+        **SHARED_HPARAMS,
+    )
+    cmd = [sys.executable, "train.py"]
+    for name, value in flags.items():
+        cmd += [f"--{name}", str(value)]
+    precompute = "--precompute_ref_log_probs" if args.our_precompute_ref_log_probs else "--no-precompute_ref_log_probs"
+    return [*cmd, precompute, "--no-bf16", "--no-fp16", "--no-save_at_end", "--no-export_hf_at_end", "--disable_tqdm"]
+
+
+# ---- Reading both sides' records ----------------------------------------------------------------------------
+
+
+def trl_losses(log_history: list) -> dict:
+    """{step: loss} from a Trainer's state.log_history (the per-step records; the end-of-training summary holds
+    `train_loss`, not `loss`)."""
+    return {r["step"]: r["loss"] for r in log_history if "loss" in r and "step" in r}
+
+
+def our_losses(records: list) -> dict:
+    """{step: loss} from train.py's metrics.jsonl records (training records; evaluation ones hold `eval_loss`)."""
+    return {r["step"]: r["loss"] for r in records if "loss" in r and "step" in r}
+
+
+def compare_losses(ours: dict, theirs: dict) -> list:
+    """(step, ours, TRL, relative difference to TRL's) for every step both logged, in step order."""
+    return [(s, ours[s], theirs[s], abs(ours[s] - theirs[s]) / abs(theirs[s])) for s in sorted(ours.keys() & theirs)]
+
+
+def our_pairs_line(output: str) -> tuple | None:
+    """(pairs, sequences truncated) from train.py's 'preference data (train): ...' log line, or None."""
+    found = OUR_PAIRS_LINE.search(output)
+    return (int(found[1]), int(found[2])) if found else None
+
+
+def step_rates(steps: list, times: list, batch: int, warmup: int) -> list:
+    """Pairs per second of each step after `warmup`: its pairs over the wall-clock time since the previous stamp."""
+    stamps = pairwise(zip(steps, times, strict=True))
+    return [batch * (s - s0) / (t - t0) for (s0, t0), (s, t) in stamps if s > warmup]
+
+
+def steady(steps: list, times: list, batch: int, warmup: int) -> dict:
+    """A run's steady pairs/s: the median step's, and over the whole span from step `warmup` to the last."""
+    return {
+        "median_step": statistics.median(step_rates(steps, times, batch, warmup)),
+        "span": steady_rate(steps, times, batch, warmup),
+    }
+
+
+def our_steady(records: list, batch: int, warmup: int) -> dict:
+    """steady() over train.py's metrics.jsonl `step` / `time` stamps, with its own median per-step samples_per_s."""
+    figures = steady([r["step"] for r in records], [r["time"] for r in records], batch, warmup)
+    figures["samples_per_s"] = statistics.median(r["samples_per_s"] for r in records if r["step"] > warmup)
+    return figures
+
+
+def verdicts(losses: list, loss_steps: int, ratio: float, comparable: bool) -> dict:
+    """The goals: losses within LOSS_GOAL over the first `loss_steps` steps, the first at log 2 (None when the
+    data orders differ); ours >= SPEED_GOAL x TRL's pairs/s."""
+    first = [row for row in losses if row[0] <= loss_steps]
+    max_rel = max(row[3] for row in first) if first else math.nan
+    starts_at_log2 = bool(first) and first[0][0] == 1 and all(abs(v - math.log(2)) < 1e-5 for v in first[0][1:3])
+    agree = len(first) == loss_steps and max_rel <= LOSS_GOAL and starts_at_log2
+    return {
+        "max_rel_loss_diff": max_rel,
+        "loss_steps_compared": len(first),
+        "first_loss_is_log2": starts_at_log2,
+        "losses_agree": agree if comparable else None,
+        "ratio": ratio,
+        "speed_goal_met": ratio >= SPEED_GOAL,
+    }
+
+
+def table(losses: list, ours: dict, trl: dict) -> str:
+    """Markdown: one row per step's loss, then the steady pairs/s of each side (median over the rounds, each
+    round's in brackets) and the ratio of the medians. `ours`/`trl`: {figure: [one value per round]}."""
+    rows = ["| figure | train.py | TRL DPOTrainer | rel. diff / ratio |", "|---|---|---|---|"]
+    rows += [f"| loss, step {s} | {a:.7f} | {b:.7f} | {rel:.1e} |" for s, a, b, rel in losses]
+    for key, name in (("median_step", "median step"), ("span", "whole steady span")):
+        ratio = statistics.median(ours[key]) / statistics.median(trl[key])
+        rows.append(
+            f"| pairs/s, {name} | {median_runs(ours[key], '.2f')} | {median_runs(trl[key], '.2f')} | {ratio:.2f}x |"
+        )
+    return "\n".join(rows)
+
+
+# ---- Running ------------------------------------------------------------------------------------------------
+
+
+def run_checked(cmd: list, env: dict, log: Path) -> str:
+    """Run `cmd` from the repository, its stdout and stderr together written to `log` and returned. Exits with
+    the command and the output's tail if it fails."""
+    proc = subprocess.run(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    log.parent.mkdir(parents=True, exist_ok=True)
+    log.write_text(proc.stdout)
+    if proc.returncode != 0:
+        sys.exit(f"a run failed (exit {proc.returncode}): {' '.join(map(str, cmd))}\n{proc.stdout[-4000:]}")
+    return proc.stdout
+
+
+def build_model(folder: Path, shape: str, seed: int) -> Path:
+    """data/tiny-llama's config with `shape`'s changes, random init from `seed`, saved with its tokenizer."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from data.build_tiny_llama import tiny_llama_variant
+
+    tiny_llama_variant(folder, **MODEL_SHAPES[shape])
+    torch.manual_seed(seed)
+    AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(folder)).save_pretrained(folder)
+    return folder
+
+
+def run_trl(args, trl_dir: Path, model: Path, pairs: Path, out_dir: Path) -> dict:
+    """One TRL run in `out_dir`: its record (clock, log history, longest pair), checked for truncation."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    spec = trl_spec(args, model, pairs, out_dir)
+    (out_dir / "spec.json").write_text(json.dumps(spec, indent=1))
+    env = trl_env(trl_dir, args.cpu_threads, out_dir.parent.parent / "cache")
+    run_checked(trl_command(out_dir / "spec.json"), env, out_dir / "output.log")
+    record = json.loads(Path(spec["record"]).read_text())
+    if record["longest"] > args.block_size or record["pairs"] != args.pairs:
+        sys.exit(
+            f"TRL: {record['pairs']} pairs, the longest {record['longest']} tokens: not all of --pairs "
+            f"{args.pairs} fit --block_size {args.block_size}"
+        )
+    return record
+
+
+def run_ours(args, model: Path, pairs: Path, out_dir: Path) -> list:
+    """One train.py run in `out_dir`: its metrics.jsonl training records, checked for truncation."""
+    env = run_env(args.cpu_threads, out_dir.parent.parent / "cache")
+    output = run_checked(our_command(args, model, pairs, out_dir), env, out_dir.parent / "ours.log")
+    counted = our_pairs_line(output)
+    if counted != (args.pairs, 0):
+        sys.exit(f"train.py: expected {args.pairs} pairs and none truncated, its log says (pairs, truncated) {counted}")
+    return metrics(out_dir, "loss")
+
+
+def trl_side(spec_file: Path) -> None:
+    """The TRL child: DPOTrainer on the spec's model and pairs; writes the per-step clock, the log history, the
+    longest pair it tokenised and its own throughput figure."""
+    import torch
+    import trl
+    from datasets import Dataset
+    from transformers import AutoTokenizer
+
+    from scripts.bench.hf_trainer_clm import StepClock
+
+    spec = json.loads(spec_file.read_text())
+    if trl.__version__ != spec["trl_version"]:
+        sys.exit(f"TRL {trl.__version__} imported from {trl.__file__}, {spec['trl_version']} expected")
+    rows = [json.loads(line) for line in Path(spec["train_file"]).read_text().splitlines()]
+    clock = StepClock()
+    trainer = trl.DPOTrainer(
+        model=spec["model"],
+        args=trl.DPOConfig(**spec["config"]),
+        train_dataset=Dataset.from_list(rows),
+        processing_class=AutoTokenizer.from_pretrained(spec["model"]),
+        callbacks=[clock],
+    )
+    data = trainer.train_dataset
+    columns = (data["prompt_ids"], data["chosen_ids"], data["rejected_ids"])
+    longest = max(len(p) + max(len(c), len(r)) for p, c, r in zip(*columns, strict=True))
+    result = trainer.train()
+    record = {
+        "steps": clock.steps,
+        "times": clock.times,
+        "log_history": trainer.state.log_history,
+        "train_samples_per_second": result.metrics["train_samples_per_second"],
+        "longest": longest,
+        "pairs": len(data),
+        "trl": trl.__file__,
+        "threads": torch.get_num_threads(),
+        "activation_checkpointing": bool(trainer.model.is_activation_checkpointing),
+        "ref_model": trainer.ref_model is not None,
+    }
+    Path(spec["record"]).write_text(json.dumps(record))
+
+
+def main(argv: list | None = None) -> None:
+    args = parse_args(argv)
+    if args.trl_side is not None:
+        return trl_side(args.trl_side)
+    work = Path(args.work_dir or tempfile.mkdtemp(prefix="compare_trl_dpo-"))
+    work.mkdir(parents=True, exist_ok=True)
+    trl_dir = install_trl(args.trl_dir or work / "trl")
+    unmet = unmet_requirements((trl_dir / f"trl-{TRL_VERSION}.dist-info" / "METADATA").read_text(), installed_version)
+    if unmet:
+        sys.exit(f"TRL {TRL_VERSION} needs what this environment lacks (not installed here): {'; '.join(unmet)}")
+
+    from tests.helpers.preference_data import explicit_text
+
+    pairs = explicit_text(work / "pairs.jsonl", args.pairs, args.seed)
+    model = build_model(work / "model", args.model, args.seed)
+    ours, trl = {"median_step": [], "span": [], "samples_per_s": []}, {"median_step": [], "span": []}
+    for n in range(args.rounds):  # the two sides alternate; medians over the rounds
+        trl_record = run_trl(args, trl_dir, model, pairs, work / f"round{n}" / "trl")
+        our_records = run_ours(args, model, pairs, work / f"round{n}" / "ours")
+        for key, value in steady(trl_record["steps"], trl_record["times"], args.batch, args.warmup).items():
+            trl[key].append(value)
+        for key, value in our_steady(our_records, args.batch, args.warmup).items():
+            ours[key].append(value)
+        if n == 0:
+            losses = compare_losses(our_losses(our_records), trl_losses(trl_record["log_history"]))
+            first_trl = trl_record
+
+    ratio = statistics.median(ours["median_step"]) / statistics.median(trl["median_step"])
+    result = verdicts(losses, args.loss_steps, ratio, comparable=args.pairs == args.batch)
+    print(table(losses, ours, trl))
+    print(json.dumps(result))
+    if args.out:
+        figures = {
+            "losses": [dict(step=s, ours=a, trl=b, rel_diff=rel) for s, a, b, rel in losses],
+            "pairs_per_s": {"ours": ours, "trl": trl},
+            "trl_train_samples_per_second_all_steps": first_trl["train_samples_per_second"],
+            **result,
+            "setup": {
+                "args": {k: str(v) for k, v in vars(args).items() if k != "trl_side"},
+                "trl_dir": str(trl_dir),
+                "work_dir": str(work),
+                "ours": our_command(args, model, pairs, work / "round0" / "ours"),
+                "trl_config": trl_spec(args, model, pairs, work / "round0" / "trl")["config"],
+                "trl_side": {k: first_trl[k] for k in ("threads", "longest", "activation_checkpointing", "ref_model")},
+            },
+        }
+        args.out.write_text(json.dumps(figures, indent=1))
+
+
+if __name__ == "__main__":
+    main()

@@ -7,7 +7,9 @@ gradient accumulation nor the number of ranks changes the gradient (the Hugging 
 averaging per micro-batch means instead). DeepSpeed averages gradients over data-parallel ranks, so each rank
 multiplies by the data-parallel size to turn that average back into the global sum (under sequence parallelism
 DeepSpeed averages over every rank, each holding part of a block: see scaletrain/distributed/sequence_parallel.py);
-`scale_wrt_gas=False` stops DeepSpeed dividing by the accumulation steps a second time.
+`scale_wrt_gas=False` stops DeepSpeed dividing by the accumulation steps a second time. Preference pairs
+(scaletrain/train/preference.py) follow the same rule with pairs for tokens: each micro-batch's summed per-pair loss
+over the global batch's pair count, so the step's loss is the mean over its pairs.
 
 Mixture-of-experts models (scaletrain/model/moe.py) add the router's load-balancing loss: the objective of a step is
 token-mean cross-entropy + coef x aux, with aux the mean over the step's M micro-batches on each of the D ranks

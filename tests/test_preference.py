@@ -369,16 +369,25 @@ def test_a_reference_model_of_its_own_runs_live_or_precomputed(dpo_runs):
     assert pre[STEPS]["loss"] < pre[1]["loss"]
 
 
-def test_print_samples_shows_each_pair_with_its_completions_marked(tmp_path, tokenizer, offline, caplog):
+def test_print_samples_shows_each_pair_with_its_completions_marked(tmp_path, tokenizer, offline):
     import logging
 
     from scaletrain.data.pairs import print_pairs
 
     opened, _, rows = prepared(tmp_path, tokenizer, preference_data.explicit_text(tmp_path / "p.jsonl", n=4))
     pairs = pairs_from_store(opened, "train", 1024, "truncate")
-    with caplog.at_level(logging.INFO, logger="scaletrain.data.pairs"):
+    # A handler on the module's own logger: an earlier in-process run's logging setup may stop propagation to root.
+    records, logger = [], logging.getLogger("scaletrain.data.pairs")
+    handler = logging.Handler(logging.INFO)
+    handler.emit = records.append
+    logger.addHandler(handler)
+    level, logger.level = logger.level, logging.INFO
+    try:
         print_pairs(pairs, 2, tokenizer)
-    shown = [r.getMessage() for r in caplog.records]
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(level)
+    shown = [r.getMessage() for r in records]
     assert len(shown) == 4 and "pair 0, chosen" in shown[0] and "pair 1, rejected" in shown[3]
     for message, completion in zip(shown, [rows[0]["chosen"], rows[0]["rejected"], rows[1]["chosen"]], strict=False):
         marked = message.split("[[", 1)[1].split("]]", 1)[0]

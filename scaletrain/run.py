@@ -69,7 +69,7 @@ from scaletrain.engine import (
     LRSchedule,
     release_engine,
     restart_schedule,
-    restore_weight_decay,
+    repair_universal_load,
     SkipSwitch,
     schedule_for,
 )
@@ -492,9 +492,10 @@ class Run:
 
     def _reloaded(self, universal: bool) -> None:
         """After a checkpoint was loaded (resume, rollback): this run's flags rule from here on. A universal load
-        restores no weight decay; the checkpoint restored the saving run's peak LR and next LR."""
+        restores no weight decay and (ZeRO-3) shares one Adam step counter: repaired here. The checkpoint restored the
+        saving run's peak LR and next LR."""
         if universal:
-            restore_weight_decay(self.engine, self.cfg.optim.weight_decay)
+            repair_universal_load(self.engine, self.cfg.optim.weight_decay)
         restart_schedule(self.engine.lr_scheduler, self.schedule, peak_lr(self.resolved.ds))
         self._record_layout()
 

@@ -464,6 +464,9 @@ def test_resume_on_another_rank_count_converts_and_continues(
     # Each parameter group kept its own weight decay through the universal load (DeepSpeed 0.19.8's ZeRO-3 loader
     # copies group 0's onto every group; the effect on these few steps' losses is below the tolerance above).
     assert saved_weight_decays(run_dir / "checkpoints" / f"step{STEPS}") == [0.1, 0.0]
+    # ...and each partition its own Adam step counter: one update a step since the resume (ZeRO-3's universal loader
+    # shared one counter between the groups, which then advanced twice a step: 48 here).
+    assert saved_adam_steps(run_dir / "checkpoints" / f"step{STEPS}") == {STEPS}
     # the universal copy went once the resumed run committed a checkpoint of its own (it leaked the disk before)
     assert not (run_dir / "checkpoints" / ".universal").exists()
 
@@ -480,6 +483,23 @@ def saved_weight_decays(ckpt: Path) -> list:
         return None
 
     return [group["weight_decay"] for group in groups(torch.load(optim_file, weights_only=False))]
+
+
+def saved_adam_steps(ckpt: Path) -> set:
+    """The distinct Adam step counts in rank 0's optimizer file of a checkpoint (one per optimizer state)."""
+    optim_file = sorted(ckpt.glob("*optim_states.pt"))[0]
+
+    def steps(node):
+        if isinstance(node, dict):
+            if "step" in node and ("exp_avg" in node or "exp_avg_sq" in node):
+                yield int(node["step"])
+            for value in node.values():
+                yield from steps(value)
+        elif isinstance(node, (list, tuple)):
+            for value in node:
+                yield from steps(value)
+
+    return set(steps(torch.load(optim_file, weights_only=False)))
 
 
 @pytest.mark.slow  # two 16-step resumes from the shared uninterrupted runs

@@ -25,7 +25,7 @@ from scaletrain.engine.initialize import (
     compile_engine,
     compile_requested,
     release_engine,
-    restore_weight_decay,
+    repair_universal_load,
 )
 from scaletrain.engine.ops import comm_ops, load_ops
 from scaletrain.engine.schedules import LRSchedule, describe_schedule_change, restart_schedule, schedule_for
@@ -51,7 +51,7 @@ __all__ = [
     "release_engine",
     "release_other_stages",
     "restart_schedule",
-    "restore_weight_decay",
+    "repair_universal_load",
     "skip_shm_op_build",
     "universal_checkpoint_info",
     "universal_conversion_command",

@@ -112,6 +112,17 @@ def restore_weight_decay(engine, weight_decay: float) -> None:
         group["weight_decay"] = decay
 
 
+def repair_universal_load(engine, weight_decay: float) -> None:
+    """What DeepSpeed 0.19.8's universal-checkpoint loaders leave wrong: each parameter group's weight decay, and
+    under ZeRO-3 one Adam step counter shared by every partition (ds_internals.separate_step_counters)."""
+    from scaletrain.engine import ds_internals
+
+    restore_weight_decay(engine, weight_decay)
+    shared = ds_internals.separate_step_counters(engine)
+    if shared:
+        log.info("universal load: %d optimizer states shared one Adam step counter; each has its own now", shared)
+
+
 def release_engine(engine) -> None:
     """Undo what the engine left outside itself, so that it, and the process groups it holds, are freed when the
     caller drops it, not while the interpreter exits (where gloo's threads can abort a finished run).

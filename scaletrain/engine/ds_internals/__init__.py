@@ -87,6 +87,7 @@ from scaletrain.engine.ds_internals.checkpoints import (
     UNIVERSAL_CONVERTER,
     UNIVERSAL_VERSION,
     recorded_checkpoint_writes,
+    separate_step_counters,
     universal_checkpoint_info,
     universal_conversion_command,
 )
@@ -229,6 +230,7 @@ __all__ = [
     "skip_shm_op_build",
     "tensor_parallel_mpu",
     "torch_build_directory",
+    "separate_step_counters",
     "universal_checkpoint_info",
     "universal_conversion_command",
 ]

@@ -110,3 +110,24 @@ def recorded_checkpoint_writes(
         yield writes
     finally:
         del checkpoint_engine.save, engine._copy_recovery_script  # the class's methods again
+
+
+def separate_step_counters(engine) -> int:
+    """After a universal-checkpoint load: each optimizer state gets its own Adam step counter; returns how many were
+    shared. DeepSpeed 0.19.8's ZeRO-3 loader (stage3.py, _load_universal_checkpoint) puts one `step` tensor into the
+    state of every sub-group's fp32 partition, and torch's Adam increments a tensor step in place once per
+    parameter it updates: the shared counter then advanced by the number of sub-groups per update (2 with the
+    weight-decay groups), and the bias correction drifted from the run being continued."""
+    import torch
+
+    state = getattr(getattr(engine.optimizer, "optimizer", None), "state", None) or {}
+    seen, separated = set(), 0
+    for values in state.values():
+        step = values.get("step") if isinstance(values, dict) else None
+        if not torch.is_tensor(step):
+            continue
+        if id(step) in seen:
+            values["step"] = step.clone()
+            separated += 1
+        seen.add(id(step))
+    return separated

@@ -21,20 +21,14 @@ from scaletrain.data.chat_store import attach_masks, prepare_chat_store, resolve
 from scaletrain.data.pairs import pairs_from_store
 from scaletrain.data.preference_render import render_pair
 from scaletrain.data.token_store import open_store
+from scaletrain.train.preference import METRIC_NAMES
 from tests.conftest import REPO, check_ok, freeze, launch, read_metrics, thaw
 from tests.helpers import preference_data
 from tests.test_bad_input import tree_digest
 from tests.test_checkpoint import latest_step, rank_processes, start, step_losses, wait_for
 
 TINY = REPO / "data" / "tiny-llama"
-METRICS = (
-    "rewards/chosen",
-    "rewards/rejected",
-    "rewards/accuracies",
-    "rewards/margins",
-    "logps/chosen",
-    "logps/rejected",
-)
+METRICS = METRIC_NAMES  # TRL's names
 FORMATS = {
     "explicit_text": preference_data.explicit_text,
     "explicit_conversational": preference_data.explicit_conversational,

@@ -27,11 +27,15 @@ HOST = socket.gethostname()
 ZERO2 = REPO / "ds_configs" / "zero2.json"
 
 
-def start_ranks(cache: Path, cwds: list, args: list, env: dict = None, slurm: bool = False) -> list:
-    """One process per rank, in its own working directory, with RANK/WORLD_SIZE (or srun's SLURM_* variables)."""
+def start_ranks(
+    cache: Path, cwds: list, args: list, env: dict = None, slurm: bool = False, rank_envs: list = None
+) -> list:
+    """One process per rank, in its own working directory, with RANK/WORLD_SIZE (or srun's SLURM_* variables);
+    `rank_envs`: variables of each rank's own (a node's local cache, say)."""
     port, procs = free_port(), []
     for rank, cwd in enumerate(cwds):
         rank_env = {**subprocess_env(cache), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), **(env or {})}
+        rank_env.update((rank_envs or [{}] * len(cwds))[rank])
         if slurm:  # srun direct mode: one node, two tasks
             rank_env.update(
                 {

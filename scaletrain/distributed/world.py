@@ -272,6 +272,11 @@ def any_rank(flag: bool) -> bool:
     return bool(max_over_ranks(1.0 if flag else 0.0))
 
 
+def every_rank(flag: bool) -> bool:
+    """True on every rank when `flag` is True on all of them (a collective; without a process group, the flag)."""
+    return not any_rank(not flag)
+
+
 def max_over_ranks(value: float) -> float:
     """The largest of every rank's `value`, on every rank (a collective; without a process group, the value)."""
     import torch

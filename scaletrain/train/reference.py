@@ -25,6 +25,7 @@ from pathlib import Path
 import numpy as np
 
 from scaletrain.data import EMPTY_SLOT
+from scaletrain.distributed import any_rank, every_rank
 from scaletrain.errors import UsageError
 
 log = logging.getLogger(__name__)
@@ -51,17 +52,21 @@ def attach_reference_logps(
 ):
     """Give every PreferencePairs in `sets` ({split: pairs}) its reference log-probabilities: read back, or (a fresh
     run only) computed on `engine` now and saved (by each node's local rank 0, beside that node's store). `only`:
-    the training pairs a dry run's one step reads, computed alone and not saved."""
+    the training pairs a dry run's one step reads, computed alone and not saved.
+
+    Whether a file is read is decided by every rank together: with node-local stores, a node may miss a file the
+    others hold, and a rank that read it while the others computed (collectives) would leave them waiting."""
     for split, pairs in sets.items():
         path = reference_file(store, split, identity)
-        if only is not None and not path.exists():
+        everywhere = every_rank(path.exists())
+        if only is not None and not everywhere:
             if split == "train":
                 pairs.ref_logps = compute_reference_logps(
                     engine, pairs, micro_batch, dist.dp_rank, dist.dp_world_size, only
                 )
                 log.info("reference log-probs: the dry run's %d pairs computed (not saved)", len(only))
             continue
-        if path.exists():
+        if everywhere:
             values = np.load(path)
             if values.shape != (pairs.n_split_pairs, 2):
                 raise UsageError(
@@ -71,8 +76,9 @@ def attach_reference_logps(
                 )
             log.info("reference log-probs (%s): read from %s", split, path)
         elif not fresh:
+            where = "missing" if not path.exists() else "missing on another node (each node reads its own store)"
             raise UsageError(
-                f"{path}: the reference log-probabilities of this run's {split} pairs are missing, and a resumed run "
+                f"{path}: the reference log-probabilities of this run's {split} pairs are {where}, and a resumed run "
                 "cannot compute them (its model is no longer the starting model)",
                 "restore the file from where the run first started, or start afresh (--resume_from_checkpoint none)",
             )
@@ -151,7 +157,7 @@ def prepare_reference(engine, resolved, dist, train_pairs, eval_sets: dict, stor
     )
     sets = {"train": train_pairs, **{split: b.sources()[0] for split, b in eval_sets.items()}}
     micro = max(resolved.ds.config["train_micro_batch_size_per_gpu"], cfg.optim.per_device_eval_batch_size)
-    missing = any(not reference_file(store, split, identity).exists() for split in sets)
+    missing = any_rank(any(not reference_file(store, split, identity).exists() for split in sets))
     reference = (
         build_reference_engine(cfg, resolved.ds.config, resolved.ds.zero_stage) if separate and missing else None
     )

@@ -190,8 +190,13 @@ def signal_pending(pid: int, sig: int) -> bool:
     return bool(pending >> (sig - 1) & 1)
 
 
-# Small and fast: blocks of 64 tokens, 4 per micro-batch, no progress bar.
+# MFU against a given peak: skips the CPU's 0.5 s matrix-product calibration in every launch (about 3 minutes of the
+# suite). test_single_process_python_with_wandb_offline runs without it and checks the calibration.
+GIVEN_PEAK = ["--peak_tflops", "0.2"]
+
+# Small and fast: blocks of 64 tokens, 4 per micro-batch, no progress bar, no calibration.
 FAST_FLAGS = [
+    *GIVEN_PEAK,
     "--block_size",
     "64",
     "--per_device_train_batch_size",
@@ -231,11 +236,20 @@ def layout_flags(run_dir: Path, config: str, *extra: str) -> list:
 
 @pytest.fixture(scope="session")
 def layout_reference(tmp_path_factory, cache_dir) -> Path:
-    """One rank, ZeRO-2, the layout tests' global batch (4 blocks) and seed: the run every layout must equal."""
+    """One rank, ZeRO-2, the layout tests' global batch (4 blocks) and seed: the run every layout must equal. Its
+    output is kept beside it (reference_output()), for the tests that check what a plain run says."""
     run_dir = tmp_path_factory.mktemp("layouts") / "reference"
-    check_ok(launch(REPO / "train.py", layout_flags(run_dir, "zero2"), "python", cache_dir))
+    proc = launch(REPO / "train.py", layout_flags(run_dir, "zero2"), "python", cache_dir)
+    check_ok(proc)
+    (run_dir.parent / "stdout.txt").write_text(proc.stdout)
+    (run_dir.parent / "stderr.txt").write_text(proc.stderr)
     assert max(r["grad_norm"] for r in read_metrics(run_dir) if "grad_norm" in r) > LAYOUT_CLIP  # clipping acts
     return run_dir
+
+
+def reference_output(reference: Path) -> tuple:
+    """(stdout, stderr) of the layout_reference run."""
+    return (reference.parent / "stdout.txt").read_text(), (reference.parent / "stderr.txt").read_text()
 
 
 @pytest.fixture(scope="session")

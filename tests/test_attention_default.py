@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.conftest import REPO, check_ok, launch
+from tests.conftest import REPO, check_ok, launch, reference_output
 from tests.test_bad_input import assert_refused, offline  # noqa: F401 (a fixture, used by name)
 
 ZERO2 = str(REPO / "ds_configs" / "zero2.json")
@@ -24,16 +24,16 @@ def bloom(tmp_path):
     return ["--config_name", str(folder), "--tokenizer_name", TINY]
 
 
-@pytest.mark.slow  # three dry runs, ~10 s each
-def test_a_model_without_sdpa_trains_with_transformers_choice_and_says_so(bloom, tmp_path, cache_dir):
+@pytest.mark.slow  # two dry runs, ~10 s each, and the layout tests' shared 1-rank run
+def test_a_model_without_sdpa_trains_with_transformers_choice_and_says_so(bloom, layout_reference, tmp_path, cache_dir):
     flags = ["--config", ZERO2, "--dry_run", "--block_size", "64", "--per_device_train_batch_size", "2"]
     proc = launch(REPO / "train.py", [*flags, *bloom, "--output_dir", str(tmp_path / "bloom_run")], "python", cache_dir)
     check_ok(proc)
     assert "attention: eager (transformers' choice for bloom)" in proc.stdout, proc.stdout[-3000:]
     assert "dry run OK" in proc.stdout
-    llama = launch(REPO / "train.py", [*flags, "--output_dir", str(tmp_path / "llama_run")], "python", cache_dir)
-    check_ok(llama)
-    assert "attention: sdpa (transformers' choice for llama)" in llama.stdout, llama.stdout[-3000:]
+    # The tiny Llama with --attn_implementation unset: the layout tests' shared run (ZeRO-2, one rank) says it
+    llama_stdout, _ = reference_output(layout_reference)
+    assert "attention: sdpa (transformers' choice for llama)" in llama_stdout, llama_stdout[-3000:]
     named = launch(
         REPO / "train.py",
         [*flags, "--attn_implementation", "eager", "--output_dir", str(tmp_path / "named")],

@@ -18,7 +18,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from tests.conftest import REPO, check_ok, free_port, logged_steps, read_metrics, subprocess_env
+from tests.conftest import GIVEN_PEAK, REPO, check_ok, free_port, logged_steps, read_metrics, subprocess_env
 
 pytestmark = pytest.mark.slow  # the stand-in rank tests too: DeepSpeed's launcher alone takes 15-20 s here
 LAUNCHER = [sys.executable, "-m", "scaletrain.launcher"]  # the documented command: `deepspeed`'s arguments
@@ -46,6 +46,7 @@ def flags(run_dir: Path) -> list:
         "--max_eval_samples",
         "8",
         "--disable_tqdm",
+        *GIVEN_PEAK,
     ]
 
 

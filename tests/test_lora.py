@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.conftest import PROBE, REPO, check_ok, freeze, launch, logged_steps, subprocess_env, thaw
+from tests.conftest import GIVEN_PEAK, PROBE, REPO, check_ok, freeze, launch, logged_steps, subprocess_env, thaw
 from tests.test_bad_input import assert_refused, offline, tree_digest  # noqa: F401 (offline: a fixture)
 from tests.test_checkpoint import latest_step, rank_processes, start, step_losses, wait_for
 
@@ -66,6 +66,7 @@ def lora_flags(ds_config: str, run_dir: Path, base: Path, *extra: str) -> list:
         "--max_eval_samples",
         "8",
         "--disable_tqdm",
+        *GIVEN_PEAK,
         *extra,
     ]
 

@@ -14,7 +14,19 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.conftest import FAST_FLAGS, PROBE, REPO, check_ok, launch, read_metrics, train_losses
+from tests.conftest import (
+    FAST_FLAGS,
+    GIVEN_PEAK,
+    LAYOUT_STEPS,
+    PROBE,
+    REPO,
+    check_ok,
+    launch,
+    layout_flags,
+    read_metrics,
+    reference_output,
+    train_losses,
+)
 
 
 def assert_export_matches_engine(run_dir: Path) -> None:
@@ -41,8 +53,11 @@ def assert_checkpoint_written(run_dir: Path, step: int) -> None:
 
 @pytest.mark.slow
 # (zero2_offload was dropped to keep CI in its budget: zero3_offload offloads the optimizer too, and test_checkpoint
-# resumes a ZeRO-2 run under zero2_offload)
-@pytest.mark.parametrize("ds_config", ["zero1", "zero2", "zero3", "zero3_offload"])
+# resumes a ZeRO-2 run under zero2_offload. zero1 too: its optimizer and checkpoint files are ZeRO-2's, DeepSpeed's
+# stage_1_and_2.py without gradient partitioning, and both exports, checkpoint/export.py's and export_hf.py's, take
+# every stage below 3 alike, as [zero2] checks; 2-rank ZeRO-1 training is checked against ZeRO-2's by
+# test_checkpoint.py::test_resume_under_another_zero_setting_continues_exactly[zero1-zero2].)
+@pytest.mark.parametrize("ds_config", ["zero2", "zero3", "zero3_offload"])
 def test_two_ranks_train_checkpoint_and_export(ds_config, tmp_path, cache_dir):
     import glob
 
@@ -118,7 +133,7 @@ def test_single_process_python_with_wandb_offline(tmp_path, cache_dir):
             "wandb",
             "--save_steps",
             "2",
-            *FAST_FLAGS,
+            *FAST_FLAGS[len(GIVEN_PEAK) :],  # no --peak_tflops: the CPU calibration runs
         ],
         "python",
         cache_dir,
@@ -582,36 +597,23 @@ def test_scaling_report_runs_at_world_sizes_1_and_2(tmp_path, cache_dir):
     assert (tmp_path / "scaling.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
-@pytest.mark.slow  # two 1-rank runs of 4 steps, one compiled (inductor builds its graphs on the CPU)
-def test_torch_compile_trains_as_eager_does_and_a_compile_section_turns_it_on(tmp_path, cache_dir):
-    def run(run_dir: Path, *extra: str):
-        proc = launch(
-            REPO / "train.py",
-            [
-                "--config",
-                "ds_configs/zero2.json",
-                "--output_dir",
-                str(run_dir),
-                "--max_steps",
-                "4",
-                *FAST_FLAGS,
-                "--logging_steps",
-                "1",
-                "--no-export_hf_at_end",
-                *extra,
-            ],
-            "python",
-            cache_dir,
-        )
-        check_ok(proc)
-        return proc.stdout + proc.stderr
-
-    eager, compiled = tmp_path / "eager", tmp_path / "compiled"
-    assert "torch.compile" not in run(eager)
-    assert "torch.compile: backend inductor, DeepCompile off" in run(compiled, "--torch_compile")
-    expected = {r["step"]: r["loss"] for r in read_metrics(eager) if "loss" in r}
+@pytest.mark.slow  # a compiled 1-rank run (inductor builds its graphs on the CPU) against the layout tests' reference
+def test_torch_compile_trains_as_eager_does_and_a_compile_section_turns_it_on(layout_reference, tmp_path, cache_dir):
+    # Eager: the layout tests' shared 1-rank run (conftest.layout_flags), which the compiled run repeats with
+    # --torch_compile (and no export at the end): the same losses, step by step.
+    assert "torch.compile" not in "".join(reference_output(layout_reference))
+    compiled = tmp_path / "compiled"
+    proc = launch(
+        REPO / "train.py",
+        layout_flags(compiled, "zero2", "--no-export_hf_at_end", "--torch_compile"),
+        "python",
+        cache_dir,
+    )
+    check_ok(proc)
+    assert "torch.compile: backend inductor, DeepCompile off" in proc.stdout + proc.stderr
+    expected = {r["step"]: r["loss"] for r in read_metrics(layout_reference) if "loss" in r}
     got = {r["step"]: r["loss"] for r in read_metrics(compiled) if "loss" in r}
-    assert sorted(got) == [1, 2, 3, 4]
+    assert sorted(got) == list(range(1, LAYOUT_STEPS + 1))
     for step, loss in expected.items():  # fused kernels sum in another order: equal to 1e-5, not bit for bit
         assert got[step] == pytest.approx(loss, rel=1e-5), step
     # A "compile" section in the JSON is honoured (DeepSpeed reads it only in engine.compile())

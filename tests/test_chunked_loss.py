@@ -16,6 +16,7 @@ from scaletrain.data.blocks import IGNORE_INDEX
 from scaletrain.model.chunked_loss import (
     ChunkedCrossEntropy,
     chunked_loss_head,
+    chunked_target_logps,
     chunked_token_loss,
     install_chunked_loss,
 )
@@ -111,6 +112,65 @@ def test_the_function_with_a_bias_and_16_bit_weights():
         assert (a.float() - b).norm() <= 2e-2 * b.norm()
 
 
+def _row_logps(model, input_ids, targets, chunked: bool):
+    """Per row: the summed log-probs of the targets (what a preference loss needs), from the whole logits or through
+    the chunked head's per-token mode."""
+    from scaletrain.train.preference_loss import sequence_logps
+
+    if not chunked:
+        return sequence_logps(model(input_ids=input_ids).logits, targets)[0]
+    head = chunked_loss_head(model)
+    with head.pending(targets, per_token=True):
+        per_token = model(input_ids=input_ids).logits
+    head.check_returned(per_token)
+    assert per_token.shape == targets.shape and per_token.dtype == torch.float32
+    return per_token.sum(-1)
+
+
+@pytest.mark.parametrize("tied", [False, True])
+@pytest.mark.parametrize("chunk", [1, 16, 4096])
+def test_per_token_log_probs_give_the_whole_logits_row_sums_and_gradients(tied, chunk):
+    """The preference losses' path (--loss_type sigmoid and the others): each row's summed target log-probs, and
+    the gradients when each row's sum gets its own weight (a DPO loss weighs chosen and rejected rows apart)."""
+    model = _llama(tied)
+    chunked = copy.deepcopy(model)
+    install_chunked_loss(chunked, chunk)
+    input_ids, targets = _batch()
+    expected, got = _row_logps(model, input_ids, targets, False), _row_logps(chunked, input_ids, targets, True)
+    assert torch.allclose(got, expected, rtol=1e-6, atol=1e-5)
+    row_weights = torch.tensor([0.7, -1.3, 2.1])
+    (expected * row_weights).sum().backward()
+    (got * row_weights).sum().backward()
+    for (name, p), (_, q) in zip(model.named_parameters(), chunked.named_parameters(), strict=True):
+        assert (p.grad - q.grad).norm() <= 5e-6 * p.grad.norm(), name
+    with torch.no_grad():  # a reference pass: no gradient kept
+        assert not _row_logps(chunked, input_ids, targets, True).requires_grad
+
+
+def test_per_token_log_probs_with_a_bias_and_16_bit_weights():
+    torch.manual_seed(0)
+    hidden = torch.randn(23, 8, requires_grad=True)
+    weight, bias = torch.randn(40, 8, requires_grad=True), torch.randn(40, requires_grad=True)
+    targets = torch.randint(0, 40, (23,))
+    targets[::4] = IGNORE_INDEX
+    incoming = torch.randn(23)
+    log_probs = F.log_softmax(F.linear(hidden, weight, bias).float(), -1)
+    expected = log_probs.gather(1, targets.clamp(min=0).unsqueeze(1)).squeeze(1).masked_fill(targets < 0, 0)
+    expected_grads = torch.autograd.grad((expected * incoming).sum(), (hidden, weight, bias))
+    got = chunked_target_logps(hidden, weight, bias, targets, 6)
+    got_grads = torch.autograd.grad((got * incoming).sum(), (hidden, weight, bias))
+    assert torch.allclose(got, expected, rtol=1e-6, atol=1e-6)
+    for a, b in zip(got_grads, expected_grads, strict=True):
+        assert torch.allclose(a, b, rtol=1e-5, atol=1e-6)
+    leaves = [t.detach().bfloat16().requires_grad_() for t in (hidden, weight, bias)]
+    low = chunked_target_logps(*leaves, targets, 6)
+    low_grads = torch.autograd.grad((low * incoming).sum(), leaves)
+    assert low.dtype == torch.float32 and (low - expected).norm() <= 2e-2 * expected.norm()
+    for a, b in zip(low_grads, expected_grads, strict=True):
+        assert a.dtype == torch.bfloat16
+        assert (a.float() - b).norm() <= 3e-2 * b.norm()
+
+
 class _ShapeRecorder(torch.utils._python_dispatch.TorchDispatchMode):
     """Records the element count of every tensor an operator returns."""
 
@@ -139,6 +199,9 @@ def test_no_tensor_of_the_whole_logits_is_ever_built():
     with _ShapeRecorder() as recorder:
         _chunked_loss(chunked, input_ids, targets).backward()
     # one chunk's logits (8 x VOCAB) at most, or the head's weight and its gradient (32 x VOCAB)
+    assert recorder.largest == chunked.lm_head.weight.numel() < whole
+    with _ShapeRecorder() as recorder:  # the preference losses' per-token mode, backward included
+        _row_logps(chunked, input_ids, targets, True).sum().backward()
     assert recorder.largest == chunked.lm_head.weight.numel() < whole
 
 

@@ -101,6 +101,73 @@ class ChunkedCrossEntropy(torch.autograd.Function):
         return (*grads, None, None, None)
 
 
+class ChunkedTargetLogProbs(torch.autograd.Function):
+    """log_softmax(hidden @ weight^T + bias)[n, targets[n]] for each token n (0 where the target is IGNORE_INDEX), in
+    chunks: the per-token log-probabilities a preference loss sums per row.
+
+    hidden [N, H], weight [V, H], bias [V] or None, targets [N] -> [N] float32. Unlike ChunkedCrossEntropy, whose
+    incoming gradient is one number known to scale every token alike, each token's incoming gradient here is its
+    row's (a DPO loss weighs chosen and rejected rows differently) and arrives only in the backward: so the backward
+    recomputes each chunk's logits (one more head matrix product per chunk) instead of keeping [N, V] for it. The
+    weight and bias are read in the backward through the parameters themselves, which ZeRO-3 gathers again around
+    the head's backward.
+    """
+
+    @staticmethod
+    def forward(ctx, hidden, weight, bias, targets, chunk: int):
+        out = torch.zeros(hidden.size(0), dtype=torch.float32, device=hidden.device)
+        for start in range(0, hidden.size(0), chunk):
+            h, safe_targets, ignored = _chunk(hidden, targets, start, chunk)
+            log_probs = F.log_softmax(F.linear(h, weight, bias), dim=-1, dtype=torch.float32)
+            picked = log_probs.gather(1, safe_targets.unsqueeze(1)).squeeze(1)
+            out[start : start + chunk] = picked.masked_fill(ignored, 0)
+        ctx.save_for_backward(hidden, targets)
+        ctx.weight, ctx.bias, ctx.chunk = weight, bias, chunk
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        hidden, targets = ctx.saved_tensors
+        weight, bias, chunk = ctx.weight, ctx.bias, ctx.chunk
+        ctx.weight = ctx.bias = None
+        grad_hidden = torch.zeros_like(hidden) if ctx.needs_input_grad[0] else None
+        grad_weight = torch.zeros_like(weight) if ctx.needs_input_grad[1] else None
+        grad_bias = (
+            torch.zeros(bias.shape, dtype=torch.float32, device=bias.device) if ctx.needs_input_grad[2] else None
+        )
+        for start in range(0, hidden.size(0), chunk):
+            h, safe_targets, ignored = _chunk(hidden, targets, start, chunk)
+            g = grad_output[start : start + chunk].float().masked_fill(ignored, 0)
+            log_probs = F.log_softmax(F.linear(h, weight, bias), dim=-1, dtype=torch.float32)
+            # d(log p[target])/d(logits) = one_hot(target) - softmax, times each token's incoming gradient
+            d_logits = log_probs.exp_().mul_(-g.unsqueeze(1))
+            d_logits[torch.arange(h.size(0), device=h.device), safe_targets] += g
+            if grad_bias is not None:
+                grad_bias += d_logits.sum(0)
+            d_logits = d_logits.to(h.dtype)
+            if grad_hidden is not None:
+                torch.mm(d_logits, weight, out=grad_hidden[start : start + chunk])
+                grad_hidden[start : start + chunk].masked_fill_(ignored.unsqueeze(1), 0)
+            if grad_weight is not None:
+                grad_weight.addmm_(d_logits.t(), h.to(grad_weight.dtype))
+        if grad_bias is not None:
+            grad_bias = grad_bias.to(bias.dtype)
+        return grad_hidden, grad_weight, grad_bias, None, None
+
+
+def _chunk(hidden, targets, start: int, chunk: int) -> tuple:
+    """(the chunk's hidden states with ignored tokens zeroed, its targets made indexable, which are ignored)."""
+    t = targets[start : start + chunk]
+    ignored = t == IGNORE_INDEX
+    return hidden[start : start + chunk].masked_fill(ignored.unsqueeze(1), 0), t.masked_fill(ignored, 0), ignored
+
+
+def chunked_target_logps(hidden, weight, bias, targets, chunk: int):
+    """Per-token log-probabilities of `targets` [...] under the head, `chunk` tokens at a time: [...] float32."""
+    flat = ChunkedTargetLogProbs.apply(hidden.reshape(-1, hidden.size(-1)), weight, bias, targets.reshape(-1), chunk)
+    return flat.view(targets.shape)
+
+
 def chunked_token_loss(hidden, weight, bias, targets, chunk: int):
     """Summed token cross-entropy of `hidden` [..., H] through the head, `chunk` tokens at a time."""
     flat_hidden, flat_targets = hidden.reshape(-1, hidden.size(-1)), targets.reshape(-1)
@@ -109,14 +176,16 @@ def chunked_token_loss(hidden, weight, bias, targets, chunk: int):
 
 
 class ChunkedLossHead(torch.nn.Linear):
-    """An LM head that, while targets are pending, returns the summed token loss instead of the logits."""
+    """An LM head that, while targets are pending, returns the summed token loss (or, `per_token`, each target's
+    log-probability) instead of the logits."""
 
     chunk_tokens: int = 0  # set by install_chunked_loss
 
     @contextmanager
-    def pending(self, targets):
-        """Targets for the next forward (the loss comes back in the model output's `logits` field)."""
-        self.__dict__["_targets"], self.__dict__["_returned"] = targets, None
+    def pending(self, targets, per_token: bool = False):
+        """Targets for the next forward (the loss, or the [rows, T] log-probs of the targets with `per_token`, comes
+        back in the model output's `logits` field)."""
+        self.__dict__.update(_targets=targets, _returned=None, _per_token=per_token)
         try:
             yield
         finally:
@@ -134,13 +203,16 @@ class ChunkedLossHead(torch.nn.Linear):
                 f"chunked loss: the head received hidden states of shape {tuple(hidden.shape)} for "
                 f"targets of shape {tuple(targets.shape)}; run with --loss_chunk_size 0"
             )
-        loss = chunked_token_loss(hidden, self.weight, self.bias, targets, self.chunk_tokens)
-        self.__dict__["_returned"] = loss.data_ptr()
-        return loss
+        if self.__dict__.get("_per_token"):
+            result = chunked_target_logps(hidden, self.weight, self.bias, targets, self.chunk_tokens)
+        else:
+            result = chunked_token_loss(hidden, self.weight, self.bias, targets, self.chunk_tokens)
+        self.__dict__["_returned"] = result.data_ptr(), result.dim()
+        return result
 
     def check_returned(self, output) -> None:
-        """The model returned the head's loss unchanged (ZeRO-3 returns a detached alias: same storage)."""
-        if output.dim() != 0 or output.data_ptr() != self.__dict__.get("_returned"):
+        """The model returned the head's result unchanged (ZeRO-3 returns a detached alias: same storage)."""
+        if (output.data_ptr(), output.dim()) != self.__dict__.get("_returned"):
             raise RuntimeError(
                 "--loss_chunk_size: this model changes the LM head's output before returning it (scaling or "
                 "soft-capping the logits), so the loss cannot be computed inside the head; run with "

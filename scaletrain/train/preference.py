@@ -40,13 +40,23 @@ def _aligned_targets(labels):
 
 def row_logps(model, batch: dict, device) -> tuple:
     """(summed completion log-probs per row, completion tokens per row) of one forward of `model` (the engine, or
-    the module itself for a reference pass)."""
+    the module itself for a reference pass). Through the chunked LM head where the model has one (the [rows, T, V]
+    logits never exist: model/chunked_loss.py), else from the whole logits."""
+    from deepspeed import DeepSpeedEngine
+
+    from scaletrain.model import chunked_loss_head
     from scaletrain.train.preference_loss import sequence_logps
 
     input_ids = batch["input_ids"].to(device, non_blocking=True)
     targets = _aligned_targets(batch["labels"].to(device, non_blocking=True))
-    output = model(input_ids=input_ids, use_cache=False)
-    return sequence_logps(output.logits, targets)
+    head = chunked_loss_head(model.module if isinstance(model, DeepSpeedEngine) else model)
+    if head is None:
+        return sequence_logps(model(input_ids=input_ids, use_cache=False).logits, targets)
+    with head.pending(targets, per_token=True):
+        per_token = model(input_ids=input_ids, use_cache=False).logits
+    head.check_returned(per_token)
+    mask = targets != IGNORE_INDEX
+    return per_token.sum(-1), mask.sum(-1)
 
 
 @dataclass(frozen=True)

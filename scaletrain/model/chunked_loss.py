@@ -108,19 +108,25 @@ class ChunkedTargetLogProbs(torch.autograd.Function):
     hidden [N, H], weight [V, H], bias [V] or None, targets [N] -> [N] float32. Unlike ChunkedCrossEntropy, whose
     incoming gradient is one number known to scale every token alike, each token's incoming gradient here is its
     row's (a DPO loss weighs chosen and rejected rows differently) and arrives only in the backward: so the backward
-    recomputes each chunk's logits (one more head matrix product per chunk) instead of keeping [N, V] for it. The
-    weight and bias are read in the backward through the parameters themselves, which ZeRO-3 gathers again around
-    the head's backward.
+    recomputes each chunk's logits (one more head matrix product per chunk) instead of keeping [N, V] for it. Only
+    the last chunk's log-probs stay from the forward to the backward (the memory its recomputation would take
+    anyway, and nothing runs between the two but the loss): a micro-batch that fits in one chunk recomputes nothing.
+    The weight and bias are read in the backward through the parameters themselves, which ZeRO-3 gathers again
+    around the head's backward.
     """
 
     @staticmethod
-    def forward(ctx, hidden, weight, bias, targets, chunk: int):
+    def forward(ctx, hidden, weight, bias, targets, chunk: int, with_grad: bool):
         out = torch.zeros(hidden.size(0), dtype=torch.float32, device=hidden.device)
-        for start in range(0, hidden.size(0), chunk):
+        starts = range(0, hidden.size(0), chunk)
+        ctx.kept = None
+        for start in starts:
             h, safe_targets, ignored = _chunk(hidden, targets, start, chunk)
             log_probs = F.log_softmax(F.linear(h, weight, bias), dim=-1, dtype=torch.float32)
             picked = log_probs.gather(1, safe_targets.unsqueeze(1)).squeeze(1)
             out[start : start + chunk] = picked.masked_fill(ignored, 0)
+            if with_grad and start == starts[-1]:
+                ctx.kept = log_probs
         ctx.save_for_backward(hidden, targets)
         ctx.weight, ctx.bias, ctx.chunk = weight, bias, chunk
         return out
@@ -135,10 +141,12 @@ class ChunkedTargetLogProbs(torch.autograd.Function):
         grad_bias = (
             torch.zeros(bias.shape, dtype=torch.float32, device=bias.device) if ctx.needs_input_grad[2] else None
         )
-        for start in range(0, hidden.size(0), chunk):
+        for start in reversed(range(0, hidden.size(0), chunk)):  # the last chunk first: its log-probs are kept
             h, safe_targets, ignored = _chunk(hidden, targets, start, chunk)
             g = grad_output[start : start + chunk].float().masked_fill(ignored, 0)
-            log_probs = F.log_softmax(F.linear(h, weight, bias), dim=-1, dtype=torch.float32)
+            log_probs, ctx.kept = ctx.kept, None
+            if log_probs is None:
+                log_probs = F.log_softmax(F.linear(h, weight, bias), dim=-1, dtype=torch.float32)
             # d(log p[target])/d(logits) = one_hot(target) - softmax, times each token's incoming gradient
             d_logits = log_probs.exp_().mul_(-g.unsqueeze(1))
             d_logits[torch.arange(h.size(0), device=h.device), safe_targets] += g
@@ -152,7 +160,7 @@ class ChunkedTargetLogProbs(torch.autograd.Function):
                 grad_weight.addmm_(d_logits.t(), h.to(grad_weight.dtype))
         if grad_bias is not None:
             grad_bias = grad_bias.to(bias.dtype)
-        return grad_hidden, grad_weight, grad_bias, None, None
+        return grad_hidden, grad_weight, grad_bias, None, None, None
 
 
 def _chunk(hidden, targets, start: int, chunk: int) -> tuple:
@@ -164,7 +172,10 @@ def _chunk(hidden, targets, start: int, chunk: int) -> tuple:
 
 def chunked_target_logps(hidden, weight, bias, targets, chunk: int):
     """Per-token log-probabilities of `targets` [...] under the head, `chunk` tokens at a time: [...] float32."""
-    flat = ChunkedTargetLogProbs.apply(hidden.reshape(-1, hidden.size(-1)), weight, bias, targets.reshape(-1), chunk)
+    with_grad = torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad)
+    flat = ChunkedTargetLogProbs.apply(
+        hidden.reshape(-1, hidden.size(-1)), weight, bias, targets.reshape(-1), chunk, with_grad
+    )
     return flat.view(targets.shape)
 
 

@@ -22,6 +22,11 @@ Runs, in order (one GPU, `deepspeed --num_gpus 1 train.py ...`, each logging eve
   an adapter's optimizer states against full training).
 - `hf`: scripts/compare_hf_trainer.py --measure throughput --ranks 1 --precision bf16 on the same model, batch,
   ZeRO-2 and sdpa (one round: train.py, then the HF Trainer + DeepSpeed): steady tokens/s and the ratio.
+- `dpo` (with --dpo): preference training (issue 28) of the ~1B Llama's saved weights (as `qlora`'s) under ZeRO-3,
+  bf16, activation checkpointing, sigmoid loss, the reference's log-probs precomputed before step 1: --batch pairs
+  per step, each pair's prompt about a quarter of the block and its completions an eighth (text of data/sample),
+  20 steps. Check: step 1's loss is log 2 (the policy is its reference) within DPO_LOG2_ATOL; pairs/s (median
+  step) beside the row's tokens/s (both sequences' tokens).
 - `long_context` (with --long_context): scripts/bench/longest_block.py, the longest block of a Llama-8B-shaped
   model (4 of its layers, random init) that trains on the GPU with ZeRO-3 + CPU offload, activation checkpointing
   and offloading and the tiled MLP, doubled from 64K tokens until a run fails; its step time. Check: at least 1M
@@ -34,7 +39,8 @@ peak at most MEMORY_MARGIN (25%) above the plan's figure for the run's ZeRO stag
 Estimated GPU time (not yet measured on a GPU): each 1B run ~30-50 s (start-up, model init, 20 steps of ~0.3 s;
 --no-save_at_end: no end-of-run checkpoint of ~14 GB), the default job ~40 s, the compiled run ~90 s, `hf` ~2
 minutes: ~8 minutes without flash attention. `qlora` (~1 minute: saving the 1B weights, then the run) runs only with
---qlora. `--skip` trims it (e.g. `--skip sdpa_compile,default`); each row prints its seconds and the table the total.
+--qlora, `dpo` (~1 minute, estimated: the reference pass over its pairs, then 20 steps) only with --dpo. `--skip`
+trims it (e.g. `--skip sdpa_compile,default`); each row prints its seconds and the table the total.
 
 Prints one Markdown table (run | what | steps | tokens/s | MFU | peak GPU GB | planned GB | check | status) and
 writes it as JSON (--json, default WORK_DIR/gpu_check.json). Exit code 1 if a run failed or a check failed, 2 for
@@ -66,9 +72,11 @@ from scripts.compare_hf_trainer import build_model, common_env, model_shape, n_p
 from scripts.bench.common import DEEPSPEED  # noqa: E402
 
 LOSS_RTOL = 2e-2  # bf16 against fp32 over the first steps: bf16 rounds to ~3 significant digits
+DPO_LOG2_ATOL = 1e-2  # step 1 of DPO: policy == reference up to bf16 rounding between the two forwards
 MEMORY_MARGIN = 0.25  # the plan's working memory is an estimate; allocator slack and buffers come on top
 OK, FAILED, CHECK_FAILED = "ok", "FAILED", "check failed"
-PRETRAINED = "pretrained"  # the check's model with its random init saved as weights: what --load_in_4bit loads
+PRETRAINED = "pretrained"  # the check's model with its random init saved as weights: what QLoRA and DPO start from
+PAIRS = "pairs.jsonl"  # the dpo row's preference pairs
 
 
 @dataclass(frozen=True)
@@ -264,6 +272,26 @@ def specs(setup: Setup, model: Path, work: Path, flash: bool, extra: tuple) -> l
             steps=setup.speed_steps,
         ),
         Spec(
+            "dpo",
+            f"DPO: ZeRO-3, {setup.precision}, sigmoid, reference precomputed, activation checkpointing, the {n} "
+            f"Llama's weights, {setup.batch} pairs of up to {setup.block_size} tokens",
+            "train",
+            (
+                "--config",
+                "ds_configs/zero3.json",
+                "--model_name_or_path",
+                str(work / PRETRAINED),
+                "--train_file",
+                str(work / PAIRS),
+                "--gradient_checkpointing",
+                "--validation_split_percentage",
+                "0",
+                *common[2:],
+                *precision,
+            ),
+            setup.zero_steps,
+        ),
+        Spec(
             "long_context",
             "longest block: Llama-8B shape (4 layers), ZeRO-3 + CPU offload, checkpointing + activation offloading "
             "+ tiled MLP, doubled from 64K tokens (scripts/bench/longest_block.py)",
@@ -284,6 +312,38 @@ def save_pretrained_base(model: Path, folder: Path) -> None:
     torch.manual_seed(0)
     AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model), dtype=torch.bfloat16).save_pretrained(folder)
     AutoTokenizer.from_pretrained(model).save_pretrained(folder)
+
+
+def write_pairs(path: Path, setup: Setup) -> None:
+    """Preference pairs in TRL's explicit text format from data/sample's documents: pair i's prompt is a quarter of
+    a block's worth of words of document i, its chosen and rejected completions an eighth of documents i + 1 and
+    i + 2 (never the same text). As many pairs as the run's steps take (one epoch)."""
+    if path.exists():
+        return
+    docs = [json.loads(line)["text"].split() for line in (REPO / "data" / "sample" / "train.jsonl").open()]
+    docs = [d for d in docs if len(d) >= setup.block_size // 8]
+    prompt_words, completion_words = setup.block_size // 4, setup.block_size // 8
+    rows = []
+    for i in range(setup.batch * setup.zero_steps):
+        prompt, chosen, rejected = (docs[(3 * i + k) % len(docs)] for k in range(3))
+        rows.append(
+            {
+                "prompt": " ".join(prompt[:prompt_words]),
+                "chosen": " " + " ".join(chosen[:completion_words]),
+                "rejected": " " + " ".join(rejected[:completion_words]),
+            }
+        )
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+
+
+def dpo_check(row: Row, records: list) -> None:
+    """Step 1's loss against log 2, and pairs/s (the median step's samples_per_s, which counts pairs)."""
+    if row.losses:
+        diff = abs(row.losses[0] - math.log(2))
+        _record(row, diff <= DPO_LOG2_ATOL, f"step-1 loss {row.losses[0]:.4f} vs log 2: diff {diff:.1e}")
+    pairs = [r["samples_per_s"] for r in records if "samples_per_s" in r]
+    if pairs:
+        row.checks.append(f"pairs/s {statistics.median(pairs):.2f} (median step)")
 
 
 def fp32_config(work: Path) -> Path:
@@ -344,6 +404,8 @@ def run_train(spec: Spec, setup: Setup, work: Path, env: dict, timeout: float, r
     row.status = OK
     if not row.losses or not all(math.isfinite(x) for x in row.losses):
         row.fail_check(f"non-finite or no losses: {row.losses}")
+    if spec.name == "dpo":
+        dpo_check(row, [r for r in records if "loss" in r and r["step"] > setup.warmup])
 
 
 def train_figures(records: list, warmup: int) -> dict:
@@ -585,6 +647,8 @@ def runs_to_skip(args: argparse.Namespace) -> list:
         skip.append("qlora")  # its memory check compares with zero3: --only qlora,zero3
     if not (args.long_context or "long_context" in args.only.split(",")):
         skip.append("long_context")  # minutes of quadratic attention at 1M tokens
+    if not (args.dpo or "dpo" in args.only.split(",")):
+        skip.append("dpo")  # ~1 minute: the default check keeps to its 8 minutes
     return skip
 
 
@@ -608,6 +672,11 @@ def parse_args(argv=None) -> argparse.Namespace:
         action="store_true",
         help="also run the long_context row (the longest block one GPU trains, doubling from 64K tokens: "
         "~10-15 minutes, run it as a command of its own: --only long_context --long_context)",
+    )
+    p.add_argument(
+        "--dpo",
+        action="store_true",
+        help="also run the dpo row (preference training of the ~1B Llama, ~1 minute: not in the default 8 minutes)",
     )
     p.add_argument("--json", help="write the rows here (default: WORK_DIR/gpu_check.json)")
     p.add_argument("--timeout", type=float, default=600, help="seconds per run before it counts as failed")
@@ -666,8 +735,10 @@ def run_row(spec: Spec, row: Row, setup: Setup, work: Path, env: dict, args, mod
         elif spec.kind == "longest":
             run_longest(setup, work, env, args.timeout, row)
         else:
-            if "--load_in_4bit" in spec.args:
+            if "--model_name_or_path" in spec.args:  # qlora, dpo: they start from saved weights
                 save_pretrained_base(model, work / PRETRAINED)
+            if spec.name == "dpo":
+                write_pairs(work / PAIRS, setup)
             run_train(spec, setup, work, env, args.timeout, row)
     except Exception as err:
         row.status, row.checks = FAILED, [f"could not run: {type(err).__name__}: {err}; log {row.log}"]
@@ -701,7 +772,7 @@ def add_measured_mfu(rows: dict, flops_per_token: float, peak_tflops: float) -> 
     """MFU against the measured rate, causal attention, for the rows that trained the check's Llama in full (not the
     default job's tiny model, not QLoRA's frozen base)."""
     for name, row in rows.items():
-        if row.tokens_per_s and peak_tflops > 0 and name not in ("default", "qlora", "long_context"):
+        if row.tokens_per_s and peak_tflops > 0 and name not in ("default", "qlora", "dpo", "long_context"):
             row.mfu_causal_measured = row.tokens_per_s * flops_per_token / (peak_tflops * 1e12)
 
 

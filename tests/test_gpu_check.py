@@ -114,13 +114,18 @@ def test_the_runs_cpu_mode_skips_gpu_rows_and_extra_flags_reach_train_runs_only(
     assert qlora[:2] == ("--config", "ds_configs/zero3.json") and "--config_name" not in qlora
     assert {"--use_peft", "--load_in_4bit", "--gradient_checkpointing", "--bf16"} <= set(qlora)
     assert qlora[qlora.index("--model_name_or_path") + 1] == str(tmp_path / gc.PRETRAINED)
+    dpo = gpu["dpo"].args  # preference training of the same saved weights, in bf16, sharded
+    assert dpo[:2] == ("--config", "ds_configs/zero3.json") and "--config_name" not in dpo
+    assert {"--gradient_checkpointing", "--bf16"} <= set(dpo) and gpu["dpo"].steps == 20
+    assert dpo[dpo.index("--model_name_or_path") + 1] == str(tmp_path / gc.PRETRAINED)
+    assert dpo[dpo.index("--train_file") + 1] == str(tmp_path / gc.PAIRS)
 
 
-def test_the_qlora_row_runs_only_when_asked_for():
-    assert gc.runs_to_skip(gc.parse_args([])) == ["qlora", "long_context"]
-    assert gc.runs_to_skip(gc.parse_args(["--skip", "hf"])) == ["hf", "qlora", "long_context"]
-    assert gc.runs_to_skip(gc.parse_args(["--qlora", "--long_context"])) == []
-    assert gc.runs_to_skip(gc.parse_args(["--only", "qlora,zero3,long_context"])) == []
+def test_the_qlora_dpo_and_long_context_rows_run_only_when_asked_for():
+    assert gc.runs_to_skip(gc.parse_args([])) == ["qlora", "long_context", "dpo"]
+    assert gc.runs_to_skip(gc.parse_args(["--skip", "hf"])) == ["hf", "qlora", "long_context", "dpo"]
+    assert gc.runs_to_skip(gc.parse_args(["--qlora", "--long_context", "--dpo"])) == []
+    assert gc.runs_to_skip(gc.parse_args(["--only", "qlora,zero3,long_context,dpo"])) == []
 
 
 def test_the_qlora_row_must_use_less_memory_than_full_zero3():
@@ -162,7 +167,7 @@ def _run(tmp_path, *flags):
 
 @pytest.mark.slow  # three launches, ~45 s on 2 cores (the whole CPU mode, 8 launches, takes ~3 minutes)
 def test_cpu_mode_runs_the_plan_a_zero_run_and_the_reference_and_checks_them(tmp_path):
-    proc, result = _run(tmp_path, "--only", "plan,zero3,fp32_ref")
+    proc, result = _run(tmp_path, "--only", "plan,zero3,fp32_ref,dpo")
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     rows = {r["run"]: r for r in result["rows"]}
     assert list(rows) == [
@@ -179,6 +184,7 @@ def test_cpu_mode_runs_the_plan_a_zero_run_and_the_reference_and_checks_them(tmp
         "flash_ckpt",
         "qlora",
         "hf",
+        "dpo",
         "long_context",
     ]
     assert {n: r["status"] for n, r in rows.items() if r["status"] != "ok"} == {
@@ -204,6 +210,14 @@ def test_cpu_mode_runs_the_plan_a_zero_run_and_the_reference_and_checks_them(tmp
     # MFU beside train.py's: attention counted causally, over the matmul rate measured at the start
     assert result["machine"]["measured_matmul_tflops"] > 0 and 0 < zero3["mfu_causal_measured"] < 1
     assert not (tmp_path / "work" / "zero3" / "checkpoints").exists()  # --no-save_at_end: no 14 GB per 1B run
+    # the dpo row: preference training from the saved weights, step 1's loss log 2 (policy == reference)
+    dpo = rows["dpo"]
+    assert dpo["steps"] == gc.CPU_SETUP.zero_steps and dpo["tokens_per_s"] > 0
+    assert dpo["checks"][0].startswith("step-1 loss 0.6931 vs log 2") and dpo["checks"][1].startswith("pairs/s ")
+    assert dpo["mfu_causal_measured"] is None  # another token count than the Llama rows'
+    pairs = [json.loads(line) for line in (tmp_path / "work" / gc.PAIRS).read_text().splitlines()]
+    assert len(pairs) == gc.CPU_SETUP.batch * gc.CPU_SETUP.zero_steps
+    assert all(p["chosen"] != p["rejected"] and p["prompt"] for p in pairs)
 
 
 @pytest.mark.slow  # two launches of train.py (256 and 512 tokens), ~45 s

@@ -291,7 +291,10 @@ def resolve_run(argv: Sequence[str] | None, dist: DistInfo) -> ResolvedRun:
     hardware = hardware_facts()
     ds = _resolve_engine_config(cfg, raw_ds_config, dist, model_config, hardware, skeleton)
     # chat data packs whole examples, isolated; preference pairs are never packed together
-    isolates_documents = cfg.data.attention_isolation or (chat is not None and chat.kind != "preference")
+    # packed sequences kept apart by restarting position ids: SFT chat examples, and padding-free preference pairs
+    isolates_documents = cfg.data.attention_isolation or (
+        chat is not None and (chat.kind != "preference" or cfg.data.padding_free)
+    )
     router_loss = check_model_features(cfg, ds, skeleton, model_config, hardware, isolates_documents)
     check_preference_run(cfg, chat is not None and chat.kind == "preference", router_loss is not None)
     check_reference_model(cfg, model_config)

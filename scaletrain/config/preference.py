@@ -75,7 +75,7 @@ def check_preference_run(cfg, preference_data: bool, moe: bool) -> None:
     """Preference flags need preference data; preference data runs on data parallelism with a ZeRO stage (LoRA and
     offload included), one store, and a reference it can reach. `cfg`: the RunConfig."""
     if not preference_data:
-        given = [name for name in PreferenceArgs.__dataclass_fields__ if name in cfg.sources]
+        given = [name for name in (*PreferenceArgs.__dataclass_fields__, "padding_free") if name in cfg.sources]
         if given:
             raise UsageError(
                 f"--{given[0]}: only acts on preference data (chosen and rejected columns)",

@@ -237,6 +237,11 @@ class DataArgs:
     print_samples: int = _flag(
         0, "Chat data: print N rendered training examples with their trained tokens marked.", training_only=True
     )
+    padding_free: bool = _flag(
+        False,
+        "Preference data: each micro-batch's sequences (chosen and rejected of every pair) in one row without "
+        "padding, position ids restarting per sequence (TRL's padding_free).",
+    )
 
     @property
     def uses_default_data(self) -> bool:

@@ -175,7 +175,7 @@ def blocks_for(opened: dict, split: str, block_size: int, data):
     if opened["manifest"].get("chat_kind") == "preference":
         from scaletrain.data.pairs import pairs_from_store
 
-        return pairs_from_store(opened, split, block_size, data.truncation)
+        return pairs_from_store(opened, split, block_size, data.truncation, data.padding_free)
     if "masks" in opened:
         return examples_from_store(opened, split, block_size, data.truncation)
     return blocks_from_store(opened, split, block_size, data.attention_isolation)

@@ -5,6 +5,9 @@ A pair plays the part of a block for the sampler and the loop: the global order 
 --per_device_train_batch_size counts pairs and a pair's two sequences are always in the same micro-batch. A
 micro-batch of B pairs is 2B rows, the B chosen sequences then the B rejected ones (TRL's order), right-padded to the
 micro-batch's longest sequence (no attention mask is needed: causal attention never looks ahead at the padding).
+With --padding_free the 2B sequences are one row instead, end to end without padding, position ids restarting at
+each sequence (transformers then keeps attention within each sequence), targets shifted within each sequence, and
+`token_rows` naming each token's sequence (-1: none) so the log-probs are summed per sequence.
 Labels are the completion tokens; `targets_in` counts pairs, so the loop's loss normaliser (sum over the global
 batch / global targets) makes the step's loss the mean over the pairs of the global batch, for any number of ranks
 and accumulation steps.
@@ -40,7 +43,8 @@ class PreferencePairs:
     truncated: int = 0  # sequences cut to the block
     dropped: int = 0  # pairs left out
     ref_logps: np.ndarray | None = None  # [pairs of the split, 2]: the reference's chosen / rejected log-probs
-    isolate_documents: bool = False  # sequences are never packed together: nothing to isolate
+    padding_free: bool = False  # each micro-batch as one row of its sequences end to end
+    isolate_documents: bool = False  # padded rows, or packed with position ids restarting: nothing else to isolate
     unit: str = field(default="pairs", init=False)
 
     def __len__(self) -> int:
@@ -81,28 +85,65 @@ class PreferencePairs:
         real = indices != EMPTY_SLOT
         pairs = np.where(real, self.kept[np.where(real, indices, 0)], -1)
         rows = [2 * p if p >= 0 else -1 for p in pairs] + [2 * p + 1 if p >= 0 else -1 for p in pairs]
-        width = max([int(self.lengths[r]) for r in rows if r >= 0] or [2])
-        ids = np.full((len(rows), width), self.pad_id, dtype=np.int64)
-        labels = np.full((len(rows), width), IGNORE_INDEX, dtype=np.int64)
-        for k, r in enumerate(rows):
-            if r < 0:
-                continue
-            start, n, at = int(self.starts[r]), int(self.lengths[r]), int(self.completion_at[r])
-            ids[k, :n] = self.tokens[start : start + n]
-            labels[k, at:n] = ids[k, at:n]
-        batch = {
-            "input_ids": torch.from_numpy(ids),
-            "labels": torch.from_numpy(labels),
-            "pair_ids": torch.from_numpy(pairs.astype(np.int64)),
-        }
+        batch = self._packed(rows) if self.padding_free else self._padded(rows)
+        batch["pair_ids"] = torch.from_numpy(pairs.astype(np.int64))
         if self.ref_logps is not None:
             ref = np.where(real[:, None], self.ref_logps[np.maximum(pairs, 0)], 0.0)
             batch["ref_chosen_logps"] = torch.from_numpy(ref[:, 0].astype(np.float64))
             batch["ref_rejected_logps"] = torch.from_numpy(ref[:, 1].astype(np.float64))
         return batch
 
+    def _sequence(self, row: int) -> tuple:
+        """(token ids, the label of each: the token on completion tokens, IGNORE_INDEX on the prompt)."""
+        start, n, at = int(self.starts[row]), int(self.lengths[row]), int(self.completion_at[row])
+        ids = np.asarray(self.tokens[start : start + n], dtype=np.int64)
+        labels = np.full(n, IGNORE_INDEX, dtype=np.int64)
+        labels[at:] = ids[at:]
+        return ids, labels
 
-def pairs_from_store(opened: dict, split: str, block_size: int, truncation: str) -> PreferencePairs | None:
+    def _padded(self, rows: list) -> dict:
+        """One row per sequence, right-padded to the longest (a missing row: padding with no loss)."""
+        import torch
+
+        width = max([int(self.lengths[r]) for r in rows if r >= 0] or [2])
+        ids = np.full((len(rows), width), self.pad_id, dtype=np.int64)
+        labels = np.full((len(rows), width), IGNORE_INDEX, dtype=np.int64)
+        for k, r in enumerate(rows):
+            if r >= 0:
+                seq_ids, seq_labels = self._sequence(r)
+                ids[k, : len(seq_ids)], labels[k, : len(seq_ids)] = seq_ids, seq_labels
+        return {"input_ids": torch.from_numpy(ids), "labels": torch.from_numpy(labels)}
+
+    def _packed(self, rows: list) -> dict:
+        """One row of the sequences end to end: positions restart at each, targets are shifted within each (a
+        sequence's last token predicts nothing), `token_rows` names each token's sequence k (its row in the padded
+        layout; -1 on the two padding tokens of a micro-batch without any pair)."""
+        import torch
+
+        ids, targets, positions, owners = [], [], [], []
+        for k, r in enumerate(rows):
+            if r < 0:
+                continue
+            seq_ids, seq_labels = self._sequence(r)
+            ids.append(seq_ids)
+            targets.append(np.append(seq_labels[1:], IGNORE_INDEX))
+            positions.append(np.arange(len(seq_ids), dtype=np.int64))
+            owners.append(np.full(len(seq_ids), k, dtype=np.int64))
+        if not ids:  # every slot empty: two tokens of padding, no loss
+            ids, targets = [np.full(2, self.pad_id, dtype=np.int64)], [np.full(2, IGNORE_INDEX, dtype=np.int64)]
+            positions, owners = [np.arange(2, dtype=np.int64)], [np.full(2, -1, dtype=np.int64)]
+        flat = lambda parts: torch.from_numpy(np.concatenate(parts))[None]  # noqa: E731
+        return {
+            "input_ids": flat(ids),
+            "shift_labels": flat(targets),
+            "position_ids": flat(positions),
+            "token_rows": flat(owners)[0],
+        }
+
+
+def pairs_from_store(
+    opened: dict, split: str, block_size: int, truncation: str, padding_free: bool = False
+) -> PreferencePairs | None:
     """The pairs of one split of a preference store, with --truncation applied; None when no pair is left."""
     part = opened["splits"].get(split)
     if part is None or part.n_tokens == 0:
@@ -134,6 +175,7 @@ def pairs_from_store(opened: dict, split: str, block_size: int, truncation: str)
         opened["manifest"]["pad_id"],
         truncated=int(too_long.sum()) if truncation == "truncate" else 0,
         dropped=int(pair_too_long.sum()) if truncation == "drop" else 0,
+        padding_free=padding_free,
     )
     if not len(pairs):
         return None

@@ -54,20 +54,28 @@ def check_model_features(
 ):
     """The attention backend with document isolation, activation checkpointing, LoRA and QLoRA against this model
     and engine; returns a mixture-of-experts model's load-balancing loss (moe.RouterLoss) or None."""
+    one_row = cfg.data.padding_free  # preference pairs: a micro-batch of any size is one row
     check_attention_isolation(
         skeleton.config._attn_implementation,  # the backend named, or the one transformers chose
         isolates_documents,
-        ds.config["train_micro_batch_size_per_gpu"],
-        cfg.optim.per_device_eval_batch_size,
+        1 if one_row else ds.config["train_micro_batch_size_per_gpu"],
+        1 if one_row else cfg.optim.per_device_eval_batch_size,
     )
     if isolates_documents and "position_ids" not in inspect.signature(skeleton.forward).parameters:
         # transformers keeps packed documents apart through the restarting position ids: a model that takes none
         # (BLOOM, whose ALiBi needs no positions) would attend across documents without a word.
-        cause = "--attention_isolation" if cfg.data.attention_isolation else "chat data (whole examples, isolated)"
+        cause = (
+            "--attention_isolation"
+            if cfg.data.attention_isolation
+            else "--padding_free"
+            if cfg.data.padding_free
+            else "chat data (whole examples, isolated)"
+        )
         raise UsageError(
             f"{cause}: {type(skeleton).__name__} takes no position_ids, so packed documents cannot be kept apart",
             "use a model whose forward takes position_ids (Llama, Qwen, Mistral, GPT-2, ...)"
-            + (", or drop --attention_isolation" if cfg.data.attention_isolation else ""),
+            + (", or drop --attention_isolation" if cfg.data.attention_isolation else "")
+            + (", or drop --padding_free" if cfg.data.padding_free else ""),
         )
     if cfg.model.gradient_checkpointing and not getattr(skeleton, "supports_gradient_checkpointing", False):
         raise UsageError(

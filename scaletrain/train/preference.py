@@ -39,24 +39,43 @@ def _aligned_targets(labels):
 
 
 def row_logps(model, batch: dict, device) -> tuple:
-    """(summed completion log-probs per row, completion tokens per row) of one forward of `model` (the engine, or
-    the module itself for a reference pass). Through the chunked LM head where the model has one (the [rows, T, V]
-    logits never exist: model/chunked_loss.py), else from the whole logits."""
+    """(summed completion log-probs per sequence, completion tokens per sequence) of one forward of `model` (the
+    engine, or the module itself for a reference pass), in the padded layout's order (chosen rows, then rejected).
+    Through the chunked LM head where the model has one (the [rows, T, V] logits never exist:
+    model/chunked_loss.py), else from the whole logits. A padding-free batch (one row of the sequences end to end,
+    data/pairs.py) is summed per sequence by its `token_rows`."""
+    import torch
     from deepspeed import DeepSpeedEngine
 
     from scaletrain.model import chunked_loss_head
-    from scaletrain.train.preference_loss import sequence_logps
+    from scaletrain.train.preference_loss import token_logps
 
     input_ids = batch["input_ids"].to(device, non_blocking=True)
-    targets = _aligned_targets(batch["labels"].to(device, non_blocking=True))
+    if "shift_labels" in batch:  # padding-free: shifted within each sequence already
+        targets = batch["shift_labels"].to(device, non_blocking=True)
+    else:
+        targets = _aligned_targets(batch["labels"].to(device, non_blocking=True))
+    extra = {}
+    if "position_ids" in batch:  # restarting per sequence: transformers keeps attention within each
+        extra["position_ids"] = batch["position_ids"].to(device, non_blocking=True)
     head = chunked_loss_head(model.module if isinstance(model, DeepSpeedEngine) else model)
-    if head is None:
-        return sequence_logps(model(input_ids=input_ids, use_cache=False).logits, targets)
-    with head.pending(targets, per_token=True):
-        per_token = model(input_ids=input_ids, use_cache=False).logits
-    head.check_returned(per_token)
     mask = targets != IGNORE_INDEX
-    return per_token.sum(-1), mask.sum(-1)
+    if head is None:
+        per_token = token_logps(model(input_ids=input_ids, use_cache=False, **extra).logits, targets)
+    else:
+        with head.pending(targets, per_token=True):
+            per_token = model(input_ids=input_ids, use_cache=False, **extra).logits
+        head.check_returned(per_token)
+    if "token_rows" not in batch:
+        return per_token.sum(-1), mask.sum(-1)
+    owners = batch["token_rows"].to(device, non_blocking=True)
+    rows = 2 * batch["pair_ids"].numel()
+    counted = owners >= 0
+    summed = torch.zeros(rows, dtype=per_token.dtype, device=device).index_add(
+        0, owners[counted], per_token[0][counted]
+    )
+    counts = torch.zeros(rows, dtype=torch.int64, device=device).index_add(0, owners[counted], mask[0][counted].long())
+    return summed, counts
 
 
 @dataclass(frozen=True)

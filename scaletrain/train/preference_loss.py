@@ -37,7 +37,7 @@ from scaletrain.config import LOSS_TYPES, REFERENCE_FREE_LOSSES, PreferenceArgs
 if TYPE_CHECKING:
     from torch import Tensor
 
-__all__ = ["LOSS_TYPES", "PairTerms", "PreferenceLoss", "SequenceLogps", "metric_sums", "sequence_logps"]
+__all__ = ["LOSS_TYPES", "PairTerms", "PreferenceLoss", "SequenceLogps", "metric_sums", "sequence_logps", "token_logps"]
 LOG_HALF = -0.6931471805599453  # log(1/2): where log1mexp switches form, as TRL's
 LOG1MEXP_MAX_X = -1e-12  # log1mexp's argument is clamped below this, so log(1 - exp(x)) stays finite (see _log1mexp)
 
@@ -168,9 +168,17 @@ def metric_sums(terms: PairTerms, logps: SequenceLogps) -> dict[str, Tensor]:
 def sequence_logps(logits: Tensor, labels: Tensor, ignore_index: int = -100) -> tuple[Tensor, Tensor]:
     """Per row: (summed float32 log-prob of the label tokens, how many label tokens), ignored labels skipped.
 
-    `labels` are already aligned with `logits` (labels[:, t] is the target logits[:, t] predicts). The log-softmax is
-    taken in float32 one row at a time, so besides the logits only one [T, V] float32 tensor exists at once in the
-    forward (autograd keeps one per row: one [rows, T, V] float32 in all). An all-ignored row gives 0 and 0."""
+    `labels` are already aligned with `logits` (labels[:, t] is the target logits[:, t] predicts). An all-ignored row
+    gives 0 and 0."""
+    mask = labels != ignore_index
+    return token_logps(logits, labels, ignore_index).sum(-1), mask.sum(-1)
+
+
+def token_logps(logits: Tensor, labels: Tensor, ignore_index: int = -100) -> Tensor:
+    """[rows, T] float32: each label token's log-prob under `logits` [rows, T, V], 0 where the label is ignored.
+
+    The log-softmax is taken in float32 one row at a time, so besides the logits only one [T, V] float32 tensor
+    exists at once in the forward (autograd keeps one per row: one [rows, T, V] float32 in all)."""
     import torch
 
     if logits.shape[:-1] != labels.shape:
@@ -182,8 +190,7 @@ def sequence_logps(logits: Tensor, labels: Tensor, ignore_index: int = -100) -> 
         for row_logits, row_targets in zip(logits, targets, strict=True)
     ]
     per_token = torch.stack(rows) if rows else logits.new_zeros(labels.shape, dtype=torch.float32)
-    summed = torch.where(mask, per_token, torch.zeros_like(per_token)).sum(-1)
-    return summed, mask.sum(-1)
+    return torch.where(mask, per_token, torch.zeros_like(per_token))
 
 
 def _per_token(summed: Tensor, tokens: Tensor) -> Tensor:

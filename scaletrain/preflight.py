@@ -290,7 +290,6 @@ def resolve_run(argv: Sequence[str] | None, dist: DistInfo) -> ResolvedRun:
     skeleton, model_facts = describe_model(cfg, model_config)
     hardware = hardware_facts()
     ds = _resolve_engine_config(cfg, raw_ds_config, dist, model_config, hardware, skeleton)
-    # chat data packs whole examples, isolated; preference pairs are never packed together
     # packed sequences kept apart by restarting position ids: SFT chat examples, and padding-free preference pairs
     isolates_documents = cfg.data.attention_isolation or (
         chat is not None and (chat.kind != "preference" or cfg.data.padding_free)

@@ -351,8 +351,7 @@ def uninterrupted(tmp_path_factory, cache_dir, base_model) -> Uninterrupted:
     return Uninterrupted(tmp_path_factory, cache_dir, base_model)
 
 
-VARIANTS = {  # name: (DeepSpeed config, extra flags)
-    "zero1": ("zero1", ()),
+VARIANTS = {  # name: (DeepSpeed config, extra flags); ZeRO-1 left out for CI's budget: ZeRO-2's optimizer
     "zero2": ("zero2", ()),
     "zero3": ("zero3", ()),
     "zero3-activation-checkpointing": ("zero3", ("--gradient_checkpointing",)),
@@ -373,9 +372,10 @@ def test_only_the_adapter_trains_and_its_export_reproduces_the_engine(variant, u
 
 
 @pytest.mark.slow
-# ZeRO-2 is left out to keep CI in its budget: test_checkpoint.py kills and resumes a full ZeRO-2 run, and the adapter's
-# states go through the same ZeRO-1/2 optimizer as ZeRO-1's here; ZeRO-3 partitions them differently.
-@pytest.mark.parametrize("ds_config", ["zero1", "zero3"])
+# ZeRO-1/2 are left out to keep CI in its budget: the adapter's states in their optimizer (stage_1_and_2.py) are
+# resumed exactly, moments included, by test_a_lora_checkpoint_resumes_resharded_on_one_rank_with_its_adapter_and_
+# moments[zero2], and a killed ZeRO-2 run restarts exactly in test_async_save.py; ZeRO-3 partitions them otherwise.
+@pytest.mark.parametrize("ds_config", ["zero3"])
 def test_lora_sigkill_one_rank_then_restart_resumes_exactly(ds_config, tmp_path, cache_dir, uninterrupted, base_model):
     from safetensors.torch import load_file
 

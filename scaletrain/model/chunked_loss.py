@@ -40,6 +40,13 @@ log = logging.getLogger(__name__)
 LOGIT_TRANSFORM_KEYS = ("final_logit_softcapping", "logit_softcapping", "logit_scale", "logits_scaling")
 
 
+def _chunk(hidden, targets, start: int, chunk: int) -> tuple:
+    """(the chunk's hidden states with ignored tokens zeroed, its targets made indexable, which are ignored)."""
+    t = targets[start : start + chunk]
+    ignored = t == IGNORE_INDEX
+    return hidden[start : start + chunk].masked_fill(ignored.unsqueeze(1), 0), t.masked_fill(ignored, 0), ignored
+
+
 class ChunkedCrossEntropy(torch.autograd.Function):
     """sum over tokens of cross_entropy(hidden @ weight^T + bias, targets), ignoring IGNORE_INDEX targets, in chunks.
 
@@ -61,14 +68,11 @@ class ChunkedCrossEntropy(torch.autograd.Function):
             else None
         )
         for start in range(0, hidden.size(0), chunk):
-            t = targets[start : start + chunk]
-            ignored = t == IGNORE_INDEX
-            safe_targets = t.masked_fill(ignored, 0)
             # Ignored tokens are masked on the [tokens, hidden] side, never on [tokens, vocabulary]: their hidden
             # states enter the head as zeros (finite logits whatever the model produced there), so they reach
             # neither the weight's gradient nor, zeroed below, the hidden states'.
+            h, safe_targets, ignored = _chunk(hidden, targets, start, chunk)
             skipped = ignored.unsqueeze(1)
-            h = hidden[start : start + chunk].masked_fill(skipped, 0)
             # One fused pass over the chunk's logits (max, sum of exponentials, subtraction) instead of
             # logsumexp's several; the softmax for the gradient is its exponential, in place.
             log_probs = F.log_softmax(F.linear(h, weight, bias), dim=-1, dtype=torch.float32)
@@ -77,7 +81,7 @@ class ChunkedCrossEntropy(torch.autograd.Function):
                 continue
             # d(summed loss)/d(logits) = softmax - one_hot(target)
             d_logits = log_probs.exp_()
-            d_logits[torch.arange(t.size(0), device=t.device), safe_targets] -= 1.0
+            d_logits[torch.arange(h.size(0), device=h.device), safe_targets] -= 1.0
             if grad_bias is not None:
                 grad_bias += torch.mv(d_logits.t(), (~ignored).to(d_logits.dtype))
             d_logits = d_logits.to(h.dtype)
@@ -161,13 +165,6 @@ class ChunkedTargetLogProbs(torch.autograd.Function):
         if grad_bias is not None:
             grad_bias = grad_bias.to(bias.dtype)
         return grad_hidden, grad_weight, grad_bias, None, None, None
-
-
-def _chunk(hidden, targets, start: int, chunk: int) -> tuple:
-    """(the chunk's hidden states with ignored tokens zeroed, its targets made indexable, which are ignored)."""
-    t = targets[start : start + chunk]
-    ignored = t == IGNORE_INDEX
-    return hidden[start : start + chunk].masked_fill(ignored.unsqueeze(1), 0), t.masked_fill(ignored, 0), ignored
 
 
 def chunked_target_logps(hidden, weight, bias, targets, chunk: int):

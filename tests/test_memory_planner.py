@@ -215,6 +215,7 @@ def test_planned_model_states_match_a_real_pipeline_run_within_10_percent(nprocs
         )
 
 
+@pytest.mark.slow  # train.py --plan in real processes: over 10 s on a loaded day (the fast tier keeps under 3 minutes)
 def test_plan_command_prints_every_option_and_a_recommendation(tmp_path):
     out = tmp_path / "untouched"
     proc = subprocess.run(

@@ -87,12 +87,18 @@ def test_chunked_loss_gives_the_whole_logits_loss_and_gradients(tied, chunk):
     assert torch.equal(chunked(input_ids=input_ids).logits, chunked.lm_head(chunked.model(input_ids).last_hidden_state))
 
 
-def test_the_function_with_a_bias_and_16_bit_weights():
+def _head_inputs() -> tuple:
+    """hidden [23, 8], a head with a bias (weight [40, 8], bias [40]), targets with every 4th ignored; seeded."""
     torch.manual_seed(0)
     hidden = torch.randn(23, 8, requires_grad=True)
     weight, bias = torch.randn(40, 8, requires_grad=True), torch.randn(40, requires_grad=True)
     targets = torch.randint(0, 40, (23,))
     targets[::4] = IGNORE_INDEX
+    return hidden, weight, bias, targets
+
+
+def test_the_function_with_a_bias_and_16_bit_weights():
+    hidden, weight, bias, targets = _head_inputs()
     expected = F.cross_entropy(
         F.linear(hidden, weight, bias).float(), targets, ignore_index=IGNORE_INDEX, reduction="sum"
     )
@@ -148,11 +154,7 @@ def test_per_token_log_probs_give_the_whole_logits_row_sums_and_gradients(tied, 
 
 
 def test_per_token_log_probs_with_a_bias_and_16_bit_weights():
-    torch.manual_seed(0)
-    hidden = torch.randn(23, 8, requires_grad=True)
-    weight, bias = torch.randn(40, 8, requires_grad=True), torch.randn(40, requires_grad=True)
-    targets = torch.randint(0, 40, (23,))
-    targets[::4] = IGNORE_INDEX
+    hidden, weight, bias, targets = _head_inputs()
     incoming = torch.randn(23)
     log_probs = F.log_softmax(F.linear(hidden, weight, bias).float(), -1)
     expected = log_probs.gather(1, targets.clamp(min=0).unsqueeze(1)).squeeze(1).masked_fill(targets < 0, 0)

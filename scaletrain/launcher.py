@@ -19,8 +19,9 @@ launcher reports. Without a record the launcher's own exit code passes through (
 
 A hang (train/hang.py): the live ranks dump their stacks and exit 86, and the ranks of a host SIGKILL its frozen
 ones; a host whose ranks are all frozen has no one to do it, so this launcher SIGKILLs what is left of its host's
-ranks HANG_KILL_AFTER_S after a rank's report appeared (each rank names its report's folder in the file
-HANG_NOTE_ENV names), and exits 86.
+ranks 20 s after a rank's report appeared (each rank names its report's folder in the file HANG_NOTE_ENV names), and
+exits 86. $SCALETRAIN_HANG_KILL_AFTER_S sets those seconds: more to keep a frozen rank alive for py-spy or gdb, fewer
+to end the job sooner.
 """
 
 from __future__ import annotations
@@ -44,7 +45,8 @@ RELAY_INTERVAL_S = 5.0
 HANG_CHECK_INTERVAL_S = 2.0
 # After a rank reported a hang, the live ranks dump their stacks and exit within seconds (train/hang.py); what is
 # left of this host's ranks this long after the report is frozen, and is SIGKILLed (SIGTERM would wait for it).
-HANG_KILL_AFTER_S = 20.0
+HANG_KILL_AFTER_ENV = "SCALETRAIN_HANG_KILL_AFTER_S"
+DEFAULT_HANG_KILL_AFTER_S = 20.0
 DEEPSPEED_LAUNCH_MODULE = "deepspeed.launcher.launch"  # the per-node process whose children are the ranks
 
 
@@ -124,8 +126,9 @@ class HangEnd:
     """Ends what is left of this host's ranks once some rank reported a hang (train/hang.py), even where every rank
     of this host is frozen and so cannot act: each rank names its hang folder in the note file at its start."""
 
-    def __init__(self, note: Path):
+    def __init__(self, note: Path, kill_after_s: float = DEFAULT_HANG_KILL_AFTER_S):
         self.note = note
+        self.kill_after_s = kill_after_s
         self.reported_at: float | None = None  # when this launcher first saw the report
         self._last_check = 0.0
 
@@ -143,7 +146,7 @@ class HangEnd:
         return self.reported_at is not None
 
     def kill_if_due(self, group: int) -> None:
-        if not self.reported() or time.monotonic() - self.reported_at < HANG_KILL_AFTER_S:
+        if not self.reported() or time.monotonic() - self.reported_at < self.kill_after_s:
             return
         for rank in rank_processes(group):
             try:
@@ -188,11 +191,34 @@ def exit_code(runner_code: int, record: Path, hang: HangEnd | None = None) -> in
     return runner_code
 
 
+def hang_kill_after_s(environ) -> float | None:
+    """$SCALETRAIN_HANG_KILL_AFTER_S as seconds (the default when unset); None, after one line on stderr, when it is
+    not a number of seconds."""
+    raw = environ.get(HANG_KILL_AFTER_ENV, "").strip()
+    if not raw:
+        return DEFAULT_HANG_KILL_AFTER_S
+    try:
+        seconds = float(raw)
+    except ValueError:
+        seconds = -1.0
+    if not 0 <= seconds < float("inf"):
+        print(
+            f"scaletrain.launcher: error: {HANG_KILL_AFTER_ENV}={raw}: give the seconds (0 or more) to wait after a "
+            f"hang report before SIGKILLing this host's frozen ranks, or unset it ({DEFAULT_HANG_KILL_AFTER_S:.0f})",
+            file=sys.stderr,
+        )
+        return None
+    return seconds
+
+
 def main(argv: list) -> int:
     logging.basicConfig(format="[%(asctime)s] %(message)s", level=logging.INFO)
+    kill_after_s = hang_kill_after_s(os.environ)
+    if kill_after_s is None:
+        return 2
     with tempfile.TemporaryDirectory(prefix="scaletrain-launcher-") as folder:
         record = Path(folder) / "preempted"
-        hang = HangEnd(Path(folder) / "hang-folders")
+        hang = HangEnd(Path(folder) / "hang-folders", kill_after_s)
         env = {**os.environ, PREEMPTION_RECORD_ENV: str(record), HANG_NOTE_ENV: str(hang.note)}
         relay = SignalRelay()
         relay.install(signal.SIGTERM, signal.SIGINT)  # reset to the default in the child when it execs

@@ -218,7 +218,13 @@ def test_a_hang_is_requeued_once_and_a_second_hang_ends_the_job(slurm, tmp_path)
     requeues the job once; the requeued run resumes, and when rank 1 freezes again the job ends with 86."""
     run_dir = tmp_path / "run"
     flags = ["--output_dir", str(run_dir), "--max_steps", "400", "--save_steps", "2", "--logging_steps", "1"]
-    job = slurm.submit(["--nodes=2", str(SBATCH)], [*TRAIN_FLAGS, *flags, "--hang_timeout", "6"])
+    # n2's launcher kills its frozen rank 3 s after the report instead of 20 (the variable reaches it through the
+    # job's environment, also in the requeued run)
+    job = slurm.submit(
+        ["--nodes=2", str(SBATCH)],
+        [*TRAIN_FLAGS, *flags, "--hang_timeout", "6"],
+        env={"SCALETRAIN_HANG_KILL_AFTER_S": "3"},
+    )
     victims = [_freeze_rank_1_of_a_new_attempt(slurm, job, run_dir, 0)]
     victims.append(_freeze_rank_1_of_a_new_attempt(slurm, job, run_dir, 1))
     facts, log = slurm.wait(job, timeout=600), slurm.log(job)

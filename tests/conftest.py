@@ -73,6 +73,15 @@ def cache_dir(tmp_path_factory) -> Path:
     return tmp_path_factory.mktemp("hf_cache")
 
 
+# DeepSpeed's launch.py, run as `python -m deepspeed.launcher.launch` would, but with the garbage collector's objects
+# frozen once its own exit handlers ran: the interpreter's last collection of what torch and DeepSpeed hold took
+# over a second per launch after the ranks had exited (train.py spares its ranks the same way).
+LAUNCH_WITHOUT_FINAL_COLLECTION = (
+    "import atexit, gc, runpy; atexit.register(gc.freeze); "
+    "runpy.run_module('deepspeed.launcher.launch', run_name='__main__', alter_sys=True)"
+)
+
+
 def deepspeed_cmd(nprocs: int, script, args: list) -> list:
     """DeepSpeed's launcher for `nprocs` ranks on this host, as `deepspeed --num_gpus N script args` runs it: its
     runner (bin/deepspeed) does no more on one node than start `deepspeed.launcher.launch` with the world encoded
@@ -85,8 +94,8 @@ def deepspeed_cmd(nprocs: int, script, args: list) -> list:
     return [
         sys.executable,
         "-u",
-        "-m",
-        "deepspeed.launcher.launch",
+        "-c",
+        LAUNCH_WITHOUT_FINAL_COLLECTION,
         f"--world_info={world}",
         "--master_addr=127.0.0.1",
         f"--master_port={free_port()}",

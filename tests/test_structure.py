@@ -159,12 +159,20 @@ def test_no_function_in_the_package_is_longer_than_80_lines():
     assert not long, "split these: " + "; ".join(long)
 
 
-def test_importing_the_config_loads_neither_numpy_nor_torch():
+def test_importing_the_config_loads_neither_numpy_nor_torch_nor_the_writer_torch_dynamo():
+    """The config is read before anything heavy; the checkpoint writer process (checkpoint/async_save.py, spawned at
+    the first save) imports torch but not torch._dynamo (2.3 s more, on the path of the first commit) nor the
+    libraries the ranks need."""
     heavy = ("numpy", "torch", "transformers", "deepspeed", "datasets")
+    not_in_writer = ("torch._dynamo", "transformers", "deepspeed", "datasets", "peft")
     code = (
         "import sys; import scaletrain.config, scaletrain.errors; "
-        f"print(','.join(m for m in {heavy} if m in sys.modules))"
+        f"print(','.join(m for m in {heavy} if m in sys.modules)); "
+        "from scaletrain.checkpoint.async_save import writer_main; "
+        f"print(','.join(m for m in {not_in_writer} if m in sys.modules))"
     )
     proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
-    assert proc.stdout.strip() == "", f"importing scaletrain.config loaded {proc.stdout.strip()}"
+    config_loaded, writer_loaded = proc.stdout.split("\n")[:2]
+    assert config_loaded == "", f"importing scaletrain.config loaded {config_loaded}"
+    assert writer_loaded == "", f"importing the checkpoint writer loaded {writer_loaded}"

@@ -21,6 +21,7 @@ preemption and a rollback first wait for the write in flight (drain).
 from __future__ import annotations
 
 import atexit
+import gc
 import logging
 import os
 import pickle
@@ -240,6 +241,7 @@ def writer_main(conn) -> None:
                 Path(path).unlink(missing_ok=True)
             return
         if job is None:
+            gc.freeze()  # nothing left to write: spare the interpreter's last collection (a second or so at exit)
             return
         folder, files, buffers = job
         known.update(path for path, _ in buffers.values())

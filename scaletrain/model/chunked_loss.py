@@ -188,6 +188,7 @@ class ChunkedLossHead(torch.nn.Linear):
     log-probability) instead of the logits."""
 
     chunk_tokens: int = 0  # set by install_chunked_loss
+    forward_is_eager = False  # forward wrapped in torch.compiler.disable (by install_chunked_loss)
 
     @contextmanager
     def pending(self, targets, per_token: bool = False):
@@ -200,8 +201,9 @@ class ChunkedLossHead(torch.nn.Linear):
             self.__dict__["_targets"] = None
 
     # Under --torch_compile the head runs eagerly (a graph break): traced, the chunk loop would unroll into the graph,
-    # and each step's new targets would fail the graph's guards and recompile it.
-    @torch.compiler.disable
+    # and each step's new targets would fail the graph's guards and recompile it. install_chunked_loss wraps this
+    # forward in torch.compiler.disable: as a decorator here it would import torch._dynamo (2.3 s) in every process
+    # that imports the package, such as a checkpoint writer, which never compiles.
     def forward(self, hidden):
         targets = self.__dict__.get("_targets")
         if targets is None:
@@ -247,6 +249,9 @@ def install_chunked_loss(model, chunk_size: int | None) -> int | None:
         log.info("loss: whole logits (%s: the loss cannot be chunked through the head)", why)
         return None
     tokens = chunk_size or auto_loss_chunk(head.out_features)
+    if not ChunkedLossHead.forward_is_eager:  # once per process (see the forward's comment)
+        ChunkedLossHead.forward = torch.compiler.disable(ChunkedLossHead.forward)
+        ChunkedLossHead.forward_is_eager = True
     head.__class__ = ChunkedLossHead
     head.chunk_tokens = tokens
     log.info("loss: through the LM head in chunks of %d tokens (the full logits are never built)", tokens)

@@ -510,6 +510,7 @@ def test_table_covers_25_flags_and_keys_and_tells_every_case_apart():
     assert not names("zero_optimization.offload_optimizer", 'zero_optimization.offload_optimizer.device "gpu"')
 
 
+@pytest.mark.slow  # over 5 s: real processes (the fast tier stays under 3 minutes)
 def test_real_process_exits_2_without_traceback(tmp_path, cache_dir):
     proc = launch(
         REPO / "train.py",

@@ -276,6 +276,7 @@ def test_print_samples_shows_the_rendered_examples_with_the_trained_tokens_marke
     assert shown[0].endswith(f"<s>[INST] {first[0]['content']} [/INST][[{first[1]['content']}</s>]]")
 
 
+@pytest.mark.slow  # over 5 s: real processes (the fast tier stays under 3 minutes)
 def test_prepare_py_makes_the_chat_store_that_data_path_reads_with_its_template(tmp_path, tokenizer, offline):
     import subprocess
     import sys

@@ -521,6 +521,7 @@ def _arrow_files(folder: Path) -> list:
     return sorted(p for p in folder.rglob("*.arrow")) if folder.exists() else []
 
 
+@pytest.mark.slow  # over 5 s: real processes (the fast tier stays under 3 minutes)
 def test_preparing_local_files_leaves_no_copy_of_the_corpus_in_the_datasets_cache(tmp_path):
     """load_dataset converts local files to Arrow in the Hugging Face cache and keeps it there: a second full copy
     of the user's corpus. The preparer converts in a scratch folder and removes it once the store is written."""

@@ -118,6 +118,7 @@ def alone(folder: Path, world: int, timeout: float, allowance: float, kind: str)
     )
 
 
+@pytest.mark.slow  # over 5 s: real processes (the fast tier stays under 3 minutes)
 def test_a_frozen_peer_is_named_stacks_are_dumped_it_is_killed_and_the_rank_exits_86(tmp_path):
     folder = tmp_path / "hang" / "attempt"
     frozen = subprocess.Popen(["sleep", "300"])  # the peer: a process of this host whose heartbeat stops
@@ -141,7 +142,7 @@ def test_a_frozen_peer_is_named_stacks_are_dumped_it_is_killed_and_the_rank_exit
     assert "rank 0 (" in report and f"pid {frozen.pid}" in report
 
 
-@pytest.mark.parametrize("kind", ["short", "long"])
+@pytest.mark.parametrize("kind", ["short", pytest.param("long", marks=pytest.mark.slow)])  # long: ~7 s
 def test_a_phase_known_to_be_long_gets_its_allowance_and_a_step_does_not(tmp_path, kind):
     folder = tmp_path / "attempt"
     watch = alone(folder, 1, timeout=1.0, allowance=4.0, kind=kind)

@@ -196,9 +196,10 @@ def test_what_is_refused_before_anything_is_built():
     "flags,expected",
     [
         (["--router_aux_loss_coef", "-1"], "--router_aux_loss_coef -1.0: must not be negative"),
-        (
+        pytest.param(  # the model is read to know: ~10 s of real processes, in the slow tier
             ["--router_aux_loss_coef", "0.01"],
             "--router_aux_loss_coef 0.01: LlamaForCausalLM (model_type llama) is not a mixture-of-experts model",
+            marks=pytest.mark.slow,
         ),
     ],
 )

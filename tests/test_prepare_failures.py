@@ -77,7 +77,8 @@ def running(pid: int) -> bool:
         return False
 
 
-@pytest.mark.parametrize("when", ["starting", pytest.param("working", marks=pytest.mark.slow)])  # working: ~20 s
+@pytest.mark.slow  # real processes: starting ~10 s, working ~20 s (the fast tier stays under 3 minutes)
+@pytest.mark.parametrize("when", ["starting", "working"])
 def test_a_killed_tokenizer_worker_fails_the_prepare_in_one_line_and_keeps_nothing(when, tmp_path):
     """The OOM killer takes a worker: multiprocessing.Pool.imap would wait forever for its batch (and
     concurrent.futures' pool can trip over a worker dying while others start); the prepare must end instead."""
@@ -135,6 +136,7 @@ def test_a_killed_tokenizer_worker_fails_the_prepare_in_one_line_and_keeps_nothi
     assert not [pid for pid in seen if running(pid)], "worker processes outlived the prepare"
 
 
+@pytest.mark.slow  # over 5 s: real processes (the fast tier stays under 3 minutes)
 @pytest.mark.parametrize(
     "disk_size",
     [
@@ -160,6 +162,7 @@ def test_a_full_disk_fails_the_prepare_in_one_line_and_keeps_nothing(tmp_path, d
         assert list(tiny_disk.iterdir()) == []  # the partial store was removed: the disk is free again
 
 
+@pytest.mark.slow  # over 5 s: real processes (the fast tier stays under 3 minutes)
 def test_an_existing_folder_that_is_not_a_store_is_refused_and_left_alone(tmp_path):
     corpus = write_corpus(tmp_path / "corpus.jsonl", 10)
     out = tmp_path / "my_results"
@@ -204,6 +207,7 @@ def _wait_in_thread(target, *args):
     return thread, outcome
 
 
+@pytest.mark.slow  # over 5 s: real processes (the fast tier stays under 3 minutes)
 @pytest.mark.parametrize("failure", ["full_disk", "bad_column"])
 def test_ranks_waiting_for_the_store_stop_when_local_rank_0_fails(failure, tmp_path, tiny_disk, monkeypatch):
     """No launcher is bound to kill the waiting ranks (srun without --kill-on-bad-exit): they must stop by

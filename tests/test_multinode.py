@@ -218,12 +218,13 @@ def test_a_hang_is_requeued_once_and_a_second_hang_ends_the_job(slurm, tmp_path)
     requeues the job once; the requeued run resumes, and when rank 1 freezes again the job ends with 86."""
     run_dir = tmp_path / "run"
     flags = ["--output_dir", str(run_dir), "--max_steps", "400", "--save_steps", "2", "--logging_steps", "1"]
-    # n2's launcher kills its frozen rank 3 s after the report instead of 20 (the variable reaches it through the
-    # job's environment, also in the requeued run)
+    # n2's launcher kills its frozen rank 8 s after the report instead of 20 (the variable reaches it through the
+    # job's environment, also in the requeued run); n1's launcher too would kill rank 0 if it were still there after
+    # 8 s, where it takes well under a second to dump its stacks, say its line and exit 86
     job = slurm.submit(
         ["--nodes=2", str(SBATCH)],
         [*TRAIN_FLAGS, *flags, "--hang_timeout", "6"],
-        env={"SCALETRAIN_HANG_KILL_AFTER_S": "3"},
+        env={"SCALETRAIN_HANG_KILL_AFTER_S": "8"},
     )
     victims = [_freeze_rank_1_of_a_new_attempt(slurm, job, run_dir, 0)]
     victims.append(_freeze_rank_1_of_a_new_attempt(slurm, job, run_dir, 1))

@@ -158,7 +158,7 @@ def checksums(run_dir: Path, step: int) -> dict:
     "config,extra",
     # ZeRO-1 through the pipeline's stages (its only stage); ZeRO-2 shares ZeRO-1's optimizer (the kill tests below
     # restart a ZeRO-2 run exactly from an asynchronous save); ZeRO-3 with CPU offload
-    [("zero3_offload", ()), ("zero1", ("--pipeline_parallel_size", "2"))],
+    [("zero3_offload", ()), pytest.param("zero1", ("--pipeline_parallel_size", "2"), marks=pytest.mark.extended)],
     ids=["zero3-offload", "pipeline-zero1"],
 )
 def test_asynchronous_and_synchronous_saves_commit_the_same_bytes_and_train_the_same_losses(

@@ -169,8 +169,9 @@ def run_flags(name: str, run_dir: Path) -> list:
 # ZeRO-1 and ZeRO-2 alone are left out to keep CI in its budget: their optimizer is DeepSpeed's stage_1_and_2.py,
 # which zero1_pp2 kills and resumes here (ZeRO-1 under the pipe); test_async_save.py SIGKILLs a 2-rank ZeRO-2 run
 # (its writers, or every process) and restarts it bit for bit; a surviving rank finding its peer gone does not depend
-# on the ZeRO stage.
-@pytest.mark.parametrize("ds_config", ["zero3", "zero1_pp2"])
+# on the ZeRO stage. zero1_pp2 (~70 s) is in the extended run only, for CI's time: a pipeline run is stopped and
+# resumed exactly in CI by the SIGUSR1 test under --pipeline_parallel_size below.
+@pytest.mark.parametrize("ds_config", ["zero3", pytest.param("zero1_pp2", marks=pytest.mark.extended)])
 def test_sigkill_one_rank_then_restart_resumes_exactly(ds_config, tmp_path, cache_dir, uninterrupted):
     run_dir = tmp_path / "run"
     args = run_flags(ds_config, run_dir)

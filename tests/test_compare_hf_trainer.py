@@ -13,6 +13,7 @@ from tests.conftest import REPO, subprocess_env
 BLOCK, BATCH, STEPS = 64, 4, 6
 
 
+@pytest.mark.extended  # ~45 s: the benchmark script
 @pytest.mark.slow  # two DeepSpeed launches, ~40 s on 2 cores
 def test_both_sides_train_the_same_tokens_and_report_figures(tmp_path):
     out = tmp_path / "figures.json"

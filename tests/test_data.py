@@ -173,7 +173,7 @@ def test_isolation_position_ids_restart_at_documents_and_blocks():
         ("eager", 1),
         ("eager", 4),
         pytest.param("flex_attention", 1, marks=pytest.mark.slow),  # flex compiles its kernel on the CPU: ~30 s
-        pytest.param("flex_attention", 4, marks=pytest.mark.slow),
+        pytest.param("flex_attention", 4, marks=[pytest.mark.slow, pytest.mark.extended]),  # ~40 s
     ],
 )
 def test_attention_isolation_matches_each_document_run_alone(attn, micro, tokenizer):

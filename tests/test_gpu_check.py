@@ -220,6 +220,7 @@ def test_cpu_mode_runs_the_plan_a_zero_run_and_the_reference_and_checks_them(tmp
     assert all(p["chosen"] != p["rejected"] and p["prompt"] for p in pairs)
 
 
+@pytest.mark.extended  # ~50 s; the CPU mode of gpu_check runs in CI
 @pytest.mark.slow  # two launches of train.py (256 and 512 tokens), ~45 s
 def test_the_long_context_row_reports_the_longest_block_that_trained(tmp_path):
     proc, result = _run(tmp_path, "--only", "long_context", "--long_context")
@@ -245,6 +246,7 @@ def test_cpu_mode_exits_non_zero_when_a_run_fails(tmp_path):
 # script beside the interpreter, no /usr/bin/time, a row that cannot start --------------------------------------
 
 
+@pytest.mark.extended  # ~30 s
 @pytest.mark.slow  # one launch, ~30 s
 def test_cpu_mode_runs_from_a_target_install_with_no_launcher_beside_the_interpreter(tmp_path):
     """The image's own interpreter (no `deepspeed` script beside it, none on PATH) with the packages on PYTHONPATH,

@@ -118,7 +118,15 @@ def test_recommendation_prefers_the_fastest_option_that_fits_then_checkpointing(
 
 @pytest.mark.slow
 @pytest.mark.parametrize(
-    "stage,accumulation,tp,sp", [(1, 1, 1, 1), (1, 2, 1, 1), (2, 2, 1, 1), (3, 1, 1, 1), (2, 1, 2, 1), (3, 1, 1, 2)]
+    "stage,accumulation,tp,sp",
+    [
+        pytest.param(1, 1, 1, 1, marks=pytest.mark.extended),
+        (1, 2, 1, 1),
+        (2, 2, 1, 1),
+        (3, 1, 1, 1),
+        (2, 1, 2, 1),
+        (3, 1, 1, 2),
+    ],
 )
 def test_planned_model_states_match_a_real_two_rank_run_within_10_percent(
     stage, accumulation, tp, sp, tmp_path, cache_dir

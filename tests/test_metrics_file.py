@@ -72,6 +72,7 @@ def test_resume_after_a_torn_metrics_line_trains_on_and_a_damaged_file_is_refuse
     assert metrics.read_text() == before
 
 
+@pytest.mark.extended  # ~33 s
 @pytest.mark.slow
 def test_a_complete_run_started_again_logs_its_final_evaluation_once(tmp_path, cache_dir):
     """Started again, a complete run resumes at its last step and only re-exports: its final evaluation and

@@ -99,7 +99,9 @@ def test_fp16_overflow_is_the_loss_scalers_business_and_stop_raises(tmp_path):
 
 @pytest.mark.slow
 # zero2: the rollback test; zero1 (stage_1_and_2.py, as zero2) left out for CI's budget
-@pytest.mark.parametrize("ds_config", ["zero3", "zero2_offload", "zero3_offload"])
+@pytest.mark.parametrize(
+    "ds_config", ["zero3", pytest.param("zero2_offload", marks=pytest.mark.extended), "zero3_offload"]
+)
 def test_a_nan_on_one_rank_skips_the_update_on_every_rank(ds_config, tmp_path, cache_dir):
     run_dir = tmp_path / "run"
     proc = launch(

@@ -539,6 +539,7 @@ def test_observability_sinks_profile_plot_and_dry_run(tmp_path, cache_dir):
     assert not (tmp_path / "dry").exists()
 
 
+@pytest.mark.extended  # ~40 s: the scaling-report script
 @pytest.mark.slow
 def test_scaling_report_runs_at_world_sizes_1_and_2(tmp_path, cache_dir):
     import subprocess

@@ -476,6 +476,7 @@ def test_a_resumed_run_without_its_reference_file_stops_naming_it(tmp_path, toke
     assert "--resume_from_checkpoint none" in caught.value.hint
 
 
+@pytest.mark.extended  # ~37 s; a live reference: the LoRA test
 @pytest.mark.slow
 def test_a_reference_model_of_its_own_runs_live_or_precomputed(dpo_runs):
     """Without LoRA, --no-precompute_ref_log_probs runs the starting model as its own engine (ZeRO-3, no optimizer) at

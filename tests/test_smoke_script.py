@@ -55,6 +55,7 @@ def test_smoke_test_says_so_when_no_launcher_can_be_found(tmp_path):
     assert "no deepspeed launcher beside" in proc.stdout
 
 
+@pytest.mark.extended  # ~60 s; TP and PP trains: test_tensor_parallel.py, test_pipeline_parallel.py
 @pytest.mark.slow  # two ranks, two layouts
 def test_smoke_test_runs_tensor_and_pipeline_parallel_layouts(tmp_path):
     env = {**subprocess_env(tmp_path / "cache"), "NPROC": "2", "TMPDIR": str(tmp_path)}

@@ -98,7 +98,8 @@ def test_fp16_overflow_is_the_loss_scalers_business_and_stop_raises(tmp_path):
 
 
 @pytest.mark.slow
-# zero2: the rollback test; zero1 (stage_1_and_2.py, as zero2) left out for CI's budget
+# zero2: the rollback test; zero1 (stage_1_and_2.py, as zero2) left out for CI's budget; zero2_offload in the
+# extended run only (CPU offload is in CI with zero3_offload)
 @pytest.mark.parametrize(
     "ds_config", ["zero3", pytest.param("zero2_offload", marks=pytest.mark.extended), "zero3_offload"]
 )

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import errno
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -283,3 +285,14 @@ def small_tmpfs(folder: Path, size: str) -> Iterator[Path]:
         yield folder
     finally:
         subprocess.run(["umount", "-l", str(folder)])
+
+
+def fill_up(disk: Path) -> None:
+    """Leave no byte free on `disk` (a small_tmpfs): the next write there fails with ENOSPC."""
+    with open(disk / "filler", "wb", buffering=0) as f:
+        try:
+            while True:
+                f.write(b"\0" * 4096)
+        except OSError as err:
+            assert err.errno == errno.ENOSPC, err
+    assert shutil.disk_usage(disk).free == 0

@@ -6,6 +6,8 @@ import json
 
 import pytest
 
+from tests.conftest import fill_up, small_tmpfs
+
 from scaletrain.observability.goodput import CATEGORIES, GoodputLedger, read_ledger, render_table
 
 
@@ -144,3 +146,25 @@ def test_the_report_prints_the_table_and_each_attempt_and_draws_them(tmp_path, c
     assert (
         missing.returncode == 2 and missing.stderr.count("\n") == 1 and "goodput.json: no such file" in missing.stderr
     )
+
+
+def test_a_full_disk_keeps_the_last_ledger_warns_once_and_the_run_goes_on(tmp_path, caplog):
+    """goodput.json is rewritten at every logging record: a full disk must not end the run with a traceback (the
+    next save stops it with a clear message) nor leave a half-written ledger."""
+    clock = Clock(0.0)
+    with small_tmpfs(tmp_path / "disk", "1m") as disk:
+        ledger = GoodputLedger(disk, True, started=0.0, clock=clock)
+        ledger.begin(0)
+        clock.now += 1.0
+        ledger.step(1, 1.0, 0.0, 0.0)
+        written = json.loads(json.dumps(ledger.write()))  # a copy: the ledger goes on changing
+        fill_up(disk)
+        clock.now += 1.0
+        with caplog.at_level("WARNING", logger="scaletrain.observability.goodput"):
+            ledger.step(2, 1.0, 0.0, 0.0)
+            ledger.write()
+            ended = ledger.end(1)
+        assert caplog.text.count("could not write") == 1 and "No space left" in caplog.text
+        assert ended["attempts"][0]["exit_code"] == 1 and ended["seconds"]["productive"] == pytest.approx(2.0)
+        assert read_ledger(disk) == written  # the file as last written, whole
+        assert sorted(p.name for p in disk.iterdir()) == ["filler", "goodput.json"]

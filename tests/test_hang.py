@@ -19,12 +19,24 @@ from pathlib import Path
 import psutil
 import pytest
 
-from tests.conftest import FAST_FLAGS, REPO, check_ok, deepspeed_cmd, freeze, launch, logged_steps, subprocess_env
+from tests.conftest import (
+    FAST_FLAGS,
+    REPO,
+    check_ok,
+    deepspeed_cmd,
+    fill_up,
+    freeze,
+    launch,
+    logged_steps,
+    small_tmpfs,
+    subprocess_env,
+)
 
 from scaletrain.errors import HANG_EXIT_CODE
 from scaletrain.train.hang import (
     HEARTBEAT_DIR,
     REPORT_FILE,
+    HangWatch,
     describe_hang,
     enable_flight_recorder,
     long_allowance,
@@ -116,6 +128,21 @@ def alone(folder: Path, world: int, timeout: float, allowance: float, kind: str)
         stderr=subprocess.PIPE,
         text=True,
     )
+
+
+def test_a_full_disk_when_the_run_ends_costs_the_final_heartbeat_a_warning_not_a_traceback(tmp_path, caplog):
+    """A run stopped by a full disk closes its hang watch on that disk: the final heartbeat cannot be written. That
+    must not raise over the run's own error (CI saw a traceback after the clear message); the last beat stays."""
+    with small_tmpfs(tmp_path / "disk", "1m") as disk:
+        watch = HangWatch(disk, 0, 1, timeout=60.0, long_allowance_s=600.0)
+        watch.start()
+        beats = disk / HEARTBEAT_DIR
+        fill_up(disk)
+        with caplog.at_level("WARNING", logger="scaletrain.train.hang"):
+            watch.stop()
+        assert "could not write the final heartbeat" in caplog.text and "No space left" in caplog.text
+        assert [p.name for p in beats.iterdir()] == ["rank-00000.json"]  # no temporary file left behind
+        assert json.loads((beats / "rank-00000.json").read_text())["finished"] is False
 
 
 @pytest.mark.slow  # over 5 s: real processes (the fast tier stays under 3 minutes)

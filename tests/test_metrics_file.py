@@ -8,8 +8,8 @@ import json
 import pytest
 
 from scaletrain.errors import UsageError
-from scaletrain.observability.metrics import _keep_records_up_to, read_records
-from tests.conftest import FAST_FLAGS, REPO, check_ok, launch, read_metrics
+from scaletrain.observability.metrics import MetricsLogger, _keep_records_up_to, read_records
+from tests.conftest import FAST_FLAGS, REPO, check_ok, fill_up, launch, read_metrics, small_tmpfs
 
 RECORDS = [{"step": s, "loss": 5.0 - s / 10} for s in (2, 4, 6)]
 
@@ -35,6 +35,24 @@ def test_a_line_damaged_before_the_end_is_refused_with_its_number(tmp_path, bad)
     with pytest.raises(UsageError, match=r"metrics.jsonl: line 2 is not a metrics record") as raised:
         read_records(path)
     assert "move metrics.jsonl aside" in raised.value.hint
+
+
+def test_a_full_disk_ends_the_file_for_the_attempt_said_once_and_logging_goes_on(tmp_path, caplog):
+    """A record that cannot be written must not end the run with a traceback (the next save stops it clearly), and
+    no record may follow a torn one (that would make the file damaged before its end for the resume)."""
+    with small_tmpfs(tmp_path / "disk", "1m") as disk:
+        metrics = MetricsLogger(str(disk), True, (), "full-disk", {})
+        metrics.log(RECORDS[0])
+        fill_up(disk)
+        with caplog.at_level("WARNING", logger="scaletrain.observability.metrics"):
+            later = [{**record, "note": "x" * 4096} for record in RECORDS[1:]]  # past the file's first page
+            for record in later:
+                metrics.log(record)
+            metrics.log_generations(RECORDS[-1]["step"], [{"prompt": "a", "completion": "b"}])
+            metrics.close(1)
+        assert caplog.text.count("could not write the record of step 4") == 1 and "No space left" in caplog.text
+        assert metrics.last_record == later[-1]  # the console and the other sinks still get every record
+        assert read_records(disk / "metrics.jsonl")[0] == RECORDS[:1]
 
 
 @pytest.mark.slow

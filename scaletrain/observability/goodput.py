@@ -115,6 +115,7 @@ class GoodputLedger:
     def __init__(self, output_dir, is_main: bool, started: float | None = None, clock=time.time):
         self.path = Path(output_dir) / LEDGER_FILE
         self.is_main, self.clock = is_main, clock
+        self._write_failed = False  # said once
         previous = read_ledger(output_dir) if is_main else None
         self.attempts = list(previous["attempts"]) if previous else []
         self.attempt = new_attempt(process_start_time() if started is None else started)
@@ -178,6 +179,12 @@ class GoodputLedger:
         self.attempt["end"] = self.clock()
         ledger = {**totals(self.attempts), "attempts": self.attempts}
         tmp = self.path.with_name(f".{LEDGER_FILE}.tmp")
-        tmp.write_text(json.dumps(ledger, indent=1))
-        os.replace(tmp, self.path)
+        try:
+            tmp.write_text(json.dumps(ledger, indent=1))
+            os.replace(tmp, self.path)
+        except OSError as err:  # a full disk: training goes on (a save says so, clearly); the last good file stays
+            tmp.unlink(missing_ok=True)
+            if not self._write_failed:
+                log.warning("goodput: could not write %s (%s); it keeps its previous contents", self.path, err)
+            self._write_failed = True
         return ledger

@@ -323,9 +323,7 @@ class MetricsLogger:
         self.latest.update(record)
         if _is_evaluation(record):
             self._evaluated_steps.add(record["step"])
-        if self._file is not None:
-            self._file.write(json.dumps(record) + "\n")
-            self._file.flush()
+        self._append(record)
         if self._wandb is not None:
             self._wandb.log({k: v for k, v in record.items() if k != "step"}, step=record["step"])
         if self._tensorboard is not None:
@@ -333,6 +331,31 @@ class MetricsLogger:
                 if key not in ("step", "time") and isinstance(value, (int, float)):
                     self._tensorboard.add_scalar(key, value, record["step"])
         log.info("  ".join(_fmt(k, v) for k, v in record.items() if k != "time"))
+
+    def _append(self, record: dict) -> None:
+        """One line of metrics.jsonl. A full disk ends the file for this attempt, said once: its last line may be
+        torn, which a resume drops, and no later line follows it; the console, wandb and TensorBoard go on (the next
+        save stops the run with a clear message if the disk stays full)."""
+        if self._file is None:
+            return
+        try:
+            self._file.write(json.dumps(record) + "\n")
+            self._file.flush()
+        except OSError as err:
+            log.warning(
+                "%s: could not write the record of step %s (%s); this attempt writes no more records there",
+                self.path,
+                record.get("step"),
+                err,
+            )
+            self._close_file()
+
+    def _close_file(self) -> None:
+        file, self._file = self._file, None
+        try:
+            file.close()
+        except OSError:  # what could not be flushed is said above; the file is closed all the same
+            pass
 
     def summarize(self, values: dict) -> None:
         """Figures of the whole run (the goodput ledger's) in wandb's run summary; rank 0 only."""
@@ -349,9 +372,7 @@ class MetricsLogger:
         if not self.is_main:
             return
         self._evaluated_steps.add(step)
-        if self._file is not None:
-            self._file.write(json.dumps({"step": step, "generations": rows}) + "\n")
-            self._file.flush()
+        self._append({"step": step, "generations": rows})
         if self._wandb is not None:
             import wandb
 
@@ -376,8 +397,7 @@ class MetricsLogger:
         """`exit_code` is the run's: wandb shows a non-zero one as failed, and 85 (saved after a preemption
         signal) as preempted, so a crashed run no longer shows as finished."""
         if self._file is not None:
-            self._file.close()
-            self._file = None
+            self._close_file()
         if self._wandb is not None:
             if exit_code == SAVED_REQUEUE_EXIT_CODE:
                 self._wandb.mark_preempting()

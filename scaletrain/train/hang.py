@@ -256,7 +256,10 @@ class HangWatch:
         self._stop.set()
         if self._thread is not None:
             self._thread.join(timeout=2 * self.interval + 1)
-        self._write_beat(finished=True)
+        try:
+            self._write_beat(finished=True)
+        except OSError as err:  # a full disk, often why the run ends: the run's own error stays the one said
+            log.warning("hang watch: could not write the final heartbeat in %s: %s", self.folder, err)
 
     def _write_beat(self, finished: bool = False) -> None:
         self._seq += 1
@@ -272,7 +275,11 @@ class HangWatch:
             "finished": finished,
         }
         tmp = self._beat_path.with_name(f".{self._beat_path.name}.tmp")
-        tmp.write_text(json.dumps(beat))
+        try:
+            tmp.write_text(json.dumps(beat))
+        except OSError:
+            tmp.unlink(missing_ok=True)
+            raise
         os.replace(tmp, self._beat_path)
 
     def _watch(self) -> None:

@@ -13,6 +13,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from phases import trained_run  # noqa: E402
 
+from scaletrain.distributed.world import communication_threads  # noqa: E402
+
 PROBE_FILE = "probe_logits.pt"
 
 
@@ -28,6 +30,9 @@ def main() -> None:
             logits = run.engine(input_ids=probe).logits.float().cpu()
         if run.dist.is_main:
             torch.save({"input_ids": probe.cpu(), "logits": logits}, Path(run.cfg.run.output_dir) / PROBE_FILE)
+    # closed (the process groups freed, as train.py's main does): none of gloo's threads may be left for the
+    # interpreter to tear down at exit (tests/test_pipeline.py reads this line, one per rank)
+    print(f"probe: rank {run.dist.rank}: {communication_threads()} communication threads after close", flush=True)
 
 
 if __name__ == "__main__":

@@ -176,3 +176,29 @@ def test_importing_the_config_loads_neither_numpy_nor_torch_nor_the_writer_torch
     config_loaded, writer_loaded = proc.stdout.split("\n")[:2]
     assert config_loaded == "", f"importing scaletrain.config loaded {config_loaded}"
     assert writer_loaded == "", f"importing the checkpoint writer loaded {writer_loaded}"
+
+
+def test_the_built_in_sample_with_its_store_ready_needs_no_import_of_datasets(tmp_path):
+    """datasets (with pandas and pyarrow: 1.5 s of every rank's start) is for reading raw data: the pre-flight of the
+    built-in sample and the look at a complete token store do without it; a user's file is still read ahead."""
+    code = (
+        "import sys; from pathlib import Path; "
+        "from scaletrain.config import DataArgs; from scaletrain.data.checks import check_data_source; "
+        "from scaletrain.data.preparation import exclusive_preparation; "
+        "from scaletrain.data.token_store import MANIFEST; "
+        "assert check_data_source(DataArgs(), None, reads_first_row=True) is None; "
+        "store = Path(sys.argv[1]); store.mkdir(); (store / MANIFEST).write_text('{}'); "
+        "exclusive_preparation(store).__enter__(); print('datasets' in sys.modules); "
+        "check_data_source(DataArgs(train_file=sys.argv[2]), None, reads_first_row=True); "
+        "print('datasets' in sys.modules)"
+    )
+    sample = str(REPO / "data" / "sample" / "validation.jsonl")
+    proc = subprocess.run(
+        [sys.executable, "-c", code, str(tmp_path / "store"), sample],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.split() == ["False", "True"]

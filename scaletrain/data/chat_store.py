@@ -75,6 +75,8 @@ def _first_records(data: DataArgs, reads_first_row: bool = True) -> list:
     """(where, first record) of each local file, of a save_to_disk folder, or of the train split of --dataset_name
     (a hub dataset or a local folder of data files); [] for the built-in sample and where nothing could be looked
     at (the loader then reports why, when the data is loaded)."""
+    if data.uses_default_data:
+        return []  # without importing datasets: a run whose token store is ready never needs it
     import datasets
 
     from scaletrain.data.raw import _is_saved_dataset, _local_builder, local_data_files
@@ -87,8 +89,6 @@ def _first_records(data: DataArgs, reads_first_row: bool = True) -> list:
         train = raw["train"] if isinstance(raw, datasets.DatasetDict) and "train" in raw else raw
         if not isinstance(train, datasets.DatasetDict) and len(train) > 0:
             records = [(f"--dataset_name {data.dataset_name}", train[0])]
-    elif data.uses_default_data:
-        return []
     for split, paths in local_data_files(data).items():  # --validation_file sets beside a --dataset_name too
         flag = "--train_file" if split == "train" else "--validation_file"
         for path in paths:

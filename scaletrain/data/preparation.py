@@ -69,10 +69,12 @@ def default_store_path(fingerprint) -> Path:
 # A preparation of `store` works in two folders named for its process: the store being written, beside it (see
 # tokenstore.write_store), and the Arrow conversion of local files, in the Hugging Face datasets cache (the disk that
 # conversion always used), under a name derived from the store's path. A preparer killed half-way leaves both.
-def partial_folders(store: Path, pid: str = "*") -> list:
-    """[(folder, glob pattern of that folder's names)]: where `store`'s preparations write before it is complete."""
+def partial_folders(store: Path, pid: str = "*", scratch: bool = True) -> list:
+    """[(folder, glob pattern of that folder's names)]: where `store`'s preparations write before it is complete
+    (without `scratch`: beside the store only)."""
     key = hashlib.sha256(str(store.resolve()).encode()).hexdigest()[:16]
-    return [(store.parent, f".{glob.escape(store.name)}.tmp-{pid}"), (scratch_root(), f"{key}.arrow-{pid}")]
+    beside = [(store.parent, f".{glob.escape(store.name)}.tmp-{pid}")]
+    return beside + [(scratch_root(), f"{key}.arrow-{pid}")] if scratch else beside
 
 
 def scratch_root() -> Path:
@@ -99,7 +101,11 @@ def exclusive_preparation(store: Path) -> Iterator[None]:
             pass
         lock.close()  # the holder before us removed that file at its end: lock the current one
     try:
-        for folder, pattern in partial_folders(store):
+        # A complete store's leftovers in the scratch area were removed, under this lock, by the preparer that
+        # finished it: not looking there again spares every later start an import of datasets (1.5 s) for its path.
+        from scaletrain.data.token_store import MANIFEST
+
+        for folder, pattern in partial_folders(store, scratch=not (store / MANIFEST).exists()):
             for partial in folder.glob(pattern):
                 if partial.name.rsplit("-", 1)[1].isdigit():
                     size = sum(f.stat().st_size for f in partial.rglob("*") if f.is_file())

@@ -67,11 +67,10 @@ Hooks, why we need them, and the test that proves they still act:
   rank's list of written files (checksummed into commit.json) and turns a failed write (a full disk) into a recorded
   error instead of a raise, so that the failing rank still reaches DeepSpeed's barriers inside save_checkpoint with
   the others. tests/test_checkpoint_integrity.py (a disk filled during a save, at 2 ranks).
-
 - deepspeed.runtime.engine.is_zero_supported_optimizer (a module global) and
   deepspeed.runtime.zero.utils.ZERO_SUPPORTED_OPTIMIZERS: DeepSpeed imports its Muon optimizer (torch.compile'd
-  kernels, ~2 s per rank on 2 CPU cores) inside the check, before looking the optimizer up in the list; an optimizer
-  in the list is answered without it. Only speed depends on it. tests/test_ds_internals.py.
+  kernels, about 1 s of each rank's start on 2 CPU cores) inside the check, before looking the optimizer up in the
+  list; an optimizer in the list is answered without it. Only speed depends on it. tests/test_ds_internals.py.
 
 Importing this package (or any of its modules) imports neither torch nor DeepSpeed; each function imports what it
 touches.

@@ -130,8 +130,8 @@ ZERO_SUPPORTED = Hook("deepspeed.runtime.zero.utils", "ZERO_SUPPORTED_OPTIMIZERS
 def check_zero_support_without_muon() -> None:
     """DeepSpeed 0.19.8's is_zero_supported_optimizer (the engine module's global, called once per engine with ZeRO)
     imports its Muon optimizer, whose kernels are wrapped in torch.compile, before it looks the optimizer's type up in
-    ZERO_SUPPORTED_OPTIMIZERS: ~2 s of every rank's start on 2 CPU cores, for AdamW. A type already in that list is
-    supported whatever Muon would add to it, so it is answered at once; any other goes to DeepSpeed's own check
+    ZERO_SUPPORTED_OPTIMIZERS: about 1 s of every rank's start on 2 CPU cores, for AdamW. A type already in that list
+    is supported whatever Muon would add to it, so it is answered at once; any other goes to DeepSpeed's own check
     (which imports Muon, as before). Idempotent."""
     engine_module = ZERO_SUPPORT_CHECK.owner_object()
     original = ZERO_SUPPORT_CHECK.resolve()

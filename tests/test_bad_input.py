@@ -534,6 +534,20 @@ def test_real_process_exits_2_without_traceback(tmp_path, cache_dir):
     assert not (tmp_path / "out").exists()
 
 
+@pytest.mark.slow  # a real process (~10 s)
+def test_a_column_the_built_in_sample_lacks_exits_2_when_its_store_is_prepared(tmp_path, cache_dir):
+    """The built-in sample is not read ahead in the pre-flight (that would import datasets at every start): a
+    --text_column it lacks is refused by the store's preparation, in the same one line, before anything is built."""
+    out = tmp_path / "out"
+    args = ["--config", str(ZERO2), "--output_dir", str(out), "--text_column", "body"]
+    proc = launch(REPO / "train.py", args, "python", cache_dir, timeout=300)
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert "Traceback" not in proc.stdout + proc.stderr
+    sample = REPO / "data" / "sample" / "train.jsonl"
+    assert proc.stderr.strip().splitlines()[0] == f"train.py: error: --text_column body: not a column of {sample}"
+    assert not out.exists()
+
+
 @pytest.mark.slow  # the ranks join the rendezvous to share the error (DeepSpeed's CPU ops, gloo): ~40 s loaded
 def test_error_is_printed_once_under_a_two_rank_launch(tmp_path, cache_dir):
     out = tmp_path / "out"

@@ -44,8 +44,8 @@ def setup_logging(rank: int, level: int = logging.INFO) -> None:
 
 def silence_library_logs() -> None:
     """Quiet the libraries' INFO output after their import (they install their own handlers). A library not imported
-    yet is not imported for this: datasets, which a run whose token store is ready never needs (1.5 s of every rank's
-    start with pandas and pyarrow), reads the same settings from the environment when something imports it."""
+    yet is not imported for this: datasets, which a run whose token store is ready never needs (about 1 s of every
+    rank's start with pandas and pyarrow), reads the same settings from the environment when something imports it."""
     os.environ.setdefault("DATASETS_VERBOSITY", "warning")
     os.environ.setdefault("HF_DATASETS_DISABLE_PROGRESS_BARS", "1")
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "warning")

@@ -269,7 +269,7 @@ def test_the_shm_build_is_skipped_through_its_hook(monkeypatch):
 
 
 def test_a_supported_optimizer_is_checked_without_importing_muon_and_others_by_deepspeed():
-    """The engine's ZeRO check answers for AdamW without DeepSpeed's Muon module (torch.compile'd kernels: ~2 s of
+    """The engine's ZeRO check answers for AdamW without DeepSpeed's Muon module (torch.compile'd kernels: about 1 s of
     each rank's start); an optimizer not in DeepSpeed's list still gets DeepSpeed's own check (and its answer). The
     last figure fails once DeepSpeed's check no longer imports Muon: then the hook can go."""
     from tests.conftest import free_port

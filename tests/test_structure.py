@@ -179,8 +179,8 @@ def test_importing_the_config_loads_neither_numpy_nor_torch_nor_the_writer_torch
 
 
 def test_the_built_in_sample_with_its_store_ready_needs_no_import_of_datasets(tmp_path):
-    """datasets (with pandas and pyarrow: 1.5 s of every rank's start) is for reading raw data: the pre-flight of the
-    built-in sample and the look at a complete token store do without it; a user's file is still read ahead."""
+    """datasets (with pandas and pyarrow: about 1 s of every rank's start) is for reading raw data: the pre-flight of
+    the built-in sample and the look at a complete token store do without it; a user's file is still read ahead."""
     code = (
         "import sys; from pathlib import Path; "
         "from scaletrain.config import DataArgs; from scaletrain.data.checks import check_data_source; "

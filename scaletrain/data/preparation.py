@@ -102,7 +102,7 @@ def exclusive_preparation(store: Path) -> Iterator[None]:
         lock.close()  # the holder before us removed that file at its end: lock the current one
     try:
         # A complete store's leftovers in the scratch area were removed, under this lock, by the preparer that
-        # finished it: not looking there again spares every later start an import of datasets (1.5 s) for its path.
+        # finished it: not looking there again spares every later start an import of datasets (about 1 s) for its path.
         from scaletrain.data.token_store import MANIFEST
 
         for folder, pattern in partial_folders(store, scratch=not (store / MANIFEST).exists()):

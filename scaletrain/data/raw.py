@@ -106,7 +106,7 @@ def check_data_files(data: DataArgs) -> None:
     """Before anything is built: each local file has documents, and its --text_column exists and holds text.
 
     Reads only the first record, streaming (no Arrow cache is written). A --dataset_name is checked when loaded
-    (its --validation_file sets here). The built-in sample is ours: not read ahead (nor datasets imported, 1.5 s).
+    (its --validation_file sets here). The built-in sample is ours: not read ahead (nor datasets imported, about 1 s).
     """
     if data.data_path or data.uses_default_data:
         return

@@ -44,24 +44,61 @@ def subprocess_env(tmp_cache: Path) -> dict:
     return env
 
 
+def pytest_collection_modifyitems(config, items) -> None:
+    """The fast tests first, then the slow ones (each group in file order): the fast ones then run while DeepSpeed's
+    ops build (`pytest_collection_finish`), and a quick failure shows before the long multi-rank runs."""
+    items.sort(key=lambda item: item.get_closest_marker("slow") is not None)
+
+
+_ops_build: dict = {}  # the build of DeepSpeed's ops: its process and the file its output goes to
+
+
+def _start_ops_build() -> None:
+    import tempfile
+
+    output = tempfile.TemporaryFile(mode="w+")
+    _ops_build["output"] = output
+    _ops_build["process"] = subprocess.Popen(
+        [sys.executable, str(REPO / "scripts" / "build_ops.py")],
+        cwd=REPO,
+        stdout=output,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+
+
+def pytest_collection_finish(session) -> None:
+    """Start building DeepSpeed's CPU ops in the background when a slow test is selected: the build (g++, minutes on
+    a fresh machine, one core) then overlaps the fast tests, which run first and need no compiled op."""
+    if any(item.get_closest_marker("slow") is not None for item in session.items):
+        _start_ops_build()
+
+
+def pytest_sessionfinish(session, exitstatus) -> None:
+    process = _ops_build.get("process")
+    if process is not None and process.poll() is None:  # a session that ended before any slow test ran
+        process.kill()
+        process.wait()
+
+
 @pytest.fixture(scope="session")
 def compiled_ops() -> None:
     """DeepSpeed's CPU ops (shm all-reduce, cpu_adam), built once per session (minutes on a fresh machine) before
-    the first test that needs them, so that no test's time limit pays the build.
+    the first test that needs them, so that no test's time limit pays the build: started in the background once
+    the session's tests are collected (`pytest_collection_finish`), waited for here.
 
     Every slow test gets it (`_slow_tests_get_compiled_ops`): multi-rank and offload runs are all marked slow. The
     fast tier (`-m "not slow"`: unit tests and single-rank runs, which need no compiled op) never waits for it. A
     failed build is an error of every test that needs the ops (pytest keeps a session fixture's failure), never a
     skip.
     """
-    proc = subprocess.run(
-        [sys.executable, str(REPO / "scripts" / "build_ops.py")], cwd=REPO, capture_output=True, text=True, timeout=1800
-    )
-    if proc.returncode != 0:
-        pytest.fail(
-            f"scripts/build_ops.py failed (exit {proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}",
-            pytrace=False,
-        )
+    if "process" not in _ops_build:
+        _start_ops_build()
+    returncode = _ops_build["process"].wait(timeout=1800)
+    _ops_build["output"].seek(0)
+    output = _ops_build["output"].read()
+    if returncode != 0:
+        pytest.fail(f"scripts/build_ops.py failed (exit {returncode}):\n{output[-6000:]}", pytrace=False)
 
 
 @pytest.fixture(autouse=True)
@@ -75,11 +112,16 @@ def cache_dir(tmp_path_factory) -> Path:
     return tmp_path_factory.mktemp("hf_cache")
 
 
-# DeepSpeed's launch.py, run as `python -m deepspeed.launcher.launch` would, but with the garbage collector's objects
-# frozen once its own exit handlers ran: the interpreter's last collection of what torch and DeepSpeed hold took
-# over a second per launch after the ranks had exited (train.py spares its ranks the same way).
+# DeepSpeed's launch.py, run as `python -m deepspeed.launcher.launch` would, with two changes of timing only:
+# - the garbage collector's objects frozen once its own exit handlers ran: the interpreter's last collection of what
+#   torch and DeepSpeed hold took over a second per launch after the ranks had exited (train.py spares its ranks the
+#   same way);
+# - its monitor loop polls the ranks every 0.05 s instead of every second (`time.sleep(1)` is launch.py's only sleep):
+#   it slept a whole second after the last rank had exited, and half a second on average before noticing it, ~1.5 s
+#   of every launch of the suite. What it does when a rank exits (0 or not) is DeepSpeed's code, unchanged.
 LAUNCH_WITHOUT_FINAL_COLLECTION = (
-    "import atexit, gc, runpy; atexit.register(gc.freeze); "
+    "import atexit, gc, runpy, time; atexit.register(gc.freeze); "
+    "_sleep = time.sleep; time.sleep = lambda seconds: _sleep(min(seconds, 0.05)); "
     "runpy.run_module('deepspeed.launcher.launch', run_name='__main__', alter_sys=True)"
 )
 

@@ -38,9 +38,6 @@ def build_engine(model, ds_config: dict, weight_decay: float, schedule: LRSchedu
         from scaletrain.engine.ds_internals import tensor_parallel_mpu
 
         mpu = tensor_parallel_mpu(tensor_parallel_size)
-    from scaletrain.engine.ds_internals import check_zero_support_without_muon
-
-    check_zero_support_without_muon()
     engine, _, _, _ = deepspeed.initialize(
         model=model,
         model_parameters=parameter_groups(model, weight_decay),

@@ -67,10 +67,6 @@ Hooks, why we need them, and the test that proves they still act:
   rank's list of written files (checksummed into commit.json) and turns a failed write (a full disk) into a recorded
   error instead of a raise, so that the failing rank still reaches DeepSpeed's barriers inside save_checkpoint with
   the others. tests/test_checkpoint_integrity.py (a disk filled during a save, at 2 ranks).
-- deepspeed.runtime.engine.is_zero_supported_optimizer (a module global) and
-  deepspeed.runtime.zero.utils.ZERO_SUPPORTED_OPTIMIZERS: DeepSpeed imports its Muon optimizer (torch.compile'd
-  kernels, about 1 s of each rank's start on 2 CPU cores) inside the check, before looking the optimizer up in the
-  list; an optimizer in the list is answered without it. Only speed depends on it. tests/test_ds_internals.py.
 
 Importing this package (or any of its modules) imports neither torch nor DeepSpeed; each function imports what it
 touches.
@@ -139,9 +135,6 @@ from scaletrain.engine.ds_internals.optimizer import (
     STAGE3_CHECK,
     STAGE3_CLEANUP,
     SkipSwitch,
-    ZERO_SUPPORTED,
-    ZERO_SUPPORT_CHECK,
-    check_zero_support_without_muon,
 )
 from scaletrain.engine.ds_internals.pipeline import (
     PIPE_BUILD,
@@ -211,9 +204,6 @@ __all__ = [
     "STAGE3_CLEANUP",
     "ShmAllReduce",
     "SkipSwitch",
-    "ZERO_SUPPORTED",
-    "ZERO_SUPPORT_CHECK",
-    "check_zero_support_without_muon",
     "TP_GATHER",
     "TP_GROUPS",
     "UNIVERSAL_CHECKPOINT_VERSION",

@@ -29,14 +29,7 @@ from scaletrain.engine.ds_internals.op_builds import (
     CREATE_OP_BUILDER,
     INSTALLED_OPS,
 )
-from scaletrain.engine.ds_internals.optimizer import (
-    STAGE3_CHECK,
-    STAGE3_CLEANUP,
-    STAGE12_CHECK,
-    STAGE12_INIT,
-    ZERO_SUPPORT_CHECK,
-    ZERO_SUPPORTED,
-)
+from scaletrain.engine.ds_internals.optimizer import STAGE3_CHECK, STAGE3_CLEANUP, STAGE12_CHECK, STAGE12_INIT
 from scaletrain.engine.ds_internals.pipeline import PIPE_BUILD, PIPE_CLIP, PIPE_INSTRUCTIONS, PIPE_OPTIMIZER_STEP
 from scaletrain.engine.ds_internals.release import FWD_MODULE_STACK, PARAMS_TO_RELEASE, PIPE_P2P_GRID, PIPE_P2P_GROUPS
 from scaletrain.engine.ds_internals.tensor_parallel import TP_GATHER, TP_GROUPS
@@ -47,8 +40,6 @@ HOOKS = (
     STAGE3_CLEANUP,
     STAGE12_CHECK,
     STAGE12_INIT,
-    ZERO_SUPPORT_CHECK,
-    ZERO_SUPPORTED,
     FWD_MODULE_STACK,
     PARAMS_TO_RELEASE,
     BUILD_DIRECTORY,

@@ -120,27 +120,3 @@ class SkipSwitch:
             return original_step(*args, **kwargs)
 
         optimizer.step = step
-
-
-_QUICK_START = "a quicker engine start (not importing DeepSpeed's Muon optimizer to check a supported one)"
-ZERO_SUPPORT_CHECK = Hook("deepspeed.runtime.engine", "is_zero_supported_optimizer", _QUICK_START)
-ZERO_SUPPORTED = Hook("deepspeed.runtime.zero.utils", "ZERO_SUPPORTED_OPTIMIZERS", _QUICK_START)
-
-
-def check_zero_support_without_muon() -> None:
-    """DeepSpeed 0.19.8's is_zero_supported_optimizer (the engine module's global, called once per engine with ZeRO)
-    imports its Muon optimizer, whose kernels are wrapped in torch.compile, before it looks the optimizer's type up in
-    ZERO_SUPPORTED_OPTIMIZERS: about 1 s of every rank's start on 2 CPU cores, for AdamW. A type already in that list
-    is supported whatever Muon would add to it, so it is answered at once; any other goes to DeepSpeed's own check
-    (which imports Muon, as before). Idempotent."""
-    engine_module = ZERO_SUPPORT_CHECK.owner_object()
-    original = ZERO_SUPPORT_CHECK.resolve()
-    if getattr(original, "scaletrain_quick", False):
-        return
-    supported = ZERO_SUPPORTED.resolve()  # the list itself: what DeepSpeed appends to it later counts too
-
-    def is_zero_supported_optimizer(optimizer) -> bool:
-        return type(optimizer) in supported or original(optimizer)
-
-    is_zero_supported_optimizer.scaletrain_quick = True
-    engine_module.is_zero_supported_optimizer = is_zero_supported_optimizer

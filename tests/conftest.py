@@ -119,10 +119,11 @@ def cache_dir(tmp_path_factory) -> Path:
 # - its monitor loop polls the ranks every 0.05 s instead of every second (`time.sleep(1)` is launch.py's only sleep):
 #   it slept a whole second after the last rank had exited, and half a second on average before noticing it, ~1.5 s
 #   of every launch of the suite. What it does when a rank exits (0 or not) is DeepSpeed's code, unchanged.
+LAUNCH_POLL_PATCH = "_sleep = time.sleep; time.sleep = lambda seconds: _sleep(min(seconds, 0.05)); "
 LAUNCH_WITHOUT_FINAL_COLLECTION = (
     "import atexit, gc, runpy, time; atexit.register(gc.freeze); "
-    "_sleep = time.sleep; time.sleep = lambda seconds: _sleep(min(seconds, 0.05)); "
-    "runpy.run_module('deepspeed.launcher.launch', run_name='__main__', alter_sys=True)"
+    + LAUNCH_POLL_PATCH
+    + "runpy.run_module('deepspeed.launcher.launch', run_name='__main__', alter_sys=True)"
 )
 
 

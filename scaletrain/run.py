@@ -379,8 +379,7 @@ class Run:
         self.ledger.begin(self.state.step)
         ckpt, ds = self.cfg.checkpoint, self.resolved.ds
         if ckpt.async_save and not self.cfg.run.dry_run:
-            periodic = bool(ckpt.save_steps or ckpt.save_interval_minutes)
-            self.writer = background_writer(self.resolved.n_params, ds.precision, ds.zero_stage, self.dist, periodic)
+            self.writer = background_writer(self.resolved.n_params, ds.precision, ds.zero_stage, self.dist)
 
     def reference_log_probs(self) -> None:
         """Preference pairs: the reference's log-probs of every pair, read back or computed once before step 1."""

@@ -212,8 +212,8 @@ def start_with_a_write_in_flight(run_dir: Path, cache_dir: Path, *extra: str, be
         text=True,
     )
     checkpoints = run_dir / "checkpoints"
-    # The writers start with the run (periodic saves): hold the ranks until they are ready, so that the first write
-    # is not held up by their start and step 4 commits steps before step 8's save.
+    # The writers start at the first background save (step 4's): hold the ranks from then until the writers are ready,
+    # so that the first write is not held up by their start and step 4 commits steps before step 8's save.
     wait_for(lambda: len(rank_pids(run_dir)) == 2 and len(writer_pids(rank_pids(run_dir))) == 2, proc)
     ranks = rank_pids(run_dir)
     freeze(*ranks)

@@ -317,15 +317,20 @@ class BackgroundWriter:
         return "writing" if flight.result is None else flight.result[0]
 
     def close(self) -> None:
-        """The writer ends (a write in flight is finished first, within 10 s, or killed) and the buffers go."""
+        """The writer ends (a write in flight is finished first, within 10 s, or killed) and the buffers go. An idle
+        writer is killed at once: it holds nothing, and one still starting (importing torch) would otherwise be
+        waited for, over a second at the end of a short run."""
         if self.process is not None:
-            try:
-                self.conn.send(None)
-            except OSError:
-                pass
-            self.process.join(timeout=10)
+            writing = self.in_flight is not None and self.in_flight.result is None
+            if writing:
+                try:
+                    self.conn.send(None)
+                except OSError:
+                    pass
+                self.process.join(timeout=10)
             if self.process.is_alive():
                 self.process.kill()
+                self.process.join()
             self.process = None
         self.buffers.release()
 

@@ -397,13 +397,12 @@ def snapshot_bytes_per_rank(n_params: int, precision: str, zero_stage: int, worl
     return n_params * OPTIMIZER_BYTES // max(world_size, 1) + weights
 
 
-def background_writer(
-    n_params: int, precision: str, zero_stage: int, dist, periodic_saves: bool
-) -> BackgroundWriter | None:
+def background_writer(n_params: int, precision: str, zero_stage: int, dist) -> BackgroundWriter | None:
     """--async_save: this rank's writer, unless a host of the run cannot hold the snapshot buffers (then every rank
-    saves synchronously, said once per host: the ranks must agree, their saves are collectives). With
-    `periodic_saves` its process starts now, so that its start (an interpreter importing torch, seconds) is behind
-    it at the first save; otherwise at the first save (a preemption's, or a rollback's, is synchronous)."""
+    saves synchronously, said once per host: the ranks must agree, their saves are collectives). Its process starts
+    at the first background save: its start (an interpreter importing torch, a second or two) then runs beside
+    training, behind that save's commit, instead of beside the rank's own start, which it slowed by as much on a busy
+    host; a run whose only saves are synchronous (the end's, a preemption's, a rollback's) never starts one."""
     import os
 
     from scaletrain.checkpoint.async_save import snapshot_refusal
@@ -415,7 +414,4 @@ def background_writer(
         if dist.local_rank == 0:
             log.warning("--async_save: %s; saves are synchronous", refusal or "another host cannot hold its buffers")
         return None
-    writer = BackgroundWriter(dist.rank)
-    if periodic_saves:
-        writer.start()
-    return writer
+    return BackgroundWriter(dist.rank)

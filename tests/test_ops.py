@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import socket
 from pathlib import Path
 
 import pytest
@@ -31,6 +32,47 @@ def test_engine_ops_follow_offload_optimizer_and_accelerator():
     assert ops.engine_ops(ds_config("zero2_offload"), "cuda") == ["CPUAdamBuilder"]
     assert ops.comm_ops("cpu", 2) == ["ShareMemCommBuilder"]
     assert ops.comm_ops("cpu", 1) == [] and ops.comm_ops("cuda", 8) == []
+
+
+def test_the_cpu_probe_runs_once_per_host_boot(tmp_path, monkeypatch):
+    """py-cpuinfo's probe (a fresh interpreter, ~1.2 s), which DeepSpeed's CPU op builders call three times per rank
+    to load cpu_adam: probed once, then answered from this process and from a file of this host's boot."""
+    import cpuinfo
+
+    from scaletrain.engine import ds_internals
+
+    real, calls = cpuinfo.get_cpu_info, []
+
+    def install(probe) -> None:  # a fresh process: py-cpuinfo's own function, then ours over it
+        def counted():
+            calls.append(1)
+            return probe()
+
+        monkeypatch.setattr(cpuinfo, "get_cpu_info", counted)
+        ds_internals.remember_cpu_info(str(tmp_path))
+
+    install(real)
+    first = cpuinfo.get_cpu_info()
+    assert first["arch"] and first["flags"]
+    first["flags"].append("changed by a caller")  # each caller gets its own copy
+    again = [cpuinfo.get_cpu_info() for _ in range(2)]
+    assert again[0] == again[1] and "changed by a caller" not in again[0]["flags"] and len(calls) == 1
+    boot = Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+    [kept] = tmp_path.glob("cpuinfo-*.json")
+    assert kept.name == f"cpuinfo-{socket.gethostname()}-{boot}.json"
+    ds_internals.remember_cpu_info(str(tmp_path))  # installed once: not wrapped twice
+    assert cpuinfo.get_cpu_info()["arch"] == first["arch"] and len(calls) == 1
+
+    install(real)  # the next rank or run of this boot reads the file and never probes
+    assert cpuinfo.get_cpu_info() == json.loads(kept.read_text()) and len(calls) == 1
+
+    kept.write_text("{")  # damaged: probed again, and rewritten
+    install(real)
+    assert cpuinfo.get_cpu_info() == json.loads(kept.read_text()) and len(calls) == 2
+
+    kept.unlink()  # a failed probe (py-cpuinfo answers {}) is not kept
+    install(dict)
+    assert cpuinfo.get_cpu_info() == {} and not kept.exists() and len(calls) == 3
 
 
 @pytest.mark.slow
@@ -67,6 +109,9 @@ def test_stale_build_locks_are_removed_and_a_two_rank_offload_run_finishes(
         env={"TORCH_EXTENSIONS_DIR": str(extensions)},
     )
     check_ok(proc)
+    # the ranks' probes of the CPU for cpu_adam (DeepSpeed's builder and optimizer): one, kept for this host's boot
+    [kept] = folders["cpu_adam"].parent.glob("cpuinfo-*.json")
+    assert json.loads(kept.read_text())["arch"]
     for folder in folders.values():
         assert not (folder / "lock").exists()
         assert f"removing a stale build lock {folder / 'lock'}" in proc.stdout

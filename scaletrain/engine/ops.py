@@ -78,8 +78,10 @@ def load_op(builder_name: str, say: Callable[[str], None] | None = None):
     if builder is None or not builder.is_compatible(verbose=False):
         return None
     if ds_internals.op_preinstalled(builder):  # compiled into the DeepSpeed install: nothing to build
+        ds_internals.remember_cpu_info(None)
         return builder.load()
     folder = build_directory(builder.name)
+    ds_internals.remember_cpu_info(os.path.dirname(folder.rstrip("/")))  # DeepSpeed's CPU builders probe the CPU
     with _exclusive(folder.rstrip("/") + ".scaletrain-lock"):
         stale = os.path.join(folder, "lock")
         if os.path.exists(stale):

@@ -28,6 +28,9 @@ Hooks, why we need them, and the test that proves they still act:
   .installed_ops, the accelerator's create_op_builder and OpBuilder.load/.is_compatible/.name: engine/ops.py loads
   DeepSpeed's compiled ops under its own lock, so a stale torch build lock cannot hang a run.
   tests/test_ops.py::test_stale_build_locks_are_removed_and_a_two_rank_offload_run_finishes.
+- cpuinfo.get_cpu_info (py-cpuinfo, which DeepSpeed's CPU op builders and DeepSpeedCPUAdam call, a fresh interpreter
+  probing the CPU each time, three times per rank to load cpu_adam): answered once per host boot, kept in the ops'
+  build folder (remember_cpu_info). tests/test_ops.py::test_the_cpu_probe_runs_once_per_host_boot.
 - deepspeed.comm.torch.build_shm_op: replaced by a no-op on a single CPU rank, which never communicates, to skip a
   build of minutes. Only speed depends on it; tests/test_ds_internals.py checks that it resolves.
 - deepspeed.comm.comm.cdb (the process group backend DeepSpeed's collectives go through), its instance method
@@ -120,10 +123,12 @@ from scaletrain.engine.ds_internals.op_builds import (
     BUILDER_LOAD,
     BUILDER_NAME,
     BUILD_DIRECTORY,
+    CPU_INFO,
     CREATE_OP_BUILDER,
     INSTALLED_OPS,
     create_op_builder,
     op_preinstalled,
+    remember_cpu_info,
     torch_build_directory,
 )
 from scaletrain.engine.ds_internals.optimizer import (
@@ -176,6 +181,7 @@ __all__ = [
     "COMMS_MSG_SIZE",
     "COMMS_RECORDS",
     "COMM_BACKEND",
+    "CPU_INFO",
     "CREATE_OP_BUILDER",
     "CheckpointWrites",
     "DeepSpeedInternalsMoved",
@@ -222,6 +228,7 @@ __all__ = [
     "op_preinstalled",
     "per_op_comm_latencies",
     "recorded_checkpoint_writes",
+    "remember_cpu_info",
     "pipeline_module_class",
     "release_other_stages",
     "release_pipeline_references",

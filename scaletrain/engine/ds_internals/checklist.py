@@ -26,6 +26,7 @@ from scaletrain.engine.ds_internals.op_builds import (
     BUILD_DIRECTORY,
     BUILDER_COMPATIBLE,
     BUILDER_LOAD,
+    CPU_INFO,
     CREATE_OP_BUILDER,
     INSTALLED_OPS,
 )
@@ -47,6 +48,7 @@ HOOKS = (
     CREATE_OP_BUILDER,
     BUILDER_LOAD,
     BUILDER_COMPATIBLE,
+    CPU_INFO,
     SHM_BUILD,
     COMM_BACKEND,
     BACKEND_ALL_REDUCE,

@@ -126,6 +126,28 @@ def test_a_write_that_fails_and_a_writer_that_dies_are_reported_not_raised(tmp_p
         writer.close()
 
 
+def test_a_preemption_signal_never_ends_a_starting_writer_and_the_ranks_handlers_stay():
+    seen = []
+    handler = lambda sig, frame: seen.append(sig)  # noqa: E731
+    previous = {sig: signal.signal(sig, handler) for sig in (signal.SIGUSR1, signal.SIGTERM)}
+    writer = BackgroundWriter(rank=0)
+    try:
+        writer.start()
+        for sig in (signal.SIGUSR1, signal.SIGTERM):  # at once: the writer is still importing torch
+            os.kill(writer.process.pid, sig)
+        assert all(signal.getsignal(sig) is handler for sig in previous)  # the rank's own, back
+        deadline = time.monotonic() + 60
+        while psutil.Process(writer.process.pid).name() != WRITER_NAME:  # ready: it lived through both
+            assert writer.process.is_alive() and time.monotonic() < deadline, writer.process.exitcode
+            time.sleep(0.05)
+        os.kill(os.getpid(), signal.SIGUSR1)  # the rank still hears them
+        assert seen == [signal.SIGUSR1]
+    finally:
+        writer.close()
+        for sig, old in previous.items():
+            signal.signal(sig, old)
+
+
 # --- real runs ------------------------------------------------------------------------------------------------------
 
 STEPS, SAVE_EVERY = 12, 4

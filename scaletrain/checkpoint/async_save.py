@@ -28,6 +28,8 @@ import pickle
 import shutil
 import time
 from collections import OrderedDict
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -213,6 +215,26 @@ def write_snapshot(folder: str, files: list, buffers: dict) -> dict:
     return checksums
 
 
+@contextmanager
+def _preemption_signals_ignored() -> Iterator[None]:
+    """SIGUSR1 and SIGTERM ignored while the writer is spawned (milliseconds; an ignored signal stays ignored across
+    exec), so that a preemption signal sent to every process of the job never ends a writer still importing torch,
+    seconds before writer_main could ignore it. The rank's own handlers are put back at once. Off the main thread
+    (where handlers cannot be set) the writer ignores them from writer_main on."""
+    import signal
+    import threading
+
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = {sig: signal.signal(sig, signal.SIG_IGN) for sig in (signal.SIGUSR1, signal.SIGTERM)}
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, signal.SIG_DFL if handler is None else handler)  # None: not set from Python
+
+
 def writer_main(conn) -> None:
     """The writer process: one snapshot at a time from `conn`, answered ("done", {path: checksum}, seconds) or
     ("failed", path, why); ends at None or when the rank is gone (EOF)."""
@@ -290,7 +312,8 @@ class BackgroundWriter:
         context = multiprocessing.get_context("spawn")
         self.conn, child = context.Pipe()
         self.process = context.Process(target=writer_main, args=(child,), daemon=True, name="scaletrain-writer")
-        self.process.start()
+        with _preemption_signals_ignored():  # inherited through the exec: from the writer's first instruction
+            self.process.start()
         child.close()
 
     def submit(self, in_flight: InFlight, snapshot: Snapshot) -> None:

@@ -5,6 +5,7 @@ builders call, answered once per host boot (remember_cpu_info)."""
 from __future__ import annotations
 
 import copy
+import importlib.util
 import json
 import os
 import socket
@@ -53,7 +54,10 @@ def remember_cpu_info(folder: str | None) -> None:
     a fresh interpreter probing the CPU (~1.2 s on 2 cores), and ranks load under one lock, so a 2-rank offload run
     waited ~5 s for them. The answer is kept in this process and, where `folder` is given (the ops' build root), in
     a file named by the host and its boot id: the next rank or run reads it, and nodes that share the folder never
-    read each other's. An empty answer (a failed probe) is not kept."""
+    read each other's. An empty answer (a failed probe) is not kept. Without py-cpuinfo (a DeepSpeed requirement,
+    imported only by the ops that probe) there is nothing to answer."""
+    if importlib.util.find_spec("cpuinfo") is None:
+        return
     module = CPU_INFO.owner_object()
     probe = CPU_INFO.on(module)
     if getattr(probe, "remembered", False):

@@ -128,7 +128,10 @@ def test_a_write_that_fails_and_a_writer_that_dies_are_reported_not_raised(tmp_p
 
 def test_a_preemption_signal_never_ends_a_starting_writer_and_the_ranks_handlers_stay():
     seen = []
-    handler = lambda sig, frame: seen.append(sig)  # noqa: E731
+
+    def handler(sig, frame) -> None:
+        seen.append(sig)
+
     previous = {sig: signal.signal(sig, handler) for sig in (signal.SIGUSR1, signal.SIGTERM)}
     writer = BackgroundWriter(rank=0)
     try:

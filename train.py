@@ -13,9 +13,10 @@ import traceback
 from scaletrain.distributed import read_launch_env
 from scaletrain.errors import RunEnded
 from scaletrain.logs import setup_logging
+from scaletrain.parts import DistInfo
 
 
-def report(err: RunEnded, dist) -> int:
+def report(err: RunEnded, dist: DistInfo) -> int:
     """A planned end: its message from the ranks that should say it (a usage error once, not once per rank)."""
     if err.reports_here(dist):
         print(f"train.py: {err.prefix}: {f'[{err.node}] ' if err.node else ''}{err}", file=sys.stderr)

@@ -91,9 +91,7 @@ def main(argv=None) -> int:
             prepare_chat_store(data, tokenizer, block_size, store, chat)
         else:
             check_data_files(data)
-            prepare_token_store(
-                data, tokenizer, model.tokenizer_source, block_size, store, data.preprocessing_num_workers, seed=seed
-            )
+            prepare_token_store(data, tokenizer, model.tokenizer_source, block_size, store, seed=seed)
     except (UsageError, PrepareError) as err:
         print(f"prepare.py: error: {err}", file=sys.stderr)
         return err.exit_code

@@ -5,6 +5,10 @@ Imports nothing heavy: the config module raises UsageError before torch is impor
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from scaletrain.parts import DistInfo
 
 USAGE_EXIT_CODE = 2  # a user mistake, found before heavy work
 FAILED_EXIT_CODE = 1  # the run could not go on (full disk, a failed preparation); nothing committed was lost
@@ -23,7 +27,7 @@ class RunEnded(Exception):
     prefix = "error"
     node: str | None = None  # the host the message is prefixed with, where the ranks span several hosts
 
-    def reports_here(self, dist) -> bool:
+    def reports_here(self, dist: DistInfo) -> bool:
         """`dist`: this rank's DistInfo. "node" messages are printed by each node's local rank 0."""
         return (
             self.reported_by == "every rank"
@@ -62,7 +66,7 @@ class CheckpointWriteError(RunEnded):
         super().__init__(message)
         self.every_rank = every_rank
 
-    def reports_here(self, dist) -> bool:
+    def reports_here(self, dist: DistInfo) -> bool:
         return dist.is_main or not self.every_rank
 
 

@@ -1,4 +1,4 @@
-"""train.py against the Hugging Face Trainer + DeepSpeed on the same job: peak memory and steady tokens/s (issue 13).
+"""train.py against the Hugging Face Trainer + DeepSpeed on the same job: peak memory and steady tokens/s.
 
 Both sides get the same model config folder (random init from the same seed), the same data (data/sample, train
 and validation files, packed into blocks of --block_size), the same global batch, peak learning rate, LR warmup,
@@ -65,7 +65,7 @@ from scaletrain.distributed.world import free_port  # noqa: E402
 from scripts.bench.common import DEEPSPEED, bench_model, child_env, steady_rate  # noqa: E402
 
 TINY_VOCAB = 4096  # data/tiny-llama's tokenizer; a larger model vocabulary simply has unused rows
-# Per-measure defaults (issue 13's two targets); any flag typed on the command line overrides them.
+# Per-measure defaults: the jobs the memory and throughput goals are measured on; command-line flags override them.
 SETUPS = {
     "memory": dict(
         ranks=1,

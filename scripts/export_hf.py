@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -30,17 +31,18 @@ from scaletrain.observability.metrics import METRICS_FILE, read_records  # noqa:
 from scaletrain.checkpoint.publish import check_push_target, push_to_hub, write_generation_config, write_model_card  # noqa: E402
 
 
+@dataclass(frozen=True)
+class BaseModel:
+    """The run's model, which a LoRA adapter was trained on: its config, where it came from, its tokenizer."""
+
+    config: object
+    source: str
+    tokenizer: object
+    trust_remote_code: bool
+
+
 def export_lora(
-    ckpt: Path,
-    out: Path,
-    peft_args,
-    model_config,
-    model_source: str,
-    tokenizer,
-    trust: bool,
-    dtype,
-    max_shard_size: str,
-    merge_lora: bool,
+    ckpt: Path, out: Path, peft_args, base: BaseModel, dtype, max_shard_size: str, merge_lora: bool
 ) -> None:
     """A LoRA checkpoint: its adapter (the trainable parameters of the ZeRO shards) as an adapter folder, and with
     --merge_lora the merged model in <out>/merged."""
@@ -49,10 +51,10 @@ def export_lora(
     from scaletrain.model import lora
 
     adapter = get_fp32_state_dict_from_zero_checkpoint(str(ckpt.parent), tag=ckpt.name, exclude_frozen_parameters=True)
-    model = lora.meta_lora_model(model_config, peft_args, model_source, trust)
-    lora.save_adapter(model, {name: tensor.to(dtype) for name, tensor in adapter.items()}, out, tokenizer)
+    model = lora.meta_lora_model(base.config, peft_args, base.source, base.trust_remote_code)
+    lora.save_adapter(model, {name: tensor.to(dtype) for name, tensor in adapter.items()}, out, base.tokenizer)
     if merge_lora:
-        lora.merge_adapter(out, lora.merged_dir(out), tokenizer, trust, dtype, max_shard_size)
+        lora.merge_adapter(out, lora.merged_dir(out), base.tokenizer, base.trust_remote_code, dtype, max_shard_size)
 
 
 def export(ckpt: Path, out: Path, dtype: str, max_shard_size: str, merge_lora: bool = False) -> None:
@@ -88,18 +90,8 @@ def export(ckpt: Path, out: Path, dtype: str, max_shard_size: str, merge_lora: b
     model_config = AutoConfig.from_pretrained(model_source, trust_remote_code=trust)
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_source, trust_remote_code=trust)
     if peft_args is not None:
-        export_lora(
-            ckpt,
-            out,
-            peft_args,
-            model_config,
-            model_source,
-            tokenizer,
-            trust,
-            getattr(torch, dtype),
-            max_shard_size,
-            merge_lora,
-        )
+        base = BaseModel(model_config, model_source, tokenizer, trust)
+        export_lora(ckpt, out, peft_args, base, getattr(torch, dtype), max_shard_size, merge_lora)
     elif read_train_state(ckpt).get("pipeline_parallel_size", 1) > 1:
         export_pipeline_checkpoint(
             ckpt, out, model_config, tokenizer, dtype=getattr(torch, dtype), max_shard_size=max_shard_size

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The prepared GPU check (issue 13, item 8): on one CUDA GPU of the H100/H200 class, about 8 minutes (estimated,
+# The prepared GPU check: on one CUDA GPU of the H100/H200 class, about 8 minutes (estimated,
 # not yet measured), after `pip install -r requirements.txt`. The work is in scripts/gpu_check.py (its docstring
 # lists the runs); this file checks that there is a GPU and hands over.
 #

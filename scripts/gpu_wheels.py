@@ -1,4 +1,4 @@
-"""The wheels to carry to an offline GPU machine for scripts/gpu_check.sh (issue 29): the pinned packages its image
+"""The wheels to carry to an offline GPU machine for scripts/gpu_check.sh: the pinned packages its image
 lacks, for the image's Python, fetched or built here where PyPI is reachable. The image keeps its own torch (never
 reinstalled: it is the CUDA build the machine was made with) and every package it already has.
 

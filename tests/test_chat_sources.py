@@ -164,7 +164,7 @@ def test_only_global_rank_0_streams_the_first_record_of_a_hub_chat_dataset(tmp_p
     """At 512 ranks, one hub request for the first record, not 512: the other ranks take the kind from the features.
     A first record that rank 0 refuses stops them all at the rendezvous (as a mistake on one node does:
     test_agreement.py), so they need not check it themselves."""
-    from scaletrain.distributed.world import DistInfo
+    from scaletrain.parts import DistInfo
     from scaletrain.preflight import resolve_run
 
     cache_hub_dataset(offline, [{"messages": [{"role": "robot", "content": "Hi?"}, *CHAT[1:]]}, {"messages": CHAT}])

@@ -192,7 +192,7 @@ def test_packed_loss_is_each_conversation_alone_on_its_assistant_tokens(attn, mi
     import torch.nn.functional as F
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from scaletrain.train.loop import token_loss_sum
+    from scaletrain.train.losses import token_loss_sum
 
     data, opened = chat_store(tmp_path, tokenizer)
     blocks = blocks_for(opened, "train", BLOCK, data)

@@ -264,17 +264,18 @@ def test_auto_chunk_keeps_a_chunks_fp32_logits_under_256_mib():
 
 
 def test_the_memory_plan_counts_one_chunk_of_logits():
-    from scaletrain.observability.memory_planner import ModelShape
+    from dataclasses import replace
+
+    from scaletrain.observability.memory_planner import ModelShape, PlannedRun
 
     shape = ModelShape(
         n_params=10**9, largest_layer_params=10**8, layers=16, hidden=2048, intermediate=8192, vocab=128_256, kv_heads=8
     )
-    whole, _ = activation_bytes(shape, 4, 4096, "bf16")
-    chunked, _ = activation_bytes(shape, 4, 4096, "bf16", loss_chunk=523)
+    run = PlannedRun(micro_batch=4, block_size=4096, precision="bf16")
+    whole, _ = activation_bytes(shape, run)
+    chunked, _ = activation_bytes(shape, replace(run, loss_chunk=523))
     assert whole - chunked == pytest.approx((4 * 4096 - 523) * 128_256 * 10)
-    assert activation_bytes(shape, 4, 4096, "bf16", tp=2, loss_chunk=523) == activation_bytes(
-        shape, 4, 4096, "bf16", tp=2
-    )
+    assert activation_bytes(shape, replace(run, tp=2, loss_chunk=523)) == activation_bytes(shape, replace(run, tp=2))
 
 
 def test_models_that_change_the_heads_output_keep_the_whole_logits():

@@ -1,5 +1,6 @@
 """Packing keeps every token; the global order is independent of world size; batches split as documented."""
 
+import dataclasses
 import json
 import math
 from pathlib import Path
@@ -14,7 +15,7 @@ from scaletrain.errors import UsageError
 from scaletrain.config.values import parse_dataset_mix
 from scaletrain.config.cli import parse_run_config
 from scaletrain.data.sampling import GlobalOrder, StepBatches
-from scaletrain.data.preparation import prepare_token_store, store_fingerprint
+from scaletrain.data.preparation import DEFAULT_SEED, prepare_token_store, store_fingerprint
 from scaletrain.data.token_store import open_store
 from tests.conftest import REPO
 
@@ -63,8 +64,9 @@ def raw_cfg(tmp_path, *flags):
     ).data
 
 
-def prepare(tmp_path, tokenizer, cfg, name="store", num_proc=1, block_size=16):
-    return prepare_token_store(cfg, tokenizer, str(TINY), block_size, tmp_path / name, num_proc, show_progress=False)
+def prepare(tmp_path, tokenizer, cfg, name="store", num_proc=1, block_size=16, seed=DEFAULT_SEED):
+    cfg = dataclasses.replace(cfg, preprocessing_num_workers=num_proc)
+    return prepare_token_store(cfg, tokenizer, str(TINY), block_size, tmp_path / name, show_progress=False, seed=seed)
 
 
 @pytest.mark.parametrize("fmt", ["jsonl", "csv", "txt", "parquet"])
@@ -447,7 +449,7 @@ def test_held_out_documents_are_drawn_at_random_by_the_seed_and_the_split_is_in_
     cfg = raw_cfg(tmp_path, "--train_file", str(path), "--validation_split_percentage", "10")
 
     def held_out(name, seed):
-        store = prepare_token_store(cfg, tokenizer, str(TINY), 16, tmp_path / name, 1, show_progress=False, seed=seed)
+        store = prepare(tmp_path, tokenizer, cfg, name, seed=seed)
         return _held_out_docs(store, tokenizer)
 
     first, again, other = held_out("a", 7), held_out("b", 7), held_out("c", 8)
@@ -503,7 +505,7 @@ def test_the_held_out_split_is_capped_in_tokens(num_proc, tmp_path, tokenizer, m
         "--validation_split_max_tokens",
         "150",
     )
-    store = prepare_token_store(cfg, tokenizer, str(TINY), 16, tmp_path / "store", num_proc, show_progress=False)
+    store = prepare(tmp_path, tokenizer, cfg, num_proc=num_proc)
     splits = open_store(store)["splits"]
     docs = _held_out_docs(store, tokenizer)
     assert 100 < splits["validation"].n_tokens <= 150  # the cap, not 50% of the corpus (about 3,000 tokens)

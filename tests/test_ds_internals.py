@@ -1,6 +1,6 @@
 """Every DeepSpeed internal scaletrain hooks resolves on the pinned DeepSpeed, and a moved one fails loudly.
 
-The slow tests that prove the hooks still *act* are named in scaletrain/engine/ds_internals/__init__.py's docstring;
+The slow tests that prove the hooks still *act* are named beside each hook in scaletrain/engine/ds_internals/;
 these check, in-process and fast, that each one is found on the installed DeepSpeed (so an upgrade that moves one fails
 here first) and that a missing one raises DeepSpeedInternalsMoved naming it, instead of an AttributeError mid-run.
 """

@@ -6,7 +6,7 @@ import pytest
 
 from scaletrain.errors import UsageError
 from scaletrain.config.cli import parse_run_config
-from scaletrain.config.deepspeed_json import HardwareFacts, load_ds_config, resolve_ds_config
+from scaletrain.config.deepspeed_json import HardwareFacts, ModelSize, load_ds_config, resolve_ds_config
 from tests.conftest import REPO
 
 CPU = HardwareFacts("cpu", bf16_fast=False)
@@ -22,7 +22,7 @@ def cfg_for(tmp_path, *flags):
 
 def resolve(raw, cfg, dp_world_size, hidden_size, hw):
     """The resolver gets the engine and optimisation slices and the flags the user set, as preflight passes them."""
-    return resolve_ds_config(raw, cfg.engine, cfg.optim, cfg.explicit_flags, dp_world_size, hidden_size, hw)
+    return resolve_ds_config(raw, cfg.engine, cfg.optim, cfg.explicit_flags, dp_world_size, hw, ModelSize(hidden_size))
 
 
 def contains_auto(tree) -> bool:

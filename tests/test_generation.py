@@ -12,6 +12,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from scaletrain.config.slices import DEFAULT_MODEL_DIR
 from scaletrain.errors import UsageError
 from scaletrain.observability.eval_prompts import load_eval_prompts
+from scaletrain.parts import ParallelLayout
 from tests.conftest import FAST_FLAGS, check_ok, launch, read_metrics, REPO
 
 
@@ -65,7 +66,7 @@ def test_a_missing_file_and_a_parallel_layout_are_refused(tmp_path, tokenizer):
         load_eval_prompts(str(tmp_path / "nope.jsonl"), tokenizer, 8, 256)
     path = prompts_file(tmp_path, [json.dumps({"prompt": "hi"})])
     with pytest.raises(UsageError, match="tensor, sequence or pipeline parallelism"):
-        load_eval_prompts(path, tokenizer, 8, 256, layout=(1, 1, 2))
+        load_eval_prompts(path, tokenizer, 8, 256, layout=ParallelLayout(pp=2))
 
 
 @pytest.mark.slow

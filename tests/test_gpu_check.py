@@ -1,4 +1,4 @@
-"""scripts/gpu_check.py (issue 13, item 8): its parsing, checks and table, and its CPU mode end to end."""
+"""scripts/gpu_check.py: its parsing, checks and table, and its CPU mode end to end."""
 
 from __future__ import annotations
 
@@ -12,6 +12,10 @@ from pathlib import Path
 import pytest
 
 from scripts import gpu_check as gc
+from scripts import gpu_check_checks as gc_checks
+from scripts import gpu_check_report as gc_report
+from scripts import gpu_check_rows as gc_rows
+from scripts import gpu_check_runs as gc_runs
 from tests.conftest import REPO, subprocess_env
 
 PLAN_OUTPUT = """\
@@ -29,7 +33,7 @@ per node | NVMe per node | fits (no ckpt / ckpt) | config |
 
 
 def test_parse_plan_reads_the_totals_of_zero_1_2_3_without_offload():
-    planned = gc.parse_plan(PLAN_OUTPUT)
+    planned = gc_runs.parse_plan(PLAN_OUTPUT)
     assert planned == {
         (1, False): 38.0,
         (1, True): 21.1,
@@ -38,23 +42,24 @@ def test_parse_plan_reads_the_totals_of_zero_1_2_3_without_offload():
         (3, False): 36.61,
         (3, True): 19.71,
     }
-    assert gc.parse_plan("no table here") == {}
+    assert gc_runs.parse_plan("no table here") == {}
 
 
 def test_loss_check_passes_within_the_tolerance_and_fails_outside_it():
     reference = [10.4, 10.1, 9.7]
-    passed, text = gc.loss_check([10.41, 10.12, 9.69, 9.0], reference)  # extra steps beyond the reference ignored
+    # extra steps beyond the reference ignored
+    passed, text = gc_checks.loss_check([10.41, 10.12, 9.69, 9.0], reference)
     assert passed and "first 3 steps" in text and "<= 0.02" in text
-    passed, text = gc.loss_check([10.4, 10.1, 9.7 * 1.03], reference)  # 3% off at the third step
+    passed, text = gc_checks.loss_check([10.4, 10.1, 9.7 * 1.03], reference)  # 3% off at the third step
     assert not passed and "> 0.02" in text and "3.0e-02" in text
-    assert not gc.loss_check([10.4], reference)[0]  # a run shorter than the reference cannot pass
+    assert not gc_checks.loss_check([10.4], reference)[0]  # a run shorter than the reference cannot pass
 
 
 def test_memory_check_holds_the_peak_against_the_plan_with_a_margin():
-    assert gc.memory_check(40.0, 36.0)[0]  # 11% above: within 25%
-    passed, text = gc.memory_check(50.0, 36.0)
+    assert gc_checks.memory_check(40.0, 36.0)[0]  # 11% above: within 25%
+    passed, text = gc_checks.memory_check(50.0, 36.0)
     assert not passed and "1.39 > 1.25" in text
-    assert gc.memory_check(None, 36.0) == (True, "")  # a CPU run has no GPU peak: no check, no failure
+    assert gc_checks.memory_check(None, 36.0) == (True, "")  # a CPU run has no GPU peak: no check, no failure
 
 
 def test_train_figures_are_steady_medians_and_the_largest_peak():
@@ -62,19 +67,19 @@ def test_train_figures_are_steady_medians_and_the_largest_peak():
         {"step": s, "loss": 10.0 - s, "tokens_per_s": 100.0 * s, "mfu": 0.1 * s, "gpu_peak_gb": 20.0 + s}
         for s in range(1, 7)
     ] + [{"step": 6, "eval_loss": 4.0, "gpu_peak_gb": 30.0}]
-    figures = gc.train_figures(records, warmup=3)
+    figures = gc_runs.train_figures(records, warmup=3)
     assert figures["steps"] == 6 and figures["losses"] == [9.0, 8.0, 7.0, 6.0, 5.0, 4.0]
     assert figures["tokens_per_s"] == 500.0 and figures["mfu"] == pytest.approx(0.5)  # steps 4-6
     assert figures["peak_gb"] == 30.0  # the evaluation's peak counts too
-    assert gc.train_figures(records[:2], warmup=3)["tokens_per_s"] == 150.0  # shorter than the warmup: all steps
+    assert gc_runs.train_figures(records[:2], warmup=3)["tokens_per_s"] == 150.0  # shorter than the warmup: all steps
 
 
 def _rows(**statuses):
-    return {name: gc.Row(name, "x", status=status) for name, status in statuses.items()}
+    return {name: gc_rows.Row(name, "x", status=status) for name, status in statuses.items()}
 
 
 def test_an_off_loss_or_memory_fails_the_check_and_the_exit_code(tmp_path):
-    specs = {s.name: s for s in gc.specs(gc.GPU_SETUP, tmp_path, tmp_path, flash=False, extra=())}
+    specs = {s.name: s for s in gc_rows.specs(gc_rows.GPU_SETUP, tmp_path, tmp_path, flash=False, extra=())}
     rows = _rows(zero1="ok", zero2="ok", zero3="ok", sdpa_ckpt="ok", flash="not installed", hf="skipped")
     reference = [10.4, 10.1, 9.7, 9.3, 9.0]
     for name in ("zero1", "zero2", "zero3"):
@@ -82,29 +87,28 @@ def test_an_off_loss_or_memory_fails_the_check_and_the_exit_code(tmp_path):
         rows[name].peak_gb = 30.0
     rows["zero3"].losses[4] = 9.5  # 5.6% off
     rows["sdpa_ckpt"].peak_gb = 40.0  # twice the plan
-    planned = gc.parse_plan(PLAN_OUTPUT)
-    gc.apply_checks(rows, specs, planned, reference)
+    planned = gc_runs.parse_plan(PLAN_OUTPUT)
+    gc_checks.apply_checks(rows, specs, planned, reference)
     assert [rows[n].status for n in ("zero1", "zero2", "zero3")] == ["ok", "ok", "check failed"]
     assert rows["zero1"].planned_gb == 38.0 and rows["zero3"].planned_gb == 36.61
     assert rows["sdpa_ckpt"].status == "check failed" and rows["sdpa_ckpt"].planned_gb == 21.0
-    assert gc.exit_code(rows) == 1
-    table = gc.render(rows, "## header")
+    assert gc_checks.exit_code(rows) == 1
+    table = gc_report.render(rows, "## header")
     assert "| zero3 | x |" in table and "> 0.02" in table and "| check failed |" in table
     assert table.count("\n|") == len(rows) + 2  # the column row, the rule and one row per run
 
 
 def test_the_exit_code_counts_failures_not_skips():
-    assert (
-        gc.exit_code(_rows(a="ok", b="skipped", c="not installed (flash_attn does not import)", d="needs a GPU")) == 0
-    )
-    assert gc.exit_code(_rows(a="ok", b="FAILED")) == 1
+    skips = _rows(a="ok", b="skipped", c="not installed (flash_attn does not import)", d="needs a GPU")
+    assert gc_checks.exit_code(skips) == 0
+    assert gc_checks.exit_code(_rows(a="ok", b="FAILED")) == 1
 
 
 def test_the_runs_cpu_mode_skips_gpu_rows_and_extra_flags_reach_train_runs_only(tmp_path):
-    cpu = {s.name: s for s in gc.specs(gc.CPU_SETUP, tmp_path, tmp_path, flash=True, extra=("--seed", "7"))}
+    cpu = {s.name: s for s in gc_rows.specs(gc_rows.CPU_SETUP, tmp_path, tmp_path, flash=True, extra=("--seed", "7"))}
     assert [n for n, s in cpu.items() if s.unavailable] == ["ops", "sdpa_compile", "flash", "flash_ckpt", "qlora"]
     assert cpu["zero3"].args[-2:] == ("--seed", "7") and "--seed" not in cpu["plan"].args
-    gpu = {s.name: s for s in gc.specs(gc.GPU_SETUP, tmp_path, tmp_path, flash=False, extra=())}
+    gpu = {s.name: s for s in gc_rows.specs(gc_rows.GPU_SETUP, tmp_path, tmp_path, flash=False, extra=())}
     assert gpu["flash"].unavailable.startswith("not installed") and gpu["sdpa_compile"].unavailable is None
     assert "--bf16" in gpu["zero1"].args and "--bf16" not in gpu["fp32_ref"].args
     reference_config = json.loads((tmp_path / "zero2_fp32.json").read_text())
@@ -113,12 +117,12 @@ def test_the_runs_cpu_mode_skips_gpu_rows_and_extra_flags_reach_train_runs_only(
     qlora = gpu["qlora"].args
     assert qlora[:2] == ("--config", "ds_configs/zero3.json") and "--config_name" not in qlora
     assert {"--use_peft", "--load_in_4bit", "--gradient_checkpointing", "--bf16"} <= set(qlora)
-    assert qlora[qlora.index("--model_name_or_path") + 1] == str(tmp_path / gc.PRETRAINED)
+    assert qlora[qlora.index("--model_name_or_path") + 1] == str(tmp_path / gc_rows.PRETRAINED)
     dpo = gpu["dpo"].args  # preference training of the same saved weights, in bf16, sharded
     assert dpo[:2] == ("--config", "ds_configs/zero3.json") and "--config_name" not in dpo
     assert {"--gradient_checkpointing", "--bf16"} <= set(dpo) and gpu["dpo"].steps == 20
-    assert dpo[dpo.index("--model_name_or_path") + 1] == str(tmp_path / gc.PRETRAINED)
-    assert dpo[dpo.index("--train_file") + 1] == str(tmp_path / gc.PAIRS)
+    assert dpo[dpo.index("--model_name_or_path") + 1] == str(tmp_path / gc_rows.PRETRAINED)
+    assert dpo[dpo.index("--train_file") + 1] == str(tmp_path / gc_rows.PAIRS)
 
 
 def test_the_qlora_dpo_and_long_context_rows_run_only_when_asked_for():
@@ -129,8 +133,8 @@ def test_the_qlora_dpo_and_long_context_rows_run_only_when_asked_for():
 
 
 def test_the_qlora_row_must_use_less_memory_than_full_zero3():
-    assert gc.qlora_memory_check(9.0, 30.0)[0] and not gc.qlora_memory_check(31.0, 30.0)[0]
-    assert gc.qlora_memory_check(None, 30.0) == (True, "")
+    assert gc_checks.qlora_memory_check(9.0, 30.0)[0] and not gc_checks.qlora_memory_check(31.0, 30.0)[0]
+    assert gc_checks.qlora_memory_check(None, 30.0) == (True, "")
 
 
 def test_bad_options_exit_2_before_any_run(tmp_path, capsys):
@@ -203,8 +207,8 @@ def test_cpu_mode_runs_the_plan_a_zero_run_and_the_reference_and_checks_them(tmp
     assert set(result["planned_gb"]) == {"zero1", "zero1_ckpt", "zero2", "zero2_ckpt", "zero3", "zero3_ckpt"}
     zero3 = rows["zero3"]
     assert zero3["planned_gb"] == result["planned_gb"]["zero3"] > 0
-    assert zero3["steps"] == gc.CPU_SETUP.zero_steps and zero3["tokens_per_s"] > 0
-    assert len(result["loss_reference"]) == gc.CPU_SETUP.ref_steps
+    assert zero3["steps"] == gc_rows.CPU_SETUP.zero_steps and zero3["tokens_per_s"] > 0
+    assert len(result["loss_reference"]) == gc_rows.CPU_SETUP.ref_steps
     assert any(c.startswith("loss vs fp32, first 3 steps: max rel. diff") for c in zero3["checks"])
     assert "| zero3 | ZeRO-3, fp32, sdpa" in proc.stdout and "| run | what | steps |" in proc.stdout
     # MFU beside train.py's: attention counted causally, over the matmul rate measured at the start
@@ -212,11 +216,11 @@ def test_cpu_mode_runs_the_plan_a_zero_run_and_the_reference_and_checks_them(tmp
     assert not (tmp_path / "work" / "zero3" / "checkpoints").exists()  # --no-save_at_end: no 14 GB per 1B run
     # the dpo row: preference training from the saved weights, step 1's loss log 2 (policy == reference)
     dpo = rows["dpo"]
-    assert dpo["steps"] == gc.CPU_SETUP.zero_steps and dpo["tokens_per_s"] > 0
+    assert dpo["steps"] == gc_rows.CPU_SETUP.zero_steps and dpo["tokens_per_s"] > 0
     assert dpo["checks"][0].startswith("step-1 loss 0.6931 vs log 2") and dpo["checks"][1].startswith("pairs/s ")
     assert dpo["mfu_causal_measured"] is None  # another token count than the Llama rows'
-    pairs = [json.loads(line) for line in (tmp_path / "work" / gc.PAIRS).read_text().splitlines()]
-    assert len(pairs) == gc.CPU_SETUP.batch * gc.CPU_SETUP.zero_steps
+    pairs = [json.loads(line) for line in (tmp_path / "work" / gc_rows.PAIRS).read_text().splitlines()]
+    assert len(pairs) == gc_rows.CPU_SETUP.batch * gc_rows.CPU_SETUP.zero_steps
     assert all(p["chosen"] != p["rejected"] and p["prompt"] for p in pairs)
 
 
@@ -242,7 +246,7 @@ def test_cpu_mode_exits_non_zero_when_a_run_fails(tmp_path):
     assert "| zero1 |" in proc.stdout and "exit code 1" in proc.stdout
 
 
-# --- the first run on an offline GPU machine (issue 29): packages carried with `pip install --target`, no launcher
+# --- the first run on an offline GPU machine: packages carried with `pip install --target`, no launcher
 # script beside the interpreter, no /usr/bin/time, a row that cannot start --------------------------------------
 
 
@@ -264,7 +268,7 @@ def test_cpu_mode_runs_from_a_target_install_with_no_launcher_beside_the_interpr
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     result = json.loads((tmp_path / "work" / "gpu_check.json").read_text())
     zero2 = next(r for r in result["rows"] if r["run"] == "zero2")
-    assert zero2["status"] == "ok" and zero2["steps"] == gc.CPU_SETUP.zero_steps
+    assert zero2["status"] == "ok" and zero2["steps"] == gc_rows.CPU_SETUP.zero_steps
     assert result["machine"]["deepspeed"] != "missing" and result["machine"]["gpu"] == "none"
     assert "gpu_check: machine: python " in proc.stdout and "free_disk_gb" in proc.stdout
 
@@ -277,9 +281,9 @@ def test_a_row_that_cannot_start_is_failed_and_the_json_is_written_after_each_ro
         if spec.name == "default":
             raise FileNotFoundError(2, "No such file or directory", "deepspeed")
         seen.append(json.loads(json_path.read_text()))  # what a check killed now would leave behind
-        row.status, row.steps, row.losses = gc.OK, 1, [1.0]
+        row.status, row.steps, row.losses = gc_rows.OK, 1, [1.0]
 
-    monkeypatch.setattr(gc, "run_train", run_train)
+    monkeypatch.setattr(gc_runs, "run_train", run_train)
     code = gc.main(
         ["--cpu_test", "--work_dir", str(tmp_path / "w"), "--only", "default,zero1", "--json", str(json_path)]
     )
@@ -343,9 +347,9 @@ def test_mfu_against_the_measured_rate_counts_attention_causally():
     full, causal = flops.per_token(), flops.per_token(causal=True)
     assert full == 6 * 1000 + 12 * 2 * 4 * 8 * 64 and causal == 6 * 1000 + 6 * 2 * 4 * 8 * 64
     assert flops.per_token(recompute=True, causal=True) == 8 * 1000 + 8 * 2 * 4 * 8 * 64
-    rows = {name: gc.Row(name, "") for name in ("zero2", "default", "qlora", "flash")}
+    rows = {name: gc_rows.Row(name, "") for name in ("zero2", "default", "qlora", "flash")}
     rows["zero2"].tokens_per_s = rows["default"].tokens_per_s = rows["qlora"].tokens_per_s = 5000.0
-    gc.add_measured_mfu(rows, causal, peak_tflops=0.5)
+    gc_report.add_measured_mfu(rows, causal, peak_tflops=0.5)
     assert rows["zero2"].mfu_causal_measured == pytest.approx(5000.0 * causal / 0.5e12)
     # the default job's tiny model and QLoRA's frozen base are other FLOPs; a row that did not run has no figure
     assert [rows[n].mfu_causal_measured for n in ("default", "qlora", "flash")] == [None, None, None]

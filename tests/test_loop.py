@@ -1,68 +1,223 @@
-"""The loop's bookkeeping pieces, in-process, and the contract tests/helpers/inject_nonfinite.py relies on.
+"""The trainer's loop and its callbacks, in-process: the order of the events, what a rollback, a hold and a planned
+end do, and the contract tests/helpers/inject_nonfinite.py relies on.
 
-The optimizer step itself runs in the real multi-rank tests (test_nonfinite.py, test_pipeline.py)."""
+The optimizer step itself runs in the real multi-rank tests (test_nonfinite.py, test_pipeline.py); here a stand-in
+runner returns steps as the real one books them (the loop under test, not the engine)."""
 
 from __future__ import annotations
 
 import inspect
 import math
+import re
 import time
 from pathlib import Path
 
 import pytest
 import torch
 
-from scaletrain.train import loop
-from scaletrain.train.loop import LoopSettings, StepResult, StepTimers, _count_step, _logged
-from scaletrain.observability.metrics import PHASES, LogWindow, PhaseClock
+from scaletrain.errors import Preempted
+from scaletrain.observability.metrics import PHASES, PhaseClock
+from scaletrain.train import step as steps
+from scaletrain.train import trainer as trainer_module
+from scaletrain.train.callbacks import Callback, RolledBack, StepOutcome
+from scaletrain.train.log_window import LogWindow
 from scaletrain.train.nonfinite import NonFiniteGuard, NonFinitePolicy
+from scaletrain.train.settings import LoopSettings
 from scaletrain.train.state import TrainState
+from scaletrain.train.step import Agreement, StepResult
+from scaletrain.train.trainer import EngineStep, Trainer, count_step
 from tests.helpers import inject_nonfinite
 
 
-def result(applied=True, forced=None, loss=2.0) -> StepResult:
+def result(applied=True, forced=None, loss=2.0, requests=()) -> StepResult:
     return StepResult(
         loss_sum=torch.tensor(loss * 100),
         targets=100,
         blocks=8,
-        global_loss=loss,
-        preempted=False,
-        interval_due=False,
-        forced=forced,
+        agreed=Agreement(loss, forced, frozenset(requests)),
         applied=applied,
     )
 
 
-def test_a_save_counts_in_the_next_step_and_the_interval_clock_restarts_with_it():
-    timers = StepTimers(torch.device("cpu"), save_interval_minutes=0)
-    assert not timers.save_due()  # 0: no interval saves
-    seconds = timers.timed_save(lambda: time.sleep(0.05))
-    assert seconds >= 0.05 and timers.pending_checkpoint == seconds
-    timers.clock.start()
-    started = time.perf_counter()
-    step_seconds, phases = timers.close_step(started)
-    assert phases["checkpoint"] == seconds and step_seconds >= seconds
-    assert timers.close_step(time.perf_counter())[1]["checkpoint"] == seconds  # counted once, not again
-    timers.clock.start()
-    assert timers.close_step(time.perf_counter())[1]["checkpoint"] == 0.0
-    hourly = StepTimers(torch.device("cpu"), save_interval_minutes=60)
-    assert not hourly.save_due()
-    hourly.last_save -= 3601
-    assert hourly.save_due()
-    hourly.timed_save(lambda: None)
-    assert not hourly.save_due()
+class Engine:
+    """A stand-in for the engine's few calls the loop makes itself."""
+
+    device = torch.device("cpu")
+
+    def train(self) -> None:
+        pass
 
 
-def test_count_step_books_applied_and_skipped_steps_and_passes_on_the_guards_verdict(tmp_path):
+class Runner:
+    """A stand-in step runner: each step's result from a list, after a phase note, as the real step makes one."""
+
+    def __init__(self, results: list):
+        self.results = list(results)
+
+    def step(self, engine, batches, data_step, settings, boundary):
+        boundary.clock.lap("data_wait")
+        boundary.phase("optimizer update")
+        return self.results.pop(0)
+
+
+class Recorder(Callback):
+    def __init__(self, events: list, name: str = "r"):
+        self.events, self.name = events, name
+
+    def pre_train(self):
+        self.events.append((self.name, "pre_train"))
+
+    def on_phase(self, phase, step, long):
+        self.events.append((self.name, "phase", phase, step, long))
+
+    def pre_step(self, step):
+        self.events.append((self.name, "pre_step", step))
+
+    def post_step(self, outcome):
+        self.events.append((self.name, "post_step", outcome.step, outcome.last, sorted(outcome.requests)))
+
+    def on_rollback(self, step):
+        self.events.append((self.name, "rollback", step))
+
+    def on_hold(self, kind, seconds):
+        self.events.append((self.name, "hold", kind))
+
+    def post_train(self):
+        self.events.append((self.name, "post_train"))
+
+
+def settings(max_steps=3, logging_steps=2) -> LoopSettings:
+    return LoopSettings(max_steps=max_steps, logging_steps=logging_steps, gradient_divisor=1)
+
+
+def test_every_callback_hears_each_event_in_the_lists_order_and_the_loop_counts_the_steps():
+    events: list = []
     state = TrainState()
-    assert _count_step(state, result(), None, list) == "ok"
+    runner = Runner([result(), result(applied=False), result(requests=("save",))])
+    trainer = Trainer(Engine(), None, state, settings(), runner, [Recorder(events, "a"), Recorder(events, "b")])
+    trainer.fit()
+    assert (state.step, state.samples_seen, state.tokens_seen, state.skipped_steps) == (3, 24, 200, 1)
+    first_step = [e for e in events if len(e) < 3 or e[2] in (1, "forward/backward", "optimizer update")][:12]
+    assert first_step[:4] == [
+        ("a", "pre_train"),
+        ("b", "pre_train"),
+        ("a", "phase", "forward/backward", 1, True),  # the first step of an attempt: the long allowance
+        ("b", "phase", "forward/backward", 1, True),
+    ]
+    assert [e for e in events if e[1] == "post_step"] == [
+        ("a", "post_step", 1, False, []),
+        ("b", "post_step", 1, False, []),
+        ("a", "post_step", 2, False, []),
+        ("b", "post_step", 2, False, []),
+        ("a", "post_step", 3, True, ["save"]),
+        ("b", "post_step", 3, True, ["save"]),
+    ]
+    assert ("a", "phase", "forward/backward", 2, False) in events
+    assert events[-2:] == [("a", "post_train"), ("b", "post_train")]
+    assert trainer.logged(2) and trainer.logged(3) and not trainer.logged(1)
+
+
+def test_a_rollback_skips_the_rest_of_its_step_and_every_callback_hears_it():
+    events: list = []
+    state = TrainState()
+
+    class RollsBackAtStep2(Callback):
+        done = False
+
+        def post_step(self, outcome):
+            if outcome.step == 2 and not self.done:
+                self.done, state.step = True, 1  # as a checkpoint load would
+                raise RolledBack
+
+    callbacks = [Recorder(events, "a"), RollsBackAtStep2(), Recorder(events, "b")]
+    trainer = Trainer(Engine(), None, state, settings(max_steps=2), Runner([result()] * 3), callbacks)
+    trainer.fit()
+    posts = [e[:3] for e in events if e[1] in ("post_step", "rollback")]
+    assert posts == [
+        ("a", "post_step", 1),
+        ("b", "post_step", 1),
+        ("a", "post_step", 2),  # b never sees step 2: it was undone
+        ("a", "rollback", 1),
+        ("b", "rollback", 1),
+        ("a", "post_step", 2),
+        ("b", "post_step", 2),
+    ]
+
+
+def test_a_planned_end_ends_the_loop_after_its_callbacks_post_train():
+    events: list = []
+
+    class Stops(Callback):
+        def post_step(self, outcome):
+            if "stop" in outcome.requests:
+                raise Preempted(outcome.step)
+
+    runner = Runner([result(), result(requests=("stop",)), result()])
+    trainer = Trainer(Engine(), None, TrainState(), settings(), runner, [Stops(), Recorder(events)])
+    with pytest.raises(Preempted):
+        trainer.fit()
+    assert [e[2] for e in events if e[1] == "post_step"] == [1]
+    assert events[-1] == ("r", "post_train")  # the bar closes, the ledger books, however the loop ended
+
+
+def test_a_saves_time_joins_the_next_steps_and_each_hold_is_heard():
+    events: list = []
+
+    class SavesAfterStep1(Callback):
+        def post_step(self, outcome):
+            if outcome.step == 1:
+                self.trainer.hold("checkpoint", lambda: time.sleep(0.05))
+                self.trainer.hold("evaluation", lambda: time.sleep(0.01))
+            events.append((outcome.step, outcome.held, outcome.seconds, outcome.phases["checkpoint"]))
+
+    trainer = Trainer(Engine(), None, TrainState(), settings(max_steps=3), Runner([result()] * 3), [])
+    trainer.callbacks = (SavesAfterStep1(), Recorder(events))
+    for callback in trainer.callbacks:
+        callback.trainer = trainer
+    trainer.fit()
+    outcomes = [e for e in events if isinstance(e[0], int)]
+    assert outcomes[0][1] == 0.0
+    step2 = outcomes[1]
+    assert step2[1] >= 0.05 and step2[2] >= step2[1] and step2[3] == step2[1]  # the save, not the evaluation
+    assert outcomes[2][1] == 0.0  # counted once
+    assert [e[2] for e in events if e[1] == "hold"] == ["checkpoint", "evaluation"]
+
+
+def test_count_step_books_applied_and_skipped_steps():
+    state = TrainState()
+    count_step(state, result())
     assert (state.step, state.samples_seen, state.tokens_seen, state.skipped_steps) == (1, 8, 100, 0)
-    guard = NonFiniteGuard(NonFinitePolicy("skip", 2, 0.0, False), state, str(tmp_path), is_main=True)
-    bad = result(applied=False, forced="nonfinite_loss", loss=math.nan)
-    assert _count_step(state, bad, guard, lambda: [3, 4]) == "skipped"
+    count_step(state, result(applied=False, forced="nonfinite_loss", loss=math.nan))
     assert (state.step, state.samples_seen, state.tokens_seen, state.skipped_steps) == (2, 16, 100, 1)
-    assert _count_step(state, bad, guard, lambda: [5]) == "rollback"
-    assert (state.step, state.skipped_steps) == (3, 2)
+
+
+def test_the_guard_vetoes_a_nonfinite_loss_and_rolls_back_after_its_streak(tmp_path):
+    state = TrainState()
+    entries = []
+    guard = NonFiniteGuard(
+        NonFinitePolicy("skip", 2, 0.0, False), state, str(tmp_path), is_main=True, rollback=lambda: {"event": "x"}
+    )
+    guard.record = entries.append
+    assert guard.veto_update(math.nan) == "nonfinite_loss" and guard.veto_update(2.0) is None
+
+    class Batches:
+        def sample_ids(self, data_step):
+            return [data_step]
+
+    bad = result(applied=False, forced="nonfinite_loss", loss=math.nan)
+    trainer = Trainer(Engine(), Batches(), state, settings(max_steps=5), Runner([bad, bad]), [guard])
+    with pytest.raises(RolledBack):  # the second skip in a row: back to the checkpoint, its entry in the ledger
+        for _ in range(2):
+            outcome = trainer._step()
+            guard.post_step(outcome)
+    assert [e.get("samples") for e in entries] == [[0], [1], None] and entries[-1] == {"event": "x"}
+
+
+def test_the_loops_module_names_no_side_concern():
+    source = Path(trainer_module.__file__).read_text().lower()
+    names = ("ledger", "goodput", "metrics", "profiler", "watch", "hang", "comm", "preempt", "nonfinite", "guard")
+    named = [name for name in names if re.search(rf"\b{name}", source)]
+    assert not named, named
 
 
 def test_the_inject_spec_reads_rank_steps_and_factors():
@@ -73,37 +228,39 @@ def test_the_inject_spec_reads_rank_steps_and_factors():
 
 
 def test_the_injection_scales_the_loss_only_inside_the_optimizer_step_of_its_data_step(monkeypatch):
-    # The helper patches these two names; the loop must look them up at call time, and the step must take data_step.
-    assert "optimizer_step" in loop.train_loop.__code__.co_names
-    assert "token_loss_sum" in loop._forward_backward.__code__.co_names
-    params = list(inspect.signature(loop.optimizer_step).parameters)
+    # The helper patches these two names; the runner must look them up at call time, and the step take data_step.
+    assert "optimizer_step" in EngineStep.step.__code__.co_names
+    assert "token_loss_sum" in steps._forward_backward.__code__.co_names
+    params = list(inspect.signature(steps.optimizer_step).parameters)
     assert "data_step" in params
 
-    def step_standin(engine, batches, data_step, settings, hooks, timers):
-        return loop.token_loss_sum(engine, batches)
+    def step_standin(engine, batches, data_step, settings, boundary, switch):
+        return steps.token_loss_sum(engine, batches)
 
     assert list(inspect.signature(step_standin).parameters) == params
-    monkeypatch.setattr(loop, "optimizer_step", step_standin)
-    monkeypatch.setattr(loop, "token_loss_sum", lambda engine, batch: torch.tensor(2.0))
+    monkeypatch.setattr(steps, "optimizer_step", step_standin)
+    monkeypatch.setattr(steps, "token_loss_sum", lambda engine, batch: torch.tensor(2.0))
     from scaletrain.distributed import pipeline
 
     # install() wraps the pipeline's step and loss too: put them back after this test
-    monkeypatch.setattr(loop.PipelineStep, "step", loop.PipelineStep.step)
+    monkeypatch.setattr(steps.PipelineStep, "step", steps.PipelineStep.step)
     monkeypatch.setattr(pipeline.TokenLoss, "__call__", pipeline.TokenLoss.__call__)
     inject_nonfinite.install({5: 10.0, 7: math.nan})
-    assert loop.optimizer_step(None, None, 4, None, None, None).item() == 20.0  # data step 5 (1-based)
-    assert loop.optimizer_step(None, None, 5, None, None, None).item() == 2.0
-    assert math.isnan(loop.optimizer_step(None, None, 6, None, None, None).item())
-    assert loop.token_loss_sum(None, None).item() == 2.0  # an evaluation outside the step is untouched
+    runner = EngineStep()
+    assert runner.step(None, None, 4, None, None).item() == 20.0  # data step 5 (1-based)
+    assert runner.step(None, None, 5, None, None).item() == 2.0
+    assert math.isnan(runner.step(None, None, 6, None, None).item())
+    assert steps.token_loss_sum(None, None).item() == 2.0  # an evaluation outside the step is untouched
 
 
 def test_the_loop_holds_no_test_hook():
-    source = Path(loop.__file__).read_text()
-    assert "inject" not in source.replace("inject_nonfinite.py", "").lower()
-    assert "SCALETRAIN_TEST" not in source and "os.environ" not in source
+    for module in (steps, trainer_module):
+        source = Path(module.__file__).read_text()
+        assert "inject" not in source.replace("inject_nonfinite.py", "").lower()
+        assert "SCALETRAIN_TEST" not in source and "os.environ" not in source
 
 
-@pytest.mark.parametrize("module", ["scaletrain.train.preemption", "scaletrain.train.loop"])
+@pytest.mark.parametrize("module", ["scaletrain.train.preemption", "scaletrain.train.step"])
 def test_no_injection_names_remain_in_the_pipeline(module):
     imported = __import__(module, fromlist=["_"])
     assert not hasattr(imported, "injected_loss_factor") and not hasattr(imported, "TEST_INJECT_ENV")
@@ -125,27 +282,10 @@ def test_on_a_gpu_only_logged_steps_synchronise_and_their_phases_are_what_is_rep
     assert len(calls) == 3 and clock.phases["forward"] >= 0.02
     # the window reports the mean over the steps split into phases, not over every step
     window = LogWindow()
-    window.add(torch.tensor(1.0), 10, 1, 0.5, None, None)
-    window.add(torch.tensor(1.0), 10, 1, 0.5, {**dict.fromkeys(PHASES, 0.0), "forward": 0.3}, None)
+    split = {**dict.fromkeys(PHASES, 0.0), "forward": 0.3}
+    for phases in (None, split):
+        window.add(StepOutcome(1, 0, result(), 0.5, phases, held=0.0, last=False), None)
     assert (window.steps, window.phase_steps, window.phases["forward"]) == (2, 1, 0.3)
     cpu = PhaseClock(torch.device("cpu"))
     cpu.start(measured=False)
     assert cpu.measured  # on a CPU every step is split: timing costs nothing there
-
-
-def test_the_logged_steps_are_known_before_they_run():
-    settings = LoopSettings(
-        max_steps=25,
-        logging_steps=10,
-        eval_steps=0,
-        save_steps=0,
-        save_interval_minutes=0,
-        preemption_grace_seconds=60,
-        gradient_divisor=1,
-        show_progress=False,
-    )
-    assert [step for step in range(1, 26) if _logged(step, settings)] == [10, 20, 25]
-    timers = StepTimers(torch.device("cpu"), save_interval_minutes=0)
-    timers.measure_phases = False
-    timers.start_step()
-    assert timers.close_step(time.perf_counter())[1] is not None  # a CPU step is always split

@@ -6,10 +6,12 @@ import json
 import re
 import subprocess
 import sys
+from dataclasses import replace
 
 import pytest
 
 from scaletrain.observability import memory_planner
+from scaletrain.observability.memory_planner import PlannedRun as Run
 from tests.conftest import FAST_FLAGS, REPO, check_ok, launch, subprocess_env
 
 MEMORY_PROBE = REPO / "tests" / "helpers" / "memory_probe.py"
@@ -56,8 +58,8 @@ def test_model_state_formulas_by_stage_and_offload():
     )
     assert memory_planner.model_state_bytes(by_name["ZeRO-2"], split, 2, "fp32", tp=4)[:3] == (1600, 800, 2400)
     # sequence parallelism: each rank holds 1/sp of the tokens, so every per-token term shrinks by sp
-    assert memory_planner.activation_bytes(shape, 2, 16, "bf16", sp=2) == memory_planner.activation_bytes(
-        shape, 1, 16, "bf16"
+    assert memory_planner.activation_bytes(shape, Run(micro_batch=2, block_size=16, sp=2)) == (
+        memory_planner.activation_bytes(shape, Run(micro_batch=1, block_size=16))
     )
     assert [o.name for o in memory_planner.options_for(1, 2)] == [  # sequence parallelism: CPU offload, no NVMe
         o.name for o in memory_planner.OPTIONS if o.offload_optimizer != "nvme"
@@ -82,12 +84,12 @@ def test_model_state_formulas_by_stage_and_offload():
     assert [o.name for o in memory_planner.options_for(1, 1, 2)] == ["ZeRO-1"]
     # the first stage keeps k micro-batches of its layers / k layers in flight: the same as the whole model for
     # one micro-batch, without the logits (the last stage's)
-    one_stage, _ = memory_planner.activation_bytes(staged, 1, 16, "bf16")
-    first_stage, _ = memory_planner.activation_bytes(staged, 1, 16, "bf16", pp=4)
+    one_stage, _ = memory_planner.activation_bytes(staged, Run(block_size=16))
+    first_stage, _ = memory_planner.activation_bytes(staged, Run(block_size=16, pp=4))
     assert first_stage == one_stage - 16 * 50 * 10
     # ZeRO-3's working memory includes its largest layer gathered (weights and gradients)
-    without3, _ = memory_planner.activation_bytes(shape, 1, 16, "bf16", stage=3)
-    without1, _ = memory_planner.activation_bytes(shape, 1, 16, "bf16", stage=1)
+    without3, _ = memory_planner.activation_bytes(shape, Run(block_size=16), stage=3)
+    without1, _ = memory_planner.activation_bytes(shape, Run(block_size=16), stage=1)
     assert without3 - without1 == 2 * 2 * 100
 
 
@@ -100,7 +102,7 @@ def test_recommendation_prefers_the_fastest_option_that_fits_then_checkpointing(
         intermediate=11008,
         vocab=32000,
     )
-    estimates = memory_planner.plan_memory(shape, 8, 1, 1, 2048, "bf16")
+    estimates = memory_planner.plan_memory(shape, Run(gpus_per_node=8, nodes=1, micro_batch=1, block_size=2048))
     est, ckpt = memory_planner.recommend(estimates, 80 * memory_planner.GIB, None)
     assert (est.option.name, ckpt) == ("ZeRO-1", False)
     est, ckpt = memory_planner.recommend(estimates, 24 * memory_planner.GIB, None)
@@ -277,9 +279,12 @@ LLAMA_8B = memory_planner.ModelShape(  # Llama-3.1-8B: hidden 4096, MLP 14336, 3
 
 def test_tiled_mlp_and_offloading_shrink_the_planned_working_memory():
     shape, tokens = LLAMA_8B, 131072
-    base = memory_planner.activation_bytes(shape, 1, tokens, "bf16", stage=3)[1]
-    tiled = memory_planner.activation_bytes(shape, 1, tokens, "bf16", stage=3, tiled_mlp=True)[1]
-    both = memory_planner.activation_bytes(shape, 1, tokens, "bf16", stage=3, tiled_mlp=True, offload=True)[1]
+    run = Run(micro_batch=1, block_size=tokens, precision="bf16")
+    base = memory_planner.activation_bytes(shape, run, stage=3)[1]
+    tiled_run = replace(run, features=memory_planner.MemoryFeatures(tiled_mlp=True))
+    tiled = memory_planner.activation_bytes(shape, tiled_run, stage=3)[1]
+    both_run = replace(run, features=memory_planner.MemoryFeatures(tiled_mlp=True, offload=True))
+    both = memory_planner.activation_bytes(shape, both_run, stage=3)[1]
     # the MLP's 8 f bytes per token leave for one slice of 4096 tokens; the kept inputs drop from 32 layers to 2
     assert base - tiled == pytest.approx((tokens - 4096) * 8 * 14336)
     assert tiled - both == pytest.approx(30 * 2 * tokens * 4096)
@@ -288,17 +293,16 @@ def test_tiled_mlp_and_offloading_shrink_the_planned_working_memory():
 def test_the_plan_counts_the_runs_memory_features():
     """--plan --tiled_mlp --activation_offloading: the table's checkpointed working memory shrinks as
     activation_bytes says, and the offloaded checkpoints show in the host memory per node."""
-    plain = memory_planner.plan_memory(LLAMA_8B, 8, 1, 1, 131072, "bf16", sp=8)
-    features = memory_planner.MemoryFeatures(tiled_mlp=True, offload=True)
-    lean = memory_planner.plan_memory(LLAMA_8B, 8, 1, 1, 131072, "bf16", sp=8, features=features)
+    run = Run(gpus_per_node=8, nodes=1, micro_batch=1, block_size=131072, precision="bf16", sp=8)
+    plain = memory_planner.plan_memory(LLAMA_8B, run)
+    lean_run = replace(run, features=memory_planner.MemoryFeatures(tiled_mlp=True, offload=True))
+    lean = memory_planner.plan_memory(LLAMA_8B, lean_run)
     for before, after in zip(plain, lean, strict=True):
-        expected = memory_planner.activation_bytes(LLAMA_8B, 1, 131072, "bf16", before.option.stage, 1, 8, 1, None,
-                                                   True, True)[1]  # fmt: skip
+        expected = memory_planner.activation_bytes(LLAMA_8B, lean_run, before.option.stage)[1]
         assert after.activations_checkpointed == expected < before.activations_checkpointed
         offloaded = 8 * 32 * 2 * (131072 / 8) * 4096  # 8 GPUs, 32 layers' inputs of 16K tokens each, bf16
         assert after.host_per_node - before.host_per_node == pytest.approx(offloaded)
-    header = memory_planner.render_memory_plan(lean, LLAMA_8B, 8, 1, 80, None, 1, 131072, "bf16", sp=8,
-                                               features=features).splitlines()[0]  # fmt: skip
+    header = memory_planner.render_memory_plan(lean, LLAMA_8B, lean_run, 80, None).splitlines()[0]
     assert header.endswith("micro-batch 1 x 131072 tokens, with tiled MLP and activation offloading, 80 GB per GPU")
 
 
@@ -307,15 +311,19 @@ def test_the_longest_block_is_the_longest_that_fits():
 
     gpu, chunk = 80 * memory_planner.GIB, memory_planner.auto_loss_chunk(LLAMA_8B.vocab)
 
+    def planned(sp: int, tiled: bool, offload: bool, gpus: int = 8) -> Run:
+        features = memory_planner.MemoryFeatures(tiled_mlp=tiled, offload=offload)
+        return Run(gpus_per_node=gpus, nodes=1, precision="bf16", sp=sp, loss_chunk=chunk, features=features)
+
     def longest(sp: int, tiled: bool, offload: bool, host=None, gpus: int = 8) -> tuple:
-        return longest_block(LLAMA_8B, gpus, 1, "bf16", gpu, host, sp, chunk, tiled, offload)
+        return longest_block(LLAMA_8B, planned(sp, tiled, offload, gpus), gpu, host)
 
     lengths = [longest(8, tiled, offload)[0] for _, tiled, offload in FEATURE_SETS]
     assert lengths[0] < lengths[1] < lengths[2]  # each feature makes room
     tokens, host, option = longest(8, True, True)
     assert option.name == "ZeRO-3 + optimizer and parameter offload (CPU)"  # the leanest option SP runs
-    working = memory_planner.activation_bytes(LLAMA_8B, 1, tokens, "bf16", 3, 1, 8, 1, chunk, True, True)[1]
-    more = memory_planner.activation_bytes(LLAMA_8B, 1, tokens + GRAIN, "bf16", 3, 1, 8, 1, chunk, True, True)[1]
+    working = memory_planner.activation_bytes(LLAMA_8B, replace(planned(8, True, True), block_size=tokens), 3)[1]
+    more = memory_planner.activation_bytes(LLAMA_8B, replace(planned(8, True, True), block_size=tokens + GRAIN), 3)[1]
     assert working <= memory_planner.HEADROOM * gpu < more  # the states are offloaded: the working memory decides
     assert host == 32 * tokens / 8 * 4096 * 2  # every layer's input for this GPU's tokens, in bf16
     assert 7.5 < tokens / longest(1, True, True, gpus=1)[0] <= 8.1  # SP 8 holds about 8 times the tokens of one GPU
@@ -399,21 +407,20 @@ def test_plan_recommends_tensor_parallelism_inside_a_node_before_offload(tmp_pat
     config = AutoConfig.from_pretrained(model)
     shape = memory_planner.ModelShape.from_meta_model(meta_model(config, False), config)
     assert shape.kv_heads == 8 and shape.linear_params > 0.98 * shape.n_params
-    tp, pp, est, _ = memory_planner.recommend_layout(shape, 8, 4, 1, 4096, "bf16", 75 * memory_planner.GIB, None)
+    run = Run(gpus_per_node=8, nodes=4, micro_batch=1, block_size=4096, precision="bf16")
+    tp, pp, est, _ = memory_planner.recommend_layout(shape, run, 75 * memory_planner.GIB, None)
     assert (tp, pp, est.option.stage) == (1, 1, 3)
     no_zero3 = [o for o in memory_planner.OPTIONS if o.stage < 3]
     original = memory_planner.OPTIONS
     try:
         memory_planner.OPTIONS = no_zero3
-        tp, pp, est, _ = memory_planner.recommend_layout(shape, 8, 4, 1, 4096, "bf16", 80 * memory_planner.GIB, None)
+        tp, pp, est, _ = memory_planner.recommend_layout(shape, run, 80 * memory_planner.GIB, None)
         # a single key/value head (no TP size splits it) and no ZeRO-3: pipeline stages before offload, the fewest
         # that fit (2 and 4 stages leave ZeRO-1's whole weights and gradients of a stage above 72 GB)
         import dataclasses
 
         single_kv = dataclasses.replace(shape, kv_heads=1)
-        tp_staged, pp_staged, staged, _ = memory_planner.recommend_layout(
-            single_kv, 8, 4, 1, 4096, "bf16", 80 * memory_planner.GIB, None
-        )
+        tp_staged, pp_staged, staged, _ = memory_planner.recommend_layout(single_kv, run, 80 * memory_planner.GIB, None)
     finally:
         memory_planner.OPTIONS = original
     assert tp == 8 and pp == 1 and est.option.offload_optimizer == "none"

@@ -8,7 +8,7 @@ import json
 import pytest
 
 from scaletrain.errors import UsageError
-from scaletrain.observability.metrics import MetricsLogger, _keep_records_up_to, read_records
+from scaletrain.observability.metrics import MetricsLogger, RunIdentity, _keep_records_up_to, read_records
 from tests.conftest import FAST_FLAGS, REPO, check_ok, fill_up, launch, read_metrics, small_tmpfs
 
 RECORDS = [{"step": s, "loss": 5.0 - s / 10} for s in (2, 4, 6)]
@@ -41,7 +41,7 @@ def test_a_full_disk_ends_the_file_for_the_attempt_said_once_and_logging_goes_on
     """A record that cannot be written must not end the run with a traceback (the next save stops it clearly), and
     no record may follow a torn one (that would make the file damaged before its end for the resume)."""
     with small_tmpfs(tmp_path / "disk", "1m") as disk:
-        metrics = MetricsLogger(str(disk), True, (), "full-disk", {})
+        metrics = MetricsLogger(str(disk), True, (), RunIdentity("full-disk", {}))
         metrics.log(RECORDS[0])
         fill_up(disk)
         with caplog.at_level("WARNING", logger="scaletrain.observability.metrics"):

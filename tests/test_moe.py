@@ -23,7 +23,7 @@ from scaletrain.data.blocks import IGNORE_INDEX
 from scaletrain.model.chunked_loss import install_chunked_loss
 from scaletrain.config.slices import ModelArgs, ParallelArgs
 from scaletrain.errors import UsageError
-from scaletrain.train.loop import token_and_router_losses
+from scaletrain.train.losses import token_and_router_losses
 from scaletrain.model.moe import SPARSE_MOE_BLOCKS, expert_count, resolve_router_loss
 from tests.conftest import FAST_FLAGS, REPO, check_ok, launch, read_metrics
 

@@ -636,11 +636,12 @@ def test_torch_compile_trains_as_eager_does_and_a_compile_section_turns_it_on(la
 
 def test_torch_compile_with_a_model_parallel_layout_is_refused():
     from scaletrain.engine.initialize import check_compile, compile_requested
+    from scaletrain.parts import ParallelLayout
 
     assert compile_requested(False, {"compile": {}}) and not compile_requested(False, {})
-    check_compile(True, (1, 1, 1), "x.json")
+    check_compile(True, ParallelLayout(), "x.json")
     from scaletrain.errors import UsageError
 
     with pytest.raises(UsageError, match="with tensor, sequence or pipeline parallelism: not supported here"):
-        check_compile(True, (1, 1, 2), "x.json")
-    check_compile(False, (2, 1, 1), "x.json")
+        check_compile(True, ParallelLayout(pp=2), "x.json")
+    check_compile(False, ParallelLayout(tp=2), "x.json")

@@ -20,7 +20,7 @@ import pytest
 
 from scaletrain.config.slices import ParallelArgs
 from scaletrain.config.cli import parse_run_config
-from scaletrain.distributed.world import DistInfo
+from scaletrain.parts import DistInfo
 from scaletrain.errors import UsageError
 from scaletrain.distributed.layout import apply_layout, check_pipeline_run, resolve_layout
 from scaletrain.distributed.pipeline import check_pipeline_model, hf_parameter_name
@@ -248,8 +248,8 @@ def test_a_nan_on_the_last_stage_skips_every_stages_update(tmp_path, cache_dir):
 
 def test_stages_are_consecutive_data_parallel_replicas():
     dist = DistInfo(rank=5, local_rank=1, world_size=8, launcher="srun")
-    layout = apply_layout(ParallelArgs(pipeline_parallel_size=2), dist)
-    assert (layout.dp_world_size, layout.dp_rank, layout.pp_stage) == (4, 1, 1)  # DeepSpeed: rank = stage x dp + d
+    placed = apply_layout(ParallelArgs(pipeline_parallel_size=2), dist)
+    assert (placed.layout.dp, placed.coords.dp, placed.coords.pp) == (4, 1, 1)  # DeepSpeed: rank = stage x dp + d
     with pytest.raises(UsageError, match="--pipeline_parallel_size 3 does not divide the world size 8"):
         apply_layout(ParallelArgs(pipeline_parallel_size=3), dist)
 

@@ -465,13 +465,15 @@ def test_nodes_with_their_own_stores_agree_to_compute_a_reference_one_of_them_mi
 
 def test_a_resumed_run_without_its_reference_file_stops_naming_it(tmp_path, tokenizer, offline):
     from scaletrain.errors import UsageError
-    from scaletrain.train.reference import attach_reference_logps, reference_file
+    from scaletrain.train.reference import ReferencePass, attach_reference_logps, reference_file
 
     opened, _, _ = prepared(tmp_path, tokenizer, preference_data.explicit_text(tmp_path / "p.jsonl", n=4))
     pairs = pairs_from_store(opened, "train", 1024, "truncate")
     identity = {"model": {"source": "x"}, "precision": "fp32", "block_size": 1024, "truncation": "truncate"}
     with pytest.raises(UsageError) as caught:
-        attach_reference_logps(None, {"train": pairs}, tmp_path / "store", identity, None, 4, fresh=False)
+        attach_reference_logps(
+            None, {"train": pairs}, ReferencePass(tmp_path / "store", identity, 4), None, fresh=False
+        )
     assert str(reference_file(tmp_path / "store", "train", identity)) in caught.value.message
     assert "--resume_from_checkpoint none" in caught.value.hint
 

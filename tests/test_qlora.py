@@ -15,7 +15,7 @@ import torch
 
 from scaletrain.model import qlora
 from scaletrain.config.cli import parse_run_config
-from scaletrain.config.deepspeed_json import HardwareFacts, load_ds_config, resolve_ds_config
+from scaletrain.config.deepspeed_json import HardwareFacts, ModelSize, load_ds_config, resolve_ds_config
 from scaletrain.errors import UsageError
 from tests.conftest import REPO
 from tests.test_bad_input import assert_refused, offline  # noqa: F401 (offline: a fixture, used by name)
@@ -146,7 +146,13 @@ def resolved(base: Path, config: str, *flags: str, hardware: HardwareFacts = H10
         ["--config", str(CONFIGS / config), "--model_name_or_path", str(base), "--use_peft", "--load_in_4bit", *flags]
     )
     ds = resolve_ds_config(
-        load_ds_config(cfg.engine.config), cfg.engine, cfg.optim, cfg.explicit_flags, 1, 128, hardware, 1_000_000
+        load_ds_config(cfg.engine.config),
+        cfg.engine,
+        cfg.optim,
+        cfg.explicit_flags,
+        1,
+        hardware,
+        ModelSize(128, 1_000_000),
     )
     return cfg, ds
 

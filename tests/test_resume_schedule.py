@@ -123,7 +123,7 @@ def test_another_peak_lr_is_refused_unless_allowed(finished, tmp_path, cache_dir
 def _resolved_ds(tmp_path, json_lr, *flags):
     """The flags and the DeepSpeed config resolved from zero2.json with optimizer.params.lr set to `json_lr`."""
     from scaletrain.config.cli import parse_run_config
-    from scaletrain.config.deepspeed_json import HardwareFacts, load_ds_config, resolve_ds_config
+    from scaletrain.config.deepspeed_json import HardwareFacts, ModelSize, load_ds_config, resolve_ds_config
 
     config = json.loads((REPO / "ds_configs" / "zero2.json").read_text())
     config["optimizer"]["params"]["lr"] = json_lr
@@ -136,8 +136,8 @@ def _resolved_ds(tmp_path, json_lr, *flags):
         cfg.optim,
         cfg.explicit_flags,
         1,
-        64,
         HardwareFacts("cpu", bf16_fast=False),
+        ModelSize(64),
     )
 
 
@@ -145,7 +145,8 @@ def test_the_peak_is_the_lr_the_optimizer_got_even_from_the_json(tmp_path):
     """A JSON optimizer.params.lr stands where --learning_rate was not typed: run_config.json then holds the flag's
     default, ds_config.json the peak the run trained with, and that is what a resume compares and names."""
     from scaletrain.errors import UsageError
-    from scaletrain.preflight import _check_peak_lr, peak_lr, read_previous_run_config
+    from scaletrain.checkpoint.resume_point import check_peak_lr
+    from scaletrain.checkpoint.run_folder import read_previous_run_config
 
     run = tmp_path / "previous"
     ckpt = run / "checkpoints" / "step4"
@@ -156,15 +157,15 @@ def test_the_peak_is_the_lr_the_optimizer_got_even_from_the_json(tmp_path):
     assert previous["peak_lr"] == 5e-4 and previous["total_steps"] == 4
 
     cfg, ds = _resolved_ds(tmp_path, 5e-4)  # the same JSON again: the same peak, whatever --learning_rate says
-    assert peak_lr(ds) == 5e-4
-    _check_peak_lr(cfg, ds, previous, ckpt)
+    assert ds.peak_lr == 5e-4
+    check_peak_lr(cfg, ds, previous, ckpt)
     cfg, ds = _resolved_ds(tmp_path, 2e-4)
     with pytest.raises(UsageError) as err:
-        _check_peak_lr(cfg, ds, previous, ckpt)
+        check_peak_lr(cfg, ds, previous, ckpt)
     assert f"optimizer.params.lr in {tmp_path}" in err.value.message and "0.0002" in err.value.message
     assert "0.0005" in err.value.message and "--allow_schedule_change" in err.value.hint
     cfg, ds = _resolved_ds(tmp_path, 2e-4, "--allow_schedule_change")
-    _check_peak_lr(cfg, ds, previous, ckpt)
+    check_peak_lr(cfg, ds, previous, ckpt)
 
     (run / "ds_config.json").unlink()  # an older run folder: the flag's value is all there is
     assert read_previous_run_config(ckpt)["peak_lr"] == 1e-3

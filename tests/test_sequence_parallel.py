@@ -15,7 +15,7 @@ import pytest
 
 from scaletrain.config.slices import ParallelArgs
 from scaletrain.errors import UsageError
-from scaletrain.distributed.world import DistInfo
+from scaletrain.parts import DistInfo
 from scaletrain.distributed.layout import apply_layout, check_model_layout, check_sequence_layout, resolve_layout
 from tests.conftest import REPO, check_ok, launch, read_metrics
 from tests.test_tensor_parallel import (
@@ -204,8 +204,9 @@ def test_sequence_layout_checks():
     ):
         with pytest.raises(UsageError, match=message):
             resolve_layout(ParallelArgs(sequence_parallel_size=2), _resolved(raw), "x.json")
-    ds = _resolved({"zero_optimization": {"stage": 3}})
-    resolve_layout(ParallelArgs(sequence_parallel_size=2), ds, "x.json")
+    ds = resolve_layout(
+        ParallelArgs(sequence_parallel_size=2), _resolved({"zero_optimization": {"stage": 3}}), "x.json"
+    )
     assert ds.config["sequence_parallel_size"] == 2 and "tensor_parallel" not in ds.config
     with pytest.raises(
         UsageError,

@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import pytest
 
-from scaletrain.distributed.world import DistInfo, shm_allreduce_refusal
+from scaletrain.distributed.world import shm_allreduce_refusal
+from scaletrain.parts import DistInfo
 
 
 def _dist(world_size: int, accelerator: str = "cpu") -> DistInfo:

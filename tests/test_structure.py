@@ -1,6 +1,7 @@
 """The code's shape, checked: one wing (subpackage) per concern, each wing's face (its __init__.py) the only way in
-from another wing, no import cycle between modules or between wings (function-level imports included), no module
-over 600 lines, no function over 80, and a config that a mistyped flag can reach without importing numpy or torch."""
+from another wing, no import cycle between modules or between wings (function-level imports included; imports for
+annotations only, under `if TYPE_CHECKING:`, never run and are not edges), no module over 600 lines, no function
+over 80, and a config that a mistyped flag can reach without importing numpy or torch."""
 
 from __future__ import annotations
 
@@ -31,11 +32,24 @@ def wing(module: str) -> str:
     return module.split(".")[0]
 
 
-def imports(tree: ast.AST, known: set) -> set:
-    """(module imported, via a face?) for every scaletrain import in a module, at the top or inside a function.
-    `from scaletrain.data import blocks` names a module; `from scaletrain.data import PackedBlocks` the face."""
-    found = set()
+def type_checking_only(tree: ast.AST) -> set:
+    """The import nodes under `if TYPE_CHECKING:`: annotations only, never run."""
+    guarded = set()
     for node in ast.walk(tree):
+        if isinstance(node, ast.If) and getattr(node.test, "id", getattr(node.test, "attr", "")) == "TYPE_CHECKING":
+            guarded |= {id(inner) for stmt in node.body for inner in ast.walk(stmt)}
+    return guarded
+
+
+def imports(tree: ast.AST, known: set, annotations: bool = False) -> set:
+    """Every scaletrain module a module imports when it runs, at the top or inside a function (`annotations`: those
+    it imports for annotations only, too). `from scaletrain.data import blocks` names a module;
+    `from scaletrain.data import PackedBlocks` the face."""
+    found = set()
+    skipped = set() if annotations else type_checking_only(tree)
+    for node in ast.walk(tree):
+        if id(node) in skipped:
+            continue
         if isinstance(node, ast.Import):
             found |= {a.name.removeprefix("scaletrain.") for a in node.names if a.name.startswith("scaletrain.")}
         elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
@@ -48,9 +62,9 @@ def imports(tree: ast.AST, known: set) -> set:
     return found - {""}
 
 
-def import_graph() -> dict:
+def import_graph(annotations: bool = False) -> dict:
     trees = modules()
-    return {name: imports(tree, set(trees)) - {name} for name, tree in trees.items()}
+    return {name: imports(tree, set(trees), annotations) - {name} for name, tree in trees.items()}
 
 
 def find_cycle(graph: dict):
@@ -108,7 +122,7 @@ def test_another_wing_is_entered_only_through_its_face():
     trees = modules()
     private = sorted(
         f"{name} imports scaletrain.{target}"
-        for name, targets in import_graph().items()
+        for name, targets in import_graph(annotations=True).items()
         for target in targets
         if wing(target) != wing(name) and "." in target
     )
@@ -137,6 +151,21 @@ def test_each_face_exports_exactly_what_other_wings_import_from_it():
         assert exported == used[face], (
             f"{face}/__init__.py: unused {exported - used[face]}, missing {used[face] - exported}"
         )
+
+
+def test_the_scan_tells_annotation_imports_from_those_that_run():
+    tree = ast.parse(
+        "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from scaletrain.data import X\n"
+        "from scaletrain.errors import UsageError\n"
+    )
+    assert imports(tree, {"data", "errors"}) == {"errors"}
+    assert imports(tree, {"data", "errors"}, annotations=True) == {"data", "errors"}
+
+
+def test_the_typed_parts_import_no_wing_when_they_run():
+    """scaletrain/parts.py is the ground floor: every wing may import it, so it imports none of them."""
+    assert import_graph()["parts"] == set()
+    assert {"config", "data", "distributed", "model", "observability"} <= import_graph(annotations=True)["parts"]
 
 
 def test_no_module_in_the_package_is_longer_than_600_lines():

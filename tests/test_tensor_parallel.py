@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from scaletrain.config.slices import ParallelArgs
-from scaletrain.distributed.world import DistInfo
+from scaletrain.parts import DistInfo
 from scaletrain.errors import UsageError
 from scaletrain.distributed.layout import apply_layout, check_model_layout, resolve_layout
 from tests.conftest import LAYOUT_STEPS, REPO, check_ok, launch, layout_flags, read_metrics
@@ -145,8 +145,8 @@ def _tiny_llama_config():
 
 def test_the_world_must_split_into_tensor_parallel_groups():
     dist = DistInfo(rank=5, local_rank=1, world_size=6, launcher="srun")
-    layout = apply_layout(ParallelArgs(tensor_parallel_size=2), dist)
-    assert (layout.dp_world_size, layout.dp_rank, layout.tp_rank) == (3, 2, 1)  # consecutive ranks per TP group
+    placed = apply_layout(ParallelArgs(tensor_parallel_size=2), dist)
+    assert (placed.layout.dp, placed.coords.dp, placed.coords.tp) == (3, 2, 1)  # consecutive ranks per TP group
     with pytest.raises(UsageError, match="--tensor_parallel_size 4 does not divide the world size 6"):
         apply_layout(ParallelArgs(tensor_parallel_size=4), dist)
 
@@ -187,13 +187,13 @@ def test_unsupported_combinations_are_refused_with_the_reason(config, message):
 
 
 def test_the_layout_is_written_into_the_deepspeed_config():
-    ds = _resolved({"zero_optimization": {"stage": 2}})
-    resolve_layout(ParallelArgs(tensor_parallel_size=2), ds, "x.json")
+    given = _resolved({"zero_optimization": {"stage": 2}})
+    ds = resolve_layout(ParallelArgs(tensor_parallel_size=2), given, "x.json")
+    assert "tensor_parallel" not in given.config  # a new value: the one given is left as it was
     assert ds.config["tensor_parallel"] == {"autotp_size": 2, "vocab_parallel_lm_head": False}
     assert ds.sources["tensor_parallel.autotp_size"] == "--tensor_parallel_size"
     untouched = _resolved({"zero_optimization": {"stage": 3}})
-    resolve_layout(ParallelArgs(tensor_parallel_size=1), untouched, "x.json")
-    assert "tensor_parallel" not in untouched.config
+    assert "tensor_parallel" not in resolve_layout(ParallelArgs(tensor_parallel_size=1), untouched, "x.json").config
 
 
 @pytest.mark.slow  # needs the 2-rank TP checkpoint

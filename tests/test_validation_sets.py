@@ -85,9 +85,15 @@ def data_args(tmp_path, *flags):
 def test_store_holds_one_split_per_named_set(tmp_path, files):
     tokenizer = AutoTokenizer.from_pretrained(TINY)
     data = data_args(
-        tmp_path, "--train_file", str(files["train"]), "--validation_file", f"a={files['a']},b={files['b']}"
+        tmp_path,
+        "--train_file",
+        str(files["train"]),
+        "--validation_file",
+        f"a={files['a']},b={files['b']}",
+        "--preprocessing_num_workers",
+        "1",
     )
-    store = prepare_token_store(data, tokenizer, str(TINY), 64, tmp_path / "store", 1, show_progress=False)
+    store = prepare_token_store(data, tokenizer, str(TINY), 64, tmp_path / "store", show_progress=False)
     splits = read_manifest(store)["splits"]
     assert set(splits) == {"train", "validation.a", "validation.b"}
     assert splits["validation.a"]["n_documents"] == lines(files["a"])
@@ -102,8 +108,16 @@ def test_validation_files_beside_a_dataset_name_are_evaluated(tmp_path, files):
     folder.mkdir()
     (folder / "train.jsonl").write_text(files["train"].read_text())
     tokenizer = AutoTokenizer.from_pretrained(TINY)
-    data = data_args(tmp_path, "--dataset_name", str(folder), "--validation_file", str(files["b"]))
-    store = prepare_token_store(data, tokenizer, str(TINY), 64, tmp_path / "store", 1, show_progress=False)
+    data = data_args(
+        tmp_path,
+        "--dataset_name",
+        str(folder),
+        "--validation_file",
+        str(files["b"]),
+        "--preprocessing_num_workers",
+        "1",
+    )
+    store = prepare_token_store(data, tokenizer, str(TINY), 64, tmp_path / "store", show_progress=False)
     manifest = read_manifest(store)
     assert manifest["splits"]["validation"]["n_documents"] == lines(files["b"])
     assert manifest["splits"]["train"]["n_documents"] == lines(files["train"])

@@ -12,33 +12,19 @@ from scaletrain.checkpoint.commit import (
 )
 from scaletrain.checkpoint.export import export_hf_model
 from scaletrain.checkpoint.publish import check_push_target, complete_export, publish_export, reply_end_ids
-from scaletrain.checkpoint.resume import (
-    check_resumable,
-    ensure_universal,
-    load_checkpoint,
-    offload_setting,
-    read_train_state,
-    resolve_resume,
-    saved_zero_stage,
-)
-from scaletrain.checkpoint.async_save import BackgroundWriter
+from scaletrain.checkpoint.resume import ensure_universal, load_checkpoint
+from scaletrain.checkpoint.resume_point import plan_resume, resume_elsewhere
 from scaletrain.checkpoint.rollback import roll_back
-from scaletrain.checkpoint.save import (
-    checkpoint_parameters,
-    planned_checkpoint_bytes,
-    save_checkpoint,
-    background_writer,
-    settle_checkpoint,
-    snapshot_bytes_per_rank,
-    start_checkpoint,
-)
+from scaletrain.checkpoint.run_folder import read_run_config, write_run_folder
+from scaletrain.checkpoint.saver import CommitInFlight, PeriodicSave, Saver
+from scaletrain.checkpoint.save import background_writer
 
 __all__ = [
-    "BackgroundWriter",
+    "CommitInFlight",
+    "PeriodicSave",
+    "Saver",
     "background_writer",
     "check_push_target",
-    "check_resumable",
-    "checkpoint_parameters",
     "clear_previous_run",
     "committed_step",
     "complete_export",
@@ -46,17 +32,12 @@ __all__ = [
     "export_hf_model",
     "load_checkpoint",
     "newest_committed",
-    "offload_setting",
-    "planned_checkpoint_bytes",
     "publish_export",
-    "read_train_state",
     "reply_end_ids",
-    "resolve_resume",
+    "plan_resume",
+    "read_run_config",
+    "resume_elsewhere",
     "roll_back",
-    "save_checkpoint",
-    "settle_checkpoint",
-    "snapshot_bytes_per_rank",
-    "start_checkpoint",
-    "saved_zero_stage",
+    "write_run_folder",
     "verified_resume_checkpoint",
 ]

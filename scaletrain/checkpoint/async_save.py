@@ -32,7 +32,10 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import torch
 
 log = logging.getLogger(__name__)
 
@@ -44,7 +47,7 @@ class TensorRef:
     """A tensor of a snapshot, by reference to the host buffer holding its storage's bytes."""
 
     index: int  # the storage's buffer
-    dtype: Any
+    dtype: torch.dtype
     offset: int
     size: tuple
     stride: tuple

@@ -17,6 +17,7 @@ from scaletrain.checkpoint.save import without_frozen_base
 from scaletrain.distributed import LAYER_MAP
 from scaletrain.errors import UsageError
 from scaletrain.model import check_same_base
+from scaletrain.parts import ParallelLayout
 from scaletrain.train import TrainState
 
 log = logging.getLogger(__name__)
@@ -45,14 +46,6 @@ def resolve_resume(value: str, output_dir: str) -> Path | None:
 
 def read_train_state(ckpt: Path) -> dict:
     return json.loads((ckpt / "train_state.json").read_text())
-
-
-def offload_setting(ds) -> str:
-    """A run's offload devices as its checkpoints record them: "optimizer=<device>,param=<device>"."""
-    zero = ds.config.get("zero_optimization", {})
-    return ",".join(
-        f"{kind}={zero.get(f'offload_{kind}', {}).get('device') or 'none'}" for kind in ("optimizer", "param")
-    )
 
 
 def saved_zero_stage(ckpt: Path, saved: dict) -> int | None:
@@ -108,15 +101,7 @@ def zero_setting_change(ckpt: Path, saved: dict, zero_stage: int, offload: str |
     return None
 
 
-def check_resumable(
-    ckpt: Path,
-    dp_world_size: int,
-    layout: tuple,
-    zero_stage: int,
-    model_facts: dict,
-    pipeline_parallel_size: int = 1,
-    offload: str | None = None,
-) -> bool:
+def check_resumable(ckpt: Path, layout: ParallelLayout, zero_stage: int, offload: str, model_facts: dict) -> bool:
     """Before anything is built: the checkpoint fits this run's model. Returns whether it must be resharded (saved
     with another number of data-parallel ranks or another (tensor, sequence) parallel layout, or under ZeRO settings
     this run's cannot load directly (zero_setting_change), which ZeRO-1/2/3 handle through a universal checkpoint).
@@ -124,25 +109,24 @@ def check_resumable(
     number of ranks, through a universal checkpoint renamed to the model's names."""
     saved = read_train_state(ckpt)
     saved_pp = saved.get("pipeline_parallel_size", 1)
-    if saved_pp != pipeline_parallel_size:
-        _check_pipeline_change(ckpt, saved_pp, pipeline_parallel_size, tuple(layout), zero_stage)
-    if pipeline_parallel_size > 1 and saved.get("world_size") not in (None, 0, dp_world_size):
+    tp_sp = (layout.tp, layout.sp)
+    if saved_pp != layout.pp:
+        _check_pipeline_change(ckpt, saved_pp, layout.pp, tp_sp, zero_stage)
+    if layout.pp > 1 and saved.get("world_size") not in (None, 0, layout.dp):
         raise UsageError(
             f"checkpoint {ckpt} was saved with {saved['world_size']} data-parallel ranks per pipeline stage, this "
-            f"run has {dp_world_size}: a pipeline checkpoint resumes on the same layout only",
-            f"launch {saved['world_size'] * pipeline_parallel_size} ranks",
+            f"run has {layout.dp}: a pipeline checkpoint resumes on the same layout only",
+            f"launch {saved['world_size'] * layout.pp} ranks",
         )
     saved_dp = saved.get("world_size")
     saved_layout = (saved.get("tensor_parallel_size", 1), saved.get("sequence_parallel_size", 1))
-    reshard = (
-        saved_dp not in (None, 0, dp_world_size) or saved_layout != tuple(layout) or saved_pp != pipeline_parallel_size
-    )
+    reshard = saved_dp not in (None, 0, layout.dp) or saved_layout != tp_sp or saved_pp != layout.pp
     if zero_setting_change(ckpt, saved, zero_stage, offload) is not None:
         reshard = True
     if reshard and zero_stage == 0:
         raise UsageError(
             f"checkpoint {ckpt} was saved with {saved_dp} data-parallel ranks x (tensor, sequence) parallel "
-            f"{saved_layout}, this run has {dp_world_size} x {tuple(layout)}",
+            f"{saved_layout}, this run has {layout.dp} x {tp_sp}",
             "resume with the same layout, or use a ZeRO config (stage 1-3 checkpoints are resharded)",
         )
     before = saved.get("model") or {}

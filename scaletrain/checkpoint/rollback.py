@@ -5,33 +5,23 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from pathlib import Path
 
 from scaletrain.checkpoint.commit import newest_committed
 from scaletrain.checkpoint.resume import load_checkpoint
 from scaletrain.errors import NonFiniteStop
+from scaletrain.parts import ResolvedRun
 from scaletrain.train import TrainState
 
 log = logging.getLogger(__name__)
 
 
-def roll_back(
-    engine,
-    state: TrainState,
-    output_dir: str,
-    dist,
-    resharded_from: Path | None,
-    reloaded: Callable[[bool], None],
-    metrics,
-    guard,
-    max_skips: int,
-) -> None:
+def roll_back(engine, state: TrainState, resolved: ResolvedRun, reloaded: Callable[[bool], None]) -> dict:
     """Every rank: load the newest committed checkpoint (chosen by rank 0), keep the data moving forward (the next
-    step trains on the batch after the streak, nothing is replayed), and record the jump. `resharded_from`: the
-    checkpoint this run started from on another rank count (it loads through its universal form); `reloaded(
-    universal)`: what the run redoes after a load (its own LR schedule, weight decay and layout)."""
+    step trains on the batch after the streak, nothing is replayed); the jump's entry for the non-finite ledger.
+    `reloaded(universal)`: what the run redoes after a load (its own LR schedule, weight decay and layout)."""
     from scaletrain.distributed import broadcast_from_main
 
+    output_dir, dist = resolved.cfg.run.output_dir, resolved.dist
     # Chosen once, by rank 0: ranks scanning a shared folder at different moments could load different steps.
     newest = broadcast_from_main(newest_committed(output_dir) if dist.is_main else None)
     if newest is None:
@@ -42,26 +32,25 @@ def roll_back(
             "--save_steps so a rollback has a checkpoint"
         )
     data_step, position, from_step = state.step + state.data_offset, state.samples_seen, state.step
-    universal = resharded_from is not None and newest == resharded_from
+    skips = state.consecutive_skips
+    # The checkpoint this run started from on another layout loads through its universal form.
+    universal = resolved.resume is not None and resolved.resume.reshard and newest == resolved.resume.checkpoint
     load_checkpoint(engine, newest, state, dist.rank, universal=universal)
     reloaded(universal)
     state.data_offset = data_step - state.step  # the next step trains on the batch after the streak
     state.samples_seen = position  # the data position keeps moving forward: nothing is replayed
     state.consecutive_skips = 0
-    metrics.rewind(state.step)
-    guard.record(
-        {
-            "step": from_step,
-            "event": "rollback",
-            "to_checkpoint": newest.name,
-            "to_step": state.step,
-            "data_offset": state.data_offset,
-        }
-    )
     log.warning(
         "rolled back to %s (step %d) after %d skipped updates in a row; training continues with the data after step %d",
         newest,
         state.step,
-        max_skips,
+        skips,
         from_step,
     )
+    return {
+        "step": from_step,
+        "event": "rollback",
+        "to_checkpoint": newest.name,
+        "to_step": state.step,
+        "data_offset": state.data_offset,
+    }

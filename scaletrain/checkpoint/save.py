@@ -29,6 +29,7 @@ from scaletrain.checkpoint.async_save import BackgroundWriter, InFlight
 from scaletrain.distributed import LAYER_MAP
 from scaletrain.errors import CheckpointWriteError
 from scaletrain.train import TrainState
+from scaletrain.parts import DistInfo
 
 log = logging.getLogger(__name__)
 # The first save has no earlier checkpoint to measure: its planned size (planned_checkpoint_bytes) must fit with
@@ -388,16 +389,7 @@ def _relative(checksums: dict, tmp: Path) -> dict:
     return {str(Path(path).relative_to(tmp)): digest for path, digest in checksums.items()}
 
 
-def snapshot_bytes_per_rank(n_params: int, precision: str, zero_stage: int, world_size: int) -> int:
-    """The most one rank copies into host buffers at an asynchronous save: its partition of the fp32 master weights
-    and Adam moments, plus (ZeRO-0/1/2, rank 0) the module's weights in the training dtype."""
-    from scaletrain.observability import OPTIMIZER_BYTES, weight_bytes
-
-    weights = 0 if zero_stage == 3 else n_params * weight_bytes(precision)
-    return n_params * OPTIMIZER_BYTES // max(world_size, 1) + weights
-
-
-def background_writer(n_params: int, precision: str, zero_stage: int, dist) -> BackgroundWriter | None:
+def background_writer(n_params: int, precision: str, zero_stage: int, dist: DistInfo) -> BackgroundWriter | None:
     """--async_save: this rank's writer, unless a host of the run cannot hold the snapshot buffers (then every rank
     saves synchronously, said once per host: the ranks must agree, their saves are collectives). Its process starts
     at the first background save: its start (an interpreter importing torch, a second or two) then runs beside
@@ -407,6 +399,7 @@ def background_writer(n_params: int, precision: str, zero_stage: int, dist) -> B
 
     from scaletrain.checkpoint.async_save import snapshot_refusal
     from scaletrain.distributed import any_rank
+    from scaletrain.observability import snapshot_bytes_per_rank
 
     per_rank = snapshot_bytes_per_rank(n_params, precision, zero_stage, dist.world_size)
     refusal = snapshot_refusal(per_rank, int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("LOCAL_SIZE", 1))))

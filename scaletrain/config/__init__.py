@@ -4,9 +4,11 @@ recipes, the cross-slice checks, and the DeepSpeed JSON resolved from them (its 
 This face re-exports what other parts of scaletrain use; inside the wing, modules import each other by path.
 """
 
-from scaletrain.config.cli import explain_run_config, parse_run_config
+from scaletrain.config.checks import check_rampup
+from scaletrain.config.cli import explain_resolved, parse_run_config
 from scaletrain.config.deepspeed_json import (
     HardwareFacts,
+    ModelSize,
     ResolvedDSConfig,
     bucket_elements,
     load_ds_config,
@@ -31,6 +33,7 @@ __all__ = [
     "LOCAL_DATA_FORMATS",
     "LOSS_TYPES",
     "ModelArgs",
+    "ModelSize",
     "NonFiniteArgs",
     "OptimArgs",
     "ParallelArgs",
@@ -43,10 +46,11 @@ __all__ = [
     "VALIDATION_SPLIT",
     "bucket_elements",
     "check_preference_run",
+    "check_rampup",
     "eval_loss_set",
     "eval_metric_prefix",
     "expand_data_files",
-    "explain_run_config",
+    "explain_resolved",
     "load_ds_config",
     "parse_run_config",
     "resolve_ds_config",

@@ -8,6 +8,7 @@ import dataclasses
 import json
 from pathlib import Path
 
+from scaletrain.config.deepspeed_json import ResolvedDSConfig
 from scaletrain.config.run_config import RunConfig
 from scaletrain.config.slices import PeftArgs
 from scaletrain.errors import UsageError
@@ -96,3 +97,37 @@ def validate_run_config(cfg: RunConfig) -> None:
         getattr(cfg, slice_name).validate()
     _check_peft_run(cfg)
     _check_output_dir(cfg)
+
+
+def check_rampup(rampup: tuple | None, ds: ResolvedDSConfig, dp_world_size: int) -> None:
+    """--rampup_batch_size fits the run's batch: every stage is whole micro-batches on every data-parallel rank, and
+    the ramp ends exactly at the full global batch."""
+    if rampup is None:
+        return
+    start, increment, samples = rampup
+    micro, full = ds.config["train_micro_batch_size_per_gpu"], ds.config["train_batch_size"]
+    unit = micro * dp_world_size
+    flag = f"--rampup_batch_size {start} {increment} {samples}"
+    if start >= full:
+        raise UsageError(
+            f"{flag}: START {start} is not below the global batch {full} (micro batch {micro} x "
+            f"accumulation {full // unit} x data-parallel size {dp_world_size})",
+            "start smaller, or drop the flag",
+        )
+    for name, value in (("START", start), ("INCREMENT", increment)):
+        if value % unit:
+            raise UsageError(
+                f"{flag}: {name} {value} is not a multiple of micro batch {micro} x data-parallel "
+                f"size {dp_world_size} = {unit}",
+                f"use a multiple of {unit}",
+            )
+    if (full - start) % increment:
+        raise UsageError(
+            f"{flag}: INCREMENT {increment} does not divide the ramp from {start} to the global batch {full}",
+            f"choose an INCREMENT that divides {full - start}",
+        )
+    if samples < (full - start) // increment:
+        raise UsageError(
+            f"{flag}: SAMPLES {samples} is fewer than the ramp's {(full - start) // increment} stages",
+            "ramp over more samples",
+        )

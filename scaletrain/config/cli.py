@@ -15,6 +15,7 @@ import difflib
 from collections.abc import Sequence
 
 from scaletrain.config.checks import validate_run_config
+from scaletrain.config.deepspeed_json import ResolvedDSConfig
 from scaletrain.config.recipes import _recipe_flag, load_recipe
 from scaletrain.config.run_config import FLAG_ALIASES, SLICES, RunConfig, _nargs, _value_type, flag_fields
 from scaletrain.errors import UsageError
@@ -124,3 +125,16 @@ def explain_run_config(cfg: RunConfig) -> str:
             source = f"--{f.name}" if source == COMMAND_LINE else source
             lines.append(f"  {f.name} = {getattr(getattr(cfg, slice_name), f.name)!r}  <- {source}")
     return "\n".join(lines)
+
+
+def explain_resolved(cfg: RunConfig, ds: ResolvedDSConfig, block_size: int, n_params: int, dp_world_size: int) -> str:
+    """The resolved run and DeepSpeed configs with the source of every value (--print_config, config_sources.txt)."""
+    return "\n".join(
+        [
+            f"run config (block_size = {block_size}, model {n_params / 1e6:.2f}M parameters):",
+            explain_run_config(cfg),
+            f"DeepSpeed config {cfg.engine.config}, resolved for {dp_world_size} data-parallel rank(s); "
+            f"precision {ds.precision} ({ds.precision_reason}):",
+            ds.explained(),
+        ]
+    )

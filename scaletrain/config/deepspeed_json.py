@@ -8,16 +8,18 @@ config explains itself. Imports no torch: the caller passes in the facts about h
 from __future__ import annotations
 
 import copy
+import dataclasses
 import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 from scaletrain.config.deepspeed_schema import check_ds_keys
 from scaletrain.config.slices import NVME_PATH_ENV, EngineArgs, OptimArgs
 from scaletrain.errors import UsageError
 
+# A value of the DeepSpeed JSON: what json.loads returns.
+JSONValue = dict | list | str | int | float | bool | None
 AUTO = "auto"
 DEFAULT_OPTIMIZER = {
     "type": "AdamW",
@@ -93,6 +95,50 @@ class ResolvedDSConfig:
         device = self.config.get("zero_optimization", {}).get("offload_param", {}).get("device", "none")
         return device not in (None, "none")
 
+    @property
+    def offload_setting(self) -> str:
+        """The offload devices as checkpoints record them: "optimizer=<device>,param=<device>"."""
+        zero = self.config.get("zero_optimization", {})
+        return ",".join(
+            f"{kind}={zero.get(f'offload_{kind}', {}).get('device') or 'none'}" for kind in ("optimizer", "param")
+        )
+
+    @property
+    def micro_batch(self) -> int:
+        return int(self.config["train_micro_batch_size_per_gpu"])
+
+    @property
+    def peak_lr(self) -> float:
+        """The peak LR the optimizer gets: --learning_rate, or an explicit optimizer.params.lr of the JSON."""
+        return float(self.config["optimizer"]["params"]["lr"])
+
+    def with_values(self, values: dict, source: str) -> ResolvedDSConfig:
+        """A copy with each dotted key of `values` set (its parents made where missing), all from `source`."""
+        config, sources = copy.deepcopy(self.config), dict(self.sources)
+        for dotted, value in values.items():
+            *parents, leaf = dotted.split(".")
+            node = config
+            for part in parents:
+                if not isinstance(node.get(part), dict):
+                    node[part] = {}
+                node = node[part]
+            node[leaf] = value
+            sources[dotted] = source
+        return dataclasses.replace(self, config=config, sources=sources)
+
+    def without(self, dotted: str) -> ResolvedDSConfig:
+        """A copy without the dotted key (and its source), where it is set."""
+        config, sources = copy.deepcopy(self.config), dict(self.sources)
+        *parents, leaf = dotted.split(".")
+        node = config
+        for part in parents:
+            node = node.get(part)
+            if not isinstance(node, dict):
+                return self
+        node.pop(leaf, None)
+        sources.pop(dotted, None)
+        return dataclasses.replace(self, config=config, sources=sources)
+
     def explained(self) -> str:
         """The resolved JSON followed by one line per value the pipeline decided."""
         lines = [json.dumps(self.config, indent=2, sort_keys=True), "where the decided values came from:"]
@@ -118,8 +164,8 @@ def load_ds_config(path: str) -> dict:
     return raw
 
 
-def _get(tree: dict, dotted: str) -> Any:
-    node: Any = tree
+def _get(tree: dict, dotted: str) -> JSONValue:
+    node: JSONValue = tree
     for part in dotted.split("."):
         node = node[part]
     return node
@@ -131,7 +177,7 @@ class _Resolver:
         self.path = path
         self.sources: dict = {}
 
-    def fill(self, dotted: str, value: Any, source: str) -> None:
+    def fill(self, dotted: str, value: JSONValue, source: str) -> None:
         """Set `dotted` to value where it is "auto" or absent; an explicit JSON value is kept."""
         *parents, leaf = dotted.split(".")
         node = self.config
@@ -142,7 +188,7 @@ class _Resolver:
         node[leaf] = value
         self.sources[dotted] = source
 
-    def explicit(self, dotted: str) -> Any | None:
+    def explicit(self, dotted: str) -> JSONValue:
         try:
             value = _get(self.config, dotted)
         except (KeyError, TypeError):
@@ -286,7 +332,7 @@ def _resolve_nvme(r: _Resolver, engine: EngineArgs) -> None:
         )
 
 
-def _leftover_autos(tree: Any, prefix: str = "") -> list:
+def _leftover_autos(tree: JSONValue, prefix: str = "") -> list:
     if isinstance(tree, dict):
         return [k for key, v in tree.items() for k in _leftover_autos(v, f"{prefix}{key}.")]
     return [prefix.rstrip(".")] if tree == AUTO else []
@@ -340,21 +386,14 @@ def _resolve_optimizer(r: _Resolver, optim: OptimArgs) -> None:
     r.fill("optimizer.params.weight_decay", optim.weight_decay, "--weight_decay")
 
 
-def _resolve_zero(
-    r: _Resolver,
-    engine: EngineArgs,
-    hw: HardwareFacts,
-    precision: str,
-    hidden_size: int,
-    n_params: int | None,
-    stage_params: int | None,
-) -> None:
+def _resolve_zero(r: _Resolver, engine: EngineArgs, hw: HardwareFacts, precision: str, model: ModelSize) -> None:
     """The ZeRO section: collective bucket sizes, the ZeRO-3 persistence threshold, and NVMe offload."""
     r.config.setdefault("zero_optimization", {"stage": 0})
-    if stage_params:
-        bucket, why = bucket_elements(hw.accelerator, precision, stage_params, "the largest pipeline stage")
+    hidden_size = model.hidden_size
+    if model.stage_params:
+        bucket, why = bucket_elements(hw.accelerator, precision, model.stage_params, "the largest pipeline stage")
     else:
-        bucket, why = bucket_elements(hw.accelerator, precision, n_params)
+        bucket, why = bucket_elements(hw.accelerator, precision, model.n_params)
     for key in ("reduce_bucket_size", "allgather_bucket_size", "stage3_prefetch_bucket_size"):
         r.fill(f"zero_optimization.{key}", bucket, why)
     r.fill(
@@ -376,20 +415,27 @@ def _resolve_cpu_adam(r: _Resolver, hw: HardwareFacts, resolved: ResolvedDSConfi
             r.fill("optimizer.params.fused", True, "cpu: torch's fused AdamW kernel (its default is a Python loop)")
 
 
+@dataclass(frozen=True)
+class ModelSize:
+    """What the ZeRO section is sized by."""
+
+    hidden_size: int
+    n_params: int | None = None
+    stage_params: int | None = None  # the largest pipeline stage's parameters, under pipeline parallelism
+
+
 def resolve_ds_config(
     raw: dict,
     engine: EngineArgs,
     optim: OptimArgs,
     explicit: frozenset,
     dp_world_size: int,
-    hidden_size: int,
     hw: HardwareFacts,
-    n_params: int | None = None,
-    stage_params: int | None = None,
+    model: ModelSize,
 ) -> ResolvedDSConfig:
     """Fill every "auto" of a DeepSpeed JSON from the engine and optimisation flags (`explicit`: the flags the user
-    set, which must agree with an explicit JSON value). `stage_params`: the largest pipeline stage's parameters,
-    under pipeline parallelism. Raises UsageError naming the key when something cannot be decided."""
+    set, which must agree with an explicit JSON value). Raises UsageError naming the key when something cannot be
+    decided."""
     check_ds_keys(raw, engine.config)
     r = _Resolver(raw, engine.config)
     _check_zero_and_offload(r)
@@ -398,7 +444,7 @@ def resolve_ds_config(
     _resolve_batch(r, optim, dp_world_size, engine.config)
     _resolve_optimizer(r, optim)
     precision, reason = _resolve_precision(r, engine, hw)
-    _resolve_zero(r, engine, hw, precision, hidden_size, n_params, stage_params)
+    _resolve_zero(r, engine, hw, precision, model)
 
     resolved = ResolvedDSConfig(r.config, r.sources, precision, reason)
     _resolve_cpu_adam(r, hw, resolved)

@@ -5,29 +5,23 @@ This face re-exports what other parts of scaletrain use; inside the wing, module
 """
 
 from scaletrain.data.blocks import EMPTY_SLOT, EvalBatches, IGNORE_INDEX, PackedBlocks
-from scaletrain.data.chat_store import attach_masks, store_plan
+from scaletrain.data.chat_store import ChatData
 from scaletrain.data.checks import check_block_size, check_data_source
-from scaletrain.data.preparation import ensure_token_store
-from scaletrain.data.sampling import BatchRamp, GlobalOrder, StepBatches
-from scaletrain.data.token_store import open_store, tokenizer_hash
-from scaletrain.data.training_data import describe_data, training_blocks, validation_sets
+from scaletrain.data.sampling import GlobalOrder, StepBatches
+from scaletrain.data.token_store import tokenizer_hash
+from scaletrain.data.training_data import build_training_data, prepare_stores
 
 __all__ = [
-    "BatchRamp",
+    "ChatData",
     "EMPTY_SLOT",
     "EvalBatches",
     "GlobalOrder",
     "IGNORE_INDEX",
     "PackedBlocks",
     "StepBatches",
-    "attach_masks",
+    "build_training_data",
+    "prepare_stores",
     "check_block_size",
     "check_data_source",
-    "describe_data",
-    "ensure_token_store",
-    "open_store",
-    "store_plan",
     "tokenizer_hash",
-    "training_blocks",
-    "validation_sets",
 ]

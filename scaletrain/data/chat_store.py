@@ -510,12 +510,12 @@ def prepare_chat_store(
     return store
 
 
-def store_plan(data: DataArgs, tokenizer, block_size: int, chat: ChatData, show_progress: bool) -> dict:
-    """store_prep.ensure_token_store's arguments for a chat store: its fingerprint, and how to prepare it."""
-    return {
-        "fingerprint": chat_fingerprint(data, tokenizer, block_size, chat),
-        "prepare": lambda store: prepare_chat_store(data, tokenizer, block_size, store, chat, show_progress),
-    }
+def store_plan(data: DataArgs, tokenizer, block_size: int, chat: ChatData, show_progress: bool) -> tuple:
+    """(where a chat store of this data goes, how to prepare it there): preparation.ensure_store's arguments."""
+    from scaletrain.data.preparation import default_store_path
+
+    store = default_store_path(chat_fingerprint(data, tokenizer, block_size, chat))
+    return store, lambda path: prepare_chat_store(data, tokenizer, block_size, path, chat, show_progress)
 
 
 def attach_masks(opened: dict, store: Path) -> dict:

@@ -13,7 +13,7 @@ import shutil
 import time
 from contextlib import contextmanager
 from pathlib import Path
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 from scaletrain.config import DataArgs, OptimArgs
 from scaletrain.errors import PreparerDied, TokenStoreFailed, UsageError
@@ -67,7 +67,7 @@ def default_store_path(fingerprint) -> Path:
 
 
 # A preparation of `store` works in two folders named for its process: the store being written, beside it (see
-# tokenstore.write_store), and the Arrow conversion of local files, in the Hugging Face datasets cache (the disk that
+# token_store.write_store), and the Arrow conversion of local files, in the Hugging Face datasets cache (the disk that
 # conversion always used), under a name derived from the store's path. A preparer killed half-way leaves both.
 def partial_folders(store: Path, pid: str = "*", scratch: bool = True) -> list:
     """[(folder, glob pattern of that folder's names)]: where `store`'s preparations write before it is complete
@@ -128,14 +128,15 @@ def prepare_token_store(
     tokenizer_dir: str,
     block_size: int,
     store: Path,
-    num_proc: int | None,
+    *,
     show_progress: bool = True,
     seed: int = DEFAULT_SEED,
 ) -> Path:
-    """Tokenize the run's raw data into `store`, or reuse the store there when it was made from the same input."""
+    """Tokenize the run's raw data into `store` with --preprocessing_num_workers (default: the CPU count), or reuse
+    the store there when it was made from the same input."""
     fingerprint = store_fingerprint(data, tokenizer, block_size, seed)
     with exclusive_preparation(store):
-        return _prepare(data, tokenizer, tokenizer_dir, fingerprint, store, num_proc, show_progress, seed)
+        return _prepare(data, tokenizer, tokenizer_dir, fingerprint, store, show_progress)
 
 
 def reusable_store(store: Path, fingerprint) -> dict | None:
@@ -160,19 +161,10 @@ def reusable_store(store: Path, fingerprint) -> dict | None:
     return None
 
 
-def _prepare(
-    data: DataArgs,
-    tokenizer,
-    tokenizer_dir: str,
-    fingerprint,
-    store: Path,
-    num_proc: int | None,
-    show_progress: bool,
-    seed: int,
-) -> Path:
+def _prepare(data: DataArgs, tokenizer, tokenizer_dir: str, fingerprint, store: Path, show_progress: bool) -> Path:
     import numpy as np
 
-    from scaletrain.data.token_store import HeldOut, source_sha256, write_store
+    from scaletrain.data.token_store import HeldOut, StoreInput, source_sha256, write_store
 
     manifest = reusable_store(store, fingerprint)
     if manifest is not None:
@@ -192,26 +184,21 @@ def _prepare(
         if not validation and fingerprint.held_out and len(train) > 1:
             # At random, not the corpus's first documents (often one source, or one period, of a concatenated corpus).
             held_out = HeldOut(
-                order=np.random.default_rng(seed).permutation(len(train)),
+                order=np.random.default_rng(fingerprint.held_out["seed"]).permutation(len(train)),
                 documents=max(1, len(train) * data.validation_split_percentage // 100),
                 max_tokens=fingerprint.held_out["max_tokens"],
             )
-        workers = num_proc or os.cpu_count() or 1
+        workers = data.preprocessing_num_workers or os.cpu_count() or 1
         started = time.perf_counter()
         # The content hash, once, here: the lookup (every rank, every start) goes by path, size and modification time.
-        content = source_sha256(files) or None
-        write_store(
-            {"train": train, **validation},
-            tokenizer,
-            tokenizer_dir,
-            fingerprint,
-            store,
-            num_proc=workers,
-            show_progress=show_progress,
-            content_sha256=content,
+        store_input = StoreInput(
+            splits={"train": train, **validation},
+            fingerprint=fingerprint,
             held_out=held_out,
+            content_sha256=source_sha256(files) or None,
             source_revision=revision,
         )
+        write_store(store_input, tokenizer, tokenizer_dir, store, num_proc=workers, show_progress=show_progress)
     finally:
         shutil.rmtree(scratch, ignore_errors=True)  # the Arrow copy of local files: the store is what is kept
     log.info(
@@ -250,22 +237,29 @@ def ensure_token_store(
     local_rank: int,
     show_progress: bool,
     seed: int = DEFAULT_SEED,
-    fingerprint=None,
-    prepare=None,
 ) -> Path:
-    """Raw data given to train.py: local rank 0 of each node prepares the store (under a file lock, so nodes
-    sharing a file system prepare it once); the other ranks wait for its manifest by polling the file system,
-    with no collective and so no timeout however long preparation takes. The wait has two ways out: the failure
-    marker local rank 0 writes when the preparation fails, and a lock it holds while it prepares, which a killed
-    preparer (the out-of-memory killer, a signal) releases: under `srun` no launcher stops the waiting ranks.
-    Another kind of store (chat data: scaletrain/data/chat_store.py) comes with its `fingerprint` and `prepare(store)`.
-    """
+    """The token store of the raw data given to train.py, prepared once (ensure_store)."""
+    fingerprint = store_fingerprint(data, tokenizer, block_size, seed)
+
+    def prepare(store: Path) -> Path:
+        return prepare_token_store(
+            data, tokenizer, tokenizer_dir, block_size, store, show_progress=show_progress, seed=seed
+        )
+
+    return ensure_store(default_store_path(fingerprint), local_rank, prepare)
+
+
+def ensure_store(store: Path, local_rank: int, prepare: Callable[[Path], Path]) -> Path:
+    """Local rank 0 of each node prepares `store` (under a file lock, so nodes sharing a file system prepare it
+    once); the other ranks wait for its manifest by polling the file system, with no collective and so no timeout
+    however long preparation takes. The wait has two ways out: the failure marker local rank 0 writes when the
+    preparation fails, and a lock it holds while it prepares, which a killed preparer (the out-of-memory killer, a
+    signal) releases: under `srun` no launcher stops the waiting ranks."""
     import fcntl
     import socket
 
     from scaletrain.data.token_store import MANIFEST
 
-    store = default_store_path(fingerprint or store_fingerprint(data, tokenizer, block_size, seed))
     store.parent.mkdir(parents=True, exist_ok=True)
     # One marker per node: on a shared file system each node's local rank 0 reports to its own node's ranks.
     failed = store.parent / f"{store.name}.{socket.gethostname()}.failed"
@@ -279,18 +273,7 @@ def ensure_token_store(
             fcntl.flock(lock, fcntl.LOCK_EX)
             failed.unlink(missing_ok=True)
             try:
-                if prepare is not None:
-                    return prepare(store)
-                return prepare_token_store(
-                    data,
-                    tokenizer,
-                    tokenizer_dir,
-                    block_size,
-                    store,
-                    data.preprocessing_num_workers,
-                    show_progress,
-                    seed,
-                )
+                return prepare(store)
             except BaseException as err:
                 # Tell the waiting ranks, which no launcher is bound to kill (srun without --kill-on-bad-exit).
                 kind = "usage" if isinstance(err, UsageError) else "failed"

@@ -25,7 +25,7 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import numpy as np
 
@@ -369,16 +369,7 @@ class WorkerPool:
             conn.close()
 
 
-def _write_split(
-    ds,
-    out: Path,
-    split: str,
-    column: str,
-    batch_size: int,
-    encode,
-    show_progress: bool,
-    max_tokens: int | None = None,
-) -> dict:
+def _write_split(ds, split: str, writing: _Writing, max_tokens: int | None = None) -> dict:
     """Tokenize `ds` into `split`'s files; with max_tokens, only its first documents up to that many tokens (at least
     one document), and the rest is not read."""
     from tqdm.auto import tqdm
@@ -388,16 +379,16 @@ def _write_split(
     full = False
 
     def batches() -> Iterator[list]:
-        for batch in _batches(ds, column, batch_size):
+        for batch in _batches(ds, writing.column, writing.batch_size):
             if full:
                 return
             yield batch
 
     with (
-        tqdm(total=len(ds), desc=f"tokenizing {split}", unit="doc", disable=not show_progress) as bar,
-        open(out / f"{split}.tokens.bin", "wb") as f,
+        tqdm(total=len(ds), desc=f"tokenizing {split}", unit="doc", disable=not writing.show_progress) as bar,
+        open(writing.out / f"{split}.tokens.bin", "wb") as f,
     ):  # the bar ends its line even on an error
-        for flat, lengths in encode(batches()):
+        for flat, lengths in writing.encode(batches()):
             if full:
                 continue  # batches already with the worker processes when the cap was reached
             if max_tokens is not None:
@@ -412,7 +403,7 @@ def _write_split(
             bar.update(len(lengths))
     lengths = np.concatenate(doc_lengths) if doc_lengths else np.zeros(0, np.int64)
     starts = np.concatenate([[0], np.cumsum(lengths)[:-1]]) if len(lengths) else lengths
-    np.save(out / f"{split}.docs.npy", starts.astype(np.int64))
+    np.save(writing.out / f"{split}.docs.npy", starts.astype(np.int64))
     return {"n_tokens": n_tokens, "n_documents": int(len(lengths))}
 
 
@@ -426,19 +417,39 @@ class HeldOut:
     max_tokens: int | None
 
 
-def _write_held_out(
-    documents, held_out: HeldOut, out: Path, column: str, batch_size: int, encode, show_progress: bool
-) -> tuple:
+@dataclass(frozen=True, kw_only=True)
+class StoreInput:
+    """What a store is written from: the loaded splits (by name; with `held_out`, validation is drawn from "train"),
+    the fingerprint they match, and what the manifest records beside it (the source files' SHA-256, the hub
+    dataset's commit)."""
+
+    splits: dict
+    fingerprint: Fingerprint
+    held_out: HeldOut | None = None
+    content_sha256: dict | None = None
+    source_revision: str | None = None
+
+
+@dataclass(frozen=True)
+class _Writing:
+    """How each split is written: into folder `out`, `column`'s texts in batches of `batch_size` through `encode`."""
+
+    out: Path
+    column: str
+    batch_size: int
+    encode: Callable[[Iterator[list]], Iterator[tuple]]
+    show_progress: bool
+
+
+def _write_held_out(documents, held_out: HeldOut, writing: _Writing) -> tuple:
     """(validation's counts, the training split without the held-out documents, in their original order)."""
     # Index mappings in the temporary store (removed with it), never beside the user's own dataset files.
     candidates = documents.select(
-        held_out.order[: held_out.documents], indices_cache_file_name=str(out / "validation.indices.arrow")
+        held_out.order[: held_out.documents], indices_cache_file_name=str(writing.out / "validation.indices.arrow")
     )
-    counts = _write_split(
-        candidates, out, "validation", column, batch_size, encode, show_progress, max_tokens=held_out.max_tokens
-    )
+    counts = _write_split(candidates, "validation", writing, max_tokens=held_out.max_tokens)
     rest = np.sort(held_out.order[counts["n_documents"] :])
-    return counts, documents.select(rest, indices_cache_file_name=str(out / "train.indices.arrow"))
+    return counts, documents.select(rest, indices_cache_file_name=str(writing.out / "train.indices.arrow"))
 
 
 def _save_tokenizer(tokenizer, path: Path) -> None:
@@ -451,25 +462,21 @@ def _save_tokenizer(tokenizer, path: Path) -> None:
 
 
 def write_store(
-    splits: dict,
+    source: StoreInput,
     tokenizer,
     tokenizer_dir: str,
-    fingerprint: Fingerprint,
     store: Path,
     num_proc: int,
     show_progress: bool = True,
     batch_size: int = 1000,
-    content_sha256: dict | None = None,
-    held_out: HeldOut | None = None,
-    source_revision: str | None = None,
 ) -> Path:
-    """Tokenize every split into `store`, atomically: a temporary folder renamed into place when complete. With
-    `held_out`, the validation split is drawn from splits["train"] first."""
+    """Tokenize every split of `source` into `store`, atomically: a temporary folder renamed into place when
+    complete."""
     store = Path(store)
     _require_fast(tokenizer, tokenizer_dir)
     dtype = _dtype_for(len(tokenizer))
     add_special = _adds_special_tokens(tokenizer)
-    tmp = store.parent / f".{store.name}.tmp-{os.getpid()}"  # store_prep.partial_folders: removed if left
+    tmp = store.parent / f".{store.name}.tmp-{os.getpid()}"  # preparation.partial_folders: removed if left
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
     tokenizer_file = tmp / "worker_tokenizer.json"
@@ -481,11 +488,12 @@ def write_store(
         init_args = (str(tokenizer_file), tokenizer.eos_token_id, dtype.str, add_special)
         started = time.perf_counter()
         pool, encode = _start_encoder(num_proc, init_args)
-        counts = _write_splits(splits, held_out, tmp, fingerprint.text_column, batch_size, encode, show_progress)
+        writing = _Writing(tmp, source.fingerprint.text_column, batch_size, encode, show_progress)
+        counts = _write_splits(source.splits, source.held_out, writing)
         tokenizer_file.unlink()
         for mapping in tmp.glob("*.indices.arrow"):
             mapping.unlink()
-        manifest = _manifest(fingerprint, dtype, tokenizer, counts, started, content_sha256, source_revision)
+        manifest = _manifest(source, dtype, tokenizer, counts, started)
         (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
         os.replace(tmp, store)  # onto nothing, or an empty folder (prepare_token_store refuses any other)
         finished = True
@@ -534,46 +542,28 @@ def _start_encoder(num_proc: int, init_args: tuple) -> tuple:
     return None, lambda batches: map(_encode_texts, batches)
 
 
-def _write_splits(
-    splits: dict, held_out: HeldOut | None, out: Path, column: str, batch_size: int, encode, show_progress: bool
-) -> dict:
+def _write_splits(splits: dict, held_out: HeldOut | None, writing: _Writing) -> dict:
     """Every split's counts by name, validation first when it is held out of the training split."""
     counts = {}
     if held_out is not None:
-        counts["validation"], train = _write_held_out(
-            splits["train"], held_out, out, column, batch_size, encode, show_progress
-        )
+        counts["validation"], train = _write_held_out(splits["train"], held_out, writing)
         splits = {"train": train}
-    counts.update(
-        {
-            name: _write_split(ds, out, name, column, batch_size, encode, show_progress)
-            for name, ds in splits.items()
-            if ds is not None
-        }
-    )
+    counts.update({name: _write_split(ds, name, writing) for name, ds in splits.items() if ds is not None})
     return counts
 
 
-def _manifest(
-    fingerprint: Fingerprint,
-    dtype: np.dtype,
-    tokenizer,
-    counts: dict,
-    started: float,
-    content_sha256: dict | None,
-    source_revision: str | None,
-) -> dict:
+def _manifest(source: StoreInput, dtype: np.dtype, tokenizer, counts: dict, started: float) -> dict:
     manifest = {
         "format_version": FORMAT_VERSION,
-        "fingerprint": fingerprint.as_dict(),
+        "fingerprint": source.fingerprint.as_dict(),
         "dtype": dtype.str,
         "eos_id": tokenizer.eos_token_id,
         "pad_id": tokenizer.pad_token_id,
         "splits": counts,
         "prepared_seconds": round(time.perf_counter() - started, 2),
     }
-    if content_sha256 is not None:
-        manifest["source_sha256"] = content_sha256
-    if source_revision is not None:
-        manifest["source_revision"] = source_revision  # the hub dataset's commit the store was made from
+    if source.content_sha256 is not None:
+        manifest["source_sha256"] = source.content_sha256
+    if source.source_revision is not None:
+        manifest["source_revision"] = source.source_revision  # the hub dataset's commit the store was made from
     return manifest

@@ -1,15 +1,20 @@
 """What the loop reads, assembled from opened stores: the training blocks (several stores mixed by weight), the
-fixed evaluation sets, and the one line that says how the data was cut into the global batch."""
+global order and the LR schedule's length, the fixed evaluation sets, and the one line that says how the data was
+cut into the global batch."""
 
 from __future__ import annotations
 
 import logging
+from pathlib import Path
 
 from scaletrain.config import VALIDATION_SPLIT, DataArgs, eval_metric_prefix
 from scaletrain.data.blocks import EvalBatches, MixedBlocks, eval_batches
 from scaletrain.data.packing import PackedExamples, blocks_for, print_samples
 from scaletrain.data.pairs import PreferencePairs, print_pairs
+from scaletrain.data.sampling import BatchRamp, GlobalOrder
+from scaletrain.engine import describe_schedule_change, schedule_for
 from scaletrain.errors import UsageError
+from scaletrain.parts import ResolvedRun, TrainingData
 
 log = logging.getLogger(__name__)
 
@@ -70,3 +75,77 @@ def describe_data(blocks, order, micro: int, accumulation: int, dp_world_size: i
         f"batch {order.global_batch} blocks = {micro} micro x {accumulation} accumulation x {dp_world_size} ranks; "
         f"{order.steps_per_epoch} steps/epoch, {total_steps} steps"
     )
+
+
+def prepare_stores(resolved: ResolvedRun) -> tuple:
+    """The opened token stores: --data_path or --dataset_mix as given, or the raw data prepared once (local rank 0
+    of each node prepares; the others wait on the file system, with a way out if it fails or dies)."""
+    from scaletrain.data.chat_store import attach_masks, store_plan
+    from scaletrain.data.preparation import ensure_store, ensure_token_store
+    from scaletrain.data.token_store import open_store
+
+    cfg, dist = resolved.cfg, resolved.dist
+    paths = [Path(p) for p in cfg.data.store_paths]
+    if not paths and resolved.chat is not None:  # chat data: tokens and a loss mask
+        store, prepare = store_plan(cfg.data, resolved.tokenizer, resolved.block_size, resolved.chat, dist.is_main)
+        paths = [ensure_store(store, dist.local_rank, prepare)]
+    elif not paths:
+        paths = [
+            ensure_token_store(
+                cfg.data,
+                resolved.tokenizer,
+                cfg.model.tokenizer_source,
+                resolved.block_size,
+                dist.local_rank,
+                show_progress=dist.is_main,
+                seed=cfg.optim.seed,
+            )
+        ]
+    stores = tuple(attach_masks(open_store(path), path) for path in paths)  # chat data: each store's masks
+    log.info("token store(s): %s", ", ".join(map(str, paths)))
+    return stores
+
+
+def build_training_data(resolved: ResolvedRun, stores: tuple) -> TrainingData:
+    """Packed blocks from the stores, the global order with this run's batch sizes (an explicit JSON value stands
+    where the flag was not typed) from the resume point on, the LR schedule's length and the evaluation sets."""
+    cfg, ds, layout = resolved.cfg, resolved.ds, resolved.dist.layout
+    data, optim = cfg.data, cfg.optim
+    blocks = training_blocks(list(stores), data, resolved.block_size, optim.seed, resolved.tokenizer)
+    micro, accumulation = ds.micro_batch, ds.config["gradient_accumulation_steps"]
+    resumed = resolved.resume.state if resolved.resume else {}
+    ramp = optim.rampup_batch_size and BatchRamp(*optim.rampup_batch_size, full=micro * accumulation * layout.dp)
+    order = GlobalOrder(
+        len(blocks),
+        micro,
+        accumulation,
+        layout.dp,
+        optim.seed,
+        start_step=resumed.get("step", 0) + resumed.get("data_offset", 0),
+        start_samples=resumed.get("samples_seen", 0),
+        ramp=ramp or None,
+    )
+    total = optim.max_steps if optim.max_steps > 0 else order.total_steps(optim.num_train_epochs)
+    schedule = schedule_for(
+        optim.lr_scheduler_type, total, optim.warmup_steps, optim.warmup_ratio, optim.min_lr_ratio, optim.decay_ratio
+    )
+    previous = resolved.resume and resolved.resume.previous_run_config
+    changed = previous and describe_schedule_change(
+        previous, schedule, ds.peak_lr, resumed.get("step", 0), resumed.get("skipped_steps", 0)
+    )
+    if changed and resolved.dist.is_main:  # every rank computes the same: say it once
+        log.warning(changed)
+    eval_sets = validation_sets(
+        list(stores),
+        data,
+        resolved.block_size,
+        optim.per_device_eval_batch_size,
+        resolved.dist.coords.dp,
+        layout.dp,
+        cfg.logging.max_eval_samples,
+    )
+    log.info(describe_data(blocks, order, micro, accumulation, layout.dp, total))
+    if ramp:
+        stages = ", ".join(f"{s.global_batch} from step {s.start_step}" for s in order.stages)
+        log.info("batch ramp-up: %s", stages)
+    return TrainingData(stores, blocks, eval_sets, order, schedule)

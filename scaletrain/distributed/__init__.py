@@ -9,12 +9,12 @@ from scaletrain.distributed.layout import (
     check_model_layout,
     check_pipeline_layout,
     check_sequence_layout,
-    describe_layout,
     place_ranks,
     resolve_layout,
 )
 from scaletrain.distributed.pipeline import (
     LAYER_MAP,
+    TokenLoss,
     build_pipeline_module,
     hf_state_dict_from_layer_files,
     layer_map,
@@ -23,16 +23,15 @@ from scaletrain.distributed.pipeline import (
 )
 from scaletrain.distributed.sequence_parallel import register_ulysses, sequence_shard
 from scaletrain.distributed.world import (
-    DistInfo,
     all_gather_objects,
     any_rank,
     max_over_ranks,
     barrier,
     broadcast_from_main,
     communication_threads,
+    describe_launch,
     every_rank,
     init_distributed,
-    rank_hosts,
     read_launch_env,
     process_group_timeout,
     teardown_distributed,
@@ -40,8 +39,8 @@ from scaletrain.distributed.world import (
 )
 
 __all__ = [
-    "DistInfo",
     "LAYER_MAP",
+    "TokenLoss",
     "all_gather_objects",
     "any_rank",
     "every_rank",
@@ -53,14 +52,13 @@ __all__ = [
     "check_pipeline_layout",
     "check_sequence_layout",
     "communication_threads",
-    "describe_layout",
+    "describe_launch",
     "hf_state_dict_from_layer_files",
     "init_distributed",
     "layer_map",
     "pipe_micro_batches",
     "place_ranks",
     "preflight_facts",
-    "rank_hosts",
     "read_launch_env",
     "register_ulysses",
     "rename_universal_parameters",

@@ -15,8 +15,8 @@ import sys
 from collections.abc import Sequence
 
 from scaletrain.distributed import world as distributed
-from scaletrain.distributed.world import DistInfo
 from scaletrain.errors import PeerStopped, RanksDisagree, RunEnded
+from scaletrain.parts import DistInfo, ResolvedRun
 
 # Commands that print and exit without a process group: scripts/train.sbatch runs `--print_config` as rank 0 of the
 # job's world, alone, so a rank of such a command has nobody to wait for.
@@ -135,16 +135,15 @@ def _flatten(value, prefix: str = "") -> dict:
     return {prefix.rstrip("."): value}
 
 
-def preflight_facts(resolved) -> dict:
+def preflight_facts(resolved: ResolvedRun) -> dict:
     """What every rank decided in its pre-flight from its own file system and environment."""
     from scaletrain.data import tokenizer_hash
 
-    resume = resolved.resume_from
-    step = (resolved.resume_state or {}).get("step")
+    resume = resolved.resume
     run_configuration = {k: v for k, v in resolved.cfg.to_dict().items() if k != "local_rank"}  # the launcher's
     run_configuration.update({"block_size": resolved.block_size, "deepspeed": resolved.ds.config})
     return {
-        "resume checkpoint": "none (a fresh start)" if resume is None else f"{resume} (step {step})",
+        "resume checkpoint": "none (a fresh start)" if resume is None else f"{resume.checkpoint} (step {resume.step})",
         "tokenizer": f"tokenizer sha256 {tokenizer_hash(resolved.tokenizer)[:16]}",
         "run configuration": run_configuration,
     }

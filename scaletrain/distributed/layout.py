@@ -21,8 +21,8 @@ import dataclasses
 
 from scaletrain.config import ParallelArgs, PlanningArgs, ResolvedDSConfig
 from scaletrain.distributed.pipeline import check_pipeline_model
-from scaletrain.distributed.world import DistInfo
 from scaletrain.errors import UsageError
+from scaletrain.parts import DistInfo, ParallelLayout, ResolvedRun
 
 # The model dimensions a tensor-parallel split divides (Llama-family names; models without them are not checked).
 _SPLIT_DIMENSIONS = (
@@ -59,12 +59,10 @@ def apply_layout(parallel: ParallelArgs, dist: DistInfo) -> DistInfo:
             f"{flag} {size} does not divide the world size {dist.world_size}",
             f"launch a multiple of {size} ranks, or choose a size that divides {dist.world_size}",
         )
-    return dataclasses.replace(
-        dist,
-        tensor_parallel_size=parallel.tensor_parallel_size,
-        sequence_parallel_size=parallel.sequence_parallel_size,
-        pipeline_parallel_size=parallel.pipeline_parallel_size,
+    layout = ParallelLayout.of_world(
+        dist.world_size, parallel.tensor_parallel_size, parallel.sequence_parallel_size, parallel.pipeline_parallel_size
     )
+    return dataclasses.replace(dist, layout=layout)
 
 
 def place_ranks(parallel: ParallelArgs, planning: PlanningArgs, dist: DistInfo) -> DistInfo:
@@ -164,9 +162,9 @@ def check_sequence_layout(parallel: ParallelArgs, block_size: int, attn_implemen
         )
 
 
-def resolve_layout(parallel: ParallelArgs, ds: ResolvedDSConfig, config_path: str) -> None:
-    """Write the layout into the resolved DeepSpeed config (tensor_parallel section), refusing the combinations that
-    are not supported, with the reason."""
+def resolve_layout(parallel: ParallelArgs, ds: ResolvedDSConfig, config_path: str) -> ResolvedDSConfig:
+    """The resolved DeepSpeed config with the layout written into it (its tensor_parallel section and
+    sequence_parallel_size), refusing the combinations that are not supported, with the reason."""
     tp = parallel.tensor_parallel_size
     section = ds.config.get("tensor_parallel")
     section = section if isinstance(section, dict) else {}
@@ -176,10 +174,10 @@ def resolve_layout(parallel: ParallelArgs, ds: ResolvedDSConfig, config_path: st
             f"tensor_parallel.autotp_size {in_json} in {config_path} contradicts --tensor_parallel_size {tp}",
             "remove the key and pass --tensor_parallel_size",
         )
-    _resolve_sequence_layout(parallel, ds, config_path)
-    _resolve_pipeline_layout(parallel, ds, config_path)
+    ds = _resolve_sequence_layout(parallel, ds, config_path)
+    _check_pipeline_config(parallel, ds, config_path)
     if tp == 1:
-        return
+        return ds
     if ds.zero_stage == 3:
         raise UsageError(
             f"--tensor_parallel_size {tp} with ZeRO stage 3 ({config_path}): AutoTP with ZeRO-3 is not "
@@ -197,14 +195,15 @@ def resolve_layout(parallel: ParallelArgs, ds: ResolvedDSConfig, config_path: st
             "logits of the whole vocabulary on every rank",
             "remove the key",
         )
-    ds.config["tensor_parallel"] = {**section, "autotp_size": tp, "vocab_parallel_lm_head": False}
-    ds.sources["tensor_parallel.autotp_size"] = "--tensor_parallel_size"
+    ds = ds.with_values({"tensor_parallel.autotp_size": tp}, "--tensor_parallel_size")
     # With tied embeddings AutoTP would switch to a vocabulary-parallel head by itself (logits of half the
     # vocabulary per rank); the pipeline's token-weighted loss is computed from the whole logits.
-    ds.sources["tensor_parallel.vocab_parallel_lm_head"] = "tensor parallelism: the loss reads whole logits"
+    return ds.with_values(
+        {"tensor_parallel.vocab_parallel_lm_head": False}, "tensor parallelism: the loss reads whole logits"
+    )
 
 
-def _resolve_sequence_layout(parallel: ParallelArgs, ds: ResolvedDSConfig, config_path: str) -> None:
+def _resolve_sequence_layout(parallel: ParallelArgs, ds: ResolvedDSConfig, config_path: str) -> ResolvedDSConfig:
     sp = parallel.sequence_parallel_size
     in_json = ds.config.get("sequence_parallel_size")
     if in_json not in (None, 1, "auto", sp):
@@ -213,7 +212,7 @@ def _resolve_sequence_layout(parallel: ParallelArgs, ds: ResolvedDSConfig, confi
             "remove the key and pass --sequence_parallel_size",
         )
     if sp == 1:
-        return
+        return ds
     if ds.zero_stage == 0:
         raise UsageError(
             f"--sequence_parallel_size {sp} with ZeRO stage 0 ({config_path}): not supported here "
@@ -228,11 +227,10 @@ def _resolve_sequence_layout(parallel: ParallelArgs, ds: ResolvedDSConfig, confi
             "supported here (verified with CPU offload)",
             "use ds_configs/zero3_offload.json (CPU offload) with sequence parallelism",
         )
-    ds.config["sequence_parallel_size"] = sp
-    ds.sources["sequence_parallel_size"] = "--sequence_parallel_size"
+    return ds.with_values({"sequence_parallel_size": sp}, "--sequence_parallel_size")
 
 
-def _resolve_pipeline_layout(parallel: ParallelArgs, ds: ResolvedDSConfig, config_path: str) -> None:
+def _check_pipeline_config(parallel: ParallelArgs, ds: ResolvedDSConfig, config_path: str) -> None:
     pp = parallel.pipeline_parallel_size
     in_json = (ds.config.get("pipeline") or {}).get("stages") if isinstance(ds.config.get("pipeline"), dict) else None
     if in_json not in (None, "auto", pp):
@@ -277,25 +275,8 @@ def check_pipeline_run(
         )
 
 
-def check_pipeline_layout(
-    parallel: ParallelArgs,
-    model_config,
-    attn_implementation: str,
-    block_size: int,
-    isolates_documents: bool,
-    ds: ResolvedDSConfig,
-    config_path: str,
-) -> None:
+def check_pipeline_layout(parallel: ParallelArgs, resolved: ResolvedRun, config_path: str) -> None:
     """Pipeline parallelism: the model maps onto its stages, and the run asks nothing the pipeline path lacks."""
-    check_pipeline_model(parallel.pipeline_parallel_size, model_config, attn_implementation, block_size)
-    check_pipeline_run(parallel, isolates_documents, ds.precision, ds.zero_stage, config_path)
-
-
-def describe_layout(dist: DistInfo) -> str:
-    if dist.pipeline_parallel_size > 1:
-        return f"pipeline parallel {dist.pipeline_parallel_size} x data parallel {dist.dp_world_size}"
-    if dist.sequence_parallel_size > 1:
-        return f"sequence parallel {dist.sequence_parallel_size} x data parallel {dist.dp_world_size}"
-    if dist.tensor_parallel_size == 1:
-        return f"data parallel {dist.dp_world_size}"
-    return f"tensor parallel {dist.tensor_parallel_size} x data parallel {dist.dp_world_size}"
+    pp, ds = parallel.pipeline_parallel_size, resolved.ds
+    check_pipeline_model(pp, resolved.model_config, resolved.attn_implementation, resolved.block_size)
+    check_pipeline_run(parallel, resolved.isolates_documents, ds.precision, ds.zero_stage, config_path)

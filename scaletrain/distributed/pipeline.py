@@ -13,7 +13,7 @@ replicas of one stage are consecutive ranks (inside a node) and the stage-to-sta
 Loss: DeepSpeed's pipe engine calls `loss_fn(logits, labels)` once per micro-batch on the last stage and divides
 its backward by the accumulation steps; `TokenLoss` returns the micro-batch's summed token losses times
 (data-parallel size x accumulation / the global batch's targets), so the gradient is the pipeline's usual mean over
-every real target token of the global batch (scaletrain/train/loop.py).
+every real target token of the global batch (scaletrain/train/step.py).
 """
 
 from __future__ import annotations

@@ -26,6 +26,7 @@ from __future__ import annotations
 import logging
 
 from scaletrain.data import IGNORE_INDEX
+from scaletrain.parts import ResolvedRun
 
 log = logging.getLogger(__name__)
 
@@ -86,14 +87,15 @@ def _keeping_kv_groups(ulysses):
     return attention
 
 
-def register_ulysses(
-    model, sequence_parallel_size: int, micro_batch: int, block_size: int, attention_isolation: bool
-) -> None:
+def register_ulysses(model, resolved: ResolvedRun) -> None:
     """Route the model's attention (SDPA or FlashAttention) through Ulysses (process-wide: transformers' attention
     table), before the first forward. Evaluation bypasses it (disable_in_eval): every rank evaluates whole blocks.
     FlashAttention keeps packed documents apart by itself, from the gathered position ids."""
     from deepspeed.runtime.sequence_parallel.ulysses_sp import UlyssesSPAttentionHF
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    sequence_parallel_size, block_size = resolved.dist.layout.sp, resolved.block_size
+    attention_isolation = resolved.cfg.data.attention_isolation or resolved.chat is not None
 
     backend = model.config._attn_implementation
     if attention_isolation and backend == "sdpa":
@@ -103,7 +105,7 @@ def register_ulysses(
         model_name_or_path=model,
         core_attn_implementation=backend,
         sequence_parallel_size=sequence_parallel_size,
-        micro_batch_size=micro_batch,
+        micro_batch_size=resolved.ds.micro_batch,
         seq_length=block_size,
         seq_length_is_variable=True,
         disable_in_eval=True,

@@ -13,57 +13,11 @@ import glob
 import logging
 import os
 import socket
-from dataclasses import dataclass
 from collections.abc import Mapping
 
+from scaletrain.parts import DistInfo, ResolvedRun
 
-@dataclass(frozen=True)
-class DistInfo:
-    rank: int
-    local_rank: int
-    world_size: int
-    launcher: str  # "torchrun/deepspeed", "srun" or "single"
-    accelerator: str = "cpu"  # DeepSpeed's accelerator name, known after init
-    # The layout: ranks r*m .. r*m+m-1 (m = tp x sp, one of them 1) form model-parallel group r, a tensor-parallel
-    # group (DeepSpeed AutoTP) or a sequence-parallel one (Ulysses), both consecutive ranks, and read the same
-    # batches; the data-parallel size is what remains. Pipeline stages are the other way round (DeepSpeed's
-    # PipeDataParallelTopology): stage s is ranks s*dp .. s*dp+dp-1, so its data-parallel replicas are consecutive.
-    tensor_parallel_size: int = 1
-    sequence_parallel_size: int = 1
-    pipeline_parallel_size: int = 1
-
-    @property
-    def is_main(self) -> bool:
-        return self.rank == 0
-
-    @property
-    def model_parallel_size(self) -> int:
-        return self.tensor_parallel_size * self.sequence_parallel_size * self.pipeline_parallel_size
-
-    @property
-    def dp_world_size(self) -> int:
-        """Data-parallel replicas: what the global batch, the data split and the loss normalisation count."""
-        return self.world_size // self.model_parallel_size
-
-    @property
-    def dp_rank(self) -> int:
-        """This rank's data-parallel replica: which slice of each global batch it reads."""
-        if self.pipeline_parallel_size > 1:
-            return self.rank % self.dp_world_size
-        return self.rank // self.model_parallel_size
-
-    @property
-    def pp_stage(self) -> int:
-        return self.rank // self.dp_world_size if self.pipeline_parallel_size > 1 else 0
-
-    @property
-    def tp_rank(self) -> int:
-        return self.rank % self.tensor_parallel_size
-
-    @property
-    def sp_rank(self) -> int:
-        """Which 1/sp of each block's tokens this rank holds."""
-        return self.rank % self.sequence_parallel_size
+log = logging.getLogger(__name__)
 
 
 def read_launch_env(environ: Mapping[str, str] | None = None) -> DistInfo:
@@ -207,7 +161,6 @@ def use_shm_allreduce(dist: DistInfo):
 
     if dist.accelerator != "cpu" or dist.world_size == 1:
         return None
-    log = logging.getLogger(__name__)
     router = ShmAllReduce(dist.world_size, SHM_MIN_BYTES)
     facts = all_gather_objects((os.environ.get("LOCAL_SIZE"), sorted(os.sched_getaffinity(0)), router.usable))
     cores = len(set().union(*(set(affinity) for _, affinity, _ in facts)))
@@ -248,7 +201,7 @@ def share_cpu_cores() -> None:
     threads = cpu_threads_per_rank(os.environ, len(os.sched_getaffinity(0)))
     if threads is not None and threads != torch.get_num_threads():
         torch.set_num_threads(threads)
-        logging.getLogger(__name__).info(
+        log.info(
             "cpu: %d intra-op thread(s) per rank (this node's cores shared among its ranks; OMP_NUM_THREADS overrides)",
             threads,
         )
@@ -395,3 +348,36 @@ def remove_shm_buffer(rank: int) -> None:
             os.unlink(path)
         except OSError:
             pass
+
+
+def _ranges(ranks: list) -> str:
+    return (
+        f"{ranks[0]}-{ranks[-1]}"
+        if len(ranks) > 1 and ranks[-1] - ranks[0] == len(ranks) - 1
+        else ",".join(map(str, ranks))
+    )
+
+
+def describe_launch(resolved: ResolvedRun) -> None:
+    """The first lines of a run's log: where the ranks landed and the layout, then what each of them runs with."""
+    dist = resolved.dist
+    hosts = rank_hosts()
+    placement = ", ".join(
+        f"{host} (ranks {_ranges([r for r, h in enumerate(hosts) if h == host])})" for host in dict.fromkeys(hosts)
+    )
+    log.info(
+        "launch: %s, world size %d on %d host(s): %s; layout: %s",
+        dist.launcher,
+        dist.world_size,
+        len(set(hosts)),
+        placement,
+        dist.layout.describe(),
+    )
+    log.info("precision: %s (%s)", resolved.ds.precision, resolved.ds.precision_reason)
+    named = resolved.cfg.model.attn_implementation is not None
+    log.info(
+        "attention: %s (%s)",
+        resolved.attn_implementation,
+        "--attn_implementation" if named else f"transformers' choice for {resolved.model_config.model_type}",
+    )
+    log.info("resolved DeepSpeed config (%s):\n%s", resolved.cfg.engine.config, resolved.ds.explained())

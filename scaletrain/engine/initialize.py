@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 
 from scaletrain.errors import UsageError
+from scaletrain.parts import ParallelLayout
 from scaletrain.engine.schedules import LRSchedule
 
 log = logging.getLogger(__name__)
@@ -24,7 +25,11 @@ def parameter_groups(model, weight_decay: float) -> list:
     ]
 
 
-def build_engine(model, ds_config: dict, weight_decay: float, schedule: LRSchedule, tensor_parallel_size: int = 1):
+def build_engine(model, ds_config: dict, weight_decay: float, schedule: LRSchedule, layout: ParallelLayout):
+    """deepspeed.initialize with the run's parameter groups and LR schedule; AutoTP's groups first under tensor
+    parallelism. DeepSpeed gets a copy of the config: the run's stays as resolved."""
+    import copy
+
     import deepspeed
     from deepspeed.accelerator import get_accelerator
     from torch.optim.lr_scheduler import LambdaLR
@@ -34,14 +39,14 @@ def build_engine(model, ds_config: dict, weight_decay: float, schedule: LRSchedu
     # The optimizer's compiled ops, built or loaded under our lock (a stale torch build lock cannot hang us).
     ops.load_ops(ops.engine_ops(ds_config, get_accelerator().device_name()))
     mpu = None
-    if tensor_parallel_size > 1:  # AutoTP shards the model inside initialize (tensor_parallel.autotp_size)
+    if layout.tp > 1:  # AutoTP shards the model inside initialize (tensor_parallel.autotp_size)
         from scaletrain.engine.ds_internals import tensor_parallel_mpu
 
-        mpu = tensor_parallel_mpu(tensor_parallel_size)
+        mpu = tensor_parallel_mpu(layout.tp)
     engine, _, _, _ = deepspeed.initialize(
         model=model,
         model_parameters=parameter_groups(model, weight_decay),
-        config=ds_config,
+        config=copy.deepcopy(ds_config),
         lr_scheduler=lambda optimizer: LambdaLR(optimizer, schedule.multiplier),
         mpu=mpu,
     )
@@ -68,10 +73,10 @@ def compile_requested(torch_compile: bool, ds_config: dict) -> bool:
     return torch_compile or "compile" in ds_config
 
 
-def check_compile(requested: bool, layout: tuple, config_path: str) -> None:
+def check_compile(requested: bool, layout: ParallelLayout, config_path: str) -> None:
     """torch.compile with a model-parallel layout is refused (untested: Ulysses' all-to-alls, AutoTP's sharded
     linears and the pipeline's stage modules)."""
-    if requested and any(size > 1 for size in layout):
+    if requested and layout.model_parallel > 1:
         raise UsageError(
             f'--torch_compile (or a "compile" section in {config_path}) with tensor, sequence or '
             "pipeline parallelism: not supported here (untested)",

@@ -17,10 +17,11 @@ from scaletrain.model.lora import (
     meta_lora_model,
     save_adapter,
 )
-from scaletrain.model.moe import mark_leaf_modules
+from scaletrain.model.moe import RouterLoss, mark_leaf_modules
 from scaletrain.model.qlora import build_qlora_model
 
 __all__ = [
+    "RouterLoss",
     "apply_lora",
     "base_identity",
     "build_model",

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import logging
-from typing import Any
 
 from scaletrain.config import ModelArgs
 from scaletrain.errors import UsageError
@@ -68,8 +67,9 @@ def load_tokenizer(args: ModelArgs):
     return tokenizer
 
 
-def build_model(args: ModelArgs, model_config, ds_config: dict, zero_stage: int, pipeline: bool = False) -> tuple:
-    """Return (model, keepalive). Under ZeRO-3 each parameter is partitioned as it is created.
+def build_model(args: ModelArgs, model_config, ds_config: dict, pipeline: bool = False) -> tuple:
+    """Return (model, keepalive). Under ZeRO-3 (the stage of `ds_config`) each parameter is partitioned as it is
+    created.
 
     transformers builds the model inside `deepspeed.zero.Init` while an `HfDeepSpeedConfig` is alive, both for
     `from_pretrained` (weights are loaded shard by shard into the partitions) and `from_config`. The returned
@@ -84,7 +84,8 @@ def build_model(args: ModelArgs, model_config, ds_config: dict, zero_stage: int,
 
     from scaletrain.model.stage_weights import stage_weights_model
 
-    keepalive: Any = HfDeepSpeedConfig(ds_config) if zero_stage == 3 else None
+    zero3 = ds_config.get("zero_optimization", {}).get("stage", 0) == 3
+    keepalive = HfDeepSpeedConfig(ds_config) if zero3 else None
     staged = stage_weights_model(args, model_config) if pipeline else None
     if staged is not None:
         model = staged
@@ -112,7 +113,7 @@ def build_model(args: ModelArgs, model_config, ds_config: dict, zero_stage: int,
         args.model_source,
         n_params / 1e6,
         ", built sharded (ZeRO-3)"
-        if zero_stage == 3
+        if zero3
         else ", on the meta device (each pipeline stage reads its own weights)"
         if staged is not None
         else "",

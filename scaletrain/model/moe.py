@@ -22,11 +22,14 @@ from __future__ import annotations
 import inspect
 import logging
 from dataclasses import dataclass
-from typing import Any
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 from scaletrain.config import ModelArgs, ParallelArgs
 from scaletrain.errors import UsageError
+
+if TYPE_CHECKING:
+    import torch
 
 log = logging.getLogger(__name__)
 
@@ -61,7 +64,7 @@ class RouterLoss:
     coef: float
     num_experts: int
     top_k: int
-    balancing_loss: Callable[..., Any]  # transformers' load_balancing_loss_func of the model's own module
+    balancing_loss: Callable[..., torch.Tensor]  # transformers' load_balancing_loss_func of the model's own module
 
     def aux_loss(self, router_logits: tuple, labels):
         """The micro-batch's load-balancing loss (a 0-dim fp32 tensor): router statistics over its real tokens.

@@ -21,13 +21,16 @@ from __future__ import annotations
 import importlib.metadata
 import importlib.util
 import logging
-from typing import Any
+from typing import TYPE_CHECKING
 
 from packaging.version import Version
 
 from scaletrain.config import HardwareFacts, ModelArgs, ResolvedDSConfig, RunConfig
 from scaletrain.errors import UsageError
 from scaletrain.model.build import install_memory_features
+
+if TYPE_CHECKING:
+    import torch
 
 log = logging.getLogger(__name__)
 
@@ -102,7 +105,7 @@ def quantization_settings(precision: str, bf16_fast: bool) -> dict:
     }
 
 
-def model_kwargs(model_args: ModelArgs, precision: str, bf16_fast: bool, device: Any) -> dict:
+def model_kwargs(model_args: ModelArgs, precision: str, bf16_fast: bool, device: torch.device | None) -> dict:
     """from_pretrained's arguments for the 4-bit base: the quantization, the weights' dtype equal to the storage
     (every other weight then arrives in the run's dtype too), and the whole base on this rank's device (without a
     device map, transformers would pick the current CUDA device; naming it keeps rank and GPU paired)."""
@@ -120,7 +123,11 @@ def model_kwargs(model_args: ModelArgs, precision: str, bf16_fast: bool, device:
 
 
 def build_qlora_model(
-    model_args: ModelArgs, model_config, ds: ResolvedDSConfig, device: Any = None, bf16_fast: bool | None = None
+    model_args: ModelArgs,
+    model_config,
+    ds: ResolvedDSConfig,
+    device: torch.device | None = None,
+    bf16_fast: bool | None = None,
 ) -> tuple:
     """(model, keepalive) as model.build_model returns them: the pretrained base in 4 bits, prepared for training by
     peft (every base weight frozen; activation checkpointing, non-reentrant, with --gradient_checkpointing). `device`
@@ -136,7 +143,7 @@ def build_qlora_model(
         bf16_fast = torch.cuda.is_bf16_supported()
     # Alive under ZeRO-3 as for any run (generation's synced_gpus reads it); transformers skips zero.Init for a
     # quantized model, so this base is loaded whole and partitioned by deepspeed.initialize.
-    keepalive: Any = HfDeepSpeedConfig(ds.config) if ds.zero_stage == 3 else None
+    keepalive = HfDeepSpeedConfig(ds.config) if ds.zero_stage == 3 else None
     kwargs = model_kwargs(model_args, ds.precision, bf16_fast, device)
     model = AutoModelForCausalLM.from_pretrained(model_args.model_name_or_path, config=model_config, **kwargs)
     model = prepare_model_for_kbit_training(

@@ -5,55 +5,54 @@ This face re-exports what other parts of scaletrain use; inside the wing, module
 """
 
 from scaletrain.observability.comms_log import CommLog, comms_summary
-from scaletrain.observability.eval_prompts import generate_samples, load_eval_prompts
+from scaletrain.observability.eval_prompts import EvalPrompts, generate_samples, load_eval_prompts
 from scaletrain.observability.goodput import GoodputLedger
 from scaletrain.observability.host_memory import HostMemoryPhase
 from scaletrain.observability.flops import ModelFlops, model_flops, throughput_model
-from scaletrain.observability.long_context_plan import render_longest_blocks
 from scaletrain.observability.memory_planner import (
-    MemoryFeatures,
     ModelShape,
     OPTIMIZER_BYTES,
     auto_loss_chunk,
-    plan_memory,
-    render_memory_plan,
+    snapshot_bytes_per_rank,
     weight_bytes,
 )
+from scaletrain.observability.plan_report import print_memory_plan
 from scaletrain.observability.metrics import (
-    LogWindow,
     METRICS_FILE,
     MetricsLogger,
+    PHASES,
     PhaseClock,
-    StepProfiler,
+    RunIdentity,
     ThroughputModel,
     describe_dry_run,
+    memory_stats,
     read_records,
 )
 
 __all__ = [
     "CommLog",
+    "EvalPrompts",
     "GoodputLedger",
     "HostMemoryPhase",
     "comms_summary",
     "describe_dry_run",
-    "LogWindow",
     "METRICS_FILE",
     "MetricsLogger",
+    "PHASES",
+    "RunIdentity",
+    "memory_stats",
     "ModelFlops",
-    "MemoryFeatures",
     "ModelShape",
     "OPTIMIZER_BYTES",
     "PhaseClock",
-    "StepProfiler",
     "ThroughputModel",
     "auto_loss_chunk",
     "generate_samples",
     "load_eval_prompts",
     "model_flops",
     "throughput_model",
-    "plan_memory",
+    "print_memory_plan",
     "read_records",
-    "render_longest_blocks",
-    "render_memory_plan",
+    "snapshot_bytes_per_rank",
     "weight_bytes",
 ]

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from scaletrain.errors import UsageError
+from scaletrain.parts import ParallelLayout
 
 log = logging.getLogger(__name__)
 
@@ -30,15 +31,13 @@ class EvalPrompts:
 
 
 def load_eval_prompts(
-    path: str | None, tokenizer, max_new_tokens: int, max_positions: int | None, layout: tuple = (1, 1, 1)
+    path: str | None, tokenizer, max_new_tokens: int, max_positions: int | None, layout: ParallelLayout | None = None
 ) -> EvalPrompts | None:
-    """Read and tokenize --eval_prompts (UsageError naming the file and line on a mistake); None without it.
-    `layout`: (tensor, sequence, pipeline) parallel sizes."""
+    """Read and tokenize --eval_prompts (UsageError naming the file and line on a mistake); None without it."""
     if not path:
         return None
     flag = f"--eval_prompts {path}"
-    tp, sp, pp = layout
-    if pp > 1 or sp > 1 or tp > 1:
+    if layout is not None and layout.model_parallel > 1:
         raise UsageError(
             f"{flag}: generation is not supported with tensor, sequence or pipeline parallelism",
             "drop --eval_prompts, or evaluate the exported model with generate() after the run",

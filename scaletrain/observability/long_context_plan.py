@@ -1,21 +1,19 @@
-"""--plan's longest block: how many tokens one block can hold on the planned GPUs, with the long-context features.
-
-For each set of features (activation checkpointing; + --tiled_mlp; + --activation_offloading) and for sequence
-parallelism 1 and over every planned GPU (Ulysses, where the model's heads allow it), the longest block whose
-working memory (memory_planner.activation_bytes, micro-batch 1) fits beside the model states of the leanest option
-the layout runs (ZeRO-3 with CPU offload where it may: the states then take the least GPU memory) in 90% of a GPU.
-Offloaded checkpoints take host memory instead: L x 2 x tokens per GPU x hidden x bytes, shown beside the length.
-
-Attention is counted without a [T, T] term (FlashAttention or memory-efficient SDPA), the loss in chunks
-(--loss_chunk_size auto). The figure is an estimate of the same kind as the plan's working memory.
-"""
+"""--plan's longest block: for each set of long-context features, at sequence parallelism 1 and at the largest degree
+Ulysses accepts on the planned GPUs, the longest block of micro-batch 1 whose working memory
+(memory_planner.activation_bytes) fits in 90% of a GPU beside the model states of the leanest option that layout runs,
+and, given the host memory, whose offloaded states and checkpoints fit in 90% of it. An estimate of the same kind as
+the plan's working memory (docs/parallelism.md#memory-planner)."""
 
 from __future__ import annotations
+
+from dataclasses import replace
 
 from scaletrain.observability.memory_planner import (
     GIB,
     HEADROOM,
+    MemoryFeatures,
     ModelShape,
+    PlannedRun,
     activation_bytes,
     model_state_bytes,
     offloaded_checkpoint_bytes,
@@ -38,33 +36,25 @@ def sequence_degrees(shape: ModelShape, ranks: int) -> list:
     return [1, *fitting[-1:]]
 
 
-def longest_block(
-    shape: ModelShape,
-    gpus_per_node: int,
-    nodes: int,
-    precision: str,
-    gpu_bytes: float,
-    host_bytes: float | None,
-    sp: int,
-    loss_chunk: int | None,
-    tiled_mlp: bool,
-    offload: bool,
-) -> tuple:
-    """(tokens of the longest block, host bytes per GPU its offloaded checkpoints take, the option planned). With
-    `host_bytes` (per node) the offloaded states and checkpoints of a node's GPUs must fit in 90% of it too."""
-    ranks = gpus_per_node * nodes
+def longest_block(shape: ModelShape, run: PlannedRun, gpu_bytes: float, host_bytes: float | None) -> tuple:
+    """(tokens of the longest block, host bytes per GPU its offloaded checkpoints take, the option planned) for
+    `run`'s GPUs, precision, sequence parallelism, loss chunk and features, at micro-batch 1 without tensor or pipeline
+    parallelism. With `host_bytes` (per node) the offloaded states and checkpoints of a node's GPUs must fit in 90% of
+    it too."""
+    run = replace(run, micro_batch=1, tp=1, pp=1)
+    sp, precision, offload = run.sp, run.precision, run.features.offload
     option = min(
         options_for(1, sp),
-        key=lambda o: (o.offload_optimizer == "nvme", sum(model_state_bytes(o, shape, ranks, precision)[:3])),
+        key=lambda o: (o.offload_optimizer == "nvme", sum(model_state_bytes(o, shape, run.ranks, precision)[:3])),
     )
-    params, grads, optimizer, host_states, _ = model_state_bytes(option, shape, ranks, precision)
+    params, grads, optimizer, host_states, _ = model_state_bytes(option, shape, run.ranks, precision)
 
     def offloaded(tokens: int) -> float:  # a GPU's checkpointed inputs in host memory
         return offloaded_checkpoint_bytes(shape, tokens / sp, precision) if offload else 0
 
     def fits(tokens: int) -> bool:
-        working = activation_bytes(shape, 1, tokens, precision, option.stage, 1, sp, 1, loss_chunk, tiled_mlp, offload)
-        on_host = (host_states + offloaded(tokens)) * gpus_per_node
+        working = activation_bytes(shape, replace(run, block_size=tokens), option.stage)
+        on_host = (host_states + offloaded(tokens)) * run.gpus_per_node
         return params + grads + optimizer + working[1] <= HEADROOM * gpu_bytes and (
             host_bytes is None or on_host <= HEADROOM * host_bytes
         )
@@ -78,17 +68,9 @@ def longest_block(
     return low, offloaded(low), option
 
 
-def render_longest_blocks(
-    shape: ModelShape,
-    gpus_per_node: int,
-    nodes: int,
-    precision: str,
-    gpu_bytes: float,
-    host_bytes: float | None,
-    loss_chunk: int | None,
-) -> list:
-    """The plan's lines for the longest block per feature set and sequence-parallel degree."""
-    degrees = sequence_degrees(shape, gpus_per_node * nodes)
+def render_longest_blocks(shape: ModelShape, run: PlannedRun, gpu_bytes: float, host_bytes: float | None) -> list:
+    """The plan's lines for the longest block per feature set and sequence-parallel degree over `run`'s GPUs."""
+    degrees = sequence_degrees(shape, run.ranks)
     lines = [
         "longest block (micro-batch 1, activation checkpointing, the leanest ZeRO option of each layout"
         + (", within the host memory" if host_bytes else "")
@@ -100,9 +82,8 @@ def render_longest_blocks(
     for name, tiled, offload in FEATURE_SETS:
         cells = []
         for sp in degrees:
-            tokens, host, option = longest_block(
-                shape, gpus_per_node, nodes, precision, gpu_bytes, host_bytes, sp, loss_chunk, tiled, offload
-            )
+            features = MemoryFeatures(tiled_mlp=tiled, offload=offload)
+            tokens, host, option = longest_block(shape, replace(run, sp=sp, features=features), gpu_bytes, host_bytes)
             option_names.add(option.name)
             cells.append(f"{tokens // GRAIN}K tokens" + (f" (host {host / GIB:.0f} GB)" if offload else ""))
         lines.append(f"| {name} | " + " | ".join(cells) + " |")

@@ -1,54 +1,11 @@
-"""Memory planner: what each ZeRO stage and offload option needs per GPU and per node, before any GPU is touched.
-
-    python train.py --plan --model_name_or_path X --num_gpus 8 --num_nodes 4 --gpu_memory_gb 80 \\
-        --per_device_train_batch_size 4 --block_size 4096 [--gradient_checkpointing]
-
-The model is built on the meta device (structure only). Model states are counted at their peak as DeepSpeed 0.19
-holds them, per rank, with N parameters on the rank (with --tensor_parallel_size t, its linear layers' weights / t
-plus the rest whole; with --pipeline_parallel_size k, the largest stage: layers / k decoder layers plus the
-embeddings or the head), d = num_gpus x num_nodes / (t k) data-parallel ranks and p = bytes of a weight (2 in
-bf16/fp16, 4 in fp32):
-
-    ZeRO-1            weights p N      + gradients max(p N, G N / d) + optimizer 12 N / d
-    ZeRO-2            weights p N      + gradients G N / d + optimizer 12 N / d
-    ZeRO-3            weights p N / d  + gradients G N / d + optimizer 12 N / d
-    + optimizer offload: gradients and optimizer go to host memory (16 N / d, pinned); GPU keeps bucket buffers
-    + parameter offload (ZeRO-3): the weights' partition too (p N / d)
-
-"optimizer" is ZeRO's fp32 partition: master weights (4) and Adam's two moments (8), kept also in fp32 training.
-G is the reduced gradient partition: 4 (fp32) in fp32 training; in bf16/fp16, ZeRO-1/2 hold the 16-bit partition
-and its fp32 copy at the update (p + 4), ZeRO-3 the 16-bit partition (p; it converts one sub-group at a time).
-Measured on DeepSpeed 0.19 (tests/test_memory_planner.py): ZeRO-1 keeps each parameter's whole gradient (.grad, in the
-weights' dtype) until the accumulation boundary's reduction, so from every backward to the reduction it holds p N of
-gradients, with any gradient accumulation (the ZeRO paper's P_os row); ZeRO-2 reduces into its partition during the
-backward. NVMe offload puts the offloaded states on disk.
-
-Working memory per micro-batch of b sequences of s tokens (hidden h, MLP width f, L layers, vocabulary V;
-16-bit, x2 in fp32), attention through SDPA (no s x s score matrix):
-
-    per layer     s b (18 h + 8 f) bytes: inputs of the norms, Q/K/V, attention output and projection, gated MLP;
-                  with tensor parallelism t: s b (8 h + (10 h + 8 f) / t) (Q/K/V, attention and MLP inside are split);
-                  with sequence parallelism n every per-token term (layers and logits) / n: a rank holds s / n tokens
-                  (ZeRO then partitions over all the ranks: Ulysses runs without an mpu, see sequence_parallel.py)
-    logits        s b V x 10 bytes: the 16-bit logits, their fp32 copy for the loss and its gradient (x1.5 in fp32);
-                  with the chunked loss (--loss_chunk_size, the default without tensor or pipeline parallelism)
-                  only one chunk of c tokens: c V x 10 (x1.5)
-    checkpointing keeps each layer's input (2 s b h) and recomputes one layer at a time
-    pipeline      k stages, 1F1B: the first stage keeps up to k micro-batches in flight for its L / k layers (L
-                  layers' worth, as without a pipeline, but no logits); the last one micro-batch of L / k layers and
-                  the logits, plus the logits DeepSpeed's pipe engine keeps in its other output buffer (each stage
-                  keeps its outputs in at least 2 buffers through the step: on the last stage, 2 s b V p of logits
-                  are still held at the update, measured); the larger of the two counts
-    ZeRO-3        plus the largest layer gathered whole (weights and gradients, 2 p x its parameters)
-
-The working memory is an estimate (kernels and the allocator decide), the model states a count: the test checks
-them against a real 2-rank CPU run within 10%.
-"""
+"""Memory planner (--plan): what each ZeRO stage and offload option needs per GPU and per node, before any GPU is
+touched, for a model built on the meta device. Model states are counted as DeepSpeed 0.19 holds them at their peak
+(checked against real 2-rank runs within 10%), the working memory is estimated; the formulas, and what they were
+measured against, are in docs/parallelism.md#memory-planner."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from functools import partial
+from dataclasses import dataclass, replace
 
 from scaletrain.config import bucket_elements
 
@@ -146,6 +103,31 @@ class MemoryFeatures:
 NO_FEATURES = MemoryFeatures()
 
 
+@dataclass(frozen=True, kw_only=True)
+class PlannedRun:
+    """The run --plan sizes: its GPUs, micro-batch, precision, model-parallel layout, loss chunk and memory features."""
+
+    gpus_per_node: int = 1
+    nodes: int = 1
+    micro_batch: int = 1
+    block_size: int = 1024
+    precision: str = "bf16"
+    tp: int = 1
+    sp: int = 1
+    pp: int = 1
+    loss_chunk: int | None = None  # tokens per chunk of the chunked loss (None: the whole logits)
+    features: MemoryFeatures = NO_FEATURES
+
+    @property
+    def ranks(self) -> int:
+        return self.gpus_per_node * self.nodes
+
+    @property
+    def dp(self) -> int:
+        """The ranks ZeRO partitions over (under sequence parallelism: all of them)."""
+        return self.ranks // (self.tp * self.pp)
+
+
 @dataclass(frozen=True)
 class Option:
     name: str
@@ -222,43 +204,31 @@ def model_state_bytes(
     return params, grads, optimizer, host, nvme
 
 
-def activation_bytes(
-    shape: ModelShape,
-    micro_batch: int,
-    block_size: int,
-    precision: str,
-    stage: int = 1,
-    tp: int = 1,
-    sp: int = 1,
-    pp: int = 1,
-    loss_chunk: int | None = None,
-    tiled_mlp: bool = False,
-    offload: bool = False,
-) -> tuple:
-    """Working memory (without, with) activation checkpointing, bytes per GPU for one micro-batch (under pipeline
-    parallelism: of the stage that needs most). `loss_chunk`: tokens per chunk of the chunked loss (None: whole
-    logits; tensor and pipeline parallelism always take the whole logits). `tiled_mlp`: the MLP's intermediates
-    for one slice of `hidden` tokens at a time; `offload`: the checkpointed inputs in host memory (two layers' worth
-    in flight on the GPU: one going out, one coming back)."""
-    scale = 2 if precision == "fp32" else 1
-    tokens = micro_batch * block_size / sp
-    mlp_tokens = min(tokens, shape.hidden) if tiled_mlp else tokens
+def activation_bytes(shape: ModelShape, run: PlannedRun, stage: int = 1) -> tuple:
+    """Working memory (without, with) activation checkpointing, bytes per GPU for one micro-batch of `run` under ZeRO
+    `stage` (under pipeline parallelism: of the stage that needs most). Tensor and pipeline parallelism always take
+    the whole logits; the tiled MLP holds the intermediates of `hidden` tokens at a time; activation offloading keeps
+    two checkpointed inputs on the GPU (one going out, one coming back)."""
+    scale = 2 if run.precision == "fp32" else 1
+    tp, pp = run.tp, run.pp
+    tokens = run.micro_batch * run.block_size / run.sp
+    mlp_tokens = min(tokens, shape.hidden) if run.features.tiled_mlp else tokens
     per_layer = (
         tokens * (8 * shape.hidden + 10 * shape.hidden / tp) + mlp_tokens * 8 * shape.intermediate / tp
     ) * scale
-    logit_tokens = min(tokens, loss_chunk) if loss_chunk and tp == 1 and pp == 1 else tokens
-    logits = logit_tokens * shape.vocab * 10 * (1.5 if precision == "fp32" else 1)
+    chunk = run.loss_chunk
+    logit_tokens = min(tokens, chunk) if chunk and tp == 1 and pp == 1 else tokens
+    logits = logit_tokens * shape.vocab * 10 * (1.5 if run.precision == "fp32" else 1)
     kept = 2 * tokens * shape.hidden * scale  # a checkpointed layer's input
-    kept_layers = min(shape.layers, 2) if offload else shape.layers
-    # 1F1B: the first stage holds the activations of up to pp micro-batches in flight for its layers / pp layers
-    # (as many layers' worth as the whole model for one micro-batch), the last stage one micro-batch and the logits,
-    # and the logits of the pipe engine's other output buffer.
+    kept_layers = min(shape.layers, 2) if run.features.offload else shape.layers
+    # 1F1B: the first stage holds up to pp micro-batches in flight for its layers / pp layers, the last one
+    # micro-batch and the logits, plus those of the pipe engine's other output buffer.
     first_stage = (shape.layers * per_layer, kept_layers * kept + per_layer)
-    logits += pipeline_kept_outputs(shape, micro_batch, block_size, precision) / 2 if pp > 1 else 0
+    logits += pipeline_kept_outputs(shape, run.micro_batch, run.block_size, run.precision) / 2 if pp > 1 else 0
     last_kept = min(kept_layers, shape.layers / pp) * kept
     last_stage = (shape.layers / pp * per_layer + logits, last_kept + per_layer + logits)
     without, with_checkpointing = (max(first_stage[i], last_stage[i]) for i in (0, 1))
-    gathered = 2 * weight_bytes(precision) * shape.largest_layer_params if stage == 3 else 0
+    gathered = 2 * weight_bytes(run.precision) * shape.largest_layer_params if stage == 3 else 0
     return without + gathered, with_checkpointing + gathered
 
 
@@ -284,40 +254,16 @@ def options_for(tp: int, sp: int = 1, pp: int = 1) -> list[Option]:
     return OPTIONS if sp == 1 else [o for o in OPTIONS if o.offload_optimizer != "nvme"]
 
 
-def plan_memory(
-    shape: ModelShape,
-    gpus_per_node: int,
-    nodes: int,
-    micro_batch: int,
-    block_size: int,
-    precision: str,
-    tp: int = 1,
-    sp: int = 1,
-    pp: int = 1,
-    loss_chunk: int | None = None,
-    features: MemoryFeatures = NO_FEATURES,
-) -> list[Estimate]:
-    dp = gpus_per_node * nodes // (tp * pp)  # the ranks ZeRO partitions over (under SP: all of them)
+def plan_memory(shape: ModelShape, run: PlannedRun) -> list[Estimate]:
+    """One estimate per option the run's layout trains with (options_for)."""
     estimates = []
-    for option in options_for(tp, sp, pp):
-        act, act_ckpt = activation_bytes(
-            shape,
-            micro_batch,
-            block_size,
-            precision,
-            option.stage,
-            tp,
-            sp,
-            pp,
-            loss_chunk,
-            features.tiled_mlp,
-            features.offload,
-        )
-        params, grads, optimizer, host, nvme = model_state_bytes(option, shape, dp, precision, tp, pp)
-        host += offloaded_checkpoint_bytes(shape, micro_batch * block_size / sp, precision) if features.offload else 0
-        estimates.append(
-            Estimate(option, params, grads, optimizer, act, act_ckpt, host * gpus_per_node, nvme * gpus_per_node)
-        )
+    for option in options_for(run.tp, run.sp, run.pp):
+        act, act_ckpt = activation_bytes(shape, run, option.stage)
+        params, grads, optimizer, host, nvme = model_state_bytes(option, shape, run.dp, run.precision, run.tp, run.pp)
+        if run.features.offload:
+            host += offloaded_checkpoint_bytes(shape, run.micro_batch * run.block_size / run.sp, run.precision)
+        per_node = run.gpus_per_node
+        estimates.append(Estimate(option, params, grads, optimizer, act, act_ckpt, host * per_node, nvme * per_node))
     return estimates
 
 
@@ -334,41 +280,30 @@ def recommend(
     return None
 
 
-def recommend_layout(
-    shape: ModelShape,
-    gpus_per_node: int,
-    nodes: int,
-    micro_batch: int,
-    block_size: int,
-    precision: str,
-    gpu_bytes: float,
-    host_bytes: float | None,
-    loss_chunk: int | None = None,
-    features: MemoryFeatures = NO_FEATURES,
-) -> tuple | None:
-    """(tensor-parallel size, pipeline stages, estimate, checkpointing) of the fastest layout that fits, in this
-    order: pure data parallelism without offload (ZeRO-1, 2, 3), then tensor parallelism inside a node (2, 4, ...
-    GPUs; its all-reduces stay on the node's links), then pipeline stages (2, 4, ...; point-to-point transfers of
-    one activation per micro-batch, which cross nodes well, at the cost of the pipeline's bubble), then offload
-    (host memory and PCIe are slower still). Tensor and pipeline parallelism together are not proposed: the
-    pipeline does not run them together yet."""
-    plan = partial(plan_memory, shape, gpus_per_node, nodes, micro_batch, block_size, precision, features=features)
-    plain = plan(loss_chunk=loss_chunk)
+def recommend_layout(shape: ModelShape, run: PlannedRun, gpu_bytes: float, host_bytes: float | None) -> tuple | None:
+    """(tensor-parallel size, pipeline stages, estimate, checkpointing) of the fastest layout for `run` that fits,
+    whatever layout it names, in this order: pure data parallelism without offload (ZeRO-1, 2, 3), then tensor
+    parallelism inside a node (2, 4, ... GPUs; its all-reduces stay on the node's links), then pipeline stages (2, 4,
+    ...; point-to-point transfers of one activation per micro-batch, which cross nodes well, at the cost of the
+    pipeline's bubble), then offload (host memory and PCIe are slower still). Tensor and pipeline parallelism together
+    are not proposed: the pipeline does not run them together yet."""
+    base = replace(run, tp=1, sp=1, pp=1)
+    plain = plan_memory(shape, base)
     in_gpu = [e for e in plain if e.option.offload_optimizer == "none"]
     choice = recommend(in_gpu, gpu_bytes, host_bytes)
     if choice:
         return (1, 1, *choice)
     tp = 2
-    while tp <= gpus_per_node:
-        if gpus_per_node % tp == 0 and shape.splits_into(tp):
-            choice = recommend(plan(tp), gpu_bytes, host_bytes)
+    while tp <= run.gpus_per_node:
+        if run.gpus_per_node % tp == 0 and shape.splits_into(tp):
+            choice = recommend(plan_memory(shape, replace(base, tp=tp, loss_chunk=None)), gpu_bytes, host_bytes)
             if choice:
                 return (tp, 1, *choice)
         tp *= 2
     pp = 2
-    while pp <= min(shape.layers, gpus_per_node * nodes):
-        if shape.layers % pp == 0 and (gpus_per_node * nodes) % pp == 0:
-            choice = recommend(plan(pp=pp), gpu_bytes, host_bytes)
+    while pp <= min(shape.layers, run.ranks):
+        if shape.layers % pp == 0 and run.ranks % pp == 0:
+            choice = recommend(plan_memory(shape, replace(base, pp=pp, loss_chunk=None)), gpu_bytes, host_bytes)
             if choice:
                 return (1, pp, *choice)
         pp *= 2
@@ -399,27 +334,21 @@ def _layout_flags(tp: int, sp: int, pp: int) -> str:
 def render_memory_plan(
     estimates: list[Estimate],
     shape: ModelShape,
-    gpus_per_node: int,
-    nodes: int,
+    run: PlannedRun,
     gpu_memory_gb: float,
     host_memory_gb: float | None,
-    micro_batch: int,
-    block_size: int,
-    precision: str,
-    tp: int = 1,
-    sp: int = 1,
-    pp: int = 1,
-    loss_chunk: int | None = None,
     longest_blocks: list | None = None,
-    features: MemoryFeatures = NO_FEATURES,
 ) -> str:
+    """--plan's table of `estimates` for `run`, the `longest_blocks` lines (long_context_plan.py) and the
+    recommendation: for an open layout the fastest one that fits, otherwise the fastest option of the one given."""
     gb = lambda b: f"{b / GIB:.2f}"  # noqa: E731
     gpu_bytes, host_bytes = gpu_memory_gb * GIB, None if host_memory_gb is None else host_memory_gb * GIB
-    layout = _describe(nodes * gpus_per_node, tp, sp, pp)
+    tp, sp, pp = run.tp, run.sp, run.pp
     lines = [
-        f"memory plan: {shape.n_params / 1e6:.1f}M parameters, {nodes} node(s) x {gpus_per_node} GPU(s) = "
-        f"{layout}, {precision}, micro-batch {micro_batch} x {block_size} tokens{features.describe()}, "
-        f"{gpu_memory_gb:g} GB per GPU" + ("" if host_memory_gb is None else f", {host_memory_gb:g} GB host per node"),
+        f"memory plan: {shape.n_params / 1e6:.1f}M parameters, {run.nodes} node(s) x {run.gpus_per_node} GPU(s) = "
+        f"{_describe(run.ranks, tp, sp, pp)}, {run.precision}, micro-batch {run.micro_batch} x {run.block_size} "
+        f"tokens{run.features.describe()}, {gpu_memory_gb:g} GB per GPU"
+        + ("" if host_memory_gb is None else f", {host_memory_gb:g} GB host per node"),
         "GB per GPU unless marked; 'fits' leaves 10% of the GPU free (fragmentation, communication buffers)",
         "",
         "| option | params | grads | optimizer | model states | working (no ckpt / ckpt) | total (no ckpt / "
@@ -439,12 +368,10 @@ def render_memory_plan(
             f"{gb(est.total(True))} | {gb(est.host_per_node)} | {gb(est.nvme_per_node)} | {' / '.join(fits)} | "
             f"ds_configs/{est.option.ds_config} |"
         )
-    if longest_blocks:  # how long a block can get, with the long-context features (long_context_plan.py)
+    if longest_blocks:
         lines += ["", *longest_blocks]
     if tp == 1 and sp == 1 and pp == 1:  # the layout is open: data parallelism, then TP, then PP, then offload
-        choice = recommend_layout(
-            shape, gpus_per_node, nodes, micro_batch, block_size, precision, gpu_bytes, host_bytes, loss_chunk, features
-        )
+        choice = recommend_layout(shape, run, gpu_bytes, host_bytes)
     else:  # the layout was given
         choice = recommend(estimates, gpu_bytes, host_bytes)
         choice = choice and (tp, pp, *choice)
@@ -466,3 +393,10 @@ def render_memory_plan(
             f"{gb(est.total(ckpt))} of {gpu_memory_gb:g} GB per GPU)"
         )
     return "\n".join(lines)
+
+
+def snapshot_bytes_per_rank(n_params: int, precision: str, zero_stage: int, world_size: int) -> int:
+    """The most one rank copies into host buffers at an asynchronous save: its partition of the fp32 master weights
+    and Adam moments, plus (ZeRO-0/1/2, rank 0) the module's weights in the training dtype."""
+    weights = 0 if zero_stage == 3 else n_params * weight_bytes(precision)
+    return n_params * OPTIMIZER_BYTES // max(world_size, 1) + weights

@@ -10,11 +10,9 @@ import json
 import logging
 import math
 import os
-import statistics
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 from collections.abc import Callable
 
 from scaletrain.errors import SAVED_REQUEUE_EXIT_CODE, UsageError
@@ -73,141 +71,6 @@ class ThroughputModel:
     hardware_flops_per_token: float
     peak_tflops: float | None  # per device; None when unknown (then no MFU)
     world_size: int
-
-
-@dataclass
-class LogWindow:
-    """Sums since the last logging step."""
-
-    loss_sum: Any = 0.0  # this rank's summed token losses (a device tensor: no host sync per step)
-    targets: int = 0  # global loss targets (identical on every rank)
-    samples: int = 0  # global blocks trained
-    steps: int = 0
-    seconds: float = 0.0  # wall-clock of the steps, measured start to end independently of the phases
-    phases: dict = field(default_factory=lambda: dict.fromkeys(PHASES, 0.0))
-    phase_steps: int = 0  # the steps split into phases (all of them on a CPU; the logged ones on a GPU)
-    grad_norm: Any = None  # the last applied step's, read only when the window is summarized
-    loss_targets: int = 0  # targets of the applied steps (a skipped step's loss stays out of the mean)
-    skipped: int = 0  # steps whose update was not applied
-    aux_sum: Any = None  # MoE: this rank's shares of the applied steps' mean load-balancing losses (None: dense)
-    metric_sums: dict | None = None  # preference pairs: this rank's sums of TRL's metrics over the applied steps
-    tokens: int = 0  # tokens processed, where they are not the targets (preference pairs: targets count pairs)
-
-    @property
-    def applied_steps(self) -> int:
-        return self.steps - self.skipped
-
-    def add(
-        self,
-        loss_sum,
-        targets: int,
-        samples: int,
-        seconds: float,
-        phases: dict | None,
-        grad_norm,
-        skipped: bool = False,
-        aux_share=None,
-        metric_sums: dict | None = None,
-        tokens: int | None = None,
-    ) -> None:
-        """`phases`: the step's split, or None for a step that was not split (a GPU step not logged); `aux_share`:
-        an MoE step's share of its mean load-balancing loss on this rank (None for a dense model)."""
-        if aux_share is not None and self.aux_sum is None:
-            self.aux_sum = 0.0
-        if skipped:
-            self.skipped += 1
-        else:
-            if aux_share is not None:
-                self.aux_sum = self.aux_sum + aux_share
-            self.loss_sum = self.loss_sum + loss_sum
-            self.loss_targets += targets
-            if metric_sums is not None:
-                old = self.metric_sums or dict.fromkeys(metric_sums, 0.0)
-                self.metric_sums = {name: old[name] + value for name, value in metric_sums.items()}
-            self.grad_norm = grad_norm
-        self.targets += targets
-        self.tokens += targets if tokens is None else tokens
-        self.samples += samples
-        self.steps += 1
-        self.seconds += seconds
-        if phases is not None:
-            self.phase_steps += 1
-            for name, value in phases.items():
-                self.phases[name] += value
-
-    def summarize(self, device, throughput: ThroughputModel | None = None) -> dict:
-        """Reduce across ranks (a collective: every rank must call it at the same step)."""
-        import torch
-        import torch.distributed as torch_dist
-
-        step_time = self.seconds / max(self.steps, 1)
-        # One collective: every rank's summed loss and load-balancing loss shares (added up) and its forward time per
-        # step, the straggler signal. Not the step time: the step's collectives make every rank wait for the
-        # slowest, so all ranks' step times are the same. The forward holds no gradient communication (ZeRO-3's
-        # parameter gathers and tensor parallelism's all-reduces do wait in it, which blurs the signal there).
-        extra = sorted(self.metric_sums or {})  # the same names on every rank: the same data kind
-        mine = torch.zeros(3 + len(extra), dtype=torch.float64, device=device)
-        mine[0] = torch.as_tensor(self.loss_sum, dtype=torch.float64, device=device).reshape(())
-        mine[1] = self.phases["forward"] / self.phase_steps if self.phase_steps else 0.0
-        aux = 0.0 if self.aux_sum is None else self.aux_sum
-        mine[2] = torch.as_tensor(aux, dtype=torch.float64, device=device).reshape(())
-        for k, name in enumerate(extra):
-            mine[3 + k] = torch.as_tensor(self.metric_sums[name], dtype=torch.float64, device=device).reshape(())
-        gathered = [torch.zeros_like(mine) for _ in range(torch_dist.get_world_size())]
-        torch_dist.all_gather(gathered, mine)
-        rows = torch.stack(gathered).cpu()
-        total = rows[:, 0].sum()
-        forward_times = rows[:, 1].tolist()
-        slowest = max(range(len(forward_times)), key=forward_times.__getitem__)
-        median_forward = statistics.median(forward_times)
-        tokens_per_s = self.tokens / self.seconds if self.seconds else 0.0
-        record = {
-            "loss": total.item() / self.loss_targets if self.loss_targets else None,  # None: all skipped
-            # MoE: the mean over the applied steps of each step's mean load-balancing loss (not times the coefficient)
-            "aux_loss": rows[:, 2].sum().item() / self.applied_steps
-            if self.aux_sum is not None and self.applied_steps
-            else None,
-            # preference pairs: TRL's metrics, each the mean over the applied steps' pairs
-            **{
-                name: rows[:, 3 + k].sum().item() / self.loss_targets if self.loss_targets else None
-                for k, name in enumerate(extra)
-            },
-            "skipped": self.skipped,
-            "grad_norm": None if self.grad_norm is None else float(self.grad_norm),
-            "tokens_per_s": tokens_per_s,
-            "samples_per_s": self.samples / self.seconds if self.seconds else 0.0,
-            "step_time_s": step_time,
-            # the mean over the steps split into phases (none: no phase keys, rather than zeros)
-            **(
-                {f"{name}_s": value / self.phase_steps for name, value in self.phases.items()}
-                if self.phase_steps
-                else {}
-            ),
-            # None where no forward was timed apart (the pipeline's interleaved schedule)
-            **(
-                {
-                    "slowest_rank": slowest,
-                    "slowest_rank_forward_s": forward_times[slowest],
-                    "straggler_ratio": forward_times[slowest] / median_forward,
-                }
-                if median_forward > 0
-                else {}
-            ),
-            **memory_stats(device),
-        }
-        if throughput is not None:
-            tflops = tokens_per_s * throughput.flops_per_token / throughput.world_size / 1e12
-            record["tflops_per_device"] = tflops
-            if throughput.peak_tflops:
-                record["mfu"] = tflops / throughput.peak_tflops
-                record["hfu"] = (
-                    tokens_per_s
-                    * throughput.hardware_flops_per_token
-                    / throughput.world_size
-                    / 1e12
-                    / throughput.peak_tflops
-                )
-        return record
 
 
 def memory_stats(device) -> dict:
@@ -269,18 +132,27 @@ def _is_evaluation(record: dict) -> bool:
     return "generations" in record or any(key.startswith("eval_") for key in record)
 
 
+@dataclass(frozen=True)
+class RunIdentity:
+    """What wandb is told of the run: its name and configuration, and the id of the wandb run a resume continues."""
+
+    name: str
+    config: dict
+    wandb_run_id: str | None = None
+
+
 class MetricsLogger:
     def __init__(
         self,
         output_dir: str,
         is_main: bool,
         sinks: tuple,
-        run_name: str,
-        run_config: dict,
+        identity: RunIdentity,
         resume_step: int = 0,
-        wandb_run_id: str | None = None,
         write_files: bool = True,
     ):
+        """`write_files` False (--dry_run): the console only."""
+        run_name, run_config, wandb_run_id = identity.name, identity.config, identity.wandb_run_id
         self.is_main = is_main
         self.path = Path(output_dir) / METRICS_FILE
         self._file = None
@@ -414,34 +286,6 @@ def _fmt(key: str, value) -> str:
             return f"{key}={value:.3e}"
         return f"{key}={value:.4g}" if math.isfinite(value) else f"{key}={value}"
     return f"{key}={value}"
-
-
-class StepProfiler:
-    """--profile_steps A-B: a torch profiler trace of steps A..B (1-based), one Chrome trace per rank."""
-
-    def __init__(self, steps: tuple | None, out_dir: str, rank: int):
-        self.steps = steps
-        self.out = Path(out_dir) / "profile"
-        self.rank = rank
-        self._prof = None
-
-    def before_step(self, step: int) -> None:
-        if self.steps and step == self.steps[0]:
-            import torch
-            from torch.profiler import ProfilerActivity, profile
-
-            activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
-            self._prof = profile(activities=activities)
-            self._prof.start()
-
-    def after_step(self, step: int) -> None:
-        if self._prof is not None and step == self.steps[1]:
-            self._prof.stop()
-            self.out.mkdir(parents=True, exist_ok=True)
-            path = self.out / f"trace_rank{self.rank}_steps{self.steps[0]}-{self.steps[1]}.json"
-            self._prof.export_chrome_trace(str(path))
-            self._prof = None
-            log.info("profiler trace of steps %d-%d: %s", self.steps[0], self.steps[1], path)
 
 
 def describe_dry_run(record: dict) -> str:

@@ -1,37 +1,67 @@
-"""Training: the loop (the only place that calls engine.backward / engine.step), the train state, the non-finite
-policy, preemption, the hang watch, and the preference objective with its reference log-probs.
+"""Training: the trainer (the loop over optimizer steps, the only place that calls engine.backward / engine.step)
+and the interface its side concerns implement as callbacks; the step, evaluation, the train state, the non-finite
+guard, preemption, the hang watch, and the preference objective with its reference log-probs.
 
 This face re-exports what other parts of scaletrain use; inside the wing, modules import each other by path.
 """
 
-from scaletrain.train.hang import HANG_DIR, HANG_NOTE_ENV, REPORT_FILE, enable_flight_recorder, start_hang_watch
-from scaletrain.train.loop import PipelineStep, evaluate_sets, train_loop
-from scaletrain.train.settings import LoopHooks, loop_settings
+from scaletrain.train.callbacks import Callback, StepOutcome
+from scaletrain.train.evaluation import PeriodicEvaluation, evaluate_sets
+from scaletrain.train.hang import (
+    HANG_DIR,
+    HANG_NOTE_ENV,
+    REPORT_FILE,
+    HangWatch,
+    enable_flight_recorder,
+    start_hang_watch,
+)
 from scaletrain.train.nonfinite import NonFiniteGuard, NonFinitePolicy
+from scaletrain.train.observers import (
+    CommsWindow,
+    GoodputBook,
+    HangNotes,
+    ProgressBar,
+    StepProfiler,
+    TrainingRecords,
+)
+from scaletrain.train.preemption import PREEMPTION_RECORD_ENV, PreemptionFlag, PreemptionSave, RANK_PREEMPTION_SIGNAL
 from scaletrain.train.preference import preference_objective
 from scaletrain.train.reference import check_reference_model, prepare_reference
-from scaletrain.train.preemption import PREEMPTION_RECORD_ENV, PreemptionFlag, RANK_PREEMPTION_SIGNAL
+from scaletrain.train.settings import loop_settings
 from scaletrain.train.state import TrainState, seed_everything
+from scaletrain.train.step import PipelineStep
+from scaletrain.train.trainer import EngineStep, Trainer
 
 __all__ = [
+    "Callback",
+    "CommsWindow",
+    "EngineStep",
+    "GoodputBook",
     "HANG_DIR",
     "HANG_NOTE_ENV",
-    "REPORT_FILE",
-    "enable_flight_recorder",
-    "start_hang_watch",
-    "LoopHooks",
+    "HangNotes",
+    "HangWatch",
     "NonFiniteGuard",
     "NonFinitePolicy",
     "PREEMPTION_RECORD_ENV",
+    "PeriodicEvaluation",
     "PipelineStep",
     "PreemptionFlag",
+    "PreemptionSave",
+    "ProgressBar",
     "RANK_PREEMPTION_SIGNAL",
+    "REPORT_FILE",
+    "StepOutcome",
+    "StepProfiler",
+    "Trainer",
     "TrainState",
+    "TrainingRecords",
     "check_reference_model",
+    "enable_flight_recorder",
     "evaluate_sets",
     "loop_settings",
     "preference_objective",
     "prepare_reference",
     "seed_everything",
-    "train_loop",
+    "start_hang_watch",
 ]

@@ -37,6 +37,7 @@ from pathlib import Path
 
 from scaletrain.config import HangArgs
 from scaletrain.errors import HANG_EXIT_CODE
+from scaletrain.parts import DistInfo
 
 log = logging.getLogger(__name__)
 
@@ -180,7 +181,9 @@ def attempt_folder(output_dir: str) -> Path:
     return root / f"{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}"
 
 
-def start_hang_watch(args: HangArgs, output_dir: str, dist, on_hang: Callable[[], None] | None = None):
+def start_hang_watch(
+    args: HangArgs, output_dir: str, dist: DistInfo, on_hang: Callable[[], None] | None = None
+) -> HangWatch | None:
     """Every rank (a collective): this attempt's hang folder chosen by global rank 0, this rank's watch started, and a
     barrier, so that every rank's first heartbeat exists before any rank reads them. None when --hang_timeout is 0."""
     from scaletrain.distributed import barrier, broadcast_from_main, process_group_timeout

@@ -21,11 +21,13 @@ import logging
 import math
 import time
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from collections.abc import Callable
 
 from scaletrain.config import NonFiniteArgs
 from scaletrain.errors import NonFiniteStop
+from scaletrain.train.callbacks import Callback, RolledBack, StepOutcome
 from scaletrain.train.state import TrainState
 
 log = logging.getLogger(__name__)
@@ -47,15 +49,34 @@ class NonFinitePolicy:
         return cls(args.on_nonfinite, args.max_consecutive_skips, args.loss_spike_factor, fp16)
 
 
-class NonFiniteGuard:
-    """Judges each step before its update, counts skips after it, and writes the ledger (rank 0)."""
+class NonFiniteGuard(Callback):
+    """Judges each step before its update, counts skips after it, writes the ledger (rank 0) and, after
+    --max_consecutive_skips skips in a row, rolls the run back through `rollback` (which returns the jump's entry)."""
 
     def __init__(
-        self, policy: NonFinitePolicy, state: TrainState, output_dir: str, is_main: bool, write_files: bool = True
+        self,
+        policy: NonFinitePolicy,
+        state: TrainState,
+        output_dir: str,
+        is_main: bool,
+        write_files: bool = True,
+        rollback: Callable[[], dict] | None = None,
     ):
         self.policy = policy
         self.state = state
         self.ledger = Path(output_dir) / LEDGER_FILE if is_main and write_files else None
+        self.rollback = rollback
+
+    def veto_update(self, global_loss: float) -> str | None:
+        return self.judge(global_loss)
+
+    def post_step(self, outcome: StepOutcome) -> None:
+        result = outcome.result
+        samples = partial(self.trainer.batches.sample_ids, outcome.data_step)
+        if self.after_step(outcome.step, result.global_loss, result.forced, result.applied, samples) == "rollback":
+            self.trainer.phase("rollback", long=True)
+            self.record(self.rollback())  # back to the newest committed checkpoint, the data past this streak
+            raise RolledBack
 
     def judge(self, global_loss: float) -> str | None:
         """Why this step's update must not be applied, or None. Same input on every rank, same answer."""

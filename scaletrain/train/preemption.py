@@ -2,8 +2,8 @@
 
 SIGUSR1 (Slurm's --signal) or SIGTERM (most schedulers, and the deepspeed launcher relaying one) only sets a flag
 in the handler: a save started inside a signal handler would interleave with the step in flight. At the next step
-boundary the ranks all-reduce the flag (loop.agree_step), so they all save the same step even when one rank got
-the signal.
+boundary the ranks all-reduce the flag (a "stop" request, Trainer.agree), so they all save the same step even when
+one rank got the signal.
 The run then exits with errors.SAVED_REQUEUE_EXIT_CODE (85), which a job script reads as "saved, please requeue".
 
 A signal sent to the launcher instead of the ranks: scaletrain.launcher relays it to the ranks as SIGUSR1 and reads
@@ -16,6 +16,10 @@ from __future__ import annotations
 import logging
 import os
 import signal
+from collections.abc import Callable
+
+from scaletrain.errors import Preempted
+from scaletrain.train.callbacks import Callback, StepOutcome
 
 log = logging.getLogger(__name__)
 PREEMPTION_SIGNALS = (signal.SIGUSR1, signal.SIGTERM)
@@ -48,3 +52,34 @@ class PreemptionFlag:
 
     def _handle(self, signum, frame) -> None:
         self.signal_name = signal.Signals(signum).name
+
+
+class PreemptionSave(Callback):
+    """A signal on any rank: every rank saves the step (committed before it returns) and the run ends, Preempted."""
+
+    def __init__(self, flag: PreemptionFlag, save: Callable[[], object], grace_seconds: float):
+        self.flag, self.save, self.grace_seconds = flag, save, grace_seconds
+
+    def requests(self) -> tuple:
+        return ("stop",) if self.flag.signal_name is not None else ()
+
+    def post_step(self, outcome: StepOutcome) -> None:
+        if "stop" not in outcome.requests:
+            return
+        self.trainer.phase("preemption save", long=True)
+        seconds = self.trainer.hold("checkpoint", self.save)  # a write in flight is committed first
+        record_preemption_saved(outcome.step)  # for scaletrain.launcher, which may not see the ranks' exit code 85
+        log.info(
+            "preemption (%s): checkpoint committed at step %d in %.1fs",
+            self.flag.signal_name or "signal on another rank",
+            outcome.step,
+            seconds,
+        )
+        if seconds > self.grace_seconds:
+            log.warning(
+                "the preemption save took %.1fs, more than --preemption_grace_seconds %.0f: ask the "
+                "scheduler for an earlier signal",
+                seconds,
+                self.grace_seconds,
+            )
+        raise Preempted(outcome.step)

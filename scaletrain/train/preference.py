@@ -20,6 +20,7 @@ from contextlib import nullcontext
 from dataclasses import dataclass
 
 from scaletrain.data import IGNORE_INDEX
+from scaletrain.parts import ResolvedRun
 
 METRIC_NAMES = (
     "rewards/chosen",
@@ -150,7 +151,7 @@ def evaluate_pairs(engine, batches, objective: PreferenceObjective, prefix: str 
     return record
 
 
-def preference_objective(resolved) -> PreferenceObjective | None:
+def preference_objective(resolved: ResolvedRun) -> PreferenceObjective | None:
     """The objective of a run on preference data (its chat data says so), or None for token data."""
     chat = resolved.chat
     if chat is None or chat.kind != "preference":

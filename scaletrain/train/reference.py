@@ -20,6 +20,7 @@ import json
 import logging
 import math
 import os
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -27,6 +28,7 @@ import numpy as np
 from scaletrain.data import EMPTY_SLOT
 from scaletrain.distributed import any_rank, every_rank
 from scaletrain.errors import UsageError
+from scaletrain.parts import DistInfo, ResolvedRun, TrainingData
 
 log = logging.getLogger(__name__)
 
@@ -47,22 +49,31 @@ def reference_file(store: Path, split: str, identity: dict) -> Path:
     return Path(store) / "reference" / f"{split}-{key}.npy"
 
 
-def attach_reference_logps(
-    engine, sets: dict, store: Path, identity: dict, dist, micro_batch: int, fresh: bool, only=None, source=None
-):
+@dataclass(frozen=True)
+class ReferencePass:
+    """Where a reference pass's results live and how it runs."""
+
+    store: Path  # the token store its files sit beside
+    identity: dict  # what they depend on (reference_identity)
+    micro_batch: int
+    source: str | None = None  # who computes them, for the log (None: the starting model)
+
+
+def attach_reference_logps(engine, sets: dict, ref: ReferencePass, dist: DistInfo, fresh: bool, only=None) -> None:
     """Give every PreferencePairs in `sets` ({split: pairs}) its reference log-probabilities: read back, or (a fresh
     run only) computed on `engine` now and saved (by each node's local rank 0, beside that node's store). `only`:
     the training pairs a dry run's one step reads, computed alone and not saved.
 
     Whether a file is read is decided by every rank together: with node-local stores, a node may miss a file the
     others hold, and a rank that read it while the others computed (collectives) would leave them waiting."""
+    micro_batch, identity = ref.micro_batch, ref.identity
     for split, pairs in sets.items():
-        path = reference_file(store, split, identity)
+        path = reference_file(ref.store, split, identity)
         everywhere = every_rank(path.exists())
         if only is not None and not everywhere:
             if split == "train":
                 pairs.ref_logps = compute_reference_logps(
-                    engine, pairs, micro_batch, dist.dp_rank, dist.dp_world_size, only
+                    engine, pairs, micro_batch, dist.coords.dp, dist.layout.dp, only
                 )
                 log.info("reference log-probs: the dry run's %d pairs computed (not saved)", len(only))
             continue
@@ -83,14 +94,14 @@ def attach_reference_logps(
                 "restore the file from where the run first started, or start afresh (--resume_from_checkpoint none)",
             )
         else:
-            values = compute_reference_logps(engine, pairs, micro_batch, dist.dp_rank, dist.dp_world_size)
+            values = compute_reference_logps(engine, pairs, micro_batch, dist.coords.dp, dist.layout.dp)
             if dist.local_rank == 0:
                 _save(path, values, identity)
             log.info(
                 "reference log-probs (%s): %d pairs computed by %s, saved to %s",
                 split,
                 len(pairs),
-                source or "the starting model",
+                ref.source or "the starting model",
                 path,
             )
         pairs.ref_logps = values
@@ -137,33 +148,33 @@ def _save(path: Path, values: np.ndarray, identity: dict) -> None:
     os.replace(tmp, path)
 
 
-def prepare_reference(engine, resolved, dist, train_pairs, eval_sets: dict, store: Path, fresh: bool, only=None):
+def prepare_reference(engine, resolved: ResolvedRun, data: TrainingData, fresh: bool, only=None):
     """A preference run's reference, before the first step: its log-probs of the training pairs and of every
-    validation set (`eval_sets`: {split: EvalBatches}) read back or computed now (--precompute_ref_log_probs), or,
-    for a reference that runs at every step, its engine (returned; None where the reference is the LoRA base or the
-    loss needs none). `only`: a dry run's first global batch (its pairs alone are computed, nothing is saved)."""
-    cfg = resolved.cfg
+    validation set read back or computed now (--precompute_ref_log_probs), or, for a reference that runs at every
+    step, its engine (returned; None where the reference is the LoRA base or the loss needs none). `only`: a dry
+    run's first global batch (its pairs alone are computed, nothing is saved)."""
+    cfg, ds = resolved.cfg, resolved.ds
     args = cfg.preference
     separate = reference_model_args(cfg) is not None
     if not args.needs_reference or not args.precompute_ref_log_probs:
-        return build_reference_engine(cfg, resolved.ds.config, resolved.ds.zero_stage) if separate else None
+        return build_reference_engine(cfg, ds.config, ds.zero_stage) if separate else None
     identity = reference_identity(
         args.ref_model_name_or_path or cfg.model.model_name_or_path,
         cfg.model.config_name,
         cfg.optim.seed,
-        resolved.ds.precision,
+        ds.precision,
         resolved.block_size,
         cfg.data.truncation,
     )
-    sets = {"train": train_pairs, **{split: b.sources()[0] for split, b in eval_sets.items()}}
-    micro = max(resolved.ds.config["train_micro_batch_size_per_gpu"], cfg.optim.per_device_eval_batch_size)
+    store = data.stores[0]["path"]
+    sets = {"train": data.blocks, **{split: b.sources()[0] for split, b in data.eval_sets.items()}}
+    micro = max(ds.micro_batch, cfg.optim.per_device_eval_batch_size)
     missing = any_rank(any(not reference_file(store, split, identity).exists() for split in sets))
-    reference = (
-        build_reference_engine(cfg, resolved.ds.config, resolved.ds.zero_stage) if separate and missing else None
-    )
+    reference = build_reference_engine(cfg, ds.config, ds.zero_stage) if separate and missing else None
     try:  # a separate reference can compute what a resumed run misses; the starting model only on a fresh start
         source = f"--ref_model_name_or_path {args.ref_model_name_or_path}" if reference is not None else None
-        attach_reference_logps(reference or engine, sets, store, identity, dist, micro, fresh or separate, only, source)
+        ref = ReferencePass(store, identity, micro, source)
+        attach_reference_logps(reference or engine, sets, ref, resolved.dist, fresh or separate, only)
     finally:
         if reference is not None:
             from scaletrain.engine import release_engine
@@ -233,7 +244,7 @@ def build_reference_engine(cfg, ds_config: dict, zero_stage: int):
     zero.pop("offload_optimizer", None)
     if zero_stage != 3:
         config["zero_optimization"] = {"stage": 0}
-    model, keepalive = build_model(args, load_model_config(args), config, zero_stage if zero_stage == 3 else 0)
+    model, keepalive = build_model(args, load_model_config(args), config)
     if policy_config is not None and policy_config() is not None:
         hf_deepspeed.set_hf_deepspeed_config(policy_config())
     model.requires_grad_(False)

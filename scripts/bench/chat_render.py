@@ -1,4 +1,4 @@
-"""Chat rendering throughput: one process against N worker processes on the same rows (issue 15).
+"""Chat rendering throughput: one process against N worker processes on the same rows.
 
     python scripts/bench/chat_render.py [--copies 2000] [--workers 2]
 

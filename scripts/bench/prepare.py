@@ -105,12 +105,10 @@ def run_store(corpus: Path, tokenizer_dir: Path, block_size: int, num_proc: int,
     os.environ["HF_DATASETS_CACHE"] = str(out / "hf_cache")
     import datasets  # noqa: F401 - imported before the clock starts, as run_recipe does (half a second)
 
-    data = DataArgs(train_file=str(corpus), validation_split_percentage=0)
+    data = DataArgs(train_file=str(corpus), validation_split_percentage=0, preprocessing_num_workers=num_proc)
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
     started = time.perf_counter()
-    store = prepare_token_store(
-        data, tokenizer, str(tokenizer_dir), block_size, out / "store", num_proc, show_progress=False
-    )
+    store = prepare_token_store(data, tokenizer, str(tokenizer_dir), block_size, out / "store", show_progress=False)
     seconds = time.perf_counter() - started
     split = open_store(store)["splits"]["train"]
     return seconds, split.n_tokens, split.n_tokens  # every token is in a block (the last one padded)

@@ -4,8 +4,8 @@
 
 multiplies RANK's loss at those data steps (1-based: the batch a step trains on, so a rollback's data offset moves
 past them) by NaN, or by F when given (a loss spike). The backward then sees the same bad loss, as it would with a
-real bad batch. The pipeline holds no hook for this: the helper wraps scaletrain.train.loop.token_loss_sum, and only
-while scaletrain.train.loop.optimizer_step runs, so an evaluation's loss is never touched; under pipeline parallelism it
+real bad batch. The pipeline holds no hook for this: the helper wraps scaletrain.train.step.token_loss_sum, and only
+while scaletrain.train.step.optimizer_step runs, so an evaluation's loss is never touched; under pipeline parallelism it
 wraps the pipe engine's loss function (pipeline.TokenLoss) while PipelineStep.step runs, which only
 the last stage calls. Without the variable it is plain train.py.
 """
@@ -31,10 +31,10 @@ def parse_spec(spec: str) -> tuple:
 
 
 def install(factors: dict) -> None:
-    """Scale this process's summed micro-batch losses by factors[data step + 1] inside scaletrain.train.loop's steps."""
-    from scaletrain.train import loop
+    """Scale this process's summed micro-batch losses by factors[data step + 1] inside scaletrain.train.step's steps."""
+    from scaletrain.train import step as steps
 
-    step_fn, loss_fn = loop.optimizer_step, loop.token_loss_sum
+    step_fn, loss_fn = steps.optimizer_step, steps.token_loss_sum
     signature = inspect.signature(step_fn)
     current = {"factor": None}
 
@@ -50,15 +50,15 @@ def install(factors: dict) -> None:
         summed = loss_fn(engine, batch)
         return summed if current["factor"] is None else summed * current["factor"]
 
-    loop.optimizer_step, loop.token_loss_sum = optimizer_step, token_loss_sum
+    steps.optimizer_step, steps.token_loss_sum = optimizer_step, token_loss_sum
     _install_pipeline(factors, current)
 
 
 def _install_pipeline(factors: dict, current: dict) -> None:
-    from scaletrain.train import loop
+    from scaletrain.train import step as steps
     from scaletrain.distributed import pipeline
 
-    pipeline_step, loss_call = loop.PipelineStep.step, pipeline.TokenLoss.__call__
+    pipeline_step, loss_call = steps.PipelineStep.step, pipeline.TokenLoss.__call__
     signature = inspect.signature(pipeline_step)
 
     def step(self, *args, **kwargs):
@@ -77,7 +77,7 @@ def _install_pipeline(factors: dict, current: dict) -> None:
         self.loss_sum = before + (self.loss_sum - before) * factor  # the reported sum and the backward alike
         return loss * factor
 
-    loop.PipelineStep.step, pipeline.TokenLoss.__call__ = step, scaled_loss
+    steps.PipelineStep.step, pipeline.TokenLoss.__call__ = step, scaled_loss
 
 
 def main() -> int:

@@ -19,9 +19,8 @@ def trained_run(argv, finish: bool = True, before_train=None):
     setup_logging(dist.rank)
     run = Run.from_flags(argv, dist)
     try:
-        run.prepare_data()
         run.init_distributed()
-        run.prepare_resume()
+        run.prepare_inputs()
         run.build_model()
         run.build_data()
         run.write_run_folder()

@@ -2,8 +2,8 @@
 
     SCALETRAIN_TEST_SLOW_RANK="RANK:SECONDS" deepspeed tests/helpers/slow_rank.py <train.py flags>
 
-sleeps SECONDS before each of RANK's micro-batch forwards (it wraps scaletrain.train.loop.token_loss_sum, which the
-loop looks up at each call), as a slower GPU or a throttled node would. Without the variable it is plain train.py.
+sleeps SECONDS before each of RANK's micro-batch forwards (it wraps scaletrain.train.step.token_loss_sum, which the
+step looks up at each call), as a slower GPU or a throttled node would. Without the variable it is plain train.py.
 """
 
 import os
@@ -18,20 +18,20 @@ SLOW_ENV = "SCALETRAIN_TEST_SLOW_RANK"
 
 def main() -> int:
     import train
-    from scaletrain.train import loop
+    from scaletrain.train import step
     from scaletrain.distributed.world import read_launch_env
 
     spec = os.environ.get(SLOW_ENV)
     if spec:
         rank, seconds = spec.split(":")
         if read_launch_env().rank == int(rank):
-            forward = loop.token_loss_sum
+            forward = step.token_loss_sum
 
             def slow_forward(engine, batch):
                 time.sleep(float(seconds))
                 return forward(engine, batch)
 
-            loop.token_loss_sum = slow_forward
+            step.token_loss_sum = slow_forward
     return train.main(sys.argv[1:])
 
 

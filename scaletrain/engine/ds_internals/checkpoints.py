@@ -23,6 +23,7 @@ def _not_ours(version: Any) -> str | None:
     return f"is {version}, scaletrain writes {UNIVERSAL_CHECKPOINT_VERSION} into its checkpoints"
 
 
+# Proven by tests/test_checkpoint.py::test_resume_on_another_rank_count_converts_and_continues.
 UNIVERSAL_CONVERTER = Hook("deepspeed.checkpoint.ds_to_universal", None, _UNIVERSAL, _UNIVERSAL_INSTEAD)
 UNIVERSAL_VERSION = Hook(
     "deepspeed.checkpoint.constants",
@@ -31,6 +32,8 @@ UNIVERSAL_VERSION = Hook(
     _UNIVERSAL_INSTEAD,
     problem=_not_ours,
 )
+# Every shard a save writes (checksummed into commit.json), and rank 0's copy of zero_to_fp32.py: proven by
+# tests/test_checkpoint_integrity.py (a disk filled during a save, at 2 ranks).
 _SAVE = "checksums and full-disk handling of checkpoint saves"
 CHECKPOINT_WRITE = Hook("deepspeed.runtime.checkpoint_engine.checkpoint_engine:CheckpointEngine", "save", _SAVE)
 RECOVERY_SCRIPT = Hook("deepspeed.runtime.engine:DeepSpeedEngine", "_copy_recovery_script", _SAVE)

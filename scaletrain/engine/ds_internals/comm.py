@@ -1,13 +1,6 @@
 """DeepSpeed's communication layer: the shm all-reduce build skipped on one CPU rank, ShmAllReduce (large CPU sums
 through DeepSpeed's shared-memory kernel instead of gloo, --cpu_shm_allreduce), and the comms logger made to record
-each op's own latency (--comms_log).
-
-The comms logger: DeepSpeed 0.19.8 hands CommsLogger.append the running total of every op of a name so far (timed_op
-reads its timer with reset=False) as the op's latency; per_op_comm_latencies replaces the instance's append with one
-that keeps each op's own time, and refuses a total that shrinks (a fixed DeepSpeed). The logger is not told which
-group an op ran on, so the bus bandwidth of a subgroup's op (a tensor-parallel all-reduce) would be computed with the
-world's size; timed_op measures the op's size just before it runs (get_msg_size_from_args, a module global of
-deepspeed.comm.comm, given the op and its arguments), so that function is wrapped to note the op's group size."""
+each op's own latency (--comms_log)."""
 
 from __future__ import annotations
 
@@ -16,12 +9,16 @@ from collections.abc import Callable
 
 from scaletrain.engine.ds_internals.guard import Hook, moved
 
+# Only speed depends on it: tests/test_ds_internals.py checks that it resolves.
 SHM_BUILD = Hook("deepspeed.comm.torch", "build_shm_op", "skipping the shm all-reduce build on one CPU rank")
+# Proven by tests/test_pipeline.py::test_loss_and_update_do_not_depend_on_accumulation_or_rank_count (its 2-rank run).
 _SHM, _SHM_INSTEAD = "the shared-memory all-reduce of CPU ranks (--cpu_shm_allreduce)", "pass --no-cpu_shm_allreduce"
 COMM_BACKEND = Hook("deepspeed.comm.comm", "cdb", _SHM, _SHM_INSTEAD)
 BACKEND_ALL_REDUCE = Hook("deepspeed.comm.torch:TorchBackend", "all_reduce", _SHM, _SHM_INSTEAD)
 SHM_KERNEL_LEVEL = Hook("deepspeed.comm.torch:TorchBackend", "shm_vector_kernel_level", _SHM, _SHM_INSTEAD)  # instance
 SHM_COMM_OP = Hook("deepspeed.comm.torch:TorchBackend", "shm_comm_op", _SHM, _SHM_INSTEAD)  # instance
+# Proven by tests/test_comm_log.py: per-op latencies against wall-clock times of known collectives, DeepSpeed's own
+# figures still running totals, and no bus traffic for an all-reduce on a one-rank group (COMMS_MSG_SIZE).
 _COMMS, _COMMS_INSTEAD = "the communication log (--comms_log)", "train without --comms_log"
 COMMS_LOGGER = Hook("deepspeed.comm.comm", "comms_logger", _COMMS, _COMMS_INSTEAD)
 COMMS_APPEND = Hook("deepspeed.utils.comms_logging:CommsLogger", "append", _COMMS, _COMMS_INSTEAD)
@@ -38,9 +35,10 @@ def skip_shm_op_build() -> None:
 
 
 class ShmAllReduce:
-    """Large synchronous all-reduce sums over every rank, sent through DeepSpeed's shared-memory kernel instead of
-    the backend's (gloo) all_reduce; everything else (other groups, other ops, async calls, small or strided tensors,
-    types the host's kernel cannot sum) goes to the original. Installed on DeepSpeed's backend instance after
+    """Large synchronous all-reduce sums over every rank, sent through DeepSpeed's shared-memory kernel
+    (torch.ops.deepspeed.inference_all_reduce_, built for inference) instead of the backend's (gloo) all_reduce;
+    everything else (other groups, other ops, async calls, small or strided tensors, types the host's kernel cannot
+    sum) goes to the original. Installed on DeepSpeed's backend instance after
     deepspeed.init_distributed, so the comms logger still sees each call as an all_reduce.
 
     Every rank routes a call the same way: the tests below depend only on what all ranks of an all-reduce share
@@ -127,9 +125,15 @@ def _group_size(func, args: tuple, kwargs: dict) -> int | None:
 
 
 def per_op_comm_latencies(bandwidth: Callable[[str, int, float, int | None], tuple]):
-    """DeepSpeed's comms logger, made to record each op's own latency (see the module docstring) with
-    `bandwidth(op, bytes, ms, group size or None for the world) -> (algbw, busbw)`; its records keep DeepSpeed's
-    format, {name: {bytes: [count, [ms], [algbw], [busbw]]}}."""
+    """DeepSpeed's comms logger, made to record each op's own latency with `bandwidth(op, bytes, ms, group size or
+    None for the world) -> (algbw, busbw)`; its records keep DeepSpeed's format, {name: {bytes: [count, [ms], [algbw],
+    [busbw]]}}.
+
+    DeepSpeed 0.19.8 hands CommsLogger.append the running total of every op of a name so far (timed_op reads its
+    timer with reset=False) as the op's latency: the instance's append is replaced by one that keeps each op's own
+    time, and refuses a total that shrinks (a fixed DeepSpeed). The logger is not told which group an op ran on, so a
+    subgroup's op (a tensor-parallel all-reduce) would get the world's bus bandwidth: get_msg_size_from_args, which
+    timed_op calls with the op and its arguments just before it runs, is wrapped to note the group's size."""
     logger = COMMS_LOGGER.resolve()
     COMMS_APPEND.on(logger)
     records = COMMS_RECORDS.on(logger)

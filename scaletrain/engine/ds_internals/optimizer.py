@@ -23,6 +23,8 @@ _STAGE3 = "deepspeed.runtime.zero.stage3:DeepSpeedZeroOptimizer_Stage3"
 _STAGE12 = "deepspeed.runtime.zero.stage_1_and_2:DeepSpeedZeroOptimizer"
 
 
+# Proven to act by tests/test_nonfinite.py::test_a_nan_on_one_rank_skips_the_update_on_every_rank: [zero3,
+# zero3_offload] for ZeRO-3's hooks, [zero1, zero2_offload] and the rollback test (zero2) for ZeRO-1/2's.
 STAGE3_CHECK = Hook(_STAGE3, "_overflow_check_and_loss_scale_update", _SKIP, _SKIP_INSTEAD)
 STAGE3_CLEANUP = Hook(_STAGE3, "_loss_scale_update_and_overflow_cleanup", _SKIP, _SKIP_INSTEAD)
 STAGE12_CHECK = Hook(_STAGE12, "check_overflow", _SKIP, _SKIP_INSTEAD)

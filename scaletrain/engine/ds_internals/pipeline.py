@@ -1,9 +1,6 @@
 """DeepSpeed's pipeline engine: the step-boundary agreement run right before each update (the schedule's
-OptimizerStep), ZeRO-0's gradient clipping fixed to use every stage's norm, and other stages' layers released.
-
-The clipping: under ZeRO-0, DeepSpeed 0.19.8 computes the clipping norm with the pipe grid as `mpu`, whose "model
-parallel rank" is the stage, so only stage 0's gradients enter the norm and every stage clips by it;
-fix_pipeline_stage0_clipping replaces DeepSpeedEngine.clip_fp32_gradients with the norm over every stage."""
+OptimizerStep), ZeRO-0's gradient clipping fixed to use every stage's norm, other stages' layers released, and a stage
+given its weights as it is built."""
 
 from __future__ import annotations
 
@@ -12,12 +9,15 @@ from collections.abc import Callable
 from scaletrain.engine.ds_internals.guard import Hook, require
 
 _PP, _PP_INSTEAD = "pipeline parallelism (--pipeline_parallel_size)", "train without --pipeline_parallel_size"
+# The update hook and the clipping fix: proven by tests/test_pipeline_parallel.py (ZeRO-0 against one rank, gradient
+# clipping acting).
 PIPE_INSTRUCTIONS = Hook("deepspeed.runtime.pipe.engine:PipelineEngine", "_INSTRUCTION_MAP", _PP, _PP_INSTEAD)
 PIPE_OPTIMIZER_STEP = Hook("deepspeed.runtime.pipe.schedule", "OptimizerStep", _PP, _PP_INSTEAD)
-PIPE_SPECS = Hook("deepspeed.runtime.pipe.module:PipelineModule", "_layer_specs", _PP, _PP_INSTEAD)  # instance
 PIPE_CLIP = Hook("deepspeed.runtime.engine:DeepSpeedEngine", "clip_fp32_gradients", _PP, _PP_INSTEAD)
-# PipelineModule.__init__ partitions the layers, calls _build() (this rank's layers only), then moves them to the
-# device: a stage built from meta-device modules gets its weights between the two.
+# The stage's own layers, released and built: proven by tests/test_stage_build.py. PipelineModule.__init__ partitions
+# the layers, calls _build() (this rank's layers only), then moves them to the device: a stage built from meta-device
+# modules gets its weights between the two.
+PIPE_SPECS = Hook("deepspeed.runtime.pipe.module:PipelineModule", "_layer_specs", _PP, _PP_INSTEAD)  # instance
 PIPE_BUILD = Hook("deepspeed.runtime.pipe.module:PipelineModule", "_build", _PP, _PP_INSTEAD)
 
 
@@ -55,7 +55,9 @@ def before_pipeline_update(engine, callback: Callable[[], None]) -> None:
 
 
 def fix_pipeline_stage0_clipping(engine) -> None:
-    """ZeRO-0 under pipeline parallelism: clip by the norm of every stage's gradients (see the module docstring).
+    """ZeRO-0 under pipeline parallelism: clip by the norm of every stage's gradients. DeepSpeed 0.19.8 computes the
+    clipping norm with the pipe grid as `mpu`, whose "model parallel rank" is the stage, so only stage 0's gradients
+    enter the norm and every stage clips by it.
 
     Each parameter counts once: a tied weight (held by the first and last stage, its gradient all-reduced between
     them) only on the lowest rank of its tie group. The norm is summed over the pipe group (the data-parallel

@@ -1,7 +1,8 @@
 """References DeepSpeed leaves behind after engine.destroy(): a ZeRO-3 engine's modules on the global forward-module
 stack and in a class-wide functools cache, and a pipeline engine's grid and process groups in the point-to-point
 layer's globals. Left there, they keep the process groups alive until the interpreter exits, where gloo's threads can
-abort a finished run."""
+abort a finished run. Proven by tests/test_pipeline.py::test_a_run_frees_its_process_groups_before_exit[zero3-*,
+zero1_pp2-*]."""
 
 from __future__ import annotations
 

@@ -1,0 +1,76 @@
+"""Which checkpoint a run continues, decided before anything is built: the one --resume_from_checkpoint names (or the
+newest committed one), checked against this run's model, layout, ZeRO setting and peak LR, and whether it loads
+through DeepSpeed's universal form. A damaged checkpoint found later falls back to the one before it through
+resume_elsewhere, which checks the fallback the same way."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from scaletrain.checkpoint.resume import check_resumable, read_train_state, resolve_resume, saved_zero_stage
+from scaletrain.checkpoint.run_folder import read_previous_run_config
+from scaletrain.config import ResolvedDSConfig, RunConfig
+from scaletrain.errors import UsageError
+from scaletrain.observability import METRICS_FILE, read_records
+from scaletrain.parts import ParallelLayout, ResolvedRun, ResumePoint
+
+UNIVERSAL_KEY = "checkpoint.load_universal"
+
+
+def plan_resume(
+    cfg: RunConfig, ds: ResolvedDSConfig, model_facts: dict, layout: ParallelLayout
+) -> tuple[ResumePoint | None, ResolvedDSConfig]:
+    """(the checkpoint this run continues or None, the DeepSpeed config that loads it)."""
+    if cfg.planning.plan:
+        return None, ds
+    checkpoint = resolve_resume(cfg.checkpoint.resume_from_checkpoint, cfg.run.output_dir)
+    if checkpoint is None:
+        return None, ds
+    return resume_point(cfg, ds, model_facts, layout, checkpoint)
+
+
+def resume_elsewhere(resolved: ResolvedRun, checkpoint: Path) -> ResolvedRun:
+    """The run resolved to continue `checkpoint` instead (the fallback from a damaged one), checked as the
+    pre-flight checks its choice: a new value, the one given is left as it was."""
+    ds = resolved.ds.without(UNIVERSAL_KEY)  # set again if `checkpoint` needs it
+    resume, ds = resume_point(resolved.cfg, ds, resolved.model_facts, resolved.dist.layout, checkpoint)
+    return resolved.replace(resume=resume, ds=ds)
+
+
+def resume_point(
+    cfg: RunConfig, ds: ResolvedDSConfig, model_facts: dict, layout: ParallelLayout, checkpoint: Path
+) -> tuple[ResumePoint, ResolvedDSConfig]:
+    previous = read_previous_run_config(checkpoint)
+    check_peak_lr(cfg, ds, previous, checkpoint)
+    metrics_file = Path(cfg.run.output_dir) / METRICS_FILE
+    if metrics_file.exists():
+        read_records(metrics_file)  # damaged before its end: refused here, on every rank, before anything is built
+    reshard = check_resumable(checkpoint, layout, ds.zero_stage, ds.offload_setting, model_facts)
+    state = read_train_state(checkpoint)
+    if reshard:
+        saved = tuple(state.get(f"{kind}_parallel_size", 1) for kind in ("tensor", "sequence", "pipeline"))
+        why = (
+            f"resume of a checkpoint from {state['world_size']} data-parallel ranks x (tensor, sequence, "
+            f"pipeline) parallel {saved} on {layout.dp} x ({layout.tp}, {layout.sp}, {layout.pp}), ZeRO stage "
+            f"{saved_zero_stage(checkpoint, state)} ({state.get('offload') or 'offload unrecorded'}) "
+            f"on {ds.zero_stage} ({ds.offload_setting})"
+        )
+        ds = ds.with_values({UNIVERSAL_KEY: True}, why)
+    return ResumePoint(checkpoint, state, reshard, previous), ds
+
+
+def check_peak_lr(cfg: RunConfig, ds: ResolvedDSConfig, previous: dict | None, checkpoint: Path) -> None:
+    """A resumed run restarts its schedule from its own peak LR; another peak than the run it continues is refused
+    unless asked for."""
+    old, new = (previous or {}).get("peak_lr"), ds.peak_lr
+    if old is None or old == new or cfg.checkpoint.allow_schedule_change:
+        return
+    flag = (
+        "--learning_rate"
+        if ds.sources.get("optimizer.params.lr") == "--learning_rate"
+        else f"optimizer.params.lr in {cfg.engine.config}"
+    )
+    raise UsageError(
+        f"{flag} {new}: the run resumed from {checkpoint} trained with a peak LR of {old}",
+        f"use {flag} {old} to continue it, or add --allow_schedule_change to resume with the new peak",
+    )

@@ -1,0 +1,216 @@
+"""The typed parts of a run that one phase hands to the next, in one module every wing may import: the launch
+(DistInfo) and its parallel layout (ParallelLayout), what the pre-flight decided (ResolvedRun, ResumePoint) and what
+the build made of it (BuiltModel, TrainingData). All frozen: what changes during a run (a resume from another
+checkpoint, the model's facts at a save, the accelerator once the process group exists) is a new value.
+
+At run time this module imports nothing of scaletrain: the wings' types below are named for annotations only.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # annotations only: importing these wings here would put the ground floor above them
+    import torch
+    from transformers import PretrainedConfig, PreTrainedTokenizerBase
+    from transformers.integrations import HfDeepSpeedConfig
+
+    from scaletrain.config import ResolvedDSConfig, RunConfig
+    from scaletrain.data import ChatData, GlobalOrder, PackedBlocks
+    from scaletrain.distributed import TokenLoss
+    from scaletrain.engine import LRSchedule
+    from scaletrain.model import RouterLoss
+    from scaletrain.observability import EvalPrompts, ModelFlops, ModelShape
+
+AXES = ("tp", "sp", "dp", "pp")  # fastest-varying first: rank = ((pp x DP + dp) x SP + sp) x TP + tp
+
+
+@dataclass(frozen=True)
+class Coordinates:
+    """Where one rank sits on each axis of the layout."""
+
+    tp: int = 0  # its shard of each tensor-parallel layer
+    sp: int = 0  # which 1/SP of each block's tokens it holds
+    dp: int = 0  # its data-parallel replica: which slice of each global batch it reads
+    pp: int = 0  # its pipeline stage
+
+
+@dataclass(frozen=True)
+class ParallelLayout:
+    """How the world's ranks split: tensor (TP), sequence (SP), pipeline (PP) and data (DP) parallel sizes, with
+    TP x SP x PP x DP the world. Ranks are numbered tensor axis fastest, pipeline axis slowest, as DeepSpeed's
+    PipeModelDataParallelTopology (axes pipe, data, model) numbers them: a tensor- or sequence-parallel group is
+    consecutive ranks (inside a node), and a pipeline stage's data-parallel replicas are consecutive too."""
+
+    tp: int = 1
+    sp: int = 1
+    pp: int = 1
+    dp: int = 1
+
+    @classmethod
+    def of_world(cls, world_size: int, tp: int = 1, sp: int = 1, pp: int = 1) -> ParallelLayout:
+        """The layout of `world_size` ranks with these model-parallel sizes; data parallelism takes the rest."""
+        assert world_size % (tp * sp * pp) == 0, f"{tp} x {sp} x {pp} does not divide {world_size} ranks"
+        return cls(tp, sp, pp, world_size // (tp * sp * pp))
+
+    @property
+    def world_size(self) -> int:
+        return self.tp * self.sp * self.pp * self.dp
+
+    @property
+    def model_parallel(self) -> int:
+        """The ranks one replica of the model spans (tensor x sequence x pipeline)."""
+        return self.tp * self.sp * self.pp
+
+    @property
+    def tp_enabled(self) -> bool:
+        return self.tp > 1
+
+    @property
+    def sp_enabled(self) -> bool:
+        return self.sp > 1
+
+    @property
+    def pp_enabled(self) -> bool:
+        return self.pp > 1
+
+    @property
+    def dp_enabled(self) -> bool:
+        return self.dp > 1
+
+    def sizes(self) -> dict:
+        """{"tp": TP, "sp": SP, "dp": DP, "pp": PP}, fastest axis first."""
+        return {axis: getattr(self, axis) for axis in AXES}
+
+    def coordinates(self, rank: int) -> Coordinates:
+        assert 0 <= rank < self.world_size, f"rank {rank} outside a world of {self.world_size}"
+        found = {}
+        for axis, size in self.sizes().items():
+            rank, found[axis] = divmod(rank, size)
+        return Coordinates(**found)
+
+    def rank_at(self, coords: Coordinates) -> int:
+        rank = 0
+        for axis in reversed(AXES):
+            rank = rank * getattr(self, axis) + getattr(coords, axis)
+        return rank
+
+    def group(self, axis: str, rank: int) -> tuple:
+        """The ranks that share every coordinate of `rank` but the one on `axis` (its tensor-parallel group for
+        "tp", its data-parallel replicas for "dp", ...), in order of that coordinate."""
+        coords = self.coordinates(rank)
+        return tuple(self.rank_at(dataclasses.replace(coords, **{axis: k})) for k in range(getattr(self, axis)))
+
+    def groups(self, axis: str) -> list:
+        """Every group along `axis`, each a tuple of ranks, ordered by their first rank."""
+        return sorted({self.group(axis, rank) for rank in range(self.world_size)})
+
+    def describe(self) -> str:
+        """ "tensor parallel 2 x data parallel 4": the model-parallel kinds in use, then data parallelism."""
+        names = (("tp", "tensor"), ("sp", "sequence"), ("pp", "pipeline"))
+        used = [f"{name} parallel {getattr(self, axis)}" for axis, name in names if getattr(self, axis) > 1]
+        return " x ".join([*used, f"data parallel {self.dp}"])
+
+
+@dataclass(frozen=True)
+class DistInfo:
+    """The launch: this process's rank among the world, read once from the launcher's environment
+    (distributed.read_launch_env), and the run's parallel layout (pure data parallelism until the pre-flight sets
+    the run's)."""
+
+    rank: int
+    local_rank: int
+    world_size: int
+    launcher: str  # "torchrun/deepspeed", "srun" or "single"
+    accelerator: str = "cpu"  # DeepSpeed's accelerator name, known once the process group exists
+    layout: ParallelLayout = None  # type: ignore[assignment]  # None: data parallelism over the world
+
+    def __post_init__(self):
+        if self.layout is None:
+            object.__setattr__(self, "layout", ParallelLayout(dp=self.world_size))
+        assert self.layout.world_size == self.world_size, f"{self.layout} on {self.world_size} ranks"
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def coords(self) -> Coordinates:
+        """This rank's place in the layout."""
+        return self.layout.coordinates(self.rank)
+
+
+@dataclass(frozen=True)
+class ResumePoint:
+    """The committed checkpoint a run continues, as the pre-flight checked it."""
+
+    checkpoint: Path
+    state: dict  # its train state (step, data position, the layout that saved it)
+    reshard: bool  # it loads through DeepSpeed's universal form (another rank count, layout or offload)
+    previous_run_config: dict | None  # run_config.json of the run that wrote it, where there is one
+
+    @property
+    def step(self) -> int | None:
+        return self.state.get("step")
+
+
+@dataclass(frozen=True)
+class ResolvedRun:
+    """What the pre-flight decided, handed to every later phase: the flags, the resolved DeepSpeed JSON, the launch
+    with this run's layout, the model's config and tokenizer, the block size and the checkpoint to resume."""
+
+    cfg: RunConfig
+    ds: ResolvedDSConfig
+    dist: DistInfo
+    model_config: PretrainedConfig
+    tokenizer: PreTrainedTokenizerBase
+    block_size: int
+    n_params: int
+    attn_implementation: str  # --attn_implementation, or transformers' choice for the model
+    resume: ResumePoint | None = None
+    model_facts: dict | None = None  # what a checkpoint must match to be resumed by this model
+    flops: ModelFlops | None = None  # FLOPs per token of this model at this block size
+    model_shape: ModelShape | None = None  # --plan: the memory planner's view of the model
+    router_loss: RouterLoss | None = None  # a mixture-of-experts model's load-balancing loss
+    eval_prompts: EvalPrompts | None = None  # --eval_prompts read and tokenized
+    chat: ChatData | None = None  # chat data: its template and loss mode (None: plain text)
+
+    @property
+    def resume_from(self) -> Path | None:
+        return None if self.resume is None else self.resume.checkpoint
+
+    @property
+    def isolates_documents(self) -> bool:
+        """Packed sequences kept apart by restarting position ids: --attention_isolation, chat examples, and
+        padding-free preference pairs."""
+        chat = self.chat
+        return self.cfg.data.attention_isolation or (
+            chat is not None and (chat.kind != "preference" or self.cfg.data.padding_free)
+        )
+
+    def replace(self, **changes) -> ResolvedRun:
+        return dataclasses.replace(self, **changes)
+
+
+@dataclass(frozen=True)
+class BuiltModel:
+    """The model as this rank holds it, before deepspeed.initialize."""
+
+    module: torch.nn.Module  # under pipeline parallelism, deepspeed's PipelineModule of this rank's stage
+    keepalive: HfDeepSpeedConfig | None = None  # ZeRO-3: alive while transformers builds the model sharded
+    pipeline_loss: TokenLoss | None = None  # pipeline parallelism: the pipe engine's loss_fn
+
+
+@dataclass(frozen=True)
+class TrainingData:
+    """What the loop reads: opened token stores, packed training blocks, the evaluation sets, the global order of
+    the blocks (with any batch ramp-up) and the LR schedule's length."""
+
+    stores: tuple  # opened token stores ({"path", "splits", ...}), in --dataset_mix order
+    blocks: PackedBlocks
+    eval_sets: dict  # {validation split: EvalBatches}
+    order: GlobalOrder
+    schedule: LRSchedule

@@ -76,6 +76,7 @@ from scaletrain.observability import (
     GoodputLedger,
     HostMemoryPhase,
     MetricsLogger,
+    print_memory_plan,
     RunIdentity,
 )
 from scaletrain.parts import BuiltModel, DistInfo, ResolvedRun, TrainingData
@@ -154,20 +155,13 @@ class Run:
 
     def _record_layout(self) -> None:
         """The layout this run trains with, into the train state its checkpoints carry."""
-        layout, ds = self.dist.layout, self.resolved.ds
-        self.state.world_size = layout.dp
-        self.state.tensor_parallel_size = layout.tp
-        self.state.sequence_parallel_size = layout.sp
-        self.state.pipeline_parallel_size = layout.pp
-        self.state.zero_stage = ds.zero_stage
-        self.state.offload = ds.offload_setting
+        ds = self.resolved.ds
+        self.state.record_layout(self.dist.layout, ds.zero_stage, ds.offload_setting)
 
     def print_config(self) -> None:
         print_config(self.resolved)
 
     def print_memory_plan(self) -> None:
-        from scaletrain.observability import print_memory_plan
-
         print_memory_plan(self.cfg, self.resolved.model_shape, self.resolved.block_size)
 
     def init_distributed(self) -> None:

@@ -61,8 +61,9 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from data.build_tiny_llama import tiny_llama_variant  # noqa: E402
-from scaletrain.distributed.world import free_port  # noqa: E402
-from scripts.bench.common import DEEPSPEED, bench_model, child_env, steady_rate  # noqa: E402
+from scaletrain.observability import METRICS_FILE, read_records  # noqa: E402
+from scripts.bench.common import bench_model, steady_rate  # noqa: E402
+from scripts.launching import Launcher, child_env  # noqa: E402
 
 TINY_VOCAB = 4096  # data/tiny-llama's tokenizer; a larger model vocabulary simply has unused rows
 # Per-measure defaults: the jobs the memory and throughput goals are measured on; command-line flags override them.
@@ -207,16 +208,8 @@ def launch(script: str, args: list, s: argparse.Namespace, env: dict, log: Path)
     which). Raises RunFailed with the command and its output's tail when it fails or outgrows the memory guard."""
     time_file = log.with_suffix(".maxrss")
     gnu_time = [GNU_TIME, "-f", "%M", "-o", str(time_file)] if Path(GNU_TIME).is_file() else []
-    cmd = [
-        *gnu_time,
-        *DEEPSPEED,
-        "--num_gpus",
-        str(s.ranks),
-        "--master_port",
-        str(free_port()),  # another job on the machine may hold the launcher's default port
-        script,
-        *args,
-    ]
+    # a free --master_port: another job on the machine may hold the launcher's default port
+    cmd = [*gnu_time, *Launcher("deepspeed", s.ranks).command(script, args)]
     limit = s.max_rss_gb * GIB
     load_before, started = round(os.getloadavg()[0], 2), time.monotonic()  # another job on the machine shows here
     peak, single_peak, stopped = 0, 0, None
@@ -256,20 +249,9 @@ def launch(script: str, args: list, s: argparse.Namespace, env: dict, log: Path)
 
 
 def common_env(tmp: Path) -> dict:
-    env = child_env()  # the repository first on PYTHONPATH, the caller's kept (packages carried with --target)
-    env.update(
-        {
-            "HF_HUB_OFFLINE": "1",
-            "HF_DATASETS_OFFLINE": "1",
-            "TOKENIZERS_PARALLELISM": "false",
-            "WANDB_MODE": "offline",
-            "SCALETRAIN_CACHE": str(tmp / "scaletrain_cache"),  # each side tokenizes in its first round
-            "HF_DATASETS_CACHE": str(tmp / "datasets_cache"),
-        }
-    )
-    for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
-        env.pop(var, None)
-    return env
+    """Both sides' environment: offline, the repository first on PYTHONPATH and the caller's kept (packages carried
+    with --target), the caches under `tmp` (each side tokenizes in its first round)."""
+    return child_env(tmp)
 
 
 # --- one run of each side ----------------------------------------------------------------------------------------
@@ -319,7 +301,7 @@ def run_ours(model: Path, run_dir: Path, s: argparse.Namespace, env: dict) -> di
         *s.ours_flags.split(),
     ]
     mem = launch("train.py", args, s, env, run_dir.with_suffix(".log"))
-    records = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    records, _ = read_records(run_dir / METRICS_FILE)
     train = [r for r in records if "loss" in r]
     steps = [r["step"] for r in train]
     blocks = {r["global_batch"] for r in train}

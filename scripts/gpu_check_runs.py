@@ -17,8 +17,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from scaletrain.distributed.world import free_port  # noqa: E402
-from scripts.bench.common import DEEPSPEED  # noqa: E402
+from scaletrain.observability import METRICS_FILE, read_records  # noqa: E402
+from scripts.launching import Launcher, run  # noqa: E402
 from scripts.gpu_check_checks import dpo_check  # noqa: E402
 from scripts.gpu_check_rows import FAILED, OK, PAIRS, PRETRAINED, Row, Setup, Spec  # noqa: E402
 from scripts.gpu_check_rows import save_pretrained_base, write_pairs  # noqa: E402
@@ -63,30 +63,32 @@ def run_row(spec: Spec, row: Row, ctx: Context) -> dict | None:
 
 
 def launch(cmd: list, log: Path, env: dict, timeout: float) -> str | None:
-    """Run `cmd` with its output in `log`; None when it exits 0, else why not."""
-    with log.open("w") as out:
-        try:
-            proc = subprocess.run(cmd, cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT, timeout=timeout)
-        except subprocess.TimeoutExpired:
-            return f"ran past {timeout:.0f}s"
+    """Run `cmd` from the repository with its output in `log`; None when it exits 0, else why not."""
+    try:
+        proc = run(cmd, env, timeout=timeout, log=log)
+    except subprocess.TimeoutExpired:
+        return f"ran past {timeout:.0f}s"
     return None if proc.returncode == 0 else f"exit {proc.returncode}"
 
 
 def run_train(spec: Spec, setup: Setup, work: Path, env: dict, timeout: float, row: Row) -> None:
     out = work / spec.name
-    cmd = [
-        *DEEPSPEED,  # no launcher script assumed: a `pip install --target` puts none beside the interpreter
-        *("--num_gpus", "1", "--master_port", str(free_port()), "train.py", *spec.args),
-        *("--output_dir", str(out), "--logging_steps", "1"),
-        *("--no-export_hf_at_end", "--no-save_at_end", "--disable_tqdm"),
-    ]
+    # DeepSpeed's runner as a module: no launcher script assumed (a `pip install --target` puts none beside python)
+    cmd = Launcher("deepspeed", 1).command(
+        "train.py",
+        [
+            *spec.args,
+            *("--output_dir", str(out), "--logging_steps", "1"),
+            *("--no-export_hf_at_end", "--no-save_at_end", "--disable_tqdm"),
+        ],
+    )
     if spec.steps and "--max_steps" not in spec.args:
         cmd += ["--max_steps", str(spec.steps)]
     problem = launch(cmd, Path(row.log), env, timeout)
     if problem:
         row.status, row.checks = FAILED, [f"{problem}; log {row.log}"]
         return
-    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    records, _ = read_records(out / METRICS_FILE)
     figures = train_figures(records, setup.warmup)
     row.steps, row.tokens_per_s, row.mfu = figures["steps"], figures["tokens_per_s"], figures["mfu"]
     row.peak_gb, row.losses = figures["peak_gb"], figures["losses"]

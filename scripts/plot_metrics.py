@@ -7,22 +7,22 @@
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from scaletrain.config.values import eval_loss_set  # noqa: E402
+from scaletrain.observability import METRICS_FILE, read_records  # noqa: E402
 
 PHASES = ("data_wait", "forward", "backward", "pipeline", "optimizer", "sync", "checkpoint")
 
 
 def load(run_dir: Path) -> tuple:
-    path = run_dir / "metrics.jsonl"
+    path = run_dir / METRICS_FILE
     if not path.is_file():
         sys.exit(f"plot_metrics.py: error: {path}: no such file (is {run_dir} a run folder?)")
-    records = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    records, _ = read_records(path)  # a last line cut short (a run killed while writing it) left out
     train = [r for r in records if "loss" in r]
     evals = [r for r in records if any(eval_loss_set(k) is not None for k in r)]
     if not train:

@@ -14,7 +14,6 @@ Flags after `--` go to train.py. Writes <out>/scaling.md and <out>/scaling.png.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import shlex
 import subprocess
@@ -25,19 +24,16 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from scripts.bench.common import DEEPSPEED  # noqa: E402
+from scaletrain.observability import METRICS_FILE, read_records  # noqa: E402
+from scripts.launching import Launcher  # noqa: E402
 
 PHASES = ("data_wait", "forward", "backward", "pipeline", "optimizer", "sync", "checkpoint")
 
 
 def run_job(world: int, out: Path, steps: int, launcher_args: str, extra: list) -> dict:
     run_dir = out / f"world{world}"
-    cmd = [
-        *DEEPSPEED,
-        "--num_gpus",
-        str(world),
-        *shlex.split(launcher_args),
-        str(REPO / "train.py"),
+    launcher = Launcher("deepspeed", world, pick_port=False, launcher_args=tuple(shlex.split(launcher_args)))
+    flags = [
         "--config",
         str(REPO / "ds_configs/zero2.json"),
         "--output_dir",
@@ -52,10 +48,11 @@ def run_job(world: int, out: Path, steps: int, launcher_args: str, extra: list) 
         "--overwrite_output_dir",
         *extra,
     ]
+    cmd = launcher.command(REPO / "train.py", flags)
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, env={**os.environ, "HF_HUB_OFFLINE": "1"})
     if proc.returncode != 0:
         sys.exit(f"world size {world} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
-    records = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    records, _ = read_records(run_dir / METRICS_FILE)
     steady = [r for r in records if "loss" in r][steps // 4 :]  # skip the warm-up quarter
     mean = lambda key: sum(r.get(key, 0.0) for r in steady) / len(steady)  # noqa: E731
     return {

@@ -45,10 +45,11 @@ for name in "${CONFIGS[@]}"; do
        --max_steps 10 --logging_steps 2 --block_size 64 --per_device_train_batch_size 4 --learning_rate 3e-3 \
        --max_eval_samples 16 --disable_tqdm > "$out.log" 2>&1 \
      && verdict=$("$PYTHON" - "$out" <<'PY'
-import json, math, sys
+import math, sys
 from pathlib import Path
+from scaletrain.observability import read_records
 run = Path(sys.argv[1])
-losses = [r["loss"] for r in map(json.loads, (run / "metrics.jsonl").read_text().splitlines()) if "loss" in r]
+losses = [r["loss"] for r in read_records(run / "metrics.jsonl")[0] if "loss" in r]
 assert losses and all(math.isfinite(x) for x in losses), f"non-finite loss {losses}"
 assert losses[-1] < losses[0], f"loss did not fall: {losses[0]:.3f} -> {losses[-1]:.3f}"
 assert (run / "checkpoints" / "latest").is_file(), "no checkpoint"

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from scaletrain.config.cli import build_parser
-from tests.conftest import REPO
+from tests.harness import REPO
 
 README = REPO / "README.md"
 DOCS = REPO / "docs"

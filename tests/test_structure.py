@@ -1,7 +1,8 @@
 """The code's shape, checked: one wing (subpackage) per concern, each wing's face (its __init__.py) the only way in
 from another wing, no import cycle between modules or between wings (function-level imports included; imports for
 annotations only, under `if TYPE_CHECKING:`, never run and are not edges), no module over 600 lines, no function
-over 80, and a config that a mistyped flag can reach without importing numpy or torch."""
+over 80, and a config that a mistyped flag can reach without importing numpy or torch. The tests' own shape: a folder
+per wing, each a package, no test module over 800 lines."""
 
 from __future__ import annotations
 
@@ -9,11 +10,13 @@ import ast
 import subprocess
 import sys
 
-from tests.conftest import REPO
+from tests.harness import REPO
 
 PACKAGE = REPO / "scaletrain"
 MAX_FUNCTION_LINES = 80
 MAX_MODULE_LINES = 600
+TESTS = REPO / "tests"
+MAX_TEST_MODULE_LINES = 800
 
 
 def modules() -> dict:
@@ -175,6 +178,23 @@ def test_no_module_in_the_package_is_longer_than_600_lines():
         if (n := len(p.read_text().splitlines())) > MAX_MODULE_LINES
     )
     assert not long, "split these: " + "; ".join(long)
+
+
+def test_no_test_module_is_longer_than_800_lines():
+    long = sorted(
+        f"{p.relative_to(TESTS)} ({n} lines)"
+        for p in TESTS.rglob("test_*.py")
+        if (n := len(p.read_text().splitlines())) > MAX_TEST_MODULE_LINES
+    )
+    assert not long, "split these: " + "; ".join(long)
+
+
+def test_every_folder_of_test_modules_is_a_package():
+    """tests/<wing>/test_x.py imports as tests.<wing>.test_x (pytest puts the repository, not the folder, on sys.path):
+    a folder without __init__.py would go on sys.path itself, and tests/data/ or tests/scripts/ would then hide the
+    repository's data/ and scripts/."""
+    folders = {p.parent for p in TESTS.rglob("test_*.py")}
+    assert not sorted(str(f.relative_to(REPO)) for f in folders if not (f / "__init__.py").is_file())
 
 
 def test_no_function_in_the_package_is_longer_than_80_lines():

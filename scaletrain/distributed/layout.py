@@ -1,18 +1,8 @@
-"""The parallel layout: how the world's ranks split into tensor-parallel groups and data-parallel replicas, checked
-against the world size, the model and the DeepSpeed config before anything is built. Imports no torch.
-
-Tensor parallelism is DeepSpeed AutoTP: ranks r*tp .. r*tp+tp-1 form one tensor-parallel group (consecutive ranks,
-so a group stays inside a node), every rank of a group reads the same batches, and the data-parallel size is
-world / tp. AutoTP shards the linear layers along the model's own TP plan where it has one (Llama, Qwen, Mistral
-declare one), else by its heuristic.
-
-Sequence parallelism is DeepSpeed Ulysses (ALST, deepspeed.runtime.sequence_parallel.ulysses_sp): ranks r*sp ..
-r*sp+sp-1 read the same batches and each holds 1/sp of every block's tokens; the attention all-to-alls trade tokens
-for heads. See scaletrain/distributed/sequence_parallel.py.
-
-Pipeline parallelism is deepspeed.pipe: the model's layers cut into stages, stage s on ranks s*dp .. s*dp+dp-1
-(its data-parallel replicas consecutive), micro-batches flowing through the 1F1B schedule. See
-scaletrain/distributed/pipeline.py.
+"""The run's parallel layout (parts.ParallelLayout: which ranks form each tensor-, sequence-, pipeline- and
+data-parallel group) set on the launch, and checked against the world size, the model and the DeepSpeed config
+before anything is built. Tensor parallelism is DeepSpeed AutoTP (the model's own TP plan where it has one),
+sequence parallelism DeepSpeed Ulysses (sequence_parallel.py), pipeline parallelism deepspeed.pipe (pipeline.py).
+Imports no torch.
 """
 
 from __future__ import annotations

@@ -6,7 +6,7 @@ that a shard's last token is trained on the next shard's first. Ulysses' attenti
 and split the heads, so each rank attends over the whole block for its heads. Each rank's loss is the sum over its
 shard's targets; the summed losses of all ranks are the block's.
 
-Measured against one rank on DeepSpeed 0.19.8 (tests/test_sequence_parallel.py): without the `mpu`
+Measured against one rank on DeepSpeed 0.19.8 (tests/distributed/test_sequence_parallel.py): without the `mpu`
 register_with_transformers returns, DeepSpeed averages gradients over every rank of the world for ZeRO-1, 2 and 3
 alike, so the loss is scaled by the world size over the global target count. (With the mpu, ZeRO-1/2 sum over the
 sequence-parallel group while ZeRO-3 averages, its checkpoints record the SP size as a tensor-parallel degree that

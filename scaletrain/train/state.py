@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
+from scaletrain.parts import ParallelLayout
+
 
 def seed_everything(seed: int) -> None:
     """Python's, NumPy's and torch's random generators, from the run's --seed."""
@@ -34,6 +36,12 @@ class TrainState:
     zero_stage: int | None = None  # the ZeRO stage that produced it (None: a checkpoint from before it was kept)
     offload: str | None = None  # "optimizer=<device>,param=<device>" of that run (another one converts)
     wandb_run_id: str | None = None  # so a resumed run continues the same wandb run
+
+    def record_layout(self, layout: ParallelLayout, zero_stage: int, offload: str) -> None:
+        """The layout and ZeRO setting that produce this state from now on (what a resume compares)."""
+        self.world_size, self.tensor_parallel_size = layout.dp, layout.tp
+        self.sequence_parallel_size, self.pipeline_parallel_size = layout.sp, layout.pp
+        self.zero_stage, self.offload = zero_stage, offload
 
     def state_dict(self) -> dict:
         return asdict(self)

@@ -1,5 +1,6 @@
-"""What the benchmarks share: their common flags, launching train.py (or a script) under the deepspeed launcher,
-the benchmark model, reading metrics.jsonl, steady tokens/s, timing and the "median (run, run)" figures.
+"""What the benchmarks share: their common flags, launching train.py (or a script) under the deepspeed launcher
+(through scripts/launching.py), the benchmark model, reading metrics.jsonl (scaletrain.observability's reader),
+steady tokens/s, timing and the "median (run, run)" figures.
 
 A benchmark puts the repository on sys.path and imports from here by full path, so that it runs as a script
 (`python scripts/bench/X.py`) and imports as a module (`from scripts.bench.X import ...`) alike:
@@ -13,29 +14,16 @@ A benchmark puts the repository on sys.path and imports from here by full path, 
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import statistics
-import subprocess
 import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
 
+from scaletrain.observability import METRICS_FILE, read_records
+from scripts.launching import Launcher, child_env, run
+
 REPO = Path(__file__).resolve().parents[2]
-# The deepspeed launcher as a module of this interpreter: found wherever deepspeed is importable (a venv, or a
-# `pip install --target DIR` on PYTHONPATH, which puts no `deepspeed` script beside the interpreter).
-DEEPSPEED = (sys.executable, "-m", "deepspeed.launcher.runner")
-
-
-def child_env(**overrides) -> dict:
-    """This process's environment for a child run from the repository: the repository first on PYTHONPATH, the
-    caller's PYTHONPATH kept after it (packages carried beside an image's own, `pip install --target`)."""
-    env = {**os.environ, **overrides}
-    kept = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p and p != str(REPO)]
-    env["PYTHONPATH"] = os.pathsep.join([str(REPO), *kept])
-    return env
-
 
 # The flags several benchmarks take: name -> (type, help). Each benchmark gives its own defaults.
 SHARED_FLAGS = {
@@ -68,10 +56,10 @@ def bench_model(folder: Path) -> Path:
 
 def launch(script: str, args: list, nprocs: int) -> str:
     """Run `script` (train.py, or a script of this folder) with `args` under the deepspeed launcher on `nprocs`
-    ranks, from the repository, offline; its stdout. Exits with the command and its output's tail if it fails."""
-    env = child_env(HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1")
-    cmd = [*DEEPSPEED, "--num_gpus", str(nprocs), script, *args]
-    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True)
+    ranks (the launcher's default port), from the repository, offline; its stdout. Exits with the command and its
+    output's tail if it fails."""
+    cmd = Launcher("deepspeed", nprocs, pick_port=False).command(script, args)
+    proc = run(cmd, child_env())
     if proc.returncode != 0:
         sys.exit(f"{' '.join(cmd)} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
     return proc.stdout
@@ -101,8 +89,8 @@ def train_args(config, model_dir: Path, run_dir: Path, steps: int, block_size: i
 
 
 def metrics(run_dir: Path, key: str | None = None) -> list:
-    """The records of a run's metrics.jsonl (those that have `key`, if given)."""
-    records = map(json.loads, (Path(run_dir) / "metrics.jsonl").read_text().splitlines())
+    """The records of a run's metrics.jsonl (those that have `key`, if given; a last line cut short left out)."""
+    records, _ = read_records(Path(run_dir) / METRICS_FILE)
     return [r for r in records if key is None or key in r]
 
 

@@ -60,7 +60,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
-from scripts.bench.common import bench_parser, child_env, median_runs, metrics, steady_rate  # noqa: E402
+from scripts.bench.common import bench_parser, median_runs, metrics, steady_rate  # noqa: E402
+from scripts.launching import child_env  # noqa: E402
 
 TRL_VERSION = "1.16.0"
 DS_CONFIG = "ds_configs/zero2.json"

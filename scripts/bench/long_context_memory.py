@@ -22,7 +22,6 @@ its figure shows what that copy costs, not what it saves on a GPU.
 from __future__ import annotations
 
 import json
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
@@ -30,8 +29,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
-from scaletrain.distributed.world import free_port  # noqa: E402
-from scripts.bench.common import DEEPSPEED, bench_parser, child_env, train_args  # noqa: E402
+from scripts.bench.common import bench_parser, train_args  # noqa: E402
+from scripts.launching import Launcher, child_env, run  # noqa: E402
 
 VARIANTS = {  # name -> train.py flags on top of gradient checkpointing
     "checkpointing": [],
@@ -68,8 +67,7 @@ def peak_mib(cmd: list) -> float:
         "    sys.exit(proc.stdout[-3000:] + proc.stderr[-3000:])\n"
         "print(resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss)\n"
     )
-    env = child_env(HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1")
-    proc = subprocess.run([sys.executable, "-c", probe, *cmd], cwd=REPO, env=env, capture_output=True, text=True)
+    proc = run([sys.executable, "-c", probe, *cmd], child_env())
     if proc.returncode:
         sys.exit(f"{' '.join(map(str, cmd))} failed:\n{proc.stderr[-4000:]}")
     return int(proc.stdout.split()[-1]) / 2**10  # KiB
@@ -77,8 +75,7 @@ def peak_mib(cmd: list) -> float:
 
 def train_cmd(model: Path, run_dir: Path, block: int, steps: int, nprocs: int, flags: list) -> list:
     args = train_args(REPO / "ds_configs" / "zero2.json", model, run_dir, steps, block, 1, "--gradient_checkpointing")
-    launcher = [*DEEPSPEED, "--num_gpus", str(nprocs), "--master_port", str(free_port())]
-    return [*launcher, "train.py", *args, "--save_steps", "0", *flags]
+    return Launcher("deepspeed", nprocs).command("train.py", [*args, "--save_steps", "0", *flags])
 
 
 def trainer_cmd(model: Path, run_dir: Path, block: int, steps: int) -> list:
@@ -88,14 +85,13 @@ def trainer_cmd(model: Path, run_dir: Path, block: int, steps: int) -> list:
     train = str(REPO / "data" / "sample" / "train.jsonl")
     run_dir.mkdir(parents=True)
     (run_dir / "ds.json").write_text(json.dumps(hf_ds_config(2)))
-    return [
-        *DEEPSPEED, "--num_gpus", "1", "--master_port", str(free_port()), "scripts/bench/hf_trainer_clm.py",
+    return Launcher("deepspeed", 1).command("scripts/bench/hf_trainer_clm.py", [
         "--config_name", str(model),
         "--deepspeed", str(run_dir / "ds.json"), "--output_dir", str(run_dir),
         "--block_size", str(block), "--per_device_train_batch_size", "1", "--per_device_eval_batch_size", "1",
         "--max_eval_samples", "1", "--validation_file", train, "--max_steps", str(steps), "--eval_steps",
         str(steps), "--gradient_checkpointing",
-    ]  # fmt: skip
+    ])  # fmt: skip
 
 
 def main() -> None:

@@ -29,8 +29,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
-from scaletrain.distributed.world import free_port  # noqa: E402
-from scripts.bench.common import DEEPSPEED, child_env  # noqa: E402
+from scaletrain.observability import METRICS_FILE, read_records  # noqa: E402
+from scripts.launching import Launcher, child_env, run  # noqa: E402
 
 LLAMA_8B = {  # Llama-3.1-8B's shape; the vocabulary is the sample tokenizer's (random init, our own data)
     "hidden_size": 4096,
@@ -74,26 +74,23 @@ def corpus(folder: Path, tokens: int) -> Path:
 
 def attempt(tokens: int, model: Path, data: Path, run_dir: Path, args) -> dict:
     """One run at `tokens` tokens: {"tokens", "ok", "step_s", "peak_gb", "why"}."""
-    cmd = [
-        *DEEPSPEED, "--num_gpus", "1", "--master_port", str(free_port()), "train.py",
+    cmd = Launcher("deepspeed", 1).command("train.py", [
         "--config", "ds_configs/zero3_offload.json",
         "--config_name", str(model), "--train_file", str(data), "--validation_split_percentage", "0",
         "--block_size", str(tokens), "--per_device_train_batch_size", "1", "--max_steps", str(args.steps),
         "--logging_steps", "1", "--no-save_at_end", "--no-export_hf_at_end", "--disable_tqdm",
         "--output_dir", str(run_dir), *FEATURES, *([] if args.cpu_test else ["--bf16"]),
-    ]  # fmt: skip
-    env = child_env(HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1")
+    ])  # fmt: skip
     started = time.monotonic()
     log = run_dir.with_suffix(".log")
     try:
-        with log.open("w") as out:
-            proc = subprocess.run(cmd, cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT, timeout=args.timeout)
+        proc = run(cmd, child_env(), timeout=args.timeout, log=log)
         why = None if proc.returncode == 0 else f"exit {proc.returncode} (log {log})"
     except subprocess.TimeoutExpired:
         why = f"ran past {args.timeout:.0f}s (log {log})"
     result = {"tokens": tokens, "ok": why is None, "why": why, "run_s": round(time.monotonic() - started, 1)}
     if why is None:
-        records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line]
+        records, _ = read_records(run_dir / METRICS_FILE)
         steps = [r for r in records if "loss" in r]
         times = [r["time"] for r in steps]
         result["step_s"] = round(times[-1] - times[-2], 2) if len(times) > 1 else None

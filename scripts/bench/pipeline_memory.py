@@ -3,7 +3,7 @@
 Each run is tests/helpers/memory_probe.py (train.py's phases, every live tensor storage counted right before the pipe
 engine's update and before ZeRO's gradient reduction); the figure of a rank is the larger of the two on step 2,
 against the planner's model states for the largest stage, plus on the last stage the logits the pipe engine keeps
-in its two output buffers. tests/test_memory_planner.py asserts the same within 10%.
+in its two output buffers. tests/observability/test_memory_planner.py asserts the same within 10%.
 
     python scripts/bench/pipeline_memory.py
 """

@@ -5,7 +5,7 @@
     python scripts/bench/test_launch.py --rounds 3 --nprocs 2 --compare none --config ds_configs/zero2_offload.json
 
 --compare poll: DeepSpeed's launch.py polling its ranks every second (as DeepSpeed ships it) against every 0.05 s (as
-the tests run it, tests/conftest.py). --compare async_save: --async_save (the default) against --no-async_save, with
+the tests run it, tests/harness.py). --compare async_save: --async_save (the default) against --no-async_save, with
 periodic saves asked for (--save_steps 100) but none due: what the background writer process costs a short run.
 --compare none: the launch alone (run from a checkout of another commit, it times that commit's code).
 
@@ -17,7 +17,6 @@ first run of all also prepares the token store; it is not timed.
 from __future__ import annotations
 
 import shutil
-import subprocess
 import sys
 import tempfile
 import time
@@ -27,13 +26,8 @@ REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
 from scripts.bench.common import bench_parser  # noqa: E402
-from tests.conftest import (  # noqa: E402
-    FAST_FLAGS,
-    LAUNCH_POLL_PATCH,
-    LAUNCH_WITHOUT_FINAL_COLLECTION,
-    deepspeed_cmd,
-    subprocess_env,
-)
+from scripts.launching import Launcher, child_env, run  # noqa: E402
+from tests.harness import FAST_FLAGS, LAUNCH_POLL_PATCH, LAUNCH_WITHOUT_FINAL_COLLECTION  # noqa: E402
 
 SHIPPED_POLL = LAUNCH_WITHOUT_FINAL_COLLECTION.replace(LAUNCH_POLL_PATCH, "")
 # --compare -> {variant: (the launcher's code, extra flags of train.py)}
@@ -54,10 +48,9 @@ def timed_launch(code: str, extra: list, config: str, nprocs: int, work: Path) -
     out = work / "run"
     shutil.rmtree(out, ignore_errors=True)
     args = ["--config", config, "--output_dir", str(out), "--max_steps", "2", *FAST_FLAGS, *extra]
-    cmd = deepspeed_cmd(nprocs, REPO / "train.py", args)
-    cmd[cmd.index(LAUNCH_WITHOUT_FINAL_COLLECTION)] = code
+    cmd = Launcher("launch.py", nprocs, launch_code=code).command(REPO / "train.py", args)
     started = time.perf_counter()
-    proc = subprocess.run(cmd, cwd=REPO, env=subprocess_env(work / "cache"), capture_output=True, text=True)
+    proc = run(cmd, child_env(work / "cache"))
     elapsed = time.perf_counter() - started
     if proc.returncode != 0:
         raise SystemExit(f"a launch failed (exit {proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")

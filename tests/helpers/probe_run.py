@@ -31,7 +31,7 @@ def main() -> None:
         if run.dist.is_main:
             torch.save({"input_ids": probe.cpu(), "logits": logits}, Path(run.cfg.run.output_dir) / PROBE_FILE)
     # closed (the process groups freed, as train.py's main does): none of gloo's threads may be left for the
-    # interpreter to tear down at exit (tests/test_pipeline.py reads this line, one per rank)
+    # interpreter to tear down at exit (tests/e2e/test_pipeline.py reads this line, one per rank)
     print(f"probe: rank {run.dist.rank}: {communication_threads()} communication threads after close", flush=True)
 
 

@@ -2,9 +2,9 @@
 module here owns one DeepSpeed area and declares its hooks with guard.py's Hook, checked against
 CHECKED_DEEPSPEED_VERSIONS, each beside why it is needed and the test that proves it still acts. A hook that moved
 raises DeepSpeedInternalsMoved, one line naming it, its purpose and what to do: nothing falls back silently.
-checklist.py's check_hooks() resolves them all without an engine (tests/test_ds_internals.py), so an upgrade that moves
-one fails there first. Importing this package imports neither torch nor DeepSpeed; it re-exports the modules' public
-names."""
+checklist.py's check_hooks() resolves them all without an engine (tests/engine/test_ds_internals.py), so an upgrade
+that moves one fails there first. Importing this package imports neither torch nor DeepSpeed; it re-exports the
+modules' public names."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """Every hook that check_hooks() resolves from its class or module, without an engine, from every area module (the
-instance-only ones are checked where they are used); tests/test_ds_internals.py runs it, so an upgrade that moves
+instance-only ones are checked where they are used); tests/engine/test_ds_internals.py runs it, so an upgrade that moves
 one fails there first."""
 
 from __future__ import annotations

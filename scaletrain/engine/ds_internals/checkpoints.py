@@ -9,7 +9,6 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from functools import partial
-from typing import Any
 
 from scaletrain.engine.ds_internals.guard import Hook
 
@@ -17,13 +16,13 @@ UNIVERSAL_CHECKPOINT_VERSION = 0.4  # the universal_checkpoint_info version Deep
 _UNIVERSAL, _UNIVERSAL_INSTEAD = "resuming on another rank count", "resume with the rank count it was saved with"
 
 
-def _not_ours(version: Any) -> str | None:
+def _not_ours(version: object) -> str | None:
     if version == UNIVERSAL_CHECKPOINT_VERSION:
         return None
     return f"is {version}, scaletrain writes {UNIVERSAL_CHECKPOINT_VERSION} into its checkpoints"
 
 
-# Proven by tests/test_checkpoint.py::test_resume_on_another_rank_count_converts_and_continues.
+# Proven by tests/checkpoint/test_checkpoint.py::test_resume_on_another_rank_count_converts_and_continues.
 UNIVERSAL_CONVERTER = Hook("deepspeed.checkpoint.ds_to_universal", None, _UNIVERSAL, _UNIVERSAL_INSTEAD)
 UNIVERSAL_VERSION = Hook(
     "deepspeed.checkpoint.constants",
@@ -33,7 +32,7 @@ UNIVERSAL_VERSION = Hook(
     problem=_not_ours,
 )
 # Every shard a save writes (checksummed into commit.json), and rank 0's copy of zero_to_fp32.py: proven by
-# tests/test_checkpoint_integrity.py (a disk filled during a save, at 2 ranks).
+# tests/checkpoint/test_checkpoint_integrity.py (a disk filled during a save, at 2 ranks).
 _SAVE = "checksums and full-disk handling of checkpoint saves"
 CHECKPOINT_WRITE = Hook("deepspeed.runtime.checkpoint_engine.checkpoint_engine:CheckpointEngine", "save", _SAVE)
 RECOVERY_SCRIPT = Hook("deepspeed.runtime.engine:DeepSpeedEngine", "_copy_recovery_script", _SAVE)
@@ -89,7 +88,7 @@ def recorded_checkpoint_writes(
         write = partial(write, zipfile_serialization=getattr(checkpoint_engine, "zipfile_serialization", True))
     copy_script = RECOVERY_SCRIPT.on(engine)
 
-    def guarded(action: Callable[..., Any], where: str, *args: Any, **kwargs: Any) -> bool:
+    def guarded(action: Callable[..., object], where: str, *args: object, **kwargs: object) -> bool:
         if writes.failed is not None:
             return False
         try:

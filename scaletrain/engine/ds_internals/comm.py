@@ -9,16 +9,18 @@ from collections.abc import Callable
 
 from scaletrain.engine.ds_internals.guard import Hook, moved
 
-# Only speed depends on it: tests/test_ds_internals.py checks that it resolves.
+# Only speed depends on it: tests/engine/test_ds_internals.py checks that it resolves.
 SHM_BUILD = Hook("deepspeed.comm.torch", "build_shm_op", "skipping the shm all-reduce build on one CPU rank")
-# Proven by tests/test_pipeline.py::test_loss_and_update_do_not_depend_on_accumulation_or_rank_count (its 2-rank run).
+# Proven by tests/e2e/test_pipeline.py::test_loss_and_update_do_not_depend_on_accumulation_or_rank_count (its 2-rank
+# run).
 _SHM, _SHM_INSTEAD = "the shared-memory all-reduce of CPU ranks (--cpu_shm_allreduce)", "pass --no-cpu_shm_allreduce"
 COMM_BACKEND = Hook("deepspeed.comm.comm", "cdb", _SHM, _SHM_INSTEAD)
 BACKEND_ALL_REDUCE = Hook("deepspeed.comm.torch:TorchBackend", "all_reduce", _SHM, _SHM_INSTEAD)
 SHM_KERNEL_LEVEL = Hook("deepspeed.comm.torch:TorchBackend", "shm_vector_kernel_level", _SHM, _SHM_INSTEAD)  # instance
 SHM_COMM_OP = Hook("deepspeed.comm.torch:TorchBackend", "shm_comm_op", _SHM, _SHM_INSTEAD)  # instance
-# Proven by tests/test_comm_log.py: per-op latencies against wall-clock times of known collectives, DeepSpeed's own
-# figures still running totals, and no bus traffic for an all-reduce on a one-rank group (COMMS_MSG_SIZE).
+# Proven by tests/observability/test_comm_log.py: per-op latencies against wall-clock times of known collectives,
+# DeepSpeed's own figures still running totals, and no bus traffic for an all-reduce on a one-rank group
+# (COMMS_MSG_SIZE).
 _COMMS, _COMMS_INSTEAD = "the communication log (--comms_log)", "train without --comms_log"
 COMMS_LOGGER = Hook("deepspeed.comm.comm", "comms_logger", _COMMS, _COMMS_INSTEAD)
 COMMS_APPEND = Hook("deepspeed.utils.comms_logging:CommsLogger", "append", _COMMS, _COMMS_INSTEAD)

@@ -14,7 +14,8 @@ import logging
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from types import ModuleType
+from typing import Any  # an internal found by name at run time is whatever DeepSpeed made it
 
 log = logging.getLogger(__name__)
 
@@ -51,7 +52,7 @@ def check_version() -> str | None:
     return message
 
 
-def _dotted(obj: Any) -> str:
+def _dotted(obj: object) -> str:
     if isinstance(obj, type(sys)):
         return obj.__name__
     cls = obj if isinstance(obj, type) else type(obj)
@@ -72,7 +73,7 @@ def moved(where: str, problem: str, purpose: str, instead: str = "") -> DeepSpee
     )
 
 
-def require(owner: Any, name: str, purpose: str, instead: str = "") -> Any:
+def require(owner: object, name: str, purpose: str, instead: str = "") -> Any:
     """`owner.name` (owner: a module, class or instance), or DeepSpeedInternalsMoved naming it and its purpose."""
     value = getattr(owner, name, _MISSING)
     if value is _MISSING:
@@ -89,7 +90,7 @@ class Hook:
     name: str | None
     purpose: str
     instead: str = ""
-    problem: Callable[[Any], str | None] | None = None
+    problem: Callable[[object], str | None] | None = None
 
     @property
     def where(self) -> str:
@@ -101,7 +102,7 @@ class Hook:
             return self._find_module()
         return self.on(self.owner_object())
 
-    def owner_object(self) -> Any:
+    def owner_object(self) -> type | ModuleType:
         """The owner module or class (imported)."""
         module_name, _, class_name = self.owner.partition(":")
         if module_name.split(".")[0] == "deepspeed":
@@ -112,7 +113,7 @@ class Hook:
             raise moved(module_name, f"cannot be imported ({err})", self.purpose, self.instead) from err
         return require(owner, class_name, self.purpose, self.instead) if class_name else owner
 
-    def on(self, obj: Any) -> Any:
+    def on(self, obj: object) -> Any:
         """The attribute looked up on `obj` (an instance of the owner class, or the owner itself), checked."""
         value = require(obj, self.name, self.purpose, self.instead)
         problem = self.problem(value) if self.problem else None

@@ -13,7 +13,7 @@ from pathlib import Path
 
 from scaletrain.engine.ds_internals.guard import Hook, check_version
 
-# Proven by tests/test_ops.py::test_stale_build_locks_are_removed_and_a_two_rank_offload_run_finishes.
+# Proven by tests/engine/test_ops.py::test_stale_build_locks_are_removed_and_a_two_rank_offload_run_finishes.
 _OPS = "loading DeepSpeed's compiled ops under scaletrain's build lock"
 BUILD_DIRECTORY = Hook("torch.utils.cpp_extension", "_get_build_directory", _OPS)
 INSTALLED_OPS = Hook("deepspeed.git_version_info", "installed_ops", _OPS)
@@ -21,7 +21,7 @@ CREATE_OP_BUILDER = Hook("deepspeed.accelerator.abstract_accelerator:DeepSpeedAc
 BUILDER_LOAD = Hook("deepspeed.ops.op_builder.builder:OpBuilder", "load", _OPS)
 BUILDER_COMPATIBLE = Hook("deepspeed.ops.op_builder.builder:OpBuilder", "is_compatible", _OPS)
 BUILDER_NAME = Hook("deepspeed.ops.op_builder.builder:OpBuilder", "name", _OPS)  # on the instance only
-# Proven by tests/test_ops.py::test_the_cpu_probe_runs_once_per_host_boot.
+# Proven by tests/engine/test_ops.py::test_the_cpu_probe_runs_once_per_host_boot.
 CPU_INFO = Hook("cpuinfo", "get_cpu_info", "answering DeepSpeed's CPU op builders' probe of the CPU once per host boot")
 
 

@@ -4,12 +4,11 @@ _overflow_check_and_loss_scale_update), or a plain torch optimizer's step be rep
 
 from __future__ import annotations
 
-from typing import Any
 
 from scaletrain.engine.ds_internals.guard import CHECKED_DEEPSPEED_VERSIONS, Hook
 
 
-def _no_check_grad_overflow(init: Any) -> str | None:
+def _no_check_grad_overflow(init: object) -> str | None:
     import inspect
 
     # An instance attribute, set from this argument: the class itself cannot show it.
@@ -23,7 +22,7 @@ _STAGE3 = "deepspeed.runtime.zero.stage3:DeepSpeedZeroOptimizer_Stage3"
 _STAGE12 = "deepspeed.runtime.zero.stage_1_and_2:DeepSpeedZeroOptimizer"
 
 
-# Proven to act by tests/test_nonfinite.py::test_a_nan_on_one_rank_skips_the_update_on_every_rank: [zero3,
+# Proven to act by tests/train/test_nonfinite.py::test_a_nan_on_one_rank_skips_the_update_on_every_rank: [zero3,
 # zero3_offload] for ZeRO-3's hooks, [zero1, zero2_offload] and the rollback test (zero2) for ZeRO-1/2's.
 STAGE3_CHECK = Hook(_STAGE3, "_overflow_check_and_loss_scale_update", _SKIP, _SKIP_INSTEAD)
 STAGE3_CLEANUP = Hook(_STAGE3, "_loss_scale_update_and_overflow_cleanup", _SKIP, _SKIP_INSTEAD)

@@ -9,14 +9,14 @@ from collections.abc import Callable
 from scaletrain.engine.ds_internals.guard import Hook, require
 
 _PP, _PP_INSTEAD = "pipeline parallelism (--pipeline_parallel_size)", "train without --pipeline_parallel_size"
-# The update hook and the clipping fix: proven by tests/test_pipeline_parallel.py (ZeRO-0 against one rank, gradient
-# clipping acting).
+# The update hook and the clipping fix: proven by tests/distributed/test_pipeline_parallel.py (ZeRO-0 against one
+# rank, gradient clipping acting).
 PIPE_INSTRUCTIONS = Hook("deepspeed.runtime.pipe.engine:PipelineEngine", "_INSTRUCTION_MAP", _PP, _PP_INSTEAD)
 PIPE_OPTIMIZER_STEP = Hook("deepspeed.runtime.pipe.schedule", "OptimizerStep", _PP, _PP_INSTEAD)
 PIPE_CLIP = Hook("deepspeed.runtime.engine:DeepSpeedEngine", "clip_fp32_gradients", _PP, _PP_INSTEAD)
-# The stage's own layers, released and built: proven by tests/test_stage_build.py. PipelineModule.__init__ partitions
-# the layers, calls _build() (this rank's layers only), then moves them to the device: a stage built from meta-device
-# modules gets its weights between the two.
+# The stage's own layers, released and built: proven by tests/model/test_stage_build.py. PipelineModule.__init__
+# partitions the layers, calls _build() (this rank's layers only), then moves them to the device: a stage built from
+# meta-device modules gets its weights between the two.
 PIPE_SPECS = Hook("deepspeed.runtime.pipe.module:PipelineModule", "_layer_specs", _PP, _PP_INSTEAD)  # instance
 PIPE_BUILD = Hook("deepspeed.runtime.pipe.module:PipelineModule", "_build", _PP, _PP_INSTEAD)
 

@@ -1,19 +1,18 @@
 """References DeepSpeed leaves behind after engine.destroy(): a ZeRO-3 engine's modules on the global forward-module
 stack and in a class-wide functools cache, and a pipeline engine's grid and process groups in the point-to-point
 layer's globals. Left there, they keep the process groups alive until the interpreter exits, where gloo's threads can
-abort a finished run. Proven by tests/test_pipeline.py::test_a_run_frees_its_process_groups_before_exit[zero3-*,
+abort a finished run. Proven by tests/e2e/test_pipeline.py::test_a_run_frees_its_process_groups_before_exit[zero3-*,
 zero1_pp2-*]."""
 
 from __future__ import annotations
 
-from typing import Any
 
 from scaletrain.engine.ds_internals.guard import Hook
 
 _RELEASE = "freeing a ZeRO-3 engine's process groups before exit"
 
 
-def _caches(function: Any) -> list:
+def _caches(function: object) -> list:
     """Every functools cache in `function` or inside its decorators' closures."""
     found, pending, seen = [], [function], set()
     while pending:
@@ -33,7 +32,7 @@ def _caches(function: Any) -> list:
     return found
 
 
-def _no_cache(function: Any) -> str | None:
+def _no_cache(function: object) -> str | None:
     # If DeepSpeed dropped the cache, the leak it caused may be fixed: say so rather than clear nothing in silence.
     return None if _caches(function) else "no longer carries a functools cache (if the leak is fixed, drop this hook)"
 

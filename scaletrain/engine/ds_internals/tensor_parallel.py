@@ -1,6 +1,6 @@
 """DeepSpeed's AutoTP: its tensor- and data-parallel groups built before deepspeed.initialize (the `mpu`), and the
 TP shards gathered into full weights on rank 0 for the Hugging Face export (engine.save_16bit_model writes the shards
-under ZeRO-1/2). Proven by tests/test_tensor_parallel.py::test_tensor_parallel_matches_one_rank."""
+under ZeRO-1/2). Proven by tests/distributed/test_tensor_parallel.py::test_tensor_parallel_matches_one_rank."""
 
 from __future__ import annotations
 

@@ -1,0 +1,78 @@
+"""FLOPs per token against a hand count, the peak table, and the CPU calibration."""
+
+import dataclasses
+
+import pytest
+from transformers import AutoConfig
+
+from scaletrain.observability.flops import calibrate_cpu_tflops, model_flops, peak_from_name, peak_tflops
+from scaletrain.model.build import meta_model
+from tests.harness import REPO
+
+
+def test_flops_per_token_match_a_hand_count_of_the_tiny_llama():
+    config = AutoConfig.from_pretrained(REPO / "data" / "tiny-llama")
+    flops = model_flops(meta_model(config, False), config, seq_len=256)
+    d, ff, layers, heads, kv_heads, head_dim, vocab = 128, 352, 4, 4, 2, 32, 4096
+    per_layer = d * heads * head_dim + 2 * d * kv_heads * head_dim + heads * head_dim * d + 3 * d * ff
+    matmul = layers * per_layer + vocab * d  # q, k, v, o, gate, up, down per layer; the output head
+    assert flops.matmul_params == matmul
+    attention = layers * heads * head_dim * 256
+    assert flops.per_token() == 6 * matmul + 12 * attention
+    assert flops.per_token(recompute=True) == 8 * matmul + 16 * attention
+
+
+def test_peak_table_override_and_unknown_devices():
+    assert peak_from_name("NVIDIA H200", "bf16") == 989.0
+    assert peak_from_name("NVIDIA A100-SXM4-80GB", "fp32") == 19.5
+    assert peak_from_name("Tesla K80", "bf16") is None
+    assert peak_tflops("cuda", "bf16", override=123.0) == (123.0, "--peak_tflops")
+    assert peak_tflops("xpu", "bf16", override=None)[0] is None  # unknown: no MFU, never an invented one
+
+
+def test_cpu_calibration_measures_a_positive_rate():
+    rate = calibrate_cpu_tflops(seconds=0.2, size=256)
+    assert 1e-4 < rate < 100
+    peak, source = peak_tflops("cpu", "fp32", override=None)
+    assert peak > 0 and source.startswith("measured")
+
+
+def test_the_cpu_calibration_leaves_the_global_rng_alone():
+    """It runs after a resume restored the RNG: a draw from the global generator would shift the resumed run's
+    dropout masks away from the uninterrupted run's (test_lora's kill-and-resume caught it)."""
+    import torch
+
+    torch.manual_seed(7)
+    before = torch.get_rng_state()
+    calibrate_cpu_tflops(seconds=0.01, size=64)
+    assert torch.equal(torch.get_rng_state(), before)
+
+
+def test_lora_flops_per_token_match_a_counted_training_step():
+    """A real LoRA model's forward and backward, its matmuls counted by torch's FlopCounterMode (eager attention, so
+    the attention products are counted too): the frozen base costs 4 per parameter, not 6. The formula ignores that
+    the first layer's frozen projections need no input gradient either (about 1% here); 6 per parameter would be
+    over by more than 25%."""
+    import torch
+    from torch.utils.flop_counter import FlopCounterMode
+    from transformers import AutoModelForCausalLM
+
+    from scaletrain.config.slices import PeftArgs
+    from scaletrain.model.lora import apply_lora, meta_lora_model
+
+    config = AutoConfig.from_pretrained(REPO / "data" / "tiny-llama")
+    args, seq = PeftArgs(use_peft=True, lora_r=16, lora_target_modules="all-linear"), 128
+    flops = model_flops(meta_lora_model(config, args, "base", False), config, seq_len=seq)
+    base = model_flops(meta_model(config, False), config, seq_len=seq)
+    assert flops.frozen_matmul_params == base.matmul_params < flops.matmul_params
+    torch.manual_seed(0)
+    model = apply_lora(AutoModelForCausalLM.from_config(config, attn_implementation="eager"), args)
+    ids = torch.randint(0, config.vocab_size, (1, seq))
+    with FlopCounterMode(display=False) as counter:
+        model(input_ids=ids, labels=ids).loss.backward()
+    counted = counter.get_total_flops() / seq
+    assert counted == pytest.approx(flops.per_token(), rel=0.03)
+    assert dataclasses.replace(flops, frozen_matmul_params=0).per_token() > 1.25 * counted  # every weight trained
+    assert flops.per_token(recompute=True) - flops.per_token() == 2 * flops.matmul_params + 4 * (
+        flops.layers * flops.heads * flops.head_dim * seq
+    )  # the recomputed forward, frozen weights included

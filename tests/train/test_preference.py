@@ -1,0 +1,511 @@
+"""Preference training (DPO and relatives) on real engines: pairs prepared into a store exactly as render_pair makes
+them, a pair's two sequences in one micro-batch, the loss a mean over the global batch's pairs on any number of
+ranks and accumulation steps, the reference's log-probs computed once and reused, LoRA's live reference equal to
+the precomputed one, TRL's metric names, exact resume after kill -9, and the bad inputs refused before anything is
+prepared."""
+
+from __future__ import annotations
+
+import json
+import math
+import traceback
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from transformers import AutoTokenizer
+
+from scaletrain.config.cli import parse_run_config
+from scaletrain.data.blocks import EMPTY_SLOT, IGNORE_INDEX
+from scaletrain.data.chat_store import attach_masks, prepare_chat_store, resolve_chat_data
+from scaletrain.data.pairs import pairs_from_store
+from scaletrain.data.preference_render import render_pair
+from scaletrain.data.token_store import open_store
+from scaletrain.train.preference import METRIC_NAMES
+from tests.harness import GIVEN_PEAK, REPO, check_ok, freeze, launch, read_metrics, thaw
+from tests.helpers import preference_data
+from tests.core.test_bad_input import tree_digest
+from tests.checkpoint.test_checkpoint import latest_step, rank_processes, start, step_losses, wait_for
+
+TINY = REPO / "data" / "tiny-llama"
+METRICS = METRIC_NAMES  # TRL's names
+FORMATS = {
+    "explicit_text": preference_data.explicit_text,
+    "explicit_conversational": preference_data.explicit_conversational,
+    "implicit_conversational": preference_data.implicit_conversational,
+}
+
+
+def prepared(tmp_path: Path, tokenizer, train_file: Path, *flags: str):
+    """(the opened store, its ChatData, the rows) of a preference file prepared as a run prepares it."""
+    cfg = parse_run_config(["--train_file", str(train_file), "--validation_split_percentage", "0", *flags])
+    chat = resolve_chat_data(cfg.data, tokenizer)
+    store = prepare_chat_store(cfg.data, tokenizer, 64, tmp_path / "store", chat, show_progress=False)
+    rows = [json.loads(line) for line in train_file.read_text().splitlines()]
+    return attach_masks(open_store(store), store), chat, rows
+
+
+@pytest.mark.parametrize("fmt", list(FORMATS))
+def test_the_store_holds_each_pair_as_render_pair_makes_it_and_batches_keep_pairs_together(
+    fmt, tmp_path, tokenizer, offline
+):
+    template = [] if fmt == "explicit_text" else ["--chat_template", str(preference_data.CHAT_TEMPLATE)]
+    opened, chat, rows = prepared(tmp_path, tokenizer, FORMATS[fmt](tmp_path / "pairs.jsonl", n=12), *template)
+    assert chat.kind == "preference" and (chat.template is None) == (fmt == "explicit_text")
+    assert opened["manifest"]["chat_kind"] == "preference"
+    pairs = pairs_from_store(opened, "train", 1024, "truncate")
+    assert len(pairs) == len(rows) == pairs.n_split_pairs
+    batch = pairs.batch(np.array([3, EMPTY_SLOT, 0]))
+    assert batch["pair_ids"].tolist() == [3, -1, 0]
+    assert batch["input_ids"].shape[0] == 6  # chosen rows, then rejected rows
+    for slot, index in ((0, 3), (2, 0)):
+        chosen, rejected = render_pair(rows[index], tokenizer, chat.template, index)
+        for row, expected in ((slot, chosen), (3 + slot, rejected)):
+            n = len(expected.input_ids)
+            assert batch["input_ids"][row, :n].tolist() == expected.input_ids
+            trained = [t if m else IGNORE_INDEX for t, m in zip(expected.input_ids, expected.loss_mask, strict=True)]
+            assert batch["labels"][row, :n].tolist() == trained
+            assert (batch["labels"][row, n:] == IGNORE_INDEX).all()
+    assert (batch["labels"][[1, 4]] == IGNORE_INDEX).all()  # the empty slot: two rows of padding, no loss
+    assert pairs.targets_in(np.array([3, EMPTY_SLOT, 0])) == 2  # the normaliser counts pairs
+
+
+def test_a_save_to_disk_folder_and_a_parquet_file_give_the_jsonl_files_store(tmp_path, tokenizer, offline):
+    """Pairs as message lists (nested columns through Arrow) from a `save_to_disk` folder (--dataset_name) and from a
+    parquet file: the same store, token for token and mask for mask, as from the JSON-lines file."""
+    import datasets
+
+    rows_file = preference_data.explicit_conversational(tmp_path / "pairs.jsonl", n=10)
+    rows = [json.loads(line) for line in rows_file.read_text().splitlines()]
+    datasets.Dataset.from_list(rows).save_to_disk(str(tmp_path / "saved"))
+    datasets.Dataset.from_list(rows).to_parquet(str(tmp_path / "pairs.parquet"))
+    template = ("--chat_template", str(preference_data.CHAT_TEMPLATE))
+
+    def store(name: str, *source: str):
+        cfg = parse_run_config([*source, "--validation_split_percentage", "0", *template])
+        chat = resolve_chat_data(cfg.data, tokenizer)
+        assert chat.kind == "preference", name
+        made = prepare_chat_store(cfg.data, tokenizer, 64, tmp_path / name, chat, show_progress=False)
+        pairs = pairs_from_store(attach_masks(open_store(made), made), "train", 1024, "truncate")
+        return pairs.batch(np.arange(len(pairs)))
+
+    expected = store("jsonl", "--train_file", str(rows_file))
+    assert expected["input_ids"].shape[0] == 2 * len(rows)
+    for name, source in (
+        ("disk", ("--dataset_name", str(tmp_path / "saved"))),
+        ("parquet", ("--train_file", str(tmp_path / "pairs.parquet"))),
+    ):
+        got = store(name, *source)
+        for key in ("input_ids", "labels"):
+            assert torch.equal(got[key], expected[key]), (name, key)
+
+
+@pytest.mark.parametrize("chunked", [True, False])
+def test_padding_free_batches_give_the_padded_batches_log_probs_and_gradients(chunked, tmp_path, tokenizer, offline):
+    """--padding_free: a micro-batch's sequences as one row, positions restarting per sequence: each sequence's
+    summed completion log-probs and token count, and the gradients, as from the padded rows (sdpa keeps attention
+    within each sequence); an empty slot has none, and a micro-batch of empty slots still runs."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from scaletrain.model.chunked_loss import install_chunked_loss
+    from scaletrain.train.preference import row_logps
+
+    opened, _, _ = prepared(tmp_path, tokenizer, preference_data.explicit_text(tmp_path / "p.jsonl", n=8))
+    padded = pairs_from_store(opened, "train", 1024, "truncate")
+    packed = pairs_from_store(opened, "train", 1024, "truncate", padding_free=True)
+    indices = np.array([3, EMPTY_SLOT, 0, 5])
+    flat = packed.batch(indices)
+    assert flat["input_ids"].shape[0] == 1 and flat["input_ids"].numel() == padded.tokens_in(indices)
+    torch.manual_seed(0)
+    config = AutoConfig.from_pretrained(TINY, attn_implementation="sdpa")
+    models = [AutoModelForCausalLM.from_config(config) for _ in range(2)]
+    models[1].load_state_dict(models[0].state_dict())
+    for model in models:
+        install_chunked_loss(model, 16 if chunked else 0)
+    weights = torch.linspace(-1.0, 1.5, 8)
+    results = []
+    for model, batch in zip(models, (padded.batch(indices), flat), strict=True):
+        logps, counts = row_logps(model, batch, "cpu")
+        (logps * weights).sum().backward()
+        results.append((logps, counts, {n: p.grad for n, p in model.named_parameters()}))
+    (want, want_counts, want_grads), (got, got_counts, got_grads) = results
+    assert torch.equal(got_counts, want_counts) and want_counts[[1, 5]].tolist() == [0, 0]
+    assert torch.allclose(got, want, rtol=1e-5, atol=1e-4) and (want[[0, 2, 3]] < 0).all()
+    for name, grad in want_grads.items():
+        assert (got_grads[name] - grad).norm() <= 1e-4 * grad.norm() + 1e-7, name
+    empty = packed.batch(np.array([EMPTY_SLOT, EMPTY_SLOT]))
+    logps, counts = row_logps(models[1], empty, "cpu")
+    assert logps.tolist() == [0.0] * 4 and counts.tolist() == [0] * 4
+
+
+def test_a_long_pair_loses_its_prompt_start_or_is_dropped_and_counted(tmp_path, tokenizer, offline):
+    opened, chat, rows = prepared(tmp_path, tokenizer, preference_data.explicit_text(tmp_path / "p.jsonl", n=12))
+    whole = pairs_from_store(opened, "train", 1024, "truncate")
+    lengths = whole.lengths.reshape(-1, 2).max(axis=1)
+    block = int(np.sort(lengths)[len(lengths) // 2])  # about half the pairs are longer
+    long_pairs = int((lengths > block).sum())
+    cut = pairs_from_store(opened, "train", block, "truncate")
+    assert len(cut) == 12 and cut.truncated >= long_pairs > 0 and cut.lengths.max() <= block
+    for r in np.flatnonzero(whole.lengths > block):  # the completion whole, the prompt's start gone
+        completion = whole.tokens[whole.starts[r] + whole.completion_at[r] : whole.starts[r] + whole.lengths[r]]
+        kept = cut.tokens[cut.starts[r] + cut.completion_at[r] : cut.starts[r] + cut.lengths[r]]
+        assert kept.tolist() == completion.tolist()
+        assert cut.completion_at[r] == block - len(completion)
+    dropped = pairs_from_store(opened, "train", block, "drop")
+    assert dropped.dropped == long_pairs and len(dropped) == 12 - long_pairs
+    assert all(lengths[p] <= block for p in dropped.kept)
+
+
+def _row(chosen, rejected, prompt="Question: 1 plus 1? Answer:"):
+    return {"prompt": prompt, "chosen": chosen, "rejected": rejected}
+
+
+GOOD = [_row(" 2.", " 3.")] * 5
+CHAT_PROMPT = [{"role": "user", "content": "1 plus 1?"}]
+BAD_INPUT = {
+    # name: (rows of the train file or None, extra flags, text the error line must contain)
+    "chosen without rejected": ([{"prompt": "p", "chosen": " a"}] * 4, [], "no rejected"),
+    "identical pair deep in the file": (GOOD + [_row(" 2.", " 2.")], [], "pairs.jsonl: example 5"),
+    "empty completion": (GOOD + [_row("", " 3.")], [], "example 5"),
+    "implicit prompts that differ": (
+        [
+            {
+                "chosen": [*CHAT_PROMPT, {"role": "assistant", "content": "2"}],
+                "rejected": [{"role": "user", "content": "2 plus 2?"}, {"role": "assistant", "content": "3"}],
+            }
+        ]
+        * 4,
+        ["--chat_template", str(preference_data.CHAT_TEMPLATE)],
+        "example 0",
+    ),
+    "files of mixed formats": (GOOD, ["--validation_file", "CONVERSATIONAL"], "files of mixed formats"),
+    "label smoothing on sigmoid": (GOOD, ["--label_smoothing", "0.1"], "--label_smoothing with --loss_type sigmoid"),
+    "preference flag on text": (None, ["--beta", "0.2"], "--beta: only acts on preference data"),
+    "padding-free on text": (None, ["--padding_free"], "--padding_free: only acts on preference data"),
+    "padding-free on a model without position ids": (
+        GOOD,
+        ["--config_name", "BLOOM", "--tokenizer_name", str(TINY), "--padding_free"],
+        "--padding_free: BloomForCausalLM takes no position_ids",
+    ),
+    "live reference of a model trained from scratch": (
+        GOOD,
+        ["--config_name", str(TINY), "--no-precompute_ref_log_probs"],
+        "no reference model to run",
+    ),
+    "reference model for a reference-free loss": (
+        GOOD,
+        ["--loss_type", "simpo", "--ref_model_name_or_path", str(TINY)],
+        "a reference-free loss reads no reference",
+    ),
+    "reference model of another vocabulary": (GOOD, ["--ref_model_name_or_path", "OTHER_VOCAB"], "a vocabulary of 64"),
+    "preference data under pipeline parallelism": (GOOD, ["--pipeline_parallel_size", "2"], "--pipeline_parallel_size"),
+}
+
+
+@pytest.mark.parametrize("name", list(BAD_INPUT))
+def test_bad_preference_input_is_one_line_exit_2_and_prepares_nothing(name, tmp_path, offline, capsys):
+    from train import main
+
+    rows, flags, expected = BAD_INPUT[name]
+    data = []
+    if rows is not None:
+        path = tmp_path / "pairs.jsonl"
+        path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+        data = ["--train_file", str(path), "--validation_split_percentage", "0"]
+    if "OTHER_VOCAB" in flags:  # a model folder whose config has another vocabulary
+        config = json.loads((TINY / "config.json").read_text())
+        (tmp_path / "other_vocab").mkdir()
+        (tmp_path / "other_vocab" / "config.json").write_text(json.dumps({**config, "vocab_size": 64}))
+        flags = [str(tmp_path / "other_vocab") if f == "OTHER_VOCAB" else f for f in flags]
+    if "BLOOM" in flags:  # a model whose forward takes no position ids (ALiBi)
+        from transformers import BloomConfig
+
+        vocab = len(AutoTokenizer.from_pretrained(TINY))
+        BloomConfig(n_layer=2, hidden_size=64, n_head=4, vocab_size=vocab).save_pretrained(tmp_path / "bloom")
+        flags = [str(tmp_path / "bloom") if f == "BLOOM" else f for f in flags]
+    if "CONVERSATIONAL" in flags:  # a validation file of message lists beside a train file of text
+        conversational = preference_data.explicit_conversational(tmp_path / "conversational.jsonl", n=4)
+        flags = [str(conversational) if f == "CONVERSATIONAL" else f for f in flags]
+    out = tmp_path / "out"
+    before = tree_digest(out)
+    try:
+        code = main(["--config", str(REPO / "ds_configs/zero2.json"), "--output_dir", str(out), *data, *flags])
+    except BaseException:
+        pytest.fail(f"{name}: raised instead of a clean error:\n{traceback.format_exc()}")
+    err = [line for line in capsys.readouterr().err.strip().splitlines() if line.startswith(("train.py", "  hint"))]
+    assert code == 2 and 1 <= len(err) <= 2 and err[0].startswith("train.py: error: "), err
+    assert expected in err[0], err
+    assert tree_digest(out) == before
+    stores = tmp_path / "cache" / "scaletrain" / "token_stores"
+    assert not any((p / "manifest.json").exists() or p.name.startswith(".") for p in stores.glob("*"))
+
+
+# --- real runs ----------------------------------------------------------------------------------------------------
+
+STEPS, SAVE_EVERY = 8, 3
+
+
+def dpo_flags(run_dir: Path, data: Path, *extra: str, config: str = "zero3", micro: int = 4) -> list:
+    """`data` holds the pairs (train.jsonl, validation.jsonl) and the starting model (model/)."""
+    return [
+        "--config",
+        f"ds_configs/{config}.json",
+        "--model_name_or_path",
+        str(data / "model"),
+        "--train_file",
+        str(data / "train.jsonl"),
+        "--validation_file",
+        str(data / "validation.jsonl"),
+        "--output_dir",
+        str(run_dir),
+        "--block_size",
+        "128",
+        "--per_device_train_batch_size",
+        str(micro),
+        "--per_device_eval_batch_size",
+        "4",
+        "--learning_rate",
+        "5e-4",
+        "--max_steps",
+        str(STEPS),
+        "--logging_steps",
+        "1",
+        "--eval_steps",
+        "4",
+        "--save_steps",
+        str(SAVE_EVERY),
+        "--disable_tqdm",
+        *GIVEN_PEAK,
+        *extra,
+    ]
+
+
+def save_starting_model(folder: Path, seed: int = 1234) -> None:
+    """The tiny Llama with seeded random weights, as from_pretrained reads it: the policy's start and reference."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(TINY)).save_pretrained(folder)
+    AutoTokenizer.from_pretrained(TINY).save_pretrained(folder)
+
+
+class DPORuns:
+    """Runs made on first use and shared by this module's tests: {name: run folder}."""
+
+    def __init__(self, tmp_path_factory, cache_dir: Path):
+        self.root = tmp_path_factory.mktemp("dpo")
+        self.cache = cache_dir
+        self.data = self.root / "data"
+        # 30 pairs: the 8th step of 4 pairs holds 2 and 2 empty slots, where a per-rank or per-micro-batch mean
+        # would differ from the mean over the global batch's pairs
+        preference_data.explicit_text(self.data / "train.jsonl", n=30, seed=0)
+        preference_data.explicit_text(self.data / "validation.jsonl", n=8, seed=1)
+        save_starting_model(self.data / "model")
+        save_starting_model(self.data / "other_model", seed=99)  # another reference
+        self._made: dict = {}
+        self.logs: dict = {}
+
+    def run(self, name: str, *extra: str, nprocs: int = 1, **kwargs) -> Path:
+        if name not in self._made:
+            run_dir = self.root / name
+            proc = launch(
+                REPO / "train.py",
+                dpo_flags(run_dir, self.data, *extra, **kwargs),
+                "deepspeed",
+                self.cache,
+                nprocs=nprocs,
+            )
+            check_ok(proc)
+            self._made[name], self.logs[name] = run_dir, proc.stdout + proc.stderr
+        return self._made[name]
+
+
+@pytest.fixture(scope="module")
+def dpo_runs(tmp_path_factory, cache_dir) -> DPORuns:
+    return DPORuns(tmp_path_factory, cache_dir)
+
+
+def records(run_dir: Path) -> dict:
+    return {r["step"]: r for r in read_metrics(run_dir) if "loss" in r}
+
+
+def eval_records(run_dir: Path) -> dict:
+    return {r["step"]: r for r in read_metrics(run_dir) if "eval_loss" in r}
+
+
+@pytest.mark.slow
+def test_one_rank_two_ranks_and_accumulation_give_the_same_losses_and_metrics(dpo_runs):
+    """One rank with 4 pairs per micro-batch and two ranks with 2 each (ZeRO-3), one rank accumulating 2 x 2 under
+    ZeRO-2 from the whole logits (--loss_chunk_size 0; the others sum the log-probs through the chunked LM head) and
+    padding-free (--padding_free: each micro-batch's sequences in one row): the same per-step loss (the mean over
+    the global batch's 4 pairs) and TRL's metrics, within 1e-5; step 1's loss is log 2 (the policy is the
+    reference), and the reference's log-probs were computed once and then read back."""
+    one = records(dpo_runs.run("one_rank"))
+    two = records(dpo_runs.run("two_ranks", nprocs=2, micro=2))
+    accumulated = records(
+        dpo_runs.run(
+            "accumulated",
+            "--gradient_accumulation_steps",
+            "2",
+            "--loss_chunk_size",
+            "0",
+            "--padding_free",
+            micro=2,
+            config="zero2",
+        )
+    )
+    assert sorted(one) == list(range(1, STEPS + 1))
+    assert one[1]["loss"] == pytest.approx(math.log(2), abs=1e-6)
+    for other in (two, accumulated):
+        for step in one:
+            for key in ("loss", *METRICS):
+                if (other, step, key) == (accumulated, 1, "rewards/accuracies"):
+                    # Step 1: the policy is the reference, every reward 0 up to rounding, and the padding-free
+                    # layout rounds otherwise than the padded one that computed the reference's file: the share
+                    # of rewards above 0 is a count of rounding signs there (its rewards, within 1e-5, are checked).
+                    continue
+                assert other[step][key] == pytest.approx(one[step][key], rel=1e-5, abs=1e-5), (step, key)
+    assert one[STEPS]["loss"] < one[1]["loss"] and one[STEPS]["rewards/margins"] > 0
+    evaluations = [eval_records(dpo_runs.run(n)) for n in ("one_rank", "two_ranks", "accumulated")]
+    assert sorted(evaluations[0]) == [4, STEPS]
+    for other in evaluations[1:]:
+        for step, record in evaluations[0].items():
+            for key in ("eval_loss", *(f"eval_{m}" for m in METRICS)):
+                assert other[step][key] == pytest.approx(record[key], rel=1e-5, abs=1e-5), (step, key)
+    assert "computed by the starting model" in dpo_runs.logs["one_rank"]
+    assert "reference log-probs (train): read from" in dpo_runs.logs["two_ranks"]
+    assert "loss: through the LM head in chunks" in dpo_runs.logs["one_rank"]
+    assert "loss: from the whole logits (--loss_chunk_size 0)" in dpo_runs.logs["accumulated"]
+
+
+@pytest.mark.slow
+def test_lora_with_a_live_reference_trains_as_with_the_precomputed_one(dpo_runs):
+    """--use_peft under ZeRO-3 with parameters and optimizer offloaded, and activation checkpointing: the reference
+    computed at every step by the base with the adapter disabled gives the same losses as the log-probs precomputed
+    before step 1 (the zero-initialised adapter is the base); the export is an adapter."""
+    lora = ("--use_peft", "--lora_r", "8", "--gradient_checkpointing")
+    pre = records(dpo_runs.run("lora_precomputed", *lora, config="zero3_offload"))
+    live = records(dpo_runs.run("lora_live", *lora, "--no-precompute_ref_log_probs", config="zero3_offload"))
+    assert "reference log-probs" not in dpo_runs.logs["lora_live"]
+    for step in pre:
+        for key in ("loss", *METRICS):
+            assert live[step][key] == pytest.approx(pre[step][key], rel=1e-5, abs=1e-5), (step, key)
+    assert pre[STEPS]["loss"] < pre[1]["loss"]
+    assert (dpo_runs.run("lora_live") / "adapter_model.safetensors").exists()
+
+
+@pytest.mark.slow
+def test_sigkill_of_one_rank_then_restart_on_one_rank_continues_exactly(dpo_runs, tmp_path):
+    """Two ranks under ZeRO-3, one killed after a committed checkpoint, restarted on one rank with the same global
+    batch (the checkpoint converted to a universal one): the restart reads the reference's log-probs back (its model
+    is no longer the starting one) and continues with the uninterrupted 2-rank run's losses."""
+    reference = records(dpo_runs.run("two_ranks", nprocs=2, micro=2))
+    run_dir = tmp_path / "killed"
+    args = dpo_flags(run_dir, dpo_runs.data, micro=2)
+    proc = start(args, dpo_runs.cache)
+    ranks = rank_processes(proc)
+    wait_for(
+        lambda: (run_dir / "checkpoints" / "latest").exists() and any(s > SAVE_EVERY for s in records(run_dir)), proc
+    )
+    freeze(*(rank.pid for rank in ranks))
+    saved = latest_step(run_dir)
+    ranks[1].kill()
+    thaw(ranks[0].pid)
+    proc.wait(timeout=120)
+    assert proc.returncode != 0 and latest_step(run_dir) == saved
+    one_rank = dpo_flags(run_dir, dpo_runs.data, micro=4)
+    restarted = launch(REPO / "train.py", one_rank, "deepspeed", dpo_runs.cache, nprocs=1)
+    check_ok(restarted)
+    assert f"(step {saved}," in restarted.stdout and "reference log-probs (train): read from" in restarted.stdout
+    assert "universal checkpoint" in restarted.stdout
+    losses = step_losses(run_dir)
+    assert sorted(losses) == list(range(1, STEPS + 1))
+    for step in losses:  # another rank count: equal to 1e-5 (sums in another order), as one rank and two are
+        assert losses[step] == pytest.approx(reference[step]["loss"], rel=1e-5, abs=1e-6), step
+
+
+@pytest.mark.slow
+def test_nodes_with_their_own_stores_agree_to_compute_a_reference_one_of_them_misses(dpo_runs, tmp_path):
+    """Two "nodes" (one rank each, started as srun starts them), each with its own cache and so its own store: node 0
+    holds the reference log-probs (the shared runs' cache), node 1 prepares its store afresh and has none. Both ranks
+    compute them together (where node 0 alone had read its file, node 1's ZeRO-3 forward would have waited for it
+    forever); node 1 saves its copy, and the run trains as the 2-rank run that computed them on one store."""
+    from tests.distributed.test_agreement import finish, start_ranks
+
+    reference = records(dpo_runs.run("two_ranks", nprocs=2, micro=2))
+    node1_cache = tmp_path / "node1_cache"
+    run_dir = tmp_path / "run"
+    args = dpo_flags(run_dir, dpo_runs.data, micro=2)
+    envs = [{}, {"SCALETRAIN_CACHE": str(node1_cache / "scaletrain"), "HF_DATASETS_CACHE": str(node1_cache / "ds")}]
+    results = finish(start_ranks(dpo_runs.cache, [REPO, REPO], args, rank_envs=envs), timeout=300)
+    assert [code for code, _ in results] == [0, 0], [err[-3000:] for _, err in results]
+    node0_files = sorted((dpo_runs.cache / "scaletrain").glob("**/reference/train-*.npy"))
+    node1_files = sorted(node1_cache.glob("**/reference/train-*.npy"))
+    assert len(node0_files) == 1 and [f.name for f in node1_files] == [node0_files[0].name]
+    assert np.array_equal(np.load(node1_files[0]), np.load(node0_files[0]))
+    got = records(run_dir)
+    assert sorted(got) == list(range(1, STEPS + 1))
+    for step in got:  # (the "nodes" all-reduce over gloo's TCP path, the reference over shared memory: 1e-5)
+        for key in ("loss", *METRICS):
+            assert got[step][key] == pytest.approx(reference[step][key], rel=1e-5, abs=1e-6), (step, key)
+
+
+def test_a_resumed_run_without_its_reference_file_stops_naming_it(tmp_path, tokenizer, offline):
+    from scaletrain.errors import UsageError
+    from scaletrain.train.reference import ReferencePass, attach_reference_logps, reference_file
+
+    opened, _, _ = prepared(tmp_path, tokenizer, preference_data.explicit_text(tmp_path / "p.jsonl", n=4))
+    pairs = pairs_from_store(opened, "train", 1024, "truncate")
+    identity = {"model": {"source": "x"}, "precision": "fp32", "block_size": 1024, "truncation": "truncate"}
+    with pytest.raises(UsageError) as caught:
+        attach_reference_logps(
+            None, {"train": pairs}, ReferencePass(tmp_path / "store", identity, 4), None, fresh=False
+        )
+    assert str(reference_file(tmp_path / "store", "train", identity)) in caught.value.message
+    assert "--resume_from_checkpoint none" in caught.value.hint
+
+
+@pytest.mark.extended  # ~37 s; a live reference: the LoRA test
+@pytest.mark.slow
+def test_a_reference_model_of_its_own_runs_live_or_precomputed(dpo_runs):
+    """Without LoRA, --no-precompute_ref_log_probs runs the starting model as its own engine (ZeRO-3, no optimizer) at
+    every step: the same losses as the precomputed log-probs. --ref_model_name_or_path names another model, whose
+    log-probs are computed by its own engine before step 1 (then freed): step 1's loss is no longer log 2."""
+    one = records(dpo_runs.run("one_rank"))
+    live = records(dpo_runs.run("live_reference", "--no-precompute_ref_log_probs"))
+    assert "reference model: " in dpo_runs.logs["live_reference"]
+    for step in one:
+        for key in ("loss", *METRICS):
+            assert live[step][key] == pytest.approx(one[step][key], rel=1e-5, abs=1e-5), (step, key)
+    other = str(dpo_runs.data / "other_model")
+    pre = records(dpo_runs.run("other_reference", "--ref_model_name_or_path", other))
+    assert f"computed by --ref_model_name_or_path {other}" in dpo_runs.logs["other_reference"]
+    assert abs(pre[1]["loss"] - math.log(2)) > 1e-3 and pre[1]["rewards/margins"] != 0
+    assert pre[STEPS]["loss"] < pre[1]["loss"]
+
+
+def test_print_samples_shows_each_pair_with_its_completions_marked(tmp_path, tokenizer, offline):
+    import logging
+
+    from scaletrain.data.pairs import print_pairs
+
+    opened, _, rows = prepared(tmp_path, tokenizer, preference_data.explicit_text(tmp_path / "p.jsonl", n=4))
+    pairs = pairs_from_store(opened, "train", 1024, "truncate")
+    # A handler on the module's own logger: an earlier in-process run's logging setup may stop propagation to root.
+    records, logger = [], logging.getLogger("scaletrain.data.pairs")
+    handler = logging.Handler(logging.INFO)
+    handler.emit = records.append
+    logger.addHandler(handler)
+    level, logger.level = logger.level, logging.INFO
+    try:
+        print_pairs(pairs, 2, tokenizer)
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(level)
+    shown = [r.getMessage() for r in records]
+    assert len(shown) == 4 and "pair 0, chosen" in shown[0] and "pair 1, rejected" in shown[3]
+    for message, completion in zip(shown, [rows[0]["chosen"], rows[0]["rejected"], rows[1]["chosen"]], strict=False):
+        marked = message.split("[[", 1)[1].split("]]", 1)[0]
+        assert completion.strip() in marked and rows[0]["prompt"].split(":")[0] not in marked

@@ -1,27 +1,11 @@
-"""`python -m scaletrain.launcher`: the `deepspeed` command with a preemption path for signals sent to the launcher.
-
-It takes the `deepspeed` command's arguments unchanged and runs DeepSpeed's launcher (deepspeed.launcher.runner)
-under it. Why a wrapper: DeepSpeed 0.19.8's launcher has no preemption path of its own. A SIGTERM to the `deepspeed`
-process kills it at once and leaves its per-node launch.py and the ranks running, never told; a SIGTERM to
-launch.py SIGTERMs the ranks one by one, SIGKILLs each after 30 s and exits 1 even when they saved and exited 85.
-
-Here a SIGTERM or SIGUSR1 to the launcher becomes SIGUSR1 to each rank process (the children of DeepSpeed's
-launch.py on this host), repeated every RELAY_INTERVAL_S until the run ends, so a rank still starting up (whose
-handler is not installed yet and which ignores SIGUSR1 meanwhile) gets it once it is. The ranks agree, save and
-exit 85 as for a signal of their own (train/preemption.py). DeepSpeed's launcher runs in a session of its own and
-ignores SIGUSR1, so no signal meant for the job reaches it through this process's group; SIGINT (Ctrl-C) is passed
-to that session as a terminal would have, and stops the run as before.
-
-Where the scheduler signals every process at once (Slurm's time limit or `scancel`, through its process tracking),
-launch.py gets the SIGTERM too and gives the ranks its 30 s: the ranks record a committed preemption save in the
-file named by faults.PREEMPTION_RECORD_ENV, and this launcher exits 85 on that record whatever DeepSpeed's
-launcher reports. Without a record the launcher's own exit code passes through (128 + N for a signal N).
-
-A hang (train/hang.py): the live ranks dump their stacks and exit 86, and the ranks of a host SIGKILL its frozen
-ones; a host whose ranks are all frozen has no one to do it, so this launcher SIGKILLs what is left of its host's
-ranks 20 s after a rank's report appeared (each rank names its report's folder in the file HANG_NOTE_ENV names), and
-exits 86. $SCALETRAIN_HANG_KILL_AFTER_S sets those seconds: more to keep a frozen rank alive for py-spy or gdb, fewer
-to end the job sooner.
+"""`python -m scaletrain.launcher`: the `deepspeed` command, same arguments, with a preemption path for signals sent to
+the launcher, which DeepSpeed 0.19.8 lacks (a SIGTERM to `deepspeed` leaves the ranks running, never told; one to
+launch.py SIGKILLs them 30 s later and exits 1 even when they saved). A SIGTERM or SIGUSR1 here is relayed to this
+host's ranks as SIGUSR1, every RELAY_INTERVAL_S until the run ends so a rank still starting up gets it too; DeepSpeed's
+launcher runs in a session of its own, ignoring SIGUSR1. A committed preemption save recorded by the ranks
+(faults.PREEMPTION_RECORD_ENV) makes the exit code 85 whatever DeepSpeed reports. On a hang, a host whose ranks are all
+frozen has nobody to SIGKILL them, so this launcher does, 20 s after the report ($SCALETRAIN_HANG_KILL_AFTER_S), and
+exits 86. Details: docs/checkpoints.md#preemption and docs/checkpoints.md#hangs.
 """
 
 from __future__ import annotations
@@ -51,10 +35,8 @@ DEEPSPEED_LAUNCH_MODULE = "deepspeed.launcher.launch"  # the per-node process wh
 
 
 def rank_processes(group: int) -> list:
-    """The rank processes of the DeepSpeed launch in process group `group`: the children of its launch.py.
-
-    Found by process group rather than as descendants of the runner, because under Slurm the runner may already be
-    gone (a SIGTERM to every process kills it) while launch.py and the ranks still run.
+    """The rank processes of the DeepSpeed launch in process group `group`: the children of its launch.py. Found by
+    process group, not as the runner's descendants, because under Slurm the runner may be gone while the ranks run.
     """
     ranks = []
     for proc in psutil.process_iter(["cmdline"]):
@@ -222,9 +204,8 @@ def main(argv: list) -> int:
         env = {**os.environ, PREEMPTION_RECORD_ENV: str(record), HANG_NOTE_ENV: str(hang.note)}
         relay = SignalRelay()
         relay.install(signal.SIGTERM, signal.SIGINT)  # reset to the default in the child when it execs
-        # SIGUSR1 is ignored in DeepSpeed's launcher processes (an ignored signal stays ignored across exec; the
-        # ranks install their own handler): Slurm's `scancel --signal=USR1` reaches every process of the step, and
-        # its default action would kill them. So it is ignored here until the runner is started.
+        # Slurm's `scancel --signal=USR1` reaches every process of the step, and its default action would kill
+        # DeepSpeed's launchers: ignored here until the runner starts (it stays ignored across exec; ranks set theirs).
         signal.signal(RANK_PREEMPTION_SIGNAL, signal.SIG_IGN)
         relay.runner = subprocess.Popen(
             [sys.executable, "-u", "-m", "deepspeed.launcher.runner", *argv], env=env, start_new_session=True

@@ -59,7 +59,7 @@ from scaletrain.engine import (
     SkipSwitch,
 )
 from scaletrain.errors import HANG_EXIT_CODE, RunEnded
-from scaletrain.logs import silence_library_logs
+from scaletrain.logs import interactive, set_log_level, silence_library_logs
 from scaletrain.model import (
     apply_lora,
     build_model,
@@ -143,6 +143,7 @@ class Run:
     def from_flags(cls, argv: Sequence[str] | None, dist: DistInfo) -> Run:
         resolved = resolve_run(argv, dist)
         silence_library_logs()
+        set_log_level(resolved.cfg.logging.log_level)
         return cls(resolved)
 
     @property
@@ -342,7 +343,7 @@ class Run:
             GoodputBook(self.ledger),
             StepProfiler(cfg.logging.profile_range, cfg.run.output_dir, dist.rank),
             CommitInFlight(self.saver),
-            ProgressBar(show=dist.is_main and not cfg.logging.disable_tqdm),
+            ProgressBar(show=dist.is_main and not cfg.logging.disable_tqdm and interactive()),
             *([CommsWindow(self.comm_log)] if self.comm_log is not None else []),
             TrainingRecords(self.metrics, self._throughput()),
             PreemptionSave(

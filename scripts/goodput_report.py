@@ -16,7 +16,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from scaletrain.observability.goodput import CATEGORIES, LEDGER_FILE, read_ledger, render_table, totals  # noqa: E402
+from scaletrain.observability.goodput import LEDGER_FILE, per_attempt, read_ledger, render_table  # noqa: E402
 
 COLOURS = {
     "productive": "tab:green",
@@ -74,11 +74,7 @@ def plot(ledger: dict, out: Path) -> Path:
 
 def attempt_seconds(attempts: list, index: int) -> dict:
     """Attempt `index`'s seconds by category, its lost work judged by the attempt after it (and the gap to it)."""
-    pair = totals(attempts[index : index + 2])["seconds"]
-    if index + 1 == len(attempts):
-        return pair
-    following = totals(attempts[index + 1 : index + 2])["seconds"]
-    return {name: pair[name] - following[name] for name in CATEGORIES}
+    return per_attempt(attempts)[index]["seconds"]
 
 
 def main(argv=None) -> int:

@@ -114,11 +114,13 @@ def child_env(cache: Path | None = None, **overrides: str) -> dict:
     return env
 
 
-def run(cmd: list, env: dict, *, timeout: float | None = None, log: Path | None = None) -> subprocess.CompletedProcess:
-    """Run `cmd` from the repository with `env`; the finished process, its stdout and stderr as text, or both in
-    the file `log` when given (then the process holds neither). subprocess.TimeoutExpired past `timeout` seconds
+def run(
+    cmd: list, env: dict, *, timeout: float | None = None, log: Path | None = None, cwd: Path = REPO
+) -> subprocess.CompletedProcess:
+    """Run `cmd` from `cwd` (the repository) with `env`; the finished process, its stdout and stderr as text, or both
+    in the file `log` when given (then the process holds neither). subprocess.TimeoutExpired past `timeout` seconds
     (the process killed)."""
     if log is None:
-        return subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
+        return subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
     with Path(log).open("w") as out:
-        return subprocess.run(cmd, cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT, timeout=timeout)
+        return subprocess.run(cmd, cwd=cwd, env=env, stdout=out, stderr=subprocess.STDOUT, timeout=timeout)

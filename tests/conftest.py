@@ -77,6 +77,24 @@ def _slow_tests_get_compiled_ops(request) -> None:
         request.getfixturevalue("compiled_ops")
 
 
+# What a test's working directory shows of the repository: everything a command line names relative to it
+# (train.py, ds_configs/, data/, recipes/, scripts/, ...), but none of a user's outputs in the checkout (runs/,
+# wandb/, caches): no test reads or writes them, however a user left the checkout.
+LEFT_OUT_OF_THE_VIEW = {"runs", "wandb"}
+
+
+@pytest.fixture(autouse=True)
+def _in_a_view_of_the_checkout(tmp_path_factory, monkeypatch) -> Path:
+    """Every test runs in its own folder of links to the repository's files (not to its outputs), and so does every
+    run it launches through tests.harness.launch: a default --output_dir (runs/default) lands there."""
+    view = tmp_path_factory.mktemp("checkout")
+    for entry in REPO.iterdir():
+        if not entry.name.startswith(".") and entry.name not in LEFT_OUT_OF_THE_VIEW:
+            (view / entry.name).symlink_to(entry)
+    monkeypatch.chdir(view)
+    return view
+
+
 @pytest.fixture(scope="session")
 def cache_dir(tmp_path_factory) -> Path:
     return tmp_path_factory.mktemp("hf_cache")

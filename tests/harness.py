@@ -65,14 +65,15 @@ def launch(
     timeout: int = 900,
     env: dict | None = None,
 ) -> subprocess.CompletedProcess:
-    """Run `script` with `args` from the repository under 'deepspeed' (deepspeed_cmd), 'torchrun' or 'python', with
-    the tests' environment (child_env: offline, caches under `cache`) and `env` over it; the finished process, its
-    output captured. subprocess.TimeoutExpired past `timeout` seconds."""
+    """Run `script` with `args` under 'deepspeed' (deepspeed_cmd), 'torchrun' or 'python', from the test's working
+    directory (its view of the checkout, tests/conftest.py), with the tests' environment (child_env: offline, caches
+    under `cache`) and `env` over it; the finished process, its output captured. subprocess.TimeoutExpired past
+    `timeout` seconds."""
     if launcher == "deepspeed":
         cmd = deepspeed_cmd(nprocs, script, args)
     else:
         cmd = Launcher(launcher, nprocs).command(script, args)
-    return run(cmd, child_env(cache, **(env or {})), timeout=timeout)
+    return run(cmd, child_env(cache, **(env or {})), timeout=timeout, cwd=Path.cwd())
 
 
 def check_ok(proc: subprocess.CompletedProcess) -> None:

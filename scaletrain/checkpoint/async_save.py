@@ -1,21 +1,9 @@
-"""Asynchronous saves (--async_save): a save holds training only while each rank copies what DeepSpeed would write
-into host buffers; a writer process of that rank writes the files, in the same format, while training goes on; the
-checkpoint is committed at a later step boundary, once every rank's write is done, by the commit protocol of
-commit.py, unchanged.
-
-The snapshot: DeepSpeed's save_checkpoint runs as for a synchronous save, but each file's state dict is taken
-instead of written (ds_internals.recorded_checkpoint_writes with a `write`). Every tensor storage in it is copied
-once into a host buffer (a file in /dev/shm that this rank and its writer both map, reused from save to save), and
-the tensor becomes a reference to it (storage, dtype, offset, size, stride), so views keep sharing their storage as
-in the original: the writer rebuilds the same objects and torch.save writes the same bytes. The rest of the state
-dict (numbers, configs) is pickled at the snapshot. A writer process rather than a thread: torch.save's pickling
-holds the GIL.
-
-At most one save is in flight. At each step boundary while one is, the ranks agree (one small all-reduce) whether
-every rank's write is done or some rank's failed: done, they commit it (the checksums gathered, rank 0 commits);
-failed (a full disk, the writer killed), every rank stops with one line naming the checkpoint and the cause, and
-nothing is committed. A save that comes due while the last is still being written, the end of the run, a
-preemption and a rollback first wait for the write in flight (drain).
+"""Asynchronous saves (--async_save): training pauses only while each rank copies the state dicts DeepSpeed's
+save_checkpoint would write (taken, not written: ds_internals.recorded_checkpoint_writes) into /dev/shm buffers that it
+and its writer process both map; the writer rebuilds the same objects, views sharing storage as before, so torch.save
+writes the same bytes. A process, not a thread: torch.save's pickling holds the GIL. At most one save is in flight;
+commit.py's protocol commits it at a later step boundary once every rank's write is done. Drains and failures:
+docs/checkpoints.md#asynchronous-saves.
 """
 
 from __future__ import annotations
@@ -220,10 +208,9 @@ def write_snapshot(folder: str, files: list, buffers: dict) -> dict:
 
 @contextmanager
 def _preemption_signals_ignored() -> Iterator[None]:
-    """SIGUSR1 and SIGTERM ignored while the writer is spawned (milliseconds; an ignored signal stays ignored across
-    exec), so that a preemption signal sent to every process of the job never ends a writer still importing torch,
-    seconds before writer_main could ignore it. The rank's own handlers are put back at once. Off the main thread
-    (where handlers cannot be set) the writer ignores them from writer_main on."""
+    """SIGUSR1 and SIGTERM ignored while the writer is spawned (an ignored signal stays ignored across exec), so a
+    preemption signal to the whole job cannot end a writer still importing torch, before writer_main ignores it.
+    Off the main thread, where handlers cannot be set, writer_main alone does."""
     import signal
     import threading
 
@@ -247,9 +234,8 @@ def writer_main(conn) -> None:
 
     from scaletrain.checkpoint.commit import describe_write_failure, is_write_failure
 
-    # A preemption signal (Slurm's --signal reaches every process of the job step; DeepSpeed's launcher SIGTERMs the
-    # whole process tree) is the rank's to act on: it waits for this write before its preemption save. The writer
-    # ends when its rank closes it, or when the rank is gone (EOF).
+    # A preemption signal reaches every process (Slurm's --signal, DeepSpeed's launcher's SIGTERM to the tree) but is
+    # the rank's to act on: it waits for this write before its preemption save.
     signal.signal(signal.SIGUSR1, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     torch.set_num_threads(1)
@@ -343,9 +329,8 @@ class BackgroundWriter:
         return "writing" if flight.result is None else flight.result[0]
 
     def close(self) -> None:
-        """The writer ends (a write in flight is finished first, within 10 s, or killed) and the buffers go. An idle
-        writer is killed at once: it holds nothing, and one still starting (importing torch) would otherwise be
-        waited for, over a second at the end of a short run."""
+        """The writer ends (a write in flight gets 10 s to finish) and the buffers go. An idle writer is killed at
+        once: it holds nothing, and waiting for one still importing torch costs a short run over a second."""
         if self.process is not None:
             writing = self.in_flight is not None and self.in_flight.result is None
             if writing:

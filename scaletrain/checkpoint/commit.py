@@ -1,20 +1,8 @@
-"""The commit protocol of a checkpoint folder, and what reads it back: the names and layout of checkpoints/,
-atomic writes, SHA-256 checksums, rank 0's commit (commit.json, the rename, `latest`), verifying a committed
-checkpoint, finding the newest one, damage detection with its fallback, pruning, and clearing a previous run.
-
-Commit protocol (DeepSpeed alone writes its `latest` before its last barrier, so a kill can leave it naming a
-half-written checkpoint):
-  1. every rank writes its shards, its RNG state and (rank 0) the train state into checkpoints/.tmp-stepN;
-     each rank then hashes the files it wrote (SHA-256, read back from the page cache);
-  2. the ranks gather (a collective: every file is on disk, and every rank learns whether any write failed); rank 0
-     writes commit.json (every file with its size and SHA-256), fsyncs, renames the folder to checkpoints/stepN,
-     then replaces checkpoints/latest atomically (temporary file, fsync, rename); the ranks agree that it worked;
-  3. only then are checkpoints beyond --save_total_limit deleted (never the newest).
-A write that fails on any rank (a full disk: an OSError, or the RuntimeError of torch's zip writer) stops every
-rank with one message; the folder is removed, never committed (save.py runs these steps).
-Loading trusts only committed checkpoints whose files match their commit.json; anything else is skipped with a
-warning that names it, and the newest good one is used. At load time the ranks also check the files' SHA-256
-(verified_resume_checkpoint): a damaged file makes them all fall back to the previous committed checkpoint.
+"""The commit protocol of a checkpoint folder and what reads it back: checkpoints/'s layout, atomic writes, SHA-256
+checksums, rank 0's commit (commit.json, the rename of .tmp-stepN to stepN, then `latest`), finding the newest good
+checkpoint, damage detection with its fallback, pruning, and clearing a previous run. It exists because DeepSpeed alone
+writes its `latest` before its last barrier, so a kill can leave it naming a half-written checkpoint. save.py runs the
+steps; the protocol: docs/checkpoints.md#commit-protocol.
 """
 
 from __future__ import annotations

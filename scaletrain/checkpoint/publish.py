@@ -1,15 +1,7 @@
-"""What makes an exported model folder complete and publishable: its generation config, its model card, and the
-upload to the Hugging Face Hub.
-
-- `generation_config.json`: the model config's generation defaults, with every id that ends a reply as EOS: the
-  tokenizer's EOS and the chat template's end-of-turn token (`<|eot_id|>`, `<|im_end|>`, `<end_of_turn>`), found by
-  rendering a one-turn conversation. Without it `generate()` runs past the end of a chat turn.
-- `README.md`: a model card (huggingface_hub's ModelCard) with the base model, the data, the run's key flags and its
-  final losses.
-- `--push_to_hub REPO`: rank 0 uploads the finished export after the run, outside any collective (the process group
-  is already gone), with HF_TOKEN from the environment. huggingface_hub's upload_folder commits in batches and a
-  repeated call resumes (committed files are skipped, uploaded chunks deduplicated), so a failed attempt is retried
-  a few times with a growing pause. The token is never printed or written.
+"""What makes an exported model folder complete and publishable: a generation_config.json whose EOS ids include the chat
+template's end-of-turn token (found by rendering a one-turn conversation; without it `generate()` runs past the end of a
+turn), a model card, and the --push_to_hub upload. Rank 0 uploads after the run, outside any collective; a failed
+attempt is retried because a repeated upload_folder resumes. The token is never printed or written.
 """
 
 from __future__ import annotations

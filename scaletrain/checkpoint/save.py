@@ -32,14 +32,11 @@ from scaletrain.train import TrainState
 from scaletrain.parts import DistInfo
 
 log = logging.getLogger(__name__)
-# The first save has no earlier checkpoint to measure: its planned size (planned_checkpoint_bytes) must fit with
-# this margin. Measured against the test suite's checkpoints before the plan counted the fixed costs of each file
-# (pickled metadata, RNG states): +0.2% (ZeRO-1/2, 1.8M parameters) to +1.8% (ZeRO-3, 0.3M); counting them, a
-# 37K-parameter LoRA adapter's checkpoint (where they are a sixth to a third of the bytes) is within 3% of its plan.
+# The first save's planned size (planned_checkpoint_bytes) must fit with this margin: the plan is within 3% of the
+# tests' checkpoints (a 37K-parameter LoRA adapter, where fixed costs are a sixth to a third of the bytes, included).
 FIRST_SAVE_MARGIN = 1.05
-# torch.save writes each tensor as a zip record with its pickled metadata: 0.66 KB (a tensor of ZeRO-1/2's module
-# state) to 0.78 KB (a ZeRO-3 placeholder) in a model-states file, measured on the LoRA test's 56 adapter tensors;
-# and each file has its own pickled fields (the config, the LR schedule, the shapes: 2-8 KB measured).
+# torch.save's zip record per tensor measures 0.66-0.78 KB (the LoRA test's 56 tensors); a file's own pickled fields
+# (config, LR schedule, shapes) 2-8 KB.
 TENSOR_RECORD_BYTES = 1024
 FILE_BYTES = 8192
 
@@ -62,16 +59,12 @@ def planned_checkpoint_bytes(
     n_tensors: int = 0,
     world_size: int = 1,
 ) -> int:
-    """The size of a checkpoint before the first one exists, as the memory planner counts the states: ZeRO's fp32
-    master weights and Adam moments (12 bytes a parameter, partitioned or not) plus the module's weights in the
-    training dtype, which ZeRO-3 does not write (its model files hold placeholders). Each tensor-parallel rank
-    writes its own model file, the replicated weights included: counted as whole weights per TP rank (an upper
-    bound; the tiny Llama at TP 2 writes 1.30x the plain estimate, this counts 1.25x, 1.31x with the margin).
-
-    n_params and n_tensors are the parameters that the checkpoint holds: a LoRA model's trainable ones alone
-    (save_checkpoint leaves its frozen base out). Beside the states come fixed costs (TENSOR_RECORD_BYTES,
-    FILE_BYTES, each rank's RNG states): nothing for a full model, but a sixth to a third of a small adapter's
-    checkpoint (the test's 37K-parameter adapter at 2 ranks: 0.60 MB under ZeRO-3 for 0.45 MB of states)."""
+    """The size of a checkpoint before the first one exists: fp32 master weights and Adam moments (12 bytes a
+    parameter) plus the module's weights in the training dtype (not under ZeRO-3, whose model files hold
+    placeholders), counted whole per tensor-parallel rank since each writes its own model file (the tiny Llama at TP 2
+    writes 1.30x the plain estimate; this counts 1.31x with the margin). n_params and n_tensors count what the
+    checkpoint holds (a LoRA model's trainable parameters alone); the fixed costs per tensor and file matter only for
+    a small adapter (the test's 37K-parameter one: 0.60 MB for 0.45 MB of states)."""
     from scaletrain.observability import OPTIMIZER_BYTES, weight_bytes
 
     weights = 0 if zero_stage == 3 else weight_bytes(precision) * tensor_parallel_size
@@ -127,12 +120,9 @@ def save_checkpoint(
     model_facts: dict | None = None,
     planned_bytes: int = 0,
 ) -> Path:
-    """Save and commit checkpoint stepN on every rank; returns its path. See commit.py's docstring.
-
-    Before writing, every rank checks that the file system has room for another checkpoint of the size of the
-    last one (the first save: `planned_bytes` x FIRST_SAVE_MARGIN), and the ranks agree: a full disk stops the run
-    with a clear error before anything is written. A write that fails later stops every rank the same way.
-    """
+    """Save and commit checkpoint stepN on every rank; returns its path. The ranks first agree that the disk has room
+    for another checkpoint the size of the last (the first: `planned_bytes` x FIRST_SAVE_MARGIN), so a full disk stops
+    the run before anything is written; a write that fails later stops every rank the same way."""
     from scaletrain.distributed import barrier
 
     started = time.perf_counter()
@@ -282,11 +272,9 @@ def _commit_on_rank0(tmp: Path, final: Path, step: int, checksums: dict, rank: i
 
 
 def without_frozen_base(engine) -> bool:
-    """Whether checkpoints leave the frozen parameters out: a LoRA model's, whose base is built from
-    --model_name_or_path at every start (its identity is in the train state, lora.check_same_base), so that the
-    checkpoint holds the adapter and its optimizer state alone. Otherwise ZeRO-1/2 write the base in the module
-    state (ZeRO-2 again as "frozen_param_fragments": CPU copies, which on a GPU share no storage with the module's),
-    ZeRO-3 each rank's slice: 7.9 MB against 0.7 MB for the test's adapter on the tiny Llama."""
+    """Whether checkpoints leave the frozen parameters out: a LoRA model's base is rebuilt from --model_name_or_path at
+    every start (lora.check_same_base checks it is the same), so the checkpoint holds the adapter and its optimizer
+    state alone (0.7 MB against 7.9 MB with the base, for the test's adapter on the tiny Llama)."""
     from scaletrain.model import is_lora_model
 
     return is_lora_model(engine.module)
@@ -391,10 +379,8 @@ def _relative(checksums: dict, tmp: Path) -> dict:
 
 def background_writer(n_params: int, precision: str, zero_stage: int, dist: DistInfo) -> BackgroundWriter | None:
     """--async_save: this rank's writer, unless a host of the run cannot hold the snapshot buffers (then every rank
-    saves synchronously, said once per host: the ranks must agree, their saves are collectives). Its process starts
-    at the first background save: its start (an interpreter importing torch, a second or two) then runs beside
-    training, behind that save's commit, instead of beside the rank's own start, which it slowed by as much on a busy
-    host; a run whose only saves are synchronous (the end's, a preemption's, a rollback's) never starts one."""
+    saves synchronously, since saves are collectives). Its process starts at the first background save, so its second
+    or two of importing torch overlaps training rather than slowing the rank's own start."""
     import os
 
     from scaletrain.checkpoint.async_save import snapshot_refusal

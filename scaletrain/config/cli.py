@@ -21,6 +21,24 @@ from scaletrain.config.run_config import FLAG_ALIASES, SLICES, RunConfig, _nargs
 from scaletrain.errors import UsageError
 
 COMMAND_LINE = "command line"
+HELP_FRONT = """Train a Hugging Face causal LM with DeepSpeed: ZeRO, offload, tensor, sequence and pipeline parallelism.
+Flags follow Hugging Face's spelling; every flag is checked before anything heavy (one line, exit 2).
+
+The commands most runs start from:
+  deepspeed train.py --config ds_configs/zero3.json
+      the built-in default: a tiny Llama trained on the sample corpus (a CPU is enough)
+  deepspeed train.py --config ds_configs/zero3.json --model_name_or_path ORG/MODEL --dataset_name NAME
+      your model and data (or --train_file data.jsonl; --config_name to train from scratch)
+  deepspeed --num_gpus 8 train.py --config ds_configs/zero3.json --gradient_checkpointing ...
+      several GPUs (ZeRO-3 shards the model; bf16 where the GPU has it; ds_configs/ has the offload variants)
+  sbatch --nodes=4 --gpus-per-node=8 scripts/train.sbatch --config ds_configs/zero3.json ...
+      several nodes under Slurm (a preempted job requeues and resumes)
+  python train.py --plan --model_name_or_path ORG/MODEL --num_gpus 8 --num_nodes 4
+      memory per GPU of each ZeRO stage, offload and layout, before you queue a job
+  python train.py --print_config [flags]
+      every resolved value and where it came from
+
+The flags, by concern:"""
 
 
 class _Parser(argparse.ArgumentParser):
@@ -73,7 +91,9 @@ def build_parser(suppress_defaults: bool = False, defaults: dict | None = None) 
     """train.py's command line. With suppress_defaults, only typed flags appear in the namespace."""
     parser = _Parser(
         prog="train.py",
-        description="Train a Hugging Face causal LM with DeepSpeed. Flags follow Hugging Face's spelling.",
+        usage="deepspeed [--num_gpus N] train.py [flags]   (or: torchrun ..., python train.py ...)",
+        description=HELP_FRONT,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
         allow_abbrev=False,
     )
     add_flags(parser, suppress_defaults=suppress_defaults, defaults=defaults)
@@ -115,9 +135,41 @@ def parse_run_config(argv: Sequence[str] | None = None) -> RunConfig:
     return cfg
 
 
+def explain_inputs(cfg: RunConfig) -> list:
+    """What the run reads, resolved: the model, the tokenizer and the data, where no flag names them the built-in
+    defaults, each with where it came from."""
+    model, data = cfg.model, cfg.data
+    if model.model_name_or_path:
+        built = (model.model_name_or_path, "pretrained weights, --model_name_or_path")
+    elif model.config_name:
+        built = (model.config_name, "its config, random init, --config_name")
+    else:
+        built = (model.model_source, "the built-in tiny Llama's config, random init: default")
+    tokenizer = "--tokenizer_name" if model.tokenizer_name else "the model's: default"
+    if data.store_paths:
+        train = (", ".join(data.store_paths), "prepared token stores, --data_path/--dataset_mix")
+    elif data.dataset_name:
+        train = (data.dataset_name, "a Hugging Face dataset, --dataset_name")
+    elif data.uses_default_data:
+        train = (data.train_data_file, "the built-in sample: default")
+    else:
+        train = (data.train_data_file, "--train_file")
+    lines = [
+        "  [inputs]",
+        f"  model = {built[0]}  <- {built[1]}",
+        f"  tokenizer = {model.tokenizer_source}  <- {tokenizer}",
+        f"  train data = {train[0]}  <- {train[1]}",
+    ]
+    if data.validation_data_file:
+        where = "the built-in sample: default" if data.uses_default_data else "--validation_file"
+        lines.append(f"  validation data = {data.validation_data_file}  <- {where}")
+    return lines
+
+
 def explain_run_config(cfg: RunConfig) -> str:
-    """Every flag with its value and where it came from (command line, recipe, or default), by concern."""
-    lines = []
+    """What the run reads (explain_inputs), then every flag with its value and where it came from (command line,
+    recipe, or default), by concern."""
+    lines = explain_inputs(cfg)
     for slice_name in SLICES:
         lines.append(f"  [{slice_name}]")
         for f in dataclasses.fields(SLICES[slice_name]):

@@ -139,6 +139,25 @@ class ResolvedDSConfig:
         sources.pop(dotted, None)
         return dataclasses.replace(self, config=config, sources=sources)
 
+    def summary(self) -> str:
+        """One line of what decides a run's memory and speed; explained() has every value and its source."""
+        config, zero = self.config, self.config.get("zero_optimization", {})
+        offload = [
+            kind
+            for kind in ("optimizer", "param")
+            if zero.get(f"offload_{kind}", {}).get("device") not in (None, "none")
+        ]
+        optimizer, accumulation = config.get("optimizer", {}), config["gradient_accumulation_steps"]
+        parts = [
+            f"ZeRO-{self.zero_stage}" + (f" with {' and '.join(offload)} offload" if offload else ""),
+            self.precision,
+            f"{optimizer.get('type', 'no optimizer')} lr {optimizer.get('params', {}).get('lr')}",
+            f"global batch {config['train_batch_size']} = {self.micro_batch} micro x {accumulation} accumulation x "
+            f"{config['train_batch_size'] // (self.micro_batch * accumulation)} data-parallel rank(s)",
+            f"clipping {config.get('gradient_clipping', 0)}",
+        ]
+        return ", ".join(parts) + " (every value with its source: --log_level debug, or config_sources.txt)"
+
     def explained(self) -> str:
         """The resolved JSON followed by one line per value the pipeline decided."""
         lines = [json.dumps(self.config, indent=2, sort_keys=True), "where the decided values came from:"]

@@ -482,7 +482,15 @@ class LoggingArgs:
         "none", "Extra metrics sinks, comma-separated: wandb, tensorboard (JSONL and console are always on)."
     )
     profile_steps: str | None = _flag(None, "A torch profiler trace of these steps (e.g. 5-7) in <output_dir>/profile.")
-    disable_tqdm: bool = _flag(False, "No progress bar.")
+    disable_tqdm: bool = _flag(
+        False, "No progress bar (where output is not a terminal there is none: a line per logging step instead)."
+    )
+    log_level: str = _flag(
+        "info",
+        "Console detail: info (default), debug (adds the resolved DeepSpeed JSON with the source of every value, "
+        "also in <output_dir>/config_sources.txt), or warning (warnings and errors only).",
+        choices=("debug", "info", "warning"),
+    )
     comms_log: bool = _flag(
         False,
         "Communication log: per collective type (all-reduce, reduce-scatter, all-gather, broadcast, "

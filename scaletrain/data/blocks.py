@@ -1,8 +1,6 @@
-"""Packed blocks: a token store's stream cut into fixed-size training blocks, several stores mixed by weight, and
-the fixed evaluation set.
-
-Packing joins every document with EOS and cuts the stream into `block_size` blocks; the last, partial block is
-padded and masked instead of dropped, so every token of the corpus is trained on each epoch.
+"""Packed blocks: a token store's stream cut into fixed-size training blocks, several stores mixed by weight, and the
+fixed evaluation set. The last, partial block is padded and masked instead of dropped, so every token is trained on each
+epoch.
 """
 
 from __future__ import annotations
@@ -19,11 +17,9 @@ EMPTY_SLOT = -1  # a micro-batch row with no block: the epoch's last global batc
 
 @dataclass
 class PackedBlocks:
-    """A token stream (documents joined with EOS) cut into `block_size` blocks; nothing is copied or dropped.
-
-    Every block is full except the last, whose tail is padding that carries no loss. With isolate_documents,
-    each row also gets position ids that restart at every document start (and at the block start), which
-    transformers turns into a block-diagonal causal mask: no token attends across a document boundary.
+    """A token stream (documents joined with EOS) cut into `block_size` blocks; nothing is copied or dropped. With
+    isolate_documents, position ids restart at every document (and block) start, which transformers turns into a
+    block-diagonal causal mask.
     """
 
     stream: np.ndarray  # flat token ids, usually a read-only memmap of a token store
@@ -140,10 +136,8 @@ class EvalBatches(Sequence):
 
 
 def eval_batches(blocks: PackedBlocks, batch_size: int, rank: int, world: int, limit: int | None) -> EvalBatches:
-    """A fixed set of validation blocks (the first `limit`, in order), split across ranks; same on every run.
-
-    Every rank gets the same number of batches (short ranks get EMPTY_SLOT rows): under ZeRO-3 each forward
-    is a collective, so ranks must run the same number of them. The batches are read lazily (EvalBatches).
+    """A fixed set of validation blocks (the first `limit`, in order), split across ranks, read lazily. Every rank
+    gets the same number of batches (short ranks get EMPTY_SLOT rows): under ZeRO-3 each forward is a collective.
     """
     n = len(blocks) if limit is None else min(limit, len(blocks))
     per_rank = math.ceil(n / world)
@@ -167,12 +161,9 @@ def smooth_schedule(weights: list, period: int) -> np.ndarray:
 
 @dataclass
 class MixedBlocks:
-    """Blocks of several stores in one index space, drawn in fixed proportions, deterministically.
-
-    Index j falls in period j // P; the slot j % P names the source (a fixed smooth schedule of P slots), and
-    the slot's rank among that source's slots gives the source-local sample number. A source read past its end
-    starts a new cycle in a fresh permutation of its blocks (seeded by seed, source and cycle), so a small
-    source is upsampled without repeating itself in a fixed order. Every lookup is O(1) in j.
+    """Blocks of several stores in one index space, drawn in fixed proportions, deterministically: index j's slot
+    j % P in a smooth schedule of P slots names the source, O(1) in j. A source read past its end starts a fresh
+    permutation (seeded by seed, source and cycle), so a small source is upsampled without repeating a fixed order.
     """
 
     sources: list

@@ -1,23 +1,14 @@
-"""Chat data: a conversation, or a prompt/completion record, rendered with a chat template into token ids and a loss
-mask that trains the assistant's replies only, each with the end-of-turn token that closes it (so the model learns
-to stop), never the role headers or the generation prompt.
+"""Chat data rendered with a chat template into token ids and a loss mask that trains the assistant's replies, each up
+to its end-of-turn token (so the model learns to stop; not the newline some templates write after it, which is never
+generated), never the role headers or the generation prompt.
 
-The assistant tokens are found by rendering the conversation prefix by prefix, which works for every template,
-with or without `{% generation %}` markers (Llama 3, Qwen 2.5, Mistral and Gemma have none): the text of
-`messages[:i]` with the generation prompt ends where reply i starts, the text of `messages[:i + 1]` ends where it
-ends. Each render must be a prefix of the next and of the whole conversation; a template that renders an earlier
-turn differently once later turns follow (Mistral v0.3 moves the system message to the last user turn, and drops
-it when an assistant turn is last; Qwen3 drops the think blocks of earlier replies) is refused, naming the template
-and the turn, since no mask would be true for the text the model trains on. A reply is trained up to its last
-special token (the end of turn), not the newline some templates write after it, which is never generated. Where a
-template has generation markers, the tokens they mark (transformers' assistant spans) must be the same.
-
-The text is tokenized segment by segment (prompt, reply, prompt, ...), so that a reply's first token starts right
-after the generation prompt's tokens, as at inference: tokenizing the whole text at once lets a BPE merge across the
-boundary (a header's "\\n\\n" is one token at the end of a prompt and two before a reply with the tiny test
-tokenizer), which would train the model on a context it never sees when it generates.
-
-Pure functions over a Hugging Face tokenizer; nothing here touches the token store.
+Replies are found by rendering prefix by prefix, since most templates (Llama 3, Qwen 2.5, Mistral, Gemma) have no
+`{% generation %}` markers: `messages[:i]` with the generation prompt ends where reply i starts, `messages[:i + 1]`
+where it ends. A template that renders an earlier turn differently once later turns follow (Mistral v0.3 moves the
+system message, Qwen3 drops earlier think blocks) is refused, since no mask would be true for the trained text; where
+markers exist, their spans must agree. The text is tokenized segment by segment, as at inference: tokenized whole, a BPE
+merge can cross the prompt/reply boundary (the tiny test tokenizer's header "\\n\\n") and train on a context never seen
+when generating.
 """
 
 from __future__ import annotations

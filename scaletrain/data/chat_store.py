@@ -1,18 +1,7 @@
-"""Chat data as a token store: each example (a `messages` conversation, or a `prompt`/`completion` record) rendered
-by scaletrain/data/chat_render.py into its tokens and a loss mask, written beside the tokens.
-
-Layout of a chat store folder (a token store, see scaletrain/data/token_store.py, plus the mask):
-    manifest.json            the fingerprint also names the chat template's hash and the loss mode
-    <split>.tokens.bin       every example's tokens, concatenated (no EOS added: the template writes its own)
-    <split>.mask.bin         1 byte per token: 1 where the token is a target of the loss, 0 where it is context
-    <split>.docs.npy         the offset where each example starts; scaletrain/data/packing.py packs whole examples
-
-Loss modes: `assistant_only` (--assistant_only_loss: the assistant replies and their end-of-turn tokens),
-`completion_only` (a prompt/completion dataset: the completion), `all` (a conversation without
---assistant_only_loss: every token, as TRL does). The rows are rendered by worker processes (batches read back in
-order); a bad row is a UsageError (exit code 2) on every path, raised again in the preparer, and the masks are
-checked (nothing or everything trained is refused, naming the template) before the store is renamed into place: a
-refused dataset leaves nothing behind.
+"""Chat data as a token store: each example rendered by chat_render.py into its tokens (no EOS added: the template
+writes its own) and a loss mask, one byte per token in <split>.mask.bin beside them; the fingerprint adds the template's
+hash and the loss mode (`assistant_only`, `completion_only` or `all`). The masks are checked before the store is renamed
+into place, so a refused dataset leaves nothing behind. Layout: docs/data.md#chat-data.
 """
 
 from __future__ import annotations
@@ -107,15 +96,11 @@ def _first_records(data: DataArgs, reads_first_row: bool = True) -> list:
 
 
 def _first_record_of_dataset(data: DataArgs, reads_first_row: bool = True) -> list:
-    """The first training record of a hub dataset or a local folder of data files, by load_dataset's own two steps
-    (its builder, then a stream of the train split). The builder's features, where it knows them without reading a
-    row (a hub dataset's card or exported infos, a cached download's dataset_info.json), say plain text at no cost:
-    nothing is streamed then, on any rank (streaming a row can read a whole first parquet row group, or a json file).
-    Chat data, or data of unknown features, is streamed for its first record; where it cannot be (an unstreamable
-    format), the features stand in for it, with NOT_READ for every non-string column (its rows are checked when the
-    store is made). Chat data whose features say so is streamed only where `reads_first_row` (global rank 0): the
-    other ranks take its kind from the features, so 512 ranks make one request to the hub, not 512, and a first
-    record that rank 0 refuses stops them all at the rendezvous."""
+    """The first training record of a hub dataset or a local folder of data files (load_dataset's builder, then a
+    stream of the train split). Features known without reading a row that say plain text stream nothing, since
+    streaming a row can read a whole parquet row group or json file; an unstreamable format's features stand in, with
+    NOT_READ for non-string columns. Chat data is streamed only where `reads_first_row` (global rank 0), so 512 ranks
+    make one request to the hub, not 512."""
     import datasets
 
     where = f"--dataset_name {data.dataset_name}"

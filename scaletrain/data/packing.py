@@ -1,17 +1,8 @@
-"""Packing whole examples (chat data): no conversation is ever cut at a block edge.
-
-The examples of a chat store are bin-packed into blocks of `block_size` tokens, best fit decreasing (TRL's
-packing_strategy="bfd"): longest first, each into the fullest block it still fits in, a new block when none has
-room. Each row gets position ids that restart at every example (and at the padding after the last one), from which
-transformers builds a per-example causal mask: no token attends across an example, for every attention backend and
-micro-batch size that --attention_isolation supports (scaletrain/model/build.py refuses flash attention in batches above
-1). Labels are the tokens the store's loss mask marks, never an example's first token (nothing before it in its
-example predicts it). An example longer than the block is cut to its first `block_size` tokens (--truncation
-truncate, the default: its end, and so maybe its end-of-turn token, is lost) or left out (--truncation drop);
-either way the count is logged.
-
-A block plays the part of a PackedBlocks block for the sampler, the loop and evaluation: the same batch() and
-targets_in(), so the loop stays the same.
+"""Packing whole chat examples, so no conversation is cut at a block edge: best fit decreasing (TRL's "bfd") into
+`block_size` blocks, position ids restarting at every example so that transformers masks attention per example (as for
+--attention_isolation). Labels are the store's masked tokens, never an example's first (nothing in its example predicts
+it). A block has PackedBlocks' batch() and targets_in(), so the loop stays the same. Truncation and what is tested:
+docs/data.md#chat-data.
 """
 
 from __future__ import annotations

@@ -1,21 +1,10 @@
-"""Preference pairs read back from a preference store (scaletrain/data/preference_store.py) for training: pair i of a
-split is its sequences 2i (prompt + chosen) and 2i + 1 (prompt + rejected).
-
-A pair plays the part of a block for the sampler and the loop: the global order draws pair indices, so
---per_device_train_batch_size counts pairs and a pair's two sequences are always in the same micro-batch. A
-micro-batch of B pairs is 2B rows, the B chosen sequences then the B rejected ones (TRL's order), right-padded to the
-micro-batch's longest sequence (no attention mask is needed: causal attention never looks ahead at the padding).
-With --padding_free the 2B sequences are one row instead, end to end without padding, position ids restarting at
-each sequence (transformers then keeps attention within each sequence), targets shifted within each sequence, and
-`token_rows` naming each token's sequence (-1: none) so the log-probs are summed per sequence.
-Labels are the completion tokens; `targets_in` counts pairs, so the loop's loss normaliser (sum over the global
-batch / global targets) makes the step's loss the mean over the pairs of the global batch, for any number of ranks
-and accumulation steps.
-
-A sequence longer than `block_size` follows --truncation: `truncate` cuts its prompt from the start (the completion,
-what the loss compares, stays whole; a completion longer than the block alone is cut at its end), `drop` leaves the
-pair out; either way the count is logged. Reference log-probabilities (scaletrain/train/reference.py), once attached,
-travel in each batch as `ref_chosen_logps` / `ref_rejected_logps`.
+"""Preference pairs read back from a preference store for training: pair i of a split is its sequences 2i (prompt +
+chosen) and 2i + 1 (prompt + rejected). A pair plays the part of a block, so a pair's two sequences share a micro-batch:
+B chosen rows then B rejected (TRL's order), right-padded (causal attention never looks ahead at the padding), or with
+--padding_free one row with `token_rows` naming each token's sequence. `targets_in` counts pairs, so the loop's
+normaliser makes the loss the mean over the global batch's pairs on any number of ranks. Truncation keeps the
+completion, which the loss compares, whole. Reference log-probs travel as `ref_chosen_logps` / `ref_rejected_logps`.
+Formats and batches: docs/fine-tuning.md#preference-optimization-dpo.
 """
 
 from __future__ import annotations

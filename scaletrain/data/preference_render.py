@@ -1,28 +1,13 @@
-"""Preference data: one row of a TRL preference dataset (a prompt, a chosen and a rejected completion) turned into
-two token sequences, prompt + chosen and prompt + rejected, each trained on its completion only, tokenized exactly as
-TRL 1.16's DPOTrainer does (`_prepare_dataset`), so that a DPO run here sees the very ids a TRL run sees.
+"""Preference data: a TRL preference row (explicit text, explicit or implicit conversational) turned into prompt +
+chosen and prompt + rejected, each trained on its completion, tokenized exactly as TRL 1.16's DPOTrainer
+(`_prepare_dataset`) does so that a run here sees the ids a TRL run sees. Formats:
+docs/fine-tuning.md#preference-optimization-dpo.
 
-Three of TRL's row formats are accepted, told apart by the row's columns and value types:
-
-    explicit_text            {"prompt": str, "chosen": str, "rejected": str}
-    explicit_conversational  {"prompt": [messages], "chosen": [messages], "rejected": [messages]}
-    implicit_conversational  {"chosen": [messages], "rejected": [messages]}: the prompt is the turns both share
-
-TRL's tokenization, followed to the token: plain text gets the EOS text appended to each completion unless it already
-ends with it, and is tokenized with the tokenizer's own special tokens (a BOS where the tokenizer adds one); a
-conversation is rendered with the chat template and tokenized with `add_special_tokens=False` (the template writes
-its own BOS), the prompt with the generation prompt. Prompt, prompt + chosen and prompt + rejected are tokenized
-whole, and the completion starts where the prompt's ids and each whole sequence's ids first differ (the shorter of
-the two common prefixes). That is not always the end of the prompt: a BPE merge across the boundary ("is " + "blue"
-is "is", " blue", not "is", " ", "blue"), or a template that renders the prompt alone differently, moves the start
-back, and those prompt tokens are trained as completion. chat_render.py cuts at the boundary instead, as at
-inference; here TRL's choice is kept on purpose, because a preference run is checked against TRL's numbers.
-
-The rows TRL would take but that train nothing true are refused, naming `example {index}` (the caller prefixes the
-file or split): identical chosen and rejected, an empty completion, an implicit pair whose shared turns are not a
-prompt, a plain-text pair without a prompt, and a conversational row without a chat template.
-
-Pure functions over a Hugging Face tokenizer; nothing here touches the token store.
+The completion starts where the prompt's ids and each whole sequence's ids first differ, as in TRL. That can be before
+the end of the prompt (a BPE merge across the boundary: "is " + "blue" is "is", " blue"), training prompt tokens as
+completion; chat_render.py cuts at the boundary instead, but here TRL's choice is kept on purpose, because a preference
+run is checked against TRL's numbers. Rows TRL would take but that train nothing true (identical completions, an empty
+one, a prompt that is not one) are refused, naming `example {index}`.
 """
 
 from __future__ import annotations
@@ -103,16 +88,11 @@ def check_same_format(rows: Iterable[dict], first_format: str) -> None:
 
 
 def check_pair(row: dict, index: int, fmt: str) -> tuple:
-    """The row's (prompt, chosen, rejected), the prompt taken out of chosen and rejected for an implicit row, after
-    refusing what trains nothing true: identical completions, an empty one, and messages that are not a prompt and
-    a reply.
-
-    A conversational completion is one or more assistant turns with text, after a prompt that ends with a system or
-    user turn. TRL's extract_prompt takes the longest common prefix of the two message lists as the prompt, whatever
-    follows; this is stricter, because what follows is trained as the model's reply: a pair that differs at an
-    earlier turn (a user turn, or an assistant turn that later turns answer) would train user text, or replies to
-    different contexts, as the completion, and a pair where one list extends the other leaves TRL's prompt one turn
-    short of their common prefix."""
+    """The row's (prompt, chosen, rejected), an implicit row's prompt taken out of both, after refusing what trains
+    nothing true: identical completions, an empty one, messages that are not a prompt and a reply. A conversational
+    completion must be assistant turns after a system or user turn: TRL's extract_prompt takes any common prefix as
+    the prompt, so a pair differing at an earlier turn would train user text, or replies to other contexts, as the
+    model's reply."""
     assert fmt in PREFERENCE_FORMATS, fmt
     if fmt == "explicit_text":
         prompt, chosen, rejected = row["prompt"], row["chosen"], row["rejected"]

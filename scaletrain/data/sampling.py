@@ -1,9 +1,6 @@
-"""The global order of training blocks, and the micro-batches each rank reads at each step.
-
-The order of blocks is a permutation drawn from (seed, epoch) over the whole corpus, independent of the world
-size; a global batch is a contiguous run of that order, split into micro-batches by accumulation step and rank.
-Seeking to any step is O(1): the batch of step s is computed from s, never by replaying the steps before it.
-A batch-size ramp-up is a short list of constant-batch segments, computed once from the run's start.
+"""The global order of training blocks and the micro-batches each rank reads at each step: a permutation per (seed,
+epoch), independent of the world size, cut into contiguous global batches. The batch of step s is computed from s, so
+seeking costs O(1) and nothing is replayed. A batch-size ramp-up is a short list of constant-batch segments.
 """
 
 from __future__ import annotations
@@ -47,11 +44,9 @@ class BatchRamp:
 
 @dataclass(frozen=True)
 class GlobalOrder:
-    """Which blocks make up each global batch, and which of them a rank reads at each accumulation step.
-
-    The order depends on (seed, epoch) only, never on the world size: 1 rank with accumulation 4 and 2 ranks
-    with accumulation 2 train on the same blocks in each step. The last global batch of an epoch holds the
-    remaining blocks; the slots it cannot fill are EMPTY_SLOT (padding rows that carry no loss).
+    """Which blocks make up each global batch, and which of them a rank reads at each accumulation step. 1 rank with
+    accumulation 4 and 2 ranks with accumulation 2 train on the same blocks in each step. The last global batch of an
+    epoch leaves the slots it cannot fill EMPTY_SLOT (padding rows that carry no loss).
     """
 
     n_blocks: int
@@ -59,9 +54,8 @@ class GlobalOrder:
     accumulation: int
     dp_world_size: int
     seed: int
-    # Where a resumed run picks up: its first step and the blocks consumed before it (the data position). With
-    # the same global batch this gives the very batches of an uninterrupted run; with another one (a resume on a
-    # different number of ranks) the current epoch's order continues from that position.
+    # A resume's first step and blocks consumed: the same global batch gives an uninterrupted run's batches, another
+    # (a resume on another number of ranks) continues the epoch's order from that position.
     start_step: int = 0
     start_samples: int = 0
     # With a ramp-up, `accumulation` is the full batch's and the ramp's steps use fewer micro-batches.

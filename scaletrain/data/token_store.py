@@ -1,14 +1,9 @@
-"""The token store: a corpus tokenized once into memory-mapped files, with a fingerprinted manifest.
+"""The token store: a corpus tokenized once into memory-mapped files, with a fingerprinted manifest; written under a
+temporary name and renamed when complete, so a half-written store never looks like one (docs/data.md#token-stores).
 
-Layout of a store folder:
-    manifest.json            format version, fingerprint (what it was made from), per-split token/document counts,
-                             the source files' SHA-256 (computed once, when the store is written)
+    manifest.json            format version, fingerprint, per-split token/document counts, the sources' SHA-256
     <split>.tokens.bin       every document's tokens followed by EOS, concatenated (uint16 or uint32)
     <split>.docs.npy         the offset where each document starts (int64), for attention isolation
-
-A store is written under a temporary name and renamed into place when complete, so a half-written store never
-looks like a store. Preparing the same input again finds the matching manifest and reuses it; a store whose
-fingerprint differs from what the run asks for is refused.
 """
 
 from __future__ import annotations
@@ -61,11 +56,8 @@ def source_identity(
     files: dict | None, dataset_name: str | None, dataset_config: str | None, revision: str | None = None
 ) -> dict:
     """Local files (or a local dataset folder's) by path, size and modification time; a save_to_disk folder by its
-    Arrow files; a hub dataset by name, config and revision.
-
-    Every rank computes this at every start to find the cached store, so it reads no file's content: a file that
-    changes gets a new size or modification time. The preparer records the content hash (source_sha256) once.
-    """
+    Arrow files; a hub dataset by name, config and revision. Every rank computes this at every start, so it reads no
+    file's content; the preparer records the content hash (source_sha256) once."""
     if files:
         return {
             "kind": "files",
@@ -290,13 +282,11 @@ def _worker_main(conn, init, work, init_args: tuple, parent_pid: int) -> None:
 
 
 class WorkerPool:
-    """Worker processes fed round robin: batch k goes to worker k % n and results are read back in that order, so
-    a store is the same for any --num_proc. Each worker holds one batch at a time, so no pipe can fill up both ways.
-    A worker that dies (the out-of-memory killer) shows at once as a closed pipe, never waited on:
-    multiprocessing.Pool.imap waits forever for such a batch, and concurrent.futures' pool races its own
-    bookkeeping when a worker dies while others start (CPython 3.11). Workers die with this process. A worker runs
-    `init(*init_args, parent_pid)` once, then `work(batch)` per batch (module-level functions: spawned workers
-    import them); an exception `work` raises is raised again here, in the batch's turn.
+    """Worker processes fed round robin and read back in order, so a store is the same for any --num_proc; one batch
+    per worker at a time, so no pipe fills both ways. A dead worker (the out-of-memory killer) shows at once as a
+    closed pipe: multiprocessing.Pool.imap waits forever for its batch, and concurrent.futures' pool races its
+    bookkeeping when a worker dies while others start (CPython 3.11). A worker runs `init(*init_args, parent_pid)` once,
+    then `work(batch)` per batch; an exception in `work` is raised again here, in the batch's turn.
     """
 
     def __init__(self, n: int, init_args: tuple, init=_init_worker, work=_encode_texts):
@@ -535,8 +525,8 @@ def _start_encoder(num_proc: int, init_args: tuple) -> tuple:
     if num_proc > MAX_TOKENIZER_THREADS:
         pool = WorkerPool(num_proc, init_args)
         return pool, pool.map
-    # One process: the Rust tokenizer spreads each batch over num_proc threads itself, which beats worker
-    # processes (no start-up, no pickling) until the serial Python part (ids -> array) is the bottleneck.
+    # One process: the Rust tokenizer's threads beat worker processes (no start-up, no pickling) until the serial
+    # Python part (ids -> array) is the bottleneck.
     os.environ.setdefault("RAYON_NUM_THREADS", str(num_proc))
     _init_worker(*init_args, None)
     return None, lambda batches: map(_encode_texts, batches)

@@ -14,6 +14,7 @@ from scaletrain.data.pairs import PreferencePairs, print_pairs
 from scaletrain.data.sampling import BatchRamp, GlobalOrder
 from scaletrain.engine import describe_schedule_change, schedule_for
 from scaletrain.errors import UsageError
+from scaletrain.logs import interactive
 from scaletrain.parts import ResolvedRun, TrainingData
 
 log = logging.getLogger(__name__)
@@ -85,9 +86,10 @@ def prepare_stores(resolved: ResolvedRun) -> tuple:
     from scaletrain.data.token_store import open_store
 
     cfg, dist = resolved.cfg, resolved.dist
+    show_progress = dist.is_main and interactive()  # in a redirect, the log line of each store says it
     paths = [Path(p) for p in cfg.data.store_paths]
     if not paths and resolved.chat is not None:  # chat data: tokens and a loss mask
-        store, prepare = store_plan(cfg.data, resolved.tokenizer, resolved.block_size, resolved.chat, dist.is_main)
+        store, prepare = store_plan(cfg.data, resolved.tokenizer, resolved.block_size, resolved.chat, show_progress)
         paths = [ensure_store(store, dist.local_rank, prepare)]
     elif not paths:
         paths = [
@@ -97,7 +99,7 @@ def prepare_stores(resolved: ResolvedRun) -> tuple:
                 cfg.model.tokenizer_source,
                 resolved.block_size,
                 dist.local_rank,
-                show_progress=dist.is_main,
+                show_progress=show_progress,
                 seed=cfg.optim.seed,
             )
         ]

@@ -1,11 +1,8 @@
-"""Ranks agree before they train together.
-
-Every rank ends each phase before training (pre-flight; resume conversion and token store) in one collective that
-carries its outcome and what it found on its own file system. A failure on any rank stops every rank at once,
-instead of leaving the others at the rendezvous or in the next collective for 30 minutes; the facts (resume
-checkpoint, tokenizer, run configuration, token store) are compared with global rank 0's, and a difference stops
-every rank with one message naming the rank, its host and both values: two ranks that load different steps or read
-different data would otherwise diverge silently, and two that disagree about a collective would hang.
+"""Ranks agree before they train together: each phase before training (pre-flight; resume conversion and token store)
+ends in one collective carrying every rank's outcome and what it found on its own file system. A failure anywhere stops
+every rank at once, rather than leaving the others in the next collective for 30 minutes; a fact that differs from
+global rank 0's (resume checkpoint, tokenizer, run configuration, token store) stops every rank naming the rank, its
+host and both values, since such ranks would diverge silently or hang.
 """
 
 from __future__ import annotations

@@ -1,19 +1,10 @@
-"""Pipeline parallelism: a Hugging Face causal LM as a `deepspeed.pipe.PipelineModule`, cut into stages.
-
-The stages are the model's own modules, wrapped so each takes and returns one tensor: the embedding, every decoder
-layer, the final norm and the head (no model is written by hand; the weights, their initialisation and the layers'
-own activation checkpointing are transformers'). Only the hidden state crosses a stage boundary: a decoder layer
-computes its position ids (0 .. T-1, the block's positions) and, for rotary models, the rotary table from them, and
-attention is causal through SDPA's `is_causal` (no mask tensor travels between stages). With tied embeddings the
-head is the embedding's transpose: both ends hold a `TiedLayerSpec` copy, and DeepSpeed all-reduces its gradient.
-
-Topology (DeepSpeed's PipeDataParallelTopology): rank = stage x dp + data-parallel index, so the data-parallel
-replicas of one stage are consecutive ranks (inside a node) and the stage-to-stage transfers cross nodes.
-
-Loss: DeepSpeed's pipe engine calls `loss_fn(logits, labels)` once per micro-batch on the last stage and divides
-its backward by the accumulation steps; `TokenLoss` returns the micro-batch's summed token losses times
-(data-parallel size x accumulation / the global batch's targets), so the gradient is the pipeline's usual mean over
-every real target token of the global batch (scaletrain/train/step.py).
+"""Pipeline parallelism: a Hugging Face causal LM as a `deepspeed.pipe.PipelineModule`, its stages the model's own
+modules (embedding, decoder layers, final norm, head) wrapped to take and return one tensor, so weights, initialisation
+and checkpointing stay transformers'. Only the hidden state crosses a stage: each decoder layer computes its positions
+and rotary table, and attention is causal through SDPA's `is_causal`, so no mask travels. The pipe engine divides each
+micro-batch's backward by the accumulation steps, so `TokenLoss` scales the summed token losses by data-parallel size x
+accumulation / global targets to give the mean over the global batch's targets (train/step.py). Layout and what is
+tested: docs/parallelism.md#pipeline-parallelism.
 """
 
 from __future__ import annotations

@@ -1,24 +1,11 @@
-"""Sequence parallelism: DeepSpeed Ulysses (ALST) for Hugging Face models, fed by our own data path.
-
-Every rank of a sequence-parallel group reads the same micro-batches (scaletrain.data.sampling) and keeps tokens
-[r T/sp, (r+1) T/sp) of each block: input ids, position ids, and the labels shifted over the whole block first, so
-that a shard's last token is trained on the next shard's first. Ulysses' attention all-to-alls gather the sequence
-and split the heads, so each rank attends over the whole block for its heads. Each rank's loss is the sum over its
-shard's targets; the summed losses of all ranks are the block's.
-
-Measured against one rank on DeepSpeed 0.19.8 (tests/distributed/test_sequence_parallel.py): without the `mpu`
-register_with_transformers returns, DeepSpeed averages gradients over every rank of the world for ZeRO-1, 2 and 3
-alike, so the loss is scaled by the world size over the global target count. (With the mpu, ZeRO-1/2 sum over the
-sequence-parallel group while ZeRO-3 averages, its checkpoints record the SP size as a tensor-parallel degree that
-ds_to_universal then rejects, and the engine's data-parallel size is None.)
-
-Ulysses drops the attention mask (it relies on causal SDPA), so documents packed in a block would attend to each
-other: under --attention_isolation the core SDPA is wrapped to attend within each document (found from the gathered
-position ids, as transformers does for one rank) with causal SDPA on the document alone: memory linear in the
-block's length, no [T, T] mask.
-
-Past the KV heads (a degree that is a multiple of the model's KV heads, down to one: MQA) Ulysses repeats the KV
-heads across the group; it divides the query heads in any case.
+"""Sequence parallelism: DeepSpeed Ulysses (ALST) for Hugging Face models, fed by our own data path. Each rank of a
+group reads the same micro-batches and keeps its 1/sp of each block, labels shifted over the whole block first so no
+target is lost at a cut. The `mpu` register_with_transformers returns is not passed on: with it DeepSpeed 0.19.8 sums
+ZeRO-1/2 gradients over the group but averages ZeRO-3's and records SP as a tensor-parallel degree that ds_to_universal
+rejects; without it every ZeRO stage averages over the world, so the loss is scaled by world size / global targets
+(measured against one rank: tests/distributed/test_sequence_parallel.py). Ulysses drops the attention mask, so under
+--attention_isolation each document attends alone through causal SDPA: memory linear in the block, no [T, T] mask.
+Details: docs/parallelism.md#sequence-parallelism.
 """
 
 from __future__ import annotations

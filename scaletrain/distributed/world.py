@@ -373,6 +373,7 @@ def describe_launch(resolved: ResolvedRun) -> None:
         placement,
         dist.layout.describe(),
     )
+    log.info("accelerator: %s%s", dist.accelerator, " (DeepSpeed found no GPU)" if dist.accelerator == "cpu" else "")
     log.info("precision: %s (%s)", resolved.ds.precision, resolved.ds.precision_reason)
     named = resolved.cfg.model.attn_implementation is not None
     log.info(
@@ -380,4 +381,5 @@ def describe_launch(resolved: ResolvedRun) -> None:
         resolved.attn_implementation,
         "--attn_implementation" if named else f"transformers' choice for {resolved.model_config.model_type}",
     )
-    log.info("resolved DeepSpeed config (%s):\n%s", resolved.cfg.engine.config, resolved.ds.explained())
+    log.info("DeepSpeed config %s: %s", resolved.cfg.engine.config, resolved.ds.summary())
+    log.debug("resolved DeepSpeed config (%s):\n%s", resolved.cfg.engine.config, resolved.ds.explained())

@@ -129,11 +129,9 @@ def repair_universal_load(engine, weight_decay: float) -> None:
 
 
 def release_engine(engine) -> None:
-    """Undo what the engine left outside itself, so that it, and the process groups it holds, are freed when the
-    caller drops it, not while the interpreter exits (where gloo's threads can abort a finished run).
-
-    `engine.destroy()` removes DeepSpeed's hooks. Under ZeRO-3 two module-level references remain, which
-    ds_internals.release_zero3_references drops.
+    """Undo what the engine left outside itself (DeepSpeed's hooks; under ZeRO-3 two module-level references), so it
+    and its process groups are freed when the caller drops it, not at interpreter exit, where gloo's threads can abort
+    a finished run.
     """
     from scaletrain.engine import ds_internals
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import fcntl
 import glob
+import json
 import logging
 import os
 import time
@@ -90,18 +91,72 @@ def load_op(builder_name: str, say: Callable[[str], None] | None = None):
                 "removing a stale build lock %s (left by a process killed while building %s)", stale, builder.name
             )
             os.unlink(stale)
-        fresh = not glob.glob(os.path.join(folder, "*.so"))
-        if fresh:
-            say(
-                f"building DeepSpeed op {builder.name} in {folder} (first use with this torch and DeepSpeed: "
-                "minutes, once; scripts/build_ops.py does it ahead of a job)"
-            )
+        notice = build_notice(builder.name, folder)
+        if notice:
+            say(notice)
         started = time.perf_counter()
         module = builder.load(verbose=False)
         seconds = time.perf_counter() - started
-        if fresh or seconds > 10:  # a rebuild: the op's sources, flags or DeepSpeed install path changed
+        record_build(folder)
+        if notice or seconds > 10:  # also a rebuild nothing foretold: the op's sources or flags changed
             say(f"built DeepSpeed op {builder.name} in {seconds:.0f}s")
     return module
+
+
+# Measured on the 2-core CPU box of BENCHMARKS.md (a build runs on every core it is given).
+BUILD_SECONDS = {"deepspeed_shm_comm": 35, "cpu_adam": 50, "cpu_adagrad": 40, "cpu_lion": 40, "async_io": 180}
+BUILD_RECORD = "scaletrain-build.json"  # what an op in a build folder was built with
+
+
+def build_environment() -> dict:
+    """What decides whether torch rebuilds an op it finds built: the interpreter, torch, and DeepSpeed's install (its
+    sources' path is in the build's commands)."""
+    import sys
+
+    import deepspeed
+    import torch
+
+    return {
+        "python": sys.version.split()[0],
+        "torch": torch.__version__,
+        "deepspeed": deepspeed.__version__,
+        "deepspeed_sources": os.path.dirname(deepspeed.__file__),
+    }
+
+
+def build_notice(op_name: str, folder: str) -> str | None:
+    """What is about to be built and why, with about how long it takes; None where the op is built for this
+    environment (a load of seconds)."""
+    if not glob.glob(os.path.join(folder, "*.so")):
+        why = "missing: first use with this torch and DeepSpeed"
+    else:
+        try:
+            with open(os.path.join(folder, BUILD_RECORD)) as record:
+                built = json.load(record)
+        except (OSError, ValueError):
+            return None  # built before records were kept: a rebuild, if any, is said when it is done
+        now = build_environment()
+        changed = [f"{key} {built.get(key)} -> {now[key]}" for key in now if built.get(key) != now[key]]
+        if not changed:
+            return None
+        why = "built for another environment: " + ", ".join(changed)
+    estimate = BUILD_SECONDS.get(op_name)
+    how_long = f"about {estimate} s on 2 cores" if estimate else "a minute or more"
+    return (
+        f"building DeepSpeed op {op_name} in {folder} ({why}): {how_long}, once; "
+        "scripts/build_ops.py does it ahead of a job"
+    )
+
+
+def record_build(folder: str) -> None:
+    """Note the environment the op in `folder` is built for (after a load, which built it if it had to)."""
+    path = os.path.join(folder, BUILD_RECORD)
+    try:
+        with open(path + ".tmp", "w") as record:
+            json.dump(build_environment(), record)
+        os.replace(path + ".tmp", path)
+    except OSError as err:  # a read-only shared cache: the op is built, only the next notice may be wrong
+        log.debug("could not record the build of %s: %s", folder, err)
 
 
 def comm_ops(accelerator: str, world_size: int) -> list[str]:

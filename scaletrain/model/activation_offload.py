@@ -1,15 +1,8 @@
-"""--activation_offloading (TRL's spelling): the inputs of the checkpointed layers kept in host memory.
-
-With --gradient_checkpointing a decoder layer keeps only its input (the hidden states, [batch, tokens, hidden]) for
-the backward, which recomputes the rest; at long sequences those inputs, one per layer, are what is left of the
-activations. Here each layer's checkpoint runs under autograd's saved-tensor hooks: torch's non-reentrant
-checkpoint saves its inputs as saved tensors (and installs its own hooks inside the layer, so nothing else is
-touched), the pack hook copies the input to host memory and lets the device copy go, the unpack hook brings it back
-when the backward recomputes the layer.
-
-On a GPU the host copy is pinned and made on a side stream (the device tensor is recorded on that stream so the
-allocator does not reuse it before the copy ends); the copy back waits for it on the compute stream. On a CPU the
-input is copied to another host tensor, so the same path runs and the losses are identical.
+"""--activation_offloading (TRL's spelling): the checkpointed layers' inputs, all that --gradient_checkpointing leaves
+of the activations, kept in host memory. Each layer's checkpoint runs under saved-tensor hooks (non-reentrant
+checkpointing installs its own inside the layer, so nothing else is touched): pack copies the input to the host, unpack
+brings it back for the recompute. On a GPU the copy is pinned, on a side stream that the device tensor is recorded on so
+the allocator cannot reuse it mid-copy; on a CPU the same path runs, so the losses are identical.
 """
 
 from __future__ import annotations

@@ -68,15 +68,10 @@ def load_tokenizer(args: ModelArgs):
 
 
 def build_model(args: ModelArgs, model_config, ds_config: dict, pipeline: bool = False) -> tuple:
-    """Return (model, keepalive). Under ZeRO-3 (the stage of `ds_config`) each parameter is partitioned as it is
-    created.
-
-    transformers builds the model inside `deepspeed.zero.Init` while an `HfDeepSpeedConfig` is alive, both for
-    `from_pretrained` (weights are loaded shard by shard into the partitions) and `from_config`. The returned
-    keepalive must outlive the engine: transformers holds only a weak reference to it.
-
-    `pipeline`: the model is cut into pipeline stages next, so it is built on the meta device and each stage gets
-    only its own values: read from a pretrained safetensors checkpoint, or a random init's replayed (stage_weights.py).
+    """Return (model, keepalive). Under ZeRO-3 transformers builds inside `deepspeed.zero.Init` while an
+    `HfDeepSpeedConfig` is alive, so each parameter is partitioned as it is created; the keepalive must outlive the
+    engine, as transformers holds only a weak reference to it. `pipeline`: built on the meta device, each stage then
+    given only its own values (stage_weights.py).
     """
     import torch
     from transformers import AutoModelForCausalLM

@@ -1,26 +1,11 @@
-"""The token loss computed through the LM head in chunks of tokens: the `[tokens, vocabulary]` logits never exist.
-
-A 128k vocabulary at 4 x 4096 tokens makes 8 GB of fp32 logits (plus their gradient) if the loss upcasts the whole
-tensor. Here the head's forward receives the final hidden states and the targets, and for each chunk of tokens
-computes the chunk's logits, upcasts them, adds the chunk's summed cross-entropy, and, when a backward will follow,
-the chunk's gradients right away (softmax minus the one-hot target, times the head weight for the hidden states,
-times the hidden states for the weight, summed over the chunks in the weight's dtype). The backward then only scales
-the stored gradients by the incoming one (the loop's dp / global-targets factor), so the head's matrix products are
-the same three as without chunking, and no logits are recomputed.
-
-Where the head lives: the module keeps its class's parameters and state-dict names; only its class becomes
-`ChunkedLossHead` (a subclass of `nn.Linear`), whose forward returns the summed loss while targets are pending
-(`with head.pending(targets)`) and plain logits otherwise (export, generation). Computing the loss inside the head's
-own forward is what makes it ZeRO-3-safe: DeepSpeed gathers the head's weight around that forward and around its
-backward, as for any module.
-
-Not every model returns the head's output unchanged: Gemma 2/3 soft-cap the logits, Cohere and Granite scale them.
-Those (known by their config keys) keep the whole logits, and a model that changes the head's output in an unknown
-way is caught at its first batch (the returned tensor is not the head's), with a message naming `--loss_chunk_size 0`.
-
-DeepSpeed 0.19.8 ships `TiledFusedLogitsLoss` (runtime/sequence_parallel/ulysses_sp.py), which also computes the
-gradients in the forward, but it writes the weight's gradient into `.grad` itself, assuming an incoming gradient of
-1: the loop's scaling of the loss (and fp16 loss scaling) would not reach the head's weight gradient.
+"""The token loss computed through the LM head in chunks of tokens, so the `[tokens, vocabulary]` logits never exist (at
+a 128k vocabulary and 4 x 4096 tokens, 8 GB of fp32 plus their gradient). Each chunk's gradients are computed in the
+forward, so the backward only scales them by the incoming gradient: the same three matrix products as unchunked, no
+logits recomputed. The head's class becomes `ChunkedLossHead` (same parameters and names), whose forward returns the
+loss while targets are pending and logits otherwise; computing inside the head's forward makes it ZeRO-3-safe, as
+DeepSpeed gathers the weight around it. Not DeepSpeed 0.19.8's `TiledFusedLogitsLoss`: it writes the weight's `.grad`
+itself assuming an incoming gradient of 1, so the loop's (and fp16's) loss scaling would miss it. Models that change the
+head's output: docs/model.md#chunked-loss.
 """
 
 from __future__ import annotations
@@ -58,9 +43,8 @@ class ChunkedCrossEntropy(torch.autograd.Function):
     def forward(ctx, hidden, weight, bias, targets, chunk: int, with_grad: bool):
         total = torch.zeros((), dtype=torch.float32, device=hidden.device)
         grad_hidden = torch.empty_like(hidden) if with_grad and hidden.requires_grad else None
-        # The weight's gradient is summed over the chunks in the weight's own dtype, as autograd sums the gradients
-        # of a weight used several times: an fp32 accumulator would add V x H x 4 bytes (4.2 GB for a 128k x 8192
-        # head) beside the gradient itself.
+        # Summed in the weight's own dtype, as autograd does: an fp32 accumulator would add V x H x 4 bytes (4.2 GB
+        # for a 128k x 8192 head).
         grad_weight = torch.zeros_like(weight) if with_grad and weight.requires_grad else None
         grad_bias = (
             torch.zeros(bias.shape, dtype=torch.float32, device=bias.device)
@@ -68,9 +52,8 @@ class ChunkedCrossEntropy(torch.autograd.Function):
             else None
         )
         for start in range(0, hidden.size(0), chunk):
-            # Ignored tokens are masked on the [tokens, hidden] side, never on [tokens, vocabulary]: their hidden
-            # states enter the head as zeros (finite logits whatever the model produced there), so they reach
-            # neither the weight's gradient nor, zeroed below, the hidden states'.
+            # Ignored tokens are masked on the [tokens, hidden] side, as zero hidden states (finite logits whatever the
+            # model produced there): they reach neither the weight's gradient nor, zeroed below, the hidden states'.
             h, safe_targets, ignored = _chunk(hidden, targets, start, chunk)
             skipped = ignored.unsqueeze(1)
             # One fused pass over the chunk's logits (max, sum of exponentials, subtraction) instead of
@@ -107,15 +90,12 @@ class ChunkedCrossEntropy(torch.autograd.Function):
 
 class ChunkedTargetLogProbs(torch.autograd.Function):
     """log_softmax(hidden @ weight^T + bias)[n, targets[n]] for each token n (0 where the target is IGNORE_INDEX), in
-    chunks: the per-token log-probabilities a preference loss sums per row.
+    chunks: the per-token log-probabilities a preference loss sums per row. hidden [N, H], weight [V, H], bias [V] or
+    None, targets [N] -> [N] float32.
 
-    hidden [N, H], weight [V, H], bias [V] or None, targets [N] -> [N] float32. Unlike ChunkedCrossEntropy, whose
-    incoming gradient is one number known to scale every token alike, each token's incoming gradient here is its
-    row's (a DPO loss weighs chosen and rejected rows differently) and arrives only in the backward: so the backward
-    recomputes each chunk's logits (one more head matrix product per chunk) instead of keeping [N, V] for it. Only
-    the last chunk's log-probs stay from the forward to the backward (the memory its recomputation would take
-    anyway, and nothing runs between the two but the loss): a micro-batch that fits in one chunk recomputes nothing.
-    The weight and bias are read in the backward through the parameters themselves, which ZeRO-3 gathers again
+    Each token's incoming gradient is its row's (DPO weighs chosen and rejected differently), known only in the
+    backward, so the backward recomputes each chunk's logits rather than keep [N, V]; the last chunk's stay (the
+    memory its recomputation would take anyway), so one chunk recomputes nothing. ZeRO-3 gathers the weight again
     around the head's backward.
     """
 
@@ -200,10 +180,9 @@ class ChunkedLossHead(torch.nn.Linear):
         finally:
             self.__dict__["_targets"] = None
 
-    # Under --torch_compile the head runs eagerly (a graph break): traced, the chunk loop would unroll into the graph,
-    # and each step's new targets would fail the graph's guards and recompile it. install_chunked_loss wraps this
-    # forward in torch.compiler.disable: as a decorator here it would import torch._dynamo (2.3 s) in every process
-    # that imports the package, such as a checkpoint writer, which never compiles.
+    # Eager under --torch_compile (install_chunked_loss wraps it in torch.compiler.disable): traced, the chunk loop
+    # unrolls and each step's targets recompile the graph. Not a decorator here: that imports torch._dynamo (2.3 s)
+    # in every process, the checkpoint writer included.
     def forward(self, hidden):
         targets = self.__dict__.get("_targets")
         if targets is None:

@@ -1,16 +1,9 @@
-"""LoRA through peft: a way of building the model. The pretrained weights stay frozen and only the adapter trains.
-
-    checked before anything heavy (check_lora) -> get_peft_model on the built model (apply_lora; ZeRO-3: the base is
-    already partitioned, and deepspeed.initialize partitions the new adapter weights, broadcast from rank 0)
-    -> the engine's optimizer gets the adapter's parameters only (engine.parameter_groups skips frozen ones)
-    -> checkpoints: DeepSpeed's, holding the adapter's weights and optimizer states, not the frozen base
-       (exclude_frozen_parameters): a resume builds the base from --model_name_or_path again, and a checkpoint
-       records which base that was (base_identity), so a resume on another base is refused (check_same_base)
-    -> export: an adapter folder `PeftModel.from_pretrained` loads (save_adapter), with --merge_lora also the
-       merged full model (merge_adapter).
-
-Under ZeRO-3 a module's own state_dict holds empty placeholders, the known cause of empty adapters (peft#2500,
-trl#4416): the export gathers the adapter's parameters first (checkpoint._full_state_dict_on_rank0).
+"""LoRA through peft: a way of building the model, the pretrained weights frozen and only the adapter trained. Checked
+before anything heavy (check_lora), applied to the built model (apply_lora), saved without the frozen base, so a
+checkpoint records which base it needs (base_identity, check_same_base), and exported as an adapter folder
+(save_adapter; merge_adapter with --merge_lora). Under ZeRO-3 a module's own state_dict holds empty placeholders, the
+known cause of empty adapters (peft#2500, trl#4416), so the export gathers the adapter first. Details:
+docs/fine-tuning.md#lora.
 """
 
 from __future__ import annotations
@@ -177,12 +170,9 @@ def merged_dir(out_dir) -> Path:
 
 # --- checkpoints without the frozen base ------------------------------------------------------------------------
 
-# A sampled fingerprint of the base's weight files: for each safetensors file its header (every tensor's name, dtype,
-# shape and place) and a window at the start, middle and end of every tensor's bytes; other weight files (.bin) in
-# 64 windows spread over the file. Any other pretrained model or fine-tune differs there (a fine-tune moves every
-# tensor; added tokens show at a tensor's end, a new shape in the header), and it reads about 12 KiB a tensor
-# (3.5 MiB for a 7B Llama) where a full SHA-256 would read every byte at every start (8 s for 14 GB at 1.7 GB/s,
-# on each rank). An edit confined to the middle of a tensor between windows would pass: not a base swap.
+# The base's fingerprint samples its weight files (a safetensors header and windows at each tensor's start, middle
+# and end; 64 windows of a .bin): about 12 KiB a tensor (3.5 MiB for a 7B Llama) where a full SHA-256 of 14 GB takes
+# 8 s per rank at every start. Another model or fine-tune differs there; only an edit between windows would pass.
 BASE_WINDOW = 4096
 FILE_WINDOWS, FILE_WINDOW = 64, 65536
 

@@ -1,20 +1,9 @@
-"""Mixture-of-experts models (Mixtral, Qwen2-MoE, Qwen3-MoE): detection, the router's load-balancing loss, and the
-expert blocks as ZeRO-3 leaf modules.
-
-A model is MoE when its config carries a router aux-loss coefficient and an expert count (`router_aux_loss_coef`
-with `num_local_experts` or `num_experts`): what transformers' own MoE causal LMs read to add that loss.
-
-The aux loss is transformers' `load_balancing_loss_func` of the model's own module, on the router logits the model
-returns with `output_router_logits=True`, one micro-batch at a time. Padded positions (right padding of the run's
-last block) are left out of the router statistics: they are not data, and counting them would pull the balance
-toward whatever the padding token routes to. The model never sees a mask (causal attention does not need one);
-the real-token mask goes to the loss function only. Without padding this is exactly the value the model itself
-computes into `aux_loss` (and adds to `loss` with `labels`).
-
-ZeRO-3: a sparse-MoE block runs only the experts its tokens reach. Were DeepSpeed to gather each expert's
-parameters in that expert's own forward, a rank whose tokens reach no expert `e` would skip a gather the other
-ranks wait on, and the run would hang. Marked as a leaf (`deepspeed.utils.set_z3_leaf_modules`), the whole block's
-parameters are gathered around the block's forward, on every rank, whatever the routing.
+"""Mixture-of-experts models (Mixtral, Qwen2-MoE, Qwen3-MoE): detection from the config keys transformers reads, the
+router's load-balancing loss, and the expert blocks as ZeRO-3 leaf modules. The aux loss is transformers' own
+`load_balancing_loss_func` on the returned router logits, padding left out of the router statistics (it is not data, and
+would pull the balance toward the padding token's expert); without padding it equals the model's `aux_loss`. Under
+ZeRO-3 a rank whose tokens reach no expert `e` would skip the gather of `e` that the other ranks wait on and hang the
+run, so each block is a leaf, gathered whole on every rank. Details: docs/parallelism.md#mixture-of-experts-models.
 """
 
 from __future__ import annotations

@@ -1,19 +1,9 @@
-"""QLoRA: LoRA on a base whose linear layers are stored in 4 bits (bitsandbytes NF4); a way of building the model.
-
-    checked before anything heavy (check_qlora: the flags and DeepSpeed JSON on any machine, then a CUDA GPU, then
-    bitsandbytes) -> the base loaded with quantization_settings (NF4, double quantization, bf16 compute, storage in
-    the run's dtype) onto this rank's GPU -> peft's prepare_model_for_kbit_training (base frozen, activation
-    checkpointing as the run asks) -> lora.apply_lora, as for any LoRA run.
-
-Why the 4-bit weights are stored in the run's dtype (bnb_4bit_quant_storage): DeepSpeed's engine casts every
-floating-point parameter whose dtype is not the run's to it (DeepSpeedEngine._cast_module_mixed_precision, 0.19.8).
-Packed 4-bit weights held as fp32 would be converted as numbers under bf16, i.e. destroyed without a word; held in
-the run's dtype they are left as they are, and ZeRO-3 partitions them like any other parameter of that dtype (the
-peft docs' "DeepSpeed + QLoRA" recipe: quant storage = the model's dtype).
-
-Under ZeRO-3 transformers does not build a quantized model inside deepspeed.zero.Init (modeling_utils, 5.24): each
-rank loads the whole 4-bit base onto its GPU and deepspeed.initialize partitions it afterwards (bitsandbytes#1249,
-DeepSpeed#5660). The 4-bit base of an 8B model is ~5 GB, which is what QLoRA is for.
+"""QLoRA: LoRA on a base whose linear layers are stored in 4 bits (bitsandbytes NF4); a way of building the model. The
+packed weights are stored in the run's dtype (bnb_4bit_quant_storage) because DeepSpeed 0.19.8's engine casts every
+floating-point parameter of another dtype to the run's (_cast_module_mixed_precision), which would silently destroy
+4-bit weights held as fp32. Under ZeRO-3 transformers builds no quantized model inside deepspeed.zero.Init, so each rank
+loads the whole 4-bit base (~5 GB for 8B) and deepspeed.initialize partitions it (bitsandbytes#1249, DeepSpeed#5660).
+Details: docs/fine-tuning.md#qlora.
 """
 
 from __future__ import annotations

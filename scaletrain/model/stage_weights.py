@@ -1,16 +1,9 @@
-"""Pipeline stages built alone: the model on the meta device, then only this rank's stage given its values.
-
-Without it every pipeline rank would first build the whole model in host memory (a 70B model is 280 GB in fp32)
-and then keep its stage. DeepSpeed builds the stage from the meta model's modules (engine.pipeline_module_class)
-and calls StageWeights.load_into on it before it moves the layers to the device. The values come from one of:
-- a pretrained model's safetensors checkpoint (a local folder or the hub cache; sharded or one file): each tensor
-  the stage owns is read, and nothing else; non-persistent buffers (the rotary tables) are computed by the model's
-  own `_init_weights`. A checkpoint in another format, or one that lacks some tensor, builds the whole model.
-- a random init (--config_name): the whole model's construction and `_init_weights` are replayed on the meta
-  device, each random draw of another stage's tensor made into a scratch buffer on the CPU (as large as the largest
-  tensor: the random stream advances exactly as in a whole build) and the stage's own tensors made real just before
-  their modules' `_init_weights` runs: the values, and the random stream after them, equal a whole-model build's, so
-  one-rank equality holds under pipeline parallelism.
+"""Pipeline stages built alone: the model on the meta device, then only this rank's stage given its values, since
+otherwise every rank would first build the whole model in host memory (280 GB in fp32 for 70B). DeepSpeed calls
+StageWeights.load_into on the stage before moving it to the device. A pretrained safetensors checkpoint gives each owned
+tensor, read alone; a random init replays the whole model's construction with other stages' draws made into a scratch
+buffer, so the random stream, and thus one-rank equality, is a whole build's. Details:
+docs/parallelism.md#pipeline-parallelism.
 """
 
 from __future__ import annotations

@@ -1,17 +1,8 @@
-"""--tiled_mlp: each decoder layer's MLP computed slice by slice along the sequence (ALST's TiledMLP).
-
-A Llama MLP turns [tokens, hidden] into [tokens, intermediate] three times over (gate, up, their product), 3-4x
-the hidden size each: at long sequences those intermediates, and their recomputation under gradient checkpointing,
-set the peak. DeepSpeed's `TiledMLP` (deepspeed.runtime.sequence_parallel.ulysses_sp) runs the MLP's forward on
-one slice of the tokens at a time without keeping anything but its input, and in the backward recomputes each
-slice with gradients, so an intermediate tensor exists for one slice only. It marks the MLP's parameters so that
-ZeRO reduces their gradients once, after the last slice (`ds_grad_is_ready`).
-
-An MLP is tiled when it works token by token: the dense MLP modules of the decoder layers (LlamaMLP, Qwen2MLP,
-MistralMLP, GPT2MLP, ...). A mixture-of-experts block routes tokens across the whole batch, so it is refused by
-name. Slices: `--tiled_mlp_shards`, or by default as ALST, ceil(tokens / hidden size): slices about the hidden size
-long, so a slice's intermediates are no larger than a few [hidden, hidden] matrices. Under sequence parallelism
-the tokens are this rank's part of the block.
+"""--tiled_mlp: each decoder layer's MLP computed slice by slice along the sequence through DeepSpeed's `TiledMLP`
+(ALST), since at long sequences the [tokens, intermediate] tensors (3-4x the hidden size, three of them) set the peak;
+the backward recomputes each slice, and ZeRO reduces the gradients once, after the last (`ds_grad_is_ready`). Only
+token-wise dense MLPs are tiled: a mixture-of-experts block routes across the batch, so it is refused by name. Default
+slices, as ALST: ceil(tokens / hidden size), so a slice's intermediates are a few [hidden, hidden] matrices.
 """
 
 from __future__ import annotations

@@ -1,16 +1,8 @@
-"""--comms_log: what this rank's DeepSpeed collectives cost, per logging window and for the whole run.
-
-DeepSpeed's comms logger (deepspeed.comm, `comms_logger`) times every collective issued through deepspeed.comm
-(ZeRO's reductions and gathers, the pipeline's sends and receives, the pipeline's own step agreement), synchronising
-the device after each one. DeepSpeed 0.19.8 records each op's latency as the running total of all ops of that name
-so far; ds_internals.per_op_comm_latencies turns the records back into each op's own time. Here the records are
-summed per collective type over a logging window, reported as flat metrics (`comm_<type>_count`, `_bytes`, `_ms`,
-`_mean_ms`, `_busbw_gbps`: rank 0's), then cleared; at the end every rank's totals over the run are gathered and
-logged as one table, rank by rank, so a slow link shows. Bus bandwidth counts each op's own group (a tensor-parallel
-all-reduce moves data among its group, not the world).
-
-The logger is switched on only after the engine is built (its start-up broadcasts are not part of training) and
-only where --comms_log asks: the per-op synchronisation removes the overlap of communication with compute.
+"""--comms_log: what this rank's DeepSpeed collectives cost, per logging window and for the whole run, from DeepSpeed's
+comms logger. DeepSpeed 0.19.8 records each op's latency as the running total of all ops of that name, so
+ds_internals.per_op_comm_latencies recovers each op's own time. The logger starts only after the engine is built (its
+start-up broadcasts are not training) and only with --comms_log, since it synchronises after every op and so removes the
+overlap of communication with compute. Metrics and the end table: docs/observability.md#communication-log.
 """
 
 from __future__ import annotations

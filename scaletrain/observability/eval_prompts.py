@@ -1,13 +1,7 @@
-"""--eval_prompts: at each evaluation, a greedy generation of a few prompts, into the metrics and wandb.
-
-A fine-tuner reads the loss and, just as much, what the model now says. The prompts file is JSONL, one object per
-line: {"prompt": "text"} (given as it is) or {"messages": [{"role": ..., "content": ...}, ...]} (rendered with the
-tokenizer's chat template and its generation prompt), or plain text with one prompt per line. It is read and
-tokenized in the pre-flight, so a bad file stops the run before anything heavy.
-
-Every rank generates every prompt with the same input, so all ranks run the same number of forwards: under ZeRO-3
-each forward gathers the parameters with a collective, and transformers' `synced_gpus=True` keeps a rank that hit
-EOS stepping until every rank has. Greedy decoding makes every rank's text the same; rank 0 records it.
+"""--eval_prompts: at each evaluation, a greedy generation of a few prompts, into the metrics and wandb (file format:
+docs/observability.md#logging-evaluation-and-generations); read in the pre-flight, so a bad file stops the run before
+anything heavy. Every rank generates every prompt, because under ZeRO-3 each forward is a collective (`synced_gpus`
+keeps a rank that hit EOS stepping); greedy decoding makes the texts equal, and rank 0 records them.
 """
 
 from __future__ import annotations

@@ -1,23 +1,12 @@
-"""Model FLOPs per token, the device's peak, and from them MFU and HFU.
-
-Training FLOPs per token (PaLM, appendix B, the formula most MFU figures use):
+"""Model FLOPs per token, the device's peak, and from them MFU and HFU. Per token (PaLM, appendix B, the formula most
+MFU figures use), N the matmul parameters (head included, embeddings not), L layers, H heads, Q head dim, T block size:
     model FLOPs    = 6 * N + 12 * L * H * Q * T      (forward + backward = 3 x forward)
-    hardware FLOPs = 8 * N + 16 * L * H * Q * T      (activation checkpointing recomputes the forward once more)
-N: parameters of the matrix multiplications (every nn.Linear, the output head included; embedding lookups and
-norms do no matmul), L layers, H attention heads, Q head dimension, T sequence length (the block size). The
-attention term counts QK^T and attention x V over the full T x T square, as PaLM does (and the MFU train.py logs);
-a causal model computes only half of that square, and causal=True counts that half (6 * L * H * Q * T for model
-FLOPs), as Megatron-LM and FlashAttention's benchmarks do: the figure to compare with theirs.
-
-Frozen weights (LoRA's base) skip their weight gradient, a third of their training work: each of the F frozen
-matmul parameters costs 4 (forward 2, input gradient 2), or 6 with the recomputed forward, instead of 6 or 8:
-    model FLOPs    = 6 * (N - F) + 4 * F + 12 * L * H * Q * T
-    hardware FLOPs = 8 * (N - F) + 6 * F + 16 * L * H * Q * T
-N then counts the adapter's matrices too (they train).
-
-Peak: a table of dense (no sparsity) tensor-core figures by device name and dtype; --peak_tflops overrides it; on
-a CPU a short fp32 matrix-product calibration measures it (and the log says so); an unknown accelerator gives a
-warning and no MFU rather than an invented one.
+    hardware FLOPs = 8 * N + 16 * L * H * Q * T      (activation checkpointing recomputes the forward)
+The attention term covers the full T x T square, as PaLM (and the MFU train.py logs); causal=True counts half
+(6 * L * H * Q * T), as Megatron-LM and FlashAttention's benchmarks do, to compare with theirs. F frozen parameters
+(LoRA's base) skip their weight gradient: 6 * (N - F) + 4 * F (hardware: 8 * (N - F) + 6 * F) replaces 6 * N (8 * N).
+The peak is a dense tensor-core table (--peak_tflops overrides it), a CPU calibration, or, for an unknown accelerator,
+absent rather than invented. Summary: docs/observability.md#flops-and-mfu.
 """
 
 from __future__ import annotations

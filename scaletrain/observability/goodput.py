@@ -16,6 +16,9 @@ The categories add up to wall_s, the time from the first attempt's start to the 
 - between_attempts: from an attempt's last write to the next attempt's start (a requeue's wait, a crash's tail);
 - other: the rest (the final evaluation, save and export, the shutdown).
 
+Left out of wall_s ("not_counted"): the time from a clean end (exit 0, every step done) to a later start, and a re-run
+of a finished run that trains nothing (it only re-exports): the user's pauses are not the run's time.
+
 Each attempt keeps the cumulative step time at each checkpoint it committed, so the lost work of an attempt is known
 whichever checkpoint the next one resumed from.
 """
@@ -71,27 +74,52 @@ def _step_s_up_to(attempt: dict, step: int) -> float:
     return attempt["step_s"] * (step - first) / (last - first)  # a step it never committed: pro rata
 
 
-def totals(attempts: list) -> dict:
-    """The ledger of `attempts` (oldest first): wall_s, goodput, seconds by category (adding up to wall_s)."""
-    seconds = dict.fromkeys(CATEGORIES, 0.0)
+def _reexport_only(attempt: dict, previous: dict | None) -> bool:
+    """An attempt that trained nothing after a run that had ended cleanly: a re-run of a finished run (its export)."""
+    trained = attempt["last_step"] is not None and attempt["last_step"] != attempt["first_step"]
+    return previous is not None and previous["exit_code"] == 0 and not trained
+
+
+def per_attempt(attempts: list) -> list:
+    """Each attempt's seconds by category (its lost work judged by the attempt after it, the gap to that one its
+    `between_attempts`), and what of it is not counted: {"seconds": {...}, "not_counted": s}."""
+    rows = []
     for index, attempt in enumerate(attempts):
+        previous = attempts[index - 1] if index else None
         following = attempts[index + 1] if index + 1 < len(attempts) else None
+        seconds = dict.fromkeys(CATEGORIES, 0.0)
+        gap = max(0.0, following["start"] - attempt["end"]) if following is not None else 0.0
+        not_counted = gap if attempt["exit_code"] == 0 else 0.0
+        seconds["between_attempts"] = gap - not_counted
+        if _reexport_only(attempt, previous):
+            rows.append({"seconds": seconds, "not_counted": not_counted + attempt["end"] - attempt["start"]})
+            continue
         kept = attempt["step_s"]
-        if following is not None:
-            resumed_at = following["first_step"]
-            kept = attempt["step_s"] if resumed_at is None else _step_s_up_to(attempt, resumed_at)
-            seconds["between_attempts"] += max(0.0, following["start"] - attempt["end"])
-        seconds["productive"] += kept
-        seconds["lost_work"] += attempt["step_s"] - kept + attempt["rolled_back_s"]
-        seconds["startup"] += (attempt["first_step_at"] or attempt["end"]) - attempt["start"]
+        if following is not None and following["first_step"] is not None:
+            kept = _step_s_up_to(attempt, following["first_step"])
+        seconds["productive"] = kept
+        seconds["lost_work"] = attempt["step_s"] - kept + attempt["rolled_back_s"]
+        seconds["startup"] = (attempt["first_step_at"] or attempt["end"]) - attempt["start"]
         for category in ("data_wait", "checkpoint", "eval"):
-            seconds[category] += attempt[f"{category}_s"]
-    wall = attempts[-1]["end"] - attempts[0]["start"] if attempts else 0.0
-    seconds["other"] = wall - sum(v for k, v in seconds.items() if k != "other")
+            seconds[category] = attempt[f"{category}_s"]
+        span = (following["start"] if following is not None else attempt["end"]) - attempt["start"]
+        seconds["other"] = span - not_counted - sum(seconds.values())
+        rows.append({"seconds": seconds, "not_counted": not_counted})
+    return rows
+
+
+def totals(attempts: list) -> dict:
+    """The ledger of `attempts` (oldest first): wall_s, goodput, seconds by category (adding up to wall_s), and the
+    seconds left out of wall_s: the time from a clean end (exit 0) to a later start, the user's pause and not the
+    run's, and re-runs of a finished run that only re-export it."""
+    rows = per_attempt(attempts)
+    seconds = {name: sum(row["seconds"][name] for row in rows) for name in CATEGORIES}
+    wall = sum(seconds.values())
     return {
         "wall_s": round(wall, 3),
         "goodput": round(seconds["productive"] / wall, 4) if wall > 0 else 0.0,
         "seconds": {k: round(v, 3) for k, v in seconds.items()},
+        "not_counted_s": round(sum(row["not_counted"] for row in rows), 3),
     }
 
 

@@ -27,14 +27,10 @@ PHASES = ("data_wait", "forward", "backward", "pipeline", "optimizer", "sync", "
 
 
 class PhaseClock:
-    """Splits a step into phases by laps.
-
-    On a CPU the work is done when a call returns, so every step is timed by phase at no cost. On a GPU a lap must
-    synchronise first (else a phase's time is the previous phase's kernels finishing), and a synchronisation per
-    lap, a few per micro-batch, would serialise host and device and take away DeepSpeed's overlap of communication
-    with compute. So there only the steps started with `measured=True` (the loop asks for the steps it logs) are split
-    into phases; every other step runs without a single synchronisation here, and its phases stay unmeasured.
-    `synchronize` replaces torch.cuda.synchronize (tests count the calls)."""
+    """Splits a step into phases by laps. On a CPU that costs nothing; on a GPU a lap must synchronise (else it times
+    the previous phase's kernels), which would serialise host and device and lose DeepSpeed's overlap of communication
+    with compute, so only steps started with `measured=True` (the logged ones) are split. `synchronize` replaces
+    torch.cuda.synchronize (tests count the calls)."""
 
     def __init__(self, device, synchronize: Callable[[], None] | None = None):
         self.on_gpu = device.type == "cuda"

@@ -1,22 +1,11 @@
-"""Hangs end with a name: every rank's heartbeat in the run folder, and a watch thread that ends a stuck run.
-
-Each rank's watch thread rewrites a small JSON heartbeat in <output_dir>/hang/<attempt>/heartbeat/ every tenth of
---hang_timeout: what the training loop of that rank is doing (step, phase, since when) and that the process still
-runs. No collective is involved, so a rank stuck inside one cannot stop the others from reading it, and a process
-frozen whole (SIGSTOP, a driver call holding the GIL) shows as a heartbeat that stopped.
-
-When this rank's loop has made no progress for --hang_timeout, its watch reads every heartbeat and declares the
-hang if some rank's heartbeat has stopped, or once the phase's allowance is spent too (phases known to be long: the
-first step, a save, an evaluation, a rollback and the end of the run, up to --ddp_timeout - 60 s, still before the
-process group's own timeout). The first rank to declare writes report.txt (which ranks stopped, where each rank was
-and since when) and prints one line; every live rank, seeing the report, dumps the Python stacks of all its threads
-(stacks-rank-N.txt) and, on a GPU, the NCCL flight recorder's trace, then exits HANG_EXIT_CODE. A frozen rank does
-not act on SIGTERM: the ranks on its host SIGKILL it a few seconds after they exit (so DeepSpeed's launcher records
-their exit code first), and scaletrain.launcher SIGKILLs what is left of its host's ranks once the report is there
-(a host whose ranks are all frozen).
-
-Heartbeat ages compare one host's wall clock with another's: hosts kept in step by NTP differ by milliseconds, far
-below any sensible --hang_timeout.
+"""Hangs end with a name: each rank's watch thread writes a heartbeat file (step, phase, since when) in the run folder
+every tenth of --hang_timeout, through no collective, so a rank stuck in one cannot hide the others' and a process
+frozen whole (SIGSTOP, a driver call holding the GIL) shows as a heartbeat that stopped. A rank whose loop makes no
+progress for --hang_timeout declares the hang (long phases get until --ddp_timeout - 60 s, still before the process
+group's own timeout); every live rank dumps its stacks and exits HANG_EXIT_CODE, and frozen ranks, deaf to SIGTERM, are
+SIGKILLed by their host's live ranks a few seconds after those exit (so DeepSpeed's launcher records the live ranks'
+code first), or by scaletrain.launcher where all of a host's ranks are frozen. Heartbeat ages compare hosts' wall
+clocks: NTP keeps them milliseconds apart, far below any sensible --hang_timeout. Details: docs/checkpoints.md#hangs.
 """
 
 from __future__ import annotations

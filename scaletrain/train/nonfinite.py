@@ -1,17 +1,9 @@
-"""Non-finite losses and gradient norms, and loss spikes: skip the update on every rank, keep a ledger, roll back.
-
-The decision is global. Before the optimizer step of each step, the ranks all-reduce their summed losses (in the
-same small all-reduce that agrees on preemption), so every rank sees the same global loss and takes the same
-decision, even when only one rank's batch went bad. A skipped update goes through DeepSpeed's own overflow path
-(the one fp16 loss scaling uses): no weight or optimizer-state change, the gradients are cleared, and the LR
-schedule does not advance. DeepSpeed also refuses a step whose gradient norm is non-finite; those steps are
-caught after the fact (`engine.was_step_applied()`) and handled the same way, except under fp16, where an
-overflow is the loss scaler's normal business.
-
-Every skipped step is written to <output_dir>/nonfinite_ledger.jsonl with the global sample ids (block indices
-of the training order) of its batch. After --max_consecutive_skips skips in a row the run rolls back to the last
-committed checkpoint and continues with the data after the offending batches; with --on_nonfinite stop it ends
-at the first one with a message and errors.NONFINITE_EXIT_CODE (3).
+"""Non-finite losses and gradient norms, and loss spikes: skip the update on every rank, keep a ledger, roll back. The
+ranks decide on the global loss (in the small all-reduce that agrees on preemption), so they decide alike even when one
+rank's batch went bad. A skip goes through DeepSpeed's own overflow path (fp16 loss scaling's), so weights, optimizer
+state and LR schedule stay as they were; a step DeepSpeed refused for a non-finite gradient norm is caught after the
+fact (`engine.was_step_applied()`), except under fp16, where that is the loss scaler's business. Ledger, rollback and
+exit codes: docs/checkpoints.md#non-finite-loss-or-gradient-norm-loss-spikes.
 """
 
 from __future__ import annotations

@@ -1,14 +1,8 @@
-"""Preemption: a signal reaching any rank becomes a save on every rank, agreed at a step boundary.
-
-SIGUSR1 (Slurm's --signal) or SIGTERM (most schedulers, and the deepspeed launcher relaying one) only sets a flag
-in the handler: a save started inside a signal handler would interleave with the step in flight. At the next step
-boundary the ranks all-reduce the flag (a "stop" request, Trainer.agree), so they all save the same step even when
-one rank got the signal.
-The run then exits with errors.SAVED_REQUEUE_EXIT_CODE (85), which a job script reads as "saved, please requeue".
-
-A signal sent to the launcher instead of the ranks: scaletrain.launcher relays it to the ranks as SIGUSR1 and reads
-the record each rank leaves once the preemption checkpoint is committed (record_preemption_saved), so that it can
-exit 85 even when DeepSpeed's launch.py, signalled too, reports 1.
+"""Preemption: a signal reaching any rank becomes a save on every rank, agreed at a step boundary. SIGUSR1 or SIGTERM
+only sets a flag, since a save inside a signal handler would interleave with the step in flight; the ranks all-reduce
+the flag at the next step boundary (Trainer.agree), save the same step and exit errors.SAVED_REQUEUE_EXIT_CODE (85).
+Each rank records the committed save (record_preemption_saved), so scaletrain.launcher exits 85 even when DeepSpeed's
+launch.py, signalled too, reports 1.
 """
 
 from __future__ import annotations

@@ -1,17 +1,8 @@
-"""The objective of a preference run (data of chosen/rejected pairs): one micro-batch's summed per-pair loss, and the
-sums behind TRL's metrics.
-
-A micro-batch holds B pairs as 2B rows (scaletrain/data/pairs.py). One forward of the policy gives every row's
-summed log-probability over its completion tokens; the reference's come with the batch (precomputed once,
-scaletrain/train/reference.py) or, with --no-precompute_ref_log_probs, from a forward of the reference at every step:
-its own engine (ZeRO-sharded, no gradients), or under LoRA the same model with its adapter disabled (the base: no
-second model). PreferenceLoss (scaletrain/train/preference_loss.py)
-turns them into per-pair losses, summed here; the loop divides the sum by the global batch's pair count (targets_in
-counts pairs), so the step's loss is the mean over the pairs of the global batch on any number of ranks and
-accumulation steps, and the metrics are sums divided by that same count after the logging window's all-reduce.
-
-Padding pairs (the epoch's last, short global batch) run through the forward (ZeRO-3's gathers are collectives)
-but stay out of the loss and the metrics.
+"""The objective of a preference run: one micro-batch's summed per-pair loss (preference_loss.py) over the policy's
+completion log-probs and the reference's (precomputed with the batch, reference.py, or a forward per step), and the sums
+behind TRL's metrics. Sums, because the loop divides by the global batch's pair count, making the loss the mean over its
+pairs on any number of ranks. Padding pairs (the epoch's last, short batch) still run the forward, since ZeRO-3's
+gathers are collectives, but stay out of the loss and the metrics.
 """
 
 from __future__ import annotations

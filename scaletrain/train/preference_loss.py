@@ -1,8 +1,7 @@
-"""Preference-optimisation losses on (chosen, rejected) completion pairs, formula for formula as TRL 1.16.
-
-Notation per pair: pi_c, pi_r are the policy's summed log-probs of the chosen / rejected completion tokens, ref_c,
-ref_r the reference model's, n_c, n_r the completion token counts, d = (pi_c - ref_c) - (pi_r - ref_r), b = beta,
-e = label_smoothing, avg_c = pi_c / n_c (and so for r), ls(x) = log(sigmoid(x)).
+"""Preference-optimisation losses on (chosen, rejected) completion pairs, formula for formula as TRL 1.16. Per pair:
+pi_c, pi_r are the policy's summed log-probs of the chosen / rejected completion tokens, ref_c, ref_r the reference
+model's, n_c, n_r the completion token counts, d = (pi_c - ref_c) - (pi_r - ref_r), b = beta, e = label_smoothing,
+avg_c = pi_c / n_c (and so for r), ls(x) = log(sigmoid(x)).
 
   sigmoid (DPO):  -ls(b*d)            (TRL 1.16's DPO sigmoid has no label smoothing: e is not read)
   hinge (SLiC):   max(0, 1 - b*d)
@@ -11,20 +10,14 @@ e = label_smoothing, avg_c = pi_c / n_c (and so for r), ls(x) = log(sigmoid(x)).
   simpo:          -(1-e)*ls(b*z) - e*ls(-b*z),  z = avg_c - avg_r - gamma/b   (no reference model)
   orpo:           -avg_c - b*ls(log_odds),  log_odds = avg_c - avg_r - (log(1-exp(avg_c)) - log(1-exp(avg_r)))
 
-The first four match trl/trainer/dpo_trainer.py (`_compute_loss`, with TRL's defaults f_divergence_type="reverse_kl",
-ld_alpha=None, use_weighting=False and one loss type); simpo matches trl/experimental/cpo/cpo_trainer.py (`cpo_loss`
-with loss_type="simpo", alpha=0, cpo_alpha=0); orpo matches trl/experimental/orpo/orpo_trainer.py (`odds_ratio_loss`,
-beta as the paper's lambda). Rewards are what those trainers log: beta*(pi - ref) for the DPO family, beta*avg for
-simpo and orpo; "logps/chosen" is pi_c for the DPO family and avg_c for simpo and orpo, again as TRL logs it.
-
-One difference, for ORPO only: TRL's NLL term is one cross-entropy averaged over every token of the chosen rows of the
-batch, prompt tokens included; ours is -avg_c, each pair's mean over its own completion tokens, so that the step's
-loss is a mean over pairs and comes out the same however the pairs are split over ranks and micro-batches.
-
-Every loss is finite, with finite gradients, for a pair whose completions are both empty (a padding row: log-probs
-0, token counts 0), so a loop can weight such pairs out; TRL never sees one.
-
-Nothing here imports torch at module level, so a config can build (and so validate) a PreferenceLoss cheaply.
+The first four match trl/trainer/dpo_trainer.py (`_compute_loss` with TRL's defaults: f_divergence_type="reverse_kl",
+ld_alpha=None, use_weighting=False, one loss type), simpo trl/experimental/cpo/cpo_trainer.py (`cpo_loss`,
+loss_type="simpo", alpha=0, cpo_alpha=0), orpo trl/experimental/orpo/orpo_trainer.py (`odds_ratio_loss`, beta as the
+paper's lambda). Rewards, as those trainers log them: beta*(pi - ref) for the DPO family, beta*avg for simpo and orpo
+("logps/chosen": pi_c, or avg_c). One difference, ORPO's NLL term: TRL averages over every chosen token of the batch,
+prompts included; ours is each pair's -avg_c, so the loss stays a mean over pairs however they are split over ranks.
+Every loss and gradient is finite for a padding pair (both completions empty), so a loop can weight it out; torch is
+imported lazily, so a config can validate a PreferenceLoss cheaply.
 """
 
 from __future__ import annotations
@@ -207,11 +200,9 @@ def _at_least_fp32(values: Tensor) -> Tensor:
 
 
 def _log1mexp(x: Tensor) -> Tensor:
-    """log(1 - exp(x)), stable on both sides of log(1/2): TRL's ORPO value for every x < -1e-12.
-
-    Two guards TRL lacks: x is clamped to at most -1e-12 (a fully confident completion, or an empty one, has mean
-    log-prob 0, where log(1 - 1) is -inf), and the log1p branch sees x only where it is taken, so the branch not taken
-    cannot send a NaN gradient back through torch.where."""
+    """log(1 - exp(x)), stable on both sides of log(1/2): TRL's ORPO value for every x < -1e-12. Two guards TRL lacks:
+    x is clamped to at most -1e-12 (a fully confident or empty completion has mean log-prob 0, where this is -inf),
+    and the log1p branch sees x only where it is taken, so the other cannot send a NaN gradient through torch.where."""
     import torch
 
     x = x.clamp(max=LOG1MEXP_MAX_X)

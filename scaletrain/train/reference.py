@@ -1,16 +1,9 @@
 """The reference model's log-probabilities of every preference pair, computed once and reused
-(--precompute_ref_log_probs, the default).
-
-The reference of a DPO run is its starting model, and before the first step the engine *is* the starting model: so
-the pass runs on the training engine itself, under the run's ZeRO stage and precision (ZeRO-3: sharded, never a
-second copy of the weights), each data-parallel rank a share of the pairs, gathered by one all-reduce. Under LoRA the
-adapter starts at zero, so that engine is the base with the adapter disabled, exactly the reference TRL uses.
-
-The result is saved beside the store, `<store>/reference/<split>-<key>.npy` (and a .json naming what the key
-holds), keyed by the reference's identity: the starting model (its weight files' sampled SHA-256, or the config and
-seed of a model trained from scratch), the precision, and how the pairs were cut (block size, truncation). A restart,
-a resume on another number of ranks and a later run on the same store and model read it back; a resumed run whose
-file is missing cannot recompute it (its engine is no longer the starting model) and stops, saying so.
+(--precompute_ref_log_probs, the default). A DPO run's reference is its starting model, which the engine is before the
+first step, so the pass runs on the training engine itself (ZeRO-3: sharded, never a second copy of the weights; under
+LoRA the zero-initialised adapter makes it the base, TRL's reference). The result is saved beside the store, keyed by
+the starting model, precision and how the pairs were cut; a resumed run missing the file cannot recompute it (its engine
+is no longer the starting model) and stops, saying so. Details: docs/fine-tuning.md#preference-optimization-dpo.
 """
 
 from __future__ import annotations
@@ -61,11 +54,9 @@ class ReferencePass:
 
 def attach_reference_logps(engine, sets: dict, ref: ReferencePass, dist: DistInfo, fresh: bool, only=None) -> None:
     """Give every PreferencePairs in `sets` ({split: pairs}) its reference log-probabilities: read back, or (a fresh
-    run only) computed on `engine` now and saved (by each node's local rank 0, beside that node's store). `only`:
-    the training pairs a dry run's one step reads, computed alone and not saved.
-
-    Whether a file is read is decided by every rank together: with node-local stores, a node may miss a file the
-    others hold, and a rank that read it while the others computed (collectives) would leave them waiting."""
+    run only) computed on `engine` now and saved by each node's local rank 0. `only`: the training pairs a dry run's
+    one step reads, not saved. The ranks decide together whether to read: with node-local stores a node may miss a
+    file, and a rank that read while the others computed (collectives) would leave them waiting."""
     micro_batch, identity = ref.micro_batch, ref.identity
     for split, pairs in sets.items():
         path = reference_file(ref.store, split, identity)

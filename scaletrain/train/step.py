@@ -1,26 +1,22 @@
-"""One optimizer step: the only place that calls engine.backward and engine.step (engine.train_batch, which runs
-both inside DeepSpeed's pipeline schedule, under pipeline parallelism).
+"""One optimizer step: the only place that calls engine.backward and engine.step (or engine.train_batch, which runs
+both inside DeepSpeed's pipeline schedule).
 
-Loss normalisation: the loss of a step is the mean over every real (non-padding) target token of the global
-batch. Each micro-batch contributes its *sum* of token losses divided by the global target count, so neither
-gradient accumulation nor the number of ranks changes the gradient (the Hugging Face accumulation bug is
-averaging per micro-batch means instead). DeepSpeed averages gradients over data-parallel ranks, so each rank
-multiplies by the data-parallel size to turn that average back into the global sum (under sequence parallelism
-DeepSpeed averages over every rank, each holding part of a block: see scaletrain/distributed/sequence_parallel.py);
-`scale_wrt_gas=False` stops DeepSpeed dividing by the accumulation steps a second time. Preference pairs
-(scaletrain/train/preference.py) follow the same rule with pairs for tokens: each micro-batch's summed per-pair loss
-over the global batch's pair count, so the step's loss is the mean over its pairs.
+Loss normalisation: a step's loss is the mean over every real target token of the global batch. Each micro-batch
+contributes its *sum* of token losses over the global target count, so neither accumulation nor the number of ranks
+changes the gradient (averaging per-micro-batch means is the Hugging Face accumulation bug). DeepSpeed averages
+gradients over the D data-parallel ranks, so each rank multiplies by D to turn that average back into the global sum
+(under sequence parallelism D is every rank: distributed/sequence_parallel.py); `scale_wrt_gas=False` stops DeepSpeed
+dividing by the accumulation steps again. Preference runs (preference.py) do the same with pairs for tokens.
 
-Mixture-of-experts models (scaletrain/model/moe.py) add the router's load-balancing loss: the objective of a step is
-token-mean cross-entropy + coef x aux, with aux the mean over the step's M micro-batches on each of the D ranks
-DeepSpeed averages over of each micro-batch's own aux (transformers' per-batch statistic, not a sum over tokens).
-Each micro-batch's backward value is therefore
+Mixture-of-experts models (model/moe.py) add the router's load-balancing loss: the objective is token-mean
+cross-entropy + coef x aux, aux the mean of each micro-batch's own aux (transformers' per-batch statistic) over the
+step's M micro-batches and D ranks. Each micro-batch's backward value is therefore
 
     loss_sum x D / global_targets + coef x aux / M
 
-DeepSpeed's average over the D ranks turns sum_ranks sum_micro (coef x aux / M) / D into coef x mean(aux), as it
-turns the first term into the global token mean. The logged `loss` stays the cross-entropy alone (runs with and
-without MoE compare), `aux_loss` is the step's mean aux, not multiplied by coef; evaluation reports cross-entropy.
+and DeepSpeed's average over the D ranks turns sum_ranks sum_micro (coef x aux / M) / D into coef x mean(aux), as it
+turns the first term into the global token mean. The logged `loss` stays the cross-entropy alone, so runs with and
+without MoE compare; `aux_loss` is the step's mean aux, not times coef; evaluation reports cross-entropy.
 """
 
 from __future__ import annotations
@@ -48,9 +44,8 @@ if TYPE_CHECKING:
 
 def agree_step(device, loss_sum, *flags: bool) -> tuple:
     """(global summed loss, *flags true on any rank): one all-reduce (SUM) at the step boundary, every rank.
-
-    A collective: decisions that depend on a rank's own view (a signal it received, its clock, its batch's loss)
-    pass through here, or ranks would decide differently and hang in the next collective.
+    Decisions that depend on a rank's own view (a signal, its clock, its batch's loss) pass through here, or ranks
+    would decide differently and hang in the next collective.
     """
     import deepspeed.comm as ds_comm
     import torch
@@ -225,9 +220,8 @@ class PipelineStep:
         from scaletrain.distributed import pipe_micro_batches
 
         self.loss.scale, self.loss.loss_sum = 1.0, 0.0
-        # The stages agree on an activation's shape once per schedule, so each run of equal-shaped batches (the
-        # last evaluation batch may be smaller) is its own eval_batch; training's shape is agreed again after.
-        # Each batch is built from the store as the schedule reads it (a run holds indices, not tensors).
+        # The stages agree on an activation's shape once per schedule, so each run of equal-shaped batches (the last
+        # may be smaller) is its own eval_batch; batches are built from the store as the schedule reads them.
         for _, same_shape in itertools.groupby(range(len(batches)), key=batches.rows):
             group = list(same_shape)
             engine.reset_activation_shape()

@@ -105,6 +105,13 @@ def records_rate(records: list, tokens_per_step: int, warmup: int) -> float:
     return steady_rate([r["step"] for r in records], [r["time"] for r in records], tokens_per_step, warmup)
 
 
+def train_rate(flags: list, nprocs: int, tokens_per_step: int, warmup: int) -> tuple:
+    """(steady tokens/s, the training records) of one train.py run with `flags` (train_args) on `nprocs` ranks."""
+    launch("train.py", flags, nprocs)
+    records = metrics(Path(flags[flags.index("--output_dir") + 1]), "loss")
+    return records_rate(records, tokens_per_step, warmup), records
+
+
 def timed(fn: Callable[[], object]) -> float:
     """Seconds one call of fn takes (time.perf_counter)."""
     started = time.perf_counter()

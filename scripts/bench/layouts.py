@@ -23,15 +23,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
-from scripts.bench.common import (  # noqa: E402
-    bench_model,
-    bench_parser,
-    launch,
-    median_runs,
-    metrics,
-    records_rate,
-    train_args,
-)
+from scripts.bench.common import bench_model, bench_parser, median_runs, train_args, train_rate  # noqa: E402
 
 LAYOUTS = {  # name -> (flags, micro-batch as a fraction of the global batch, ZeRO config)
     "data parallel 2": ([], 2, "zero2"),
@@ -63,8 +55,7 @@ def main() -> None:
                     "--no-export_hf_at_end",
                     *layout,
                 )
-                launch("train.py", flags, 2)
-                rate = records_rate(metrics(run_dir, "loss"), args.global_batch * args.block_size, args.warmup)
+                rate, _ = train_rate(flags, 2, args.global_batch * args.block_size, args.warmup)
                 rates[name].append(rate / 2)
                 print(f"round {round_}: {name}: {rates[name][-1]:.0f} tokens/s per rank", flush=True)
     baseline = statistics.median(rates["data parallel 2"])

@@ -20,15 +20,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
-from scripts.bench.common import (  # noqa: E402
-    bench_model,
-    bench_parser,
-    launch,
-    median_runs,
-    metrics,
-    records_rate,
-    train_args,
-)
+from scripts.bench.common import bench_model, bench_parser, median_runs, train_args, train_rate  # noqa: E402
 
 VARIANTS = {  # (zero_optimization changes, optimizer.params changes)
     "default": ({}, {}),
@@ -65,9 +57,7 @@ def main() -> None:
                 path.write_text(json.dumps(config))
                 run = tmp / f"{name}{round_}"
                 flags = train_args(path, model, run, STEPS, BLOCK, BATCH, "--no-export_hf_at_end", "--no-save_at_end")
-                launch("train.py", flags, RANKS)
-                records = metrics(run, "loss")
-                rate = records_rate(records, RANKS * BATCH * BLOCK, WARMUP)
+                rate, records = train_rate(flags, RANKS, RANKS * BATCH * BLOCK, WARMUP)
                 rates[name].append(rate)
                 print(
                     f"round {round_}: {name}: {rate:.0f} tokens/s (forward {records[-1]['forward_s']:.3f} s, "

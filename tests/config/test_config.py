@@ -9,7 +9,6 @@ from scaletrain.errors import UsageError
 from scaletrain.config.cli import parse_run_config
 
 ZERO3 = ["--config", "ds_configs/zero3.json"]
-pytestmark = pytest.mark.usefixtures("in_repo")  # tests/config/conftest.py
 
 
 def test_defaults_point_at_the_builtin_model_and_sample_data(tmp_path):

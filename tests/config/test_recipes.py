@@ -14,7 +14,6 @@ from tests.harness import REPO, check_ok, launch
 
 RECIPES = sorted((REPO / "recipes").glob("*.yaml"))
 ZERO2 = str(REPO / "ds_configs" / "zero2.json")
-pytestmark = pytest.mark.usefixtures("in_repo")  # recipes name ds_configs/ and data/ relative to the repository
 
 
 def recipe(tmp_path, text: str) -> str:

@@ -1,4 +1,5 @@
-"""DeepSpeed's compiled ops: which ones a config needs, and a stale torch build lock never hangs a run."""
+"""DeepSpeed's compiled ops: which ones a config needs, a build said before it starts (what, why, how long), and a stale
+torch build lock that never hangs a run."""
 
 from __future__ import annotations
 
@@ -75,6 +76,22 @@ def test_the_cpu_probe_runs_once_per_host_boot(tmp_path, monkeypatch):
     assert cpuinfo.get_cpu_info() == {} and not kept.exists() and len(calls) == 3
 
 
+def test_a_build_is_said_before_it_starts_with_what_why_and_how_long(tmp_path):
+    folder = tmp_path / "deepspeed_shm_comm"
+    folder.mkdir()
+    notice = ops.build_notice("deepspeed_shm_comm", str(folder))
+    assert f"building DeepSpeed op deepspeed_shm_comm in {folder} (missing" in notice and "about 35 s" in notice
+    (folder / "deepspeed_shm_comm.so").write_bytes(b"")  # built, before builds were recorded: nothing foretold
+    assert ops.build_notice("deepspeed_shm_comm", str(folder)) is None
+    ops.record_build(str(folder))  # built for this environment: a load of seconds, said by nothing
+    assert ops.build_notice("deepspeed_shm_comm", str(folder)) is None
+    another = {**json.loads((folder / ops.BUILD_RECORD).read_text()), "torch": "2.12.0", "deepspeed_sources": "/x"}
+    (folder / ops.BUILD_RECORD).write_text(json.dumps(another))
+    notice = ops.build_notice("deepspeed_shm_comm", str(folder))
+    assert "(built for another environment: torch 2.12.0 -> " in notice and "deepspeed_sources /x -> " in notice
+    assert "scripts/build_ops.py" in ops.build_notice("an_op_without_a_figure", str(folder))
+
+
 @pytest.mark.slow
 def test_stale_build_locks_are_removed_and_a_two_rank_offload_run_finishes(
     tmp_path, cache_dir, monkeypatch, compiled_ops
@@ -88,6 +105,9 @@ def test_stale_build_locks_are_removed_and_a_two_rank_offload_run_finishes(
         shutil.rmtree(folder)
         shutil.copytree(warm[op], folder, ignore=shutil.ignore_patterns("lock"))
         (folder / "lock").touch()
+    # cpu_adam's cache as another environment left it: the run says so before it loads (or rebuilds) it
+    record = folders["cpu_adam"] / ops.BUILD_RECORD
+    record.write_text(json.dumps({**ops.build_environment(), "deepspeed_sources": "/another/venv/deepspeed"}))
     run_dir = tmp_path / "run"
     proc = launch(
         TRAIN,
@@ -116,3 +136,6 @@ def test_stale_build_locks_are_removed_and_a_two_rank_offload_run_finishes(
         assert not (folder / "lock").exists()
         assert f"removing a stale build lock {folder / 'lock'}" in proc.stdout
     assert read_metrics(run_dir)[-1]["step"] == 2
+    said = proc.stdout.index("building DeepSpeed op cpu_adam")
+    assert "(built for another environment: deepspeed_sources /another/venv/deepspeed -> " in proc.stdout[said:]
+    assert said < proc.stdout.index("built DeepSpeed op cpu_adam in")

@@ -1,4 +1,4 @@
-"""The goodput ledger (issue 26 item 3): every second of a run across its attempts, in categories that add up."""
+"""The goodput ledger: every second of a run across its attempts, in categories that add up."""
 
 from __future__ import annotations
 
@@ -168,3 +168,56 @@ def test_a_full_disk_keeps_the_last_ledger_warns_once_and_the_run_goes_on(tmp_pa
         assert ended["attempts"][0]["exit_code"] == 1 and ended["seconds"]["productive"] == pytest.approx(2.0)
         assert read_ledger(disk) == written  # the file as last written, whole
         assert sorted(p.name for p in disk.iterdir()) == ["filler", "goodput.json"]
+
+
+def _finished_run(tmp_path, clock: Clock) -> dict:
+    ledger = GoodputLedger(tmp_path, True, started=clock.now, clock=clock)
+    clock.now += 4.0
+    ledger.begin(0)
+    ledger.step_started()
+    for step in range(1, 11):
+        clock.now += 1.0
+        ledger.step(step, 1.0, 0.0, 0.0)
+    clock.now += 2.0
+    return ledger.end(0)
+
+
+@pytest.mark.parametrize("pause", [23.0, 86_400.0])
+def test_the_pause_after_a_clean_end_and_a_rerun_that_only_reexports_leave_goodput_as_it_was(tmp_path, pause):
+    clock = Clock(0.0)
+    finished = _finished_run(tmp_path, clock)
+    clock.now += pause  # the user comes back later and runs the same command: the run is complete
+    rerun = GoodputLedger(tmp_path, True, started=clock.now, clock=clock)
+    clock.now += 6.0
+    rerun.begin(10)  # resumed at its last step: nothing to train, the export is written again
+    ledger = rerun.end(0)
+    assert (ledger["goodput"], ledger["wall_s"], ledger["seconds"]) == (
+        finished["goodput"],
+        finished["wall_s"],
+        finished["seconds"],
+    )
+    assert ledger["not_counted_s"] == pytest.approx(pause + 6.0) and len(ledger["attempts"]) == 2
+
+
+def test_a_gap_after_a_crash_still_counts_and_a_finished_run_extended_later_counts_its_new_steps(tmp_path):
+    clock = Clock(0.0)
+    _finished_run(tmp_path, clock)
+    clock.now += 100.0  # a pause after the clean end: not counted
+    extended = GoodputLedger(tmp_path, True, started=clock.now, clock=clock)
+    clock.now += 4.0
+    extended.begin(10)  # --max_steps raised: it trains on
+    extended.step_started()
+    for step in range(11, 16):
+        clock.now += 1.0
+        extended.step(step, 1.0, 0.0, 0.0)
+    extended.write()  # then killed -9: no end
+    clock.now += 50.0  # the requeue's wait after a crash: counted
+    resumed = GoodputLedger(tmp_path, True, started=clock.now, clock=clock)
+    clock.now += 4.0
+    resumed.begin(15)
+    ledger = resumed.end(0)
+    assert ledger["seconds"]["productive"] == pytest.approx(15.0)
+    assert ledger["seconds"]["between_attempts"] == pytest.approx(50.0)
+    assert ledger["not_counted_s"] == pytest.approx(100.0)
+    assert sum(ledger["seconds"].values()) == pytest.approx(ledger["wall_s"], abs=1e-2)
+    assert ledger["wall_s"] == pytest.approx(clock.now - 100.0)

@@ -111,12 +111,11 @@ def tokenizer():
 @pytest.fixture
 def offline(monkeypatch, tmp_path) -> Path:
     """This process as a test's run would be (for train.py's `main` and the data preparation called in-process):
-    in the repository, offline, wandb offline, its caches under tmp_path/cache (child_env's HF_*, WANDB_* and
-    SCALETRAIN_* variables), and datasets' module-level settings (read when datasets was imported, before the
-    environment could say so) to match. The datasets cache folder."""
+    offline, wandb offline, its caches under tmp_path/cache (child_env's HF_*, WANDB_* and SCALETRAIN_* variables),
+    and datasets' module-level settings (read when datasets was imported, before the environment could say so) to
+    match; in its view of the checkout, as every test. The datasets cache folder."""
     import datasets
 
-    monkeypatch.chdir(REPO)
     env = child_env(tmp_path / "cache")
     for key, value in env.items():
         if key.startswith(("HF_", "WANDB_", "SCALETRAIN_")):

@@ -369,7 +369,6 @@ def test_a_mix_of_unlike_stores_is_refused_with_exit_2_naming_both(case, tmp_pat
     from train import main
 
     names, expected = MIX_REFUSALS[case]
-    monkeypatch.chdir(REPO)
     out = tmp_path / "out"
     before = tree_digest(out)
     code = main(

@@ -200,7 +200,6 @@ def test_a_chat_store_keeps_a_mask_for_each_named_set(tmp_path, monkeypatch):
     from scaletrain.data.chat_store import prepare_chat_store, resolve_chat_data
     from tests.data.test_chat_store import BLOCK, CHATS, MISTRAL
 
-    monkeypatch.chdir(REPO)
     tokenizer = AutoTokenizer.from_pretrained(TINY)
     data = data_args(
         tmp_path,

@@ -176,11 +176,11 @@ class Run:
         self._closing.callback(teardown_distributed, dist.rank)
         self._closing.callback(self._drop_parts)  # nothing of ours holds a process group past the teardown
         settle(dist, facts=preflight_facts(self.resolved))
+        describe_launch(self.resolved)  # the run's first lines: where the ranks landed, then what each runs with
         if self.cfg.engine.cpu_shm_allreduce:  # after the rendezvous: every rank decides on the same facts
             shm = use_shm_allreduce(dist)
             if shm is not None:
                 self._closing.callback(self._release_shm_allreduce, shm)
-        describe_launch(self.resolved)
         seed_everything(self.cfg.optim.seed)
 
     def prepare_inputs(self) -> None:

@@ -198,13 +198,17 @@ def reference_output(reference: Path) -> tuple:
 
 @contextmanager
 def small_tmpfs(folder: Path, size: str) -> Iterator[Path]:
-    """A real file system of `size` (tmpfs, e.g. "50m") mounted at `folder`, for full-disk tests; skips without root."""
+    """A real file system of `size` (tmpfs, e.g. "50m") mounted at `folder`, for full-disk tests. Without root it
+    skips, saying so, unless SCALETRAIN_REQUIRE_ROOT=1 (CI runs as root and sets it): then a failure."""
     folder.mkdir()
     if (
         os.geteuid() != 0
         or subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(folder)]).returncode
     ):
-        pytest.skip("mounting a small file system needs root")
+        why = "mounting a small file system (a full-disk test) needs root"
+        if os.environ.get("SCALETRAIN_REQUIRE_ROOT") == "1":
+            pytest.fail(f"{why}, and SCALETRAIN_REQUIRE_ROOT=1 says this machine has it")
+        pytest.skip(why)
     try:
         yield folder
     finally:

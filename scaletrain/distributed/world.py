@@ -200,11 +200,7 @@ def share_cpu_cores() -> None:
 
     threads = cpu_threads_per_rank(os.environ, len(os.sched_getaffinity(0)))
     if threads is not None and threads != torch.get_num_threads():
-        torch.set_num_threads(threads)
-        log.info(
-            "cpu: %d intra-op thread(s) per rank (this node's cores shared among its ranks; OMP_NUM_THREADS overrides)",
-            threads,
-        )
+        torch.set_num_threads(threads)  # describe_launch says it
 
 
 def rank_hosts() -> list:
@@ -373,7 +369,16 @@ def describe_launch(resolved: ResolvedRun) -> None:
         placement,
         dist.layout.describe(),
     )
-    log.info("accelerator: %s%s", dist.accelerator, " (DeepSpeed found no GPU)" if dist.accelerator == "cpu" else "")
+    if dist.accelerator == "cpu":
+        import torch
+
+        log.info(
+            "accelerator: cpu (DeepSpeed found no GPU), %d intra-op thread(s) per rank (this node's cores shared "
+            "among its ranks; OMP_NUM_THREADS overrides)",
+            torch.get_num_threads(),
+        )
+    else:
+        log.info("accelerator: %s", dist.accelerator)
     log.info("precision: %s (%s)", resolved.ds.precision, resolved.ds.precision_reason)
     named = resolved.cfg.model.attn_implementation is not None
     log.info(

@@ -28,6 +28,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import threading
 import time
 from pathlib import Path
 
@@ -84,6 +85,16 @@ def per_attempt(attempts: list) -> list:
     """Each attempt's seconds by category (its lost work judged by the attempt after it, the gap to that one its
     `between_attempts`), and what of it is not counted: {"seconds": {...}, "not_counted": s}."""
     rows = []
+    # Each attempt's steps are kept up to the earliest step a later attempt resumed from: a resume from an older
+    # checkpoint (a damaged one's fallback, --resume_from_checkpoint) makes the steps after it lost work, whichever
+    # attempt trained them.
+    kept_up_to = [None] * len(attempts)
+    earliest = None
+    for index in range(len(attempts) - 1, -1, -1):
+        kept_up_to[index] = earliest
+        first = attempts[index]["first_step"]
+        if first is not None and (earliest is None or first < earliest):
+            earliest = first
     for index, attempt in enumerate(attempts):
         previous = attempts[index - 1] if index else None
         following = attempts[index + 1] if index + 1 < len(attempts) else None
@@ -94,9 +105,7 @@ def per_attempt(attempts: list) -> list:
         if _reexport_only(attempt, previous):
             rows.append({"seconds": seconds, "not_counted": not_counted + attempt["end"] - attempt["start"]})
             continue
-        kept = attempt["step_s"]
-        if following is not None and following["first_step"] is not None:
-            kept = _step_s_up_to(attempt, following["first_step"])
+        kept = attempt["step_s"] if kept_up_to[index] is None else _step_s_up_to(attempt, kept_up_to[index])
         seconds["productive"] = kept
         seconds["lost_work"] = attempt["step_s"] - kept + attempt["rolled_back_s"]
         seconds["startup"] = (attempt["first_step_at"] or attempt["end"]) - attempt["start"]
@@ -128,6 +137,26 @@ def read_ledger(output_dir) -> dict | None:
     return json.loads(path.read_text()) if path.is_file() else None
 
 
+def _previous_attempts(output_dir) -> list:
+    """The attempts of the ledger in `output_dir`; none (a fresh ledger, with a warning) where it cannot be read: a
+    side file never stops a run."""
+    try:
+        ledger = read_ledger(output_dir)
+        if ledger is not None and not isinstance(ledger, dict):
+            raise ValueError("not a ledger")
+        attempts = list(ledger["attempts"]) if ledger is not None else []
+        for attempt in attempts:
+            missing = set(new_attempt(0.0)) - set(attempt)
+            if missing:
+                raise ValueError(f"an attempt lacks {sorted(missing)}")
+        return attempts
+    except (OSError, ValueError, KeyError, TypeError) as err:
+        log.warning(
+            "goodput: %s is unreadable (%s); this attempt starts a fresh ledger", Path(output_dir) / LEDGER_FILE, err
+        )
+        return []
+
+
 def render_table(ledger: dict) -> str:
     """The ledger as a text table: each category's seconds and share of the wall-clock time."""
     wall = ledger["wall_s"] or 1.0
@@ -144,8 +173,8 @@ class GoodputLedger:
         self.path = Path(output_dir) / LEDGER_FILE
         self.is_main, self.clock = is_main, clock
         self._write_failed = False  # said once
-        previous = read_ledger(output_dir) if is_main else None
-        self.attempts = list(previous["attempts"]) if previous else []
+        self.attempts = _previous_attempts(output_dir) if is_main else []
+        self._lock = threading.Lock()  # the hang watch's thread ends the attempt while the loop may be writing
         self.attempt = new_attempt(process_start_time() if started is None else started)
         self.attempts.append(self.attempt)
 
@@ -204,15 +233,23 @@ class GoodputLedger:
         """Rewrite goodput.json (rank 0), atomically; the ledger."""
         if not self.is_main:
             return None
-        self.attempt["end"] = self.clock()
-        ledger = {**totals(self.attempts), "attempts": self.attempts}
+        with self._lock:
+            self.attempt["end"] = self.clock()
+            ledger = {**totals(self.attempts), "attempts": self.attempts}
+            self._write_file(json.dumps(ledger, indent=1))
+        return ledger
+
+    def _write_file(self, text: str) -> None:
+        """goodput.json replaced whole, on disk before it replaces the last one (a crash leaves one or the other)."""
         tmp = self.path.with_name(f".{LEDGER_FILE}.tmp")
         try:
-            tmp.write_text(json.dumps(ledger, indent=1))
+            with open(tmp, "w") as out:
+                out.write(text)
+                out.flush()
+                os.fsync(out.fileno())
             os.replace(tmp, self.path)
         except OSError as err:  # a full disk: training goes on (a save says so, clearly); the last good file stays
             tmp.unlink(missing_ok=True)
             if not self._write_failed:
                 log.warning("goodput: could not write %s (%s); it keeps its previous contents", self.path, err)
             self._write_failed = True
-        return ledger

@@ -24,7 +24,7 @@ def test_a_redirected_two_rank_run_prints_lines_not_frames_and_its_launch_line_f
     assert "\r" not in output  # no progress-bar frames: the training and tokenizing bars give way to log lines
     ours = [line for line in proc.stdout.splitlines() if "[rank" in line]
     assert "] INFO launch: torchrun/deepspeed, world size 2" in ours[0], ours[:3]
-    assert sum("INFO step=" in line and "loss=" in line for line in ours) == 2  # a line per logging step
+    assert sum("INFO step=" in line and " epoch=" in line for line in ours) == 2  # a line per logging step
     # DeepSpeed's guess that there is no GPU: from launch.py's own process at most, never again from each rank
     assert output.count("Setting accelerator to CPU") <= 1
     assert proc.stdout.count("INFO accelerator: cpu") == 1

@@ -269,7 +269,7 @@ from scaletrain.distributed.world import communication_threads, read_launch_env
 from scaletrain.run import Run
 
 def shard_sizes(run):
-    params = list(run.model.parameters())
+    params = list(run.model.module.parameters())
     return {{"local": sum(p.ds_tensor.numel() for p in params), "full": sum(p.ds_numel for p in params),
              "empty": all(p.numel() == 0 for p in params)}}  # the module's own tensors are placeholders
 

@@ -221,3 +221,72 @@ def test_a_gap_after_a_crash_still_counts_and_a_finished_run_extended_later_coun
     assert ledger["not_counted_s"] == pytest.approx(100.0)
     assert sum(ledger["seconds"].values()) == pytest.approx(ledger["wall_s"], abs=1e-2)
     assert ledger["wall_s"] == pytest.approx(clock.now - 100.0)
+
+
+def _attempt(tmp_path, clock: Clock, first: int, last: int, commit: int | None = None, exit_code=None) -> None:
+    ledger = GoodputLedger(tmp_path, True, started=clock.now, clock=clock)
+    clock.now += 2.0
+    ledger.begin(first)
+    ledger.step_started()
+    for step in range(first + 1, last + 1):
+        clock.now += 1.0
+        ledger.step(step, 1.0, 0.0, 0.0)
+        if step == commit:
+            ledger.committed(step)
+    if exit_code is None:
+        ledger.write()  # killed: no end
+    else:
+        ledger.end(exit_code)
+    clock.now += 10.0
+
+
+def test_a_resume_from_an_older_checkpoint_makes_every_later_step_lost_work_and_no_category_is_negative(tmp_path):
+    clock = Clock(0.0)
+    _attempt(tmp_path, clock, 0, 10, commit=4)  # steps 1-10, committed at 4 and (say) at 8 on another attempt
+    _attempt(tmp_path, clock, 10, 16, commit=12)  # resumed at 10 (a checkpoint not in this ledger), steps 11-16
+    _attempt(tmp_path, clock, 4, 9, exit_code=0)  # resumed at 4: the checkpoints after it were damaged
+    ledger = read_ledger(tmp_path)
+    seconds = ledger["seconds"]
+    assert seconds["productive"] == pytest.approx(4.0 + 5.0)  # steps 1-4 of the first, 5-9 of the last
+    assert seconds["lost_work"] == pytest.approx(6.0 + 6.0)  # steps 5-10 of the first, every step of the second
+    assert min(seconds.values()) >= 0.0, seconds
+    assert sum(seconds.values()) == pytest.approx(ledger["wall_s"], abs=1e-2)
+
+
+@pytest.mark.parametrize("damage", ["{truncated", '{"attempts": [{"start": 1.0}]}', "[]", "\xff\xfe not text"], ids=str)
+def test_an_unreadable_ledger_starts_a_fresh_one_with_a_warning(tmp_path, caplog, damage):
+    (tmp_path / "goodput.json").write_bytes(damage.encode("latin-1"))
+    with caplog.at_level("WARNING", logger="scaletrain.observability.goodput"):
+        ledger = GoodputLedger(tmp_path, True, started=0.0, clock=Clock(5.0))
+    assert "this attempt starts a fresh ledger" in caplog.text
+    ledger.begin(0)
+    assert len(ledger.end(0)["attempts"]) == 1 and len(read_ledger(tmp_path)["attempts"]) == 1
+
+
+def test_two_threads_writing_the_ledger_never_leave_a_torn_file(tmp_path):
+    """The hang watch's thread ends the attempt while the loop writes its records: one writer at a time."""
+    import threading
+
+    ledger = GoodputLedger(tmp_path, True, started=0.0)
+    ledger.begin(0)
+    torn = []
+
+    def write_many():
+        for _ in range(200):
+            ledger.write()
+
+    def read_many():
+        for _ in range(400):
+            try:
+                json.loads((tmp_path / "goodput.json").read_text())
+            except FileNotFoundError:
+                pass
+            except ValueError as err:
+                torn.append(err)
+
+    threads = [threading.Thread(target=write_many) for _ in range(2)] + [threading.Thread(target=read_many)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert not torn and not (tmp_path / ".goodput.json.tmp").exists()

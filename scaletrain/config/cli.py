@@ -135,34 +135,40 @@ def parse_run_config(argv: Sequence[str] | None = None) -> RunConfig:
     return cfg
 
 
+def _first_given(choices: list) -> tuple:
+    """(value, where it came from) of the first choice whose value is given (the last one, the default, always is)."""
+    return next((value, where) for value, where in choices if value)
+
+
 def explain_inputs(cfg: RunConfig) -> list:
     """What the run reads, resolved: the model, the tokenizer and the data, where no flag names them the built-in
     defaults, each with where it came from."""
     model, data = cfg.model, cfg.data
-    if model.model_name_or_path:
-        built = (model.model_name_or_path, "pretrained weights, --model_name_or_path")
-    elif model.config_name:
-        built = (model.config_name, "its config, random init, --config_name")
-    else:
-        built = (model.model_source, "the built-in tiny Llama's config, random init: default")
-    tokenizer = "--tokenizer_name" if model.tokenizer_name else "the model's: default"
-    if data.store_paths:
-        train = (", ".join(data.store_paths), "prepared token stores, --data_path/--dataset_mix")
-    elif data.dataset_name:
-        train = (data.dataset_name, "a Hugging Face dataset, --dataset_name")
-    elif data.uses_default_data:
-        train = (data.train_data_file, "the built-in sample: default")
-    else:
-        train = (data.train_data_file, "--train_file")
+    built = _first_given(
+        [
+            (model.model_name_or_path, "pretrained weights, --model_name_or_path"),
+            (model.config_name, "its config, random init, --config_name"),
+            (model.model_source, "the built-in tiny Llama's config, random init: default"),
+        ]
+    )
+    train = _first_given(
+        [
+            (", ".join(data.store_paths), "prepared token stores, --data_path/--dataset_mix"),
+            (data.dataset_name, "a Hugging Face dataset, --dataset_name"),
+            (data.train_file, "--train_file"),
+            (data.train_data_file, "the built-in sample: default"),
+        ]
+    )
+    sample = "the built-in sample: default" if data.uses_default_data else "--validation_file"
     lines = [
         "  [inputs]",
         f"  model = {built[0]}  <- {built[1]}",
-        f"  tokenizer = {model.tokenizer_source}  <- {tokenizer}",
+        f"  tokenizer = {model.tokenizer_source}  <- "
+        + ("--tokenizer_name" if model.tokenizer_name else "the model's: default"),
         f"  train data = {train[0]}  <- {train[1]}",
     ]
     if data.validation_data_file:
-        where = "the built-in sample: default" if data.uses_default_data else "--validation_file"
-        lines.append(f"  validation data = {data.validation_data_file}  <- {where}")
+        lines.append(f"  validation data = {data.validation_data_file}  <- {sample}")
     return lines
 
 

@@ -186,10 +186,11 @@ def rebuild(obj, storages: dict, memo: dict | None = None):
 
 
 def write_snapshot(folder: str, files: list, buffers: dict) -> dict:
-    """The writer's job: each file written with torch.save as DeepSpeed's checkpoint engine does; {path: SHA-256}."""
+    """The writer's job: each file written with torch.save as DeepSpeed's checkpoint engine does, and on disk
+    (fsync, off the training path) before it is reported written; {path: SHA-256}."""
     import torch
 
-    from scaletrain.checkpoint.commit import file_checksum
+    from scaletrain.checkpoint.commit import file_checksum, sync_to_disk
 
     storages = {
         index: (
@@ -202,6 +203,8 @@ def write_snapshot(folder: str, files: list, buffers: dict) -> dict:
     checksums = {}
     for path, payload, zipfile_serialization in files:
         torch.save(rebuild(pickle.loads(payload), storages), path, _use_new_zipfile_serialization=zipfile_serialization)
+    sync_to_disk([path for path, _, _ in files])
+    for path, _, _ in files:
         checksums[path] = file_checksum(Path(path))
     return checksums
 

@@ -40,6 +40,20 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
+def sync_to_disk(paths) -> None:
+    """Each file's data, then the entries of the folders holding them, on disk (fsync), before a commit names them:
+    a node that crashes after the commit leaves no committed checkpoint with a torn file."""
+    paths = [Path(p) for p in paths]
+    for path in paths:
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+    for folder in dict.fromkeys(path.parent for path in paths):
+        _fsync_dir(folder)
+
+
 def write_atomically(path: Path, text: str) -> None:
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     with open(tmp, "w") as f:
@@ -234,6 +248,8 @@ def commit_checkpoint(tmp: Path, final: Path, root: Path, step: int, checksums: 
     """Rank 0: commit.json (sizes and SHA-256 of every file; a file no rank recorded, such as DeepSpeed's recovery
     script, is hashed here), the rename to its final name and the `latest` pointer. Returns the seconds hashing."""
     files = {str(p.relative_to(tmp)): p.stat().st_size for p in sorted(tmp.rglob("*")) if p.is_file()}
+    unrecorded = [tmp / rel for rel in files if rel not in checksums]  # DeepSpeed's recovery script: on disk first
+    sync_to_disk(unrecorded)
     started = time.perf_counter()
     sums = {rel: checksums.get(rel) or file_checksum(tmp / rel) for rel in files}
     hashed = time.perf_counter() - started

@@ -22,8 +22,7 @@ from scaletrain.checkpoint.commit import (
     describe_write_failure,
     file_checksum,
     is_write_failure,
-    prune_checkpoints,
-    remove_universal_copies,
+    sync_to_disk,
 )
 from scaletrain.checkpoint.async_save import BackgroundWriter, InFlight
 from scaletrain.distributed import LAYER_MAP
@@ -112,13 +111,7 @@ def _intact(previous: Path | None) -> str:
 
 
 def save_checkpoint(
-    engine,
-    output_dir: str,
-    state: TrainState,
-    rank: int,
-    save_total_limit: int,
-    model_facts: dict | None = None,
-    planned_bytes: int = 0,
+    engine, output_dir: str, state: TrainState, rank: int, model_facts: dict | None = None, planned_bytes: int = 0
 ) -> Path:
     """Save and commit checkpoint stepN on every rank; returns its path. The ranks first agree that the disk has room
     for another checkpoint the size of the last (the first: `planned_bytes` x FIRST_SAVE_MARGIN), so a full disk stops
@@ -132,9 +125,6 @@ def save_checkpoint(
     checksums, hashed = _gather_checksums(tmp, tag, deepspeeds + own, failed, rank, previous)
     final = root / tag
     hashed += _commit_on_rank0(tmp, final, state.step, checksums, rank, previous)
-    if rank == 0:
-        prune_checkpoints(root, save_total_limit, keep=final)
-        remove_universal_copies(root)
     barrier()
     log.info(
         "saved checkpoint %s in %.2fs (of which SHA-256 %.2fs on rank %d)",
@@ -224,7 +214,9 @@ def _gather_checksums(tmp: Path, tag: str, written: list, failed: tuple | None, 
     from scaletrain.distributed import all_gather_objects
 
     hashing = time.perf_counter()
-    checksums = {} if failed else {str(p.relative_to(tmp)): file_checksum(p) for p in written if tmp in p.parents}
+    mine = [] if failed else [p for p in written if tmp in p.parents]
+    failed, mine = _synced(mine, tmp, failed)  # on disk before any rank reports it written (and the commit names it)
+    checksums = {str(p.relative_to(tmp)): file_checksum(p) for p in mine}
     hashed = time.perf_counter() - hashing
     failure = failed and f"rank {rank} could not write {failed[0]} ({describe_write_failure(failed[1], tmp)})"
     # A collective: every rank's files are on disk, and every rank learns whether any write failed.
@@ -239,6 +231,18 @@ def _gather_checksums(tmp: Path, tag: str, written: list, failed: tuple | None, 
             every_rank=True,
         )
     return {k: v for _, sums in reports for k, v in sums.items()}, hashed
+
+
+def _synced(paths: list, tmp: Path, failed: tuple | None) -> tuple:
+    """(the first failed write or None, the files on disk): `paths` fsynced, a failure of it recorded as a failed
+    write (a full disk or an I/O error can surface only here), so that this rank still reaches the collectives."""
+    if failed is not None:
+        return failed, []
+    try:
+        sync_to_disk(paths)
+    except OSError as err:
+        return (str(tmp), err), []
+    return None, paths
 
 
 def _commit_on_rank0(tmp: Path, final: Path, step: int, checksums: dict, rank: int, previous) -> float:
@@ -321,6 +325,7 @@ def start_checkpoint(
     tag = f"{PREFIX}{state.step}"
     snapshot = writer.snapshot()
     _, own, failed = _write_checkpoint_files(engine, tmp, state, rank, model_facts, write=snapshot.take)
+    failed, own = _synced(own, tmp, failed)  # this rank's small files; the writer syncs the large ones
     if any_rank(failed is not None):  # every rank takes the synchronous failure path: one message, nothing kept
         _gather_checksums(tmp, tag, own, failed, rank, previous)
     own_checksums = {str(p.relative_to(tmp)): file_checksum(p) for p in own}
@@ -333,7 +338,7 @@ def start_checkpoint(
     )
 
 
-def settle_checkpoint(writer: BackgroundWriter, rank: int, save_total_limit: int, wait: bool = False) -> Path | None:
+def settle_checkpoint(writer: BackgroundWriter, rank: int, wait: bool = False) -> Path | None:
     """Every rank, at the same step boundary, while a save is in flight: the ranks agree (one small all-reduce)
     whether every rank's write is done or one failed. Done: the checksums are gathered and rank 0 commits (the
     committed path is returned); failed: every rank raises CheckpointWriteError naming the checkpoint and the cause;
@@ -366,9 +371,6 @@ def settle_checkpoint(writer: BackgroundWriter, rank: int, save_total_limit: int
     _commit_on_rank0(
         flight.tmp, final, flight.step, {k: v for _, sums in reports for k, v in sums.items()}, rank, flight.previous
     )
-    if rank == 0:
-        prune_checkpoints(final.parent, save_total_limit, keep=final)
-        remove_universal_copies(final.parent)
     log.info("committed checkpoint %s, written in the background in %.2fs", final, time.perf_counter() - flight.started)
     return final
 

@@ -4,9 +4,12 @@ flight and save every --save_steps steps or --save_interval_minutes minutes."""
 
 from __future__ import annotations
 
+import logging
+import threading
 import time
 from pathlib import Path
 
+from scaletrain.checkpoint import commit
 from scaletrain.checkpoint.async_save import BackgroundWriter
 from scaletrain.checkpoint.save import (
     checkpoint_parameters,
@@ -21,8 +24,13 @@ from scaletrain.parts import ResolvedRun
 from scaletrain.train import Callback, StepOutcome, TrainState
 
 
+log = logging.getLogger(__name__)
+
+
 class Saver:
-    """Every rank's saves (collectives: every rank calls save() and commit_pending() at the same step)."""
+    """Every rank's saves (collectives: every rank calls save() and commit_pending() at the same step). After each
+    commit, rank 0 deletes the checkpoints beyond --save_total_limit in a thread of its own: a slow file system's
+    deletions never hold the loop (the next save, and the end of the run, wait for them)."""
 
     def __init__(
         self, resolved: ResolvedRun, engine, state: TrainState, ledger: GoodputLedger, writer: BackgroundWriter | None
@@ -31,12 +39,14 @@ class Saver:
         self.writer = writer
         self.model_facts = resolved.model_facts  # what a checkpoint records of the model
         self._in_flight_step_s = 0.0  # the ledger's step seconds when the save in flight was taken
+        self._pruning: threading.Thread | None = None
 
     def save(self, now: bool = False) -> Path | None:
         """A checkpoint of this step: committed before this returns (synchronous saves, or `now`: the end of the run,
         a preemption), or (--async_save) taken now, written in the background and committed at a later step
         boundary (commit_pending). Either way a save in flight is committed first: at most one at a time."""
         self.commit_pending(wait=True)
+        self.wait_for_pruning()  # its space is free before the next save checks the disk
         cfg, ds, dist = self.resolved.cfg, self.resolved.ds, self.resolved.dist
         adapter_only = cfg.peft.use_peft  # LoRA: the base is not saved
         n_params, n_tensors = checkpoint_parameters(self.engine.module, adapter_only)
@@ -50,9 +60,9 @@ class Saver:
             start_checkpoint(self.engine, out, self.state, rank, self.writer, model_facts=facts, planned_bytes=planned)
             self._in_flight_step_s = self.ledger.attempt["step_s"]
             return None
-        limit = cfg.checkpoint.save_total_limit
-        path = save_checkpoint(self.engine, out, self.state, rank, limit, model_facts=facts, planned_bytes=planned)
+        path = save_checkpoint(self.engine, out, self.state, rank, model_facts=facts, planned_bytes=planned)
         self.ledger.committed(self.state.step)
+        self._prune(path)
         return path
 
     def _model_facts(self) -> dict | None:
@@ -67,26 +77,60 @@ class Saver:
         (`wait`: this rank's first); a failed write ends the run here."""
         writer = self.writer
         step = writer and writer.in_flight and writer.in_flight.step  # None: nothing in flight
-        limit = self.resolved.cfg.checkpoint.save_total_limit
-        if step and settle_checkpoint(writer, self.resolved.dist.rank, limit, wait):
+        committed = step and settle_checkpoint(writer, self.resolved.dist.rank, wait)
+        if committed:
             self.ledger.committed(step, self._in_flight_step_s)
+            self._prune(committed)
+
+    @property
+    def writing(self) -> bool:
+        """A background save is in flight."""
+        return bool(self.writer and self.writer.in_flight)
+
+    def _prune(self, committed: Path) -> None:
+        """Rank 0: the checkpoints beyond --save_total_limit, and the universal copies, deleted in the background."""
+        if self.resolved.dist.rank != 0:
+            return
+        self.wait_for_pruning()
+        limit = self.resolved.cfg.checkpoint.save_total_limit
+        self._pruning = threading.Thread(
+            target=_prune, args=(committed, limit), name="scaletrain-checkpoint-pruning", daemon=True
+        )
+        self._pruning.start()
+
+    def wait_for_pruning(self) -> None:
+        if self._pruning is not None:
+            self._pruning.join()
+            self._pruning = None
 
     def close(self) -> None:
-        """A write still in flight here (a crash) is never committed."""
+        """A write still in flight here (a crash) is never committed; deletions under way are finished."""
         if self.writer is not None:
             self.writer.close()
             self.writer = None
+        self.wait_for_pruning()
+
+
+def _prune(committed: Path, limit: int) -> None:
+    """Looked up in commit at each call (a test helper slows it)."""
+    try:
+        commit.prune_checkpoints(committed.parent, limit, keep=committed)
+        commit.remove_universal_copies(committed.parent)
+    except OSError as err:  # an old checkpoint left behind costs space, not the run
+        log.warning("could not delete old checkpoints in %s: %s", committed.parent, err)
 
 
 class CommitInFlight(Callback):
     """After each step: commit a background save once every rank's write is done (before the step's record, so
-    that a failed write is said before more is written)."""
+    that a failed write is said before more is written), under the hang watch's allowance of a save."""
 
     def __init__(self, saver: Saver):
         self.saver = saver
 
     def post_step(self, outcome: StepOutcome) -> None:
-        self.saver.commit_pending()
+        if self.saver.writing:
+            self.trainer.phase("commit of a background save", long=True)
+            self.saver.commit_pending()
 
 
 class PeriodicSave(Callback):

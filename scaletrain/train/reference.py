@@ -26,15 +26,30 @@ from scaletrain.parts import DistInfo, ResolvedRun, TrainingData
 log = logging.getLogger(__name__)
 
 
-def reference_identity(model_name_or_path, config_name, seed: int, precision: str, block_size: int, truncation: str):
-    """What the saved log-probabilities depend on (JSON-serialisable)."""
-    if model_name_or_path:
+def reference_identity(resolved: ResolvedRun) -> dict:
+    """What the saved log-probabilities depend on (JSON-serialisable): the reference's weights (its files, or the
+    config and seed it is drawn from), the dtype, the attention backend, a 4-bit base, the adapter settings (the
+    reference is the base with the adapter disabled), and how the pairs were cut. A file saved for another identity
+    is never read: a changed setting computes them again."""
+    cfg, args = resolved.cfg, resolved.cfg.preference
+    source = args.ref_model_name_or_path or cfg.model.model_name_or_path
+    if source:
         from scaletrain.model import base_identity
 
-        model = base_identity(model_name_or_path)
+        model = base_identity(source)
     else:  # trained from scratch: the initial weights are the config's, drawn with the seed
-        model = {"config": config_name, "seed": seed}
-    return {"model": model, "precision": precision, "block_size": block_size, "truncation": truncation}
+        model = {"config": cfg.model.config_name, "seed": cfg.optim.seed}
+    own_base = args.ref_model_name_or_path is None  # the run's own starting model (its quantization and adapter)
+    peft = cfg.peft
+    return {
+        "model": model,
+        "precision": resolved.ds.precision,
+        "attention": resolved.attn_implementation,
+        "quantization": "4-bit nf4" if own_base and peft.load_in_4bit else None,
+        "adapter": [peft.lora_r, peft.lora_alpha, peft.lora_target_modules] if own_base and peft.use_peft else None,
+        "block_size": resolved.block_size,
+        "truncation": cfg.data.truncation,
+    }
 
 
 def reference_file(store: Path, split: str, identity: dict) -> Path:
@@ -60,7 +75,8 @@ def attach_reference_logps(engine, sets: dict, ref: ReferencePass, dist: DistInf
     micro_batch, identity = ref.micro_batch, ref.identity
     for split, pairs in sets.items():
         path = reference_file(ref.store, split, identity)
-        everywhere = every_rank(path.exists())
+        values, problem = _read_saved(path, pairs.n_split_pairs, identity)
+        everywhere = every_rank(values is not None)
         if only is not None and not everywhere:
             if split == "train":
                 pairs.ref_logps = compute_reference_logps(
@@ -69,16 +85,9 @@ def attach_reference_logps(engine, sets: dict, ref: ReferencePass, dist: DistInf
                 log.info("reference log-probs: the dry run's %d pairs computed (not saved)", len(only))
             continue
         if everywhere:
-            values = np.load(path)
-            if values.shape != (pairs.n_split_pairs, 2):
-                raise UsageError(
-                    f"{path}: holds {values.shape[0]} pairs' reference log-probabilities, the store's {split} split "
-                    f"has {pairs.n_split_pairs} (a damaged file)",
-                    "delete it: a fresh run computes it again",
-                )
             log.info("reference log-probs (%s): read from %s", split, path)
         elif not fresh:
-            where = "missing" if not path.exists() else "missing on another node (each node reads its own store)"
+            where = problem or "missing on another node (each node reads its own store)"
             raise UsageError(
                 f"{path}: the reference log-probabilities of this run's {split} pairs are {where}, and a resumed run "
                 "cannot compute them (its model is no longer the starting model)",
@@ -96,6 +105,28 @@ def attach_reference_logps(engine, sets: dict, ref: ReferencePass, dist: DistInf
                 path,
             )
         pairs.ref_logps = values
+
+
+def _read_saved(path: Path, n_pairs: int, identity: dict) -> tuple:
+    """(the saved log-probs, None), or (None, why not): missing, or damaged (unreadable, another shape, or made for
+    another reference than its record says). A damaged file is said once and never trusted: a fresh run computes it
+    again."""
+    if not path.exists():
+        return None, "missing"
+    try:
+        values = np.load(path)
+        recorded = json.loads(path.with_suffix(".json").read_text())
+    except (OSError, ValueError) as err:
+        problem = f"damaged ({type(err).__name__}: {err})"
+    else:
+        if values.shape != (n_pairs, 2):
+            problem = f"damaged (log-probs of {values.shape[0]} pairs, the split has {n_pairs})"
+        elif recorded != identity:
+            problem = "damaged (its record names another reference)"
+        else:
+            return values, None
+    log.warning("%s: %s; not used", path, problem)
+    return None, problem
 
 
 def compute_reference_logps(engine, pairs, micro_batch: int, dp_rank: int, dp_world: int, only=None) -> np.ndarray:
@@ -149,14 +180,7 @@ def prepare_reference(engine, resolved: ResolvedRun, data: TrainingData, fresh: 
     separate = reference_model_args(cfg) is not None
     if not args.needs_reference or not args.precompute_ref_log_probs:
         return build_reference_engine(cfg, ds.config, ds.zero_stage) if separate else None
-    identity = reference_identity(
-        args.ref_model_name_or_path or cfg.model.model_name_or_path,
-        cfg.model.config_name,
-        cfg.optim.seed,
-        ds.precision,
-        resolved.block_size,
-        cfg.data.truncation,
-    )
+    identity = reference_identity(resolved)
     store = data.stores[0]["path"]
     sets = {"train": data.blocks, **{split: b.sources()[0] for split, b in data.eval_sets.items()}}
     micro = max(ds.micro_batch, cfg.optim.per_device_eval_batch_size)

@@ -177,3 +177,48 @@ def test_a_disk_filled_before_the_first_save_stops_every_rank_before_writing(tmp
         output = ended_on_every_rank(proc, ckpts, message)
         assert "nothing was written, no checkpoint of this run was committed yet" in output, output[-3000:]
         assert not any(ckpts.iterdir())
+
+
+@pytest.mark.slow
+def test_every_file_of_a_committed_checkpoint_is_on_disk_before_its_commit(tmp_path, cache_dir):
+    """Each rank, and the background writer, fsync the files they wrote and their folder before reporting them
+    written: recorded by tests/helpers/fsync_audit (every process's fsyncs, the spawned writer's too) over a 2-rank
+    run with a background save (step 2) and the end's synchronous one (step 4)."""
+    from scaletrain.checkpoint.commit import COMMIT, TMP_PREFIX
+
+    audit, run_dir = tmp_path / "fsyncs", tmp_path / "run"
+    audit.mkdir()
+    env = {
+        "SCALETRAIN_TEST_FSYNC_AUDIT": str(audit),
+        "PYTHONPATH": str(REPO / "tests" / "helpers" / "fsync_audit"),  # child_env puts the repository first
+    }
+    args = [*flags("zero2", run_dir, 4), "--save_steps", "2", "--async_save"]
+    check_ok(launch(REPO / "train.py", args, "deepspeed", cache_dir, nprocs=2, env=env))
+    synced = {line for record in audit.glob("*.txt") for line in record.read_text().splitlines()}
+    for step in (2, 4):
+        committed = run_dir / "checkpoints" / f"step{step}"
+        tmp = committed.parent / f"{TMP_PREFIX}step{step}"
+        files = [rel for rel in json.loads((committed / COMMIT).read_text())["files"] if rel != COMMIT]
+        assert files and str(tmp) in synced, sorted(synced)[:5]
+        missing = [rel for rel in files if str(tmp / rel) not in synced]
+        assert not missing, f"step{step}: written but never fsynced before the commit: {missing}"
+
+
+@pytest.mark.slow
+def test_a_slow_deletion_of_old_checkpoints_never_holds_the_loop_into_a_hang_report(tmp_path, cache_dir):
+    """--save_total_limit's deletions (8 s each here, tests/helpers/slow_prune.py) run beside training, never under a
+    step's short allowance of the hang watch (5 s): the run ends 0 with no hang report, the old checkpoints gone."""
+    run_dir = tmp_path / "run"
+    args = [
+        *flags("zero2", run_dir, 6),
+        *["--save_steps", "2", "--save_total_limit", "1", "--hang_timeout", "5", "--async_save"],
+    ]
+    proc = launch(
+        REPO / "tests" / "helpers" / "slow_prune.py", args, "python", cache_dir, env={"SCALETRAIN_TEST_SLOW_PRUNE": "8"}
+    )
+    check_ok(proc)
+    from scaletrain.train import HANG_DIR, REPORT_FILE
+
+    assert not list((run_dir / HANG_DIR).rglob(REPORT_FILE)), "a hang was reported"
+    assert sorted(p.name for p in (run_dir / "checkpoints").glob("step*")) == ["step6"]
+    assert proc.stdout.count("deleted checkpoint") == 2  # step2 and step4, each once the next one was committed

@@ -467,6 +467,55 @@ def test_a_resumed_run_without_its_reference_file_stops_naming_it(tmp_path, toke
     assert "--resume_from_checkpoint none" in caught.value.hint
 
 
+@pytest.mark.parametrize("damage", ["another shape", "a torn file", "a record of another reference"])
+def test_a_damaged_reference_cache_is_never_trusted(tmp_path, tokenizer, offline, caplog, damage):
+    """A fresh run computes a damaged file again (it reads it as missing); a resumed run, which cannot, stops naming
+    the file and what is wrong with it."""
+    from scaletrain.errors import UsageError
+    from scaletrain.train.reference import ReferencePass, _save, attach_reference_logps, reference_file
+
+    opened, _, _ = prepared(tmp_path, tokenizer, preference_data.explicit_text(tmp_path / "p.jsonl", n=4))
+    pairs = pairs_from_store(opened, "train", 1024, "truncate")
+    identity = {"model": {"source": "x"}, "precision": "fp32", "block_size": 1024, "truncation": "truncate"}
+    path = reference_file(tmp_path / "store", "train", identity)
+    good = np.zeros((pairs.n_split_pairs, 2))
+    if damage == "another shape":
+        _save(path, np.zeros((pairs.n_split_pairs + 1, 2)), identity)
+    elif damage == "a torn file":
+        _save(path, good, identity)
+        path.write_bytes(path.read_bytes()[:40])
+    else:
+        _save(path, good, {**identity, "precision": "bf16"})
+    with caplog.at_level("WARNING", logger="scaletrain.train.reference"), pytest.raises(UsageError) as caught:
+        attach_reference_logps(None, {"train": pairs}, ReferencePass(tmp_path / "store", identity, 4), None, False)
+    assert f"{path}: the reference log-probabilities of this run's train pairs are damaged" in caught.value.message
+    assert f"{path}: damaged" in caplog.text and "not used" in caplog.text
+    _save(path, good, identity)  # whole again: read back, nothing computed (no engine here)
+    attach_reference_logps(None, {"train": pairs}, ReferencePass(tmp_path / "store", identity, 4), None, False)
+    assert pairs.ref_logps.shape == good.shape
+
+
+@pytest.mark.parametrize(
+    "flags, changes",
+    [
+        (["--attn_implementation", "eager"], "attention"),
+        (["--block_size", "128"], "block_size"),
+        (["--truncation", "drop"], "truncation"),
+    ],
+)
+def test_the_reference_cache_key_changes_with_what_changes_the_log_probs(tmp_path, offline, flags, changes):
+    from scaletrain.parts import DistInfo
+    from scaletrain.preflight import resolve_run
+    from scaletrain.train.reference import reference_identity
+
+    data = preference_data.explicit_text(tmp_path / "p.jsonl", n=4)
+    base = ["--config", str(REPO / "ds_configs/zero2.json"), "--train_file", str(data), "--output_dir", str(tmp_path)]
+    dist = DistInfo(rank=0, local_rank=0, world_size=1, launcher="single")
+    before = reference_identity(resolve_run(base, dist))
+    after = reference_identity(resolve_run([*base, *flags], dist))
+    assert {key for key in before if before[key] != after[key]} == {changes}
+
+
 @pytest.mark.extended  # ~37 s; a live reference: the LoRA test
 @pytest.mark.slow
 def test_a_reference_model_of_its_own_runs_live_or_precomputed(dpo_runs):

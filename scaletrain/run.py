@@ -380,6 +380,7 @@ class Run:
         """--max_consecutive_skips reached: back to the newest committed checkpoint, the data past the streak; the
         jump's entry for the non-finite ledger."""
         self.saver.commit_pending(wait=True)  # a save in flight is committed first: it may be the one to go back to
+        self.saver.wait_for_pruning()  # the checkpoints folder holds what it will hold when rank 0 looks
         return roll_back(self.engine, self.state, self.resolved, self._reloaded)
 
     def _reloaded(self, universal: bool) -> None:
@@ -399,6 +400,7 @@ class Run:
         if self.watch is not None:
             self.watch.phase("end of run: evaluation, save, export", long=True)
         self.saver.commit_pending(wait=True)  # --async_save: the save in flight is committed before anything else
+        self.saver.wait_for_pruning()
         # Decided once, by rank 0: ranks that disagreed about entering a collective save or evaluation would hang in
         # it. A run resumed at its last step (already complete) has evaluated it: its records are not repeated.
         step, out = self.state.step, self.cfg.run.output_dir

@@ -346,14 +346,15 @@ class Run:
             ProgressBar(show=dist.is_main and not cfg.logging.disable_tqdm and interactive()),
             *([CommsWindow(self.comm_log)] if self.comm_log is not None else []),
             TrainingRecords(self.metrics, self._throughput()),
-            PreemptionSave(
-                self.preemption, partial(self.saver.save, now=True), cfg.checkpoint.preemption_grace_seconds
-            ),
         ]
         if not dry:  # a dry run takes one step, logged, and evaluates or saves nothing
             callbacks.append(PeriodicEvaluation(cfg.logging.eval_steps, self.metrics, evaluate, generate))
             callbacks.append(PeriodicSave(self.saver, cfg.checkpoint.save_steps, cfg.checkpoint.save_interval_minutes))
-        return callbacks
+        # Last: a save due at the preemption's step is the one it commits (once), without a second write.
+        preemption = PreemptionSave(
+            self.preemption, partial(self.saver.save, now=True), cfg.checkpoint.preemption_grace_seconds
+        )
+        return [*callbacks, preemption]
 
     def _throughput(self):
         from scaletrain.observability import throughput_model
@@ -381,7 +382,9 @@ class Run:
         jump's entry for the non-finite ledger."""
         self.saver.commit_pending(wait=True)  # a save in flight is committed first: it may be the one to go back to
         self.saver.wait_for_pruning()  # the checkpoints folder holds what it will hold when rank 0 looks
-        return roll_back(self.engine, self.state, self.resolved, self._reloaded)
+        jump = roll_back(self.engine, self.state, self.resolved, self._reloaded)
+        self.saver.committed = None  # (a fallback past a damaged newest one retrains its step on other data)
+        return jump
 
     def _reloaded(self, universal: bool) -> None:
         """After a checkpoint was loaded (resume, rollback): this run's flags rule from here on. A universal load

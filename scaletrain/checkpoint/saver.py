@@ -40,12 +40,17 @@ class Saver:
         self.model_facts = resolved.model_facts  # what a checkpoint records of the model
         self._in_flight_step_s = 0.0  # the ledger's step seconds when the save in flight was taken
         self._pruning: threading.Thread | None = None
+        self.committed: tuple[int, Path] | None = None  # (step, folder) of this run's newest commit
 
     def save(self, now: bool = False) -> Path | None:
         """A checkpoint of this step: committed before this returns (synchronous saves, or `now`: the end of the run,
         a preemption), or (--async_save) taken now, written in the background and committed at a later step
-        boundary (commit_pending). Either way a save in flight is committed first: at most one at a time."""
+        boundary (commit_pending). Either way a save in flight is committed first: at most one at a time, and a
+        step is saved once (a preemption at the step of the save in flight commits it and writes nothing more)."""
         self.commit_pending(wait=True)
+        if self.committed is not None and self.committed[0] == self.state.step:
+            log.info("step %d is already committed (%s): not saved again", self.state.step, self.committed[1])
+            return self.committed[1]
         self.wait_for_pruning()  # its space is free before the next save checks the disk
         cfg, ds, dist = self.resolved.cfg, self.resolved.ds, self.resolved.dist
         adapter_only = cfg.peft.use_peft  # LoRA: the base is not saved
@@ -62,7 +67,7 @@ class Saver:
             return None
         path = save_checkpoint(self.engine, out, self.state, rank, model_facts=facts, planned_bytes=planned)
         self.ledger.committed(self.state.step)
-        self._prune(path)
+        self._committed(self.state.step, path)
         return path
 
     def _model_facts(self) -> dict | None:
@@ -80,7 +85,11 @@ class Saver:
         committed = step and settle_checkpoint(writer, self.resolved.dist.rank, wait)
         if committed:
             self.ledger.committed(step, self._in_flight_step_s)
-            self._prune(committed)
+            self._committed(step, committed)
+
+    def _committed(self, step: int, path: Path) -> None:
+        self.committed = (step, path)
+        self._prune(path)
 
     @property
     def writing(self) -> bool:

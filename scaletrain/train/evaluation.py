@@ -57,7 +57,9 @@ class PeriodicEvaluation(Callback):
         self.evaluate, self.generate = evaluate, generate
 
     def post_step(self, outcome: StepOutcome) -> None:
+        # (not at a preemption: the signal's lead time is for the save)
         due = self.eval_steps and outcome.step % self.eval_steps == 0 and not outcome.last
+        due = due and "stop" not in outcome.requests
         if due and (self.evaluate or self.generate):
             self.trainer.phase("evaluation", long=True)
             self.trainer.hold("evaluation", lambda: self._evaluate(outcome.step))

@@ -316,6 +316,30 @@ def test_a_preemption_while_a_write_is_in_flight_commits_it_then_saves_and_exits
 
 
 @pytest.mark.slow
+def test_a_preemption_at_the_step_of_a_periodic_save_writes_it_once_and_the_restart_is_exact(
+    tmp_path, cache_dir, reference
+):
+    """Rank 1 is signalled during step 8, whose save is due: the ranks agree at its boundary, the periodic save
+    snapshots step 8 and the preemption commits that write, with no second save of the step, then exits 85."""
+    run_dir = tmp_path / "run"
+    preempted = launch(
+        SLOW_RANK, flags(run_dir), "deepspeed", cache_dir, nprocs=2, env={"SCALETRAIN_TEST_SIGNAL_AT": "1:8"}
+    )
+    output = preempted.stdout + preempted.stderr
+    assert preempted.returncode == 85, output[-4000:]
+    # (rank 0's log: the signal reached rank 1 alone)
+    assert re.search(r"preemption \(signal on another rank\): checkpoint committed at step 8 ", output), output[-4000:]
+    assert len(re.findall(r"step 8 is already committed", output)) == 1
+    assert not re.search(r"saved checkpoint \S+/step8", output)  # no synchronous write of it
+    assert len(re.findall(r"committed checkpoint \S+/step8, written in the background", output)) == 1
+    assert sorted(p.name for p in (run_dir / "checkpoints").glob("step*")) == ["step4", "step8"]
+    restart = launch(REPO / "train.py", flags(run_dir), "deepspeed", cache_dir, nprocs=2)
+    check_ok(restart)
+    assert re.search(r"resumed from \S+/step8 \(step 8,", restart.stdout + restart.stderr)
+    assert train_losses(run_dir)[-(STEPS - 8) :] == train_losses(reference)[8:]
+
+
+@pytest.mark.slow
 def test_a_disk_that_fills_during_a_background_write_stops_every_rank_and_keeps_the_previous_checkpoint(
     tmp_path, cache_dir
 ):

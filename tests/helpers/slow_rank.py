@@ -3,10 +3,16 @@
     SCALETRAIN_TEST_SLOW_RANK="RANK:SECONDS" deepspeed tests/helpers/slow_rank.py <train.py flags>
 
 sleeps SECONDS before each of RANK's micro-batch forwards (it wraps scaletrain.train.step.token_loss_sum, which the
-step looks up at each call), as a slower GPU or a throttled node would. Without the variable it is plain train.py.
+step looks up at each call), as a slower GPU or a throttled node would.
+
+    SCALETRAIN_TEST_SIGNAL_AT="RANK:STEP" deepspeed tests/helpers/slow_rank.py <train.py flags>
+
+sends RANK a SIGUSR1 during the first forward of optimizer step STEP, as a scheduler's preemption arriving mid-step
+(the ranks agree on it at that step's boundary). Without the variables it is plain train.py.
 """
 
 import os
+import signal
 import sys
 import time
 from pathlib import Path
@@ -14,6 +20,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 SLOW_ENV = "SCALETRAIN_TEST_SLOW_RANK"
+SIGNAL_ENV = "SCALETRAIN_TEST_SIGNAL_AT"
 
 
 def main() -> int:
@@ -32,6 +39,20 @@ def main() -> int:
                 return forward(engine, batch)
 
             step.token_loss_sum = slow_forward
+    spec = os.environ.get(SIGNAL_ENV)
+    if spec:
+        rank, at_step = map(int, spec.split(":"))
+        if read_launch_env().rank == rank:
+            forward_now = step.token_loss_sum
+
+            def signalled_forward(engine, batch):
+                if engine.global_steps == at_step - 1 and not signalled:
+                    signalled.append(at_step)
+                    os.kill(os.getpid(), signal.SIGUSR1)
+                return forward_now(engine, batch)
+
+            signalled: list = []
+            step.token_loss_sum = signalled_forward
     return train.main(sys.argv[1:])
 
 

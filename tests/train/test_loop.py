@@ -289,3 +289,21 @@ def test_on_a_gpu_only_logged_steps_synchronise_and_their_phases_are_what_is_rep
     cpu = PhaseClock(torch.device("cpu"))
     cpu.start(measured=False)
     assert cpu.measured  # on a CPU every step is split: timing costs nothing there
+
+
+def test_a_preemption_at_an_evaluation_step_saves_without_evaluating():
+    """The signal's lead time is the save's: at the step the ranks agree on a preemption, an evaluation due is not
+    run; at other steps it is."""
+    from scaletrain.train.evaluation import PeriodicEvaluation
+
+    evaluated: list = []
+
+    class Metrics:
+        def log(self, record):
+            evaluated.append(record["step"])
+
+    evaluation = PeriodicEvaluation(1, Metrics(), evaluate=lambda: {"eval_loss": 1.0})
+    runner = Runner([result(), result(requests=("stop",)), result()])
+    trainer = Trainer(Engine(), None, TrainState(), settings(max_steps=3), runner, [evaluation])
+    trainer.fit()
+    assert evaluated == [1]  # not step 2 (the preemption's), not step 3 (the last: the end of the run's)

@@ -118,8 +118,12 @@ class CheckpointTensors:
         self.hf_model, self.files = hf_model, files
         prefix = getattr(hf_model, "base_model_prefix", "")
         self._prefix = f"{prefix}." if prefix else None
-        persistent = hf_model.state_dict(keep_vars=True)
-        self.missing = sorted(name for name in persistent if self.key([name]) is None)
+        # A tied weight (a head sharing the embedding's tensor) is one tensor of several names: a checkpoint holds it
+        # under one of them (Hugging Face leaves the tied lm_head.weight out), and it is missing only if under none.
+        names = defaultdict(list)
+        for name, tensor in hf_model.state_dict(keep_vars=True).items():
+            names[id(tensor)].append(name)
+        self.missing = sorted(group[0] for group in names.values() if self.key(group) is None)
 
     def key(self, names: list) -> str | None:
         """The checkpoint key of a tensor: one of its names, or one without the base model's prefix (GPT-2's
@@ -298,17 +302,29 @@ def stage_weights_model(args, model_config):
         model.stage_weights = StageWeights(model, ReplayedInit(type(model), meta_build))
         return model
     files = safetensors_files(args.model_name_or_path)
-    if files is None:
-        log.info("pipeline: %s has no safetensors checkpoint; every rank builds the whole model", args.model_source)
-        return None
     model = meta_build()
+    if files is None:
+        convert = "convert it (save_pretrained(..., safe_serialization=True)) to build each stage alone"
+        _whole_build(f"{args.model_source} has no safetensors checkpoint", model, convert)
+        return None
     checkpoint = CheckpointTensors(model, files)
     if checkpoint.missing:
-        log.info(
-            "pipeline: the checkpoint lacks %d of the model's tensors (%s); every rank builds the whole model",
-            len(checkpoint.missing),
-            ", ".join(checkpoint.missing[:3]),
-        )
+        missing = ", ".join(checkpoint.missing[:3]) + (", ..." if len(checkpoint.missing) > 3 else "")
+        lacks = f"the checkpoint lacks {len(checkpoint.missing)} of the model's tensors ({missing})"
+        _whole_build(lacks, model, "check that the checkpoint matches the model's config")
         return None
     model.stage_weights = StageWeights(model, checkpoint)
     return model
+
+
+def _whole_build(reason: str, meta_model, hint: str) -> None:
+    """The fallback said loudly: what forces it, the host memory every rank's whole build will take, what to do."""
+    n_bytes = sum(p.numel() * p.element_size() for p in meta_model.parameters())
+    size = f"{n_bytes / 1e9:.1f} GB" if n_bytes >= 1e9 else f"{n_bytes / 1e6:.0f} MB"
+    log.warning(
+        "pipeline: %s; every rank builds the whole model first (%s of host memory per rank, where its stage alone "
+        "would hold about 1/pipeline_parallel_size of it): %s",
+        reason,
+        size,
+        hint,
+    )

@@ -215,6 +215,42 @@ def small_tmpfs(folder: Path, size: str) -> Iterator[Path]:
         subprocess.run(["umount", "-l", str(folder)])
 
 
+@contextmanager
+def memory_cgroup(name: str, limit_bytes: int) -> Iterator[Path]:
+    """A real memory cgroup limited to `limit_bytes` (cgroup v1's memory controller, or v2 where the memory controller
+    is there): its cgroup.procs, to write a pid into (its children stay in it). As for small_tmpfs, without root it
+    skips, unless SCALETRAIN_REQUIRE_ROOT=1: then a failure. The group is removed afterwards."""
+    candidates = [
+        (Path("/sys/fs/cgroup/memory") / name, "memory.limit_in_bytes"),  # v1
+        (Path("/sys/fs/cgroup") / name, "memory.max"),  # v2, unified at /sys/fs/cgroup
+    ]
+    group = None
+    if os.geteuid() == 0:
+        for folder, limit_file in candidates:
+            try:
+                folder.mkdir()
+                (folder / limit_file).write_text(str(limit_bytes))
+                group = folder
+                break
+            except OSError:
+                if folder.is_dir():
+                    folder.rmdir()
+    if group is None:
+        why = "a memory cgroup (a job's memory limit) needs root and a writable cgroup file system"
+        if os.environ.get("SCALETRAIN_REQUIRE_ROOT") == "1":
+            pytest.fail(f"{why}, and SCALETRAIN_REQUIRE_ROOT=1 says this machine has it")
+        pytest.skip(why)
+    try:
+        yield group / "cgroup.procs"
+    finally:
+        for _ in range(50):  # the processes in it have exited; the kernel drops them from the group shortly after
+            try:
+                group.rmdir()
+                break
+            except OSError:
+                time.sleep(0.1)
+
+
 def fill_up(disk: Path) -> None:
     """Leave no byte free on `disk` (a small_tmpfs): the next write there fails with ENOSPC."""
     with open(disk / "filler", "wb", buffering=0) as f:

@@ -9,6 +9,7 @@ docs/checkpoints.md#asynchronous-saves.
 from __future__ import annotations
 
 import atexit
+import errno
 import gc
 import logging
 import os
@@ -44,6 +45,7 @@ class TensorRef:
     attributes: dict | None = None  # the tensor's Python attributes (DeepSpeed's ds_id, ...), which torch.save keeps
 
 
+MEASURED = object()  # snapshot_refusal's default: read the value here
 BUFFER_PREFIX = "scaletrain-snapshot-"
 WRITER_NAME = "st-writer"  # the writer process's name (comm) once it is ready to write
 
@@ -66,8 +68,7 @@ class HostBuffers:
         if index == len(self.buffers) or self.buffers[index][1] < nbytes:
             path = SHM_ROOT / f"{BUFFER_PREFIX}{self.tag}-{index}"
             capacity = max(nbytes, 1)
-            with open(path, "wb") as f:
-                f.truncate(capacity)
+            _allocate(path, capacity)
             mapped = torch.from_file(str(path), shared=True, size=capacity, dtype=torch.uint8)
             entry = (path, capacity, mapped)
             if index == len(self.buffers):
@@ -88,6 +89,30 @@ class HostBuffers:
         for path, _, _ in self.buffers:
             Path(path).unlink(missing_ok=True)
         self.buffers = []
+
+
+class SnapshotBuffersFull(OSError):
+    """/dev/shm could not hold a snapshot buffer: the save falls back to a synchronous one."""
+
+
+def _allocate(path: Path, capacity: int) -> None:
+    """The buffer's file with every page allocated now (posix_fallocate): a /dev/shm that cannot hold it fails here,
+    with ENOSPC, where a sparse file would have been a SIGBUS at the first copy into a page that could not be had."""
+    fd = os.open(path, os.O_CREAT | os.O_RDWR | os.O_TRUNC, 0o600)
+    try:
+        try:
+            os.posix_fallocate(fd, 0, capacity)
+        except (AttributeError, OSError) as err:  # (not Linux, or a file system without it: the file stays sparse)
+            if isinstance(err, OSError) and err.errno not in (errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL):
+                raise
+            os.ftruncate(fd, capacity)
+    except OSError as err:
+        path.unlink(missing_ok=True)
+        raise SnapshotBuffersFull(
+            err.errno, f"{SHM_ROOT} cannot hold a {capacity / 1e9:.2f} GB snapshot buffer ({err.strerror})"
+        ) from err
+    finally:
+        os.close(fd)
 
 
 def remove_orphaned_buffers() -> None:
@@ -349,21 +374,44 @@ class BackgroundWriter:
         self.buffers.release()
 
 
-def snapshot_refusal(per_rank_bytes: int, ranks_on_host: int, available: int | None = None, shm_free=None):
+def snapshot_refusal(
+    per_rank_bytes: int, ranks_on_host: int, available: int | None = None, shm_free=None, cgroup=MEASURED
+):
     """Why this host cannot hold the snapshot buffers (None: it can): every rank of the host keeps a host copy of its
-    share of the checkpoint, in /dev/shm; together they must fit in half of the host memory available now and in
-    /dev/shm's free space. `available`, `shm_free`: measured here unless given."""
+    share of the checkpoint, in /dev/shm; together they must fit in half of the memory available now (the host's, and
+    under a memory cgroup, a Slurm job's or a container's, what its limit leaves: /dev/shm pages are charged to it,
+    and a job over its limit is killed, not refused) and in /dev/shm's free space. `available`, `shm_free`, `cgroup`
+    (a CgroupMemory or None): measured here unless given."""
     import psutil
+
+    from scaletrain.observability.host_memory import CgroupMemory
 
     needed = per_rank_bytes * ranks_on_host
     available = psutil.virtual_memory().available if available is None else available
+    cgroup = CgroupMemory.of_this_process() if cgroup is MEASURED else cgroup
     if shm_free is None:
         try:
             shm_free = shutil.disk_usage(SHM_ROOT).free
         except OSError:
             return f"{SHM_ROOT} is missing"
     what = f"the snapshot buffers of this host's {ranks_on_host} rank(s) need {needed / 1e9:.2f} GB"
-    if needed > available / 2:
+    log.debug(
+        "%s; host memory available %.2f GB, %s free %.2f GB; memory cgroup: %s",
+        what,
+        available / 1e9,
+        SHM_ROOT,
+        shm_free / 1e9,
+        "none"
+        if cgroup is None
+        else f"{cgroup.path} (limit {cgroup.limit / 1e9:.2f} GB, in use {cgroup.in_use / 1e9:.2f} GB)",
+    )
+    if cgroup is not None and cgroup.free < available:
+        if needed > cgroup.free / 2:
+            return (
+                f"{what}, more than half of the {cgroup.free / 1e9:.2f} GB that the job's memory limit "
+                f"({cgroup.limit / 1e9:.2f} GB, cgroup {cgroup.path}) leaves free"
+            )
+    elif needed > available / 2:
         return f"{what}, more than half of the {available / 1e9:.2f} GB of host memory available"
     if needed > shm_free * 0.9:
         return f"{what}, and {SHM_ROOT} has {shm_free / 1e9:.2f} GB free"

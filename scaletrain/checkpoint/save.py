@@ -314,17 +314,24 @@ def start_checkpoint(
     writer: BackgroundWriter,
     model_facts: dict | None = None,
     planned_bytes: int = 0,
-) -> None:
+) -> str | None:
     """Every rank: the space check as for save_checkpoint, then DeepSpeed's save with each file's state dict taken
     into this rank's host buffers instead of written, this rank's own small files (RNG and train state) written, and
-    the snapshot handed to the writer process. Training goes on; settle_checkpoint commits it later."""
+    the snapshot handed to the writer process. Training goes on; settle_checkpoint commits it later. Where a rank's
+    /dev/shm could not hold its buffers, nothing is handed over and every rank returns why (None: started)."""
     from scaletrain.distributed import any_rank
+
+    from scaletrain.checkpoint.async_save import SnapshotBuffersFull
 
     started = time.perf_counter()
     tmp, previous = _begin_save(output_dir, state.step, rank, planned_bytes)
     tag = f"{PREFIX}{state.step}"
     snapshot = writer.snapshot()
     _, own, failed = _write_checkpoint_files(engine, tmp, state, rank, model_facts, write=snapshot.take)
+    buffers_full = failed is not None and isinstance(failed[1], SnapshotBuffersFull)
+    if any_rank(buffers_full):  # every rank gives up the snapshot; the caller saves synchronously (the same folder)
+        writer.buffers.release()
+        return str(failed[1]) if buffers_full else "another rank's snapshot buffers did not fit"
     failed, own = _synced(own, tmp, failed)  # this rank's small files; the writer syncs the large ones
     if any_rank(failed is not None):  # every rank takes the synchronous failure path: one message, nothing kept
         _gather_checksums(tmp, tag, own, failed, rank, previous)
@@ -336,6 +343,7 @@ def start_checkpoint(
         time.perf_counter() - started,
         writer.buffers.nbytes / 1e9,
     )
+    return None
 
 
 def settle_checkpoint(writer: BackgroundWriter, rank: int, wait: bool = False) -> Path | None:
@@ -383,6 +391,18 @@ def background_writer(n_params: int, precision: str, zero_stage: int, dist: Dist
     """--async_save: this rank's writer, unless a host of the run cannot hold the snapshot buffers (then every rank
     saves synchronously, since saves are collectives). Its process starts at the first background save, so its second
     or two of importing torch overlaps training rather than slowing the rank's own start."""
+    refusal = snapshot_buffers_refusal(n_params, precision, zero_stage, dist)
+    if refusal is not None:
+        if dist.local_rank == 0:
+            log.warning("--async_save: %s; saves are synchronous", refusal)
+        return None
+    return BackgroundWriter(dist.rank)
+
+
+def snapshot_buffers_refusal(n_params: int, precision: str, zero_stage: int, dist: DistInfo) -> str | None:
+    """Every rank (a collective): why some host of the run cannot hold its ranks' snapshot buffers now (this host's
+    reason where it is one of them), or None. Asked at the start, and again before the first snapshot, when the
+    optimizer's states (made at the first step) and the gradients hold their memory too."""
     import os
 
     from scaletrain.checkpoint.async_save import snapshot_refusal
@@ -392,7 +412,5 @@ def background_writer(n_params: int, precision: str, zero_stage: int, dist: Dist
     per_rank = snapshot_bytes_per_rank(n_params, precision, zero_stage, dist.world_size)
     refusal = snapshot_refusal(per_rank, int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("LOCAL_SIZE", 1))))
     if any_rank(refusal is not None):
-        if dist.local_rank == 0:
-            log.warning("--async_save: %s; saves are synchronous", refusal or "another host cannot hold its buffers")
-        return None
-    return BackgroundWriter(dist.rank)
+        return refusal or "another host cannot hold its buffers"
+    return None

@@ -16,6 +16,7 @@ from scaletrain.checkpoint.save import (
     planned_checkpoint_bytes,
     save_checkpoint,
     settle_checkpoint,
+    snapshot_buffers_refusal,
     start_checkpoint,
 )
 from scaletrain.model import base_identity
@@ -62,9 +63,17 @@ class Saver:
         )
         facts, out, rank = self._model_facts(), cfg.run.output_dir, dist.rank
         if self.writer is not None and not now:
-            start_checkpoint(self.engine, out, self.state, rank, self.writer, model_facts=facts, planned_bytes=planned)
-            self._in_flight_step_s = self.ledger.attempt["step_s"]
-            return None
+            refusal = None
+            if not self.writer.buffers.nbytes:  # the first snapshot: training's memory is all taken by now
+                refusal = snapshot_buffers_refusal(self.resolved.n_params, ds.precision, ds.zero_stage, dist)
+            refusal = refusal or start_checkpoint(self.engine, out, self.state, rank, self.writer, facts, planned)
+            if refusal is None:
+                self._in_flight_step_s = self.ledger.attempt["step_s"]
+                return None
+            if dist.local_rank == 0:  # said once: the buffers are never tried again
+                log.warning("--async_save: %s; this and later saves are synchronous", refusal)
+            self.writer.close()
+            self.writer = None
         path = save_checkpoint(self.engine, out, self.state, rank, model_facts=facts, planned_bytes=planned)
         self.ledger.committed(self.state.step)
         self._committed(self.state.step, path)

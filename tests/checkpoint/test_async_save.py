@@ -10,6 +10,7 @@ import os
 import re
 import signal
 import subprocess
+import sys
 import time
 from collections import OrderedDict
 from pathlib import Path
@@ -25,6 +26,7 @@ from tests.harness import (
     deepspeed_cmd,
     freeze,
     launch,
+    memory_cgroup,
     small_tmpfs,
     child_env,
     thaw,
@@ -44,6 +46,7 @@ from scaletrain.checkpoint.async_save import (
     snapshot_refusal,
     write_snapshot,
 )
+from scaletrain.observability.host_memory import CgroupMemory
 
 
 SLOW_RANK = REPO / "tests" / "helpers" / "slow_rank.py"
@@ -94,11 +97,57 @@ def test_a_snapshot_writes_the_bytes_torch_save_writes_even_after_the_tensors_ch
     assert not any(Path(path).exists() for path in first)
 
 
-def test_the_snapshot_buffers_must_fit_in_half_the_host_memory_and_in_dev_shm():
+def test_the_snapshot_buffers_must_fit_in_half_the_memory_the_host_or_the_job_leaves_and_in_dev_shm():
     gb = 10**9
-    assert snapshot_refusal(2 * gb, 2, available=10 * gb, shm_free=10 * gb) is None
-    assert "more than half of the 6.00 GB" in snapshot_refusal(2 * gb, 2, available=6 * gb, shm_free=10 * gb)
-    assert "/dev/shm has 4.00 GB free" in snapshot_refusal(2 * gb, 2, available=100 * gb, shm_free=4 * gb)
+    host = {"cgroup": None}
+    assert snapshot_refusal(2 * gb, 2, available=10 * gb, shm_free=10 * gb, **host) is None
+    assert "more than half of the 6.00 GB" in snapshot_refusal(2 * gb, 2, available=6 * gb, shm_free=10 * gb, **host)
+    assert "/dev/shm has 4.00 GB free" in snapshot_refusal(2 * gb, 2, available=100 * gb, shm_free=4 * gb, **host)
+    job = CgroupMemory(Path("/sys/fs/cgroup/memory/slurm/uid_0/job_7"), limit=12 * gb, in_use=5 * gb)
+    refusal = snapshot_refusal(2 * gb, 2, available=100 * gb, shm_free=100 * gb, cgroup=job)
+    assert (
+        "more than half of the 7.00 GB that the job's memory limit (12.00 GB, cgroup" in refusal and "job_7" in refusal
+    )
+    assert (
+        snapshot_refusal(2 * gb, 2, available=100 * gb, shm_free=100 * gb, cgroup=CgroupMemory(job.path, 20 * gb, 0))
+        is None
+    )
+    # the host's memory decides where it is tighter than the job's limit
+    assert "of host memory available" in snapshot_refusal(2 * gb, 2, available=6 * gb, shm_free=10 * gb, cgroup=job)
+
+
+@pytest.mark.parametrize("version", ["v1", "v2"])
+def test_the_tightest_memory_cgroup_of_the_process_and_its_ancestors_is_read(tmp_path, version):
+    """/proc/self/cgroup and mountinfo as a Slurm node shows them (the job's group under the mount point), in files:
+    the job's group and its parent both limit memory; the one with less free counts, its inactive file cache free."""
+    gb = 2**30
+    mount = tmp_path / "sys" / "fs" / "cgroup" / ("memory" if version == "v1" else "")
+    job, parent = mount / "slurm" / "uid_0" / "job_7" / "step_0", mount / "slurm" / "uid_0"
+    names = {
+        "v1": ("memory.limit_in_bytes", "memory.usage_in_bytes", "total_inactive_file"),
+        "v2": ("memory.max", "memory.current", "inactive_file"),
+    }[version]
+    for folder, limit, usage, inactive in ((job, 8 * gb, 6 * gb, 2 * gb), (parent, 100 * gb, 95 * gb, 0)):
+        folder.mkdir(parents=True, exist_ok=True)
+        for name, value in zip(names[:2], (limit, usage), strict=True):
+            (folder / name).write_text(f"{value}\n")
+        (folder / "memory.stat").write_text(f"cache 1\n{names[2]} {inactive}\nshmem 0\n")
+    proc = tmp_path / "proc"
+    proc.mkdir()
+    if version == "v1":
+        (proc / "cgroup").write_text("5:cpu,cpuacct:/slurm/uid_0/job_7/step_0\n4:memory:/slurm/uid_0/job_7/step_0\n")
+        line = f"35 31 0:32 / {mount} rw,relatime - cgroup cgroup rw,memory"
+    else:
+        (proc / "cgroup").write_text("0::/slurm/uid_0/job_7/step_0\n")
+        line = f"35 31 0:32 / {mount} rw,relatime - cgroup2 cgroup2 rw"
+    (proc / "mountinfo").write_text(f"22 1 8:1 / / rw - ext4 /dev/sda1 rw\n{line}\n")
+    found = CgroupMemory.of_this_process(proc)
+    assert (found.path, found.limit, found.in_use, found.free) == (job, 8 * gb, 4 * gb, 4 * gb)
+    (parent / names[1]).write_text(f"{99 * gb}\n")  # the parent (the user's jobs together) now has 1 GB free
+    assert CgroupMemory.of_this_process(proc).path == parent
+    (parent / names[0]).write_text("max\n" if version == "v2" else f"{2**63 - 4096}\n")  # no limit there
+    (job / names[0]).write_text("max\n" if version == "v2" else f"{2**63 - 4096}\n")
+    assert CgroupMemory.of_this_process(proc) is None
 
 
 def _in_flight(tmp: Path) -> InFlight:
@@ -337,6 +386,70 @@ def test_a_preemption_at_the_step_of_a_periodic_save_writes_it_once_and_the_rest
     check_ok(restart)
     assert re.search(r"resumed from \S+/step8 \(step 8,", restart.stdout + restart.stderr)
     assert train_losses(run_dir)[-(STEPS - 8) :] == train_losses(reference)[8:]
+
+
+def one_rank_run(run_dir: Path, *extra: str) -> list:
+    """`python train.py` flags of a 1-rank run of STEPS steps saving every SAVE_EVERY, asynchronously if it can."""
+    return [sys.executable, *extra, *flags(run_dir, "zero2", "--async_save")]
+
+
+@pytest.mark.slow
+def test_a_full_dev_shm_at_the_first_snapshot_makes_the_saves_synchronous_and_says_so_once(tmp_path, cache_dir):
+    """/dev/shm (a 64 MB tmpfs here) had room at the start, and is full when the first buffer is made: its
+    posix_fallocate fails with ENOSPC (no sparse file to SIGBUS on later), every save of the run is synchronous, and
+    the run finishes with every checkpoint committed."""
+    run_dir = tmp_path / "run"
+    with small_tmpfs(tmp_path / "shm", "64m") as shm:
+        proc = subprocess.run(
+            one_rank_run(run_dir, str(REPO / "tests" / "helpers" / "shm_full.py")),
+            cwd=Path.cwd(),
+            env=child_env(cache_dir, SCALETRAIN_TEST_SHM=str(shm)),
+            capture_output=True,
+            text=True,
+            timeout=600,
+        )
+        check_ok(proc)
+        left = sorted(p.name for p in shm.iterdir())
+    output = proc.stdout + proc.stderr
+    (line,) = re.findall(r"--async_save: .*", output)
+    assert f"{shm} cannot hold a " in line and "No space left on device" in line, line
+    assert line.endswith("this and later saves are synchronous"), line
+    assert "written in the background" not in output
+    assert len(re.findall(r"saved checkpoint \S+/step\d+", output)) == STEPS // SAVE_EVERY
+    for step in range(SAVE_EVERY, STEPS + 1, SAVE_EVERY):
+        assert (run_dir / "checkpoints" / f"step{step}" / "commit.json").is_file(), step
+    assert left == ["filler"]  # the buffer that did not fit is not left behind
+
+
+@pytest.mark.slow
+def test_a_job_memory_limit_that_holds_training_but_not_the_buffers_saves_synchronously(tmp_path, cache_dir):
+    """A real memory cgroup of 1.3 GB (a Slurm job's limit on a host with far more) around a 23M-parameter run, whose
+    working set is about 0.8 GB once training: training fits, the 0.37 GB of snapshot buffers (charged to the job, as
+    /dev/shm pages are) and the writer process do not fit in what the limit leaves (in a 1.6 GB limit they do, and
+    are used). The run says why once, saves synchronously and finishes, where a background save would have pushed the
+    job past its limit into the kernel's OOM killer."""
+    from data.build_tiny_llama import tiny_llama_variant
+
+    model = tiny_llama_variant(tmp_path / "model", hidden_size=512, intermediate_size=1408, num_hidden_layers=8)
+    run_dir = tmp_path / "run"
+    model_flags = ["--config_name", str(model), "--tokenizer_name", str(model), "--per_device_train_batch_size", "2"]
+    with memory_cgroup(f"scaletrain-test-{os.getpid()}", 1_300_000_000) as procs:
+        proc = subprocess.run(
+            ["bash", "-c", f'echo $$ > {procs} && exec "$@"', "bash", *one_rank_run(run_dir, "train.py"), *model_flags],
+            cwd=Path.cwd(),
+            env=child_env(cache_dir),
+            capture_output=True,
+            text=True,
+            timeout=600,
+        )
+    check_ok(proc)
+    output = proc.stdout + proc.stderr
+    (line,) = re.findall(r"--async_save: .*", output)
+    assert "that the job's memory limit (1.30 GB, cgroup /sys/fs/cgroup/" in line, line
+    assert "scaletrain-test-" in line and line.endswith("saves are synchronous"), line
+    assert "written in the background" not in output
+    for step in range(SAVE_EVERY, STEPS + 1, SAVE_EVERY):
+        assert (run_dir / "checkpoints" / f"step{step}" / "commit.json").is_file(), step
 
 
 @pytest.mark.slow

@@ -53,15 +53,21 @@ def stacks_file(folder: Path, rank: int) -> Path:
     return folder / f"stacks-rank-{rank:05d}.txt"
 
 
+BEAT_FIELDS = {"rank": int, "step": int, "phase": str, "beat": (int, float), "since": (int, float), "finished": bool}
+
+
 def read_beats(folder: Path) -> dict:
-    """{rank: heartbeat dict} of every rank whose heartbeat file could be read."""
+    """{rank: heartbeat dict} of every rank whose heartbeat file could be read. A file that is not a heartbeat (gone,
+    damaged, a stray one: not JSON, or without a field of the right type) counts as no heartbeat: it cannot stop the
+    watch from judging the others."""
     beats = {}
     for path in (folder / HEARTBEAT_DIR).glob("rank-*.json"):
         try:
             beat = json.loads(path.read_text())
         except (OSError, ValueError):
-            continue  # being replaced, or gone
-        beats[beat["rank"]] = beat
+            continue  # being replaced, gone or damaged
+        if isinstance(beat, dict) and all(isinstance(beat.get(k), kind) for k, kind in BEAT_FIELDS.items()):
+            beats[beat["rank"]] = beat
     return beats
 
 

@@ -27,6 +27,7 @@ from scaletrain.train.hang import (
     describe_hang,
     enable_flight_recorder,
     long_allowance,
+    read_beats,
     suspects,
 )
 
@@ -74,6 +75,24 @@ def test_a_rank_in_another_phase_than_most_is_named_and_all_alike_are_all_named(
 def test_a_rank_without_heartbeat_file_is_named_with_the_likely_cause():
     named, why = suspects({0: beat(0)}, 2, NOW, timeout=30)
     assert named == [1] and "--output_dir shared" in why
+
+
+def test_a_damaged_or_stray_heartbeat_file_is_no_heartbeat_and_the_others_are_still_judged(tmp_path):
+    folder = tmp_path / HEARTBEAT_DIR
+    folder.mkdir()
+    for rank in (0, 2):
+        (folder / f"rank-{rank:05d}.json").write_text(json.dumps(beat(rank, age=40 if rank == 2 else 0)))
+    damaged = {
+        1: json.dumps(beat(1))[:25],  # torn (a disk error; the watch itself replaces its file whole)
+        3: "[3]",  # valid JSON, not a heartbeat
+        4: json.dumps({**beat(4), "beat": "yesterday"}),  # a field of the wrong type
+        5: json.dumps({k: v for k, v in beat(5).items() if k != "finished"}),
+    }
+    for rank, text in damaged.items():
+        (folder / f"rank-{rank:05d}.json").write_text(text)
+    beats = read_beats(tmp_path)
+    assert sorted(beats) == [0, 2]
+    assert suspects(beats, 6, NOW, timeout=30) == ([2], "no heartbeat for 30s or more (frozen or gone)")
 
 
 def test_the_report_gives_every_rank_where_it_was_and_since_when():

@@ -384,7 +384,7 @@ def snapshot_refusal(
     (a CgroupMemory or None): measured here unless given."""
     import psutil
 
-    from scaletrain.observability.host_memory import CgroupMemory
+    from scaletrain.observability import CgroupMemory
 
     needed = per_rank_bytes * ranks_on_host
     available = psutil.virtual_memory().available if available is None else available

@@ -7,7 +7,7 @@ This face re-exports what other parts of scaletrain use; inside the wing, module
 from scaletrain.observability.comms_log import CommLog, comms_summary
 from scaletrain.observability.eval_prompts import EvalPrompts, generate_samples, load_eval_prompts
 from scaletrain.observability.goodput import GoodputLedger
-from scaletrain.observability.host_memory import HostMemoryPhase
+from scaletrain.observability.host_memory import CgroupMemory, HostMemoryPhase
 from scaletrain.observability.flops import ModelFlops, model_flops, throughput_model
 from scaletrain.observability.memory_planner import (
     ModelShape,
@@ -30,6 +30,7 @@ from scaletrain.observability.metrics import (
 )
 
 __all__ = [
+    "CgroupMemory",
     "CommLog",
     "EvalPrompts",
     "GoodputLedger",

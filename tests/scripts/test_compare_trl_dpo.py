@@ -3,6 +3,7 @@ and environments of the two runs. No TRL install, no training (the script itself
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import sys
@@ -64,7 +65,7 @@ def rows(*losses, first=LOG2):
 
 def test_verdicts_check_the_loss_goal_on_the_first_steps():
     ok = cmp.verdicts(rows((0.6, 0.6003), (0.5, 0.5)), loss_steps=3, ratio=2.0, comparable=True)
-    assert ok["losses_agree"] is True and ok["first_loss_is_log2"] and ok["loss_steps_compared"] == 3
+    assert ok["losses_agree"] is True and ok["first_loss_as_expected"] and ok["loss_steps_compared"] == 3
     assert ok["max_rel_loss_diff"] == pytest.approx(0.0003 / 0.6003)
     off = cmp.verdicts(rows((0.6, 0.6015)), loss_steps=2, ratio=2.0, comparable=True)
     assert off["losses_agree"] is False
@@ -187,3 +188,109 @@ def test_our_pairs_line_reads_the_count_and_the_truncated():
     assert cmp.our_pairs_line(f"noise\n{log}\nmore") == (8, 0)
     assert cmp.our_pairs_line(log.replace("8 pairs; 0", "12 pairs; 3")) == (12, 3)
     assert cmp.our_pairs_line("no such line") is None
+
+
+# ---- every loss type against its TRL trainer ----------------------------------------------------------------
+
+
+def test_each_loss_type_runs_against_its_trl_trainer_with_the_same_loss_settings(tmp_path):
+    paths = (tmp_path / "m", tmp_path / "p.jsonl", tmp_path / "o")
+    for loss in ("sigmoid", "ipo", "hinge", "robust"):
+        args = cmp.parse_args(["--loss_type", loss, "--beta", "0.25"])
+        spec, ours = cmp.trl_spec(args, *paths), flag_values(cmp.our_command(args, *paths))
+        assert spec["trainer"] == ["trl", "DPOTrainer", "DPOConfig"]
+        assert spec["config"]["loss_type"] == ours["loss_type"] == loss
+        assert spec["config"]["beta"] == float(ours["beta"]) == 0.25
+        assert spec["config"]["activation_checkpointing"] is False and "precompute_ref_log_probs" in ours
+        # Only robust reads label smoothing (0.1 by default here); train.py refuses it for the others.
+        smoothing = spec["config"].get("label_smoothing")
+        assert smoothing == (0.1 if loss == "robust" else None)
+        assert ours.get("label_smoothing") == (None if smoothing is None else str(smoothing))
+
+    simpo = cmp.parse_args(["--loss_type", "simpo", "--simpo_gamma", "0.8", "--label_smoothing", "0.05"])
+    spec, ours = cmp.trl_spec(simpo, *paths), flag_values(cmp.our_command(simpo, *paths))
+    assert spec["trainer"] == ["trl.experimental.cpo", "CPOTrainer", "CPOConfig"]
+    config = spec["config"]
+    assert config["loss_type"] == "simpo" and config["cpo_alpha"] == 0.0  # SimPO: no behaviour-cloning term
+    assert config["simpo_gamma"] == float(ours["simpo_gamma"]) == 0.8
+    assert config["label_smoothing"] == float(ours["label_smoothing"]) == 0.05
+    assert config["gradient_checkpointing"] is False and "activation_checkpointing" not in config
+    assert "precompute_ref_log_probs" not in config and "precompute_ref_log_probs" not in ours  # no reference
+
+    orpo = cmp.parse_args(["--loss_type", "orpo"])
+    spec, ours = cmp.trl_spec(orpo, *paths), flag_values(cmp.our_command(orpo, *paths))
+    assert spec["trainer"] == ["trl.experimental.orpo", "ORPOTrainer", "ORPOConfig"]
+    assert "loss_type" not in spec["config"] and ours["loss_type"] == "orpo"  # ORPOConfig has no loss_type
+    assert spec["config"]["beta"] == float(ours["beta"]) == 0.1
+    assert "label_smoothing" not in spec["config"] and "label_smoothing" not in ours
+
+
+def test_loss_flags_are_checked_and_orpo_compares_step_one_by_default():
+    assert cmp.parse_args([]).loss_steps == 5 and cmp.parse_args(["--quick"]).loss_steps == 4  # at most --steps
+    assert cmp.parse_args(["--loss_type", "orpo"]).loss_steps == 1
+    assert cmp.parse_args(["--loss_type", "orpo", "--loss_steps", "3"]).loss_steps == 3
+    for bad in (["--loss_type", "sigmoid", "--label_smoothing", "0.1"], ["--loss_steps", "17"], ["--loss_type", "kto"]):
+        with pytest.raises(SystemExit):
+            cmp.parse_args(bad)
+
+
+def test_orpo_compares_the_odds_ratio_term_and_the_others_the_whole_loss():
+    beta, ratio, avg_chosen, trl_nll = 0.1, -0.66, -8.26, 7.9  # mean log sigmoid(log_odds), mean avg_c, TRL's NLL
+    ours = {"step": 1, "loss": -avg_chosen - beta * ratio, "logps/chosen": avg_chosen}
+    trl = {"step": 1, "loss": trl_nll - beta * ratio, "nll_loss": trl_nll, "logps/chosen": avg_chosen}
+    assert cmp.compared_loss(ours, "orpo", "ours") == pytest.approx(-beta * ratio)
+    assert cmp.compared_loss(trl, "orpo", "trl") == pytest.approx(-beta * ratio)
+    assert cmp.compared_loss(trl, "simpo", "trl") == trl["loss"]
+    assert cmp.our_losses([ours], "orpo") == {1: pytest.approx(0.066)}
+    assert cmp.trl_losses([trl, {"train_loss": 1.0, "step": 1}], "orpo") == {1: pytest.approx(0.066)}
+
+
+def test_the_dpo_family_starts_at_a_known_loss_and_the_reference_free_losses_do_not():
+    assert cmp.expected_first_loss("sigmoid", 0.1) == cmp.expected_first_loss("robust", 0.3) == LOG2
+    assert cmp.expected_first_loss("hinge", 0.1) == 1.0
+    assert cmp.expected_first_loss("ipo", 0.1) == pytest.approx(25.0)
+    assert cmp.expected_first_loss("simpo", 0.1) is None and cmp.expected_first_loss("orpo", 0.1) is None
+    ipo = cmp.verdicts(rows((24.7, 24.7), first=25.0), 2, 2.0, comparable=True, first_loss=25.0)
+    assert ipo["losses_agree"] is True and ipo["first_loss_as_expected"] is True
+    assert cmp.verdicts(rows(first=25.0), 1, 2.0, comparable=True)["first_loss_as_expected"] is False  # not log 2
+    free = cmp.verdicts(rows((0.96, 0.96), first=0.97), 2, 1.0, comparable=True, first_loss=None)
+    assert free["losses_agree"] is True and free["first_loss_as_expected"] is True
+
+
+def test_metrics_are_compared_where_both_log_them_relative_to_a_floor():
+    ours = {1: {"rewards/chosen": 0.0, "logps/chosen": -105.0}, 2: {"rewards/chosen": 0.0378, "logps/chosen": -104.9}}
+    trl = {1: {"rewards/chosen": 1e-7, "logps/chosen": -105.0}, 2: {"rewards/chosen": 0.0379}, 3: {"logps/chosen": 1}}
+    found = cmp.compare_metrics(ours, trl)
+    assert [(row[0], row[1]) for row in found] == [(1, "rewards/chosen"), (1, "logps/chosen"), (2, "rewards/chosen")]
+    assert found[0][4] == pytest.approx(1e-7 / cmp.METRIC_FLOOR)  # near 0: against the floor, not 1e-7
+    assert found[2][4] == pytest.approx(0.0001 / 0.0379)
+    result = cmp.verdicts(rows((0.6, 0.6)), 2, 2.0, comparable=True, metric_rows=found)
+    assert result["metrics_agree"] is False and result["worst_metric"] == {"step": 2, "name": "rewards/chosen"}
+    assert result["metrics_compared"] == ["logps/chosen", "rewards/chosen"]
+    assert cmp.verdicts(rows((0.6, 0.6)), 1, 2.0, comparable=True, metric_rows=found)["metrics_agree"] is True
+    assert cmp.verdicts(rows(), 1, 2.0, comparable=False, metric_rows=found)["metrics_agree"] is None
+    text = cmp.table(rows(), {"median_step": [1.0], "span": [1.0]}, {"median_step": [1.0], "span": [1.0]}, found, "X")
+    assert "| figure | train.py | TRL X |" in text and "| rewards/chosen, largest diff (step 2) |" in text
+
+
+def test_cpo_and_orpo_pairs_carry_the_bos_text_that_tokenises_to_the_bos_token(tmp_path):
+    from transformers import AutoTokenizer
+
+    from tests.helpers.preference_data import explicit_text
+
+    pairs = cmp.with_bos_prompts(explicit_text(tmp_path / "pairs.jsonl", 3, 0), REPO / "data" / "tiny-llama")
+    tokenizer = AutoTokenizer.from_pretrained(REPO / "data" / "tiny-llama")
+    for line in pairs.read_text().splitlines():
+        prompt = json.loads(line)["prompt"]
+        assert prompt.startswith(tokenizer.bos_token) and not prompt.startswith(tokenizer.bos_token * 2)
+        ids = tokenizer(prompt, add_special_tokens=False)["input_ids"]
+        assert ids[0] == tokenizer.bos_token_id and tokenizer.bos_token_id not in ids[1:]
+
+
+def test_the_longest_pair_is_read_from_either_tokenised_layout():
+    from datasets import Dataset
+
+    dpo = Dataset.from_dict({"prompt_ids": [[1, 2], [3]], "chosen_ids": [[4, 5, 6], [7]], "rejected_ids": [[8], [9]]})
+    assert cmp.longest_tokenized_pair(dpo) == 5
+    cpo = Dataset.from_dict({"chosen_input_ids": [[0, 1, 2], [0, 1]], "rejected_input_ids": [[0], [0, 1, 2, 3]]})
+    assert cmp.longest_tokenized_pair(cpo) == 4

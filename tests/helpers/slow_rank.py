@@ -49,6 +49,8 @@ def main() -> int:
                 if engine.global_steps == at_step - 1 and not signalled:
                     signalled.append(at_step)
                     os.kill(os.getpid(), signal.SIGUSR1)
+                    # When it was sent, for scripts/bench/preemption.py's signal-to-exit time.
+                    print(f"test helper: SIGUSR1 sent at {time.time():.3f}", file=sys.stderr, flush=True)
                 return forward_now(engine, batch)
 
             signalled: list = []

@@ -561,6 +561,10 @@ class ParallelArgs:
         "the stages' data-parallel replicas are consecutive ranks, so stage-to-stage transfers cross nodes.",
     )
 
+    allow_cross_node_tensor_parallel: bool = _flag(
+        False, "Let a tensor-parallel group span nodes (refused by default: its all-reduces would cross the network)."
+    )
+
     pipeline_partition: str = _flag(
         "parameters",
         "How the layers are cut into pipeline stages: balanced by parameter count (the embedding and "

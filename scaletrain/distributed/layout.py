@@ -55,6 +55,54 @@ def apply_layout(parallel: ParallelArgs, dist: DistInfo) -> DistInfo:
     return dataclasses.replace(dist, layout=layout)
 
 
+# The model-parallel axes of a layout, each with its name in the log.
+_MODEL_AXES = (("tp", "tensor"), ("sp", "sequence"), ("pp", "pipeline"))
+_GROUPS_SHOWN = 4  # groups named per axis in the launch line; the rest are counted
+
+
+def _ranks(group: tuple) -> str:
+    """0-3 for consecutive ranks, else 0,2,4."""
+    consecutive = len(group) > 1 and group[-1] - group[0] == len(group) - 1
+    return f"{group[0]}-{group[-1]}" if consecutive else ",".join(map(str, group))
+
+
+def _placed(group: tuple, hosts: list) -> str:
+    """A group's ranks and the hosts they run on: 0-1@n1, or 0,2@n1+n2 where it spans hosts."""
+    return f"{_ranks(group)}@{'+'.join(dict.fromkeys(hosts[r] for r in group))}"
+
+
+def describe_groups(layout: ParallelLayout, hosts: list) -> str:
+    """Each model-parallel axis in use with its groups and their hosts, as the launch line shows them:
+    "tensor groups 0-1@n1, 2-3@n2; pipeline groups 0,2@n1+n2, 1,3@n1+n2" ('' for data parallelism alone).
+    `hosts`: each rank's host, in rank order."""
+    parts = []
+    for axis, name in _MODEL_AXES:
+        if getattr(layout, axis) > 1:
+            groups = layout.groups(axis)
+            shown = ", ".join(_placed(g, hosts) for g in groups[:_GROUPS_SHOWN])
+            more = f" and {len(groups) - _GROUPS_SHOWN} more" if len(groups) > _GROUPS_SHOWN else ""
+            parts.append(f"{name} groups {shown}{more}")
+    return "; ".join(parts)
+
+
+def check_tensor_groups_within_nodes(parallel: ParallelArgs, layout: ParallelLayout, hosts: list) -> None:
+    """A tensor-parallel group whose ranks landed on more than one host is refused (its all-reduces, two per layer
+    each way, would cross the network), unless --allow_cross_node_tensor_parallel. `hosts`: each rank's host."""
+    if layout.tp == 1 or parallel.allow_cross_node_tensor_parallel:
+        return
+    groups = layout.groups("tp")
+    spanning = [g for g in groups if len({hosts[r] for r in g}) > 1]
+    if spanning:
+        counts = sorted({hosts.count(h) for h in set(hosts)})
+        per_node = f"{counts[0]}" if len(counts) == 1 else f"{counts[0]} to {counts[-1]}"
+        raise UsageError(
+            f"--tensor_parallel_size {layout.tp}: tensor group {_placed(spanning[0], hosts)} spans nodes "
+            f"({len(spanning)} of {len(groups)} groups do), so its all-reduces would cross the network",
+            f"launch a multiple of {layout.tp} ranks on each node (this launch has {per_node} per node), or pass "
+            "--allow_cross_node_tensor_parallel if the fabric between nodes is fast enough",
+        )
+
+
 def place_ranks(parallel: ParallelArgs, planning: PlanningArgs, dist: DistInfo) -> DistInfo:
     """This launch's ranks with the run's layout; --plan plans the cluster it names, not this launch, so there the
     layout must fit the planned nodes instead."""

@@ -15,6 +15,7 @@ import os
 import socket
 from collections.abc import Mapping
 
+from scaletrain.distributed.layout import check_tensor_groups_within_nodes, describe_groups
 from scaletrain.parts import DistInfo, ResolvedRun
 
 log = logging.getLogger(__name__)
@@ -361,14 +362,17 @@ def describe_launch(resolved: ResolvedRun) -> None:
     placement = ", ".join(
         f"{host} (ranks {_ranges([r for r, h in enumerate(hosts) if h == host])})" for host in dict.fromkeys(hosts)
     )
+    groups = describe_groups(dist.layout, hosts)
     log.info(
-        "launch: %s, world size %d on %d host(s): %s; layout: %s",
+        "launch: %s, world size %d on %d host(s): %s; layout: %s%s",
         dist.launcher,
         dist.world_size,
         len(set(hosts)),
         placement,
         dist.layout.describe(),
+        f"; {groups}" if groups else "",
     )
+    check_tensor_groups_within_nodes(resolved.cfg.parallel, dist.layout, hosts)
     if dist.accelerator == "cpu":
         import torch
 

@@ -55,3 +55,42 @@ def test_a_launch_is_data_parallel_until_the_runs_layout_is_applied():
     assert dist.layout == ParallelLayout(dp=8)  # a new value: the launch's is left as it was
     with pytest.raises(AssertionError):
         DistInfo(rank=0, local_rank=0, world_size=8, launcher="srun", layout=ParallelLayout(dp=4))
+
+
+def test_the_launch_line_names_each_model_parallel_group_with_its_hosts():
+    from scaletrain.distributed.layout import describe_groups
+
+    hosts = ["n1", "n1", "n2", "n2", "n1", "n1", "n2", "n2"]
+    assert describe_groups(ParallelLayout(dp=8), hosts) == ""  # data parallelism alone: nothing to add
+    tp_pp = describe_groups(ParallelLayout(tp=2, pp=2, dp=2), ["n1"] * 4 + ["n2"] * 4)
+    assert tp_pp == (
+        "tensor groups 0-1@n1, 2-3@n1, 4-5@n2, 6-7@n2; pipeline groups 0,4@n1+n2, 1,5@n1+n2, 2,6@n1+n2, 3,7@n1+n2"
+    )
+    many = describe_groups(ParallelLayout(tp=2, dp=8), ["n1"] * 8 + ["n2"] * 8)  # 8 groups: 4 named, 4 counted
+    assert many == "tensor groups 0-1@n1, 2-3@n1, 4-5@n1, 6-7@n1 and 4 more"
+    assert describe_groups(ParallelLayout(tp=2, dp=4), hosts) == ("tensor groups 0-1@n1, 2-3@n2, 4-5@n1, 6-7@n2")
+    assert describe_groups(ParallelLayout(sp=4, dp=2), hosts) == "sequence groups 0-3@n1+n2, 4-7@n1+n2"
+
+
+def test_a_tensor_group_across_nodes_is_refused_unless_allowed():
+    from scaletrain.distributed.layout import check_tensor_groups_within_nodes
+    from scaletrain.errors import UsageError
+
+    inside = ParallelLayout(tp=2, dp=2)
+    check_tensor_groups_within_nodes(ParallelArgs(tensor_parallel_size=2), inside, ["n1", "n1", "n2", "n2"])
+    # One rank per node (srun with --ntasks-per-node=1): each tensor group of 2 spans two nodes.
+    with pytest.raises(UsageError) as refused:
+        check_tensor_groups_within_nodes(ParallelArgs(tensor_parallel_size=2), inside, ["n1", "n2", "n3", "n4"])
+    assert str(refused.value).startswith(
+        "--tensor_parallel_size 2: tensor group 0-1@n1+n2 spans nodes (2 of 2 groups do), so its all-reduces"
+    )
+    assert "launch a multiple of 2 ranks on each node (this launch has 1 per node)" in refused.value.hint
+    assert "--allow_cross_node_tensor_parallel" in refused.value.hint
+    # 3 ranks on one node and 1 on the other: only the second group spans them.
+    with pytest.raises(UsageError, match=r"tensor group 2-3@n1\+n2 spans nodes \(1 of 2 groups do\)") as uneven:
+        check_tensor_groups_within_nodes(ParallelArgs(tensor_parallel_size=2), inside, ["n1", "n1", "n1", "n2"])
+    assert "(this launch has 1 to 3 per node)" in uneven.value.hint
+    allowed = ParallelArgs(tensor_parallel_size=2, allow_cross_node_tensor_parallel=True)
+    check_tensor_groups_within_nodes(allowed, inside, ["n1", "n2", "n3", "n4"])
+    # Pipeline and sequence groups may span nodes: stage-to-stage sends are what crosses them in a large layout.
+    check_tensor_groups_within_nodes(ParallelArgs(pipeline_parallel_size=2), ParallelLayout(pp=2), ["n1", "n2"])

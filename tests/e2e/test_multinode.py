@@ -250,6 +250,27 @@ def test_srun_direct_mode_maps_slurm_ranks(slurm, tmp_path):
     assert metric_steps(run_dir) == [2, 4]
 
 
+def test_a_tensor_group_across_the_nodes_is_refused_and_runs_when_allowed(slurm, tmp_path):
+    """srun with one task a node and --tensor_parallel_size 2: the tensor group spans n1 and n2, refused on each
+    node with exit 2 before the model is built; --allow_cross_node_tensor_parallel runs it, the launch line naming the
+    group and both hosts."""
+    flags = ["--config", "ds_configs/zero1.json", *FAST_FLAGS, "--tensor_parallel_size", "2", "--max_steps", "2"]
+    jobs = {}
+    for name, extra in (("refused", []), ("allowed", ["--allow_cross_node_tensor_parallel"])):
+        command = ["srun", sys.executable, "train.py", *flags, *extra, "--output_dir", str(tmp_path / name)]
+        jobs[name] = slurm.submit(["--nodes=2", "--ntasks-per-node=1", "--wrap", " ".join(command)])
+    facts, log = slurm.wait(jobs["refused"]), slurm.log(jobs["refused"])
+    assert facts["ExitCode"] == "2:0", log[-4000:]
+    refusal = "--tensor_parallel_size 2: tensor group 0-1@n1+n2 spans nodes (1 of 1 groups do)"
+    assert log.count(refusal) == 2, log[-4000:]  # said once per node
+    assert "this launch has 1 per node" in log and "M parameters" not in log  # refused before the model is built
+    assert not (tmp_path / "refused" / "checkpoints").exists()
+    facts, log = slurm.wait(jobs["allowed"]), slurm.log(jobs["allowed"])
+    assert (facts["JobState"], facts["ExitCode"]) == ("COMPLETED", "0:0"), log[-4000:]
+    assert "layout: tensor parallel 2 x data parallel 1; tensor groups 0-1@n1+n2" in log and "M parameters" in log
+    assert metric_steps(tmp_path / "allowed") == [2]
+
+
 def test_sbatch_bad_input_fails_once_and_early(slurm, tmp_path):
     missing = slurm.submit(
         ["--nodes=2", str(SBATCH)], ["--config", "ds_configs/nope.json", "--output_dir", str(tmp_path / "a")]

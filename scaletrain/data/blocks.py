@@ -134,6 +134,14 @@ class EvalBatches(Sequence):
         """Loss targets over all the batches, from the block lengths alone."""
         return sum(blocks.targets_in(indices) for blocks, indices in self._batches)
 
+    def step_fields(self) -> dict | None:
+        """The sums over all the batches of their blocks' step_fields (preference pairs: pair and chosen-target
+        counts), from the lengths alone; None where the blocks have none."""
+        fields = [blocks.step_fields(indices) for blocks, indices in self._batches if hasattr(blocks, "step_fields")]
+        if not fields:
+            return None
+        return {name: sum(f[name] for f in fields) for name in fields[0]}
+
 
 def eval_batches(blocks: PackedBlocks, batch_size: int, rank: int, world: int, limit: int | None) -> EvalBatches:
     """A fixed set of validation blocks (the first `limit`, in order), split across ranks, read lazily. Every rank

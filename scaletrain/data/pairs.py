@@ -4,6 +4,9 @@ B chosen rows then B rejected (TRL's order), right-padded (causal attention neve
 --padding_free one row with `token_rows` naming each token's sequence. `targets_in` counts pairs, so the loop's
 normaliser makes the loss the mean over the global batch's pairs on any number of ranks. Truncation keeps the
 completion, which the loss compares, whole. Reference log-probs travel as `ref_chosen_logps` / `ref_rejected_logps`.
+ORPO's NLL term is over whole chosen sequences, prompts included (TRL's): each batch carries their targets
+(`sequence_labels`, padding-free `sequence_shift_labels`), and `step_fields` gives every micro-batch of a step the
+global batch's pair and chosen-target counts, so that term is the token mean over the global batch on any layout.
 Formats and batches: docs/fine-tuning.md#preference-optimization-dpo.
 """
 
@@ -67,6 +70,22 @@ class PreferencePairs:
         real = self.kept[indices[indices != EMPTY_SLOT]]
         return int(self.lengths[np.concatenate([2 * real, 2 * real + 1])].sum())
 
+    def sequence_targets_in(self, indices: np.ndarray) -> int:
+        """Next-token targets of the given pairs' whole chosen sequences (every token but the first): the token count
+        of ORPO's NLL term."""
+        real = self.kept[indices[indices != EMPTY_SLOT]]
+        return int(np.maximum(self.lengths[2 * real] - 1, 0).sum())
+
+    def step_fields(self, indices: np.ndarray) -> dict:
+        """What every micro-batch of a step (or an evaluation set) carries about the whole of it, `indices` its
+        pairs: their count and the targets of their chosen sequences."""
+        import torch
+
+        return {
+            "step_pairs": torch.tensor(self.targets_in(indices), dtype=torch.float64),
+            "step_sequence_targets": torch.tensor(self.sequence_targets_in(indices), dtype=torch.float64),
+        }
+
     def batch(self, indices: np.ndarray) -> dict:
         """2B rows for B pair indices (EMPTY_SLOT: a pair of padding rows with no loss): chosen rows, then rejected."""
         import torch
@@ -97,11 +116,18 @@ class PreferencePairs:
         width = max([int(self.lengths[r]) for r in rows if r >= 0] or [2])
         ids = np.full((len(rows), width), self.pad_id, dtype=np.int64)
         labels = np.full((len(rows), width), IGNORE_INDEX, dtype=np.int64)
+        whole = np.full((len(rows), width), IGNORE_INDEX, dtype=np.int64)  # chosen rows: every token a label
         for k, r in enumerate(rows):
             if r >= 0:
                 seq_ids, seq_labels = self._sequence(r)
                 ids[k, : len(seq_ids)], labels[k, : len(seq_ids)] = seq_ids, seq_labels
-        return {"input_ids": torch.from_numpy(ids), "labels": torch.from_numpy(labels)}
+                if r % 2 == 0:
+                    whole[k, : len(seq_ids)] = seq_ids
+        return {
+            "input_ids": torch.from_numpy(ids),
+            "labels": torch.from_numpy(labels),
+            "sequence_labels": torch.from_numpy(whole),
+        }
 
     def _packed(self, rows: list) -> dict:
         """One row of the sequences end to end: positions restart at each, targets are shifted within each (a
@@ -109,22 +135,26 @@ class PreferencePairs:
         layout; -1 on the two padding tokens of a micro-batch without any pair)."""
         import torch
 
-        ids, targets, positions, owners = [], [], [], []
+        ids, targets, whole, positions, owners = [], [], [], [], []
         for k, r in enumerate(rows):
             if r < 0:
                 continue
             seq_ids, seq_labels = self._sequence(r)
             ids.append(seq_ids)
             targets.append(np.append(seq_labels[1:], IGNORE_INDEX))
+            chosen = r % 2 == 0  # whole chosen sequences: ORPO's NLL targets
+            whole.append(np.append(seq_ids[1:], IGNORE_INDEX) if chosen else np.full(len(seq_ids), IGNORE_INDEX))
             positions.append(np.arange(len(seq_ids), dtype=np.int64))
             owners.append(np.full(len(seq_ids), k, dtype=np.int64))
         if not ids:  # every slot empty: two tokens of padding, no loss
             ids, targets = [np.full(2, self.pad_id, dtype=np.int64)], [np.full(2, IGNORE_INDEX, dtype=np.int64)]
+            whole = [np.full(2, IGNORE_INDEX, dtype=np.int64)]
             positions, owners = [np.arange(2, dtype=np.int64)], [np.full(2, -1, dtype=np.int64)]
         flat = lambda parts: torch.from_numpy(np.concatenate(parts))[None]  # noqa: E731
         return {
             "input_ids": flat(ids),
             "shift_labels": flat(targets),
+            "sequence_shift_labels": flat(whole),
             "position_ids": flat(positions),
             "token_rows": flat(owners)[0],
         }

@@ -183,6 +183,10 @@ class StepBatches:
         # Every rank knows the whole global batch, so the loss normaliser needs no communication.
         global_targets = self.blocks.targets_in(global_indices)
         micro = [self.blocks.batch(idx) for idx in self.order.micro_batches(global_indices, self.rank)]
+        step_fields = getattr(self.blocks, "step_fields", None)  # what each micro-batch needs of the whole step
+        if step_fields is not None:
+            shared = step_fields(global_indices)
+            micro = [{**batch, **shared} for batch in micro]
         if self.shard is not None:
             micro = [self.shard(batch) for batch in micro]
         n_blocks = int((global_indices != EMPTY_SLOT).sum())

@@ -30,36 +30,54 @@ def _aligned_targets(labels):
     return F.pad(labels[:, 1:], (0, 1), value=IGNORE_INDEX)
 
 
-def row_logps(model, batch: dict, device) -> tuple:
+def row_logps(model, batch: dict, device, whole_sequences: bool = False) -> tuple:
     """(summed completion log-probs per sequence, completion tokens per sequence) of one forward of `model` (the
     engine, or the module itself for a reference pass), in the padded layout's order (chosen rows, then rejected).
-    Through the chunked LM head where the model has one (the [rows, T, V] logits never exist:
-    model/chunked_loss.py), else from the whole logits. A padding-free batch (one row of the sequences end to end,
-    data/pairs.py) is summed per sequence by its `token_rows`."""
-    import torch
+    With `whole_sequences`, also (summed log-probs of each whole chosen sequence, prompt included, and its targets;
+    0 on rejected rows): ORPO's NLL term, from the same forward. Through the chunked LM head where the model has one
+    (the [rows, T, V] logits never exist: model/chunked_loss.py), else from the whole logits. A padding-free batch
+    (one row of the sequences end to end, data/pairs.py) is summed per sequence by its `token_rows`."""
     from deepspeed import DeepSpeedEngine
 
     from scaletrain.model import chunked_loss_head
     from scaletrain.train.preference_loss import token_logps
 
     input_ids = batch["input_ids"].to(device, non_blocking=True)
-    if "shift_labels" in batch:  # padding-free: shifted within each sequence already
-        targets = batch["shift_labels"].to(device, non_blocking=True)
-    else:
-        targets = _aligned_targets(batch["labels"].to(device, non_blocking=True))
+    targets = _targets(batch, "shift_labels", "labels", device)
+    masks = [targets != IGNORE_INDEX]
+    if whole_sequences:  # whole chosen sequences' targets, a superset of their completions'
+        whole = _targets(batch, "sequence_shift_labels", "sequence_labels", device)
+        masks.append(whole != IGNORE_INDEX)
+        targets = whole.where(masks[1], targets)
     extra = {}
     if "position_ids" in batch:  # restarting per sequence: transformers keeps attention within each
         extra["position_ids"] = batch["position_ids"].to(device, non_blocking=True)
     head = chunked_loss_head(model.module if isinstance(model, DeepSpeedEngine) else model)
-    mask = targets != IGNORE_INDEX
     if head is None:
         per_token = token_logps(model(input_ids=input_ids, use_cache=False, **extra).logits, targets)
     else:
         with head.pending(targets, per_token=True):
             per_token = model(input_ids=input_ids, use_cache=False, **extra).logits
         head.check_returned(per_token)
+    out = []
+    for mask in masks:
+        out += _per_sequence(per_token * mask, mask, batch, device)
+    return tuple(out)
+
+
+def _targets(batch: dict, shifted: str, aligned: str, device):
+    """The targets each position's logits predict: a padding-free batch's are shifted within each sequence already."""
+    if shifted in batch:
+        return batch[shifted].to(device, non_blocking=True)
+    return _aligned_targets(batch[aligned].to(device, non_blocking=True))
+
+
+def _per_sequence(per_token, mask, batch: dict, device) -> list:
+    """[summed log-probs, target count] per sequence (row of the padded layout) of masked per-token log-probs."""
+    import torch
+
     if "token_rows" not in batch:
-        return per_token.sum(-1), mask.sum(-1)
+        return [per_token.sum(-1), mask.sum(-1)]
     owners = batch["token_rows"].to(device, non_blocking=True)
     rows = 2 * batch["pair_ids"].numel()
     counted = owners >= 0
@@ -67,7 +85,7 @@ def row_logps(model, batch: dict, device) -> tuple:
         0, owners[counted], per_token[0][counted]
     )
     counts = torch.zeros(rows, dtype=torch.int64, device=device).index_add(0, owners[counted], mask[0][counted].long())
-    return summed, counts
+    return [summed, counts]
 
 
 @dataclass(frozen=True)
@@ -83,7 +101,8 @@ class PreferenceObjective:
 
         from scaletrain.train.preference_loss import SequenceLogps, metric_sums
 
-        logps, counts = row_logps(engine, batch, engine.device)
+        whole = self.loss.whole_sequence_nll
+        logps, counts, *sequences = row_logps(engine, batch, engine.device, whole_sequences=whole)
         real = batch["pair_ids"].to(engine.device) >= 0
         n = real.numel()
         policy = _pairs(SequenceLogps, logps, counts, n, real)
@@ -103,10 +122,24 @@ class PreferenceObjective:
         terms = self.loss.pair_terms(policy, reference)
         # 0 x the log-probs keeps the graph connected when every pair is padding (the backward still runs).
         summed = terms.loss.sum() + 0.0 * logps.sum()
-        return summed, metric_sums(terms, policy)
+        sums = metric_sums(terms, policy)
+        if whole:  # ORPO's NLL: the token mean over the whole batch's chosen sequences, as a share per pair
+            nll = _whole_sequence_nll(sequences[0][:n][real].sum(), batch)
+            summed, sums["nll_loss"] = summed + nll, nll.detach()
+        return summed, sums
 
     def evaluate(self, engine, batches, prefix: str = "eval_") -> dict:
         return evaluate_pairs(engine, batches, self, prefix)
+
+
+def _whole_sequence_nll(summed_logps, batch: dict):
+    """This micro-batch's part of ORPO's NLL term, scaled so that the loop's division by the step's pair count makes
+    the term the mean over every target of the step's chosen sequences: -sum * pairs / targets (the batch carries
+    the whole step's counts, data/pairs.py's step_fields)."""
+    if "step_sequence_targets" not in batch:
+        raise RuntimeError("ORPO: the batch carries no step_sequence_targets (its step's chosen-sequence targets)")
+    weight = batch["step_pairs"] / batch["step_sequence_targets"].clamp(min=1)
+    return -summed_logps * weight.to(summed_logps.device, summed_logps.dtype)
 
 
 def _pairs(cls, logps, counts, n: int, real):
@@ -121,25 +154,40 @@ def _adapter_disabled(module):
 
 
 def evaluate_pairs(engine, batches, objective: PreferenceObjective, prefix: str = "eval_") -> dict:
-    """Mean loss and TRL's metrics over a fixed set of validation pairs, across ranks."""
+    """Mean loss and TRL's metrics over a fixed set of validation pairs, across ranks. Each batch carries the whole
+    set's step fields (its pairs and chosen-sequence targets over every rank: ORPO's NLL is their token mean)."""
     import deepspeed.comm as ds_comm
     import torch
 
+    shared = _evaluation_fields(batches, engine.device)
     engine.eval()
-    sums = torch.zeros(2 + len(METRIC_NAMES), dtype=torch.float64, device=engine.device)
+    sums: dict = {}
     with torch.no_grad():
         for batch in batches:
-            summed, metrics = objective(engine, batch)
-            sums[0] += summed.double()
-            sums[1] += int((batch["pair_ids"] >= 0).sum())
-            for k, name in enumerate(METRIC_NAMES):
-                sums[2 + k] += metrics[name].double()
+            summed, metrics = objective(engine, {**batch, **shared})
+            for name, value in (("loss", summed), ("pairs", (batch["pair_ids"] >= 0).sum()), *metrics.items()):
+                sums[name] = sums.get(name, 0.0) + torch.as_tensor(value, device=engine.device).double()
     engine.train()
-    ds_comm.all_reduce(sums)
-    pairs = sums[1].clamp(min=1)
-    record = {f"{prefix}loss": (sums[0] / pairs).item()}
-    record.update({f"{prefix}{name}": (sums[2 + k] / pairs).item() for k, name in enumerate(METRIC_NAMES)})
-    return record
+    names = sorted(sums)  # the same on every rank: every rank reads as many batches of one data kind
+    totals = torch.stack([sums[name].reshape(()) for name in names])
+    ds_comm.all_reduce(totals)
+    total = dict(zip(names, totals.tolist(), strict=True))
+    pairs = max(total.pop("pairs"), 1.0)
+    return {f"{prefix}{name}": value / pairs for name, value in total.items()}
+
+
+def _evaluation_fields(batches, device) -> dict:
+    """The evaluation set's step fields summed over every rank ({} where its blocks have none)."""
+    import deepspeed.comm as ds_comm
+    import torch
+
+    fields = batches.step_fields() if hasattr(batches, "step_fields") else None
+    if not fields:
+        return {}
+    names = sorted(fields)
+    totals = torch.stack([torch.as_tensor(fields[name], dtype=torch.float64) for name in names]).to(device)
+    ds_comm.all_reduce(totals)
+    return {name: value.cpu() for name, value in zip(names, totals, strict=True)}
 
 
 def preference_objective(resolved: ResolvedRun) -> PreferenceObjective | None:

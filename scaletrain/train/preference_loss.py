@@ -8,14 +8,17 @@ avg_c = pi_c / n_c (and so for r), ls(x) = log(sigmoid(x)).
   ipo:            ((pi_c - ref_c)/n_c - (pi_r - ref_r)/n_r - 1/(2b))^2   (per-token normalised, as TRL does)
   robust (rDPO):  (-(1-e)*ls(b*d) + e*ls(-b*d)) / (1 - 2e)
   simpo:          -(1-e)*ls(b*z) - e*ls(-b*z),  z = avg_c - avg_r - gamma/b   (no reference model)
-  orpo:           -avg_c - b*ls(log_odds),  log_odds = avg_c - avg_r - (log(1-exp(avg_c)) - log(1-exp(avg_r)))
+  orpo:           -b*ls(log_odds),  log_odds = avg_c - avg_r - (log(1-exp(avg_c)) - log(1-exp(avg_r))), plus the
+                  NLL of the whole chosen sequences (prompts included), the token mean over the batch: a term of the
+                  batch, not of a pair, which the objective adds (train/preference.py, whole_sequence_nll)
 
 The first four match trl/trainer/dpo_trainer.py (`_compute_loss` with TRL's defaults: f_divergence_type="reverse_kl",
 ld_alpha=None, use_weighting=False, one loss type), simpo trl/experimental/cpo/cpo_trainer.py (`cpo_loss`,
 loss_type="simpo", alpha=0, cpo_alpha=0), orpo trl/experimental/orpo/orpo_trainer.py (`odds_ratio_loss`, beta as the
 paper's lambda). Rewards, as those trainers log them: beta*(pi - ref) for the DPO family, beta*avg for simpo and orpo
-("logps/chosen": pi_c, or avg_c). One difference, ORPO's NLL term: TRL averages over every chosen token of the batch,
-prompts included; ours is each pair's -avg_c, so the loss stays a mean over pairs however they are split over ranks.
+("logps/chosen": pi_c, or avg_c). ORPO's NLL term is TRL's too: the mean over every target token of the batch's whole
+chosen sequences, prompts included; here the batch is the step's global batch, so the term does not depend on how the
+pairs are split over ranks and micro-batches (TRL's is each micro-batch's mean, averaged).
 Every loss and gradient is finite for a padding pair (both completions empty), so a loop can weight it out; torch is
 imported lazily, so a config can validate a PreferenceLoss cheaply.
 """
@@ -69,6 +72,12 @@ class PreferenceLoss:
 
     def __post_init__(self):  # the flags' own checks (pre-flight), for a loss built from anywhere else too
         PreferenceArgs(self.loss_type, self.beta, self.label_smoothing, self.simpo_gamma).validate()
+
+    @property
+    def whole_sequence_nll(self) -> bool:
+        """Whether the loss adds an NLL term over whole chosen sequences (ORPO's, TRL's: prompts included, the token
+        mean over the batch), which the objective adds to pair_terms' per-pair loss (train/preference.py)."""
+        return self.loss_type == "orpo"
 
     @property
     def needs_reference(self) -> bool:
@@ -133,7 +142,7 @@ class PreferenceLoss:
         avg_rejected = _at_least_fp32(_per_token(logps.rejected, logps.rejected_tokens))
         # log odds(y) = log p - log(1 - p), p = exp(avg): Eqs. (4) and (7) of the ORPO paper, in log space.
         log_odds = (avg_chosen - avg_rejected) - (_log1mexp(avg_chosen) - _log1mexp(avg_rejected))
-        loss = -avg_chosen - self.beta * F.logsigmoid(log_odds)
+        loss = -self.beta * F.logsigmoid(log_odds)  # the NLL term is the batch's, added by the objective
         return _reference_free_terms(loss, self.beta, avg_chosen, avg_rejected)
 
 

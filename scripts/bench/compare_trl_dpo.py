@@ -29,14 +29,11 @@ order of pairs does not change the loss). With more pairs than the batch the ord
 Figures:
 - loss at each step, both sides (the first round's), and the relative difference |ours - TRL| / |TRL| (goal:
   within 1e-3 on the first --loss_steps steps, default 5; for the DPO family the first is known, the policy being
-  its own reference: log 2 for sigmoid and robust, 1 for hinge, (1/(2 beta))^2 for ipo). ORPO's NLL term differs
-  by design (TRL's: the token mean over the batch's whole chosen sequences, prompts included; ours: each pair's
-  completion mean), so for orpo the compared loss is the odds-ratio term alone (TRL's loss less its nll_loss, ours
-  plus its logps/chosen), and only step 1 (the same weights) by default: from the first update on, the two sides
-  train different NLL terms. The whole losses are in the JSON (`whole_losses`).
+  its own reference: log 2 for sigmoid and robust, 1 for hinge, (1/(2 beta))^2 for ipo).
 - every metric both sides log (rewards/chosen, rewards/rejected, rewards/accuracies, rewards/margins,
-  logps/chosen, logps/rejected) at each of those steps: |ours - TRL| / max(|TRL|, METRIC_FLOOR) (goal: within
-  1e-3; the floor, 0.01, because rewards start at 0); the table shows each metric's largest.
+  logps/chosen, logps/rejected, and for orpo nll_loss) at each of those steps: |ours - TRL| / max(|TRL|,
+  METRIC_FLOOR) (goal: within 1e-3; the floor, 0.01, because rewards start at 0); the table shows each metric's
+  largest.
 - steady pairs/s of each run from wall-clock stamps at every step end (ours: metrics.jsonl's `time`, TRL: a
   callback's, as scripts/bench/hf_trainer_clm.py's StepClock), steps up to --warmup left out: the median step's
   pairs/s (the headline: robust to another process taking the cores for a moment) and --batch x steps over the
@@ -78,6 +75,9 @@ from scripts.bench.common import bench_parser, median_runs, metrics, steady_rate
 from scripts.launching import child_env  # noqa: E402
 from scaletrain.config import LOSS_TYPES  # noqa: E402
 from scaletrain.train.preference import METRIC_NAMES  # noqa: E402  (the metrics both sides log, by TRL's names)
+
+# Compared where both sides log them: TRL's metrics, and ORPO's nll_loss (CPOTrainer logs one too; ours, for orpo only).
+COMPARED = (*METRIC_NAMES, "nll_loss")
 
 TRL_VERSION = "1.16.0"
 DS_CONFIG = "ds_configs/zero2.json"
@@ -126,7 +126,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--loss_steps",
         type=int,
         default=None,
-        help="steps whose losses and metrics must agree (default: 5, at most --steps; orpo: 1)",
+        help="steps whose losses and metrics must agree (default: 5, at most --steps)",
     )
     parser.add_argument(
         "--trl_precompute_ref_log_probs", action="store_true", help="TRL's reference log-probs computed up front"
@@ -159,8 +159,8 @@ def parse_args(argv: list | None = None) -> argparse.Namespace:
         parser.error(f"--rounds {args.rounds}: at least 1")
     if not 0 < args.warmup < args.steps:
         parser.error(f"--warmup {args.warmup} must be in [1, --steps {args.steps})")
-    if args.loss_steps is None:  # ORPO: the two sides' weights differ after step 1 (their NLL terms differ)
-        args.loss_steps = 1 if args.loss_type == "orpo" else min(5, args.steps)
+    if args.loss_steps is None:
+        args.loss_steps = min(5, args.steps)
     if not 0 < args.loss_steps <= args.steps:
         parser.error(f"--loss_steps {args.loss_steps} must be in [1, --steps {args.steps}]")
     if args.label_smoothing is None:
@@ -315,15 +315,15 @@ def our_command(args: argparse.Namespace, model: Path, pairs: Path, out_dir: Pat
 # ---- Reading both sides' records ----------------------------------------------------------------------------
 
 
-def trl_losses(log_history: list, loss_type: str = "sigmoid") -> dict:
-    """{step: the compared loss} from a Trainer's state.log_history (the per-step records; the end-of-training summary
-    holds `train_loss`, not `loss`)."""
-    return {step: compared_loss(r, loss_type, "trl") for step, r in trl_steps(log_history).items()}
+def trl_losses(log_history: list) -> dict:
+    """{step: loss} from a Trainer's state.log_history (the per-step records; the end-of-training summary holds
+    `train_loss`, not `loss`)."""
+    return {step: r["loss"] for step, r in trl_steps(log_history).items()}
 
 
-def our_losses(records: list, loss_type: str = "sigmoid") -> dict:
-    """{step: the compared loss} from train.py's metrics.jsonl records (evaluation ones hold `eval_loss`)."""
-    return {step: compared_loss(r, loss_type, "ours") for step, r in our_steps(records).items()}
+def our_losses(records: list) -> dict:
+    """{step: loss} from train.py's metrics.jsonl records (evaluation ones hold `eval_loss`)."""
+    return {step: r["loss"] for step, r in our_steps(records).items()}
 
 
 def trl_steps(log_history: list) -> dict:
@@ -334,16 +334,6 @@ def trl_steps(log_history: list) -> dict:
 def our_steps(records: list) -> dict:
     """{step: its record} of train.py's training records."""
     return {r["step"]: r for r in records if "loss" in r and "step" in r}
-
-
-def compared_loss(record: dict, loss_type: str, side: str) -> float:
-    """The loss both sides define alike: the logged loss, except ORPO's, whose NLL term differs by design (TRL's is
-    the token mean over the batch's whole chosen sequences, prompts included; ours each pair's completion mean,
-    scaletrain/train/preference_loss.py): there, the odds-ratio term alone, -beta * mean(log sigmoid(log_odds)):
-    TRL's loss less its logged nll_loss, ours plus its logged logps/chosen (the mean of the pairs' completion means)."""
-    if loss_type != "orpo":
-        return record["loss"]
-    return record["loss"] - record["nll_loss"] if side == "trl" else record["loss"] + record["logps/chosen"]
 
 
 def expected_first_loss(loss_type: str, beta: float) -> float | None:
@@ -594,11 +584,8 @@ def main(argv: list | None = None) -> None:
         for key, value in our_steady(our_records, args.batch, args.warmup).items():
             ours[key].append(value)
         if n == 0:
-            losses = compare_losses(
-                our_losses(our_records, args.loss_type), trl_losses(trl_record["log_history"], args.loss_type)
-            )
-            metric_rows = compare_metrics(our_steps(our_records), trl_steps(trl_record["log_history"]))
-            whole_losses = compare_losses(our_losses(our_records), trl_losses(trl_record["log_history"]))
+            losses = compare_losses(our_losses(our_records), trl_losses(trl_record["log_history"]))
+            metric_rows = compare_metrics(our_steps(our_records), trl_steps(trl_record["log_history"]), COMPARED)
             first_trl = trl_record
 
     ratio = statistics.median(ours["median_step"]) / statistics.median(trl["median_step"])
@@ -610,7 +597,6 @@ def main(argv: list | None = None) -> None:
     if args.out:
         figures = {
             "losses": [dict(step=s, ours=a, trl=b, rel_diff=rel) for s, a, b, rel in losses],
-            "whole_losses": [dict(step=s, ours=a, trl=b, rel_diff=rel) for s, a, b, rel in whole_losses],
             "metrics": [dict(step=s, name=m, ours=a, trl=b, diff=d) for s, m, a, b, d in metric_rows],
             "pairs_per_s": {"ours": ours, "trl": trl},
             "trl_train_samples_per_second_all_steps": first_trl["train_samples_per_second"],

@@ -225,24 +225,21 @@ def test_each_loss_type_runs_against_its_trl_trainer_with_the_same_loss_settings
     assert "label_smoothing" not in spec["config"] and "label_smoothing" not in ours
 
 
-def test_loss_flags_are_checked_and_orpo_compares_step_one_by_default():
+def test_loss_flags_are_checked_and_five_steps_are_compared_by_default():
     assert cmp.parse_args([]).loss_steps == 5 and cmp.parse_args(["--quick"]).loss_steps == 4  # at most --steps
-    assert cmp.parse_args(["--loss_type", "orpo"]).loss_steps == 1
+    assert cmp.parse_args(["--loss_type", "orpo"]).loss_steps == 5
     assert cmp.parse_args(["--loss_type", "orpo", "--loss_steps", "3"]).loss_steps == 3
     for bad in (["--loss_type", "sigmoid", "--label_smoothing", "0.1"], ["--loss_steps", "17"], ["--loss_type", "kto"]):
         with pytest.raises(SystemExit):
             cmp.parse_args(bad)
 
 
-def test_orpo_compares_the_odds_ratio_term_and_the_others_the_whole_loss():
-    beta, ratio, avg_chosen, trl_nll = 0.1, -0.66, -8.26, 7.9  # mean log sigmoid(log_odds), mean avg_c, TRL's NLL
-    ours = {"step": 1, "loss": -avg_chosen - beta * ratio, "logps/chosen": avg_chosen}
-    trl = {"step": 1, "loss": trl_nll - beta * ratio, "nll_loss": trl_nll, "logps/chosen": avg_chosen}
-    assert cmp.compared_loss(ours, "orpo", "ours") == pytest.approx(-beta * ratio)
-    assert cmp.compared_loss(trl, "orpo", "trl") == pytest.approx(-beta * ratio)
-    assert cmp.compared_loss(trl, "simpo", "trl") == trl["loss"]
-    assert cmp.our_losses([ours], "orpo") == {1: pytest.approx(0.066)}
-    assert cmp.trl_losses([trl, {"train_loss": 1.0, "step": 1}], "orpo") == {1: pytest.approx(0.066)}
+def test_orpos_nll_loss_is_compared_where_both_sides_log_it():
+    ours = {1: {"loss": 8.4, "nll_loss": 8.41, "logps/chosen": -8.3}}
+    trl = {1: {"loss": 8.4, "nll_loss": 8.41, "logps/chosen": -8.3}, 2: {"nll_loss": 1.0}}
+    assert [row[1] for row in cmp.compare_metrics(ours, trl, cmp.COMPARED)] == ["logps/chosen", "nll_loss"]
+    # CPOTrainer logs nll_loss for simpo too; train.py only for orpo: compared where both have it.
+    assert [row[1] for row in cmp.compare_metrics({1: {"logps/chosen": -8.3}}, trl, cmp.COMPARED)] == ["logps/chosen"]
 
 
 def test_the_dpo_family_starts_at_a_known_loss_and_the_reference_free_losses_do_not():

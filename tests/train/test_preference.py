@@ -139,6 +139,57 @@ def test_padding_free_batches_give_the_padded_batches_log_probs_and_gradients(ch
     assert logps.tolist() == [0.0] * 4 and counts.tolist() == [0] * 4
 
 
+@pytest.mark.parametrize("chunked", [True, False])
+def test_orpo_is_trls_loss_on_any_split_of_the_batch_and_either_layout(chunked, tmp_path, tokenizer, offline):
+    """ORPO as TRL 1.16's ORPOTrainer computes it on one batch, by hand from the model's logits: the cross-entropy
+    over every target of the whole chosen sequences (prompts included, TRL's token mean over the batch) less beta
+    times the mean log-sigmoid of the completions' log odds ratio. The objective gives it, divided by the batch's
+    pairs as the loop divides, on the padded and the padding-free layout, whole or split into micro-batches that
+    carry the step's counts; TRL's nll_loss is logged too."""
+    import torch.nn.functional as F
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from scaletrain.model.chunked_loss import install_chunked_loss
+    from scaletrain.train.preference import PreferenceObjective
+    from scaletrain.train.preference_loss import PreferenceLoss
+
+    opened, _, _ = prepared(tmp_path, tokenizer, preference_data.explicit_text(tmp_path / "p.jsonl", n=8))
+    padded = pairs_from_store(opened, "train", 1024, "truncate")
+    packed = pairs_from_store(opened, "train", 1024, "truncate", padding_free=True)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(TINY, attn_implementation="sdpa"))
+    install_chunked_loss(model, 16 if chunked else 0)
+    beta, step = 0.25, np.array([3, 0, 5, 6])
+    # TRL's computation, from the whole logits of the padded batch.
+    batch = padded.batch(step)
+    n, real_tokens = len(step), batch["sequence_labels"] != IGNORE_INDEX
+    with torch.no_grad():
+        logits = model(input_ids=batch["input_ids"]).logits.float()
+    chosen_targets = batch["sequence_labels"][:n][:, 1:]
+    nll = F.cross_entropy(logits[:n, :-1].reshape(-1, logits.shape[-1]), chosen_targets.reshape(-1))
+    token_logps = logits[:, :-1].log_softmax(-1).gather(-1, batch["labels"][:, 1:].clamp(min=0)[..., None])[..., 0]
+    completion = batch["labels"][:, 1:] != IGNORE_INDEX
+    mean_logps = (token_logps * completion).sum(-1) / completion.sum(-1)
+    chosen, rejected = mean_logps[:n], mean_logps[n:]
+    log_odds = (chosen - rejected) - (torch.log1p(-chosen.exp()) - torch.log1p(-rejected.exp()))
+    trl_loss = nll - beta * F.logsigmoid(log_odds).mean()
+    assert real_tokens[:n].sum() - n == padded.sequence_targets_in(step) and not real_tokens[n:].any()
+
+    objective = PreferenceObjective(PreferenceLoss("orpo", beta=beta))
+    for pairs in (padded, packed):
+        shared = pairs.step_fields(step)
+        assert shared["step_pairs"].item() == 4
+        for micro_batches in ([step], [step[:1], step[1:]], [step[:2], np.array([EMPTY_SLOT]), step[2:]]):
+            with torch.no_grad():
+                results = [objective(model, {**pairs.batch(m), **shared}) for m in micro_batches]
+            loss = sum(summed for summed, _ in results) / 4
+            assert loss.item() == pytest.approx(trl_loss.item(), rel=1e-5), (pairs.padding_free, len(micro_batches))
+            logged = sum(metrics["nll_loss"] for _, metrics in results) / 4
+            assert logged.item() == pytest.approx(nll.item(), rel=1e-5)
+    with pytest.raises(RuntimeError, match="step_sequence_targets"):  # a batch without its step's counts
+        objective(model, padded.batch(step))
+
+
 def test_a_long_pair_loses_its_prompt_start_or_is_dropped_and_counted(tmp_path, tokenizer, offline):
     opened, chat, rows = prepared(tmp_path, tokenizer, preference_data.explicit_text(tmp_path / "p.jsonl", n=12))
     whole = pairs_from_store(opened, "train", 1024, "truncate")
@@ -378,6 +429,33 @@ def test_one_rank_two_ranks_and_accumulation_give_the_same_losses_and_metrics(dp
     assert "reference log-probs (train): read from" in dpo_runs.logs["two_ranks"]
     assert "loss: through the LM head in chunks" in dpo_runs.logs["one_rank"]
     assert "loss: from the whole logits (--loss_chunk_size 0)" in dpo_runs.logs["accumulated"]
+
+
+@pytest.mark.slow
+def test_orpo_trains_the_same_on_one_rank_two_ranks_and_padding_free_accumulation(dpo_runs):
+    """ORPO's NLL term is the token mean over the global batch's whole chosen sequences: one rank, two ranks (ZeRO-3)
+    and one rank accumulating 2 x 2 padding-free give the same per-step loss, nll_loss and TRL's metrics, within 1e-5
+    (the 8th step's 2 pairs and 2 empty slots included, where a per-rank mean would differ), and so the validation
+    figures; no reference is computed (ORPO has none)."""
+    orpo = ("--loss_type", "orpo", "--beta", "0.25")
+    accumulated = ("--gradient_accumulation_steps", "2", "--padding_free")
+    one = records(dpo_runs.run("orpo_one_rank", *orpo))
+    others = [
+        records(dpo_runs.run("orpo_two_ranks", *orpo, nprocs=2, micro=2)),
+        records(dpo_runs.run("orpo_accumulated", *orpo, *accumulated, micro=2, config="zero2")),
+    ]
+    assert sorted(one) == list(range(1, STEPS + 1)) and one[STEPS]["loss"] < one[1]["loss"]
+    for other in others:
+        for step in one:
+            for key in ("loss", "nll_loss", *METRICS):
+                assert other[step][key] == pytest.approx(one[step][key], rel=1e-5, abs=1e-5), (step, key)
+    evaluations = [eval_records(dpo_runs.run(n)) for n in ("orpo_one_rank", "orpo_two_ranks", "orpo_accumulated")]
+    assert sorted(evaluations[0]) == [4, STEPS]
+    for other in evaluations[1:]:
+        for step, record in evaluations[0].items():
+            for key in ("eval_loss", "eval_nll_loss", *(f"eval_{m}" for m in METRICS)):
+                assert other[step][key] == pytest.approx(record[key], rel=1e-5, abs=1e-5), (step, key)
+    assert "reference log-probs" not in dpo_runs.logs["orpo_one_rank"]
 
 
 @pytest.mark.slow

@@ -81,8 +81,9 @@ def hand_simpo(b, e, g, i):
 
 
 def hand_orpo(b, e, g, i):
+    """ORPO's odds-ratio term per pair; its NLL term is the batch's (tested with the objective, test_orpo_objective)."""
     log_odds = (avg_c(i) - avg_r(i)) - (log1mexp(avg_c(i)) - log1mexp(avg_r(i)))
-    return -avg_c(i) - b * logsig(log_odds)
+    return -b * logsig(log_odds)
 
 
 # (loss, its hand formula); the two losses that read label_smoothing get one (the others refuse it: see below).
@@ -240,7 +241,7 @@ def test_orpo_stays_finite_for_a_completion_the_policy_is_certain_of(dtype):
 
 def hand_orpo_one(b: float, mean_chosen: float, mean_rejected: float) -> float:
     log_odds = (mean_chosen - mean_rejected) - (log1mexp(mean_chosen) - log1mexp(mean_rejected))
-    return -mean_chosen - b * logsig(log_odds)
+    return -b * logsig(log_odds)
 
 
 @pytest.mark.parametrize("loss, hand", CASES, ids=[case.loss_type for case, _ in CASES])

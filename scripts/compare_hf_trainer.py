@@ -61,7 +61,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from data.build_tiny_llama import tiny_llama_variant  # noqa: E402
-from scaletrain.observability import METRICS_FILE, read_records  # noqa: E402
+from scaletrain.observability.metrics import METRICS_FILE, read_records  # noqa: E402
 from scripts.bench.common import bench_model, steady_rate  # noqa: E402
 from scripts.launching import Launcher, child_env  # noqa: E402
 

@@ -17,7 +17,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from scaletrain.observability import METRICS_FILE, read_records  # noqa: E402
+from scaletrain.observability.metrics import METRICS_FILE, read_records  # noqa: E402
 from scripts.launching import Launcher, run  # noqa: E402
 from scripts.gpu_check_checks import dpo_check  # noqa: E402
 from scripts.gpu_check_rows import FAILED, OK, PAIRS, PRETRAINED, Row, Setup, Spec  # noqa: E402

@@ -24,7 +24,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from scaletrain.observability import METRICS_FILE, read_records  # noqa: E402
+from scaletrain.observability.metrics import METRICS_FILE, read_records  # noqa: E402
 from scripts.launching import Launcher  # noqa: E402
 
 PHASES = ("data_wait", "forward", "backward", "pipeline", "optimizer", "sync", "checkpoint")

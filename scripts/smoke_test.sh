@@ -47,7 +47,7 @@ for name in "${CONFIGS[@]}"; do
      && verdict=$("$PYTHON" - "$out" <<'PY'
 import math, sys
 from pathlib import Path
-from scaletrain.observability import read_records
+from scaletrain.observability.metrics import read_records
 run = Path(sys.argv[1])
 losses = [r["loss"] for r in read_records(run / "metrics.jsonl")[0] if "loss" in r]
 assert losses and all(math.isfinite(x) for x in losses), f"non-finite loss {losses}"

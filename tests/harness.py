@@ -23,7 +23,7 @@ from pathlib import Path
 import pytest
 
 from scaletrain.distributed.world import free_port  # noqa: F401 (the tests' rendezvous take it from here)
-from scaletrain.observability import METRICS_FILE, read_records
+from scaletrain.observability.metrics import METRICS_FILE, read_records
 from scripts.launching import BIN as VENV_BIN, REPO, Launcher, child_env, run  # noqa: F401 (VENV_BIN: the tests')
 
 # DeepSpeed's compiled ops are cached per virtual environment under test: two checkouts (a CI clone and a working

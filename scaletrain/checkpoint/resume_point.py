@@ -11,7 +11,6 @@ from scaletrain.checkpoint.resume import check_resumable, read_train_state, reso
 from scaletrain.checkpoint.run_folder import read_previous_run_config
 from scaletrain.config import ResolvedDSConfig, RunConfig
 from scaletrain.errors import UsageError
-from scaletrain.observability import METRICS_FILE, read_records
 from scaletrain.parts import ParallelLayout, ResolvedRun, ResumePoint
 
 UNIVERSAL_KEY = "checkpoint.load_universal"
@@ -42,9 +41,6 @@ def resume_point(
 ) -> tuple[ResumePoint, ResolvedDSConfig]:
     previous = read_previous_run_config(checkpoint)
     check_peak_lr(cfg, ds, previous, checkpoint)
-    metrics_file = Path(cfg.run.output_dir) / METRICS_FILE
-    if metrics_file.exists():
-        read_records(metrics_file)  # damaged before its end: refused here, on every rank, before anything is built
     reshard = check_resumable(checkpoint, layout, ds.zero_stage, ds.offload_setting, model_facts)
     state = read_train_state(checkpoint)
     if reshard:

@@ -18,7 +18,6 @@ from scaletrain.observability.memory_planner import (
 )
 from scaletrain.observability.plan_report import print_memory_plan
 from scaletrain.observability.metrics import (
-    METRICS_FILE,
     MetricsLogger,
     PHASES,
     PhaseClock,
@@ -26,7 +25,6 @@ from scaletrain.observability.metrics import (
     ThroughputModel,
     describe_dry_run,
     memory_stats,
-    read_records,
 )
 
 __all__ = [
@@ -37,7 +35,6 @@ __all__ = [
     "HostMemoryPhase",
     "comms_summary",
     "describe_dry_run",
-    "METRICS_FILE",
     "MetricsLogger",
     "PHASES",
     "RunIdentity",
@@ -53,7 +50,6 @@ __all__ = [
     "model_flops",
     "throughput_model",
     "print_memory_plan",
-    "read_records",
     "snapshot_bytes_per_rank",
     "weight_bytes",
 ]

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from collections.abc import Callable
 
-from scaletrain.errors import SAVED_REQUEUE_EXIT_CODE, UsageError
+from scaletrain.errors import SAVED_REQUEUE_EXIT_CODE
 
 log = logging.getLogger(__name__)
 METRICS_FILE = "metrics.jsonl"
@@ -87,36 +87,70 @@ def _secret_free(config: dict) -> dict:
     return {k: v for k, v in config.items() if not any(m in k.lower() for m in markers)}
 
 
-def read_records(path: Path) -> tuple:
-    """(records of a metrics.jsonl, whether its last line was torn). A last line cut short (a SIGKILL or a full disk
-    in the middle of a write) is dropped; an unreadable line before it means the file is damaged: UsageError."""
+@dataclass(frozen=True)
+class RecordScan:
+    """What a metrics.jsonl holds: its readable records, whether its last line was cut short, and the numbers of the
+    unreadable lines before it (a file damaged before its end)."""
+
+    records: list
+    torn: bool
+    damaged: tuple
+
+
+def scan_records(path: Path) -> RecordScan:
+    """Every line of a metrics.jsonl that is a record (a JSON object with an integer step), the others counted."""
     lines = [line for line in path.read_text(encoding="utf-8", errors="replace").splitlines() if line.strip()]
-    records = []
+    records, bad = [], []
     for number, line in enumerate(lines, 1):
         try:
             record = json.loads(line)
-            if not isinstance(record, dict) or not isinstance(record.get("step"), int):
-                raise ValueError("not a record with a step")
-        except ValueError as err:
-            if number == len(lines):
-                return records, True
-            raise UsageError(
-                f"{path}: line {number} is not a metrics record ({err}); the file is damaged before its end",
-                f"move {path.name} aside to resume with a new one (checkpoints are not affected)",
-            ) from None
-        records.append(record)
-    return records, False
+        except ValueError:
+            record = None
+        if isinstance(record, dict) and isinstance(record.get("step"), int):
+            records.append(record)
+        else:
+            bad.append(number)
+    torn = bool(bad) and bad[-1] == len(lines)
+    return RecordScan(records, torn, tuple(bad[:-1] if torn else bad))
+
+
+def read_records(path: Path) -> tuple:
+    """(records of a metrics.jsonl, whether its last line was torn), for the readers of a run (the plots, the export's
+    model card, the scaling report). A last line cut short (a SIGKILL or a full disk in the middle of a write) is
+    dropped; an unreadable line before it is left out with a warning naming it (a resume also sets such a file
+    aside: _keep_records_up_to)."""
+    scan = scan_records(path)
+    if scan.damaged:
+        log.warning("%s: left out line(s) %s, which are not metrics records", path, _line_numbers(scan.damaged))
+    return scan.records, scan.torn
+
+
+def _line_numbers(numbers: tuple) -> str:
+    return ", ".join(map(str, numbers[:5])) + (" ..." if len(numbers) > 5 else "")
 
 
 def _keep_records_up_to(path: Path, step: int) -> list:
     """A resumed run repeats the steps after its checkpoint: drop their old records so each step appears once.
-    The records kept."""
+    A side file never stops a run: a last line cut short is dropped, and a file damaged before its end is kept as
+    it was beside the new one (metrics.jsonl.damaged-TIME), which holds its readable records. The records kept."""
     if not path.exists():
         return []
-    records, torn = read_records(path)
-    if torn:
+    scan = scan_records(path)
+    if scan.torn:
         log.warning("%s: its last line was cut short (a kill or a full disk during a write); dropped it", path)
-    kept = [record for record in records if record["step"] <= step]
+    if scan.damaged:
+        aside = path.with_name(f"{path.name}.damaged-{time.strftime('%Y%m%d-%H%M%S')}")
+        os.replace(path, aside)
+        log.warning(
+            "%s: %d line(s) before its end are not metrics records (line %s); the file as it was is kept in %s, "
+            "and training goes on with its %d readable records",
+            path,
+            len(scan.damaged),
+            _line_numbers(scan.damaged),
+            aside.name,
+            len(scan.records),
+        )
+    kept = [record for record in scan.records if record["step"] <= step]
     tmp = path.with_name(path.name + ".tmp")
     tmp.write_text("".join(json.dumps(record) + "\n" for record in kept))
     os.replace(tmp, path)

@@ -20,7 +20,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from scaletrain.observability import METRICS_FILE, read_records
+from scaletrain.observability.metrics import METRICS_FILE, read_records
 from scripts.launching import Launcher, child_env, run
 
 REPO = Path(__file__).resolve().parents[2]

@@ -39,6 +39,7 @@ from scaletrain.distributed import (
     broadcast_from_main,
     build_pipeline_module,
     communication_threads,
+    check_tensor_groups_within_nodes,
     describe_launch,
     init_distributed,
     preflight_facts,
@@ -176,7 +177,8 @@ class Run:
         self._closing.callback(teardown_distributed, dist.rank)
         self._closing.callback(self._drop_parts)  # nothing of ours holds a process group past the teardown
         settle(dist, facts=preflight_facts(self.resolved))
-        describe_launch(self.resolved)  # the run's first lines: where the ranks landed, then what each runs with
+        hosts = describe_launch(self.resolved)  # the run's first lines: where the ranks landed, what each runs with
+        check_tensor_groups_within_nodes(self.cfg.parallel, dist.layout, hosts)
         if self.cfg.engine.cpu_shm_allreduce:  # after the rendezvous: every rank decides on the same facts
             shm = use_shm_allreduce(dist)
             if shm is not None:

@@ -7,6 +7,7 @@ This face re-exports what other parts of scaletrain use; inside the wing, module
 from scaletrain.distributed.agreement import preflight_facts, settle, stop_with_the_others, store_facts
 from scaletrain.distributed.layout import (
     check_model_layout,
+    check_tensor_groups_within_nodes,
     check_pipeline_layout,
     check_sequence_layout,
     place_ranks,
@@ -51,6 +52,7 @@ __all__ = [
     "check_model_layout",
     "check_pipeline_layout",
     "check_sequence_layout",
+    "check_tensor_groups_within_nodes",
     "communication_threads",
     "describe_launch",
     "hf_state_dict_from_layer_files",

@@ -60,15 +60,15 @@ _MODEL_AXES = (("tp", "tensor"), ("sp", "sequence"), ("pp", "pipeline"))
 _GROUPS_SHOWN = 4  # groups named per axis in the launch line; the rest are counted
 
 
-def _ranks(group: tuple) -> str:
-    """0-3 for consecutive ranks, else 0,2,4."""
-    consecutive = len(group) > 1 and group[-1] - group[0] == len(group) - 1
-    return f"{group[0]}-{group[-1]}" if consecutive else ",".join(map(str, group))
+def rank_ranges(ranks) -> str:
+    """0-3 for consecutive ranks, else 0,2,4 (a group's, or a host's in the launch line)."""
+    consecutive = len(ranks) > 1 and ranks[-1] - ranks[0] == len(ranks) - 1
+    return f"{ranks[0]}-{ranks[-1]}" if consecutive else ",".join(map(str, ranks))
 
 
 def _placed(group: tuple, hosts: list) -> str:
     """A group's ranks and the hosts they run on: 0-1@n1, or 0,2@n1+n2 where it spans hosts."""
-    return f"{_ranks(group)}@{'+'.join(dict.fromkeys(hosts[r] for r in group))}"
+    return f"{rank_ranges(group)}@{'+'.join(dict.fromkeys(hosts[r] for r in group))}"
 
 
 def describe_groups(layout: ParallelLayout, hosts: list) -> str:

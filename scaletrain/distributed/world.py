@@ -15,7 +15,7 @@ import os
 import socket
 from collections.abc import Mapping
 
-from scaletrain.distributed.layout import check_tensor_groups_within_nodes, describe_groups
+from scaletrain.distributed.layout import describe_groups, rank_ranges
 from scaletrain.parts import DistInfo, ResolvedRun
 
 log = logging.getLogger(__name__)
@@ -347,20 +347,13 @@ def remove_shm_buffer(rank: int) -> None:
             pass
 
 
-def _ranges(ranks: list) -> str:
-    return (
-        f"{ranks[0]}-{ranks[-1]}"
-        if len(ranks) > 1 and ranks[-1] - ranks[0] == len(ranks) - 1
-        else ",".join(map(str, ranks))
-    )
-
-
-def describe_launch(resolved: ResolvedRun) -> None:
-    """The first lines of a run's log: where the ranks landed and the layout, then what each of them runs with."""
+def describe_launch(resolved: ResolvedRun) -> list:
+    """The first lines of a run's log: where the ranks landed and the layout, then what each of them runs with.
+    Each rank's host, in rank order (gathered here, a collective)."""
     dist = resolved.dist
     hosts = rank_hosts()
     placement = ", ".join(
-        f"{host} (ranks {_ranges([r for r, h in enumerate(hosts) if h == host])})" for host in dict.fromkeys(hosts)
+        f"{host} (ranks {rank_ranges([r for r, h in enumerate(hosts) if h == host])})" for host in dict.fromkeys(hosts)
     )
     groups = describe_groups(dist.layout, hosts)
     log.info(
@@ -372,7 +365,6 @@ def describe_launch(resolved: ResolvedRun) -> None:
         dist.layout.describe(),
         f"; {groups}" if groups else "",
     )
-    check_tensor_groups_within_nodes(resolved.cfg.parallel, dist.layout, hosts)
     if dist.accelerator == "cpu":
         import torch
 
@@ -392,3 +384,4 @@ def describe_launch(resolved: ResolvedRun) -> None:
     )
     log.info("DeepSpeed config %s: %s", resolved.cfg.engine.config, resolved.ds.summary())
     log.debug("resolved DeepSpeed config (%s):\n%s", resolved.cfg.engine.config, resolved.ds.explained())
+    return hosts

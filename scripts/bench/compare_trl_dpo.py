@@ -315,25 +315,16 @@ def our_command(args: argparse.Namespace, model: Path, pairs: Path, out_dir: Pat
 # ---- Reading both sides' records ----------------------------------------------------------------------------
 
 
-def trl_losses(log_history: list) -> dict:
-    """{step: loss} from a Trainer's state.log_history (the per-step records; the end-of-training summary holds
-    `train_loss`, not `loss`)."""
-    return {step: r["loss"] for step, r in trl_steps(log_history).items()}
-
-
-def our_losses(records: list) -> dict:
-    """{step: loss} from train.py's metrics.jsonl records (evaluation ones hold `eval_loss`)."""
-    return {step: r["loss"] for step, r in our_steps(records).items()}
-
-
-def trl_steps(log_history: list) -> dict:
-    """{step: its record} of a Trainer's per-step log records."""
-    return {r["step"]: r for r in log_history if "loss" in r and "step" in r}
-
-
-def our_steps(records: list) -> dict:
-    """{step: its record} of train.py's training records."""
+def step_records(records: list) -> dict:
+    """{step: its record} of the per-step training records of either side: a Trainer's state.log_history (its
+    end-of-training summary holds `train_loss`, not `loss`) or train.py's metrics.jsonl (evaluation records hold
+    `eval_loss`)."""
     return {r["step"]: r for r in records if "loss" in r and "step" in r}
+
+
+def step_losses(records: list) -> dict:
+    """{step: loss} of step_records."""
+    return {step: r["loss"] for step, r in step_records(records).items()}
 
 
 def expected_first_loss(loss_type: str, beta: float) -> float | None:
@@ -584,8 +575,8 @@ def main(argv: list | None = None) -> None:
         for key, value in our_steady(our_records, args.batch, args.warmup).items():
             ours[key].append(value)
         if n == 0:
-            losses = compare_losses(our_losses(our_records), trl_losses(trl_record["log_history"]))
-            metric_rows = compare_metrics(our_steps(our_records), trl_steps(trl_record["log_history"]), COMPARED)
+            losses = compare_losses(step_losses(our_records), step_losses(trl_record["log_history"]))
+            metric_rows = compare_metrics(step_records(our_records), step_records(trl_record["log_history"]), COMPARED)
             first_trl = trl_record
 
     ratio = statistics.median(ours["median_step"]) / statistics.median(trl["median_step"])

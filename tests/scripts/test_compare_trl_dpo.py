@@ -23,12 +23,12 @@ def test_trl_losses_are_the_per_step_records_of_the_log_history():
         {"eval_loss": 0.5, "epoch": 2.0, "step": 2},
         {"train_runtime": 18.7, "train_loss": 0.68, "train_samples_per_second": 0.85, "epoch": 2.0, "step": 2},
     ]
-    assert cmp.trl_losses(history) == {1: LOG2, 2: 0.67}
+    assert cmp.step_losses(history) == {1: LOG2, 2: 0.67}
 
 
 def test_our_losses_skip_records_without_a_training_loss():
     records = [{"step": 1, "loss": LOG2, "samples_per_s": 4.0}, {"step": 2, "eval_loss": 0.5}, {"step": 2, "loss": 0.6}]
-    assert cmp.our_losses(records) == {1: LOG2, 2: 0.6}
+    assert cmp.step_losses(records) == {1: LOG2, 2: 0.6}
 
 
 def test_compare_losses_gives_the_relative_difference_to_trl_on_common_steps_in_order():

@@ -231,7 +231,7 @@ class Run:
             register_ulysses(module, resolved)
         pipeline_loss = None
         if layout.pp > 1:  # this rank keeps its stage's layers of the model it built
-            module, pipeline_loss = build_pipeline_module(module, layout.pp, cfg.parallel.pipeline_partition)
+            module, pipeline_loss = build_pipeline_module(module, layout, cfg.parallel.pipeline_partition)
         self.model = BuiltModel(module, keepalive, pipeline_loss)
         memory.report()
 

@@ -57,15 +57,17 @@ def _full_state_dict_on_rank0(engine, is_main: bool, trainable_only: bool = Fals
 def export_pipeline_checkpoint(
     ckpt: Path, out_dir, model_config, tokenizer, dtype=None, max_shard_size: str = "5GB"
 ) -> None:
-    """A Hugging Face folder from a pipeline checkpoint's layer files (the weights each stage holds)."""
+    """A Hugging Face folder from a pipeline checkpoint's layer files (the weights each stage holds, each tensor
+    rank's shards joined)."""
     import torch
     from transformers import AutoModelForCausalLM
 
     from scaletrain.distributed import hf_state_dict_from_layer_files
 
-    state = hf_state_dict_from_layer_files(ckpt, json.loads((ckpt / LAYER_MAP).read_text()))
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(model_config)
+    shapes = {name: tuple(value.shape) for name, value in model.state_dict().items()}
+    state = hf_state_dict_from_layer_files(ckpt, json.loads((ckpt / LAYER_MAP).read_text()), shapes)
     missing, unexpected = model.load_state_dict(state, strict=False, assign=True)
     tied = {"lm_head.weight"} if getattr(model_config, "tie_word_embeddings", False) else set()
     if set(missing) - tied or unexpected:

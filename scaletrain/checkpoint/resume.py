@@ -110,6 +110,7 @@ def check_resumable(ckpt: Path, layout: ParallelLayout, zero_stage: int, offload
     saved = read_train_state(ckpt)
     saved_pp = saved.get("pipeline_parallel_size", 1)
     tp_sp = (layout.tp, layout.sp)
+    _check_tensor_stages_change(ckpt, saved, layout)
     if saved_pp != layout.pp:
         _check_pipeline_change(ckpt, saved_pp, layout.pp, tp_sp, zero_stage)
     if layout.pp > 1 and saved.get("world_size") not in (None, 0, layout.dp):
@@ -139,6 +140,22 @@ def check_resumable(ckpt: Path, layout: ParallelLayout, zero_stage: int, offload
             "resume with the model it was trained with, or start fresh with --resume_from_checkpoint none",
         )
     return reshard
+
+
+def _check_tensor_stages_change(ckpt: Path, saved: dict, layout: ParallelLayout) -> None:
+    """A checkpoint of tensor x pipeline parallelism (each stage's layers split over the tensor ranks) resumes on
+    the same layout; DeepSpeed 0.19.8's universal conversion takes the split of the first stage's layers for every
+    stage's. Going to another layout goes through the Hugging Face export, which joins the shards."""
+    saved_tp, saved_pp = saved.get("tensor_parallel_size", 1), saved.get("pipeline_parallel_size", 1)
+    composed = (saved_tp > 1 and saved_pp > 1) or (layout.tp > 1 and layout.pp > 1)
+    if composed and (saved_tp, saved_pp) != (layout.tp, layout.pp):
+        raise UsageError(
+            f"checkpoint {ckpt} was saved with tensor parallel {saved_tp} x pipeline parallel {saved_pp}, this run "
+            f"has tensor parallel {layout.tp} x pipeline parallel {layout.pp}: a tensor x pipeline checkpoint "
+            "resumes on the same layout only",
+            f"resume with --tensor_parallel_size {saved_tp} --pipeline_parallel_size {saved_pp}, or export it "
+            "(scripts/export_hf.py joins the shards) and train on from the export",
+        )
 
 
 def _check_pipeline_change(ckpt: Path, saved_pp: int, pp: int, layout: tuple, zero_stage: int) -> None:

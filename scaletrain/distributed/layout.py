@@ -23,31 +23,54 @@ _SPLIT_DIMENSIONS = (
 )
 
 
-def _layout_flag(parallel: ParallelArgs) -> tuple:
-    """(the flag that sets the model-parallel size, its value)."""
-    if parallel.sequence_parallel_size > 1:
-        return "--sequence_parallel_size", parallel.sequence_parallel_size
-    if parallel.pipeline_parallel_size > 1:
-        return "--pipeline_parallel_size", parallel.pipeline_parallel_size
-    return "--tensor_parallel_size", parallel.tensor_parallel_size
+_SIZE_FLAGS = (
+    ("tensor_parallel_size", "tp"),
+    ("sequence_parallel_size", "sp"),
+    ("pipeline_parallel_size", "pp"),
+)
+# Combinations of model-parallel kinds that do not run yet, each with the reason (TP x PP runs, with DP over both).
+_NOT_COMPOSED = {
+    frozenset(("tp", "sp")): "Ulysses' sequence groups would have to sit inside each tensor-parallel slice, "
+    "with the heads split by TP first (DeepSpeed's Ulysses wrapper builds its own groups over the whole world)",
+    frozenset(("sp", "pp")): "the pipeline's stages pass whole blocks, and Ulysses' all-to-alls would have to run "
+    "inside every stage with the sequence shards between stages",
+}
+
+
+def _chosen_sizes(parallel: ParallelArgs) -> list:
+    """[(flag, size)] of each model-parallel kind the run asks for (size > 1)."""
+    return [(f"--{name}", getattr(parallel, name)) for name, _ in _SIZE_FLAGS if getattr(parallel, name) > 1]
+
+
+def check_composition(parallel: ParallelArgs) -> None:
+    """Tensor x pipeline parallelism (with data parallelism over both) composes; sequence parallelism runs with
+    data parallelism only: one line naming the combination and why."""
+    axes = {axis for name, axis in _SIZE_FLAGS if getattr(parallel, name) > 1}
+    for pair, reason in _NOT_COMPOSED.items():
+        if pair <= axes:
+            flags = " with ".join(f"{flag} {size}" for flag, size in _chosen_sizes(parallel))
+            raise UsageError(
+                f"{flags}: sequence parallelism does not compose with "
+                f"{'tensor' if 'tp' in pair else 'pipeline'} parallelism yet ({reason})",
+                "use --sequence_parallel_size with data parallelism alone, or drop it "
+                "(tensor x pipeline x data parallelism composes)",
+            )
 
 
 def apply_layout(parallel: ParallelArgs, dist: DistInfo) -> DistInfo:
-    """`dist` with the layout set (its dp_world_size and dp_rank follow); the world must split, and one kind of
-    model parallelism at a time (--plan alone plans them together)."""
-    sizes = ("tensor_parallel_size", "sequence_parallel_size", "pipeline_parallel_size")
-    chosen = [name for name in sizes if getattr(parallel, name) > 1]
-    if len(chosen) > 1:
+    """`dist` with the layout set (its dp_world_size and dp_rank follow): the world must split into the product
+    of the model-parallel sizes, and the kinds must compose."""
+    check_composition(parallel)
+    chosen = _chosen_sizes(parallel)
+    product = 1
+    for _, size in chosen:
+        product *= size
+    if dist.world_size % product:
+        named = " x ".join(f"{flag} {size}" for flag, size in chosen)
         raise UsageError(
-            " with ".join(f"--{name} {getattr(parallel, name)}" for name in chosen)
-            + ": combining model-parallel layouts is not supported yet (--plan can plan them)",
-            "choose one of them",
-        )
-    flag, size = _layout_flag(parallel)
-    if dist.world_size % size:
-        raise UsageError(
-            f"{flag} {size} does not divide the world size {dist.world_size}",
-            f"launch a multiple of {size} ranks, or choose a size that divides {dist.world_size}",
+            f"{named} does not divide the world size {dist.world_size}"
+            + (f" (their product is {product})" if len(chosen) > 1 else ""),
+            f"launch a multiple of {product} ranks, or choose sizes whose product divides {dist.world_size}",
         )
     layout = ParallelLayout.of_world(
         dist.world_size, parallel.tensor_parallel_size, parallel.sequence_parallel_size, parallel.pipeline_parallel_size
@@ -132,19 +155,19 @@ def check_planned_layout(parallel: ParallelArgs, planning: PlanningArgs) -> None
 
 def check_model_layout(parallel: ParallelArgs, model_config) -> None:
     """Every dimension the tensor-parallel split cuts must divide evenly (a rank with no attention head, or uneven
-    shards, is a silent waste or an error deep inside DeepSpeed)."""
-    flag, size = _layout_flag(parallel)
-    if size == 1 or flag == "--pipeline_parallel_size":  # stages cut between layers (pipeline.py checks)
-        return
+    shards, is a silent waste or an error deep inside DeepSpeed); Ulysses splits the heads too. Pipeline stages cut
+    between layers (pipeline.py checks them)."""
     text_config = model_config.get_text_config() if hasattr(model_config, "get_text_config") else model_config
-    if flag == "--sequence_parallel_size":
-        _check_ulysses_heads(size, text_config)
+    if parallel.sequence_parallel_size > 1:
+        _check_ulysses_heads(parallel.sequence_parallel_size, text_config)
+    tp = parallel.tensor_parallel_size
+    if tp == 1:
         return
     for name, what in _SPLIT_DIMENSIONS:  # AutoTP splits every linear layer
         value = getattr(text_config, name, None)
-        if isinstance(value, int) and value % size:
+        if isinstance(value, int) and value % tp:
             raise UsageError(
-                f"{flag} {size}: the model's {value} {what} ({name}) do not split into {size} equal parts",
+                f"--tensor_parallel_size {tp}: the model's {value} {what} ({name}) do not split into {tp} equal parts",
                 f"choose a size that divides {value}",
             )
 
@@ -234,10 +257,41 @@ def resolve_layout(parallel: ParallelArgs, ds: ResolvedDSConfig, config_path: st
             "remove the key",
         )
     ds = ds.with_values({"tensor_parallel.autotp_size": tp}, "--tensor_parallel_size")
+    if parallel.pipeline_parallel_size > 1:
+        ds = _resolve_tensor_stages(ds, section, config_path)
     # With tied embeddings AutoTP would switch to a vocabulary-parallel head by itself (logits of half the
     # vocabulary per rank); the pipeline's token-weighted loss is computed from the whole logits.
     return ds.with_values(
         {"tensor_parallel.vocab_parallel_lm_head": False}, "tensor parallelism: the loss reads whole logits"
+    )
+
+
+# How AutoTP splits a pipeline stage's decoder layers (Llama, Mistral and Qwen2 names: pipeline.TENSOR_STAGES):
+# attention heads and MLP columns over the tensor-parallel group, the output projections by rows (their all-reduce
+# sums the shards); the embedding, norms and head stay whole on every rank. By pattern, since the model's own TP
+# plan names layers "model.layers.N..." and a stage's are "N.layer...".
+TENSOR_STAGE_PARTITION = {
+    "use_default_specs": False,
+    "layer_specs": [
+        {"patterns": [r".*\.self_attn\.[qkv]_proj\.weight$"], "partition_type": "column"},
+        {"patterns": [r".*\.self_attn\.o_proj\.weight$"], "partition_type": "row"},
+        {"patterns": [r".*\.mlp\.(gate|up)_proj\.weight$"], "partition_type": "column"},
+        {"patterns": [r".*\.mlp\.down_proj\.weight$"], "partition_type": "row"},
+    ],
+}
+
+
+def _resolve_tensor_stages(ds: ResolvedDSConfig, section: dict, config_path: str) -> ResolvedDSConfig:
+    """Tensor x pipeline parallelism: AutoTP splits each stage's layers by the pipeline's own parameter names."""
+    for key in ("partition_config", "preset_model"):
+        if section.get(key) is not None:
+            raise UsageError(
+                f"tensor_parallel.{key} in {config_path} with --tensor_parallel_size and --pipeline_parallel_size: "
+                "the stages' layers are split by the pipeline's own parameter names",
+                "remove the key",
+            )
+    return ds.with_values(
+        {"tensor_parallel.partition_config": TENSOR_STAGE_PARTITION}, "tensor x pipeline parallelism: split by stage"
     )
 
 
@@ -316,5 +370,7 @@ def check_pipeline_run(
 def check_pipeline_layout(parallel: ParallelArgs, resolved: ResolvedRun, config_path: str) -> None:
     """Pipeline parallelism: the model maps onto its stages, and the run asks nothing the pipeline path lacks."""
     pp, ds = parallel.pipeline_parallel_size, resolved.ds
-    check_pipeline_model(pp, resolved.model_config, resolved.attn_implementation, resolved.block_size)
+    check_pipeline_model(
+        pp, resolved.model_config, resolved.attn_implementation, resolved.block_size, parallel.tensor_parallel_size
+    )
     check_pipeline_run(parallel, resolved.isolates_documents, ds.precision, ds.zero_stage, config_path)

@@ -22,6 +22,10 @@ ROTARY = ("llama", "mistral", "qwen2", "qwen3")
 LEARNED_POSITIONS = ("gpt2",)
 SUPPORTED = ROTARY + LEARNED_POSITIONS
 SUPPORTED_NAMES = "Llama, Mistral, Qwen2, Qwen3 (rotary) and GPT-2"
+# Stages AutoTP splits by name under tensor x pipeline parallelism (layout.TENSOR_STAGE_PARTITION): separate q/k/v
+# and gate/up/down projections. Qwen3's per-head q/k norms would need their gradients summed over the tensor group,
+# GPT-2's fused c_attn a split per q/k/v.
+TENSOR_STAGES = ("llama", "mistral", "qwen2")
 # Attention that is causal with no mask tensor (SDPA's and flash attention's is_causal); eager needs a mask.
 CAUSAL_WITHOUT_MASK = ("sdpa", "flash_attention_2", "flash_attention_3")
 
@@ -36,8 +40,9 @@ def uses_sliding_window(model_config, block_size: int) -> bool:
     return layer_types is None or "sliding_attention" in layer_types
 
 
-def check_pipeline_model(pp: int, model_config, attn_implementation: str, block_size: int = 0) -> None:
-    """Before anything is built: the model maps onto stages, and its layers split evenly over them."""
+def check_pipeline_model(pp: int, model_config, attn_implementation: str, block_size: int = 0, tp: int = 1) -> None:
+    """Before anything is built: the model maps onto stages (and, with tensor parallelism, its stages split by
+    name), and its layers split evenly over them."""
     if pp == 1:
         return
     model_type = getattr(model_config, "model_type", None)
@@ -46,6 +51,12 @@ def check_pipeline_model(pp: int, model_config, attn_implementation: str, block_
             f"--pipeline_parallel_size {pp}: the model type {model_type!r} has no pipeline mapping "
             f"here (supported: {SUPPORTED_NAMES})",
             "use a supported model, or no pipeline parallelism",
+        )
+    if tp > 1 and model_type not in TENSOR_STAGES:
+        raise UsageError(
+            f"--tensor_parallel_size {tp} with --pipeline_parallel_size {pp}: the model type {model_type!r} has no "
+            "tensor split of its stages here (supported: Llama, Mistral, Qwen2)",
+            "use one of them, or either kind of parallelism alone",
         )
     layers = model_config.num_hidden_layers
     if layers % pp:
@@ -239,10 +250,14 @@ class TokenLoss:
         return summed * self.scale
 
 
-def build_pipeline_module(hf_model, pp: int, partition: str):
-    """The PipelineModule of `hf_model` over `pp` stages; this rank builds only its own stage's layers (and, for a
-    model on the meta device, reads only their weights: model/stage_weights.py). Needs the process group. Returns
-    (module, loss)."""
+def build_pipeline_module(hf_model, layout, partition: str):
+    """The PipelineModule of `hf_model` over the layout's pipeline stages; this rank builds only its own stage's
+    layers (and, for a model on the meta device, reads only their weights: model/stage_weights.py). Under tensor x
+    pipeline parallelism the module's grid has a tensor axis (DeepSpeed's PipeModelDataParallelTopology: the ranks
+    numbered as parts.ParallelLayout numbers them), which AutoTP splits each stage over when the engine is built.
+    Needs the process group. Returns (module, loss)."""
+    from deepspeed.runtime.pipe.topology import PipeModelDataParallelTopology
+
     from scaletrain.engine import pipeline_module_class, release_other_stages
 
     weights = getattr(hf_model, "stage_weights", None)
@@ -253,7 +268,9 @@ def build_pipeline_module(hf_model, pp: int, partition: str):
     # (the embedding and the head weigh in).
     method = f"type:{decoder_name}" if partition == "uniform" else "parameters"
     sizes = [_spec_parameters(spec) for spec in specs]  # before the other stages' specs are emptied
-    module = PipelineModule(layers=specs, num_stages=pp, loss_fn=loss, partition_method=method)
+    pp = layout.pp
+    topology = PipeModelDataParallelTopology(num_pp=pp, num_mp=layout.tp, num_dp=layout.dp) if layout.tp > 1 else None
+    module = PipelineModule(layers=specs, num_stages=pp, topology=topology, loss_fn=loss, partition_method=method)
     release_other_stages(module)
     log.info(
         "pipeline stages (--pipeline_partition %s): %s",
@@ -265,6 +282,8 @@ def build_pipeline_module(hf_model, pp: int, partition: str):
     )
     module.scaletrain_layers = places  # how its layer files map back to Hugging Face names
     module.hf_config = hf_model.config
+    if layout.tp > 1:
+        module.config = hf_model.config  # AutoTP reads the head counts from the model's config
     return module, loss
 
 
@@ -342,25 +361,51 @@ def layer_map(module) -> list:
     return [{"strip": p.strip, "prefix": p.prefix} for p in module.scaletrain_layers]
 
 
-def hf_state_dict_from_layer_files(ckpt, places: list) -> dict:
-    """A Hugging Face state dict from a pipeline checkpoint's `layer_XX-model_states.pt` files (one per layer,
-    written by each stage's first data-parallel rank)."""
+def hf_state_dict_from_layer_files(ckpt, places: list, full_shapes: dict | None = None) -> dict:
+    """A Hugging Face state dict from a pipeline checkpoint's layer files, written by each stage's first
+    data-parallel rank: `layer_XX-model_states.pt`, or under tensor x pipeline parallelism one per tensor rank
+    (`layer_XX-model_YY-model_states.pt`), whose shards are joined along the dimension AutoTP split (the one where a
+    shard is 1/T of the model's shape in `full_shapes`; a weight every tensor rank holds whole is taken once)."""
     import re
+    from collections import defaultdict
 
     import torch
 
-    state = {}
+    shards = defaultdict(dict)  # layer index -> tensor rank -> its state dict
     files = sorted(ckpt.glob("layer_*-model_states.pt"))
     if not files:
         raise FileNotFoundError(f"{ckpt}: no pipeline layer files (layer_XX-model_states.pt)")
     for path in files:
-        index = int(re.match(r"layer_(\d+)", path.name).group(1))
-        place = places[index]
-        if place["prefix"] is None:
-            continue
-        for key, value in torch.load(path, map_location="cpu", weights_only=True).items():
+        found = re.match(r"layer_(\d+)(?:-model_(\d+))?-model_states\.pt$", path.name)
+        index, tensor_rank = int(found.group(1)), int(found.group(2) or 0)
+        if places[index]["prefix"] is not None:
+            shards[index][tensor_rank] = torch.load(path, map_location="cpu", weights_only=True)
+    state = {}
+    for index, by_rank in sorted(shards.items()):
+        place, ranks = places[index], [by_rank[r] for r in sorted(by_rank)]
+        for key in ranks[0]:
             name = _hf_key(place, key)
             if name is None:
-                raise ValueError(f"{path}: key {key!r} does not start with {place['strip']!r}")
-            state[name] = value
+                raise ValueError(f"{ckpt}: layer {index}'s key {key!r} does not start with {place['strip']!r}")
+            state[name] = _joined([shard[key] for shard in ranks], (full_shapes or {}).get(name), name)
     return state
+
+
+def _joined(pieces: list, full_shape, name: str):
+    """One weight from its tensor-parallel shards: concatenated along the dimension that is split, or the first
+    piece where every rank holds it whole."""
+    import torch
+
+    if len(pieces) == 1 or full_shape is None or tuple(pieces[0].shape) == tuple(full_shape):
+        return pieces[0]
+    split = [
+        d
+        for d, (part, whole) in enumerate(zip(pieces[0].shape, full_shape, strict=True))
+        if part * len(pieces) == whole
+    ]
+    if len(split) != 1:
+        raise ValueError(
+            f"{name}: {len(pieces)} tensor-parallel shards of {tuple(pieces[0].shape)} do not make "
+            f"the model's {tuple(full_shape)}"
+        )
+    return torch.cat(pieces, dim=split[0])

@@ -28,6 +28,7 @@ def parameter_groups(model, weight_decay: float) -> list:
 def build_engine(model, ds_config: dict, weight_decay: float, schedule: LRSchedule, layout: ParallelLayout):
     """deepspeed.initialize with the run's parameter groups and LR schedule; AutoTP's groups first under tensor
     parallelism. DeepSpeed gets a copy of the config: the run's stays as resolved."""
+    import contextlib
     import copy
 
     import deepspeed
@@ -38,20 +39,23 @@ def build_engine(model, ds_config: dict, weight_decay: float, schedule: LRSchedu
 
     # The optimizer's compiled ops, built or loaded under our lock (a stale torch build lock cannot hang us).
     ops.load_ops(ops.engine_ops(ds_config, get_accelerator().device_name()))
-    mpu = None
-    if layout.tp > 1:  # AutoTP shards the model inside initialize (tensor_parallel.autotp_size)
-        from scaletrain.engine.ds_internals import tensor_parallel_mpu
-
-        mpu = tensor_parallel_mpu(layout.tp)
-    engine, _, _, _ = deepspeed.initialize(
-        model=model,
-        model_parameters=parameter_groups(model, weight_decay),
-        config=copy.deepcopy(ds_config),
-        lr_scheduler=lambda optimizer: LambdaLR(optimizer, schedule.multiplier),
-        mpu=mpu,
-    )
     from deepspeed.pipe import PipelineModule
 
+    from scaletrain.engine.ds_internals import tensor_parallel_mpu, tensor_parallel_stages
+
+    mpu, groups = None, contextlib.nullcontext()
+    if layout.tp > 1 and isinstance(model, PipelineModule):  # AutoTP splits each stage over the grid's groups
+        groups = tensor_parallel_stages(model.mpu())
+    elif layout.tp > 1:  # AutoTP shards the model inside initialize (tensor_parallel.autotp_size)
+        mpu = tensor_parallel_mpu(layout.tp)
+    with groups:
+        engine, _, _, _ = deepspeed.initialize(
+            model=model,
+            model_parameters=parameter_groups(model, weight_decay),
+            config=copy.deepcopy(ds_config),
+            lr_scheduler=lambda optimizer: LambdaLR(optimizer, schedule.multiplier),
+            mpu=mpu,
+        )
     if isinstance(model, PipelineModule) and engine.zero_optimization_stage() == 0 and engine.gradient_clipping() > 0:
         from scaletrain.engine.ds_internals import fix_pipeline_stage0_clipping
 

@@ -192,9 +192,9 @@ class PipelineStep:
         self.loss.loss_sum = 0.0
         agreed: list = []
 
-        def before_update() -> None:  # the last stage holds the losses; every other rank adds 0
+        def before_update() -> None:  # the last stage holds the losses (once per tensor group); the rest add 0
             clock.lap("pipeline")
-            agreed.append(boundary.agree(self.loss.loss_sum, targets))
+            agreed.append(boundary.agree(self.loss.loss_sum * settings.loss_share, targets))
             if switch:
                 switch.skip = agreed[0].forced is not None
             clock.lap("sync")
@@ -210,7 +210,8 @@ class PipelineStep:
         if switch and agreed[0].forced is not None:
             switch.confirm_skipped(engine)
         clock.lap("optimizer")
-        return StepResult(self.loss.loss_sum, targets, blocks, agreed[0], applied=engine.was_step_applied())
+        loss_sum = self.loss.loss_sum * settings.loss_share
+        return StepResult(loss_sum, targets, blocks, agreed[0], applied=engine.was_step_applied())
 
     def evaluate(self, engine, batches: EvalBatches, prefix: str = "eval_") -> dict:
         """Mean loss over the evaluation blocks through the pipe's inference schedule, across ranks."""
@@ -231,7 +232,8 @@ class PipelineStep:
         engine.reset_activation_shape()
         engine.train()
         sums = torch.zeros(2, dtype=torch.float64, device=engine.device)
-        if engine.is_last_stage():  # one rank per data-parallel replica counts its batches
+        # One rank per data-parallel replica counts its batches (the tensor ranks of the last stage hold one loss).
+        if engine.is_last_stage() and engine.grid.get_slice_parallel_rank() == 0:
             sums[0] += self.loss.loss_sum.double() if torch.is_tensor(self.loss.loss_sum) else self.loss.loss_sum
             sums[1] += batches.targets()
         ds_comm.all_reduce(sums)

@@ -381,9 +381,9 @@ def test_unsupported_run_options_are_refused_with_the_reason():
         check_pipeline_run(pp, True, "fp32", 1, "x.json")
     with pytest.raises(UsageError, match="with ZeRO stage 0 in bf16"):
         check_pipeline_run(pp, False, "bf16", 0, "x.json")
-    with pytest.raises(UsageError, match="--tensor_parallel_size 2 with --pipeline_parallel_size 2: combining"):
+    with pytest.raises(UsageError, match="--sequence_parallel_size 2 with --pipeline_parallel_size 2: sequence par"):
         apply_layout(
-            parse_run_config(["--tensor_parallel_size", "2", "--pipeline_parallel_size", "2"]).parallel,
+            parse_run_config(["--sequence_parallel_size", "2", "--pipeline_parallel_size", "2"]).parallel,
             DistInfo(rank=0, local_rank=0, world_size=4, launcher="srun"),
         )
 

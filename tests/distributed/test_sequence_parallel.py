@@ -210,8 +210,8 @@ def test_sequence_layout_checks():
     assert ds.config["sequence_parallel_size"] == 2 and "tensor_parallel" not in ds.config
     with pytest.raises(
         UsageError,
-        match="--tensor_parallel_size 2 with --sequence_parallel_size 2: combining "
-        "model-parallel layouts is not supported yet",
+        match="--tensor_parallel_size 2 with --sequence_parallel_size 2: sequence parallelism does not compose "
+        "with tensor parallelism yet",
     ):
         apply_layout(
             ParallelArgs(tensor_parallel_size=2, sequence_parallel_size=2),

@@ -94,8 +94,11 @@ from scaletrain.engine.ds_internals.release import (
 from scaletrain.engine.ds_internals.tensor_parallel import (
     TP_GATHER,
     TP_GROUPS,
+    TP_GROUP_GLOBALS,
+    TP_STATES,
     gathered_state_dict,
     tensor_parallel_mpu,
+    tensor_parallel_stages,
 )
 
 __all__ = [
@@ -143,6 +146,8 @@ __all__ = [
     "SkipSwitch",
     "TP_GATHER",
     "TP_GROUPS",
+    "TP_GROUP_GLOBALS",
+    "TP_STATES",
     "UNIVERSAL_CHECKPOINT_VERSION",
     "UNIVERSAL_CONVERTER",
     "UNIVERSAL_VERSION",
@@ -167,6 +172,7 @@ __all__ = [
     "require",
     "skip_shm_op_build",
     "tensor_parallel_mpu",
+    "tensor_parallel_stages",
     "torch_build_directory",
     "separate_step_counters",
     "universal_checkpoint_info",

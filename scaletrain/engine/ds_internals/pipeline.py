@@ -60,8 +60,10 @@ def fix_pipeline_stage0_clipping(engine) -> None:
     enter the norm and every stage clips by it.
 
     Each parameter counts once: a tied weight (held by the first and last stage, its gradient all-reduced between
-    them) only on the lowest rank of its tie group. The norm is summed over the pipe group (the data-parallel
-    replicas hold equal, already averaged gradients) and kept as the engine's global gradient norm."""
+    them) only on the lowest rank of its tie group, and under tensor parallelism a weight every tensor rank holds
+    whole only on tensor rank 0 (a split one, marked tensor_model_parallel by AutoTP, on each). The norm is summed
+    over the grid's model-parallel group (the stages x their tensor ranks: the data-parallel replicas hold equal,
+    already averaged gradients) and kept as the engine's global gradient norm."""
     import torch
     import torch.distributed as torch_dist
 
@@ -71,7 +73,12 @@ def fix_pipeline_stage0_clipping(engine) -> None:
     for comm in getattr(module, "tied_comms", {}).values():
         if engine.global_rank != min(comm["ranks"]):
             tied_elsewhere.update(id(p) for p in comm["module"].parameters())
-    counted = [p for p in module.parameters() if id(p) not in tied_elsewhere]
+    first_tensor_rank = grid.get_slice_parallel_rank() == 0
+    counted = [
+        p
+        for p in module.parameters()
+        if id(p) not in tied_elsewhere and (first_tensor_rank or getattr(p, "tensor_model_parallel", False))
+    ]
     max_norm = engine.gradient_clipping()
 
     def clip_over_every_stage():
@@ -79,7 +86,7 @@ def fix_pipeline_stage0_clipping(engine) -> None:
         for param in counted:
             if param.grad is not None:
                 squares += param.grad.detach().double().pow(2).sum()
-        torch_dist.all_reduce(squares, group=grid.get_pipe_parallel_group())
+        torch_dist.all_reduce(squares, group=grid.get_model_parallel_group())
         norm = float(squares.sqrt())
         factor = max_norm / (norm + 1e-6)
         if factor < 1.0:

@@ -1,0 +1,214 @@
+"""Tensor x pipeline x data parallelism composed in one run (--tensor_parallel_size with --pipeline_parallel_size):
+each stage's decoder layers split over its tensor-parallel group by AutoTP, the pipe grid's groups for everything
+(tensor groups consecutive ranks, pipeline groups across them, data-parallel replicas per stage), against a
+single-rank run of the same global batch.
+
+Real runs of train.py on gloo CPU ranks, fp32, clipping that acts: TP 2 x PP 2 on 4 ranks and TP 2 x PP 2 x DP 2 on
+8 (the tiny Llama: grouped-query attention, untied), and a tiny Qwen2 (attention biases, tied embeddings) under
+ZeRO-0, whose clipping norm our fix sums over stages and tensor ranks; per-step losses within 1e-5 relative and
+gradient norms within 1e-4 over 8 steps, the evaluation loss, the Hugging Face export (the tensor shards joined, the
+stages' layer files read) equal to the reference's, and an exact resume on the same layout. Then what is refused
+before anything is built: the combinations that do not compose yet, sizes that do not divide, models whose stages
+are not split by name, a resume on another layout.
+"""
+
+from __future__ import annotations
+
+import socket
+from pathlib import Path
+
+import pytest
+
+from scaletrain.checkpoint.resume import check_resumable
+from scaletrain.config import ParallelArgs
+from scaletrain.distributed.layout import TENSOR_STAGE_PARTITION, apply_layout, check_model_layout, resolve_layout
+from scaletrain.distributed.pipeline import _joined, check_pipeline_model
+from scaletrain.errors import UsageError
+from scaletrain.parts import DistInfo, ParallelLayout
+from tests.distributed.test_pipeline_parallel import _eval_losses, _flags, _tiny
+from tests.distributed.test_tensor_parallel import (
+    _assert_matches,
+    _assert_same_export,
+    _relative_difference,
+    _resolved,
+    resume_copy_at_step4,
+)
+from tests.harness import REPO, check_ok, launch, layout_flags
+
+TP_PP = ["--tensor_parallel_size", "2", "--pipeline_parallel_size", "2"]
+# The global batch stays the reference's 4 blocks: 2 micro-batches a step through the 1F1B schedule.
+MICRO = {4: ["--per_device_train_batch_size", "2", "--gradient_accumulation_steps", "2"]}
+MICRO[8] = ["--per_device_train_batch_size", "1", "--gradient_accumulation_steps", "2"]
+
+
+@pytest.fixture(scope="module")
+def tp2_pp2(tmp_path_factory, cache_dir) -> Path:
+    run_dir = tmp_path_factory.mktemp("tp_pp") / "tp2_pp2"
+    proc = launch(REPO / "train.py", _flags(run_dir, "zero1", *TP_PP, *MICRO[4]), "deepspeed", cache_dir, nprocs=4)
+    check_ok(proc)
+    host = socket.gethostname()
+    assert (
+        "layout: tensor parallel 2 x pipeline parallel 2 x data parallel 1; "
+        f"tensor groups 0-1@{host}, 2-3@{host}; pipeline groups 0,2@{host}, 1,3@{host}"
+    ) in proc.stdout
+    return run_dir
+
+
+@pytest.mark.slow  # a 4-rank run (shared) and an 8-rank run of 8 steps against the shared 1-rank reference
+@pytest.mark.parametrize("nprocs", [4, 8])
+def test_tensor_x_pipeline_x_data_parallel_matches_one_rank(nprocs, layout_reference, tp2_pp2, tmp_path, cache_dir):
+    """TP 2 x PP 2 on 4 ranks, and TP 2 x PP 2 x DP 2 on 8 (each replica reads half the global batch)."""
+    if nprocs == 4:
+        run_dir = tp2_pp2
+    else:
+        run_dir = tmp_path / "tp2_pp2_dp2"
+        proc = launch(REPO / "train.py", _flags(run_dir, "zero1", *TP_PP, *MICRO[8]), "deepspeed", cache_dir, nprocs=8)
+        check_ok(proc)
+        assert "layout: tensor parallel 2 x pipeline parallel 2 x data parallel 2" in proc.stdout
+    _assert_matches(run_dir, layout_reference)
+    _assert_same_export(run_dir, layout_reference)  # 7 layer files x 2 tensor ranks, joined
+    assert _eval_losses(run_dir) == pytest.approx(_eval_losses(layout_reference), rel=1e-5)
+
+
+@pytest.mark.slow  # resumes the 4-rank run from its step-4 checkpoint on the same layout
+def test_a_tensor_x_pipeline_checkpoint_resumes_exactly_on_the_same_layout(
+    layout_reference, tp2_pp2, tmp_path, cache_dir
+):
+    run_dir = tmp_path / "resumed"
+    resume_copy_at_step4(tp2_pp2, run_dir, [*TP_PP, *MICRO[4]], 4, cache_dir)
+    _assert_matches(run_dir, layout_reference, steps=range(5, 9))
+    _assert_same_export(run_dir, layout_reference)
+
+
+@pytest.fixture(scope="module")
+def tiny_qwen2(tmp_path_factory) -> Path:
+    """Another family: Qwen2 (biases on q, k and v, which AutoTP splits with their weights), tied embeddings (the
+    embedding and its tie on the last stage stay whole), grouped-query attention (2 key/value heads for 4)."""
+    from transformers import Qwen2Config
+
+    folder = tmp_path_factory.mktemp("qwen2") / "config"
+    Qwen2Config(
+        vocab_size=4096,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        tie_word_embeddings=True,
+        bos_token_id=0,
+        eos_token_id=1,
+    ).save_pretrained(folder)
+    return folder
+
+
+@pytest.mark.slow  # a 1-rank and a 4-rank Qwen2 run of 8 steps
+def test_a_tied_qwen2_under_zero0_matches_one_rank(tiny_qwen2, tmp_path, cache_dir):
+    """ZeRO-0: DeepSpeed's own clipping under a pipeline is wrong (test_pipeline_parallel.py); ours sums the norm
+    over the stages and the tensor ranks, the whole weights once per tensor group."""
+    from transformers import AutoModelForCausalLM
+
+    from tests.distributed.test_pipeline_parallel import _zero0_config
+
+    model = ["--config_name", str(tiny_qwen2), "--tokenizer_name", str(REPO / "data" / "tiny-llama")]
+    reference, run_dir = tmp_path / "reference", tmp_path / "tp2_pp2"
+    check_ok(launch(REPO / "train.py", layout_flags(reference, "zero2", *model), "python", cache_dir))
+    flags = _flags(run_dir, _zero0_config(tmp_path), *model, *TP_PP, *MICRO[4])
+    check_ok(launch(REPO / "train.py", flags, "deepspeed", cache_dir, nprocs=4))
+    _assert_matches(run_dir, reference)
+    got = AutoModelForCausalLM.from_pretrained(run_dir).state_dict()
+    expected = AutoModelForCausalLM.from_pretrained(reference).state_dict()
+    assert got.keys() == expected.keys()
+    for name in expected:
+        assert got[name].shape == expected[name].shape, name
+        assert _relative_difference(got[name], expected[name]) < 1e-4, name
+    assert got["lm_head.weight"].data_ptr() == got["model.embed_tokens.weight"].data_ptr()  # still tied
+
+
+def test_tensor_x_pipeline_x_data_is_a_layout_and_sequence_parallelism_with_another_kind_is_refused():
+    dist = DistInfo(rank=5, local_rank=1, world_size=8, launcher="srun")
+    placed = apply_layout(ParallelArgs(tensor_parallel_size=2, pipeline_parallel_size=2), dist)
+    assert placed.layout == ParallelLayout(tp=2, pp=2, dp=2)
+    assert (placed.coords.tp, placed.coords.dp, placed.coords.pp) == (1, 0, 1)
+    with pytest.raises(
+        UsageError,
+        match=r"--tensor_parallel_size 2 x --pipeline_parallel_size 3 does not divide the "
+        r"world size 8 \(their product is 6\)",
+    ):
+        apply_layout(ParallelArgs(tensor_parallel_size=2, pipeline_parallel_size=3), dist)
+    for sizes, kind in (({"tensor_parallel_size": 2}, "tensor"), ({"pipeline_parallel_size": 2}, "pipeline")):
+        with pytest.raises(UsageError, match=f"sequence parallelism does not compose with {kind} parallelism yet"):
+            apply_layout(ParallelArgs(sequence_parallel_size=2, **sizes), dist)
+
+
+def test_each_stage_is_split_by_the_pipelines_names_for_the_families_that_have_them():
+    from transformers import AutoConfig
+
+    llama = AutoConfig.from_pretrained(REPO / "data" / "tiny-llama")
+    check_model_layout(ParallelArgs(tensor_parallel_size=2, pipeline_parallel_size=2), llama)
+    with pytest.raises(UsageError, match=r"--tensor_parallel_size 4: the model's 2 key/value heads"):
+        check_model_layout(ParallelArgs(tensor_parallel_size=4, pipeline_parallel_size=2), llama)
+    for model_type in ("llama", "mistral", "qwen2"):
+        check_pipeline_model(2, _tiny(model_type), "sdpa", tp=2)
+    for model_type in ("qwen3", "gpt2"):
+        check_pipeline_model(2, _tiny(model_type), "sdpa")  # a pipeline alone maps them
+        with pytest.raises(UsageError, match=f"the model type '{model_type}' has no tensor split of its stages"):
+            check_pipeline_model(2, _tiny(model_type), "sdpa", tp=2)
+    resolved = resolve_layout(
+        ParallelArgs(tensor_parallel_size=2, pipeline_parallel_size=2), _resolved({"zero_optimization": {}}), "x.json"
+    )
+    assert resolved.config["tensor_parallel"]["partition_config"] == TENSOR_STAGE_PARTITION
+    assert resolved.config["tensor_parallel"]["autotp_size"] == 2
+    with pytest.raises(UsageError, match="tensor_parallel.preset_model in x.json with --tensor_parallel_size and"):
+        resolve_layout(
+            ParallelArgs(tensor_parallel_size=2, pipeline_parallel_size=2),
+            _resolved({"tensor_parallel": {"preset_model": "llama"}}),
+            "x.json",
+        )
+
+
+def test_the_stage_partition_matches_every_split_projection_and_nothing_whole():
+    import re
+
+    patterns = [(p, spec["partition_type"]) for spec in TENSOR_STAGE_PARTITION["layer_specs"] for p in spec["patterns"]]
+
+    def kind(name):
+        found = [t for p, t in patterns if re.match(p, name)]
+        assert len(found) <= 1, name
+        return found[0] if found else None
+
+    for projection, expected in (("q", "column"), ("k", "column"), ("v", "column"), ("o", "row")):
+        assert kind(f"3.layer.self_attn.{projection}_proj.weight") == expected
+    assert kind("3.layer.mlp.gate_proj.weight") == kind("3.layer.mlp.up_proj.weight") == "column"
+    assert kind("3.layer.mlp.down_proj.weight") == "row"
+    for whole in ("0.embedding.weight", "3.layer.input_layernorm.weight", "5.norm.weight", "6.head.weight"):
+        assert kind(whole) is None
+
+
+def test_tensor_shards_join_along_the_split_dimension():
+    import torch
+
+    column, row = torch.arange(24.0).reshape(4, 6), torch.arange(24.0).reshape(6, 4)
+    assert torch.equal(_joined(list(column.chunk(2, dim=0)), (4, 6), "q"), column)
+    assert torch.equal(_joined(list(row.chunk(2, dim=1)), (6, 4), "o"), row)
+    whole = torch.ones(6)
+    assert _joined([whole, whole.clone()], (6,), "norm") is whole
+    with pytest.raises(ValueError, match="2 tensor-parallel shards of \\(3, 6\\) do not make the model's \\(4, 6\\)"):
+        _joined([column[:3], column[:3]], (4, 6), "q")
+
+
+def test_a_tensor_x_pipeline_checkpoint_resumes_on_its_own_layout_only(tmp_path):
+    import json
+
+    ckpt = tmp_path / "step4"
+    ckpt.mkdir()
+    saved = {"step": 4, "world_size": 1, "tensor_parallel_size": 2, "pipeline_parallel_size": 2, "zero_stage": 1}
+    (ckpt / "train_state.json").write_text(json.dumps(saved))
+    for layout, now in (
+        (ParallelLayout(tp=2, dp=2), "tensor parallel 2 x pipeline parallel 1"),
+        (ParallelLayout(pp=2, dp=2), "tensor parallel 1 x pipeline parallel 2"),
+        (ParallelLayout(), "tensor parallel 1 x pipeline parallel 1"),
+    ):
+        with pytest.raises(UsageError, match=f"this run has {now}: a tensor x pipeline checkpoint resumes on the same"):
+            check_resumable(ckpt, layout, 1, "none", {})
+    assert check_resumable(ckpt, ParallelLayout(tp=2, pp=2), 1, "none", {}) is False  # the same layout loads as is

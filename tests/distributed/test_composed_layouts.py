@@ -57,12 +57,19 @@ def tp2_pp2(tmp_path_factory, cache_dir) -> Path:
 @pytest.mark.slow  # a 4-rank run (shared) and an 8-rank run of 8 steps against the shared 1-rank reference
 @pytest.mark.parametrize("nprocs", [4, 8])
 def test_tensor_x_pipeline_x_data_parallel_matches_one_rank(nprocs, layout_reference, tp2_pp2, tmp_path, cache_dir):
-    """TP 2 x PP 2 on 4 ranks, and TP 2 x PP 2 x DP 2 on 8 (each replica reads half the global batch)."""
+    """TP 2 x PP 2 on 4 ranks, and TP 2 x PP 2 x DP 2 on 8 (each replica reads half the global batch) with
+    activation checkpointing."""
     if nprocs == 4:
         run_dir = tp2_pp2
     else:
         run_dir = tmp_path / "tp2_pp2_dp2"
-        proc = launch(REPO / "train.py", _flags(run_dir, "zero1", *TP_PP, *MICRO[8]), "deepspeed", cache_dir, nprocs=8)
+        proc = launch(
+            REPO / "train.py",
+            _flags(run_dir, "zero1", *TP_PP, *MICRO[8], "--gradient_checkpointing"),
+            "deepspeed",
+            cache_dir,
+            nprocs=8,
+        )
         check_ok(proc)
         assert "layout: tensor parallel 2 x pipeline parallel 2 x data parallel 2" in proc.stdout
     _assert_matches(run_dir, layout_reference)

@@ -29,6 +29,7 @@ from tests.harness import (
     VENV_BIN,
     check_ok,
     free_port,
+    layout_flags,
     freeze,
     logged_steps,
     read_metrics,
@@ -269,6 +270,24 @@ def test_a_tensor_group_across_the_nodes_is_refused_and_runs_when_allowed(slurm,
     assert (facts["JobState"], facts["ExitCode"]) == ("COMPLETED", "0:0"), log[-4000:]
     assert "layout: tensor parallel 2 x data parallel 1; tensor groups 0-1@n1+n2" in log and "M parameters" in log
     assert metric_steps(tmp_path / "allowed") == [2]
+
+
+def test_tensor_inside_each_node_and_pipeline_across_the_nodes_matches_one_rank(slurm, layout_reference, tmp_path):
+    """The layout for very large models, on two nodes of 2 ranks: TP 2 inside each node x PP 2 across them (stage
+    0 on n1, stage 1 on n2; only activations cross the nodes), losses and gradient norms equal to one rank's."""
+    from tests.distributed.test_composed_layouts import MICRO, TP_PP
+    from tests.distributed.test_tensor_parallel import _assert_matches
+
+    run_dir = tmp_path / "tp2_pp2"
+    command = ["srun", sys.executable, "train.py", *layout_flags(run_dir, "zero1", *TP_PP, *MICRO[4])]
+    job = slurm.submit(["--nodes=2", "--ntasks-per-node=2", "--wrap", " ".join(command)])
+    facts, log = slurm.wait(job), slurm.log(job)
+    assert (facts["JobState"], facts["ExitCode"]) == ("COMPLETED", "0:0"), log[-4000:]
+    assert (
+        "layout: tensor parallel 2 x pipeline parallel 2 x data parallel 1; tensor groups 0-1@n1, 2-3@n2; "
+        "pipeline groups 0,2@n1+n2, 1,3@n1+n2"
+    ) in log
+    _assert_matches(run_dir, layout_reference)
 
 
 def test_sbatch_bad_input_fails_once_and_early(slurm, tmp_path):

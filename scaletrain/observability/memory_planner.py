@@ -41,13 +41,15 @@ class ModelShape:
         return self.n_params - self.linear_params + self.linear_params / tp
 
     def params_per_rank(self, tp: int, pp: int = 1) -> float:
-        """Parameters on one rank: its tensor-parallel share of the largest pipeline stage (the first, with the
-        embeddings, or the last, with the head, each with layers / pp decoder layers)."""
+        """Parameters on one rank: its share of the largest pipeline stage (the first, with the embeddings, or the
+        last, with the head, each with layers / pp decoder layers). Under tensor x pipeline parallelism a stage's
+        decoder layers split their linear layers over the tensor ranks, and its embedding and head stay whole
+        (scaletrain.distributed.layout.TENSOR_STAGE_PARTITION)."""
         if pp == 1:
             return self.params_per_tp_rank(tp)
         body = self.n_params - self.embedding_params - (0 if self.head_tied else self.head_params)
-        largest = body / pp + max(self.embedding_params, self.head_params)
-        return largest * self.params_per_tp_rank(tp) / self.n_params
+        split = min(max(self.linear_params - self.head_params, 0), body)  # the decoder layers' linear weights
+        return (body - split + split / tp) / pp + max(self.embedding_params, self.head_params)
 
     @classmethod
     def from_meta_model(cls, model, model_config) -> ModelShape:

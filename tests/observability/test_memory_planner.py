@@ -177,13 +177,14 @@ def test_planned_model_states_match_a_real_two_rank_run_within_10_percent(
         )
 
 
-@pytest.mark.slow  # a 2-rank and a 4-rank pipeline run of 2 steps
-@pytest.mark.parametrize("nprocs", [2, 4], ids=["pp2", "pp2xdp2"])
-def test_planned_model_states_match_a_real_pipeline_run_within_10_percent(nprocs, tmp_path, cache_dir):
-    """ZeRO-1 under PP 2 (and PP 2 x DP 2): each stage's model states, measured right before the pipe engine's
-    update, against the planner's figure for the largest stage (the two stages of the tiny Llama weigh the same:
-    the embedding on one, the head on the other); the last stage also holds the logits the pipe engine keeps in
-    its two output buffers, which the planner counts in that stage's working memory."""
+@pytest.mark.slow  # a 2-rank and two 4-rank pipeline runs of 2 steps
+@pytest.mark.parametrize("nprocs,tp", [(2, 1), (4, 1), (4, 2)], ids=["pp2", "pp2xdp2", "tp2xpp2"])
+def test_planned_model_states_match_a_real_pipeline_run_within_10_percent(nprocs, tp, tmp_path, cache_dir):
+    """ZeRO-1 under PP 2 (and PP 2 x DP 2, and TP 2 x PP 2: each stage's layers split over 2 ranks): each stage's
+    model states, measured right before the pipe engine's update, against the planner's figure for the largest stage
+    (the two stages of the tiny Llama weigh the same: the embedding on one, the head on the other); the last stage
+    also holds the logits the pipe engine keeps in its two output buffers (whole on every tensor rank), which the
+    planner counts in that stage's working memory."""
     run_dir = tmp_path / "run"
     proc = launch(
         MEMORY_PROBE,
@@ -201,6 +202,8 @@ def test_planned_model_states_match_a_real_pipeline_run_within_10_percent(nprocs
             "2",
             "--pipeline_parallel_size",
             "2",
+            "--tensor_parallel_size",
+            str(tp),
         ],
         "deepspeed",
         cache_dir,
@@ -209,8 +212,9 @@ def test_planned_model_states_match_a_real_pipeline_run_within_10_percent(nprocs
     check_ok(proc)
     option = next(o for o in memory_planner.OPTIONS if o.stage == 1)
     bucket = json.loads((run_dir / "ds_config.json").read_text())["zero_optimization"]["reduce_bucket_size"]
+    dp = nprocs // (2 * tp)
     params, grads, optimizer, _, _ = memory_planner.model_state_bytes(
-        option, tiny_shape(), dp=nprocs // 2, precision="fp32", pp=2, reduce_bucket=bucket
+        option, tiny_shape(), dp=dp, precision="fp32", tp=tp, pp=2, reduce_bucket=bucket
     )
     kept = memory_planner.pipeline_kept_outputs(tiny_shape(), 4, 64, "fp32")
     for rank in range(nprocs):
@@ -220,7 +224,7 @@ def test_planned_model_states_match_a_real_pipeline_run_within_10_percent(nprocs
         last_stage = rank >= nprocs // 2  # rank = stage x dp + data-parallel index
         planned = params + grads + optimizer + (kept if last_stage else 0)
         assert abs(planned - measured) <= 0.10 * measured, (
-            f"PP 2 x DP {nprocs // 2} rank {rank}: planned {planned / 2**20:.2f} MiB, measured "
+            f"TP {tp} x PP 2 x DP {dp} rank {rank}: planned {planned / 2**20:.2f} MiB, measured "
             f"{measured / 2**20:.2f} MiB"
         )
 

@@ -38,7 +38,7 @@ for name in "${CONFIGS[@]}"; do
   layout=()
   case "$name" in
     *_tp*) layout=(--tensor_parallel_size "${name##*_tp}") ;;
-    *_pp*) layout=(--pipeline_parallel_size "${name##*_pp}") ;;
+    *_pp*) layout=(--pipeline_parallel_size "${name##*_pp}" --gradient_accumulation_steps "${name##*_pp}") ;;
   esac
   start=$(date +%s)
   if "$DEEPSPEED" --num_gpus "$NPROC" train.py --config "ds_configs/$config.json" --output_dir "$out" "${layout[@]}" \

@@ -347,12 +347,26 @@ def _check_pipeline_config(parallel: ParallelArgs, ds: ResolvedDSConfig, config_
 
 
 def check_pipeline_run(
-    parallel: ParallelArgs, attention_isolation: bool, precision: str, zero_stage: int, config_path: str
+    parallel: ParallelArgs,
+    attention_isolation: bool,
+    precision: str,
+    zero_stage: int,
+    config_path: str,
+    micro_batches: int | None = None,
 ) -> None:
-    """What the pipeline path does not carry yet, refused before anything is built."""
+    """What the pipeline path does not carry yet, and a schedule that cannot fill the pipeline (fewer micro-batches a
+    step than stages: some stage idles all the time), refused before anything is built."""
     pp = parallel.pipeline_parallel_size
     if pp == 1:
         return
+    if micro_batches is not None and micro_batches < pp:
+        raise UsageError(
+            f"--pipeline_parallel_size {pp} with {micro_batches} micro-batch{'es' if micro_batches > 1 else ''} a "
+            f"step (--gradient_accumulation_steps {micro_batches}): fewer micro-batches than stages leave a stage "
+            f"idle at every moment (the bubble is (stages - 1) / micro-batches of each step)",
+            f"pass --gradient_accumulation_steps {pp} or more (several times {pp} keeps the bubble small), with a "
+            "smaller --per_device_train_batch_size for the same global batch",
+        )
     if attention_isolation:
         raise UsageError(
             f"--pipeline_parallel_size {pp} with --attention_isolation: not supported yet (the "
@@ -373,4 +387,5 @@ def check_pipeline_layout(parallel: ParallelArgs, resolved: ResolvedRun, config_
     check_pipeline_model(
         pp, resolved.model_config, resolved.attn_implementation, resolved.block_size, parallel.tensor_parallel_size
     )
-    check_pipeline_run(parallel, resolved.isolates_documents, ds.precision, ds.zero_stage, config_path)
+    micro_batches = ds.config.get("gradient_accumulation_steps")
+    check_pipeline_run(parallel, resolved.isolates_documents, ds.precision, ds.zero_stage, config_path, micro_batches)

@@ -8,6 +8,7 @@ and reports steady-state tokens/s per rank (tokens between the end of step --war
 wall-clock stamps of metrics.jsonl, divided by the ranks).
 
     python scripts/bench/layouts.py               # prints Markdown rows for BENCHMARKS.md and a JSON line
+    python scripts/bench/layouts.py --ranks 8     # 8 ranks, ZeRO-1: DP 8, TP 2 x DP 4, PP 2 x DP 4, TP 2 x PP 2 x DP 2
 
 On a CPU this measures the CPU (gloo, shared-memory all-reduce, 2 cores), not what a GPU node with NVLink does.
 """
@@ -25,24 +26,37 @@ sys.path.insert(0, str(REPO))
 
 from scripts.bench.common import bench_model, bench_parser, median_runs, train_args, train_rate  # noqa: E402
 
-LAYOUTS = {  # name -> (flags, micro-batch as a fraction of the global batch, ZeRO config)
-    "data parallel 2": ([], 2, "zero2"),
-    "tensor parallel 2": (["--tensor_parallel_size", "2"], 1, "zero2"),
-    "sequence parallel 2": (["--sequence_parallel_size", "2"], 1, "zero2"),
-    "pipeline parallel 2": (["--pipeline_parallel_size", "2", "--gradient_accumulation_steps", "4"], 4, "zero1"),
+TP2, PP2 = ["--tensor_parallel_size", "2"], ["--pipeline_parallel_size", "2", "--gradient_accumulation_steps", "4"]
+LAYOUTS = {  # ranks -> {name -> (flags, micro-batch as a fraction of the global batch, ZeRO config)}; baseline first
+    2: {
+        "data parallel 2": ([], 2, "zero2"),
+        "tensor parallel 2": (TP2, 1, "zero2"),
+        "sequence parallel 2": (["--sequence_parallel_size", "2"], 1, "zero2"),
+        "pipeline parallel 2": (PP2, 4, "zero1"),
+    },
+    # 8 ranks, ZeRO-1 throughout (the pipeline engine's): each kind alone with data parallelism, and composed.
+    8: {
+        "data parallel 8": ([], 8, "zero1"),
+        "tensor parallel 2 x data parallel 4": (TP2, 4, "zero1"),
+        "pipeline parallel 2 x data parallel 4": (PP2, 16, "zero1"),
+        "tensor 2 x pipeline 2 x data parallel 2": ([*TP2, *PP2], 8, "zero1"),
+    },
 }
 
 
 def main() -> None:
     parser = bench_parser(__doc__, steps=40, warmup=10, rounds=2, block_size=256)
-    parser.add_argument("--global_batch", type=int, default=8)
+    parser.add_argument("--global_batch", type=int, default=None, help="blocks per step (default 8; 16 at 8 ranks)")
+    parser.add_argument("--ranks", type=int, choices=sorted(LAYOUTS), default=2)
     args = parser.parse_args()
+    layouts, ranks = LAYOUTS[args.ranks], args.ranks
+    args.global_batch = args.global_batch or (8 if ranks == 2 else 16)
 
-    rates = {name: [] for name in LAYOUTS}
+    rates = {name: [] for name in layouts}
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = bench_model(Path(tmp) / "model")
         for round_ in range(args.rounds):
-            for name, (layout, split, config) in LAYOUTS.items():
+            for name, (layout, split, config) in layouts.items():
                 run_dir = Path(tmp) / f"{name.replace(' ', '_')}{round_}"
                 batch = args.global_batch // split
                 flags = train_args(
@@ -55,10 +69,10 @@ def main() -> None:
                     "--no-export_hf_at_end",
                     *layout,
                 )
-                rate, _ = train_rate(flags, 2, args.global_batch * args.block_size, args.warmup)
-                rates[name].append(rate / 2)
+                rate, _ = train_rate(flags, ranks, args.global_batch * args.block_size, args.warmup)
+                rates[name].append(rate / ranks)
                 print(f"round {round_}: {name}: {rates[name][-1]:.0f} tokens/s per rank", flush=True)
-    baseline = statistics.median(rates["data parallel 2"])
+    baseline = statistics.median(next(iter(rates.values())))
     for name, values in rates.items():
         print(f"| {name} | {median_runs(values)} | {statistics.median(values) / baseline:.2f} |")
     print(
@@ -66,6 +80,7 @@ def main() -> None:
             {
                 "tokens_per_s_per_rank": rates,
                 "global_batch": args.global_batch,
+                "ranks": ranks,
                 "block_size": args.block_size,
                 "steps": args.steps,
             }

@@ -51,6 +51,7 @@ def wide_models(folder: Path) -> tuple:
 def build_mib(model_flag: str, folder: Path, run_dir: Path, pp: int, block_size: int, batch: int) -> int:
     args = ["--config", "ds_configs/zero1.json", model_flag, str(folder), "--output_dir", str(run_dir), "--dry_run"]
     args += ["--block_size", str(block_size), "--per_device_train_batch_size", str(batch), "--disable_tqdm"]
+    args += ["--gradient_accumulation_steps", str(pp)]  # a micro-batch per stage at least (fewer are refused)
     output = launch("train.py", [*args, "--pipeline_parallel_size", str(pp)], nprocs=pp)
     return int(BUILD.search(output).group(1))
 

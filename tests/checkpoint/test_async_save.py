@@ -233,7 +233,14 @@ def checksums(run_dir: Path, step: int) -> dict:
     # ZeRO-1 through the pipeline's stages (its only stage); ZeRO-2 shares ZeRO-1's optimizer (the kill tests below
     # restart a ZeRO-2 run exactly from an asynchronous save); ZeRO-3 with CPU offload. The pipeline case is in the
     # extended run only, for CI's time (a pipeline run's save and exact restart is tested in CI by test_checkpoint.py)
-    [("zero3_offload", ()), pytest.param("zero1", ("--pipeline_parallel_size", "2"), marks=pytest.mark.extended)],
+    [
+        ("zero3_offload", ()),
+        pytest.param(
+            "zero1",
+            ("--pipeline_parallel_size", "2", "--gradient_accumulation_steps", "2"),
+            marks=pytest.mark.extended,
+        ),
+    ],
     ids=["zero3-offload", "pipeline-zero1"],
 )
 def test_asynchronous_and_synchronous_saves_commit_the_same_bytes_and_train_the_same_losses(

@@ -67,9 +67,9 @@ def flags(ds_config: str, run_dir: Path, max_steps: int = STEPS) -> list:
     ]  # a weight decay: the resharded ZeRO-3 resume must keep it
 
 
-def start(args: list, cache: Path) -> subprocess.Popen:
+def start(args: list, cache: Path, nprocs: int = 2) -> subprocess.Popen:
     return subprocess.Popen(
-        deepspeed_cmd(2, "train.py", args),
+        deepspeed_cmd(nprocs, "train.py", args),
         cwd=REPO,
         env=child_env(cache),
         stdout=subprocess.PIPE,
@@ -133,8 +133,8 @@ def uninterrupted(tmp_path_factory, cache_dir) -> References:
     return References(tmp_path_factory, cache_dir)
 
 
-def rank_processes(launcher: subprocess.Popen) -> list:
-    return [rank_process(launcher, rank) for rank in (0, 1)]
+def rank_processes(launcher: subprocess.Popen, nprocs: int = 2) -> list:
+    return [rank_process(launcher, rank) for rank in range(nprocs)]
 
 
 def latest_step(run_dir: Path) -> int:
@@ -157,26 +157,39 @@ def check_goodput(run_dir: Path, resumed_at: int, first_ended) -> dict:
     return ledger
 
 
-def run_flags(name: str, run_dir: Path) -> list:
-    """flags() of a ZeRO config name, or of `<config>_pp2`: 2 pipeline stages, whose one replica reads the whole
-    global batch of the 2-rank data-parallel reference."""
+def run_flags(name: str, run_dir: Path) -> tuple:
+    """(flags() of a ZeRO config name, or of `<config>_pp2`: 2 pipeline stages, whose one replica reads the whole
+    global batch of the 2-rank data-parallel reference, or of `<config>_tp2pp2`: those stages split over 2 tensor
+    ranks each, as 2 micro-batches of 2 blocks; the ranks it runs on)."""
     config, _, layout = name.partition("_")
     if not layout:
-        return flags(config, run_dir)
-    return [*flags(config, run_dir), "--per_device_train_batch_size", "4", "--pipeline_parallel_size", layout[2:]]
+        return flags(config, run_dir), 2
+    if layout == "tp2pp2":
+        micro = ["--per_device_train_batch_size", "2", "--gradient_accumulation_steps", "2"]
+        return [*flags(config, run_dir), *micro, "--tensor_parallel_size", "2", "--pipeline_parallel_size", "2"], 4
+    two_micro = ["--per_device_train_batch_size", "2", "--gradient_accumulation_steps", "2"]
+    return [*flags(config, run_dir), *two_micro, "--pipeline_parallel_size", layout[2:]], 2
 
 
 # ZeRO-1 and ZeRO-2 alone are left out to keep CI in its budget: their optimizer is DeepSpeed's stage_1_and_2.py,
 # which zero1_pp2 kills and resumes here (ZeRO-1 under the pipe); test_async_save.py SIGKILLs a 2-rank ZeRO-2 run
 # (its writers, or every process) and restarts it bit for bit; a surviving rank finding its peer gone does not depend
 # on the ZeRO stage. zero1_pp2 (~70 s) is in the extended run only, for CI's time: a pipeline run is stopped and
-# resumed exactly in CI by the SIGUSR1 test under --pipeline_parallel_size below.
-@pytest.mark.parametrize("ds_config", ["zero3", pytest.param("zero1_pp2", marks=pytest.mark.extended)])
+# resumed exactly in CI by the SIGUSR1 test under --pipeline_parallel_size below. zero1_tp2pp2 (TP 2 x PP 2 on 4
+# ranks, ~90 s) likewise: test_composed_layouts.py resumes that layout exactly from a checkpoint in CI.
+@pytest.mark.parametrize(
+    "ds_config",
+    [
+        "zero3",
+        pytest.param("zero1_pp2", marks=pytest.mark.extended),
+        pytest.param("zero1_tp2pp2", marks=pytest.mark.extended),
+    ],
+)
 def test_sigkill_one_rank_then_restart_resumes_exactly(ds_config, tmp_path, cache_dir, uninterrupted):
     run_dir = tmp_path / "run"
-    args = run_flags(ds_config, run_dir)
-    proc = start(args, cache_dir)
-    ranks = rank_processes(proc)
+    args, nprocs = run_flags(ds_config, run_dir)
+    proc = start(args, cache_dir, nprocs)
+    ranks = rank_processes(proc, nprocs)
     # Steps trained after the step-8 checkpoint, committed (an asynchronous save commits at a later step boundary):
     # stop both ranks there, so the kill lands mid-run on any machine.
     wait_for(
@@ -187,12 +200,12 @@ def test_sigkill_one_rank_then_restart_resumes_exactly(ds_config, tmp_path, cach
     saved, logged = latest_step(run_dir), max(logged_steps(run_dir))
     assert SAVE_EVERY <= saved < logged < STEPS, f"stopped at step {logged}, newest checkpoint step{saved}"
     ranks[1].kill()  # SIGKILL: no handler, no save
-    thaw(ranks[0].pid)  # the surviving rank finds its peer gone
+    thaw(*(rank.pid for rank in ranks if rank is not ranks[1]))  # the surviving ranks find their peer gone
     proc.wait(timeout=120)
     assert proc.returncode != 0
     assert latest_step(run_dir) == saved  # nothing was committed without the killed rank
 
-    restarted = launch(REPO / "train.py", args, "deepspeed", cache_dir, nprocs=2)
+    restarted = launch(REPO / "train.py", args, "deepspeed", cache_dir, nprocs=nprocs)
     check_ok(restarted)
     assert f"resumed from {run_dir / 'checkpoints' / f'step{saved}'} (step {saved}," in restarted.stdout
     losses = step_losses(run_dir)
@@ -289,7 +302,10 @@ def test_sigusr1_under_a_parallel_layout_saves_and_the_restart_continues(layout,
     reference's ZeRO-2."""
     run_dir = tmp_path / "run"
     config = "zero1" if layout == "--pipeline_parallel_size" else "zero2"
-    args = [*flags(config, run_dir), "--per_device_train_batch_size", "4", layout, "2"]
+    # one replica reads the 4 blocks: under PP 2 as 2 micro-batches of 2 (fewer micro-batches than stages are refused)
+    micro = ["--gradient_accumulation_steps", "2"] if layout == "--pipeline_parallel_size" else []
+    batch = "2" if micro else "4"
+    args = [*flags(config, run_dir), "--per_device_train_batch_size", batch, *micro, layout, "2"]
     proc = start(args, cache_dir)
     ranks = rank_processes(proc)
     wait_for(lambda: len(logged_steps(run_dir)) >= 3, proc)

@@ -229,7 +229,7 @@ def test_a_nan_on_the_last_stage_skips_every_stages_update(tmp_path, cache_dir):
     from tests.train.test_nonfinite import INJECT, INJECTING, ledger, step_records
 
     run_dir = tmp_path / "run"
-    args = _flags(run_dir, "zero1", *PP, "--no-export_hf_at_end")
+    args = _flags(run_dir, "zero1", *PP, *TWO_MICRO, "--no-export_hf_at_end")
     args[args.index("--max_steps") + 1] = "5"
     check_ok(launch(INJECTING, args, "deepspeed", cache_dir, nprocs=2, env={INJECT: "1:5"}))
     [entry] = ledger(run_dir)
@@ -383,6 +383,9 @@ def test_unsupported_run_options_are_refused_with_the_reason():
         check_pipeline_run(pp, True, "fp32", 1, "x.json")
     with pytest.raises(UsageError, match="with ZeRO stage 0 in bf16"):
         check_pipeline_run(pp, False, "bf16", 0, "x.json")
+    check_pipeline_run(pp, False, "fp32", 1, "x.json", micro_batches=2)
+    with pytest.raises(UsageError, match=r"--pipeline_parallel_size 2 with 1 micro-batch a step \(--gradient_acc"):
+        check_pipeline_run(pp, False, "fp32", 1, "x.json", micro_batches=1)
     with pytest.raises(UsageError, match="--sequence_parallel_size 2 with --pipeline_parallel_size 2: sequence par"):
         apply_layout(
             parse_run_config(["--sequence_parallel_size", "2", "--pipeline_parallel_size", "2"]).parallel,

@@ -327,7 +327,7 @@ report = {{"outcome": outcome, "threads": communication_threads()}}
 open({str(tmp_path)!r} + f"/threads{{read_launch_env().rank}}.json", "w").write(json.dumps(report))
 """)
     config, _, pipeline = stage.partition("_")  # zero1_pp2: 2 pipeline stages (their point-to-point groups too)
-    layout = ["--pipeline_parallel_size", pipeline[2:]] if pipeline else []
+    layout = ["--pipeline_parallel_size", pipeline[2:], "--gradient_accumulation_steps", "2"] if pipeline else []
     proc = launch(
         script,
         [

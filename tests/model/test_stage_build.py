@@ -226,11 +226,12 @@ def wide(request, tmp_path_factory) -> Path:
 @pytest.mark.slow  # a 1-rank and a 2-rank dry run of a 42M-parameter model
 def test_a_pp2_rank_builds_at_most_0_6x_the_whole_model_and_trains_as_it(wide, tmp_path, cache_dir):
     common = ["--config", "ds_configs/zero1.json", "--model_name_or_path", str(wide), "--dry_run", *FAST_FLAGS]
+    two_micro = ["--per_device_train_batch_size", "2", "--gradient_accumulation_steps", "2"]  # the same 4 blocks
     whole = launch(REPO / "train.py", [*common, "--output_dir", str(tmp_path / "whole")], "deepspeed", cache_dir)
     check_ok(whole)
     staged = launch(
         REPO / "train.py",
-        [*common, "--output_dir", str(tmp_path / "pp2"), "--pipeline_parallel_size", "2"],
+        [*common, "--output_dir", str(tmp_path / "pp2"), "--pipeline_parallel_size", "2", *two_micro],
         "deepspeed",
         cache_dir,
         nprocs=2,

@@ -361,7 +361,7 @@ def layer_map(module) -> list:
     return [{"strip": p.strip, "prefix": p.prefix} for p in module.scaletrain_layers]
 
 
-def hf_state_dict_from_layer_files(ckpt, places: list, full_shapes: dict | None = None) -> dict:
+def hf_state_dict_from_layer_files(ckpt, places: list, full_shapes: dict) -> dict:
     """A Hugging Face state dict from a pipeline checkpoint's layer files, written by each stage's first
     data-parallel rank: `layer_XX-model_states.pt`, or under tensor x pipeline parallelism one per tensor rank
     (`layer_XX-model_YY-model_states.pt`), whose shards are joined along the dimension AutoTP split (the one where a
@@ -387,7 +387,7 @@ def hf_state_dict_from_layer_files(ckpt, places: list, full_shapes: dict | None 
             name = _hf_key(place, key)
             if name is None:
                 raise ValueError(f"{ckpt}: layer {index}'s key {key!r} does not start with {place['strip']!r}")
-            state[name] = _joined([shard[key] for shard in ranks], (full_shapes or {}).get(name), name)
+            state[name] = _joined([shard[key] for shard in ranks], full_shapes.get(name), name)
     return state
 
 
@@ -396,7 +396,11 @@ def _joined(pieces: list, full_shape, name: str):
     piece where every rank holds it whole."""
     import torch
 
-    if len(pieces) == 1 or full_shape is None or tuple(pieces[0].shape) == tuple(full_shape):
+    if len(pieces) == 1:
+        return pieces[0]
+    if full_shape is None:  # nothing to tell a split weight from a whole one by
+        raise ValueError(f"{name}: {len(pieces)} tensor-parallel shards of a weight the model does not have")
+    if tuple(pieces[0].shape) == tuple(full_shape):
         return pieces[0]
     split = [
         d

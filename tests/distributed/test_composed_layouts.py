@@ -202,6 +202,8 @@ def test_tensor_shards_join_along_the_split_dimension():
     assert _joined([whole, whole.clone()], (6,), "norm") is whole
     with pytest.raises(ValueError, match="2 tensor-parallel shards of \\(3, 6\\) do not make the model's \\(4, 6\\)"):
         _joined([column[:3], column[:3]], (4, 6), "q")
+    with pytest.raises(ValueError, match="2 tensor-parallel shards of a weight the model does not have"):
+        _joined([whole, whole], None, "extra")
 
 
 def test_a_tensor_x_pipeline_checkpoint_resumes_on_its_own_layout_only(tmp_path):

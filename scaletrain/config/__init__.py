@@ -17,7 +17,8 @@ from scaletrain.config.deepspeed_json import (
 from scaletrain.config.run_config import RunConfig
 from scaletrain.config.guards import HangArgs, NonFiniteArgs
 from scaletrain.config.preference import LOSS_TYPES, REFERENCE_FREE_LOSSES, PreferenceArgs, check_preference_run
-from scaletrain.config.slices import DataArgs, ModelArgs, OptimArgs, ParallelArgs, PeftArgs, PlanningArgs
+from scaletrain.config.planning import GPU, GPUS, PlanningArgs
+from scaletrain.config.slices import DataArgs, ModelArgs, OptimArgs, ParallelArgs, PeftArgs
 from scaletrain.config.values import (
     LOCAL_DATA_FORMATS,
     VALIDATION_SPLIT,
@@ -38,6 +39,8 @@ __all__ = [
     "OptimArgs",
     "ParallelArgs",
     "PeftArgs",
+    "GPU",
+    "GPUS",
     "PlanningArgs",
     "PreferenceArgs",
     "REFERENCE_FREE_LOSSES",

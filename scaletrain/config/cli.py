@@ -73,18 +73,19 @@ def add_flags(
                 continue
             meta = {k: v for k, v in f.metadata.items() if k != "training_only"}
             help_text = meta.pop("help")
+            names = [f"--{f.name}", *meta.pop("aliases", ())]
             value = defaults.get(f.name, f.default)
             default = argparse.SUPPRESS if suppress_defaults else value
             if _value_type(owner, f) is bool:  # --name / --no-name: the command line can undo a recipe's true
                 group.add_argument(
-                    f"--{f.name}", action=argparse.BooleanOptionalAction, help=help_text, default=default
+                    *names, dest=f.name, action=argparse.BooleanOptionalAction, help=help_text, default=default
                 )
                 continue
             default_text = "" if value is None else f" (default: {value})"
             if _nargs(owner, f):
                 meta["nargs"] = _nargs(owner, f)
             meta.setdefault("type", _value_type(owner, f))  # a field's own converter (Hugging Face's names) wins
-            group.add_argument(f"--{f.name}", default=default, help=help_text + default_text, **meta)
+            group.add_argument(*names, dest=f.name, default=default, help=help_text + default_text, **meta)
 
 
 def build_parser(suppress_defaults: bool = False, defaults: dict | None = None) -> argparse.ArgumentParser:

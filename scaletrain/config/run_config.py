@@ -11,6 +11,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 from scaletrain.config.guards import HangArgs, NonFiniteArgs
+from scaletrain.config.planning import PlanningArgs
 from scaletrain.config.preference import PreferenceArgs
 from scaletrain.config.slices import (
     CheckpointArgs,
@@ -21,7 +22,6 @@ from scaletrain.config.slices import (
     OptimArgs,
     ParallelArgs,
     PeftArgs,
-    PlanningArgs,
     RunArgs,
 )
 

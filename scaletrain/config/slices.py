@@ -574,27 +574,3 @@ class ParallelArgs:
 
     def validate(self) -> None:
         _check_at_least_one(self, ("tensor_parallel_size", "sequence_parallel_size", "pipeline_parallel_size"))
-
-
-@dataclass(frozen=True)
-class PlanningArgs:
-    """--plan, the memory planner: the cluster to plan for."""
-
-    plan: bool = _flag(
-        False,
-        "Memory planner: per-GPU memory of each ZeRO stage and offload option for the model "
-        "(built on the meta device) on --num_nodes x --num_gpus GPUs, a recommendation, exit.",
-    )
-    num_gpus: int = _flag(1, "--plan: GPUs per node.")
-    num_nodes: int = _flag(1, "--plan: nodes.")
-    gpu_memory_gb: float = _flag(80.0, "--plan: memory of one GPU, GB.")
-    host_memory_gb: float | None = _flag(None, "--plan: host memory per node for offload, GB (default: unchecked).")
-    plan_precision: str = _flag("bf16", "--plan: training precision to plan for.", choices=("bf16", "fp16", "fp32"))
-
-    def validate(self) -> None:
-        if not self.plan:
-            return
-        _check_at_least_one(self, ("num_gpus", "num_nodes"))
-        for name in ("gpu_memory_gb", "host_memory_gb"):
-            if getattr(self, name) is not None and getattr(self, name) <= 0:
-                raise UsageError(f"--{name} {getattr(self, name)}: must be positive")

@@ -288,7 +288,8 @@ def recommend_layout(shape: ModelShape, run: PlannedRun, gpu_bytes: float, host_
     parallelism inside a node (2, 4, ... GPUs; its all-reduces stay on the node's links), then pipeline stages (2, 4,
     ...; point-to-point transfers of one activation per micro-batch, which cross nodes well, at the cost of the
     pipeline's bubble), then offload (host memory and PCIe are slower still). Tensor and pipeline parallelism together
-    are not proposed: the pipeline does not run them together yet."""
+    are not proposed here; the time plan (time_plan.py) scores every layout, composed ones included, by predicted
+    step time, and its recommendation is --plan's."""
     base = replace(run, tp=1, sp=1, pp=1)
     plain = plan_memory(shape, base)
     in_gpu = [e for e in plain if e.option.offload_optimizer == "none"]
@@ -378,17 +379,17 @@ def render_memory_plan(
         choice = recommend(estimates, gpu_bytes, host_bytes)
         choice = choice and (tp, pp, *choice)
     lines.append("")
-    if sum(size > 1 for size in (tp, sp, pp)) > 1:
-        lines.append("planning only: train.py does not yet run several model-parallel layouts together")
+    if sp > 1 and (tp > 1 or pp > 1):
+        lines.append("planning only: train.py does not run sequence parallelism with tensor or pipeline parallelism")
     if choice is None:
         lines.append(
-            "recommended: nothing fits; lower --per_device_train_batch_size or --block_size, add GPUs or "
+            "memory plan's choice: nothing fits; lower --per_device_train_batch_size or --block_size, add GPUs or "
             "nodes (ZeRO-3 divides the model states by the rank count), or use GPUs with more memory"
         )
     else:
         chosen_tp, chosen_pp, est, ckpt = choice
         lines.append(
-            f"recommended: --config ds_configs/{est.option.ds_config}"
+            f"memory plan's choice: --config ds_configs/{est.option.ds_config}"
             + _layout_flags(chosen_tp, sp, chosen_pp)
             + (" --gradient_checkpointing" if ckpt else "")
             + f" ({est.option.name}{', activation checkpointing' if ckpt else ''}: "

@@ -5,20 +5,34 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from pathlib import Path
+
 from scaletrain.observability.long_context_plan import render_longest_blocks
 from scaletrain.observability.memory_planner import (
     GIB,
+    OPTIONS,
     MemoryFeatures,
     ModelShape,
+    Option,
     PlannedRun,
     auto_loss_chunk,
     plan_memory,
     render_memory_plan,
     snapshot_bytes_per_rank,
 )
+from scaletrain.config import GPUS
+from scaletrain.observability.time_model import Cluster
+from scaletrain.observability.time_plan import (
+    Planner,
+    flags_candidate,
+    render_scaling,
+    render_time_plan,
+    scaling_rows,
+    write_plan_json,
+)
 
 if TYPE_CHECKING:
-    from scaletrain.config import RunConfig
+    from scaletrain.config import ResolvedDSConfig, RunConfig
 
 
 def planned_run(cfg: RunConfig, shape: ModelShape, block_size: int) -> PlannedRun:
@@ -40,18 +54,19 @@ def planned_run(cfg: RunConfig, shape: ModelShape, block_size: int) -> PlannedRu
     )
 
 
-def print_memory_plan(cfg: RunConfig, shape: ModelShape, block_size: int) -> None:
-    """--plan: the memory table for each ZeRO stage and offload option, and the recommended config."""
+def print_memory_plan(cfg: RunConfig, shape: ModelShape, block_size: int, ds: ResolvedDSConfig) -> None:
+    """--plan: the memory table for each ZeRO stage and offload option, the longest blocks, then the time plan (every
+    layout of the flags' global batch, predicted, the fastest that fits recommended) and --plan_scaling's table."""
     planning = cfg.planning
     run = planned_run(cfg, shape, block_size)
     longest_blocks = None
     if run.tp == 1 and run.pp == 1 and shape.heads:  # the longest block with each long-context feature
         host = planning.host_memory_gb and planning.host_memory_gb * GIB
-        longest_blocks = render_longest_blocks(shape, run, planning.gpu_memory_gb * GIB, host)
+        longest_blocks = render_longest_blocks(shape, run, planning.memory_gb * GIB, host)
     estimates = plan_memory(shape, run)
     print(
         render_memory_plan(
-            estimates, shape, run, planning.gpu_memory_gb, planning.host_memory_gb, longest_blocks=longest_blocks
+            estimates, shape, run, planning.memory_gb, planning.host_memory_gb, longest_blocks=longest_blocks
         )
     )
     if cfg.checkpoint.async_save:  # the host memory asynchronous saves take beside the plan above
@@ -63,3 +78,54 @@ def print_memory_plan(cfg: RunConfig, shape: ModelShape, block_size: int) -> Non
             f"ZeRO-0/1/2 (rank 0 also copies the module's weights), {per_rank[3]:.2f} GiB under ZeRO-3; x "
             f"{planning.num_gpus} ranks per node (--no-async_save needs none)"
         )
+    print()
+    print("\n".join(time_plan_lines(cfg, shape, run, ds)))
+
+
+def planned_cluster(cfg: RunConfig, nodes: int | None = None) -> Cluster:
+    planning = cfg.planning
+    return Cluster(
+        nodes=nodes or planning.num_nodes,
+        gpus_per_node=planning.num_gpus,
+        gpu=GPUS[planning.gpu],
+        inter_node_gbps=planning.inter_node_gbps,
+        peak_tflops=planning.gpu_peak_tflops,
+        intra_node_gbs=planning.intra_node_gbps,
+    )
+
+
+def flags_option(cfg: RunConfig, ds: ResolvedDSConfig) -> Option:
+    """The ZeRO option the flags' --config names (its stage and offload devices)."""
+    zero = ds.config.get("zero_optimization", {})
+    optimizer = zero.get("offload_optimizer", {}).get("device") or "none"
+    params = zero.get("offload_param", {}).get("device") or "none"
+    for option in OPTIONS:
+        if (option.stage, option.offload_optimizer, option.offload_params) == (ds.zero_stage, optimizer, params):
+            return option
+    return Option(f"ZeRO-{ds.zero_stage}", Path(cfg.engine.config).name, ds.zero_stage, optimizer, params)
+
+
+def time_plan_lines(cfg: RunConfig, shape: ModelShape, run: PlannedRun, ds: ResolvedDSConfig) -> list[str]:
+    """The time table for the flags' global batch, the scaling table, and --plan_json written."""
+    planning, optim = cfg.planning, cfg.optim
+    gpu_bytes = planning.memory_gb * GIB
+    host_bytes = planning.host_memory_gb and planning.host_memory_gb * GIB
+
+    def planner_for(nodes: int) -> Planner:
+        return Planner(shape, run, planned_cluster(cfg, nodes), gpu_bytes, host_bytes)
+
+    planner = planner_for(planning.num_nodes)
+    option = flags_option(cfg, ds)
+    accum = optim.gradient_accumulation_steps
+    flags = flags_candidate(planner, option, run, accum, cfg.model.gradient_checkpointing)
+    global_sequences = run.micro_batch * accum * flags.layout.dp
+    candidates = planner.candidates(global_sequences, cfg.parallel.allow_cross_node_tensor_parallel)
+    lines = render_time_plan(planner.cluster, flags, candidates, run.block_size, global_sequences, planning.plan_tokens)
+    scaling = None
+    if planning.scaling_nodes():
+        scaling = scaling_rows(planner_for, planning.scaling_nodes(), flags.layout, option)
+        lines += ["", *render_scaling(scaling, global_sequences)]
+    if planning.plan_json:
+        write_plan_json(Path(planning.plan_json), flags, candidates, scaling)
+        lines.append(f"plan written to {planning.plan_json}")
+    return lines

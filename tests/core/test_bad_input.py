@@ -430,6 +430,21 @@ CASES = {
         "--validation_file",
         "--validation_file data/none.jsonl: no such file",
     ),
+    "plan unknown gpu": (
+        lambda t: ["--plan", "--gpu", "b900"],
+        "--gpu",
+        "--gpu b900: unknown GPU; known: v100-32gb, a100-40gb, a100-80gb, h100-sxm, h200",
+    ),
+    "plan bandwidth of zero": (
+        lambda t: ["--plan", "--inter_node_gbps", "0"],
+        "--inter_node_gbps",
+        "--inter_node_gbps 0.0: must be positive",
+    ),
+    "plan scaling not node counts": (
+        lambda t: ["--plan", "--plan_scaling", "1,two"],
+        "--plan_scaling",
+        "--plan_scaling 1,two: not a list of node counts",
+    ),
     "ramp-up lr scaling alone": (
         lambda t: ["--rampup_lr_scaling", "sqrt"],
         "--rampup_lr_scaling",

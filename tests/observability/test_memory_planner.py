@@ -247,6 +247,14 @@ def test_plan_command_prints_every_option_and_a_recommendation(tmp_path):
             "2",
             "--output_dir",
             str(out),
+            "--gpu",
+            "a100-40gb",
+            "--plan_scaling",
+            "1,2,4",
+            "--plan_tokens",
+            "1e9",
+            "--plan_json",
+            str(tmp_path / "plan.json"),
         ],
         cwd=REPO,
         env=child_env(tmp_path),
@@ -255,18 +263,28 @@ def test_plan_command_prints_every_option_and_a_recommendation(tmp_path):
         timeout=300,
     )
     check_ok(proc)
-    lines = proc.stdout[proc.stdout.index("memory plan:") :].splitlines()  # after DeepSpeed's accelerator notice
+    start, timing = proc.stdout.index("memory plan:"), proc.stdout.index("time plan:")  # after DeepSpeed's notice
+    lines = proc.stdout[start:timing].strip().splitlines()
     assert lines[0].startswith("memory plan: 1.8M parameters, 2 node(s) x 8 GPU(s) = 16 data-parallel ranks, bf16")
     for option in memory_planner.OPTIONS:
         assert any(line.startswith(f"| {option.name} |") for line in lines), option.name
-    assert lines[-2].startswith("recommended: --config ds_configs/zero1.json")
+    assert lines[-2].startswith("memory plan's choice: --config ds_configs/zero1.json")
     # 1.8M parameters: 12 bytes each over 16 ranks, plus rank 0's bf16 weights; ZeRO-3 the partition alone
     assert lines[-1].startswith("--async_save: snapshot buffers in host memory (/dev/shm), per rank: up to 0.00 GiB")
     assert "x 8 ranks per node" in lines[-1]
     assert any(line.startswith("longest block (micro-batch 1, activation checkpointing") for line in lines)
     # the tiny Llama's 4 heads: Ulysses reaches 4 of the 16 GPUs
     assert "| features | sequence parallel 1 | sequence parallel 4 |" in lines
-    assert not out.exists()  # a plan writes nothing
+    assert not out.exists()  # a plan writes nothing but --plan_json
+    timed = proc.stdout[timing:].splitlines()
+    assert timed[0].startswith("time plan: 2 node(s) x 8 a100-40gb (peak 312 TFLOP/s")
+    assert timed[5].startswith("| flags: DP 16 | ZeRO-3 | 2 x 1 | no | yes (")  # ds_configs/zero3.json, the default
+    assert any(line.startswith("recommended (fastest predicted that fits): --config ds_configs/") for line in timed)
+    assert "| 4 | 32 | 1 x 1 |" in proc.stdout  # 32 sequences a step: one each on 4 nodes
+    plan = json.loads((tmp_path / "plan.json").read_text())
+    flags = plan["layouts"][0]
+    assert (flags["data_parallel_size"], flags["zero_stage"], flags["micro_batch_size"]) == (16, 3, 2)
+    assert plan["layouts"][plan["recommended"]]["fits"] and [row["nodes"] for row in plan["scaling"]] == [1, 2, 4]
 
 
 LLAMA_8B = memory_planner.ModelShape(  # Llama-3.1-8B: hidden 4096, MLP 14336, 32 layers, 32 heads, 8 KV heads
@@ -392,17 +410,19 @@ def test_plan_recommends_tensor_parallelism_inside_a_node_before_offload(tmp_pat
             timeout=300,
         )
         check_ok(proc)
-        return proc.stdout[proc.stdout.index("memory plan:") :].splitlines()
+        return proc.stdout[proc.stdout.index("memory plan:") : proc.stdout.index("time plan:")].strip().splitlines()
 
     plain = plan()
-    assert plain[-2].startswith("recommended: --config ds_configs/zero3.json --gradient_checkpointing")
+    assert plain[-2].startswith("memory plan's choice: --config ds_configs/zero3.json --gradient_checkpointing")
     # asynchronous saves: each rank's 1/32 of 70.6B x 12 bytes (24.6 GiB) under ZeRO-3, plus the bf16 weights on rank 0
     assert re.search(r"up to 156\.\d\d GiB under ZeRO-0/1/2 .*, 24\.6\d GiB under ZeRO-3; x 8 ranks", plain[-1])
     tensor_parallel = plan("--tensor_parallel_size", "8")
     assert "32 ranks: tensor parallel 8 x 4 data-parallel" in tensor_parallel[0]
     rows = [line for line in tensor_parallel if line.startswith("| ZeRO")]
     assert [row.split(" | ")[0] for row in rows] == ["| ZeRO-1", "| ZeRO-2"]
-    assert tensor_parallel[-2].startswith("recommended: --config ds_configs/zero2.json --tensor_parallel_size 8")
+    assert tensor_parallel[-2].startswith(
+        "memory plan's choice: --config ds_configs/zero2.json --tensor_parallel_size 8"
+    )
     # without ZeRO-3 the open layout goes to tensor parallelism (the smallest size that fits) before any offload
     from transformers import AutoConfig
 
@@ -429,13 +449,13 @@ def test_plan_recommends_tensor_parallelism_inside_a_node_before_offload(tmp_pat
         memory_planner.OPTIONS = original
     assert tp == 8 and pp == 1 and est.option.offload_optimizer == "none"
     assert (tp_staged, pp_staged, staged.option.name) == (1, 8, "ZeRO-1")
-    # TP 8 inside each node x PP 4 across the nodes, planned (train.py does not run the two together yet)
+    # TP 8 inside each node x PP 4 across the nodes
     both = plan("--tensor_parallel_size", "8", "--pipeline_parallel_size", "4")
     assert "32 ranks: tensor parallel 8 x pipeline parallel 4 x 1 data-parallel" in both[0]
     assert [line.split(" | ")[0] for line in both if line.startswith("| ZeRO")] == ["| ZeRO-1"]
-    assert "planning only: train.py does not yet run several model-parallel layouts together" in both
+    assert not any(line.startswith("planning only:") for line in both)  # TP x PP runs
     assert both[-2].startswith(
-        "recommended: --config ds_configs/zero1.json --tensor_parallel_size 8 --pipeline_parallel_size 4"
+        "memory plan's choice: --config ds_configs/zero1.json --tensor_parallel_size 8 --pipeline_parallel_size 4"
     )
 
 

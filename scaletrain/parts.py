@@ -174,6 +174,7 @@ class ResolvedRun:
     model_facts: dict | None = None  # what a checkpoint must match to be resumed by this model
     flops: ModelFlops | None = None  # FLOPs per token of this model at this block size
     model_shape: ModelShape | None = None  # --plan: the memory planner's view of the model
+    plan_calibration: tuple | None = None  # --plan_calibration: (the measured run, its model's shape)
     router_loss: RouterLoss | None = None  # a mixture-of-experts model's load-balancing loss
     eval_prompts: EvalPrompts | None = None  # --eval_prompts read and tokenized
     chat: ChatData | None = None  # chat data: its template and loss mode (None: plain text)

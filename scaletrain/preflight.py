@@ -35,7 +35,7 @@ from scaletrain.distributed import (
 )
 from scaletrain.engine import check_compile, check_deepspeed_hooks, compile_requested
 from scaletrain.train import check_reference_model
-from scaletrain.observability import load_eval_prompts, model_flops, ModelShape
+from scaletrain.observability import load_eval_prompts, model_flops, ModelShape, read_calibration
 from scaletrain.model import (
     check_model_features,
     check_tokenizer_fits,
@@ -43,6 +43,7 @@ from scaletrain.model import (
     load_model_config,
     load_tokenizer,
     max_positions,
+    meta_model,
 )
 from scaletrain.parts import DistInfo, ResolvedRun
 
@@ -144,9 +145,28 @@ def resolve_run(argv: Sequence[str] | None, dist: DistInfo) -> ResolvedRun:
         resume=resume,
         flops=model_flops(trained, model_config, block_size),
         model_shape=shape if cfg.planning.plan else None,
+        plan_calibration=_plan_calibration(cfg),
         router_loss=router_loss,
         eval_prompts=eval_prompts,
     )
+
+
+def _plan_calibration(cfg: RunConfig) -> tuple | None:
+    """--plan --plan_calibration: the measured run and its model's shape (from the config.json in its folder)."""
+    if not (cfg.planning.plan and cfg.planning.plan_calibration):
+        return None
+    from transformers import AutoConfig
+
+    run_dir = Path(cfg.planning.plan_calibration)
+    calibration = read_calibration(run_dir)
+    try:
+        model_config = AutoConfig.from_pretrained(run_dir)
+    except (OSError, ValueError) as err:
+        raise UsageError(
+            f"--plan_calibration {run_dir}: no readable model config.json ({err.__class__.__name__})",
+            "point it at a finished run's --output_dir",
+        ) from None
+    return calibration, ModelShape.from_meta_model(meta_model(model_config, False), model_config)
 
 
 def _check_layout(resolved: ResolvedRun, hardware: HardwareFacts) -> None:

@@ -164,7 +164,8 @@ class Run:
         print_config(self.resolved)
 
     def print_memory_plan(self) -> None:
-        print_memory_plan(self.cfg, self.resolved.model_shape, self.resolved.block_size, self.resolved.ds)
+        resolved = self.resolved
+        print_memory_plan(self.cfg, resolved.model_shape, resolved.block_size, resolved.ds, resolved.plan_calibration)
 
     def init_distributed(self) -> None:
         """The process group, then every rank's pre-flight verdict: a rank whose pre-flight failed joins too

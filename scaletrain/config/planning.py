@@ -5,6 +5,7 @@ Slices as in scaletrain/config/slices.py."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 
 from scaletrain.config.slices import _flag
 from scaletrain.config.values import _check_at_least_one
@@ -116,6 +117,11 @@ class PlanningArgs:
     plan_precision: str = _flag("bf16", "--plan: training precision to plan for.", choices=("bf16", "fp16", "fp32"))
     plan_tokens: float | None = _flag(None, "--plan: tokens to train, for the days each layout takes (e.g. 1e12).")
     plan_json: str | None = _flag(None, "--plan: also write the plan as JSON to this file (layouts, recommended).")
+    plan_calibration: str | None = _flag(
+        None,
+        "--plan: a finished run's --output_dir on the machine to plan for; its measured phases (and comms log, and "
+        "gpu_check.json beside it) set the time model's rates; without --gpu, plans that machine and world size.",
+    )
     plan_scaling: str | None = _flag(
         None, "--plan: node counts (e.g. 1,2,4,8) to predict tokens/s, speed-up and efficiency at, and what grows."
     )
@@ -134,6 +140,11 @@ class PlanningArgs:
                 "pick the nearest and set --gpu_peak_tflops, --gpu_memory_gb and --intra_node_gbps to yours",
             )
         self.scaling_nodes()
+        if self.plan_calibration and not Path(self.plan_calibration).is_dir():
+            raise UsageError(
+                f"--plan_calibration {self.plan_calibration}: no such folder",
+                "point it at a finished run's --output_dir",
+            )
 
     @property
     def memory_gb(self) -> float:

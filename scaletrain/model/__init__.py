@@ -3,7 +3,7 @@
 This face re-exports what other parts of scaletrain use; inside the wing, modules import each other by path.
 """
 
-from scaletrain.model.build import build_model, load_model_config, load_tokenizer, max_positions
+from scaletrain.model.build import build_model, load_model_config, load_tokenizer, max_positions, meta_model
 from scaletrain.model.checks import check_model_features, check_tokenizer_fits, describe_model
 from scaletrain.model.chunked_loss import chunked_loss_head, install_chunked_loss
 from scaletrain.model.lora import (
@@ -35,6 +35,7 @@ __all__ = [
     "is_lora_model",
     "load_adapter_state",
     "load_model_config",
+    "meta_model",
     "load_tokenizer",
     "mark_leaf_modules",
     "max_positions",

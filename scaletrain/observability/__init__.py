@@ -4,6 +4,7 @@ prompts.
 This face re-exports what other parts of scaletrain use; inside the wing, modules import each other by path.
 """
 
+from scaletrain.observability.calibration import read_calibration
 from scaletrain.observability.comms_log import CommLog, comms_summary
 from scaletrain.observability.eval_prompts import EvalPrompts, generate_samples, load_eval_prompts
 from scaletrain.observability.goodput import GoodputLedger
@@ -28,6 +29,7 @@ from scaletrain.observability.metrics import (
 )
 
 __all__ = [
+    "read_calibration",
     "CgroupMemory",
     "CommLog",
     "EvalPrompts",

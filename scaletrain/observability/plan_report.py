@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from dataclasses import replace
 from pathlib import Path
 
 from scaletrain.observability.long_context_plan import render_longest_blocks
@@ -21,6 +22,7 @@ from scaletrain.observability.memory_planner import (
     snapshot_bytes_per_rank,
 )
 from scaletrain.config import GPUS
+from scaletrain.observability.calibration import calibrate, calibrated_gpu, describe_calibration
 from scaletrain.observability.time_model import Cluster
 from scaletrain.observability.time_plan import (
     Planner,
@@ -54,7 +56,9 @@ def planned_run(cfg: RunConfig, shape: ModelShape, block_size: int) -> PlannedRu
     )
 
 
-def print_memory_plan(cfg: RunConfig, shape: ModelShape, block_size: int, ds: ResolvedDSConfig) -> None:
+def print_memory_plan(
+    cfg: RunConfig, shape: ModelShape, block_size: int, ds: ResolvedDSConfig, calibration: tuple | None = None
+) -> None:
     """--plan: the memory table for each ZeRO stage and offload option, the longest blocks, then the time plan (every
     layout of the flags' global batch, predicted, the fastest that fits recommended) and --plan_scaling's table."""
     planning = cfg.planning
@@ -79,19 +83,30 @@ def print_memory_plan(cfg: RunConfig, shape: ModelShape, block_size: int, ds: Re
             f"{planning.num_gpus} ranks per node (--no-async_save needs none)"
         )
     print()
-    print("\n".join(time_plan_lines(cfg, shape, run, ds)))
+    print("\n".join(time_plan_lines(cfg, shape, run, ds, calibration)))
 
 
-def planned_cluster(cfg: RunConfig, nodes: int | None = None) -> Cluster:
-    planning = cfg.planning
-    return Cluster(
-        nodes=nodes or planning.num_nodes,
-        gpus_per_node=planning.num_gpus,
-        gpu=GPUS[planning.gpu],
+def planned_cluster(cfg: RunConfig, nodes: int | None = None, calibration: tuple | None = None) -> Cluster:
+    """The cluster --plan plans for: --num_nodes x --num_gpus of --gpu; with --plan_calibration the measured run's
+    rates, and without an explicit --gpu its device (and, without --num_gpus/--num_nodes, its world on one node)."""
+    planning, explicit = cfg.planning, cfg.explicit_flags
+    gpus_per_node, nodes = planning.num_gpus, nodes or planning.num_nodes
+    gpu = GPUS[planning.gpu]
+    if calibration is not None:
+        measured, _ = calibration
+        if "gpu" not in explicit:
+            gpu = calibrated_gpu(measured, planning.memory_gb)
+        if not {"num_gpus", "num_nodes"} & explicit:
+            gpus_per_node = measured.world
+    cluster = Cluster(
+        nodes=nodes,
+        gpus_per_node=gpus_per_node,
+        gpu=gpu,
         inter_node_gbps=planning.inter_node_gbps,
         peak_tflops=planning.gpu_peak_tflops,
         intra_node_gbs=planning.intra_node_gbps,
     )
+    return cluster if calibration is None else calibrate(cluster, *calibration)
 
 
 def flags_option(cfg: RunConfig, ds: ResolvedDSConfig) -> Option:
@@ -105,22 +120,28 @@ def flags_option(cfg: RunConfig, ds: ResolvedDSConfig) -> Option:
     return Option(f"ZeRO-{ds.zero_stage}", Path(cfg.engine.config).name, ds.zero_stage, optimizer, params)
 
 
-def time_plan_lines(cfg: RunConfig, shape: ModelShape, run: PlannedRun, ds: ResolvedDSConfig) -> list[str]:
+def time_plan_lines(
+    cfg: RunConfig, shape: ModelShape, run: PlannedRun, ds: ResolvedDSConfig, calibration: tuple | None
+) -> list[str]:
     """The time table for the flags' global batch, the scaling table, and --plan_json written."""
     planning, optim = cfg.planning, cfg.optim
     gpu_bytes = planning.memory_gb * GIB
     host_bytes = planning.host_memory_gb and planning.host_memory_gb * GIB
 
     def planner_for(nodes: int) -> Planner:
-        return Planner(shape, run, planned_cluster(cfg, nodes), gpu_bytes, host_bytes)
+        return Planner(shape, run, planned_cluster(cfg, nodes, calibration), gpu_bytes, host_bytes)
 
     planner = planner_for(planning.num_nodes)
+    run = replace(run, gpus_per_node=planner.cluster.gpus_per_node)
     option = flags_option(cfg, ds)
     accum = optim.gradient_accumulation_steps
     flags = flags_candidate(planner, option, run, accum, cfg.model.gradient_checkpointing)
     global_sequences = run.micro_batch * accum * flags.layout.dp
     candidates = planner.candidates(global_sequences, cfg.parallel.allow_cross_node_tensor_parallel)
-    lines = render_time_plan(planner.cluster, flags, candidates, run.block_size, global_sequences, planning.plan_tokens)
+    lines = [] if calibration is None else [describe_calibration(calibration[0], planner.cluster)]
+    lines += render_time_plan(
+        planner.cluster, flags, candidates, run.block_size, global_sequences, planning.plan_tokens
+    )
     scaling = None
     if planning.scaling_nodes():
         scaling = scaling_rows(planner_for, planning.scaling_nodes(), flags.layout, option)

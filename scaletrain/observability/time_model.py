@@ -58,6 +58,9 @@ class Cluster:
     peak_tflops: float | None = None  # overrides the GPU's (--gpu_peak_tflops)
     intra_node_gbs: float | None = None  # overrides the GPU's NVLink GB/s (--intra_node_gbps)
     matmul_efficiency: float | None = None  # measured (calibration, gpu_check.sh) instead of the published fraction
+    compute_scale: float = 1.0  # measured compute over the FLOP model's (--plan_calibration)
+    optimizer_scale: float = 1.0  # measured optimizer step over the model's
+    step_overhead_s: float = 0.0  # measured per-step time outside compute and optimizer (data, synchronisation)
 
     def __post_init__(self):
         for name in ("nodes", "gpus_per_node", "inter_node_gbps", "peak_tflops", "intra_node_gbs"):
@@ -235,7 +238,7 @@ def _micro_batch_slot(shape: ModelShape, seq_len: int, layout: Layout, cluster: 
     sp_passes = passes - 1  # forward, backward, recomputation: one set of all-to-alls each
     sp_bytes = layers * (2 + 2 * kv_share) * activation * (sp - 1) / sp * sp_passes  # q, k, v in, output back
     return _Slot(
-        compute=matmul + attention + elementwise,
+        compute=(matmul + attention + elementwise) * cluster.compute_scale,
         tensor=cluster.collective(tp_bytes, tp_allreduces, tp),
         sequence=cluster.collective(sp_bytes, 4 * layers * sp_passes, sp, stride=tp),
         tensor_bytes=tp_bytes,
@@ -273,7 +276,7 @@ def _optimizer_and_offload(shape: ModelShape, layout: Layout, cluster: Cluster, 
     params = shape.params_per_rank(layout.tp, layout.pp)
     partition = params / (layout.dp * layout.sp) if layout.zero_stage >= 1 else params
     if layout.offload_optimizer == "none":
-        optimizer, offload = ADAM_BYTES * partition / (cluster.gpu.hbm_gbs * 1e9), 0.0
+        optimizer, offload = ADAM_BYTES * partition / (cluster.gpu.hbm_gbs * 1e9) * cluster.optimizer_scale, 0.0
     else:
         optimizer = partition * cluster.gpus_per_node / HOST_ADAM_PARAMS_PER_S
         offload = (4 + value_bytes) * partition / (PCIE_GBS * 1e9)  # fp32 gradients out, 16-bit weights back
@@ -305,6 +308,7 @@ def predict_step(
         "data_parallel": data,
         "optimizer": optimizer,
         "offload": offload,
+        "overhead": cluster.step_overhead_s,
     }
     volumes = {
         "tensor_parallel": m * slot.tensor_bytes,

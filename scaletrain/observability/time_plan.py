@@ -30,6 +30,7 @@ TERM_NAMES = {
     "data_parallel": "DP/ZeRO comm",
     "optimizer": "optimizer",
     "offload": "offload",
+    "overhead": "other",
 }
 # The likely fix when a term's share grows (scaling tables and scripts/scaling_report.py name it).
 FIXES = {
@@ -42,6 +43,7 @@ FIXES = {
     "or hierarchical/quantized ZeRO-3 communication (zero_hpz_partition_size, zero_quantized_weights)",
     "optimizer": "more data-parallel ranks to partition the optimizer (ZeRO-1+)",
     "offload": "less offload (offload only what does not fit), or faster host links",
+    "overhead": "data workers (--dataloader_num_workers) and fewer host synchronisations (--logging_steps)",
 }
 
 

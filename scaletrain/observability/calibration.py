@@ -1,0 +1,189 @@
+"""--plan --plan_calibration RUN_DIR: the time model calibrated by a measured run on the machine to plan for. From the
+run's folder: its metrics.jsonl (the steady steps' phases, the device peak behind its MFU), its flags
+(run_config.json: block size, micro-batch, accumulation, layout), its DeepSpeed JSON (ZeRO stage), its comms log's
+bus bandwidths where --comms_log was on, and scripts/gpu_check.sh's measured matmul rate where gpu_check.json sits in
+or beside the folder. The model's own FLOP, byte and communication formulas stay as they are; the run sets the
+machine's rates: how much slower than the FLOP model its compute runs (the compute scale), its optimizer step, and
+what a step spends outside both (data, synchronisation). Formulas: docs/parallelism.md#time-model."""
+
+from __future__ import annotations
+
+import json
+import statistics
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+from scaletrain.config import GPU
+from scaletrain.errors import UsageError
+from scaletrain.observability.memory_planner import ModelShape
+from scaletrain.observability.metrics import METRICS_FILE, read_records
+from scaletrain.observability.time_model import NVLINK_EFFICIENCY, Cluster, Layout, predict_step
+
+CPU_MEMORY_GBS = 20.0  # a CPU's memory bandwidth for the element-wise term of a calibrated CPU (a DDR channel pair)
+COLLECTIVES = ("all_reduce", "reduce_scatter", "all_gather", "all_to_all")
+
+
+@dataclass(frozen=True)
+class Calibration:
+    """What a measured run says about its machine."""
+
+    run_dir: Path
+    layout: Layout
+    block_size: int
+    precision: str
+    peak_tflops: float  # the device peak the run's MFU was computed against (a CPU: its measured matmul rate)
+    phases: dict  # median seconds of the steady steps: step, forward, backward, pipeline, optimizer
+    bus_gbs: float | None = None  # the comms log's latency-weighted bus bandwidth, GB/s
+    matmul_tflops: float | None = None  # gpu_check.json's measured matmul rate
+
+    @property
+    def world(self) -> int:
+        return self.layout.ranks
+
+    @property
+    def compute_s(self) -> float:
+        return self.phases["forward"] + self.phases["backward"] + self.phases["pipeline"]
+
+    @property
+    def overhead_s(self) -> float:
+        """What a step spends outside compute and the optimizer: data wait, synchronisation, metrics."""
+        return max(0.0, self.phases["step"] - self.compute_s - self.phases["optimizer"])
+
+
+def _refuse(run_dir: Path, what: str) -> UsageError:
+    return UsageError(
+        f"--plan_calibration {run_dir}: {what}",
+        "point it at a finished run's --output_dir (metrics.jsonl with a few logged steps, run_config.json)",
+    )
+
+
+def _read_json(path: Path, run_dir: Path) -> dict:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError) as err:
+        raise _refuse(run_dir, f"cannot read {path.name} ({err.__class__.__name__})") from None
+
+
+def read_calibration(run_dir: Path) -> Calibration:
+    """The calibration in `run_dir`; a folder that is not a run, or a run without steady logged steps, is a
+    UsageError naming --plan_calibration."""
+    if not (run_dir / METRICS_FILE).is_file():
+        raise _refuse(run_dir, f"no {METRICS_FILE}")
+    flags = _read_json(run_dir / "run_config.json", run_dir)
+    ds = _read_json(run_dir / "ds_config.json", run_dir)
+    records, _ = read_records(run_dir / METRICS_FILE)
+    steps = [r for r in records if "step_time_s" in r and r.get("mfu")]
+    if len(steps) < 4:
+        raise _refuse(run_dir, f"{len(steps)} logged training steps with an MFU; need at least 4 (--logging_steps 1)")
+    steady = steps[len(steps) // 4 :]  # the warm-up quarter left out
+    median = lambda key: statistics.median(r.get(key, 0.0) for r in steady)  # noqa: E731
+    phases = {name: median(f"{name}_s") for name in ("forward", "backward", "pipeline", "optimizer")}
+    phases["step"] = median("step_time_s")
+    micro, accum = flags["per_device_train_batch_size"], flags["gradient_accumulation_steps"]
+    tp, pp, sp = (flags.get(f"{kind}_parallel_size", 1) for kind in ("tensor", "pipeline", "sequence"))
+    dp = max(1, round(median("global_batch") / (micro * accum)))
+    zero = ds.get("zero_optimization", {})
+    layout = Layout(
+        tp=tp,
+        pp=pp,
+        sp=sp,
+        dp=dp,
+        zero_stage=int(zero.get("stage", 0)),
+        offload_optimizer=zero.get("offload_optimizer", {}).get("device") or "none",
+        offload_params=zero.get("offload_param", {}).get("device") or "none",
+        micro_batch=micro,
+        grad_accum=accum,
+        checkpointing=bool(flags.get("gradient_checkpointing")),
+    )
+    precision = "bf16" if ds.get("bf16", {}).get("enabled") is True else "fp16" if ds.get("fp16", {}).get(
+        "enabled"
+    ) is True else "fp32"  # fmt: skip
+    return Calibration(
+        run_dir=run_dir,
+        layout=layout,
+        block_size=int(flags.get("block_size") or 0) or _block_size(steady, layout),
+        precision=precision,
+        peak_tflops=median("tflops_per_device") / median("mfu"),
+        phases=phases,
+        bus_gbs=_bus_bandwidth(steady),
+        matmul_tflops=_gpu_check_matmul(run_dir),
+    )
+
+
+def _block_size(records: list, layout: Layout) -> int:
+    """The tokens of a block, from the tokens a step trains (--block_size left to the model's default)."""
+    tokens = statistics.median(r["tokens_per_s"] * r["step_time_s"] for r in records)
+    return round(tokens / (layout.micro_batch * layout.grad_accum * layout.dp))
+
+
+def _bus_bandwidth(records: list) -> float | None:
+    """The latency-weighted bus bandwidth of the collectives the comms log recorded, GB/s (None: no comms log)."""
+    weighted = milliseconds = 0.0
+    for record in records:
+        for kind in COLLECTIVES:
+            ms = record.get(f"comm_{kind}_ms", 0.0)
+            weighted += record.get(f"comm_{kind}_busbw_gbps", 0.0) * ms
+            milliseconds += ms
+    return weighted / milliseconds / 8 if milliseconds else None
+
+
+def _gpu_check_matmul(run_dir: Path) -> float | None:
+    for path in (run_dir / "gpu_check.json", run_dir.parent / "gpu_check.json"):
+        if path.is_file():
+            measured = json.loads(path.read_text()).get("machine", {}).get("measured_matmul_tflops")
+            if measured:
+                return float(measured)
+    return None
+
+
+def calibrated_gpu(calibration: Calibration, memory_gb: float) -> GPU:
+    """The run's device as the time model sees it when no --gpu names it: its measured peak with every compute
+    term at that rate, a CPU's memory bandwidth for the element-wise kernels (the compute scale corrects both)."""
+    return GPU(
+        name=f"calibrated by {calibration.run_dir.name}",
+        peak_tflops=calibration.matmul_tflops or calibration.peak_tflops,
+        memory_gb=memory_gb,
+        hbm_gbs=CPU_MEMORY_GBS,
+        nvlink_gbs=(calibration.bus_gbs or 1.0) / NVLINK_EFFICIENCY,
+        matmul_efficiency=1.0,
+        attention_efficiency=1.0,
+        source=f"measured: {calibration.run_dir}",
+    )
+
+
+def calibrate(cluster: Cluster, calibration: Calibration, shape: ModelShape) -> Cluster:
+    """`cluster` with the run's rates: the compute scale (measured forward + backward over the model's compute for
+    the run's own shape and layout, model-parallel traffic taken out), the optimizer scale, the per-step overhead,
+    the measured bus bandwidth inside a node, and gpu_check's matmul rate as the achievable fraction of the peak."""
+    if calibration.matmul_tflops:
+        cluster = replace(cluster, matmul_efficiency=min(1.0, calibration.matmul_tflops * 1e12 / cluster.peak_flops))
+    if calibration.bus_gbs:
+        cluster = replace(cluster, intra_node_gbs=calibration.bus_gbs / NVLINK_EFFICIENCY)
+    nominal = predict_step(shape, calibration.block_size, calibration.layout, cluster, calibration.precision)
+    terms = nominal.terms
+    traffic = terms["tensor_parallel"] + terms["sequence_parallel"] + terms["pipeline_p2p"]
+    measured_compute = max(calibration.compute_s - traffic, 0.1 * terms["compute"])
+    # the bubble is compute's (P - 1) / m; what the run measured holds both
+    bubble_share = terms["pipeline_bubble"] / terms["compute"] if terms["compute"] else 0.0
+    compute_scale = measured_compute / (terms["compute"] * (1 + bubble_share)) if terms["compute"] else 1.0
+    optimizer_scale = calibration.phases["optimizer"] / terms["optimizer"] if terms["optimizer"] else 1.0
+    return replace(
+        cluster,
+        compute_scale=compute_scale,
+        optimizer_scale=optimizer_scale,
+        step_overhead_s=calibration.overhead_s,
+    )
+
+
+def describe_calibration(calibration: Calibration, cluster: Cluster) -> str:
+    """The line --plan prints above a calibrated time plan."""
+    phases = calibration.phases
+    return (
+        f"calibrated by {calibration.run_dir} ({calibration.world} rank(s), {calibration.block_size}-token blocks, "
+        f"micro-batch {calibration.layout.micro_batch} x {calibration.layout.grad_accum}): step {phases['step']:.3g} "
+        f"s, compute {calibration.compute_s:.3g} s = {cluster.compute_scale:.2f}x the FLOP model at "
+        f"{calibration.peak_tflops:.3g} TFLOP/s, optimizer {phases['optimizer']:.3g} s, other "
+        f"{calibration.overhead_s:.3g} s a step"
+        + ("" if calibration.bus_gbs is None else f", bus bandwidth {calibration.bus_gbs:.3g} GB/s (comms log)")
+        + ("" if calibration.matmul_tflops is None else f", matmul {calibration.matmul_tflops:g} TFLOP/s (gpu_check)")
+    )

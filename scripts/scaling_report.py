@@ -3,7 +3,9 @@
 For each world size the job keeps the per-rank batch (weak scaling, as data parallelism is used), runs with the
 deepspeed launcher, and reads the steady-state figures from its metrics.jsonl: tokens/s per rank, scaling
 efficiency (per-rank throughput against the smallest world size), and the step-time phases, so that the phase
-that grew with the world size is named.
+that grew with the world size is named. Beside the measurements, the time model of `--plan` (calibrated by the
+smallest world size's run, scaletrain/observability/calibration.py) predicts each size, term by term, and the report
+names the phase whose share of the step grew and its likely fix.
 
     python scripts/scaling_report.py                          # world sizes 1 and 2, zero2, the tiny model
     python scripts/scaling_report.py --world_sizes 8,16,32 --launcher_args "--hostfile hosts" -- --model_name_or_path X
@@ -64,6 +66,71 @@ def run_job(world: int, out: Path, steps: int, launcher_args: str, extra: list) 
     }
 
 
+# The measured phase whose share grew -> its likely fix.
+PHASE_FIXES = {
+    "data_wait": "more data workers (--dataloader_num_workers) or a faster disk for the token store",
+    "forward": "compute-bound forward; under ZeRO-3 its parameter gathers: a larger micro-batch, ZeRO-1/2, or "
+    "hierarchical/quantized ZeRO-3 communication",
+    "backward": "the gradient reduction inside the backward: a larger micro-batch or accumulation (fewer reductions "
+    "per token), TP kept inside a node",
+    "pipeline": "more micro-batches per step or fewer pipeline stages",
+    "optimizer": "more data-parallel ranks to partition the optimizer (ZeRO-1+), or less offload",
+    "sync": "the data-parallel reduction at the step's end: a larger accumulation, ZeRO-2's overlap_comm",
+    "checkpoint": "--async_save, or fewer saves",
+}
+
+
+def predictions(results: list, out: Path) -> list:
+    """The time model's step for each world size, calibrated by the smallest one's run (its model, layout, phases)."""
+    from dataclasses import replace
+
+    from transformers import AutoConfig
+
+    from scaletrain.model import meta_model
+    from scaletrain.observability.calibration import calibrate, calibrated_gpu, read_calibration
+    from scaletrain.observability.memory_planner import ModelShape
+    from scaletrain.observability.time_model import Cluster, predict_step
+
+    first = out / f"world{results[0]['world']}"
+    calibration = read_calibration(first)
+    config = AutoConfig.from_pretrained(first)
+    shape = ModelShape.from_meta_model(meta_model(config, False), config)
+    predicted = []
+    for r in results:
+        world = r["world"]
+        layout = replace(calibration.layout, dp=world // (calibration.layout.ranks // calibration.layout.dp))
+        cluster = calibrate(Cluster(1, calibration.world, calibrated_gpu(calibration, 24)), calibration, shape)
+        cluster = replace(cluster, gpus_per_node=world)
+        predicted.append(predict_step(shape, calibration.block_size, layout, cluster, calibration.precision))
+    return predicted
+
+
+def beside_prediction(results: list, predicted: list) -> list:
+    """Measured step and phases beside the prediction and its terms, and the phase whose share grew most."""
+    lines = [
+        "",
+        "| world size | measured step (s) | predicted step (s) | predicted compute | predicted DP/ZeRO comm | "
+        "predicted optimizer | predicted other |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for r, p in zip(results, predicted, strict=True):
+        t = p.terms
+        lines.append(
+            f"| {r['world']} | {r['step_time_s']:.3f} | {p.step_time:.3f} | {t['compute']:.3f} | "
+            f"{t['data_parallel']:.3f} | {t['optimizer']:.3f} | {t['overhead']:.3f} |"
+        )
+    base, last = results[0], results[-1]
+    if last is not base:
+        share = {ph: last[ph] / last["step_time_s"] - base[ph] / base["step_time_s"] for ph in PHASES}
+        grew = max(share, key=share.get)
+        lines.append(
+            f"\nphase whose share grew most ({base['world']} -> {last['world']} ranks): {grew} "
+            f"({base[grew] / base['step_time_s']:.0%} -> {last[grew] / last['step_time_s']:.0%} of the step); "
+            f"likely fix: {PHASE_FIXES[grew]}"
+        )
+    return lines
+
+
 def report(results: list, out: Path) -> str:
     base = results[0]
     base_per_rank = base["tokens_per_s"] / base["world"]
@@ -82,6 +149,7 @@ def report(results: list, out: Path) -> str:
             f"| {r['world']} | {r['tokens_per_s']:.0f} | {per_rank:.0f} | {per_rank / base_per_rank:.2f} | "
             f"{r['step_time_s']:.3f} | " + " | ".join(f"{r[p]:.3f}" for p in PHASES) + f" | {grew_text} |"
         )
+    lines += beside_prediction(results, predictions(results, out))
     table = "\n".join(lines) + "\n"
     (out / "scaling.md").write_text(table)
 

@@ -574,7 +574,15 @@ def test_scaling_report_runs_at_world_sizes_1_and_2(tmp_path, cache_dir):
         timeout=900,
     )
     check_ok(proc)
-    table = (tmp_path / "scaling.md").read_text().splitlines()
+    text = (tmp_path / "scaling.md").read_text()
+    table = text[: text.index("\n\n")].splitlines()
+    # the time model beside: calibrated by world size 1, so its prediction there is its measured step
+    beside = text[text.index("\n\n") :].strip().splitlines()
+    assert beside[0].startswith("| world size | measured step (s) | predicted step (s) |")
+    first = [cell.strip() for cell in beside[2].strip("|").split("|")]
+    assert first[0] == "1" and float(first[2]) == pytest.approx(float(first[1]), rel=0.02)
+    assert beside[3].startswith("| 2 |") and float(beside[3].split("|")[3]) > 0
+    assert beside[-1].startswith("phase whose share grew most (1 -> 2 ranks): ") and "likely fix: " in beside[-1]
     header = [cell.strip() for cell in table[0].strip("|").split("|")]
     rows = [dict(zip(header, (cell.strip() for cell in line.strip("|").split("|")), strict=True)) for line in table[2:]]
     assert [row["world size"] for row in rows] == ["1", "2"]

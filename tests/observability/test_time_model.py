@@ -298,3 +298,34 @@ def test_a_calibrated_plan_predicts_other_blocks_and_micro_batches_within_15_per
     flags_row = next(line for line in lines if line.startswith("| flags: DP 1 | ZeRO-2 | 8 x 1 |"))
     planned = float(flags_row.split(" | ")[5])
     assert abs(planned / measured[(128, 8)].phases["step"] - 1) <= 0.15
+
+
+def test_calibration_reads_the_comms_logs_bus_bandwidth_and_gpu_checks_matmul_rate(tmp_path):
+    """The comms log's bus bandwidths (Gbit/s, per collective type) weigh by their time into GB/s; gpu_check.json's
+    measured matmul rate beside the run folder becomes the achievable fraction of the planned GPU's peak."""
+    from scaletrain.observability import calibration as cal
+
+    records = [
+        {"comm_all_reduce_ms": 3.0, "comm_all_reduce_busbw_gbps": 800.0, "comm_all_gather_ms": 1.0,
+         "comm_all_gather_busbw_gbps": 400.0},
+        {"comm_reduce_scatter_ms": 4.0, "comm_reduce_scatter_busbw_gbps": 1600.0},
+    ]  # fmt: skip
+    assert cal._bus_bandwidth(records) == pytest.approx((3 * 800 + 400 + 4 * 1600) / 8 / 8)
+    assert cal._bus_bandwidth([{"loss": 1.0}]) is None
+    run = tmp_path / "run"
+    run.mkdir()
+    assert cal._gpu_check_matmul(run) is None
+    (tmp_path / "gpu_check.json").write_text(json.dumps({"machine": {"measured_matmul_tflops": 742.0}}))
+    assert cal._gpu_check_matmul(run) == 742.0
+    measured = cal.Calibration(
+        run_dir=run, layout=tm.Layout(micro_batch=4), block_size=512, precision="bf16", peak_tflops=989.0,
+        phases={"step": 1.0, "forward": 0.3, "backward": 0.6, "pipeline": 0.0, "optimizer": 0.05},
+        bus_gbs=200.0, matmul_tflops=742.0,
+    )  # fmt: skip
+    cluster = cal.calibrate(tm.Cluster(1, 8, GPUS["h100-sxm"]), measured, SHAPE)
+    assert cluster.matmul_efficiency == pytest.approx(742 / 989)
+    assert cluster.bus_bandwidth(8) == pytest.approx(200e9)  # the measured bus bandwidth, achieved already
+    assert cluster.step_overhead_s == pytest.approx(0.05)
+    replay = tm.predict_step(SHAPE, 512, measured.layout, cluster)
+    assert replay.terms["compute"] == pytest.approx(0.9) and replay.terms["optimizer"] == pytest.approx(0.05)
+    assert replay.step_time == pytest.approx(1.0)  # the run it was calibrated by, predicted as measured

@@ -445,6 +445,11 @@ CASES = {
         "--plan_scaling",
         "--plan_scaling 1,two: not a list of node counts",
     ),
+    "plan calibration not a run": (
+        lambda t: ["--plan", "--plan_calibration", str(t)],
+        "--plan_calibration",
+        ": no metrics.jsonl",
+    ),
     "ramp-up lr scaling alone": (
         lambda t: ["--rampup_lr_scaling", "sqrt"],
         "--rampup_lr_scaling",

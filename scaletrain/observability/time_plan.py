@@ -372,7 +372,7 @@ def write_plan_json(path: Path, flags: Candidate, candidates: list[Candidate], s
     fastest that fits (None: nothing fits). Returns that index."""
     fitting = [c for c in candidates if c.fits]
     layouts = [flags, *fitting]
-    recommended = None if not fitting else 1 + fitting.index(fitting[0])
+    recommended = 1 if fitting else None  # the fastest fitting one follows the flags' layout
     if fitting and flags.fits and flags.prediction.step_time <= fitting[0].prediction.step_time:
         recommended = 0
     document = {"layouts": [c.as_dict() for c in layouts], "recommended": recommended}

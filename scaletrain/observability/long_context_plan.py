@@ -28,12 +28,18 @@ FEATURE_SETS = (  # (name, tiled MLP, activation offloading), each with activati
 GRAIN = 1024  # blocks are reported in multiples of 1K tokens
 
 
-def sequence_degrees(shape: ModelShape, ranks: int) -> list:
-    """1 and the largest sequence-parallel degree up to `ranks` that Ulysses accepts for the model (it divides the
-    ranks and the query heads, and divides or is a multiple of the KV heads)."""
+def ulysses_degrees(shape: ModelShape, ranks: int) -> list:
+    """1 and every sequence-parallel degree up to `ranks` that Ulysses accepts for the model: it divides the ranks
+    and the query heads, and divides or is a multiple of the KV heads (a model of unknown heads: 1 only)."""
     heads, kv = shape.heads, shape.kv_heads or shape.heads
-    fitting = [n for n in range(2, ranks + 1) if ranks % n == 0 and heads % n == 0 and (kv % n == 0 or n % kv == 0)]
-    return [1, *fitting[-1:]]
+    if not heads:
+        return [1]
+    return [1] + [n for n in range(2, ranks + 1) if ranks % n == 0 and heads % n == 0 and (kv % n == 0 or n % kv == 0)]
+
+
+def sequence_degrees(shape: ModelShape, ranks: int) -> list:
+    """1 and the largest sequence-parallel degree up to `ranks` that Ulysses accepts for the model."""
+    return [1, *ulysses_degrees(shape, ranks)[1:][-1:]]
 
 
 def longest_block(shape: ModelShape, run: PlannedRun, gpu_bytes: float, host_bytes: float | None) -> tuple:

@@ -326,7 +326,7 @@ def _describe(ranks: int, tp: int, sp: int, pp: int) -> str:
     )
 
 
-def _layout_flags(tp: int, sp: int, pp: int) -> str:
+def layout_flags(tp: int, sp: int, pp: int) -> str:
     return "".join(
         f" --{kind}_parallel_size {size}"
         for kind, size in (("tensor", tp), ("sequence", sp), ("pipeline", pp))
@@ -390,7 +390,7 @@ def render_memory_plan(
         chosen_tp, chosen_pp, est, ckpt = choice
         lines.append(
             f"memory plan's choice: --config ds_configs/{est.option.ds_config}"
-            + _layout_flags(chosen_tp, sp, chosen_pp)
+            + layout_flags(chosen_tp, sp, chosen_pp)
             + (" --gradient_checkpointing" if ckpt else "")
             + f" ({est.option.name}{', activation checkpointing' if ckpt else ''}: "
             f"{gb(est.total(ckpt))} of {gpu_memory_gb:g} GB per GPU)"

@@ -142,9 +142,9 @@ def time_plan_lines(
     lines += render_time_plan(
         planner.cluster, flags, candidates, run.block_size, global_sequences, planning.plan_tokens
     )
-    scaling = None
-    if planning.scaling_nodes():
-        scaling = scaling_rows(planner_for, planning.scaling_nodes(), flags.layout, option)
+    scaling, node_counts = None, planning.scaling_nodes()
+    if node_counts:
+        scaling = scaling_rows(planner_for, node_counts, flags.layout, option)
         lines += ["", *render_scaling(scaling, global_sequences)]
     if planning.plan_json:
         write_plan_json(Path(planning.plan_json), flags, candidates, scaling)

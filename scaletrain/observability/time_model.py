@@ -32,6 +32,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from scaletrain.config import GPU
+from scaletrain.observability.flops import ModelFlops
 from scaletrain.observability.memory_planner import ModelShape
 
 ELEMENTWISE_VALUES = 24  # values read and written per token per layer forward by the memory-bound kernels
@@ -181,18 +182,23 @@ class StepPrediction:
         }
 
 
+def matmul_params(shape: ModelShape) -> int:
+    """Parameters in matrix products: the linear layers (head included), or, where a shape does not count them,
+    every parameter but the input embeddings."""
+    return shape.linear_params or (shape.n_params - shape.embedding_params)
+
+
 def model_flops_per_token(shape: ModelShape, seq_len: int) -> float:
-    """Model FLOPs per token as train.py logs them (PaLM appendix B): 6 N + 12 L h s, N the matrix-product parameters
-    (head included, input embeddings not), the attention square counted whole."""
-    matmul = shape.linear_params or (shape.n_params - shape.embedding_params)
-    return 6 * matmul + 12 * shape.layers * shape.hidden * seq_len
+    """Model FLOPs per token as train.py logs them (flops.ModelFlops, PaLM appendix B: 6 N + 12 L H Q s)."""
+    heads = shape.heads or 1
+    return ModelFlops(matmul_params(shape), shape.layers, heads, shape.hidden / heads, seq_len).per_token()
 
 
 def stage_matmul_params(shape: ModelShape, tp: int, pp: int) -> float:
     """Matrix-product parameters on one GPU of the busiest pipeline stage: its layers / P decoder layers split over
     the tensor ranks, and on the last stage the output head (split over the tensor ranks too, as vocabulary-parallel
     heads are)."""
-    linear = shape.linear_params or (shape.n_params - shape.embedding_params)
+    linear = matmul_params(shape)
     head = shape.head_params or shape.vocab * shape.hidden
     decoder = max(linear - head, 0)
     return (decoder / pp + head) / tp if pp > 1 else linear / tp

@@ -9,6 +9,7 @@ import json
 from dataclasses import dataclass, replace
 from pathlib import Path
 
+from scaletrain.observability.long_context_plan import ulysses_degrees
 from scaletrain.observability.memory_planner import (
     GIB,
     HEADROOM,
@@ -16,6 +17,7 @@ from scaletrain.observability.memory_planner import (
     ModelShape,
     Option,
     PlannedRun,
+    layout_flags,
     options_for,
     plan_memory,
 )
@@ -70,11 +72,7 @@ class Candidate:
         lay = self.layout
         return (
             f"--config ds_configs/{self.option.ds_config}"
-            + "".join(
-                f" --{kind}_parallel_size {size}"
-                for kind, size in (("tensor", lay.tp), ("pipeline", lay.pp), ("sequence", lay.sp))
-                if size > 1
-            )
+            + layout_flags(lay.tp, lay.sp, lay.pp)
             + f" --per_device_train_batch_size {lay.micro_batch} --gradient_accumulation_steps {lay.grad_accum}"
             + (" --gradient_checkpointing" if lay.checkpointing else "")
         )
@@ -160,7 +158,7 @@ class Planner:
         scored = []
         for tp in tensor_sizes:
             for pp in [p for p in _divisors(shape.layers) if world % (tp * p) == 0]:
-                for sp in sequence_degrees_all(shape, world) if tp == pp == 1 else [1]:  # SP composes with neither
+                for sp in ulysses_degrees(shape, world) if tp == pp == 1 else [1]:  # SP composes with neither
                     dp = world // (tp * pp * sp)
                     if global_sequences % dp:
                         continue
@@ -174,14 +172,6 @@ class Planner:
                                 layout = _layout(option, (tp, pp, sp, dp), micro_batch, accum, checkpointing)
                                 scored.append(self.score(layout, option))
         return sorted(scored, key=lambda c: c.prediction.step_time)
-
-
-def sequence_degrees_all(shape: ModelShape, world: int) -> list[int]:
-    """Every sequence-parallel degree Ulysses accepts on `world` ranks (sequence_degrees keeps only the largest)."""
-    heads, kv = shape.heads, shape.kv_heads or shape.heads
-    if not heads:
-        return [1]
-    return [1] + [n for n in range(2, world + 1) if world % n == 0 and heads % n == 0 and (kv % n == 0 or n % kv == 0)]
 
 
 def _layout(option: Option, sizes: tuple, micro_batch: int, accum: int, checkpointing: bool) -> Layout:

@@ -22,6 +22,7 @@ if TYPE_CHECKING:  # annotations only: importing these wings here would put the 
     from scaletrain.data import ChatData, GlobalOrder, PackedBlocks
     from scaletrain.distributed import TokenLoss
     from scaletrain.engine import LRSchedule
+    from scaletrain.harness import HarnessTasks
     from scaletrain.model import RouterLoss
     from scaletrain.observability import EvalPrompts, ModelFlops, ModelShape
 
@@ -177,6 +178,7 @@ class ResolvedRun:
     plan_calibration: tuple | None = None  # --plan_calibration: (the measured run, its model's shape)
     router_loss: RouterLoss | None = None  # a mixture-of-experts model's load-balancing loss
     eval_prompts: EvalPrompts | None = None  # --eval_prompts read and tokenized
+    lm_eval_tasks: HarnessTasks | None = None  # --lm_eval_tasks looked up and built once
     chat: ChatData | None = None  # chat data: its template and loss mode (None: plain text)
 
     @property

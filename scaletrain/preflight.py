@@ -25,6 +25,7 @@ from scaletrain.config import (
     RunConfig,
 )
 from scaletrain.errors import UsageError
+from scaletrain.harness import HarnessTasks, resolve_tasks
 from scaletrain.data import check_block_size, check_data_source
 from scaletrain.distributed import (
     check_model_layout,
@@ -137,6 +138,7 @@ def resolve_run(argv: Sequence[str] | None, dist: DistInfo) -> ResolvedRun:
     eval_prompts = load_eval_prompts(
         cfg.logging.eval_prompts, tokenizer, cfg.logging.eval_max_new_tokens, max_positions(model_config), dist.layout
     )
+    lm_eval_tasks = _lm_eval_tasks(cfg, dist)
     resume, ds = plan_resume(cfg, ds, model_facts, dist.layout)
     trained = _trained_model(cfg, skeleton, model_config)
     _check_disk_space_for(cfg, ds, model_facts["n_params"], trained)
@@ -148,7 +150,23 @@ def resolve_run(argv: Sequence[str] | None, dist: DistInfo) -> ResolvedRun:
         plan_calibration=_plan_calibration(cfg),
         router_loss=router_loss,
         eval_prompts=eval_prompts,
+        lm_eval_tasks=lm_eval_tasks,
     )
+
+
+def _lm_eval_tasks(cfg: RunConfig, dist: DistInfo) -> HarnessTasks | None:
+    """--lm_eval_tasks: lm-eval installed, every task known and built (its data found), before training; a layout
+    the harness cannot be served on refused. --print_config and --plan look nothing up."""
+    args = cfg.lm_eval
+    if not args.task_specs or cfg.run.print_config or cfg.planning.plan:
+        return None
+    flag = f"--lm_eval_tasks {args.lm_eval_tasks}"
+    if dist.layout.model_parallel > 1:
+        raise UsageError(
+            f"{flag}: scoring during training is not supported with tensor, sequence or pipeline parallelism",
+            "drop it, and score the exported model after the run: python scripts/evaluate.py <output_dir> --tasks ...",
+        )
+    return resolve_tasks(args.task_specs, args.lm_eval_limit, dist.layout.dp, flag)
 
 
 def _plan_calibration(cfg: RunConfig) -> tuple | None:

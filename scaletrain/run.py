@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import time
 from collections.abc import Sequence
 from contextlib import ExitStack
 from functools import partial
@@ -60,6 +61,7 @@ from scaletrain.engine import (
     SkipSwitch,
 )
 from scaletrain.errors import HANG_EXIT_CODE, RunEnded
+from scaletrain.harness import RESULTS_DIR, engine_lm, score
 from scaletrain.logs import interactive, set_log_level, silence_library_logs
 from scaletrain.model import (
     apply_lora,
@@ -86,6 +88,7 @@ from scaletrain.train import (
     CommsWindow,
     EngineStep,
     enable_flight_recorder,
+    BenchmarkEvaluation,
     evaluate_sets,
     GoodputBook,
     HangNotes,
@@ -139,6 +142,7 @@ class Run:
         self.ledger = GoodputLedger(resolved.cfg.run.output_dir, is_main=False, started=0.0)  # resume: this attempt's
         self.saver: Saver | None = None  # resume
         self.watch: HangWatch | None = None  # watch_for_hangs (--hang_timeout)
+        self.harness_lm = None  # the live model as lm-eval's LM (--lm_eval_tasks), built at its first evaluation
 
     @classmethod
     def from_flags(cls, argv: Sequence[str] | None, dist: DistInfo) -> Run:
@@ -352,6 +356,8 @@ class Run:
         ]
         if not dry:  # a dry run takes one step, logged, and evaluates or saves nothing
             callbacks.append(PeriodicEvaluation(cfg.logging.eval_steps, self.metrics, evaluate, generate))
+            if self.resolved.lm_eval_tasks is not None:
+                callbacks.append(BenchmarkEvaluation(cfg.lm_eval.lm_eval_steps, self.score_benchmarks))
             callbacks.append(PeriodicSave(self.saver, cfg.checkpoint.save_steps, cfg.checkpoint.save_interval_minutes))
         # Last: a save due at the preemption's step is the one it commits (once), without a second write.
         preemption = PreemptionSave(
@@ -379,6 +385,30 @@ class Run:
         synced = self.dist.world_size > 1
         rows = generate_samples(self.engine, self.resolved.eval_prompts, tokenizer, reply_end_ids(tokenizer), synced)
         self.metrics.log_generations(step, rows)
+
+    def score_benchmarks(self, step: int) -> None:
+        """--lm_eval_tasks: lm-evaluation-harness on the live model, every rank scoring its share of the requests;
+        rank 0 logs each task's metrics and writes lm-eval's JSON to <output_dir>/lm_eval/step<N>.json."""
+        args, dist = self.cfg.lm_eval, self.dist
+        if self.harness_lm is None:
+            watch = self.watch
+            progress = (lambda what: watch.phase(f"lm-eval: {what}", long=True)) if watch is not None else None
+            lockstep = self.resolved.ds.zero_stage == 3 and dist.layout.dp > 1  # each forward a collective
+            self.harness_lm = engine_lm(
+                self.engine.module,
+                self.resolved.tokenizer,
+                args.lm_eval_batch_size,
+                rank=dist.coords.dp,
+                world_size=dist.layout.dp,
+                lockstep=lockstep,
+                progress=progress,
+            )
+            self._closing.callback(self.harness_lm.close)
+        tasks, out = self.resolved.lm_eval_tasks, Path(self.cfg.run.output_dir)
+        bars = dist.is_main and not self.cfg.logging.disable_tqdm and interactive()
+        scores = score(self.harness_lm, tasks, args, out, f"step{step}", step, show_bars=bars)
+        if scores is not None:
+            self.metrics.log({"step": step, **scores.metrics})
 
     def rollback(self) -> dict:
         """--max_consecutive_skips reached: back to the newest committed checkpoint, the data past the streak; the
@@ -410,14 +440,19 @@ class Run:
         # Decided once, by rank 0: ranks that disagreed about entering a collective save or evaluation would hang in
         # it. A run resumed at its last step (already complete) has evaluated it: its records are not repeated.
         step, out = self.state.step, self.cfg.run.output_dir
-        newest, evaluated = broadcast_from_main(
-            (newest_committed(out), self.metrics.evaluated(step)) if self.dist.is_main else None
+        scored_file = Path(out) / RESULTS_DIR / f"step{step}.json"
+        newest, evaluated, scored = broadcast_from_main(
+            (newest_committed(out), self.metrics.evaluated(step), scored_file.is_file()) if self.dist.is_main else None
         )
+        evaluation_started = time.perf_counter()
         if self.data.eval_sets and not evaluated:
             evaluator = self.runner if isinstance(self.runner, PipelineStep) else self.objective
             self.metrics.log({"step": step, **evaluate_sets(self.engine, self.data.eval_sets, evaluator)})
         if self.resolved.eval_prompts and not evaluated:
             self.generate_samples(step)
+        if self.resolved.lm_eval_tasks is not None and not scored:
+            self.score_benchmarks(step)
+        self.ledger.evaluation(time.perf_counter() - evaluation_started)  # the final evaluation is evaluation too
         if self.cfg.checkpoint.save_at_end and (newest is None or committed_step(newest) != step):
             self.saver.save(now=True)
         if self.cfg.checkpoint.export_hf_at_end:
@@ -459,7 +494,7 @@ class Run:
             log.warning("could not release the DeepSpeed engine cleanly: %s", err)
 
     def _drop_parts(self) -> None:
-        self.engine = self.model = self.runner = self.objective = self.saver = None
+        self.engine = self.model = self.runner = self.objective = self.saver = self.harness_lm = None
 
     @staticmethod
     def _release_shm_allreduce(shm) -> None:

@@ -15,7 +15,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from scaletrain.config.values import eval_loss_set  # noqa: E402
 from scaletrain.observability.metrics import METRICS_FILE, read_records  # noqa: E402
 
-PHASES = ("data_wait", "forward", "backward", "pipeline", "optimizer", "sync", "checkpoint")
+PHASES = ("data_wait", "forward", "backward", "pipeline", "optimizer", "sync", "checkpoint", "eval")
 
 
 def load(run_dir: Path) -> tuple:

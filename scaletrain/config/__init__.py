@@ -16,6 +16,7 @@ from scaletrain.config.deepspeed_json import (
 )
 from scaletrain.config.run_config import RunConfig
 from scaletrain.config.guards import HangArgs, NonFiniteArgs
+from scaletrain.config.harness import HarnessArgs
 from scaletrain.config.preference import LOSS_TYPES, REFERENCE_FREE_LOSSES, PreferenceArgs, check_preference_run
 from scaletrain.config.planning import GPU, GPUS, PlanningArgs
 from scaletrain.config.slices import DataArgs, ModelArgs, OptimArgs, ParallelArgs, PeftArgs
@@ -31,6 +32,7 @@ __all__ = [
     "DataArgs",
     "HangArgs",
     "HardwareFacts",
+    "HarnessArgs",
     "LOCAL_DATA_FORMATS",
     "LOSS_TYPES",
     "ModelArgs",

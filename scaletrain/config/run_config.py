@@ -11,6 +11,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 from scaletrain.config.guards import HangArgs, NonFiniteArgs
+from scaletrain.config.harness import HarnessArgs
 from scaletrain.config.planning import PlanningArgs
 from scaletrain.config.preference import PreferenceArgs
 from scaletrain.config.slices import (
@@ -39,6 +40,7 @@ SLICES = {
     "nonfinite": NonFiniteArgs,
     "hang": HangArgs,
     "logging": LoggingArgs,
+    "lm_eval": HarnessArgs,
     "planning": PlanningArgs,
 }
 # Hugging Face's spellings: of the DeepSpeed JSON flag, and transformers 5's name for activation checkpointing.
@@ -59,6 +61,7 @@ class RunConfig:
     nonfinite: NonFiniteArgs = field(default_factory=NonFiniteArgs)
     hang: HangArgs = field(default_factory=HangArgs)
     logging: LoggingArgs = field(default_factory=LoggingArgs)
+    lm_eval: HarnessArgs = field(default_factory=HarnessArgs)
     planning: PlanningArgs = field(default_factory=PlanningArgs)
     # Not flags: where each value that is not a default came from ("command line", or "recipe <file>").
     sources: Mapping[str, str] = field(default_factory=dict)

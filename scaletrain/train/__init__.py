@@ -6,7 +6,7 @@ This face re-exports what other parts of scaletrain use; inside the wing, module
 """
 
 from scaletrain.train.callbacks import Callback, StepOutcome
-from scaletrain.train.evaluation import PeriodicEvaluation, evaluate_sets
+from scaletrain.train.evaluation import BenchmarkEvaluation, PeriodicEvaluation, evaluate_sets
 from scaletrain.train.hang import (
     HANG_DIR,
     HANG_NOTE_ENV,
@@ -33,6 +33,7 @@ from scaletrain.train.step import PipelineStep
 from scaletrain.train.trainer import EngineStep, Trainer
 
 __all__ = [
+    "BenchmarkEvaluation",
     "Callback",
     "CommsWindow",
     "EngineStep",

@@ -28,11 +28,12 @@ class StepOutcome:
     step: int  # the step just done (1-based)
     data_step: int  # the global batch it trained on (0-based; past a rollback's skipped batches)
     result: StepResult
-    seconds: float  # wall clock, including the time a save held the loop since the step before
+    seconds: float  # wall clock, including the time saves and evaluations held the loop since the step before
     phases: dict | None  # the step's split into phases (None: not split, a GPU step that is not logged)
     held: float  # the seconds of `seconds` that saves held the loop
     last: bool  # the run's last step: the end of the run evaluates and saves
     requests: frozenset = field(default_factory=frozenset)  # agreed at the step boundary (REQUESTS)
+    evaluated: float = 0.0  # the seconds of `seconds` that evaluations held the loop
 
     @property
     def data_wait(self) -> float:

@@ -69,3 +69,18 @@ class PeriodicEvaluation(Callback):
             self.metrics.log({"step": step, **self.evaluate()})
         if self.generate is not None:
             self.generate(step)
+
+
+class BenchmarkEvaluation(Callback):
+    """--lm_eval_steps N: lm-evaluation-harness scores every N steps (0: none during training; not at the last step,
+    whose scores the end of the run takes), on every rank (collectives). Its time is the run's evaluation time: the
+    step profile's "eval" phase, the goodput ledger's eval, and the hang watch's long allowance."""
+
+    def __init__(self, every: int, score: Callable[[int], None]):
+        self.every, self.score = every, score
+
+    def post_step(self, outcome: StepOutcome) -> None:
+        due = self.every and outcome.step % self.every == 0 and not outcome.last and "stop" not in outcome.requests
+        if due:
+            self.trainer.phase("lm-eval", long=True)
+            self.trainer.hold("evaluation", lambda: self.score(outcome.step))

@@ -118,7 +118,8 @@ class GoodputBook(Callback):
         self.ledger.step_started()
 
     def post_step(self, outcome: StepOutcome) -> None:
-        self.ledger.step(outcome.step, outcome.seconds, outcome.data_wait, outcome.held)
+        # (an evaluation's time, in the step's, is booked as eval by on_hold)
+        self.ledger.step(outcome.step, outcome.seconds - outcome.evaluated, outcome.data_wait, outcome.held)
         self._unbooked_save = 0.0
 
     def on_rollback(self, step: int) -> None:

@@ -52,6 +52,7 @@ class Trainer:
         self.callbacks = tuple(callbacks)
         self.clock = PhaseClock(engine.device)
         self._held = 0.0  # seconds saves held the loop since the step in flight began
+        self._held_eval = 0.0  # seconds evaluations held it
         for callback in self.callbacks:
             callback.trainer = self
 
@@ -81,15 +82,20 @@ class Trainer:
         data_step = self.state.step + self.state.data_offset  # rollbacks jump the data past offending batches
         result = self.runner.step(self.engine, self.batches, data_step, self.settings, self)
         count_step(self.state, result)
-        held, self._held = self._held, 0.0  # a save's time joins the next step's, whose record follows it
+        # A save's or an evaluation's time joins the next step's, whose record follows it (the step profile's
+        # "checkpoint" and "eval" phases).
+        held, self._held = self._held, 0.0
+        evaluated, self._held_eval = self._held_eval, 0.0
         self.clock.phases["checkpoint"] += held
+        self.clock.phases["eval"] += evaluated
         return StepOutcome(
             step=step,
             data_step=data_step,
             result=result,
-            seconds=time.perf_counter() - started + held,
+            seconds=time.perf_counter() - started + held + evaluated,
             phases=self.clock.phases if self.clock.measured else None,
             held=held,
+            evaluated=evaluated,
             last=step == self.settings.max_steps,
             requests=result.agreed.requests,
         )
@@ -116,13 +122,15 @@ class Trainer:
         self._call("on_phase", name, step, long)
 
     def hold(self, kind: str, work: Callable[[], object]) -> float:
-        """Run work that holds the loop ("checkpoint": a save, whose time joins the next step's; "evaluation");
-        its seconds."""
+        """Run work that holds the loop ("checkpoint": a save; "evaluation"), whose time joins the next step's; its
+        seconds."""
         started = time.perf_counter()
         work()
         seconds = time.perf_counter() - started
         if kind == "checkpoint":
             self._held += seconds
+        else:
+            self._held_eval += seconds
         self._call("on_hold", kind, seconds)
         return seconds
 

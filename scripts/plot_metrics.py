@@ -1,5 +1,5 @@
 """A PNG dashboard of a run from its metrics.jsonl: loss and eval loss, learning rate, gradient norm, throughput
-(tokens/s and MFU), memory, and where each step's time went.
+(tokens/s and MFU), memory, where each step's time went, and the benchmark scores of --lm_eval_tasks.
 
     python scripts/plot_metrics.py runs/default            # writes runs/default/metrics.png
 """
@@ -15,6 +15,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from scaletrain.config.values import eval_loss_set  # noqa: E402
 from scaletrain.observability.metrics import METRICS_FILE, read_records  # noqa: E402
 
+LM_EVAL = "lm_eval/"  # --lm_eval_tasks: lm_eval/<task>/<metric>, and <metric>_stderr beside it
 PHASES = ("data_wait", "forward", "backward", "pipeline", "optimizer", "sync", "checkpoint", "eval")
 
 
@@ -25,9 +26,10 @@ def load(run_dir: Path) -> tuple:
     records, _ = read_records(path)  # a last line cut short (a run killed while writing it) left out
     train = [r for r in records if "loss" in r]
     evals = [r for r in records if any(eval_loss_set(k) is not None for k in r)]
+    scores = [r for r in records if any(k.startswith(LM_EVAL) for k in r)]
     if not train:
         sys.exit(f"plot_metrics.py: error: {path} holds no training records yet")
-    return train, evals
+    return train, evals, scores
 
 
 def plot(run_dir: Path, out: Path) -> Path:
@@ -36,15 +38,16 @@ def plot(run_dir: Path, out: Path) -> Path:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig = dashboard(*load(run_dir), title=str(run_dir))
+    train, evals, scores = load(run_dir)
+    fig = dashboard(train, evals, str(run_dir), scores)
     fig.savefig(out, dpi=90)
     plt.close(fig)
     return out
 
 
-def dashboard(train: list, evals: list, title: str):
+def dashboard(train: list, evals: list, title: str, scores: list = ()):
     """The figure: loss, LR, gradient norm, tokens/s, MFU (its own panel: on a second axis of the tokens/s panel
-    its curve, the same shape, hid the other), memory, and step time by phase."""
+    its curve, the same shape, hid the other), memory, step time by phase, and lm-eval's scores."""
     import matplotlib.pyplot as plt
 
     steps = [r["step"] for r in train]
@@ -90,12 +93,35 @@ def dashboard(train: list, evals: list, title: str):
     ax.plot(steps, series("step_time_s"), "k--", label="step time")
     ax.set_title("step time by phase (s)")
     ax.legend(loc="upper right", fontsize="small")
-    axes[3, 1].set_visible(False)
+    benchmark_panel(axes[3, 1], scores)
     for a in axes.flat:
         a.set_xlabel("step")
     fig.suptitle(title)
     fig.tight_layout()
     return fig
+
+
+def benchmark_panel(ax, scores: list) -> None:
+    """Each lm-eval metric against the step, with its stderr as error bars: scores in [0, 1] (accuracy, exact match)
+    on the left axis, the others (perplexities, bits per byte) on a logarithmic right axis."""
+    keys = dict.fromkeys(k for r in scores for k in r if k.startswith(LM_EVAL) and not k.endswith("_stderr"))
+    if not keys:
+        ax.text(0.5, 0.5, "no benchmark scores (--lm_eval_tasks)", ha="center", va="center", transform=ax.transAxes)
+        ax.set_title("benchmark scores (lm-eval)")
+        return
+    other = None
+    for key in keys:
+        points = [(r["step"], r[key], r.get(f"{key}_stderr", 0.0)) for r in scores if key in r]
+        steps, values, errors = zip(*points, strict=True)
+        fraction = all(0.0 <= v <= 1.0 for v in values)
+        if not fraction and other is None:
+            other = ax.twinx()
+            other.set_yscale("log")
+        target = ax if fraction else other
+        target.errorbar(steps, values, yerr=errors, fmt="o-" if fraction else "s--", label=key.removeprefix(LM_EVAL))
+    ax.set_title("benchmark scores (lm-eval)")
+    handles = [h for a in (ax, other) if a is not None for h in a.get_legend_handles_labels()[0]]
+    ax.legend(handles=handles, fontsize="small")
 
 
 def main(argv=None) -> int:

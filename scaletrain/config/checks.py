@@ -89,6 +89,7 @@ def validate_run_config(cfg: RunConfig) -> None:
         "checkpoint",
         "data",
         "logging",
+        "lm_eval",
         "planning",
         "engine",
         "model",

@@ -15,8 +15,8 @@ log = logging.getLogger(__name__)
 
 INSTALL_COMMAND = "pip install -r requirements-eval.txt"
 OFFLINE_HINT = (
-    "download it once online (e.g. python -c \"import lm_eval.tasks as t; t.TaskManager().load(['{task}'])\"), "
-    "or unset HF_HUB_OFFLINE/HF_DATASETS_OFFLINE"
+    "its dataset is not in the local cache: load it once online (python -c \"import lm_eval.tasks as t; "
+    "t.TaskManager().load(['{task}'])\"), then run offline"
 )
 
 
@@ -44,9 +44,9 @@ def require_lm_eval(flag: str) -> None:
 def resolve_tasks(
     specs: tuple, limit: int | None = None, ranks: int = 1, flag: str = "--lm_eval_tasks"
 ) -> HarnessTasks:
-    """Each spec as lm-eval reads it: a folder adds itself to the include path and contributes its *.yaml files; a
-    YAML file is loaded by path; anything else is a registered task, group or tag name. Every task is built once
-    here (UsageError naming it where it cannot be)."""
+    """Each spec as lm-eval reads it: a folder adds itself to the include path and contributes its *.yaml files (its
+    own, not its subfolders'); a YAML file is loaded by path; anything else is a registered task, group or tag name.
+    Every task is built once here (UsageError naming it where it cannot be)."""
     require_lm_eval(flag)
     from lm_eval.tasks import TaskManager
 
@@ -62,8 +62,7 @@ def resolve_tasks(
         elif path.suffix in (".yaml", ".yml"):
             if not path.is_file():
                 raise UsageError(f"{flag}: {spec}: no such task file", "give the path of a task YAML file")
-            include.append(str(path.resolve().parent))
-            loads.append(str(path.resolve()))
+            loads.append(str(path.resolve()))  # by path: its folder is not scanned (it may be any folder)
         else:
             loads.append(spec)
     has_names = any(Path(s).suffix not in (".yaml", ".yml") for s in loads)
@@ -89,7 +88,7 @@ def _build(manager, spec: str, limit: int | None, ranks: int, flag: str) -> dict
     try:
         loaded = manager.load([spec])
     except Exception as err:  # a YAML that does not parse, an unknown key, a dataset that cannot be loaded
-        raise UsageError(f"{flag}: task {shown}: {_reason(err)}", _hint(err, shown)) from None
+        raise UsageError(f"{flag}: task {shown}: {_reason(err)}", _hint(err, spec)) from None
     counts = {}
     for name, task in loaded["tasks"].items():
         docs = task.eval_docs

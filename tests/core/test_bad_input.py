@@ -32,6 +32,17 @@ def tree_digest(root: Path) -> str:
     return h.hexdigest()
 
 
+# A task whose dataset is on the Hub (under a name nobody has cached): offline, it cannot be loaded.
+HUB_TASK = """task: hub_task
+dataset_path: scaletrain-tests/never-cached
+test_split: test
+output_type: multiple_choice
+doc_to_text: "{{question}}"
+doc_to_choice: choices
+doc_to_target: label
+"""
+
+
 # --- builders of bad inputs: each gets the test's tmp folder and returns extra flags -----------------------------
 
 
@@ -404,6 +415,26 @@ CASES = {
         lambda t: ["--eval_prompts", str(t / "prompts.jsonl")],
         "--eval_prompts",
         "prompts.jsonl: no such file",
+    ),
+    "lm-eval task unknown": (
+        lambda t: ["--lm_eval_tasks", "docstring_modul"],
+        "--lm_eval_tasks",
+        "'docstring_modul' is not a task, group or tag lm-eval knows",
+    ),
+    "lm-eval task YAML that does not parse": (
+        lambda t: ["--lm_eval_tasks", str(text_file(t, "broken.yaml", "task: [unclosed\n"))],
+        "--lm_eval_tasks",
+        "task broken.yaml: ",
+    ),
+    "lm-eval task whose dataset is not cached offline": (
+        lambda t: ["--lm_eval_tasks", str(text_file(t, "hub_task.yaml", HUB_TASK))],
+        "--lm_eval_tasks",
+        "task hub_task.yaml: ",
+    ),
+    "lm-eval cadence without tasks": (
+        lambda t: ["--lm_eval_steps", "5"],
+        "--lm_eval_steps",
+        "--lm_eval_steps needs --lm_eval_tasks",
     ),
     "validation set without a name": (
         lambda t: [

@@ -40,3 +40,28 @@ def test_a_run_without_a_known_peak_says_why_its_mfu_panel_is_empty():
     fig = dashboard(train, [], "run")
     mfu = next(ax for ax in fig.axes if ax.get_title() == "model FLOPs utilisation (%)")
     assert not mfu.lines and "peak is unknown" in mfu.texts[0].get_text()
+
+
+def test_benchmark_scores_are_plotted_against_steps_with_their_stderr():
+    """--lm_eval_tasks' records: accuracies on the panel's own axis, a perplexity on a log axis of its own."""
+    train = [{"step": s, "loss": 5.0, "tokens_per_s": 1000.0, "step_time_s": 0.5} for s in range(1, 5)]
+    scores = [
+        {"step": 2, "lm_eval/arc/acc": 0.25, "lm_eval/arc/acc_stderr": 0.05, "lm_eval/wiki/word_perplexity": 900.0},
+        {"step": 4, "lm_eval/arc/acc": 0.35, "lm_eval/arc/acc_stderr": 0.04, "lm_eval/wiki/word_perplexity": 400.0},
+    ]
+    fig = dashboard(train, [], "run", scores)
+    panel = next(ax for ax in fig.axes if ax.get_title() == "benchmark scores (lm-eval)")
+    accuracy = next(line for line in panel.lines if list(line.get_ydata()) == [0.25, 0.35])
+    assert list(accuracy.get_xdata()) == [2, 4]
+    twin = [ax for ax in fig.axes if ax is not panel and ax.bbox.bounds == panel.bbox.bounds]
+    assert len(twin) == 1 and twin[0].get_yscale() == "log"
+    assert [list(line.get_ydata()) for line in twin[0].lines if len(line.get_ydata()) == 2] == [[900.0, 400.0]]
+    labels = [text.get_text() for text in panel.get_legend().get_texts()]
+    assert labels == ["arc/acc", "wiki/word_perplexity"]
+
+
+def test_a_run_without_benchmark_scores_says_so():
+    train = [{"step": s, "loss": 5.0, "tokens_per_s": 1000.0, "step_time_s": 0.5} for s in range(1, 4)]
+    fig = dashboard(train, [], "run")
+    panel = next(ax for ax in fig.axes if ax.get_title() == "benchmark scores (lm-eval)")
+    assert not panel.lines and "--lm_eval_tasks" in panel.texts[0].get_text()

@@ -15,7 +15,7 @@ log = logging.getLogger(__name__)
 
 INSTALL_COMMAND = "pip install -r requirements-eval.txt"
 OFFLINE_HINT = (
-    "its dataset is not in the local cache: load it once online (python -c \"import lm_eval.tasks as t; "
+    'its dataset is not in the local cache: load it once online (python -c "import lm_eval.tasks as t; '
     "t.TaskManager().load(['{task}'])\"), then run offline"
 )
 

@@ -120,6 +120,7 @@ def score(
     if results is None:  # not rank 0: lm-eval gathered the metrics there
         return None
     samples = results.pop("samples", None)
+    results["total_evaluation_time_seconds"] = str(seconds)  # as lm_eval's own command writes it
     metrics = flatten(results)
     path = write_results(out_dir, name, results) if out_dir is not None else None
     if samples and out_dir is not None:

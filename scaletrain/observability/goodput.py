@@ -12,9 +12,9 @@ The categories add up to wall_s, the time from the first attempt's start to the 
 - productive: the steps' own time (without data wait and saves), of steps that were kept;
 - lost_work: the time of steps computed again after a restart (those after the checkpoint the next attempt resumed
   from);
-- data_wait, checkpoint (the time saves held training), eval (evaluations during training);
+- data_wait, checkpoint (the time saves held training), eval (evaluations, the end of the run's too);
 - between_attempts: from an attempt's last write to the next attempt's start (a requeue's wait, a crash's tail);
-- other: the rest (the final evaluation, save and export, the shutdown).
+- other: the rest (the final save and export, the shutdown).
 
 Left out of wall_s ("not_counted"): the time from a clean end (exit 0, every step done) to a later start, and a re-run
 of a finished run that trains nothing (it only re-exports): the user's pauses are not the run's time.

@@ -16,7 +16,7 @@ from scaletrain.config.values import eval_loss_set  # noqa: E402
 from scaletrain.observability.metrics import METRICS_FILE, read_records  # noqa: E402
 
 LM_EVAL = "lm_eval/"  # --lm_eval_tasks: lm_eval/<task>/<metric>, and <metric>_stderr beside it
-PHASES = ("data_wait", "forward", "backward", "pipeline", "optimizer", "sync", "checkpoint", "eval")
+PHASES = ("data_wait", "forward", "backward", "pipeline", "optimizer", "sync", "checkpoint", "evaluation")
 
 
 def load(run_dir: Path) -> tuple:

@@ -23,7 +23,7 @@ METRICS_FILE = "metrics.jsonl"
 
 # pipeline: under pipeline parallelism, the 1F1B schedule up to the update (forwards, backwards and the
 # stage-to-stage transfers interleave, so they are one phase; forward and backward stay 0 there).
-PHASES = ("data_wait", "forward", "backward", "pipeline", "optimizer", "sync", "checkpoint", "eval")
+PHASES = ("data_wait", "forward", "backward", "pipeline", "optimizer", "sync", "checkpoint", "evaluation")
 
 
 class PhaseClock:

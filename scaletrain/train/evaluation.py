@@ -74,7 +74,7 @@ class PeriodicEvaluation(Callback):
 class BenchmarkEvaluation(Callback):
     """--lm_eval_steps N: lm-evaluation-harness scores every N steps (0: none during training; not at the last step,
     whose scores the end of the run takes), on every rank (collectives). Its time is the run's evaluation time: the
-    step profile's "eval" phase, the goodput ledger's eval, and the hang watch's long allowance."""
+    step profile's "evaluation" phase, the goodput ledger's eval, and the hang watch's long allowance."""
 
     def __init__(self, every: int, score: Callable[[int], None]):
         self.every, self.score = every, score

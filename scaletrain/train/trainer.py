@@ -83,11 +83,11 @@ class Trainer:
         result = self.runner.step(self.engine, self.batches, data_step, self.settings, self)
         count_step(self.state, result)
         # A save's or an evaluation's time joins the next step's, whose record follows it (the step profile's
-        # "checkpoint" and "eval" phases).
+        # "checkpoint" and "evaluation" phases).
         held, self._held = self._held, 0.0
         evaluated, self._held_eval = self._held_eval, 0.0
         self.clock.phases["checkpoint"] += held
-        self.clock.phases["eval"] += evaluated
+        self.clock.phases["evaluation"] += evaluated
         return StepOutcome(
             step=step,
             data_step=data_step,

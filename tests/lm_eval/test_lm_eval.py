@@ -118,7 +118,7 @@ def test_in_loop_scores_on_two_zero3_ranks_are_the_harness_own(zero3_run):
     )
     assert "lm-eval at step 2: docstring_generation exact_match" in proc.stdout + proc.stderr
     step4 = next(r for r in records if r["step"] == 4 and "loss" in r)
-    assert step4["eval_s"] > 0  # the evaluation at step 2 held step 3: the step profile's eval phase
+    assert step4["evaluation_s"] > 0  # the evaluation at step 2 held step 3: the step profile's evaluation phase
     ledger = json.loads((run_dir / "goodput.json").read_text())
     assert ledger["seconds"]["eval"] > 0
 

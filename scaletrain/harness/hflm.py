@@ -14,8 +14,9 @@ class EngineLM(HFLM):
     """HFLM on the live module, distributed over the run's process group instead of accelerate's."""
 
     def __init__(self, module, tokenizer, batch_size: int, rank: int, world_size: int, lockstep: bool, progress):
-        # A module, not a path: HFLM skips loading and accelerate (a rank and world size of its own); it puts the
-        # module in eval mode, which the evaluation undoes afterwards.
+        # A module, not a path: HFLM skips loading and accelerate (a rank and world size of its own). It also puts
+        # the module in eval mode: put back (each evaluation switches it for its own time, scoring.py).
+        was_training = module.training
         quiet = logging.getLogger("lm_eval.models.huggingface")
         level = quiet.level
         quiet.setLevel(logging.ERROR)  # "pretrained model kwarg is not of type str" is this class's design
@@ -23,6 +24,7 @@ class EngineLM(HFLM):
             super().__init__(pretrained=module, tokenizer=tokenizer, batch_size=batch_size)
         finally:
             quiet.setLevel(level)
+            module.train(was_training)
         self._rank, self._world_size = rank, world_size
         self.progress = progress
         self.lockstep = None

@@ -4,6 +4,7 @@ training's random state and module mode as they were."""
 
 from __future__ import annotations
 
+import json
 import random
 import sys
 
@@ -86,3 +87,25 @@ def test_an_evaluation_leaves_the_random_state_and_the_module_mode_as_they_were(
     random.seed(5), np.random.seed(5), torch.manual_seed(5)
     assert drawn == (random.random(), float(np.random.rand()), float(torch.rand(1)))
     assert module.training
+
+
+def test_every_forward_of_an_evaluation_is_progress_for_the_hang_watch(tmp_path):
+    """The live model as lm-eval's LM tells its progress callback (the hang watch's phase, in a run) of each forward
+    and request type, so a long evaluation that progresses is never taken for a hang; results land in lm_eval/."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    from scaletrain.config import HarnessArgs
+    from scaletrain.harness import engine_lm, score
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(REPO / "data" / "tiny-llama")).train()
+    notes = []
+    lm = engine_lm(model, AutoTokenizer.from_pretrained(REPO / "data" / "tiny-llama"), 8, progress=notes.append)
+    args = HarnessArgs(lm_eval_tasks=str(TASKS / "docstring_module.yaml"), lm_eval_limit=8)
+    scores = score(lm, resolve_tasks(args.task_specs, 8), args, tmp_path, "step3", 3)
+    assert model.training  # back in training mode
+    assert notes[0] == "loglikelihood, 32 requests"  # 8 items x 4 choices
+    assert sum(note.startswith("forward of (") for note in notes) == 4  # 32 requests, 8 a forward
+    assert set(scores.metrics) >= {"lm_eval/docstring_module/acc", "lm_eval/docstring_module/acc_norm"}
+    assert json.loads((tmp_path / "lm_eval" / "step3.json").read_text())["results"]["docstring_module"]["alias"]

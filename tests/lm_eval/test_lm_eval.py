@@ -131,6 +131,14 @@ def test_evaluate_script_gives_the_harness_numbers_on_one_process_and_two_ranks(
     written = sorted((run_dir / "lm_eval").glob("evaluate_step4_*.json"))
     assert len(written) == 1
     assert_same_scores(json.loads(written[0].read_text()), reference)
+    export = run_dir.parent / "export_only"  # the export alone, as a user copies it elsewhere
+    export.mkdir(exist_ok=True)
+    for name in ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"):
+        (export / name).write_bytes((run_dir / name).read_bytes())
+    check_ok(launch(REPO / "scripts" / "evaluate.py", [str(export), "--tasks", str(TASKS)], "python", cache_dir))
+    [exported] = sorted((export / "lm_eval").glob("evaluate_*.json"))
+    assert "step" not in exported.name
+    assert_same_scores(json.loads(exported.read_text()), reference)
     checkpoint = run_dir / "checkpoints" / "step4"
     two = launch(
         REPO / "scripts" / "evaluate.py", [str(checkpoint), "--tasks", str(TASKS)], "deepspeed", cache_dir, nprocs=2

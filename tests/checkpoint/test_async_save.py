@@ -26,6 +26,7 @@ from tests.harness import (
     deepspeed_cmd,
     freeze,
     launch,
+    logged_steps,
     memory_cgroup,
     small_tmpfs,
     child_env,
@@ -309,8 +310,12 @@ def start_with_a_write_in_flight(run_dir: Path, cache_dir: Path, *extra: str, be
     if before_thaw is not None:
         before_thaw()
     thaw(*ranks)
-    # step 8's snapshot handed over (each rank's own files are in its folder), the writers frozen before writing
+    # step 8's snapshot handed over, the writers frozen before writing. Each rank's own files in its folder are not
+    # enough: they are written before the handover, and a writer killed before it is started afresh by the handover
+    # (a writer that died idle loses nothing), which would then write and commit step 8. Rank 0 logs step 9 only
+    # after both ranks reduced its gradients, so past their handovers.
     wait_for(lambda: len(list((checkpoints / ".tmp-step8").glob("rng_state_rank*.pt"))) == 2, proc)
+    wait_for(lambda: max(logged_steps(run_dir), default=0) >= 9, proc)
     return proc, ranks, writers
 
 

@@ -160,6 +160,13 @@ def test_zero1_on_one_rank_scores_as_the_harness_and_trains_as_a_run_without_it(
     assert losses[0] == losses[1]
 
 
+def test_zero3_on_one_rank_scores_as_the_harness(tmp_path, cache_dir):
+    """ZeRO-3's partitioned module on one rank (its forwards gather the weights; no lockstep needed)."""
+    train(tmp_path / "zero3", cache_dir, "zero3", 1, "--lm_eval_tasks", str(TASKS))
+    final = json.loads((tmp_path / "zero3" / "lm_eval" / "step4.json").read_text())
+    assert_same_scores(final, api_reference(tmp_path / "zero3"))
+
+
 def test_lora_under_zero2_cpu_offload_scores_as_the_harness_on_its_merged_model(tmp_path, cache_dir):
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 

@@ -233,7 +233,7 @@ class Run:
         if resolved.ds.zero_stage == 3:  # before deepspeed.initialize, which installs the gather hooks
             mark_leaf_modules(module, resolved.model_config)
         if layout.sp > 1:
-            register_ulysses(module, resolved)
+            self._closing.callback(register_ulysses(module, resolved))
         pipeline_loss = None
         if layout.pp > 1:  # this rank keeps its stage's layers of the model it built
             module, pipeline_loss = build_pipeline_module(module, layout, cfg.parallel.pipeline_partition)

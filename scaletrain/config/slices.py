@@ -551,8 +551,9 @@ class ParallelArgs:
 
     sequence_parallel_size: int = _flag(
         1,
-        "Sequence parallelism (DeepSpeed Ulysses) over this many consecutive ranks: each holds 1/N of every "
-        "block's tokens, and attention all-to-alls trade tokens for heads; for blocks too long for one rank.",
+        "Sequence parallelism (DeepSpeed Ulysses) over this many ranks (consecutive; every TP-th with "
+        "--tensor_parallel_size, whose heads it splits again): each holds 1/N of every block's tokens, and attention "
+        "all-to-alls trade tokens for heads; for blocks too long for one rank.",
     )
 
     pipeline_parallel_size: int = _flag(

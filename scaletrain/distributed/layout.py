@@ -28,10 +28,9 @@ _SIZE_FLAGS = (
     ("sequence_parallel_size", "sp"),
     ("pipeline_parallel_size", "pp"),
 )
-# Combinations of model-parallel kinds that do not run yet, each with the reason (TP x PP runs, with DP over both).
+# Combinations of model-parallel kinds that do not run yet, each with the reason (TP x PP and TP x SP run, with DP
+# over them).
 _NOT_COMPOSED = {
-    frozenset(("tp", "sp")): "Ulysses' sequence groups would have to sit inside each tensor-parallel slice, "
-    "with the heads split by TP first (DeepSpeed's Ulysses wrapper builds its own groups over the whole world)",
     frozenset(("sp", "pp")): "the pipeline's stages pass whole blocks, and Ulysses' all-to-alls would have to run "
     "inside every stage with the sequence shards between stages",
 }
@@ -43,16 +42,15 @@ def _chosen_sizes(parallel: ParallelArgs) -> list:
 
 
 def check_composition(parallel: ParallelArgs) -> None:
-    """Tensor x pipeline parallelism (with data parallelism over both) composes; sequence parallelism runs with
-    data parallelism only: one line naming the combination and why."""
+    """Tensor x pipeline and tensor x sequence parallelism (with data parallelism over them) compose; sequence with
+    pipeline parallelism does not yet: one line naming the combination and why."""
     axes = {axis for name, axis in _SIZE_FLAGS if getattr(parallel, name) > 1}
     for pair, reason in _NOT_COMPOSED.items():
         if pair <= axes:
             flags = " with ".join(f"{flag} {size}" for flag, size in _chosen_sizes(parallel))
             raise UsageError(
-                f"{flags}: sequence parallelism does not compose with "
-                f"{'tensor' if 'tp' in pair else 'pipeline'} parallelism yet ({reason})",
-                "use --sequence_parallel_size with data parallelism alone, or drop it "
+                f"{flags}: sequence parallelism does not compose with pipeline parallelism yet ({reason})",
+                "use --sequence_parallel_size with tensor and data parallelism, or drop it "
                 "(tensor x pipeline x data parallelism composes)",
             )
 
@@ -155,42 +153,43 @@ def check_planned_layout(parallel: ParallelArgs, planning: PlanningArgs) -> None
 
 def check_model_layout(parallel: ParallelArgs, model_config) -> None:
     """Every dimension the tensor-parallel split cuts must divide evenly (a rank with no attention head, or uneven
-    shards, is a silent waste or an error deep inside DeepSpeed); Ulysses splits the heads too. Pipeline stages cut
-    between layers (pipeline.py checks them)."""
+    shards, is a silent waste or an error deep inside DeepSpeed); Ulysses splits each tensor rank's heads again.
+    Pipeline stages cut between layers (pipeline.py checks them)."""
     text_config = model_config.get_text_config() if hasattr(model_config, "get_text_config") else model_config
-    if parallel.sequence_parallel_size > 1:
-        _check_ulysses_heads(parallel.sequence_parallel_size, text_config)
     tp = parallel.tensor_parallel_size
-    if tp == 1:
-        return
-    for name, what in _SPLIT_DIMENSIONS:  # AutoTP splits every linear layer
+    for name, what in _SPLIT_DIMENSIONS if tp > 1 else ():  # AutoTP splits every linear layer
         value = getattr(text_config, name, None)
         if isinstance(value, int) and value % tp:
             raise UsageError(
                 f"--tensor_parallel_size {tp}: the model's {value} {what} ({name}) do not split into {tp} equal parts",
                 f"choose a size that divides {value}",
             )
+    if parallel.sequence_parallel_size > 1:
+        _check_ulysses_heads(parallel.sequence_parallel_size, text_config, tp)
 
 
-def _check_ulysses_heads(sp: int, text_config) -> None:
-    """Ulysses gives each rank 1/sp of the query heads; the key/value heads are split the same way when sp divides
-    them, or repeated across the group when sp is a multiple of them (MQA and GQA past the KV heads), as DeepSpeed's
-    UlyssesSPAttentionHF does."""
+def _check_ulysses_heads(sp: int, text_config, tp: int = 1) -> None:
+    """Ulysses gives each rank 1/sp of the query heads (of its tensor rank's heads, with TP); the key/value heads
+    are split the same way when sp divides them, or repeated across the group when sp is a multiple of them (MQA and
+    GQA past the KV heads), as DeepSpeed's UlyssesSPAttentionHF does."""
     heads = getattr(text_config, "num_attention_heads", None)
     if not isinstance(heads, int):
         return
     kv_heads = getattr(text_config, "num_key_value_heads", None) or heads
-    if heads % sp:
+    local, local_kv = heads // tp, kv_heads // tp
+    per_rank = f" ({local} on each of --tensor_parallel_size {tp} ranks)" if tp > 1 else ""
+    kv_per_rank = f" ({local_kv} on each of --tensor_parallel_size {tp} ranks)" if tp > 1 else ""
+    if local % sp:
         raise UsageError(
-            f"--sequence_parallel_size {sp}: the model's {heads} attention heads (num_attention_heads) do not split "
-            f"into {sp} equal parts",
-            f"choose a size that divides {heads}",
+            f"--sequence_parallel_size {sp}: the model's {heads} attention heads (num_attention_heads){per_rank} do "
+            f"not split into {sp} equal parts",
+            f"choose a size that divides {heads}" if tp == 1 else f"choose sizes whose product divides {heads}",
         )
-    if kv_heads % sp and sp % kv_heads:
+    if local_kv % sp and sp % local_kv:
         raise UsageError(
-            f"--sequence_parallel_size {sp}: the model's {kv_heads} key/value heads (num_key_value_heads) neither "
-            f"split into {sp} parts nor repeat evenly over {sp} ranks",
-            f"choose a size that divides {kv_heads} or is a multiple of it (and divides {heads})",
+            f"--sequence_parallel_size {sp}: the model's {kv_heads} key/value heads (num_key_value_heads)"
+            f"{kv_per_rank} neither split into {sp} parts nor repeat evenly over {sp} ranks",
+            f"choose a size that divides {local_kv} or is a multiple of it (and divides {local})",
         )
 
 

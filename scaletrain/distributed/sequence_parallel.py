@@ -1,9 +1,15 @@
 """Sequence parallelism: DeepSpeed Ulysses (ALST) for Hugging Face models, fed by our own data path. Each rank of a
 group reads the same micro-batches and keeps its 1/sp of each block, labels shifted over the whole block first so no
-target is lost at a cut. The `mpu` register_with_transformers returns is not passed on: with it DeepSpeed 0.19.8 sums
-ZeRO-1/2 gradients over the group but averages ZeRO-3's and records SP as a tensor-parallel degree that ds_to_universal
-rejects; without it every ZeRO stage averages over the world, so the loss is scaled by world size / global targets
-(measured against one rank: tests/distributed/test_sequence_parallel.py). Ulysses drops the attention mask, so under
+target is lost at a cut. With tensor parallelism the heads are split by TP first (AutoTP's column split of q, k, v),
+then Ulysses exchanges each tensor rank's heads within its sequence group: the ranks that share its tensor coordinate
+in one replica (ParallelLayout numbers tensor fastest, so a sequence group is every TP-th rank of a block of TP x SP).
+We build that group and DeepSpeed's UlyssesSPAttentionHF over it with the heads a tensor rank holds;
+register_with_transformers would build consecutive groups over the whole world with the model's head counts. No
+`mpu` is passed on for the sequence groups: with DeepSpeed's, 0.19.8 sums ZeRO-1/2 gradients over the group but
+averages ZeRO-3's and records SP as a tensor-parallel degree that ds_to_universal rejects; without it every ZeRO stage
+averages over its data-parallel group (every rank, or with TP every rank of a tensor coordinate: data x sequence), so
+the loss is scaled by that group's size / global targets (measured against one rank:
+tests/distributed/test_sequence_parallel.py, test_composed_layouts.py). Ulysses drops the attention mask, so under
 --attention_isolation each document attends alone through causal SDPA: memory linear in the block, no [T, T] mask.
 Details: docs/parallelism.md#sequence-parallelism.
 """
@@ -11,6 +17,7 @@ Details: docs/parallelism.md#sequence-parallelism.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 
 from scaletrain.data import IGNORE_INDEX
 from scaletrain.parts import ResolvedRun
@@ -74,38 +81,76 @@ def _keeping_kv_groups(ulysses):
     return attention
 
 
-def register_ulysses(model, resolved: ResolvedRun) -> None:
-    """Route the model's attention (SDPA or FlashAttention) through Ulysses (process-wide: transformers' attention
-    table), before the first forward. Evaluation bypasses it (disable_in_eval): every rank evaluates whole blocks.
-    FlashAttention keeps packed documents apart by itself, from the gathered position ids."""
+def sequence_group(layout, rank: int):
+    """This rank's sequence-parallel process group; every group is created on every rank, in the same order, as
+    torch.distributed requires."""
+    import deepspeed.comm as ds_comm
+
+    mine = None
+    for ranks in layout.groups("sp"):
+        group = ds_comm.new_group(list(ranks))
+        if rank in ranks:
+            mine = group
+    return mine
+
+
+def register_ulysses(model, resolved: ResolvedRun) -> Callable[[], None]:
+    """Route the model's attention (SDPA or FlashAttention) through Ulysses over this rank's sequence group
+    (process-wide: transformers' attention table), before the first forward. With tensor parallelism Ulysses sees
+    the heads of one tensor rank. Evaluation bypasses it (disable_in_eval): every rank evaluates whole blocks.
+    FlashAttention keeps packed documents apart by itself, from the gathered position ids. Returns the undo, which
+    lets go of the sequence group before the process group's teardown (the attention table and DeepSpeed's
+    all-to-all registry would hold it, and gloo's threads with it, until the interpreter exits)."""
     from deepspeed.runtime.sequence_parallel.ulysses_sp import UlyssesSPAttentionHF
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-    sequence_parallel_size, block_size = resolved.dist.layout.sp, resolved.block_size
+    from scaletrain.engine import release_sequence_group
+
+    layout, block_size = resolved.dist.layout, resolved.block_size
     attention_isolation = resolved.cfg.data.attention_isolation or resolved.chat is not None
+    text_config = resolved.model_config.get_text_config()
+    heads = text_config.num_attention_heads
+    kv_heads = getattr(text_config, "num_key_value_heads", None) or heads
+    head_dim = getattr(text_config, "head_dim", None) or text_config.hidden_size // heads
 
     backend = model.config._attn_implementation
+    core = original = ALL_ATTENTION_FUNCTIONS[backend]
     if attention_isolation and backend == "sdpa":
-        ALL_ATTENTION_FUNCTIONS["sdpa"] = _isolating_sdpa(ALL_ATTENTION_FUNCTIONS["sdpa"])
-    # The returned mpu is not passed to deepspeed.initialize: see the module docstring.
-    UlyssesSPAttentionHF.register_with_transformers(
-        model_name_or_path=model,
-        core_attn_implementation=backend,
-        sequence_parallel_size=sequence_parallel_size,
-        micro_batch_size=resolved.ds.micro_batch,
-        seq_length=block_size,
+        core = _isolating_sdpa(core)
+    ulysses = UlyssesSPAttentionHF(
+        attn=core,
+        batch_size=resolved.ds.micro_batch,
+        attn_head_count=heads // layout.tp,  # AutoTP's split: this tensor rank's heads
+        attn_head_size=head_dim,
+        kv_head_count=kv_heads // layout.tp,
+        num_hidden_layers=text_config.num_hidden_layers,
+        process_group=sequence_group(layout, resolved.dist.rank),
         seq_length_is_variable=True,
         disable_in_eval=True,
     )
-    ALL_ATTENTION_FUNCTIONS[backend] = _keeping_kv_groups(ALL_ATTENTION_FUNCTIONS[backend])
+    ulysses.core_attn_implementation = backend
+
+    def attention(module, query, key, value, attention_mask, *args, **kwargs):
+        # The mask transformers built is the shard's; Ulysses attends causally over the gathered sequence instead.
+        return ulysses(module, query, key, value, None, *args, **kwargs)
+
+    ALL_ATTENTION_FUNCTIONS[backend] = _keeping_kv_groups(attention)
     log.info(
-        "sequence parallelism: DeepSpeed Ulysses (%s) over %d ranks, %d tokens of each %d-token block per rank%s",
+        "sequence parallelism: DeepSpeed Ulysses (%s) over %d ranks, %d tokens of each %d-token block per rank%s%s",
         backend,
-        sequence_parallel_size,
-        block_size // sequence_parallel_size,
+        layout.sp,
+        block_size // layout.sp,
         block_size,
+        f", {heads // layout.tp} heads of each tensor rank exchanged" if layout.tp > 1 else "",
         ", documents isolated" if attention_isolation else "",
     )
+
+    def unregister() -> None:
+        ALL_ATTENTION_FUNCTIONS[backend] = original
+        release_sequence_group(ulysses.process_group)
+        ulysses.process_group = None
+
+    return unregister
 
 
 def sequence_shard(batch: dict, sp_rank: int, sp: int) -> dict:

@@ -48,11 +48,17 @@ def build_engine(model, ds_config: dict, weight_decay: float, schedule: LRSchedu
         groups = tensor_parallel_stages(model.mpu())
     elif layout.tp > 1:  # AutoTP shards the model inside initialize (tensor_parallel.autotp_size)
         mpu = tensor_parallel_mpu(layout.tp)
+    engine_config = copy.deepcopy(ds_config)
+    if mpu is not None and layout.sp > 1:
+        # AutoTP's data-parallel group is every rank of a tensor coordinate (data x sequence: where ZeRO shards and
+        # averages), and DeepSpeed counts each of its ranks in the global batch; each sequence group reads one
+        # replica's micro-batches.
+        engine_config["train_batch_size"] *= layout.sp
     with groups:
         engine, _, _, _ = deepspeed.initialize(
             model=model,
             model_parameters=parameter_groups(model, weight_decay),
-            config=copy.deepcopy(ds_config),
+            config=engine_config,
             lr_scheduler=lambda optimizer: LambdaLR(optimizer, schedule.multiplier),
             mpu=mpu,
         )

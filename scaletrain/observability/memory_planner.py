@@ -379,8 +379,8 @@ def render_memory_plan(
         choice = recommend(estimates, gpu_bytes, host_bytes)
         choice = choice and (tp, pp, *choice)
     lines.append("")
-    if sp > 1 and (tp > 1 or pp > 1):
-        lines.append("planning only: train.py does not run sequence parallelism with tensor or pipeline parallelism")
+    if sp > 1 and pp > 1:
+        lines.append("planning only: train.py does not run sequence parallelism with pipeline parallelism")
     if choice is None:
         lines.append(
             "memory plan's choice: nothing fits; lower --per_device_train_batch_size or --block_size, add GPUs or "

@@ -242,7 +242,8 @@ def _micro_batch_slot(shape: ModelShape, seq_len: int, layout: Layout, cluster: 
     tp_bytes = tp_allreduces * 2 * (tp - 1) / tp * activation
     kv_share = (shape.kv_heads or shape.heads or 1) / (shape.heads or 1)
     sp_passes = passes - 1  # forward, backward, recomputation: one set of all-to-alls each
-    sp_bytes = layers * (2 + 2 * kv_share) * activation * (sp - 1) / sp * sp_passes  # q, k, v in, output back
+    # q, k, v in, the output back: of this tensor rank's heads
+    sp_bytes = layers * (2 + 2 * kv_share) * activation / tp * (sp - 1) / sp * sp_passes
     return _Slot(
         compute=(matmul + attention + elementwise) * cluster.compute_scale,
         tensor=cluster.collective(tp_bytes, tp_allreduces, tp),

@@ -158,7 +158,7 @@ class Planner:
         scored = []
         for tp in tensor_sizes:
             for pp in [p for p in _divisors(shape.layers) if world % (tp * p) == 0]:
-                for sp in ulysses_degrees(shape, world) if tp == pp == 1 else [1]:  # SP composes with neither
+                for sp in _sequence_degrees(shape, tp, world) if pp == 1 else [1]:  # SP does not compose with PP
                     dp = world // (tp * pp * sp)
                     if global_sequences % dp:
                         continue
@@ -172,6 +172,14 @@ class Planner:
                                 layout = _layout(option, (tp, pp, sp, dp), micro_batch, accum, checkpointing)
                                 scored.append(self.score(layout, option))
         return sorted(scored, key=lambda c: c.prediction.step_time)
+
+
+def _sequence_degrees(shape: ModelShape, tp: int, world: int) -> list:
+    """The Ulysses degrees for each tensor rank's heads (TP splits them first) over the ranks left to it."""
+    if tp == 1:
+        return ulysses_degrees(shape, world)
+    local = replace(shape, heads=(shape.heads or 0) // tp, kv_heads=(shape.kv_heads or 0) // tp or None)
+    return ulysses_degrees(local, world // tp)
 
 
 def _layout(option: Option, sizes: tuple, micro_batch: int, accum: int, checkpointing: bool) -> Layout:

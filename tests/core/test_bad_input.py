@@ -396,6 +396,12 @@ CASES = {
         "--sequence_parallel_size",
         "--sequence_parallel_size 2 does not divide the world size 1",
     ),
+    "heads that do not split over tensor x sequence ranks": (
+        lambda t: ["--plan", "--num_gpus", "8", "--tensor_parallel_size", "2", "--sequence_parallel_size", "4"],
+        "--sequence_parallel_size",
+        "the model's 4 attention heads (num_attention_heads) (2 on each of --tensor_parallel_size 2 ranks) do not "
+        "split into 4 equal parts",
+    ),
     "tiled MLP on a mixture of experts": (
         moe_model,
         "--tiled_mlp",

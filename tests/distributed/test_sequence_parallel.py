@@ -211,12 +211,9 @@ def test_sequence_layout_checks():
         ParallelArgs(sequence_parallel_size=2), _resolved({"zero_optimization": {"stage": 3}}), "x.json"
     )
     assert ds.config["sequence_parallel_size"] == 2 and "tensor_parallel" not in ds.config
-    with pytest.raises(
-        UsageError,
-        match="--tensor_parallel_size 2 with --sequence_parallel_size 2: sequence parallelism does not compose "
-        "with tensor parallelism yet",
-    ):
-        apply_layout(
-            ParallelArgs(tensor_parallel_size=2, sequence_parallel_size=2),
-            DistInfo(rank=0, local_rank=0, world_size=4, launcher="srun"),
-        )
+    # with tensor parallelism: a layout (test_composed_layouts.py runs it)
+    placed = apply_layout(
+        ParallelArgs(tensor_parallel_size=2, sequence_parallel_size=2),
+        DistInfo(rank=0, local_rank=0, world_size=4, launcher="srun"),
+    )
+    assert placed.layout.groups("sp") == [(0, 2), (1, 3)]

@@ -82,6 +82,13 @@ def test_tensor_parallel_all_reduces_by_hand():
     assert p.terms["compute"] < alone.terms["compute"]
 
 
+def test_ulysses_under_tensor_parallelism_exchanges_one_tensor_ranks_heads():
+    alone = tm.predict_step(SHAPE, SEQ, tm.Layout(sp=2, micro_batch=1, grad_accum=2), one_node(8))
+    composed = tm.predict_step(SHAPE, SEQ, tm.Layout(tp=2, sp=2, micro_batch=1, grad_accum=2), one_node(8))
+    assert composed.volumes["sequence_parallel"] == pytest.approx(alone.volumes["sequence_parallel"] / 2)
+    assert composed.terms["tensor_parallel"] > 0 and composed.terms["compute"] < alone.terms["compute"]
+
+
 def test_pipeline_bubble_is_p_minus_1_over_m_of_the_work():
     for stages, micro_batches in ((2, 4), (4, 8), (4, 16)):
         layout = tm.Layout(pp=stages, micro_batch=1, grad_accum=micro_batches, zero_stage=1)
@@ -162,8 +169,11 @@ def test_the_recommendation_is_the_fastest_layout_that_fits():
         assert lay.tp <= 8  # tensor-parallel groups stay inside a node
         assert lay.micro_batch * lay.grad_accum * lay.dp == 256  # the flags' global batch, every layout
         assert lay.pp == 1 or lay.grad_accum >= lay.pp
-        assert lay.sp == 1 or lay.tp == lay.pp == 1  # what train.py composes
+        assert lay.sp == 1 or lay.pp == 1  # what train.py composes (SP with TP, not with PP)
     assert {c.layout.tp for c in candidates} >= {1, 2, 4, 8} and {c.layout.pp for c in candidates} > {1}
+    # TP x SP: Ulysses over each tensor rank's heads (64 / 8 = 8 at TP 8, one KV head: repeated past it)
+    composed = {(c.layout.tp, c.layout.sp) for c in candidates if c.layout.tp > 1 and c.layout.sp > 1}
+    assert (8, 4) in composed and all(64 // tp % sp == 0 for tp, sp in composed)
     four_a_node = planner(nodes=8, gpus=4)  # 8 KV heads: TP 8 spans two nodes, considered only when allowed
     assert max(c.layout.tp for c in four_a_node.candidates(global_sequences=256)) == 4
     assert max(c.layout.tp for c in four_a_node.candidates(global_sequences=256, cross_node_tensor=True)) == 8

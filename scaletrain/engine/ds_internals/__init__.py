@@ -88,7 +88,9 @@ from scaletrain.engine.ds_internals.release import (
     PARAMS_TO_RELEASE,
     PIPE_P2P_GRID,
     PIPE_P2P_GROUPS,
+    ULYSSES_GROUPS,
     release_pipeline_references,
+    release_sequence_group,
     release_zero3_references,
 )
 from scaletrain.engine.ds_internals.tensor_parallel import (
@@ -132,6 +134,7 @@ __all__ = [
     "PIPE_OPTIMIZER_STEP",
     "PIPE_P2P_GRID",
     "PIPE_P2P_GROUPS",
+    "ULYSSES_GROUPS",
     "PIPE_SPECS",
     "RECOVERY_SCRIPT",
     "SHM_BUILD",
@@ -168,6 +171,7 @@ __all__ = [
     "pipeline_module_class",
     "release_other_stages",
     "release_pipeline_references",
+    "release_sequence_group",
     "release_zero3_references",
     "require",
     "skip_shm_op_build",

@@ -32,7 +32,13 @@ from scaletrain.engine.ds_internals.op_builds import (
 )
 from scaletrain.engine.ds_internals.optimizer import STAGE3_CHECK, STAGE3_CLEANUP, STAGE12_CHECK, STAGE12_INIT
 from scaletrain.engine.ds_internals.pipeline import PIPE_BUILD, PIPE_CLIP, PIPE_INSTRUCTIONS, PIPE_OPTIMIZER_STEP
-from scaletrain.engine.ds_internals.release import FWD_MODULE_STACK, PARAMS_TO_RELEASE, PIPE_P2P_GRID, PIPE_P2P_GROUPS
+from scaletrain.engine.ds_internals.release import (
+    FWD_MODULE_STACK,
+    PARAMS_TO_RELEASE,
+    PIPE_P2P_GRID,
+    PIPE_P2P_GROUPS,
+    ULYSSES_GROUPS,
+)
 from scaletrain.engine.ds_internals.tensor_parallel import TP_GATHER, TP_GROUP_GLOBALS, TP_GROUPS, TP_STATES
 
 # What check_hooks() resolves from the classes; the instance-only ones are checked where they are used.
@@ -64,6 +70,7 @@ HOOKS = (
     PIPE_BUILD,
     PIPE_P2P_GROUPS,
     PIPE_P2P_GRID,
+    ULYSSES_GROUPS,
     COMMS_LOGGER,
     COMMS_APPEND,
     COMMS_MSG_SIZE,

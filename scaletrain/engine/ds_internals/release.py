@@ -45,6 +45,8 @@ PARAMS_TO_RELEASE = Hook(
     problem=_no_cache,
 )
 PIPE_P2P_GROUPS = Hook("deepspeed.runtime.pipe.p2p", "_groups", _RELEASE)
+# Ulysses' all-to-all finds its group by name in this module-level registry (filled by UlyssesSPAttentionHF).
+ULYSSES_GROUPS = Hook("deepspeed.sequence.layer", "_all_to_all_groups", _RELEASE)
 PIPE_P2P_GRID = Hook("deepspeed.runtime.pipe.p2p", "_grid", _RELEASE)
 
 
@@ -71,3 +73,9 @@ def release_pipeline_references() -> None:
 
     p2p._groups = None
     p2p._grid = None
+
+
+def release_sequence_group(group) -> None:
+    """Drop a sequence-parallel group from the registry of groups Ulysses' all-to-all reads it from by name
+    (deepspeed/sequence/layer.py), where it would outlive the engine."""
+    ULYSSES_GROUPS.resolve().pop(group.group_name, None)

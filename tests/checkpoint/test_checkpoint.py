@@ -160,13 +160,17 @@ def check_goodput(run_dir: Path, resumed_at: int, first_ended) -> dict:
 def run_flags(name: str, run_dir: Path) -> tuple:
     """(flags() of a ZeRO config name, or of `<config>_pp2`: 2 pipeline stages, whose one replica reads the whole
     global batch of the 2-rank data-parallel reference, or of `<config>_tp2pp2`: those stages split over 2 tensor
-    ranks each, as 2 micro-batches of 2 blocks; the ranks it runs on)."""
+    ranks each, as 2 micro-batches of 2 blocks, or `<config>_tp2sp2`: TP 2 x SP 2, one replica; the ranks it runs
+    on)."""
     config, _, layout = name.partition("_")
     if not layout:
         return flags(config, run_dir), 2
     if layout == "tp2pp2":
         micro = ["--per_device_train_batch_size", "2", "--gradient_accumulation_steps", "2"]
         return [*flags(config, run_dir), *micro, "--tensor_parallel_size", "2", "--pipeline_parallel_size", "2"], 4
+    if layout == "tp2sp2":  # one replica: the 8 blocks as 2 micro-batches of 4
+        micro = ["--gradient_accumulation_steps", "2"]
+        return [*flags(config, run_dir), *micro, "--tensor_parallel_size", "2", "--sequence_parallel_size", "2"], 4
     two_micro = ["--per_device_train_batch_size", "2", "--gradient_accumulation_steps", "2"]
     return [*flags(config, run_dir), *two_micro, "--pipeline_parallel_size", layout[2:]], 2
 
@@ -176,13 +180,15 @@ def run_flags(name: str, run_dir: Path) -> tuple:
 # (its writers, or every process) and restarts it bit for bit; a surviving rank finding its peer gone does not depend
 # on the ZeRO stage. zero1_pp2 (~70 s) is in the extended run only, for CI's time: a pipeline run is stopped and
 # resumed exactly in CI by the SIGUSR1 test under --pipeline_parallel_size below. zero1_tp2pp2 (TP 2 x PP 2 on 4
-# ranks, ~90 s) likewise: test_composed_layouts.py resumes that layout exactly from a checkpoint in CI.
+# ranks, ~90 s) and zero1_tp2sp2 (TP 2 x SP 2) likewise: test_composed_layouts.py resumes those layouts exactly from a
+# checkpoint (and TP x SP after a preemption) in CI.
 @pytest.mark.parametrize(
     "ds_config",
     [
         "zero3",
         pytest.param("zero1_pp2", marks=pytest.mark.extended),
         pytest.param("zero1_tp2pp2", marks=pytest.mark.extended),
+        pytest.param("zero1_tp2sp2", marks=pytest.mark.extended),
     ],
 )
 def test_sigkill_one_rank_then_restart_resumes_exactly(ds_config, tmp_path, cache_dir, uninterrupted):

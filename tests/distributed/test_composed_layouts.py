@@ -19,6 +19,8 @@ name, a tensor x pipeline resume on another layout.
 
 from __future__ import annotations
 
+import json
+import re
 import shutil
 import socket
 from pathlib import Path
@@ -148,6 +150,41 @@ def test_a_tensor_x_sequence_checkpoint_resumes_exactly_on_its_layout_and_on_ano
     assert ("to a universal checkpoint" in output) == (layout == "tp2_dp2")
     _assert_matches(run_dir, layout_reference, steps=range(5, 9))
     _assert_same_export(run_dir, layout_reference)
+
+
+@pytest.mark.slow  # a 4-rank TP x SP run preempted at step 6, and its restart with a NaN at step 8
+def test_under_tensor_x_sequence_a_preemption_resumes_exactly_and_a_nan_skips_the_update(
+    layout_reference, tmp_path, cache_dir
+):
+    """Rank 3 (the second tensor rank of the second sequence shard: its loss is not the one reported) is signalled
+    during step 6: the ranks agree at its boundary, save and exit 85. The restart resumes from step 6 and equals one
+    rank's steps; at step 8 rank 3's loss is NaN: every rank skips the update, and the ledgers say so. The goodput
+    ledger holds both attempts, no work lost."""
+    from tests.train.test_nonfinite import INJECT, INJECTING, ledger, step_records
+
+    run_dir, flags = tmp_path / "run", _flags(tmp_path / "run", "zero1", *TP_SP)
+    slow_rank = REPO / "tests" / "helpers" / "slow_rank.py"
+    preempted = launch(slow_rank, flags, "deepspeed", cache_dir, nprocs=4, env={"SCALETRAIN_TEST_SIGNAL_AT": "3:6"})
+    output = preempted.stdout + preempted.stderr
+    assert preempted.returncode == 85, output[-4000:]
+    assert re.search(r"preemption \(signal on another rank\): checkpoint committed at step 6 ", output), output[-4000:]
+    restart = launch(INJECTING, flags, "deepspeed", cache_dir, nprocs=4, env={INJECT: "3:8"})
+    check_ok(restart)
+    assert f"resumed from {run_dir / 'checkpoints' / 'step6'} (step 6," in restart.stdout + restart.stderr
+    records, expected = step_records(run_dir), step_records(layout_reference)
+    assert sorted(records) == list(range(1, 9))
+    for step in range(1, 8):
+        assert records[step]["loss"] == pytest.approx(expected[step]["loss"], rel=1e-5), step
+        assert records[step]["grad_norm"] == pytest.approx(expected[step]["grad_norm"], rel=1e-4), step
+    assert records[8]["skipped"] == 1 and "loss" not in records[8] and records[8]["lr"] == records[7]["lr"]
+    [entry] = ledger(run_dir)
+    assert (entry["step"], entry["reason"], entry["event"]) == (8, "nonfinite_loss", "skipped")
+    goodput = json.loads((run_dir / "goodput.json").read_text())
+    first, second = goodput["attempts"]
+    assert (first["exit_code"], second["exit_code"]) == (85, 0)
+    assert (first["first_step"], first["last_step"], second["first_step"]) == (0, 6, 6), goodput["attempts"]
+    assert goodput["seconds"]["lost_work"] == 0 and goodput["seconds"]["productive"] > 0
+    assert sum(goodput["seconds"].values()) == pytest.approx(goodput["wall_s"], abs=0.01)
 
 
 @pytest.fixture(scope="module")

@@ -269,7 +269,7 @@ class Run:
         if compile_requested(cfg.engine.torch_compile, ds.config):
             compile_engine(self.engine, cfg.engine.torch_compile_backend, cfg.engine.torch_compile_mode)
         if cfg.logging.comms_log:  # from here on: the engine's start-up broadcasts are not training's
-            self.comm_log = CommLog()
+            self.comm_log = CommLog(self.dist.layout)
             self._closing.callback(self.comm_log.close)
         # From here a SIGUSR1/SIGTERM becomes a checkpoint at the next step boundary instead of a lost run.
         self.preemption.install()

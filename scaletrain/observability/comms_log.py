@@ -36,6 +36,7 @@ COLLECTIVE_TYPES = {
     "batch_isend_irecv": "send_recv",
 }
 TYPES = ("all_reduce", "reduce_scatter", "all_gather", "broadcast", "all_to_all", "send_recv", "other")
+AXIS_NAMES = {"tp": "tensor", "sp": "sequence", "dp": "data", "pp": "pipeline"}  # parts.AXES, fastest first
 
 
 @dataclass
@@ -62,7 +63,19 @@ class CollectiveTotals:
 
 
 def collective_type(record_name: str) -> str:
-    return COLLECTIVE_TYPES.get(record_name, "other")
+    return COLLECTIVE_TYPES.get(record_name.partition("@")[0], "other")
+
+
+def group_name(layout, ranks: tuple | None) -> str:
+    """The layout axes a group of global ranks spans, as the comms log names it: "tensor", "pipeline", "sequence x
+    data" (AutoTP's data-parallel group under sequence parallelism), ...; "world" for every rank (or an op given no
+    group), "self" for a group of one."""
+    if ranks is None or len(ranks) == layout.world_size:
+        return "world"
+    if len(ranks) == 1:
+        return "self"
+    coordinates = [layout.coordinates(rank) for rank in ranks]
+    return " x ".join(name for axis, name in AXIS_NAMES.items() if len({getattr(c, axis) for c in coordinates}) > 1)
 
 
 def bandwidth_gbps(op: str, size: int, ms: float, group_size: int) -> tuple:
@@ -85,11 +98,15 @@ def bandwidth_gbps(op: str, size: int, ms: float, group_size: int) -> tuple:
     return algbw * 8 / 1e6, busbw * 8 / 1e6  # bytes per ms -> Gbit/s
 
 
-def totals_by_type(raw: dict) -> dict:
-    """{type: CollectiveTotals} from the comms logger's records {name: {bytes: [count, [ms], [algbw], [busbw]]}}."""
+def totals_by_type(raw: dict, by_group: bool = False) -> dict:
+    """{type: CollectiveTotals} from the comms logger's records {name[@group]: {bytes: [count, [ms], [algbw],
+    [busbw]]}}; `by_group`: {"<type> over <group>": CollectiveTotals} instead, for the names that carry a group."""
     totals: dict = {}
     for name, by_size in raw.items():
-        bucket = totals.setdefault(collective_type(name), CollectiveTotals())
+        if by_group and "@" not in name:
+            continue
+        key = f"{collective_type(name)} over {name.partition('@')[2]}" if by_group else collective_type(name)
+        bucket = totals.setdefault(key, CollectiveTotals())
         for size, (count, latencies, _, busbws) in by_size.items():
             bucket.add(
                 CollectiveTotals(
@@ -103,28 +120,38 @@ def totals_by_type(raw: dict) -> dict:
 
 
 class CommLog:
-    """The comms logger switched on for the run, read and cleared once per logging window."""
+    """The comms logger switched on for the run, read and cleared once per logging window; each op is also counted
+    under the layout's group it ran on (`layout`: the run's parts.ParallelLayout)."""
 
-    def __init__(self):
+    def __init__(self, layout):
         import deepspeed.comm as ds_comm
 
         from scaletrain.engine import per_op_comm_latencies
 
         world = ds_comm.get_world_size()
-        # DeepSpeed's logger, its records made per op, with this module's bandwidth arithmetic over the op's group
-        self._logger = per_op_comm_latencies(lambda op, size, ms, group: bandwidth_gbps(op, size, ms, group or world))
+        # DeepSpeed's logger, its records made per op and named by group, with this module's bandwidth arithmetic
+        # over the op's group
+        self._logger = per_op_comm_latencies(
+            lambda op, size, ms, group: bandwidth_gbps(op, size, ms, group or world),
+            lambda ranks: group_name(layout, ranks),
+        )
         ds_comm.configure(enabled=True, prof_all=True, verbose=False, debug=False)
         self.run_totals: dict = {}
 
     def window(self) -> dict:
         """This window's figures as flat metrics (every rank must call it: each clears its own records)."""
-        window = totals_by_type(self._logger.get_raw_data())
+        raw = self._logger.get_raw_data()
+        window, by_group = totals_by_type(raw), totals_by_type(raw, by_group=True)
         self._logger.reset_data()
         metrics = {}
         for name in TYPES:
             if name in window:
                 self.run_totals.setdefault(name, CollectiveTotals()).add(window[name])
                 metrics.update(window[name].as_metrics(name))
+        for name, totals in sorted(by_group.items()):  # comm_all_reduce_over_tensor_ms, ...
+            self.run_totals.setdefault(name, CollectiveTotals()).add(totals)
+            slug = name.replace(" x ", "_x_").replace(" ", "_")
+            metrics.update({f"comm_{slug}_{key}": getattr(totals, key) for key in ("count", "bytes", "ms")})
         return metrics
 
     def totals(self) -> dict:
@@ -140,15 +167,12 @@ class CommLog:
 
 def comms_summary(per_rank: list) -> str:
     """Every rank's totals over the run (`per_rank[r]`: rank r's CommLog.totals()), one line per collective type
-    and rank, and for each type the rank that spent longest in it against the fastest (a slow link or a straggler)."""
+    and rank, and for each type the rank that spent longest in it against the fastest (a slow link or a straggler);
+    then the same lines per type and group ("all_reduce over tensor")."""
     lines = ["communication (every rank, --comms_log): type | rank | count | bytes | total ms | mean ms | bus Gbit/s"]
     for name in TYPES:
         ranks = [(rank, totals[name]) for rank, totals in enumerate(per_rank) if name in totals]
-        for rank, t in ranks:
-            lines.append(
-                f"  {name} | {rank} | {t.count} | {t.bytes} | {t.ms:.1f} | {t.ms / t.count:.3f} | "
-                f"{t.busbw_ms / t.ms if t.ms else 0.0:.3f}"
-            )
+        lines += [_row(name, rank, t) for rank, t in ranks]
         if len(ranks) < 2:
             continue
         slowest, fastest = max(ranks, key=lambda r: r[1].ms), min(ranks, key=lambda r: r[1].ms)
@@ -156,4 +180,16 @@ def comms_summary(per_rank: list) -> str:
             lines.append(
                 f"  {name}: longest on rank {slowest[0]}, {slowest[1].ms / fastest[1].ms:.2f}x rank {fastest[0]}'s"
             )
+    grouped = sorted({name for totals in per_rank for name in totals if name not in TYPES})
+    if grouped:
+        lines.append("communication by group: type over group | rank | count | bytes | total ms | mean ms | bus Gbit/s")
+    for name in grouped:
+        lines += [_row(name, rank, totals[name]) for rank, totals in enumerate(per_rank) if name in totals]
     return "\n".join(lines)
+
+
+def _row(name: str, rank: int, t: CollectiveTotals) -> str:
+    return (
+        f"  {name} | {rank} | {t.count} | {t.bytes} | {t.ms:.1f} | {t.ms / t.count:.3f} | "
+        f"{t.busbw_ms / t.ms if t.ms else 0.0:.3f}"
+    )

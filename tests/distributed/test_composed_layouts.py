@@ -41,12 +41,17 @@ from tests.distributed.test_tensor_parallel import (
     _resolved,
     resume_copy_at_step4,
 )
-from tests.harness import REPO, check_ok, launch, layout_flags
+from tests.harness import REPO, check_ok, launch, layout_flags, read_metrics
 
 TP_PP = ["--tensor_parallel_size", "2", "--pipeline_parallel_size", "2"]
 # The global batch stays the reference's 4 blocks: 2 micro-batches a step through the 1F1B schedule.
 MICRO = {4: ["--per_device_train_batch_size", "2", "--gradient_accumulation_steps", "2"]}
 MICRO[8] = ["--per_device_train_batch_size", "1", "--gradient_accumulation_steps", "2"]
+
+
+def _group_counts(run_dir: Path, name: str) -> list:
+    """comm_<name>_count of every training record of --comms_log (rank 0's), where there are any."""
+    return [r[f"comm_{name}_count"] for r in read_metrics(run_dir) if f"comm_{name}_count" in r]
 
 
 @pytest.fixture(scope="module")
@@ -73,13 +78,17 @@ def test_tensor_x_pipeline_x_data_parallel_matches_one_rank(nprocs, layout_refer
         run_dir = tmp_path / "tp2_pp2_dp2"
         proc = launch(
             REPO / "train.py",
-            _flags(run_dir, "zero1", *TP_PP, *MICRO[8], "--gradient_checkpointing"),
+            _flags(run_dir, "zero1", *TP_PP, *MICRO[8], "--gradient_checkpointing", "--comms_log"),
             "deepspeed",
             cache_dir,
             nprocs=8,
         )
         check_ok(proc)
         assert "layout: tensor parallel 2 x pipeline parallel 2 x data parallel 2" in proc.stdout
+        # the comms log per group: AutoTP's all-reduces in the tensor groups, the stages' sends and receives between
+        # pipeline peers, ZeRO-1's reduction over a stage's replicas
+        assert _group_counts(run_dir, "all_reduce_over_tensor") and _group_counts(run_dir, "send_recv_over_pipeline")
+        assert _group_counts(run_dir, "all_reduce_over_data") or _group_counts(run_dir, "reduce_scatter_over_data")
     _assert_matches(run_dir, layout_reference)
     _assert_same_export(run_dir, layout_reference)  # 7 layer files x 2 tensor ranks, joined
     assert _eval_losses(run_dir) == pytest.approx(_eval_losses(layout_reference), rel=1e-5)
@@ -122,9 +131,14 @@ def test_tensor_x_sequence_x_data_parallel_matches_one_rank(nprocs, layout_refer
     else:
         run_dir = tmp_path / "tp2_sp2_dp2"
         extra = ["--per_device_train_batch_size", "1", "--gradient_accumulation_steps", "2", "--gradient_checkpointing"]
+        extra.append("--comms_log")
         proc = launch(REPO / "train.py", _flags(run_dir, "zero1", *TP_SP, *extra), "deepspeed", cache_dir, nprocs=8)
         check_ok(proc)
         assert "layout: tensor parallel 2 x sequence parallel 2 x data parallel 2" in proc.stdout
+        # the comms log per group: AutoTP's all-reduces, Ulysses' all-to-alls, ZeRO-1 over data x sequence
+        assert _group_counts(run_dir, "all_reduce_over_tensor") and _group_counts(run_dir, "all_to_all_over_sequence")
+        assert _group_counts(run_dir, "all_reduce_over_sequence_x_data")
+        assert "  all_to_all over sequence | 7 | " in proc.stdout + proc.stderr  # the end table, every rank's
     _assert_matches(run_dir, layout_reference)
     _assert_same_export(run_dir, layout_reference)
     assert _eval_losses(run_dir) == pytest.approx(_eval_losses(layout_reference), rel=1e-5)

@@ -51,6 +51,35 @@ def test_the_summary_shows_every_rank_and_the_rank_that_spent_longest():
     assert not any(line.startswith("  send_recv: longest") for line in lines)  # one rank: nothing to compare
 
 
+def test_each_op_is_also_counted_under_the_layout_group_it_ran_on():
+    from scaletrain.observability.comms_log import group_name
+    from scaletrain.parts import ParallelLayout
+
+    layout = ParallelLayout(tp=2, sp=2, dp=2)  # 8 ranks: tensor fastest, then sequence, then data
+    assert group_name(layout, (2, 3)) == "tensor"
+    assert group_name(layout, (1, 3)) == "sequence"
+    assert group_name(layout, (1, 3, 5, 7)) == "sequence x data"  # AutoTP's data-parallel group under SP
+    assert group_name(layout, None) == group_name(layout, tuple(range(8))) == "world"
+    assert group_name(layout, (4,)) == "self"
+    assert group_name(ParallelLayout(tp=2, pp=2, dp=2), (1, 5)) == "pipeline"
+    raw = {
+        "all_reduce@tensor": {1000: [2, [1.0, 3.0], [0, 0], [10.0, 20.0]]},
+        "all_reduce@sequence x data": {500: [1, [2.0], [0], [4.0]]},
+        "all_to_all_single@sequence": {100: [4, [1.0] * 4, [0] * 4, [1.0] * 4]},
+    }
+    assert totals_by_type(raw)["all_reduce"] == CollectiveTotals(count=3, bytes=2500, ms=6.0, busbw_ms=78.0)
+    by_group = totals_by_type(raw, by_group=True)
+    assert by_group["all_reduce over tensor"] == CollectiveTotals(count=2, bytes=2000, ms=4.0, busbw_ms=70.0)
+    assert by_group["all_to_all over sequence"].count == 4 and set(by_group) == {
+        "all_reduce over tensor",
+        "all_reduce over sequence x data",
+        "all_to_all over sequence",
+    }
+    lines = comms_summary([{"all_reduce": by_group["all_reduce over tensor"], **by_group}]).splitlines()
+    assert "communication by group: type over group | rank | count | bytes | total ms | mean ms | bus Gbit/s" in lines
+    assert "  all_reduce over tensor | 0 | 2 | 2000 | 4.0 | 2.000 | 17.500" in lines
+
+
 KNOWN_SEQUENCE = """
 import json, sys, time
 sys.path.insert(0, {repo!r})
@@ -79,7 +108,8 @@ dist.configure(enabled=False)
 comms_logger.reset_data()
 
 from scaletrain.observability.comms_log import CommLog
-comm = CommLog()
+from scaletrain.parts import ParallelLayout
+comm = CommLog(ParallelLayout(dp=dist.get_world_size()))
 walls = timed(lambda: dist.all_reduce(x), 6)
 metrics = comm.window()
 logged = list(comms_logger.get_raw_data().get("all_reduce", {{}}).values())

@@ -115,27 +115,34 @@ def _is_sum(op) -> bool:
     return op is None or getattr(op, "name", None) == "SUM"
 
 
-def _group_size(func, args: tuple, kwargs: dict) -> int | None:
-    """The size of the group a deepspeed.comm op runs on; None for the world (no group given, or not found)."""
+def _group_ranks(func, args: tuple, kwargs: dict) -> tuple | None:
+    """The global ranks of the group a deepspeed.comm op runs on (a send or receive: this rank and its peer); None for
+    the world (no group given, or not found)."""
     import torch.distributed as torch_dist
 
     try:
-        group = inspect.signature(func).bind_partial(*args, **kwargs).arguments.get("group")
-        return None if group is None else torch_dist.get_world_size(group)
+        arguments = inspect.signature(func).bind_partial(*args, **kwargs).arguments
+        group, peer = arguments.get("group"), arguments.get("dst", arguments.get("src"))
+        if group is None and isinstance(peer, int):
+            return tuple(sorted({torch_dist.get_rank(), peer}))
+        return None if group is None else tuple(torch_dist.get_process_group_ranks(group))
     except (TypeError, ValueError, RuntimeError):
         return None
 
 
-def per_op_comm_latencies(bandwidth: Callable[[str, int, float, int | None], tuple]):
+def per_op_comm_latencies(
+    bandwidth: Callable[[str, int, float, int | None], tuple], group_name: Callable[[tuple | None], str] | None = None
+):
     """DeepSpeed's comms logger, made to record each op's own latency with `bandwidth(op, bytes, ms, group size or
     None for the world) -> (algbw, busbw)`; its records keep DeepSpeed's format, {name: {bytes: [count, [ms], [algbw],
-    [busbw]]}}.
+    [busbw]]}}, each name followed by "@" and `group_name(the group's global ranks, None for the world)` when given.
 
     DeepSpeed 0.19.8 hands CommsLogger.append the running total of every op of a name so far (timed_op reads its
     timer with reset=False) as the op's latency: the instance's append is replaced by one that keeps each op's own
     time, and refuses a total that shrinks (a fixed DeepSpeed). The logger is not told which group an op ran on, so a
-    subgroup's op (a tensor-parallel all-reduce) would get the world's bus bandwidth: get_msg_size_from_args, which
-    timed_op calls with the op and its arguments just before it runs, is wrapped to note the group's size."""
+    subgroup's op (a tensor-parallel all-reduce) would get the world's bus bandwidth, and could not be told from a
+    data-parallel one: get_msg_size_from_args, which timed_op calls with the op and its arguments just before it runs,
+    is wrapped to note the group's ranks."""
     logger = COMMS_LOGGER.resolve()
     COMMS_APPEND.on(logger)
     records = COMMS_RECORDS.on(logger)
@@ -145,7 +152,7 @@ def per_op_comm_latencies(bandwidth: Callable[[str, int, float, int | None], tup
     pending = {}  # the group size of the op being timed (ops are timed one at a time: each is made blocking)
 
     def msg_size_noting_group(func, *args, **kwargs):
-        pending["group_size"] = _group_size(func, args, kwargs)
+        pending["group"] = _group_ranks(func, args, kwargs)
         return size_of(func, *args, **kwargs)
 
     comm_module.get_msg_size_from_args = msg_size_noting_group
@@ -160,8 +167,10 @@ def per_op_comm_latencies(bandwidth: Callable[[str, int, float, int | None], tup
                 _COMMS_INSTEAD,
             )
         running[record_name] = latency
-        algbw, busbw = bandwidth(raw_name, msg_size, own, pending.pop("group_size", None))
-        entry = records.setdefault(record_name, {}).setdefault(msg_size, [0, [], [], []])
+        group = pending.pop("group", None)
+        algbw, busbw = bandwidth(raw_name, msg_size, own, None if group is None else len(group))
+        name = record_name if group_name is None else f"{record_name}@{group_name(group)}"
+        entry = records.setdefault(name, {}).setdefault(msg_size, [0, [], [], []])
         entry[0] += 1
         entry[1].append(own)
         entry[2].append(algbw)

@@ -128,12 +128,14 @@ def test_recommendation_prefers_the_fastest_option_that_fits_then_checkpointing(
         (3, 1, 1, 1),
         (2, 1, 2, 1),
         (3, 1, 1, 2),
+        (2, 1, 2, 2),  # TP 2 x SP 2 on 4 ranks
     ],
 )
 def test_planned_model_states_match_a_real_two_rank_run_within_10_percent(
     stage, accumulation, tp, sp, tmp_path, cache_dir
 ):
     run_dir = tmp_path / "run"
+    nprocs = max(2, tp * sp)
     proc = launch(
         MEMORY_PROBE,
         [
@@ -155,17 +157,17 @@ def test_planned_model_states_match_a_real_two_rank_run_within_10_percent(
         ],
         "deepspeed",
         cache_dir,
-        nprocs=2,
+        nprocs=nprocs,
     )
     check_ok(proc)
     option = next(o for o in memory_planner.OPTIONS if o.stage == stage and o.offload_optimizer == "none")
-    # ZeRO partitions over the ranks left by tensor parallelism (under sequence parallelism: all of them)
+    # ZeRO partitions over the ranks left by tensor parallelism (the sequence ranks among them)
     bucket = json.loads((run_dir / "ds_config.json").read_text())["zero_optimization"]["reduce_bucket_size"]
     params, grads, optimizer, _, _ = memory_planner.model_state_bytes(
-        option, tiny_shape(), dp=2 // tp, precision="fp32", tp=tp, reduce_bucket=bucket
+        option, tiny_shape(), dp=nprocs // tp, precision="fp32", tp=tp, reduce_bucket=bucket
     )
     planned = params + grads + optimizer
-    for rank in (0, 1):
+    for rank in range(nprocs):
         # The second step's peak (the first one created the optimizer's moments: Adam builds them lazily): before
         # the update, at the end of the backward before ZeRO-1's reduction, and between micro-batches.
         memory = json.loads((run_dir / f"memory_rank{rank}.json").read_text())

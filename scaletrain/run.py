@@ -92,6 +92,7 @@ from scaletrain.train import (
     evaluate_sets,
     GoodputBook,
     HangNotes,
+    PipelineBubble,
     loop_settings,
     NonFiniteGuard,
     NonFinitePolicy,
@@ -330,6 +331,10 @@ class Run:
         trainer = Trainer(self.engine, batches, self.state, settings, self.runner, self._callbacks())
         trainer.fit()
 
+    def _pipeline_bubble(self) -> PipelineBubble:
+        layout, engine = self.dist.layout, self.engine
+        return PipelineBubble(self.runner.times, self.dist.coords.pp, layout.pp, engine.gradient_accumulation_steps)
+
     def _callbacks(self) -> list:
         """The loop's side concerns, the same list on every rank: their order is the order each acts after a step
         (the guard's verdict first, the step's record before a preemption save, evaluation before a periodic
@@ -352,6 +357,7 @@ class Run:
             CommitInFlight(self.saver),
             ProgressBar(show=dist.is_main and not cfg.logging.disable_tqdm and interactive()),
             *([CommsWindow(self.comm_log)] if self.comm_log is not None else []),
+            *([self._pipeline_bubble()] if isinstance(self.runner, PipelineStep) else []),
             TrainingRecords(self.metrics, self._throughput()),
         ]
         if not dry:  # a dry run takes one step, logged, and evaluates or saves nothing

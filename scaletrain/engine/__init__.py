@@ -9,6 +9,7 @@ from scaletrain.engine.ds_internals import (
     deepspeed_config_models,
     ShmAllReduce,
     SkipSwitch,
+    InstructionTimes,
     before_pipeline_update,
     gathered_state_dict,
     per_op_comm_latencies,
@@ -19,6 +20,7 @@ from scaletrain.engine.ds_internals import (
     skip_shm_op_build,
     universal_checkpoint_info,
     universal_conversion_command,
+    time_pipeline_instructions,
 )
 from scaletrain.engine.initialize import (
     build_engine,
@@ -37,6 +39,7 @@ __all__ = [
     "LRSchedule",
     "ShmAllReduce",
     "SkipSwitch",
+    "InstructionTimes",
     "before_pipeline_update",
     "build_engine",
     "check_compile",
@@ -58,4 +61,5 @@ __all__ = [
     "universal_checkpoint_info",
     "universal_conversion_command",
     "schedule_for",
+    "time_pipeline_instructions",
 ]

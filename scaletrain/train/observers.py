@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from contextlib import ExitStack
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -15,6 +16,7 @@ from scaletrain.train.log_window import LogWindow
 from scaletrain.train.step import rampup_lr_factor
 
 if TYPE_CHECKING:
+    from scaletrain.engine import InstructionTimes
     from scaletrain.observability import CommLog, GoodputLedger, MetricsLogger, ThroughputModel
     from scaletrain.train.hang import HangWatch
 
@@ -158,6 +160,26 @@ class CommsWindow(Callback):
 
     def record_fields(self) -> dict:
         return self.comm_log.window()
+
+
+class PipelineBubble(Callback):
+    """Under pipeline parallelism, each stage's bubble since the last record, measured: the seconds its ranks waited
+    in the schedule's receives (for a neighbour stage: the fill and drain of 1F1B, and the transfers) over the seconds
+    they spent in forward and backward passes, beside the schedule's own (stages - 1) / micro-batches."""
+
+    def __init__(self, times: InstructionTimes, stage: int, stages: int, micro_batches: Callable[[], int]):
+        self.times, self.stage, self.stages, self.micro_batches = times, stage, stages, micro_batches
+
+    def record_fields(self) -> dict:
+        from scaletrain.distributed import all_gather_objects
+
+        idle, busy = self.times.take()
+        by_stage = [[0.0, 0.0] for _ in range(self.stages)]
+        for stage, waited, worked in all_gather_objects((self.stage, idle, busy)):  # every rank, every record
+            by_stage[stage][0] += waited
+            by_stage[stage][1] += worked
+        fields = {f"pipeline_bubble_stage{s}": waited / worked for s, (waited, worked) in enumerate(by_stage) if worked}
+        return {**fields, "pipeline_bubble_expected": (self.stages - 1) / self.micro_batches()} if fields else {}
 
 
 class StepProfiler(Callback):

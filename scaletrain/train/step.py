@@ -167,12 +167,13 @@ class PipelineStep:
     (ds_internals.before_pipeline_update)."""
 
     def __init__(self, engine, loss: TokenLoss, switch: SkipSwitch | None = None):
-        from scaletrain.engine import before_pipeline_update
+        from scaletrain.engine import before_pipeline_update, time_pipeline_instructions
 
         self.loss = loss  # the pipe engine's loss_fn
         self.switch = switch
         self._before_update: Callable[[], None] | None = None
         before_pipeline_update(engine, self._agree)
+        self.times = time_pipeline_instructions(engine)  # the training schedules' waits and passes (the bubble)
 
     def _agree(self) -> None:
         if self._before_update is not None:
@@ -200,10 +201,12 @@ class PipelineStep:
             clock.lap("sync")
 
         self._before_update = before_update
+        self.times.active = True
         try:  # the LR is read only by the update at the schedule's end: scaling it around the whole batch is exact
             with scaled_lr(engine, rampup_lr_factor(batches, data_step, settings)):
                 engine.train_batch(data_iter=iter(pipe_micro_batches(micro_batches)))
         finally:
+            self.times.active = False
             self._before_update = None
             if switch:
                 switch.skip = False

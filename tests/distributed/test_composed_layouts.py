@@ -89,6 +89,9 @@ def test_tensor_x_pipeline_x_data_parallel_matches_one_rank(nprocs, layout_refer
         # pipeline peers, ZeRO-1's reduction over a stage's replicas
         assert _group_counts(run_dir, "all_reduce_over_tensor") and _group_counts(run_dir, "send_recv_over_pipeline")
         assert _group_counts(run_dir, "all_reduce_over_data") or _group_counts(run_dir, "reduce_scatter_over_data")
+        # each stage's bubble over its 4 ranks (2 tensor x 2 data), beside the schedule's (2 - 1) / 2 micro-batches
+        training = [r for r in read_metrics(run_dir) if "loss" in r]
+        assert all(r["pipeline_bubble_expected"] == 0.5 and r["pipeline_bubble_stage1"] > 0 for r in training)
     _assert_matches(run_dir, layout_reference)
     _assert_same_export(run_dir, layout_reference)  # 7 layer files x 2 tensor ranks, joined
     assert _eval_losses(run_dir) == pytest.approx(_eval_losses(layout_reference), rel=1e-5)

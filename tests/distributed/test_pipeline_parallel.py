@@ -199,6 +199,20 @@ def test_a_pipeline_checkpoint_resumes_on_the_same_layout_and_on_one_rank(
     _assert_same_export(run_dir, layout_reference)
 
 
+@pytest.mark.slow  # reads the shared 2-rank pipeline run's records
+def test_each_stages_bubble_is_measured_beside_the_schedules(pp2_zero1):
+    """Every training record carries each stage's measured bubble (its receives' waits over its passes' time) and
+    the 1F1B schedule's (2 - 1) / 2 micro-batches; every stage waits (stage 1 for the fill, stage 0 for the drain);
+    the evaluation records carry none."""
+    records = read_metrics(pp2_zero1)
+    training = [r for r in records if "loss" in r]
+    assert len(training) == STEPS
+    for record in training:
+        assert record["pipeline_bubble_expected"] == 0.5
+        assert all(record[f"pipeline_bubble_stage{stage}"] > 0 for stage in (0, 1)), record
+    assert not any("pipeline_bubble_stage0" in r for r in records if "eval_loss" in r)
+
+
 @pytest.mark.slow  # needs the 2-rank pipeline checkpoint
 def test_export_script_reads_a_pipeline_checkpoints_layer_files(pp2_zero1, tmp_path):
     from safetensors.torch import load_file

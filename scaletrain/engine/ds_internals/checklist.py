@@ -31,7 +31,14 @@ from scaletrain.engine.ds_internals.op_builds import (
     INSTALLED_OPS,
 )
 from scaletrain.engine.ds_internals.optimizer import STAGE3_CHECK, STAGE3_CLEANUP, STAGE12_CHECK, STAGE12_INIT
-from scaletrain.engine.ds_internals.pipeline import PIPE_BUILD, PIPE_CLIP, PIPE_INSTRUCTIONS, PIPE_OPTIMIZER_STEP
+from scaletrain.engine.ds_internals.pipeline import (
+    PIPE_BUILD,
+    PIPE_CLIP,
+    PIPE_INSTRUCTIONS,
+    PIPE_OPTIMIZER_STEP,
+    PIPE_WAITS,
+    PIPE_WORK,
+)
 from scaletrain.engine.ds_internals.release import (
     FWD_MODULE_STACK,
     PARAMS_TO_RELEASE,
@@ -68,6 +75,8 @@ HOOKS = (
     PIPE_OPTIMIZER_STEP,
     PIPE_CLIP,
     PIPE_BUILD,
+    *PIPE_WAITS,
+    *PIPE_WORK,
     PIPE_P2P_GROUPS,
     PIPE_P2P_GRID,
     ULYSSES_GROUPS,

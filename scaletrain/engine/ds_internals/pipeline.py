@@ -14,6 +14,12 @@ _PP, _PP_INSTEAD = "pipeline parallelism (--pipeline_parallel_size)", "train wit
 PIPE_INSTRUCTIONS = Hook("deepspeed.runtime.pipe.engine:PipelineEngine", "_INSTRUCTION_MAP", _PP, _PP_INSTEAD)
 PIPE_OPTIMIZER_STEP = Hook("deepspeed.runtime.pipe.schedule", "OptimizerStep", _PP, _PP_INSTEAD)
 PIPE_CLIP = Hook("deepspeed.runtime.engine:DeepSpeedEngine", "clip_fp32_gradients", _PP, _PP_INSTEAD)
+# The schedule's instructions a stage waits in for a neighbour stage (a blocking receive: the bubble, and the
+# transfer) and those it computes in, timed for the measured bubble: proven by
+# tests/distributed/test_pipeline_parallel.py.
+_SCHEDULE = "deepspeed.runtime.pipe.schedule"
+PIPE_WAITS = tuple(Hook(_SCHEDULE, name, _PP, _PP_INSTEAD) for name in ("RecvActivation", "RecvGrad"))
+PIPE_WORK = tuple(Hook(_SCHEDULE, name, _PP, _PP_INSTEAD) for name in ("ForwardPass", "BackwardPass"))
 # The stage's own layers, released and built: proven by tests/model/test_stage_build.py. PipelineModule.__init__
 # partitions the layers, calls _build() (this rank's layers only), then moves them to the device: a stage built from
 # meta-device modules gets its weights between the two.
@@ -52,6 +58,49 @@ def before_pipeline_update(engine, callback: Callable[[], None]) -> None:
 
     table[step_instruction] = agreed_update
     engine._INSTRUCTION_MAP = table  # the instance's table: the class's stays DeepSpeed's
+
+
+class InstructionTimes:
+    """Seconds this stage spent, while `active`, in the pipe schedule's receives (waiting for a neighbour stage) and
+    in its forward and backward passes."""
+
+    def __init__(self):
+        self.active = False
+        self.idle = self.busy = 0.0
+
+    def take(self) -> tuple:
+        """(idle, busy) seconds since the last take."""
+        taken = self.idle, self.busy
+        self.idle = self.busy = 0.0
+        return taken
+
+
+def time_pipeline_instructions(engine) -> InstructionTimes:
+    """Time the engine's receive, forward and backward instructions (its own instruction table, as
+    before_pipeline_update's): what the measured bubble is made of."""
+    import time
+
+    times = InstructionTimes()
+    table = dict(PIPE_INSTRUCTIONS.on(engine))
+
+    def timed(handler, kind: str):
+        def instruction(self, *args, **kwargs):
+            if not times.active:
+                return handler(self, *args, **kwargs)
+            started = time.perf_counter()
+            try:
+                return handler(self, *args, **kwargs)
+            finally:
+                setattr(times, kind, getattr(times, kind) + time.perf_counter() - started)
+
+        return instruction
+
+    for hooks, kind in ((PIPE_WAITS, "idle"), (PIPE_WORK, "busy")):
+        for hook in hooks:
+            instruction_type = hook.resolve()
+            table[instruction_type] = timed(table[instruction_type], kind)
+    engine._INSTRUCTION_MAP = table
+    return times
 
 
 def fix_pipeline_stage0_clipping(engine) -> None:

@@ -256,6 +256,10 @@ def test_gpu_presets_carry_their_sources():
 
 
 @pytest.mark.slow  # three real 1-rank runs of the benchmark model (about a minute) and a --plan process
+# In the extended run, not CI's: it compares wall-clock step times of separate runs, and on CI's loaded 2 cores one
+# run came out 22% off (2026-12-06) while it passes alone; timings belong in benchmarks (BENCHMARKS.md's calibration
+# figures come from scripts/bench, not from this test).
+@pytest.mark.extended
 def test_a_calibrated_plan_predicts_other_blocks_and_micro_batches_within_15_percent(tmp_path, cache_dir):
     """Calibrated by one 1-rank run of the benchmark model (256-token blocks, micro-batch 4), the time model predicts
     the step time of runs with other block sizes and micro-batches (128 x 8, 64 x 16: the same tokens a micro-batch

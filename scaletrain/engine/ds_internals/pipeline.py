@@ -44,20 +44,27 @@ def pipeline_module_class(after_build: Callable | None = None) -> type:
     return StagePipelineModule
 
 
+def _wrap_instruction(engine, instruction_type, wrap: Callable) -> None:
+    """Replace the handler of one schedule instruction by `wrap(handler)` in the engine's own instruction table (a
+    copy of the class's the first time, so the class's stays DeepSpeed's; wrappers added to one engine chain)."""
+    table = dict(PIPE_INSTRUCTIONS.on(engine))
+    table[instruction_type] = wrap(table[instruction_type])
+    engine._INSTRUCTION_MAP = table
+
+
 def before_pipeline_update(engine, callback: Callable[[], None]) -> None:
     """Call `callback()` on every rank right before each pipeline update (the schedule's OptimizerStep, which every
     stage reaches once per train_batch, after its gradients are reduced): a collective there lines up. Callbacks
     added to one engine chain (the last added runs first)."""
-    step_instruction = PIPE_OPTIMIZER_STEP.resolve()
-    table = dict(PIPE_INSTRUCTIONS.on(engine))  # the instance's table where a callback was added before
-    update = table[step_instruction]
 
-    def agreed_update(self, *args, **kwargs):
-        callback()
-        return update(self, *args, **kwargs)
+    def agreed(update):
+        def agreed_update(self, *args, **kwargs):
+            callback()
+            return update(self, *args, **kwargs)
 
-    table[step_instruction] = agreed_update
-    engine._INSTRUCTION_MAP = table  # the instance's table: the class's stays DeepSpeed's
+        return agreed_update
+
+    _wrap_instruction(engine, PIPE_OPTIMIZER_STEP.resolve(), agreed)
 
 
 class InstructionTimes:
@@ -76,30 +83,30 @@ class InstructionTimes:
 
 
 def time_pipeline_instructions(engine) -> InstructionTimes:
-    """Time the engine's receive, forward and backward instructions (its own instruction table, as
-    before_pipeline_update's): what the measured bubble is made of."""
+    """Time the engine's receive, forward and backward instructions (in its own instruction table): what the
+    measured bubble is made of."""
     import time
 
     times = InstructionTimes()
-    table = dict(PIPE_INSTRUCTIONS.on(engine))
 
-    def timed(handler, kind: str):
-        def instruction(self, *args, **kwargs):
-            if not times.active:
-                return handler(self, *args, **kwargs)
-            started = time.perf_counter()
-            try:
-                return handler(self, *args, **kwargs)
-            finally:
-                setattr(times, kind, getattr(times, kind) + time.perf_counter() - started)
+    def timed(kind: str):
+        def wrap(handler):
+            def instruction(self, *args, **kwargs):
+                if not times.active:
+                    return handler(self, *args, **kwargs)
+                started = time.perf_counter()
+                try:
+                    return handler(self, *args, **kwargs)
+                finally:
+                    setattr(times, kind, getattr(times, kind) + time.perf_counter() - started)
 
-        return instruction
+            return instruction
+
+        return wrap
 
     for hooks, kind in ((PIPE_WAITS, "idle"), (PIPE_WORK, "busy")):
         for hook in hooks:
-            instruction_type = hook.resolve()
-            table[instruction_type] = timed(table[instruction_type], kind)
-    engine._INSTRUCTION_MAP = table
+            _wrap_instruction(engine, hook.resolve(), timed(kind))
     return times
 
 

@@ -45,9 +45,9 @@ PARAMS_TO_RELEASE = Hook(
     problem=_no_cache,
 )
 PIPE_P2P_GROUPS = Hook("deepspeed.runtime.pipe.p2p", "_groups", _RELEASE)
+PIPE_P2P_GRID = Hook("deepspeed.runtime.pipe.p2p", "_grid", _RELEASE)
 # Ulysses' all-to-all finds its group by name in this module-level registry (filled by UlyssesSPAttentionHF).
 ULYSSES_GROUPS = Hook("deepspeed.sequence.layer", "_all_to_all_groups", _RELEASE)
-PIPE_P2P_GRID = Hook("deepspeed.runtime.pipe.p2p", "_grid", _RELEASE)
 
 
 def release_zero3_references(module) -> None:

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import json
 import re
-import shutil
 import socket
 from pathlib import Path
 
@@ -155,16 +154,8 @@ def test_a_tensor_x_sequence_checkpoint_resumes_exactly_on_its_layout_and_on_ano
     """The same layout loads its files as they are; TP 2 x DP 2 (the same global batch: 2 blocks a replica) goes
     through the universal checkpoint (ZeRO-1 partitions over data x sequence ranks, regrouped)."""
     run_dir = tmp_path / layout
-    (run_dir / "checkpoints").mkdir(parents=True)
-    shutil.copytree(tp2_sp2 / "checkpoints" / "step4", run_dir / "checkpoints" / "step4")
-    for name in ("run_config.json", "ds_config.json"):
-        shutil.copy(tp2_sp2 / name, run_dir / name)
     flags = TP_SP if layout == "tp2_sp2" else ["--tensor_parallel_size", "2", "--per_device_train_batch_size", "2"]
-    proc = launch(REPO / "train.py", _flags(run_dir, "zero1", *flags), "deepspeed", cache_dir, nprocs=4)
-    check_ok(proc)
-    output = proc.stdout + proc.stderr
-    assert f"resumed from {run_dir / 'checkpoints' / 'step4'} (step 4," in output
-    assert ("to a universal checkpoint" in output) == (layout == "tp2_dp2")
+    resume_copy_at_step4(tp2_sp2, run_dir, flags, 4, cache_dir, converted=layout == "tp2_dp2")
     _assert_matches(run_dir, layout_reference, steps=range(5, 9))
     _assert_same_export(run_dir, layout_reference)
 

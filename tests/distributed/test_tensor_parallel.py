@@ -104,10 +104,12 @@ def test_tensor_parallel_matches_one_rank(config, nprocs, reference, tp2_zero1, 
     )
 
 
-def resume_copy_at_step4(source: Path, run_dir: Path, layout: list, nprocs: int, cache_dir: Path) -> None:
+def resume_copy_at_step4(
+    source: Path, run_dir: Path, layout: list, nprocs: int, cache_dir: Path, converted: bool | None = None
+) -> None:
     """Resume a copy of `source`'s run folder from its step-4 checkpoint to the end, with `layout`'s flags on
     `nprocs` ranks: it says where it resumed from, and goes through the universal checkpoint exactly when the
-    layout changed (1 rank)."""
+    layout changed (`converted`; by default: on 1 rank)."""
     (run_dir / "checkpoints").mkdir(parents=True)
     shutil.copytree(source / "checkpoints" / "step4", run_dir / "checkpoints" / "step4")
     for name in ("run_config.json", "ds_config.json"):
@@ -121,8 +123,9 @@ def resume_copy_at_step4(source: Path, run_dir: Path, layout: list, nprocs: int,
     )
     check_ok(proc)
     output = proc.stdout + proc.stderr
-    assert f"resumed from {run_dir / 'checkpoints' / 'step4'}" in output
-    assert ("converted" in output) == (nprocs == 1)  # another layout goes through the universal checkpoint
+    assert f"resumed from {run_dir / 'checkpoints' / 'step4'} (step 4," in output
+    converted = nprocs == 1 if converted is None else converted
+    assert ("converted" in output) == converted  # another layout goes through the universal checkpoint
 
 
 @pytest.mark.slow  # two runs resumed from the TP checkpoint at step 4: on 2 ranks (TP 2) and on 1 rank

@@ -237,7 +237,9 @@ class Run:
             self._closing.callback(register_ulysses(module, resolved))
         pipeline_loss = None
         if layout.pp > 1:  # this rank keeps its stage's layers of the model it built
-            module, pipeline_loss = build_pipeline_module(module, layout, cfg.parallel.pipeline_partition)
+            module, pipeline_loss = build_pipeline_module(
+                module, layout, cfg.parallel.pipeline_partition, cfg.model.loss_chunk_size
+            )
         self.model = BuiltModel(module, keepalive, pipeline_loss)
         memory.report()
 

@@ -155,12 +155,15 @@ def _wrapper_classes():
             return self.norm(hidden)
 
     class Head(nn.Module):
-        def __init__(self, head):
+        """The LM head; with the chunked loss the stage returns the hidden states and the loss applies the head."""
+
+        def __init__(self, head, in_loss: bool = False):
             super().__init__()
             self.head = head
+            self.in_loss = in_loss
 
         def forward(self, hidden):
-            return self.head(hidden)
+            return hidden if self.in_loss else self.head(hidden)
 
     return TokenEmbedding, LearnedPositions, RotaryDecoderLayer, PlainDecoderLayer, FinalNorm, Head
 
@@ -172,6 +175,11 @@ def _tied_head_forward(embedding_module, hidden):
     return F.linear(hidden, embedding_module.embedding.weight)
 
 
+def _tied_head_in_loss(embedding_module, hidden):
+    """The tied head on the last stage under the chunked loss: the hidden states (the loss applies the head)."""
+    return hidden
+
+
 @dataclass(frozen=True)
 class StageLayer:
     """Where a pipeline layer's checkpoint keys go in the Hugging Face state dict: its keys start with `strip`,
@@ -181,8 +189,9 @@ class StageLayer:
     prefix: str | None
 
 
-def layer_specs(hf_model) -> tuple:
-    """(DeepSpeed layer specs in order, the StageLayer of each, the decoder wrapper's class name)."""
+def layer_specs(hf_model, head_in_loss: bool = False) -> tuple:
+    """(DeepSpeed layer specs in order, the StageLayer of each, the decoder wrapper's class name). `head_in_loss`:
+    the last layer passes the hidden states through, for the loss to apply the head in chunks (TokenLoss)."""
     from deepspeed.pipe import LayerSpec, TiedLayerSpec
 
     TokenEmbedding, LearnedPositions, RotaryDecoderLayer, PlainDecoderLayer, FinalNorm, Head = _wrapper_classes()
@@ -219,13 +228,13 @@ def layer_specs(hf_model) -> tuple:
                 "embedding",
                 TokenEmbedding,
                 embedding,
-                forward_fn=_tied_head_forward,
+                forward_fn=_tied_head_in_loss if head_in_loss else _tied_head_forward,
                 tied_weight_attr="embedding.weight",
             )
         )
         places.append(StageLayer("", None))
     else:
-        specs.append(LayerSpec(Head, hf_model.lm_head))
+        specs.append(LayerSpec(Head, hf_model.lm_head, head_in_loss))
         places.append(StageLayer("head.", "lm_head."))
     return specs, places, decoder.__name__
 
@@ -234,36 +243,67 @@ class TokenLoss:
     """The pipe engine's loss_fn: the micro-batch's summed token cross-entropy, scaled for the global batch.
 
     `scale` is set before each step (data-parallel size x accumulation / the global targets); `loss_sum` collects
-    the unscaled sums of this rank's micro-batches (non-zero on the last stage only), which the loop reports."""
+    the unscaled sums of this rank's micro-batches (non-zero on the last stage only), which the loop reports. With
+    `chunk` (the chunked loss) the last stage's outputs are the hidden states and the loss applies `head` (its
+    module holding `weight`, and `bias` if any: the LM head, or the tied embedding) `chunk` tokens at a time
+    (model/chunked_loss.py), so the pipe engine keeps hidden states, not logits, in its output buffers."""
 
-    def __init__(self):
+    def __init__(self, chunk: int | None = None):
         self.scale = 1.0
         self.loss_sum = 0.0
+        self.chunk = chunk
+        self.head = None  # set on the last stage when chunked
 
-    def __call__(self, logits, targets):
+    def __call__(self, outputs, targets):
         import torch.nn.functional as F
 
-        summed = F.cross_entropy(
-            logits.reshape(-1, logits.size(-1)).float(), targets.reshape(-1), ignore_index=IGNORE_INDEX, reduction="sum"
-        )
+        from scaletrain.model import chunked_token_loss
+
+        if self.chunk is not None:
+            bias = getattr(self.head, "bias", None)
+            summed = chunked_token_loss(outputs, self.head.weight, bias, targets, self.chunk)
+        else:
+            summed = F.cross_entropy(
+                outputs.reshape(-1, outputs.size(-1)).float(),
+                targets.reshape(-1),
+                ignore_index=IGNORE_INDEX,
+                reduction="sum",
+            )
         self.loss_sum = self.loss_sum + summed.detach()
         return summed * self.scale
 
 
-def build_pipeline_module(hf_model, layout, partition: str):
+def pipeline_loss_chunk(hf_model, chunk_size: int | None) -> int | None:
+    """Tokens per chunk of the pipeline's chunked loss (--loss_chunk_size; auto from the vocabulary), or None: the
+    whole logits (--loss_chunk_size 0, or a model that changes its head's output)."""
+    from scaletrain.model import logit_transforms
+    from scaletrain.observability import auto_loss_chunk
+
+    transforms = logit_transforms(hf_model)
+    if chunk_size == 0 or transforms:
+        why = "--loss_chunk_size 0" if chunk_size == 0 else f"its config sets {', '.join(transforms)}"
+        log.info("loss: from the whole logits (%s)", why)
+        return None
+    tokens = chunk_size or auto_loss_chunk(hf_model.config.vocab_size)
+    log.info("loss: the last stage applies the LM head in chunks of %d tokens (the whole logits never exist)", tokens)
+    return tokens
+
+
+def build_pipeline_module(hf_model, layout, partition: str, loss_chunk_size: int | None = None):
     """The PipelineModule of `hf_model` over the layout's pipeline stages; this rank builds only its own stage's
     layers (and, for a model on the meta device, reads only their weights: model/stage_weights.py). Under tensor x
     pipeline parallelism the module's grid has a tensor axis (DeepSpeed's PipeModelDataParallelTopology: the ranks
     numbered as parts.ParallelLayout numbers them), which AutoTP splits each stage over when the engine is built.
-    Needs the process group. Returns (module, loss)."""
+    Needs the process group. `loss_chunk_size` as --loss_chunk_size (None: auto). Returns (module, loss)."""
     from deepspeed.runtime.pipe.topology import PipeModelDataParallelTopology
 
     from scaletrain.engine import pipeline_module_class, release_other_stages
 
     weights = getattr(hf_model, "stage_weights", None)
     PipelineModule = pipeline_module_class(weights.load_into if weights is not None else None)
-    specs, places, decoder_name = layer_specs(hf_model)
-    loss = TokenLoss()
+    chunk = pipeline_loss_chunk(hf_model, loss_chunk_size)
+    specs, places, decoder_name = layer_specs(hf_model, head_in_loss=chunk is not None)
+    loss = TokenLoss(chunk)
     # "uniform": the same number of decoder layers per stage; "parameters": DeepSpeed balances parameter counts
     # (the embedding and the head weigh in).
     method = f"type:{decoder_name}" if partition == "uniform" else "parameters"
@@ -280,11 +320,23 @@ def build_pipeline_module(hf_model, layout, partition: str):
             for stage, (start, stop) in enumerate(zip(module.parts[:-1], module.parts[1:], strict=True))
         ),
     )
+    if chunk is not None and module.stage_id == pp - 1:
+        loss.head = _last_stage_head(module)
     module.scaletrain_layers = places  # how its layer files map back to Hugging Face names
     module.hf_config = hf_model.config
     if layout.tp > 1:
         module.config = hf_model.config  # AutoTP reads the head counts from the model's config
     return module, loss
+
+
+def _last_stage_head(module):
+    """The module whose weight is the LM head on the last stage: the head, or the tied embedding."""
+    if "embedding" in module.tied_modules:  # TiedLayerSpec("embedding", ...): the last stage holds the tied head
+        return module.tied_modules["embedding"].embedding
+    heads = [layer for layer in module.forward_funcs if type(layer).__name__ == "Head"]
+    if len(heads) != 1:
+        raise RuntimeError(f"pipeline: the last stage holds {len(heads)} LM heads, expected one")
+    return heads[0].head
 
 
 def _spec_parameters(spec) -> int:

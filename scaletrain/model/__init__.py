@@ -5,7 +5,7 @@ This face re-exports what other parts of scaletrain use; inside the wing, module
 
 from scaletrain.model.build import build_model, load_model_config, load_tokenizer, max_positions, meta_model
 from scaletrain.model.checks import check_model_features, check_tokenizer_fits, describe_model
-from scaletrain.model.chunked_loss import chunked_loss_head, install_chunked_loss
+from scaletrain.model.chunked_loss import chunked_loss_head, chunked_token_loss, install_chunked_loss, logit_transforms
 from scaletrain.model.lora import (
     apply_lora,
     base_identity,
@@ -30,11 +30,13 @@ __all__ = [
     "check_same_base",
     "check_tokenizer_fits",
     "chunked_loss_head",
+    "chunked_token_loss",
     "describe_model",
     "install_chunked_loss",
     "is_lora_model",
     "load_adapter_state",
     "load_model_config",
+    "logit_transforms",
     "meta_model",
     "load_tokenizer",
     "mark_leaf_modules",

@@ -4,8 +4,11 @@ forward, so the backward only scales them by the incoming gradient: the same thr
 logits recomputed. The head's class becomes `ChunkedLossHead` (same parameters and names), whose forward returns the
 loss while targets are pending and logits otherwise; computing inside the head's forward makes it ZeRO-3-safe, as
 DeepSpeed gathers the weight around it. Not DeepSpeed 0.19.8's `TiledFusedLogitsLoss`: it writes the weight's `.grad`
-itself assuming an incoming gradient of 1, so the loop's (and fp16's) loss scaling would miss it. Models that change the
-head's output: docs/model.md#chunked-loss.
+itself assuming an incoming gradient of 1, so the loop's (and fp16's) loss scaling would miss it. Under tensor
+parallelism each rank holds a shard of the vocabulary's rows (AutoTP's column-parallel head) and the chunk's softmax is
+reduced over the tensor group (Megatron-LM's vocabulary-parallel cross-entropy); under pipeline parallelism the last
+stage's loss function calls the same chunked loss on the head's weight (distributed/pipeline.py). Models that change
+the head's output: docs/model.md#chunked-loss.
 """
 
 from __future__ import annotations
@@ -147,6 +150,66 @@ class ChunkedTargetLogProbs(torch.autograd.Function):
         return grad_hidden, grad_weight, grad_bias, None, None, None
 
 
+class VocabParallelCrossEntropy(torch.autograd.Function):
+    """ChunkedCrossEntropy with the head's rows split over a tensor-parallel group. `how` is (chunk, with_grad, group,
+    vocab_start): this rank holds `weight` [V/T, H] (rows from vocab_start) and `bias` [V/T]; per chunk the logits'
+    maximum and the sum of exponentials (and each target's logit, from the rank that holds its row) are all-reduced
+    over the group, so every rank returns the same sum. The hidden states' gradient sums every rank's part (one
+    all-reduce of [N, H], in the forward, where the gradients are computed); the weight's and bias's are the rank's
+    own rows."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, bias, targets, how: tuple):
+        import torch.distributed as dist
+
+        chunk, with_grad, group, vocab_start = how
+        total = torch.zeros((), dtype=torch.float32, device=hidden.device)
+        grad_hidden = torch.empty_like(hidden) if with_grad and hidden.requires_grad else None
+        grad_weight = torch.zeros_like(weight) if with_grad and weight.requires_grad else None
+        grad_bias = (
+            torch.zeros(bias.shape, dtype=torch.float32, device=bias.device)
+            if with_grad and bias is not None and bias.requires_grad
+            else None
+        )
+        rows = weight.size(0)
+        for start in range(0, hidden.size(0), chunk):
+            h, safe_targets, ignored = _chunk(hidden, targets, start, chunk)
+            logits = F.linear(h, weight, bias).float()
+            local = safe_targets - vocab_start
+            mine = (local >= 0) & (local < rows)  # the tokens whose target row this rank holds
+            local = local.clamp(0, rows - 1)
+            target_logit = logits.gather(1, local.unsqueeze(1)).squeeze(1).masked_fill(~mine, 0)
+            top = logits.amax(dim=-1)
+            dist.all_reduce(top, op=dist.ReduceOp.MAX, group=group)
+            exps = logits.sub_(top.unsqueeze(1)).exp_()  # in place: the chunk's one [c, V/T] buffer
+            sums = torch.stack([exps.sum(-1), target_logit])
+            dist.all_reduce(sums, group=group)
+            # -log softmax[target] = log(sum of exp(logit - top)) + top - logit[target]
+            total += (sums[0].log() + top - sums[1]).masked_fill(ignored, 0).sum()
+            if not with_grad:
+                continue
+            d_logits = exps.div_(sums[0].unsqueeze(1))  # softmax over the whole vocabulary, this rank's columns
+            picked = torch.arange(h.size(0), device=h.device)[mine]
+            d_logits[picked, local[mine]] -= 1.0
+            if grad_bias is not None:
+                grad_bias += torch.mv(d_logits.t(), (~ignored).to(d_logits.dtype))
+            d_logits = d_logits.to(h.dtype)
+            if grad_hidden is not None:
+                torch.mm(d_logits, weight, out=grad_hidden[start : start + chunk])
+                grad_hidden[start : start + chunk].masked_fill_(ignored.unsqueeze(1), 0)
+            if grad_weight is not None:
+                grad_weight.addmm_(d_logits.t(), h.to(grad_weight.dtype))
+        if grad_hidden is not None:
+            dist.all_reduce(grad_hidden, group=group)
+        ctx.grads = (grad_hidden, grad_weight, grad_bias)
+        ctx.dtypes = (hidden.dtype, weight.dtype, None if bias is None else bias.dtype)
+        return total
+
+    @staticmethod
+    def backward(ctx, grad_output):  # scales the gradients computed in the forward
+        return ChunkedCrossEntropy.backward(ctx, grad_output)[:4] + (None,)
+
+
 def chunked_target_logps(hidden, weight, bias, targets, chunk: int):
     """Per-token log-probabilities of `targets` [...] under the head, `chunk` tokens at a time: [...] float32."""
     with_grad = torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad)
@@ -156,18 +219,24 @@ def chunked_target_logps(hidden, weight, bias, targets, chunk: int):
     return flat.view(targets.shape)
 
 
-def chunked_token_loss(hidden, weight, bias, targets, chunk: int):
-    """Summed token cross-entropy of `hidden` [..., H] through the head, `chunk` tokens at a time."""
+def chunked_token_loss(hidden, weight, bias, targets, chunk: int, vocab_shard: tuple | None = None):
+    """Summed token cross-entropy of `hidden` [..., H] through the head, `chunk` tokens at a time; with `vocab_shard`
+    (tensor-parallel group, first row) the head holds only those rows of the vocabulary (VocabParallelCrossEntropy)."""
     flat_hidden, flat_targets = hidden.reshape(-1, hidden.size(-1)), targets.reshape(-1)
     with_grad = torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad)
+    if vocab_shard is not None:
+        how = (chunk, with_grad, *vocab_shard)
+        return VocabParallelCrossEntropy.apply(flat_hidden, weight, bias, flat_targets, how)
     return ChunkedCrossEntropy.apply(flat_hidden, weight, bias, flat_targets, chunk, with_grad)
 
 
-class ChunkedLossHead(torch.nn.Linear):
-    """An LM head that, while targets are pending, returns the summed token loss (or, `per_token`, each target's
+class ChunkedLoss:
+    """What turns an LM head (torch's Linear, or AutoTP's column-parallel LinearLayer: the class after this one in a
+    subclass) into one that, while targets are pending, returns the summed token loss (or, `per_token`, each target's
     log-probability) instead of the logits."""
 
     chunk_tokens: int = 0  # set by install_chunked_loss
+    vocab_shard: tuple | None = None  # (tensor-parallel group, first row) of a head that holds part of the vocabulary
     forward_is_eager = False  # forward wrapped in torch.compiler.disable (by install_chunked_loss)
 
     @contextmanager
@@ -186,16 +255,18 @@ class ChunkedLossHead(torch.nn.Linear):
     def forward(self, hidden):
         targets = self.__dict__.get("_targets")
         if targets is None:
-            return super().forward(hidden)
+            return super().forward(hidden)  # the head's own forward: the logits
         if hidden.shape[:-1] != targets.shape:
             raise RuntimeError(
                 f"chunked loss: the head received hidden states of shape {tuple(hidden.shape)} for "
                 f"targets of shape {tuple(targets.shape)}; run with --loss_chunk_size 0"
             )
         if self.__dict__.get("_per_token"):
+            if self.vocab_shard is not None:  # preference training refuses tensor parallelism before this
+                raise RuntimeError("chunked loss: per-token log-probabilities of a vocabulary shard are not supported")
             result = chunked_target_logps(hidden, self.weight, self.bias, targets, self.chunk_tokens)
         else:
-            result = chunked_token_loss(hidden, self.weight, self.bias, targets, self.chunk_tokens)
+            result = chunked_token_loss(hidden, self.weight, self.bias, targets, self.chunk_tokens, self.vocab_shard)
         self.__dict__["_returned"] = result.data_ptr(), result.dim()
         return result
 
@@ -209,29 +280,58 @@ class ChunkedLossHead(torch.nn.Linear):
             )
 
 
-def chunked_loss_head(model) -> ChunkedLossHead | None:
+class ChunkedLossHead(ChunkedLoss, torch.nn.Linear):
+    """A torch Linear LM head with the chunked loss."""
+
+
+_TENSOR_PARALLEL_HEADS: dict = {}  # AutoTP's head class -> its chunked-loss subclass
+
+
+def _tensor_parallel_head_class(layer_class: type) -> type:
+    """The chunked-loss subclass of AutoTP's head class (made once per process)."""
+    if layer_class not in _TENSOR_PARALLEL_HEADS:
+        _TENSOR_PARALLEL_HEADS[layer_class] = type(
+            "TensorParallelChunkedLossHead",
+            (ChunkedLoss, layer_class),
+            {"__doc__": "AutoTP's column-parallel LM head with the chunked loss over its vocabulary shard."},
+        )
+    return _TENSOR_PARALLEL_HEADS[layer_class]
+
+
+def chunked_loss_head(model) -> ChunkedLoss | None:
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
-    return head if isinstance(head, ChunkedLossHead) else None
+    return head if isinstance(head, ChunkedLoss) else None
+
+
+def logit_transforms(model) -> list:
+    """The config keys by which `model` changes its head's output (the loss cannot be computed inside the head)."""
+    config = getattr(model, "config", None)
+    text_config = config.get_text_config() if hasattr(config, "get_text_config") else config
+    return [key for key in LOGIT_TRANSFORM_KEYS if getattr(text_config, key, None) not in (None, 1, 1.0)]
 
 
 def install_chunked_loss(model, chunk_size: int | None) -> int | None:
-    """Turn the model's LM head into a ChunkedLossHead; returns the tokens per chunk, or None (whole logits)."""
+    """Turn the model's LM head (torch's Linear, or AutoTP's column-parallel head) into a chunked-loss head; returns
+    the tokens per chunk, or None (whole logits)."""
+    from scaletrain.engine import column_parallel_head
+
     if chunk_size == 0:
         log.info("loss: from the whole logits (--loss_chunk_size 0)")
         return None
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
-    config = getattr(model, "config", None)
-    text_config = config.get_text_config() if hasattr(config, "get_text_config") else config
-    transforms = [key for key in LOGIT_TRANSFORM_KEYS if getattr(text_config, key, None) not in (None, 1, 1.0)]
-    if type(head) is not torch.nn.Linear or transforms:
+    transforms = logit_transforms(model)
+    shard = None if head is None or type(head) is torch.nn.Linear else column_parallel_head(head)
+    if (type(head) is not torch.nn.Linear and shard is None) or transforms:
         why = f"its config sets {', '.join(transforms)}" if transforms else f"its head is a {type(head).__name__}"
         log.info("loss: whole logits (%s: the loss cannot be chunked through the head)", why)
         return None
-    tokens = chunk_size or auto_loss_chunk(head.out_features)
-    if not ChunkedLossHead.forward_is_eager:  # once per process (see the forward's comment)
-        ChunkedLossHead.forward = torch.compiler.disable(ChunkedLossHead.forward)
-        ChunkedLossHead.forward_is_eager = True
-    head.__class__ = ChunkedLossHead
+    tokens = chunk_size or auto_loss_chunk(head.weight.size(0))  # this rank's rows of the vocabulary
+    if not ChunkedLoss.forward_is_eager:  # once per process (see the forward's comment)
+        ChunkedLoss.forward = torch.compiler.disable(ChunkedLoss.forward)
+        ChunkedLoss.forward_is_eager = True
+    head.__class__ = ChunkedLossHead if shard is None else _tensor_parallel_head_class(type(head))
     head.chunk_tokens = tokens
-    log.info("loss: through the LM head in chunks of %d tokens (the full logits are never built)", tokens)
+    head.vocab_shard = shard
+    where = "" if shard is None else f", over this rank's {head.weight.size(0)} rows of the vocabulary"
+    log.info("loss: through the LM head in chunks of %d tokens%s (the full logits are never built)", tokens, where)
     return tokens

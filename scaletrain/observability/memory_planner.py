@@ -208,9 +208,10 @@ def model_state_bytes(
 
 def activation_bytes(shape: ModelShape, run: PlannedRun, stage: int = 1) -> tuple:
     """Working memory (without, with) activation checkpointing, bytes per GPU for one micro-batch of `run` under ZeRO
-    `stage` (under pipeline parallelism: of the stage that needs most). Tensor and pipeline parallelism always take
-    the whole logits; the tiled MLP holds the intermediates of `hidden` tokens at a time; activation offloading keeps
-    two checkpointed inputs on the GPU (one going out, one coming back)."""
+    `stage` (under pipeline parallelism: of the stage that needs most). The chunked loss holds one chunk's logits
+    (of this rank's rows of the vocabulary under tensor parallelism; a pipeline stage's head is whole); the tiled MLP
+    holds the intermediates of `hidden` tokens at a time; activation offloading keeps two checkpointed inputs on the
+    GPU (one going out, one coming back)."""
     scale = 2 if run.precision == "fp32" else 1
     tp, pp = run.tp, run.pp
     tokens = run.micro_batch * run.block_size / run.sp
@@ -219,14 +220,16 @@ def activation_bytes(shape: ModelShape, run: PlannedRun, stage: int = 1) -> tupl
         tokens * (8 * shape.hidden + 10 * shape.hidden / tp) + mlp_tokens * 8 * shape.intermediate / tp
     ) * scale
     chunk = run.loss_chunk
-    logit_tokens = min(tokens, chunk) if chunk and tp == 1 and pp == 1 else tokens
-    logits = logit_tokens * shape.vocab * 10 * (1.5 if run.precision == "fp32" else 1)
+    logit_tokens = min(tokens, chunk) if chunk else tokens
+    vocab = shape.vocab / tp if chunk and pp == 1 else shape.vocab  # AutoTP's whole-logits head gathers them
+    logits = logit_tokens * vocab * 10 * (1.5 if run.precision == "fp32" else 1)
     kept = 2 * tokens * shape.hidden * scale  # a checkpointed layer's input
     kept_layers = min(shape.layers, 2) if run.features.offload else shape.layers
     # 1F1B: the first stage holds up to pp micro-batches in flight for its layers / pp layers, the last one
     # micro-batch and the logits, plus those of the pipe engine's other output buffer.
     first_stage = (shape.layers * per_layer, kept_layers * kept + per_layer)
-    logits += pipeline_kept_outputs(shape, run.micro_batch, run.block_size, run.precision) / 2 if pp > 1 else 0
+    kept_outputs = pipeline_kept_outputs(shape, run.micro_batch, run.block_size, run.precision, bool(chunk))
+    logits += kept_outputs / 2 if pp > 1 else 0
     last_kept = min(kept_layers, shape.layers / pp) * kept
     last_stage = (shape.layers / pp * per_layer + logits, last_kept + per_layer + logits)
     without, with_checkpointing = (max(first_stage[i], last_stage[i]) for i in (0, 1))
@@ -239,11 +242,15 @@ def offloaded_checkpoint_bytes(shape: ModelShape, tokens: float, precision: str)
     return shape.layers * 2 * tokens * shape.hidden * (2 if precision == "fp32" else 1)
 
 
-def pipeline_kept_outputs(shape: ModelShape, micro_batch: int, block_size: int, precision: str) -> float:
-    """Bytes of the last pipeline stage's outputs (its logits) that DeepSpeed's pipe engine keeps through a step: its
+def pipeline_kept_outputs(
+    shape: ModelShape, micro_batch: int, block_size: int, precision: str, chunked: bool = False
+) -> float:
+    """Bytes of the last pipeline stage's outputs that DeepSpeed's pipe engine keeps through a step: its
     TrainSchedule gives every stage at least 2 buffers (num_pipe_buffers), each holding one micro-batch's outputs
-    until the next step reuses it, so 2 s b V p are still alive at the update."""
-    return 2 * micro_batch * block_size * shape.vocab * weight_bytes(precision)
+    until the next step reuses it, so 2 s b V p of logits are still alive at the update; 2 s b H p of hidden states
+    with the chunked loss (the loss applies the head: distributed/pipeline.py's TokenLoss)."""
+    width = shape.hidden if chunked else shape.vocab
+    return 2 * micro_batch * block_size * width * weight_bytes(precision)
 
 
 def options_for(tp: int, sp: int = 1, pp: int = 1) -> list[Option]:
@@ -299,14 +306,14 @@ def recommend_layout(shape: ModelShape, run: PlannedRun, gpu_bytes: float, host_
     tp = 2
     while tp <= run.gpus_per_node:
         if run.gpus_per_node % tp == 0 and shape.splits_into(tp):
-            choice = recommend(plan_memory(shape, replace(base, tp=tp, loss_chunk=None)), gpu_bytes, host_bytes)
+            choice = recommend(plan_memory(shape, replace(base, tp=tp)), gpu_bytes, host_bytes)
             if choice:
                 return (tp, 1, *choice)
         tp *= 2
     pp = 2
     while pp <= min(shape.layers, run.ranks):
         if shape.layers % pp == 0 and run.ranks % pp == 0:
-            choice = recommend(plan_memory(shape, replace(base, pp=pp, loss_chunk=None)), gpu_bytes, host_bytes)
+            choice = recommend(plan_memory(shape, replace(base, pp=pp)), gpu_bytes, host_bytes)
             if choice:
                 return (1, pp, *choice)
         pp *= 2

@@ -128,7 +128,6 @@ class Planner:
                 sp=sp,
                 pp=pp,
                 micro_batch=micro_batch,
-                loss_chunk=self.run.loss_chunk if tp == 1 and pp == 1 else None,
             )
             self._memory[key] = {e.option.name: e for e in plan_memory(self.shape, run)}
         return self._memory[key]

@@ -18,6 +18,7 @@ from pathlib import Path
 
 import pytest
 
+from scaletrain.data import IGNORE_INDEX
 from scaletrain.config.slices import ParallelArgs
 from scaletrain.config.cli import parse_run_config
 from scaletrain.parts import DistInfo
@@ -350,6 +351,36 @@ def test_the_stages_chained_compute_the_models_own_logits(model_type, tied):
     assert sorted(names) == sorted(set(names))
     expected = set(model.state_dict()) - ({"lm_head.weight"} if tied else set())
     assert set(names) == expected
+
+
+@pytest.mark.parametrize("model_type,tied", [("llama", False), ("gpt2", True)])
+def test_the_last_stages_chunked_loss_applies_the_head_and_equals_the_whole_logits_loss(model_type, tied):
+    """With the chunked loss the last layer passes the hidden states through and TokenLoss applies the head (or the
+    tied embedding) 5 tokens at a time: the loss and the head's gradient equal the Hugging Face logits' loss."""
+    import torch
+    import torch.nn.functional as F
+    from transformers import AutoModelForCausalLM
+
+    from scaletrain.distributed.pipeline import TokenLoss, layer_specs
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(_tiny(model_type, tie_word_embeddings=tied), attn_implementation="sdpa")
+    ids, targets = torch.randint(0, 512, (2, 16)), torch.randint(0, 512, (2, 16))
+    targets[0, 10:] = IGNORE_INDEX
+    specs, _, _ = layer_specs(model, head_in_loss=True)
+    hidden, built = ids, [spec.build() for spec in specs]
+    for spec, module in zip(specs, built, strict=True):
+        hidden = spec.forward_fn(module, hidden) if getattr(spec, "forward_fn", None) else module(hidden)
+    assert hidden.shape == (2, 16, model.config.hidden_size)  # the hidden states leave the last stage
+    loss = TokenLoss(chunk=5)
+    loss.head = built[-1].embedding if tied else built[-1].head
+    got = loss(hidden, targets)
+    [got_grad] = torch.autograd.grad(got, loss.head.weight)
+    logits = model(input_ids=ids, use_cache=False).logits
+    expected = F.cross_entropy(logits.flatten(0, 1), targets.flatten(), ignore_index=IGNORE_INDEX, reduction="sum")
+    [expected_grad] = torch.autograd.grad(expected, model.get_output_embeddings().weight)
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=0)
+    torch.testing.assert_close(got_grad, expected_grad, rtol=1e-4, atol=1e-6)
 
 
 def test_the_model_must_map_onto_stages():

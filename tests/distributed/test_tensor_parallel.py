@@ -47,12 +47,15 @@ def reference(layout_reference) -> Path:
 @pytest.fixture(scope="module")
 def tp2_zero1(tmp_path_factory, cache_dir) -> Path:
     run_dir = tmp_path_factory.mktemp("tp") / "tp2_zero1"
-    proc = launch(
-        REPO / "train.py", _flags(run_dir, "zero1", "--tensor_parallel_size", "2"), "deepspeed", cache_dir, nprocs=2
-    )
+    # The loss in chunks of 96 of each rank's 256 tokens (the last one short) over its half of the vocabulary.
+    flags = _flags(run_dir, "zero1", "--tensor_parallel_size", "2", "--loss_chunk_size", "96")
+    proc = launch(REPO / "train.py", flags, "deepspeed", cache_dir, nprocs=2)
     check_ok(proc)
     # The group and its host: both ranks on this machine, so the cross-node check lets it run.
     assert f"layout: tensor parallel 2 x data parallel 1; tensor groups 0-1@{socket.gethostname()}" in proc.stdout
+    assert "loss: through the LM head in chunks of 96 tokens, over this rank's 2048 rows of the vocabulary" in (
+        proc.stdout + proc.stderr
+    )
     return run_dir
 
 

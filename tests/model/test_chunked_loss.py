@@ -275,7 +275,16 @@ def test_the_memory_plan_counts_one_chunk_of_logits():
     whole, _ = activation_bytes(shape, run)
     chunked, _ = activation_bytes(shape, replace(run, loss_chunk=523))
     assert whole - chunked == pytest.approx((4 * 4096 - 523) * 128_256 * 10)
-    assert activation_bytes(shape, replace(run, tp=2, loss_chunk=523)) == activation_bytes(shape, replace(run, tp=2))
+    # Tensor parallelism: a chunk of each rank's half of the head's rows, against the gathered whole logits.
+    whole_tp, _ = activation_bytes(shape, replace(run, tp=2))
+    chunked_tp, _ = activation_bytes(shape, replace(run, tp=2, loss_chunk=523))
+    assert whole_tp - chunked_tp == pytest.approx((4 * 4096 - 523 / 2) * 128_256 * 10)
+    # Pipeline parallelism: a chunk of the whole head's logits on the last stage, and hidden states (not logits) in
+    # the pipe engine's other output buffer (with activation checkpointing the last stage needs most either way).
+    _, whole_pp = activation_bytes(shape, replace(run, pp=2))
+    _, chunked_pp = activation_bytes(shape, replace(run, pp=2, loss_chunk=523))
+    kept = 4 * 4096 * (128_256 - 2048) * 2  # half of 2 s b (V - h) p: one buffer beside the one in use
+    assert whole_pp - chunked_pp == pytest.approx((4 * 4096 - 523) * 128_256 * 10 + kept)
 
 
 def test_models_that_change_the_heads_output_keep_the_whole_logits():
@@ -330,3 +339,46 @@ def test_a_zero3_run_with_small_chunks_matches_the_reference(layout_reference_ze
     _assert_same_export(run_dir, layout_reference)
     evals = [[r["eval_loss"] for r in read_metrics(d) if "eval_loss" in r] for d in (run_dir, layout_reference)]
     assert evals[0] and evals[0] == pytest.approx(evals[1], rel=1e-5)
+
+
+def _vocab_parallel_rank(rank: int, world: int, port: int) -> None:
+    """One rank of a gloo group of `world`: its rows of a 41-row head (split 21/20, as AutoTP splits unevenly)
+    through VocabParallelCrossEntropy equal the whole head's loss and gradients."""
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    try:
+        torch.manual_seed(0)
+        hidden = torch.randn(23, 8, requires_grad=True)
+        weight, bias = torch.randn(41, 8, requires_grad=True), torch.randn(41, requires_grad=True)
+        targets = torch.randint(0, 41, (23,))
+        targets[::4] = IGNORE_INDEX
+        expected = F.cross_entropy(F.linear(hidden, weight, bias), targets, ignore_index=IGNORE_INDEX, reduction="sum")
+        expected_grads = torch.autograd.grad(expected * 2.5, (hidden, weight, bias))
+        rows = [21, 20]
+        start = sum(rows[:rank])
+        mine = slice(start, start + rows[rank])
+        shard = [t.detach()[mine].clone().requires_grad_() for t in (weight, bias)]
+        leaves = (hidden.detach().clone().requires_grad_(), *shard)
+        got = chunked_token_loss(leaves[0], *shard, targets, 6, vocab_shard=(dist.group.WORLD, start))
+        got_hidden, got_weight, got_bias = torch.autograd.grad(got * 2.5, leaves)
+        torch.testing.assert_close(got, expected, rtol=1e-6, atol=0)
+        torch.testing.assert_close(got_hidden, expected_grads[0], rtol=1e-5, atol=1e-6)  # summed over the ranks
+        torch.testing.assert_close(got_weight, expected_grads[1][mine], rtol=1e-5, atol=1e-6)  # the rank's rows
+        torch.testing.assert_close(got_bias, expected_grads[2][mine], rtol=1e-5, atol=1e-6)
+    finally:
+        dist.destroy_process_group()
+
+
+def test_a_vocabulary_split_over_two_ranks_gives_the_whole_heads_loss_and_gradients():
+    """Tensor parallelism's head (model/chunked_loss.py's VocabParallelCrossEntropy) on a real 2-rank gloo group:
+    the softmax reduced over the ranks, each target's logit from the rank that holds its row, ignored tokens and a
+    short last chunk."""
+    import socket
+
+    import torch.multiprocessing as mp
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    mp.spawn(_vocab_parallel_rank, args=(2, port), nprocs=2)

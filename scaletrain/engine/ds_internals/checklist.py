@@ -46,7 +46,7 @@ from scaletrain.engine.ds_internals.release import (
     PIPE_P2P_GROUPS,
     ULYSSES_GROUPS,
 )
-from scaletrain.engine.ds_internals.tensor_parallel import TP_GATHER, TP_GROUP_GLOBALS, TP_GROUPS, TP_STATES
+from scaletrain.engine.ds_internals.tensor_parallel import TP_GATHER, TP_GROUP_GLOBALS, TP_GROUPS, TP_HEAD, TP_STATES
 
 # What check_hooks() resolves from the classes; the instance-only ones are checked where they are used.
 HOOKS = (
@@ -71,6 +71,7 @@ HOOKS = (
     TP_GATHER,
     *TP_GROUP_GLOBALS,
     TP_STATES,
+    TP_HEAD,
     PIPE_INSTRUCTIONS,
     PIPE_OPTIMIZER_STEP,
     PIPE_CLIP,

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from contextlib import contextmanager
 
-from scaletrain.engine.ds_internals.guard import Hook
+from scaletrain.engine.ds_internals.guard import Hook, require
 
 _TP, _TP_INSTEAD = "tensor parallelism (--tensor_parallel_size)", "train without --tensor_parallel_size"
 TP_GROUPS = Hook("deepspeed.utils.groups", "_init_tp_mesh_device", _TP, _TP_INSTEAD)
@@ -20,6 +20,11 @@ TP_GROUP_GLOBALS = tuple(
     for name in ("_TENSOR_MODEL_PARALLEL_GROUP", "_MODEL_PARALLEL_GROUP", "_DATA_PARALLEL_GROUP")
 )
 TP_STATES = Hook("deepspeed.runtime.engine:DeepSpeedEngine", "_configure_tensor_parallel_states", *_TPP)
+# In training, AutoTP makes the LM head a column-parallel LinearLayer (a shard of the vocabulary's rows per tensor
+# rank) that all-gathers the logits; the chunked loss computes from the shard instead (model/chunked_loss.py).
+_HEAD = "the chunked loss under tensor parallelism", "run with --loss_chunk_size 0"
+TP_HEAD = Hook("deepspeed.module_inject.layers", "LinearLayer", *_HEAD)
+TP_HEAD_FIELDS = ("gather_output", "mp_group", "tp_index", "_partition_sizes")  # instance attributes, read below
 
 
 def tensor_parallel_mpu(tensor_parallel_size: int):
@@ -29,6 +34,18 @@ def tensor_parallel_mpu(tensor_parallel_size: int):
 
     TP_GROUPS.on(groups)(tensor_model_parallel_size=tensor_parallel_size)
     return groups
+
+
+def column_parallel_head(head) -> tuple | None:
+    """(tensor-parallel group, the first vocabulary row of this rank's shard) when `head` is AutoTP's column-parallel
+    LM head that gathers its logits (its training replacement); None for any other module."""
+    layer_class = TP_HEAD.resolve()
+    if type(head) is not layer_class:
+        return None
+    gather_output, group, index, sizes = (require(head, name, *_HEAD) for name in TP_HEAD_FIELDS)
+    if not gather_output or group is None:
+        return None
+    return group, sum(sizes[:index])
 
 
 def gathered_state_dict(engine) -> dict:

@@ -180,8 +180,8 @@ def run_flags(name: str, run_dir: Path) -> tuple:
 # (its writers, or every process) and restarts it bit for bit; a surviving rank finding its peer gone does not depend
 # on the ZeRO stage. zero1_pp2 (~70 s) is in the extended run only, for CI's time: a pipeline run is stopped and
 # resumed exactly in CI by the SIGUSR1 test under --pipeline_parallel_size below. zero1_tp2pp2 (TP 2 x PP 2 on 4
-# ranks, ~90 s) and zero1_tp2sp2 (TP 2 x SP 2) likewise: test_composed_layouts.py resumes those layouts exactly from a
-# checkpoint (and TP x SP after a preemption) in CI.
+# ranks, ~90 s) and zero1_tp2sp2 (TP 2 x SP 2) likewise: test_composed_layouts.py resumes those layouts exactly after a
+# preemption (and TP x SP from a copied checkpoint too) in CI.
 @pytest.mark.parametrize(
     "ds_config",
     [

@@ -63,6 +63,8 @@ def tp2_pp2(tmp_path_factory, cache_dir) -> Path:
         "layout: tensor parallel 2 x pipeline parallel 2 x data parallel 1; "
         f"tensor groups 0-1@{host}, 2-3@{host}; pipeline groups 0,2@{host}, 1,3@{host}"
     ) in proc.stdout
+    # the chunked loss (auto: one chunk here) through the last stage's whole head, on each of its tensor ranks
+    assert "loss: the last stage applies the LM head in chunks of 16384 tokens" in proc.stdout + proc.stderr
     return run_dir
 
 
@@ -96,14 +98,47 @@ def test_tensor_x_pipeline_x_data_parallel_matches_one_rank(nprocs, layout_refer
     assert _eval_losses(run_dir) == pytest.approx(_eval_losses(layout_reference), rel=1e-5)
 
 
-@pytest.mark.slow  # resumes the 4-rank run from its step-4 checkpoint on the same layout
-def test_a_tensor_x_pipeline_checkpoint_resumes_exactly_on_the_same_layout(
-    layout_reference, tp2_pp2, tmp_path, cache_dir
+@pytest.mark.slow  # a 4-rank run preempted at step 6 and its restart
+def test_under_tensor_x_pipeline_a_preemption_resumes_exactly_and_a_nan_skips_the_update(
+    layout_reference, tmp_path, cache_dir
 ):
-    run_dir = tmp_path / "resumed"
-    resume_copy_at_step4(tp2_pp2, run_dir, [*TP_PP, *MICRO[4]], 4, cache_dir)
-    _assert_matches(run_dir, layout_reference, steps=range(5, 9))
-    _assert_same_export(run_dir, layout_reference)
+    """Rank 1 (the first stage's second tensor rank: it holds no loss) is signalled as step 6 starts: the stages agree
+    at its boundary (from inside the pipe schedule), save and exit 85. The restart resumes on the same layout from
+    step 6 and equals one rank's steps; at step 8 rank 3's loss (the last stage's second tensor rank, not the one
+    reported) is NaN: every rank of both stages skips the update. The goodput ledger holds both attempts."""
+    _preempt_resume_and_skip(layout_reference, tmp_path, cache_dir, [*TP_PP, *MICRO[4]], signalled=1, poisoned=3)
+
+
+def _preempt_resume_and_skip(layout_reference, tmp_path, cache_dir, layout: list, signalled: int, poisoned: int):
+    """A 4-rank run of `layout` whose rank `signalled` gets SIGUSR1 at step 6 (it saves and exits 85), restarted with
+    rank `poisoned`'s loss NaN at step 8: steps 1-7 equal the one-rank reference, step 8 is skipped everywhere, and
+    the goodput ledger holds both attempts with no work lost."""
+    from tests.train.test_nonfinite import INJECT, INJECTING, ledger, step_records
+
+    run_dir, flags = tmp_path / "run", _flags(tmp_path / "run", "zero1", *layout)
+    slow_rank = REPO / "tests" / "helpers" / "slow_rank.py"
+    env = {"SCALETRAIN_TEST_SIGNAL_AT": f"{signalled}:6"}
+    preempted = launch(slow_rank, flags, "deepspeed", cache_dir, nprocs=4, env=env)
+    output = preempted.stdout + preempted.stderr
+    assert preempted.returncode == 85, output[-4000:]
+    assert re.search(r"preemption \(signal on another rank\): checkpoint committed at step 6 ", output), output[-4000:]
+    restart = launch(INJECTING, flags, "deepspeed", cache_dir, nprocs=4, env={INJECT: f"{poisoned}:8"})
+    check_ok(restart)
+    assert f"resumed from {run_dir / 'checkpoints' / 'step6'} (step 6," in restart.stdout + restart.stderr
+    records, expected = step_records(run_dir), step_records(layout_reference)
+    assert sorted(records) == list(range(1, 9))
+    for step in range(1, 8):
+        assert records[step]["loss"] == pytest.approx(expected[step]["loss"], rel=1e-5), step
+        assert records[step]["grad_norm"] == pytest.approx(expected[step]["grad_norm"], rel=1e-4), step
+    assert records[8]["skipped"] == 1 and "loss" not in records[8] and records[8]["lr"] == records[7]["lr"]
+    [entry] = ledger(run_dir)
+    assert (entry["step"], entry["reason"], entry["event"]) == (8, "nonfinite_loss", "skipped")
+    goodput = json.loads((run_dir / "goodput.json").read_text())
+    first, second = goodput["attempts"]
+    assert (first["exit_code"], second["exit_code"]) == (85, 0)
+    assert (first["first_step"], first["last_step"], second["first_step"]) == (0, 6, 6), goodput["attempts"]
+    assert goodput["seconds"]["lost_work"] == 0 and goodput["seconds"]["productive"] > 0
+    assert sum(goodput["seconds"].values()) == pytest.approx(goodput["wall_s"], abs=0.01)
 
 
 TP_SP = ["--tensor_parallel_size", "2", "--sequence_parallel_size", "2"]
@@ -168,31 +203,7 @@ def test_under_tensor_x_sequence_a_preemption_resumes_exactly_and_a_nan_skips_th
     during step 6: the ranks agree at its boundary, save and exit 85. The restart resumes from step 6 and equals one
     rank's steps; at step 8 rank 3's loss is NaN: every rank skips the update, and the ledgers say so. The goodput
     ledger holds both attempts, no work lost."""
-    from tests.train.test_nonfinite import INJECT, INJECTING, ledger, step_records
-
-    run_dir, flags = tmp_path / "run", _flags(tmp_path / "run", "zero1", *TP_SP)
-    slow_rank = REPO / "tests" / "helpers" / "slow_rank.py"
-    preempted = launch(slow_rank, flags, "deepspeed", cache_dir, nprocs=4, env={"SCALETRAIN_TEST_SIGNAL_AT": "3:6"})
-    output = preempted.stdout + preempted.stderr
-    assert preempted.returncode == 85, output[-4000:]
-    assert re.search(r"preemption \(signal on another rank\): checkpoint committed at step 6 ", output), output[-4000:]
-    restart = launch(INJECTING, flags, "deepspeed", cache_dir, nprocs=4, env={INJECT: "3:8"})
-    check_ok(restart)
-    assert f"resumed from {run_dir / 'checkpoints' / 'step6'} (step 6," in restart.stdout + restart.stderr
-    records, expected = step_records(run_dir), step_records(layout_reference)
-    assert sorted(records) == list(range(1, 9))
-    for step in range(1, 8):
-        assert records[step]["loss"] == pytest.approx(expected[step]["loss"], rel=1e-5), step
-        assert records[step]["grad_norm"] == pytest.approx(expected[step]["grad_norm"], rel=1e-4), step
-    assert records[8]["skipped"] == 1 and "loss" not in records[8] and records[8]["lr"] == records[7]["lr"]
-    [entry] = ledger(run_dir)
-    assert (entry["step"], entry["reason"], entry["event"]) == (8, "nonfinite_loss", "skipped")
-    goodput = json.loads((run_dir / "goodput.json").read_text())
-    first, second = goodput["attempts"]
-    assert (first["exit_code"], second["exit_code"]) == (85, 0)
-    assert (first["first_step"], first["last_step"], second["first_step"]) == (0, 6, 6), goodput["attempts"]
-    assert goodput["seconds"]["lost_work"] == 0 and goodput["seconds"]["productive"] > 0
-    assert sum(goodput["seconds"].values()) == pytest.approx(goodput["wall_s"], abs=0.01)
+    _preempt_resume_and_skip(layout_reference, tmp_path, cache_dir, TP_SP, signalled=3, poisoned=3)
 
 
 @pytest.fixture(scope="module")

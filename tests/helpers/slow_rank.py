@@ -8,7 +8,8 @@ step looks up at each call), as a slower GPU or a throttled node would.
     SCALETRAIN_TEST_SIGNAL_AT="RANK:STEP" deepspeed tests/helpers/slow_rank.py <train.py flags>
 
 sends RANK a SIGUSR1 during the first forward of optimizer step STEP, as a scheduler's preemption arriving mid-step
-(the ranks agree on it at that step's boundary). Without the variables it is plain train.py.
+(the ranks agree on it at that step's boundary); under pipeline parallelism, whose schedule does not call
+token_loss_sum, as the step starts (it wraps PipelineStep.step). Without the variables it is plain train.py.
 """
 
 import os
@@ -43,18 +44,26 @@ def main() -> int:
     if spec:
         rank, at_step = map(int, spec.split(":"))
         if read_launch_env().rank == rank:
-            forward_now = step.token_loss_sum
+            forward_now, pipeline_step = step.token_loss_sum, step.PipelineStep.step
+            signalled: list = []
 
-            def signalled_forward(engine, batch):
+            def signal_once(engine) -> None:
                 if engine.global_steps == at_step - 1 and not signalled:
                     signalled.append(at_step)
                     os.kill(os.getpid(), signal.SIGUSR1)
                     # When it was sent, for scripts/bench/preemption.py's signal-to-exit time.
                     print(f"test helper: SIGUSR1 sent at {time.time():.3f}", file=sys.stderr, flush=True)
+
+            def signalled_forward(engine, batch):
+                signal_once(engine)
                 return forward_now(engine, batch)
 
-            signalled: list = []
+            def signalled_pipeline_step(self, engine, *args, **kwargs):
+                signal_once(engine)
+                return pipeline_step(self, engine, *args, **kwargs)
+
             step.token_loss_sum = signalled_forward
+            step.PipelineStep.step = signalled_pipeline_step
     return train.main(sys.argv[1:])
 
 

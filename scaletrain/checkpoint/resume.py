@@ -105,14 +105,15 @@ def check_resumable(ckpt: Path, layout: ParallelLayout, zero_stage: int, offload
     """Before anything is built: the checkpoint fits this run's model. Returns whether it must be resharded (saved
     with another number of data-parallel ranks or another (tensor, sequence) parallel layout, or under ZeRO settings
     this run's cannot load directly (zero_setting_change), which ZeRO-1/2/3 handle through a universal checkpoint).
-    A pipeline checkpoint resumes on the same pipeline layout, or (ZeRO-1) on plain data parallelism with any
-    number of ranks, through a universal checkpoint renamed to the model's names."""
+    A pipeline checkpoint resumes on the same pipeline layout, or (ZeRO-1) without pipeline parallelism, on any
+    number of data-parallel ranks (with its tensor size, or none), through a universal checkpoint renamed to the
+    model's names."""
     saved = read_train_state(ckpt)
     saved_pp = saved.get("pipeline_parallel_size", 1)
     tp_sp = (layout.tp, layout.sp)
     _check_tensor_stages_change(ckpt, saved, layout)
     if saved_pp != layout.pp:
-        _check_pipeline_change(ckpt, saved_pp, layout.pp, tp_sp, zero_stage)
+        _check_pipeline_change(ckpt, saved, layout, zero_stage)
     if layout.pp > 1 and saved.get("world_size") not in (None, 0, layout.dp):
         raise UsageError(
             f"checkpoint {ckpt} was saved with {saved['world_size']} data-parallel ranks per pipeline stage, this "
@@ -143,29 +144,48 @@ def check_resumable(ckpt: Path, layout: ParallelLayout, zero_stage: int, offload
 
 
 def _check_tensor_stages_change(ckpt: Path, saved: dict, layout: ParallelLayout) -> None:
-    """A checkpoint of tensor x pipeline parallelism (each stage's layers split over the tensor ranks) resumes on
-    the same layout; DeepSpeed 0.19.8's universal conversion takes the split of the first stage's layers for every
-    stage's. Going to another layout goes through the Hugging Face export, which joins the shards."""
+    """A checkpoint of tensor x pipeline parallelism (each stage's layers split over the tensor ranks) resumes on the
+    same layout, or without pipeline parallelism on its tensor size or on none (through the universal checkpoint,
+    with every stage's split recorded: ds_internals.merge_stage_universal_info); and no checkpoint becomes tensor x
+    pipeline parallel by a change of layout."""
     saved_tp, saved_pp = saved.get("tensor_parallel_size", 1), saved.get("pipeline_parallel_size", 1)
-    composed = (saved_tp > 1 and saved_pp > 1) or (layout.tp > 1 and layout.pp > 1)
-    if composed and (saved_tp, saved_pp) != (layout.tp, layout.pp):
+    if (saved_tp, saved_pp) == (layout.tp, layout.pp):
+        return
+    if layout.pp > 1 and (layout.tp > 1 or saved_tp > 1):
         raise UsageError(
             f"checkpoint {ckpt} was saved with tensor parallel {saved_tp} x pipeline parallel {saved_pp}, this run "
-            f"has tensor parallel {layout.tp} x pipeline parallel {layout.pp}: a tensor x pipeline checkpoint "
-            "resumes on the same layout only",
-            f"resume with --tensor_parallel_size {saved_tp} --pipeline_parallel_size {saved_pp}, or export it "
-            "(scripts/export_hf.py joins the shards) and train on from the export",
+            f"has tensor parallel {layout.tp} x pipeline parallel {layout.pp}: with tensor parallelism a pipeline "
+            "checkpoint resumes on its own layout, or without pipeline parallelism",
+            f"resume with --tensor_parallel_size {saved_tp} --pipeline_parallel_size {saved_pp}, or export the "
+            "checkpoint (scripts/export_hf.py) and train on from the export",
+        )
+    if saved_tp > 1 and saved_pp > 1 and not saved.get("stage_splits_recorded"):
+        raise UsageError(
+            f"checkpoint {ckpt} (tensor parallel {saved_tp} x pipeline parallel {saved_pp}) was saved by an earlier "
+            "version that recorded only the first stage's tensor split, so it cannot be converted to another layout",
+            f"resume with --tensor_parallel_size {saved_tp} --pipeline_parallel_size {saved_pp} (its next checkpoints "
+            "convert), or export it (scripts/export_hf.py) and train on from the export",
         )
 
 
-def _check_pipeline_change(ckpt: Path, saved_pp: int, pp: int, layout: tuple, zero_stage: int) -> None:
-    """Pipeline stages -> data parallelism is the one change of pipeline layout supported."""
-    if pp > 1 or layout != (1, 1):
-        now = f"--pipeline_parallel_size {pp}" if pp > 1 else "(tensor, sequence) parallel " + str(layout)
+def _check_pipeline_change(ckpt: Path, saved: dict, layout: ParallelLayout, zero_stage: int) -> None:
+    """Pipeline stages -> data parallelism (with the checkpoint's tensor size, or none) is the one change of
+    pipeline layout supported."""
+    saved_tp, saved_pp = saved.get("tensor_parallel_size", 1), saved.get("pipeline_parallel_size", 1)
+    if layout.pp > 1 or layout.sp > 1 or layout.tp not in (1, saved_tp):
+        now = (
+            f"--pipeline_parallel_size {layout.pp}"
+            if layout.pp > 1
+            else f"(tensor, sequence) parallel {layout.tp, layout.sp}"
+        )
+        targets = "plain data parallelism" + (
+            f", or tensor parallel {saved_tp} x data parallel" if saved_tp > 1 else ""
+        )
         raise UsageError(
-            f"checkpoint {ckpt} was saved with --pipeline_parallel_size {saved_pp}, this run has {now}: a change of "
-            "pipeline layout is supported only from pipeline stages to plain data parallelism",
-            f"resume with --pipeline_parallel_size {saved_pp}, or without any model-parallel flag",
+            f"checkpoint {ckpt} was saved with tensor parallel {saved_tp} x pipeline parallel {saved_pp}, this run "
+            f"has {now}: a change of pipeline layout is supported only from pipeline stages to {targets}",
+            f"resume with --pipeline_parallel_size {saved_pp}, or without --pipeline_parallel_size and "
+            f"--sequence_parallel_size" + (f" (--tensor_parallel_size {saved_tp} or 1)" if saved_tp > 1 else ""),
         )
     if zero_stage == 0 or not any(ckpt.glob("zero_pp_rank_*_optim_states.pt")):
         raise UsageError(

@@ -62,6 +62,10 @@ def build_engine(model, ds_config: dict, weight_decay: float, schedule: LRSchedu
             lr_scheduler=lambda optimizer: LambdaLR(optimizer, schedule.multiplier),
             mpu=mpu,
         )
+    if layout.tp > 1 and isinstance(model, PipelineModule):
+        from scaletrain.engine.ds_internals import merge_stage_universal_info
+
+        merge_stage_universal_info(engine)  # how every stage's parameters are split, in each stage's checkpoint
     if isinstance(model, PipelineModule) and engine.zero_optimization_stage() == 0 and engine.gradient_clipping() > 0:
         from scaletrain.engine.ds_internals import fix_pipeline_stage0_clipping
 

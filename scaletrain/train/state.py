@@ -33,6 +33,9 @@ class TrainState:
     tensor_parallel_size: int = 1  # the tensor-parallel size that produced it (another one reshards)
     sequence_parallel_size: int = 1  # likewise the sequence-parallel size
     pipeline_parallel_size: int = 1  # the pipeline stages (a resume must match: layer files do not reshard)
+    # Tensor x pipeline: every stage's tensor split is recorded for the universal conversion (older checkpoints
+    # record only their own stage's, so they resume on their own layout only).
+    stage_splits_recorded: bool = False
     zero_stage: int | None = None  # the ZeRO stage that produced it (None: a checkpoint from before it was kept)
     offload: str | None = None  # "optimizer=<device>,param=<device>" of that run (another one converts)
     wandb_run_id: str | None = None  # so a resumed run continues the same wandb run
@@ -42,6 +45,7 @@ class TrainState:
         self.world_size, self.tensor_parallel_size = layout.dp, layout.tp
         self.sequence_parallel_size, self.pipeline_parallel_size = layout.sp, layout.pp
         self.zero_stage, self.offload = zero_stage, offload
+        self.stage_splits_recorded = layout.tp > 1 and layout.pp > 1  # engine.build_engine merges them
 
     def state_dict(self) -> dict:
         return asdict(self)

@@ -98,6 +98,21 @@ def test_tensor_x_pipeline_x_data_parallel_matches_one_rank(nprocs, layout_refer
     assert _eval_losses(run_dir) == pytest.approx(_eval_losses(layout_reference), rel=1e-5)
 
 
+@pytest.mark.slow  # resumes the 4-rank run from its step-4 checkpoint on TP 2 x DP 2 (4 ranks) and on 1 rank
+@pytest.mark.parametrize("nprocs", [4, 1])
+def test_a_tensor_x_pipeline_checkpoint_resumes_exactly_on_other_layouts(
+    nprocs, layout_reference, tp2_pp2, tmp_path, cache_dir
+):
+    """TP 2 x PP 2 -> TP 2 x DP 2 and -> 1 rank through the universal checkpoint: every stage's tensor split is in
+    the checkpoint (DeepSpeed 0.19.8 records each stage's own, and its converter reads only the first stage's), the
+    stages' parameters are renamed to the model's, and the run goes on exactly as one rank's."""
+    run_dir = tmp_path / "resumed"
+    layout = ["--tensor_parallel_size", "2", "--per_device_train_batch_size", "2"] if nprocs == 4 else []
+    resume_copy_at_step4(tp2_pp2, run_dir, layout, nprocs, cache_dir, converted=True)
+    _assert_matches(run_dir, layout_reference, steps=range(5, 9))
+    _assert_same_export(run_dir, layout_reference)
+
+
 @pytest.mark.slow  # a 4-rank run preempted at step 6 and its restart
 def test_under_tensor_x_pipeline_a_preemption_resumes_exactly_and_a_nan_skips_the_update(
     layout_reference, tmp_path, cache_dir
@@ -366,18 +381,33 @@ def test_tensor_shards_join_along_the_split_dimension():
         _joined([whole, whole], None, "extra")
 
 
-def test_a_tensor_x_pipeline_checkpoint_resumes_on_its_own_layout_only(tmp_path):
+def test_a_tensor_x_pipeline_checkpoint_resumes_on_its_layout_or_without_a_pipeline(tmp_path):
+    """Which layouts a TP 2 x PP 2 checkpoint resumes on (before anything is built): its own as it is; without a
+    pipeline, on TP 2 or on none, through the universal checkpoint (converting needs ZeRO-1 optimizer files); every
+    other layout is refused with the ones that work, and so is a checkpoint of a version that recorded only the
+    first stage's tensor split."""
     import json
 
     ckpt = tmp_path / "step4"
     ckpt.mkdir()
+    (ckpt / "zero_pp_rank_0_mp_rank_00_optim_states.pt").touch()
     saved = {"step": 4, "world_size": 1, "tensor_parallel_size": 2, "pipeline_parallel_size": 2, "zero_stage": 1}
-    (ckpt / "train_state.json").write_text(json.dumps(saved))
-    for layout, now in (
-        (ParallelLayout(tp=2, dp=2), "tensor parallel 2 x pipeline parallel 1"),
-        (ParallelLayout(pp=2, dp=2), "tensor parallel 1 x pipeline parallel 2"),
-        (ParallelLayout(), "tensor parallel 1 x pipeline parallel 1"),
-    ):
-        with pytest.raises(UsageError, match=f"this run has {now}: a tensor x pipeline checkpoint resumes on the same"):
-            check_resumable(ckpt, layout, 1, "none", {})
+    (ckpt / "train_state.json").write_text(json.dumps({**saved, "stage_splits_recorded": True}))
     assert check_resumable(ckpt, ParallelLayout(tp=2, pp=2), 1, "none", {}) is False  # the same layout loads as is
+    assert check_resumable(ckpt, ParallelLayout(tp=2, dp=2), 1, "none", {}) is True  # converted
+    assert check_resumable(ckpt, ParallelLayout(dp=4), 2, "none", {}) is True
+    for layout, refused in (
+        (ParallelLayout(pp=2, dp=2), "has tensor parallel 1 x pipeline parallel 2: with tensor parallelism a pipe"),
+        (ParallelLayout(tp=2, pp=4), "has tensor parallel 2 x pipeline parallel 4: with tensor parallelism a pipe"),
+        (ParallelLayout(tp=4), r"has \(tensor, sequence\) parallel \(4, 1\): a change of pipeline layout is"),
+        (ParallelLayout(tp=2, sp=2), r"has \(tensor, sequence\) parallel \(2, 2\): a change of pipeline layout is"),
+    ):
+        with pytest.raises(UsageError, match=refused) as error:
+            check_resumable(ckpt, layout, 1, "none", {})
+        assert "--tensor_parallel_size 2" in str(error.value)  # the way that works
+    with pytest.raises(UsageError, match="resumes without pipeline parallelism only from ZeRO-1 and with a ZeRO"):
+        check_resumable(ckpt, ParallelLayout(tp=2, dp=2), 0, "none", {})
+    (ckpt / "train_state.json").write_text(json.dumps(saved))  # an earlier version's checkpoint
+    with pytest.raises(UsageError, match="recorded only the first stage's tensor split, so it cannot be converted"):
+        check_resumable(ckpt, ParallelLayout(tp=2, dp=2), 1, "none", {})
+    assert check_resumable(ckpt, ParallelLayout(tp=2, pp=2), 1, "none", {}) is False

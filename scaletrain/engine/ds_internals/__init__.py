@@ -22,6 +22,9 @@ from scaletrain.engine.ds_internals.checkpoints import (
     UNIVERSAL_VERSION,
     recorded_checkpoint_writes,
     separate_step_counters,
+    PIPELINE_REPLICATED_KEY,
+    UC_INFO_KEY,
+    merge_stage_universal_info,
     universal_checkpoint_info,
     universal_conversion_command,
 )
@@ -161,6 +164,8 @@ __all__ = [
     "TP_GROUPS",
     "TP_GROUP_GLOBALS",
     "TP_HEAD",
+    "UC_INFO_KEY",
+    "PIPELINE_REPLICATED_KEY",
     "TP_STATES",
     "UNIVERSAL_CHECKPOINT_VERSION",
     "UNIVERSAL_CONVERTER",
@@ -191,6 +196,7 @@ __all__ = [
     "tensor_parallel_stages",
     "torch_build_directory",
     "separate_step_counters",
+    "merge_stage_universal_info",
     "universal_checkpoint_info",
     "universal_conversion_command",
 ]

@@ -8,7 +8,9 @@ from scaletrain.errors import UsageError
 
 from scaletrain.engine.ds_internals.checkpoints import (
     CHECKPOINT_WRITE,
+    PIPELINE_REPLICATED_KEY,
     RECOVERY_SCRIPT,
+    UC_INFO_KEY,
     UNIVERSAL_CONVERTER,
     UNIVERSAL_VERSION,
 )
@@ -67,6 +69,8 @@ HOOKS = (
     BACKEND_ALL_REDUCE,
     UNIVERSAL_CONVERTER,
     UNIVERSAL_VERSION,
+    UC_INFO_KEY,
+    PIPELINE_REPLICATED_KEY,
     TP_GROUPS,
     TP_GATHER,
     *TP_GROUP_GLOBALS,

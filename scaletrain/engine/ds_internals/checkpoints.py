@@ -31,6 +31,55 @@ UNIVERSAL_VERSION = Hook(
     _UNIVERSAL_INSTEAD,
     problem=_not_ours,
 )
+# Tensor x pipeline parallelism: AutoTP records how each parameter of its own stage is split (the module's
+# universal_checkpoint_info, saved in every mp_rank file), and ds_to_universal reads only the first file's, so the
+# other stages' parameters would be concatenated along dim 0 whatever their split. Proven by
+# tests/distributed/test_composed_layouts.py::test_a_tensor_x_pipeline_checkpoint_resumes_exactly_on_other_layouts.
+_STAGES = "resuming a tensor x pipeline checkpoint on another layout", "resume on the layout it was saved with"
+UC_INFO_KEY = Hook("deepspeed.checkpoint.constants", "UNIVERSAL_CHECKPOINT_INFO", *_STAGES)
+PIPELINE_REPLICATED_KEY = Hook("deepspeed.checkpoint.constants", "PIPELINE_REPLICATED_PARAMETER_PATTERNS", *_STAGES)
+# The keys whose values are pattern lists (unions) and pattern dictionaries (merged) in that record.
+_UC_LISTS = (
+    "parameter_with_row_parallelism_patterns",
+    "tp_replicated_parameter_patterns",
+    "vocabulary_parameter_patterns",
+    "parameter_to_average_patterns",
+)
+_UC_DICTS = ("autotp_unsupported_parameter_patterns", "sub_param_shard_widths")
+
+
+def merge_stage_universal_info(engine) -> None:
+    """Give this stage's module the union of every stage's universal_checkpoint_info (what each saved file then
+    carries), and mark the tied modules' parameters (held by the first and last stage) as pipeline-replicated so the
+    converter takes them once. Every rank calls it (an all-gather over the world), after deepspeed.initialize."""
+    import copy
+
+    import torch.distributed as dist
+
+    key = UC_INFO_KEY.resolve()
+    own = getattr(engine.module, key, None) or {}
+    gathered: list = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, own)
+    merged = copy.deepcopy(own)
+    for info in gathered:
+        for name in _UC_LISTS:
+            if name in info or name in merged:
+                merged[name] = sorted(set(merged.get(name, [])) | set(info.get(name, [])))
+        for name in _UC_DICTS:
+            if name in info:
+                merged[name] = {**merged.get(name, {}), **info[name]}
+        subs = merged.setdefault("parameter_with_sub_params", [])
+        subs += [sub for sub in info.get("parameter_with_sub_params", []) if sub not in subs]
+        if "affine_map" in info:
+            affine = merged.setdefault("affine_map", {**info["affine_map"], "params": {}})
+            affine["params"] = {**affine["params"], **info["affine_map"].get("params", {})}
+        for name in ("universal_checkpoint_version", "original_vocab_size"):
+            if name in info:
+                merged.setdefault(name, info[name])
+    merged[PIPELINE_REPLICATED_KEY.resolve()] = [r"^tied_modules\."]
+    setattr(engine.module, key, merged)
+
+
 # Every shard a save writes (checksummed into commit.json), and rank 0's copy of zero_to_fp32.py: proven by
 # tests/checkpoint/test_checkpoint_integrity.py (a disk filled during a save, at 2 ranks).
 _SAVE = "checksums and full-disk handling of checkpoint saves"

@@ -325,13 +325,15 @@ def install_chunked_loss(model, chunk_size: int | None) -> int | None:
         why = f"its config sets {', '.join(transforms)}" if transforms else f"its head is a {type(head).__name__}"
         log.info("loss: whole logits (%s: the loss cannot be chunked through the head)", why)
         return None
-    tokens = chunk_size or auto_loss_chunk(head.weight.size(0))  # this rank's rows of the vocabulary
+    # this rank's rows of the vocabulary (under ZeRO-3 the weight is partitioned: out_features is the whole count)
+    rows = head.out_features if shard is None else head.weight.size(0)
+    tokens = chunk_size or auto_loss_chunk(rows)
     if not ChunkedLoss.forward_is_eager:  # once per process (see the forward's comment)
         ChunkedLoss.forward = torch.compiler.disable(ChunkedLoss.forward)
         ChunkedLoss.forward_is_eager = True
     head.__class__ = ChunkedLossHead if shard is None else _tensor_parallel_head_class(type(head))
     head.chunk_tokens = tokens
     head.vocab_shard = shard
-    where = "" if shard is None else f", over this rank's {head.weight.size(0)} rows of the vocabulary"
+    where = "" if shard is None else f", over this rank's {rows} rows of the vocabulary"
     log.info("loss: through the LM head in chunks of %d tokens%s (the full logits are never built)", tokens, where)
     return tokens

@@ -8,7 +8,8 @@ and reports steady-state tokens/s per rank (tokens between the end of step --war
 wall-clock stamps of metrics.jsonl, divided by the ranks).
 
     python scripts/bench/layouts.py               # prints Markdown rows for BENCHMARKS.md and a JSON line
-    python scripts/bench/layouts.py --ranks 8     # 8 ranks, ZeRO-1: DP 8, TP 2 x DP 4, PP 2 x DP 4, TP 2 x PP 2 x DP 2
+    python scripts/bench/layouts.py --ranks 8     # 8 ranks, ZeRO-1: DP 8, TP 2 x DP 4, PP 2 x DP 4, and composed:
+                                                  # TP 2 x PP 2 x DP 2, TP 2 x SP 2 x DP 2
 
 On a CPU this measures the CPU (gloo, shared-memory all-reduce, 2 cores), not what a GPU node with NVLink does.
 """
@@ -40,6 +41,8 @@ LAYOUTS = {  # ranks -> {name -> (flags, micro-batch as a fraction of the global
         "tensor parallel 2 x data parallel 4": (TP2, 4, "zero1"),
         "pipeline parallel 2 x data parallel 4": (PP2, 16, "zero1"),
         "tensor 2 x pipeline 2 x data parallel 2": ([*TP2, *PP2], 8, "zero1"),
+        # each replica's 8 blocks read by its 4 ranks: 2 tensor ranks x 2 sequence shards of 128 tokens
+        "tensor 2 x sequence 2 x data parallel 2": ([*TP2, "--sequence_parallel_size", "2"], 2, "zero1"),
     },
 }
 

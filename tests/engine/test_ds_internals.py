@@ -319,3 +319,34 @@ def test_the_json_key_check_reads_deepspeed_config_models_through_ds_internals()
     }
     assert not {m for m in imported if m and m.split(".")[0] == "deepspeed"}, imported
     assert "scaletrain.engine" in imported
+
+
+def test_the_stages_universal_records_merge_into_one_that_names_every_stages_split():
+    """TP x PP: each stage's module records only its own parameters' splits (as DeepSpeed 0.19.8's AutoTP writes
+    them, shortened from a real TP 2 x PP 2 run); the merged record holds both stages' patterns and maps, once, and
+    marks the tied modules as pipeline-replicated."""
+    from scaletrain.engine.ds_internals.checkpoints import merged_universal_info
+
+    def stage(layers: range, whole: list) -> dict:
+        row = [rf"^{i}\.layer\.self_attn\.o_proj\.weight$" for i in layers]
+        replicated = [rf"^{i}\.layer\.input_layernorm\.weight$" for i in layers] + whole
+        return {
+            "universal_checkpoint_version": 0.4,
+            "parameter_with_row_parallelism_patterns": row,
+            "tp_replicated_parameter_patterns": replicated,
+            "vocabulary_parameter_patterns": [],
+            "parameter_with_sub_params": [],
+            "autotp_unsupported_parameter_patterns": {},
+            "affine_map": {"version": 1, "params": {pattern: {"kind": "replicated"} for pattern in replicated}},
+        }
+
+    first, last = stage(range(1, 3), [r"^0\.embedding\.weight$"]), stage(range(3, 5), [r"^6\.head\.weight$"])
+    merged = merged_universal_info([first, last, first, last], "pipeline_replicated_parameter_patterns")
+    assert merged["parameter_with_row_parallelism_patterns"] == sorted(
+        first["parameter_with_row_parallelism_patterns"] + last["parameter_with_row_parallelism_patterns"]
+    )
+    assert r"^6\.head\.weight$" in merged["tp_replicated_parameter_patterns"]  # the last stage's, kept
+    assert len(merged["tp_replicated_parameter_patterns"]) == 6
+    assert set(merged["affine_map"]["params"]) == set(merged["tp_replicated_parameter_patterns"])
+    assert merged["affine_map"]["version"] == 1 and merged["universal_checkpoint_version"] == 0.4
+    assert merged["pipeline_replicated_parameter_patterns"] == [r"^tied_modules\."]

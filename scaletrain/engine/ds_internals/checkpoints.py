@@ -50,18 +50,21 @@ _UC_DICTS = ("autotp_unsupported_parameter_patterns", "sub_param_shard_widths")
 
 def merge_stage_universal_info(engine) -> None:
     """Give this stage's module the union of every stage's universal_checkpoint_info (what each saved file then
-    carries), and mark the tied modules' parameters (held by the first and last stage) as pipeline-replicated so the
-    converter takes them once. Every rank calls it (an all-gather over the world), after deepspeed.initialize."""
-    import copy
-
+    carries). Every rank calls it (an all-gather over the world), after deepspeed.initialize."""
     import torch.distributed as dist
 
     key = UC_INFO_KEY.resolve()
-    own = getattr(engine.module, key, None) or {}
     gathered: list = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, own)
-    merged = copy.deepcopy(own)
-    for info in gathered:
+    dist.all_gather_object(gathered, getattr(engine.module, key, None) or {})
+    setattr(engine.module, key, merged_universal_info(gathered, PIPELINE_REPLICATED_KEY.resolve()))
+
+
+def merged_universal_info(infos: list, pipeline_replicated_key: str) -> dict:
+    """One universal_checkpoint_info from the stages' (pattern lists joined, pattern dictionaries merged), with the
+    tied modules' parameters (held by the first and the last stage) marked pipeline-replicated under
+    `pipeline_replicated_key`, so the converter takes them once."""
+    merged: dict = {}
+    for info in infos:
         for name in _UC_LISTS:
             if name in info or name in merged:
                 merged[name] = sorted(set(merged.get(name, [])) | set(info.get(name, [])))
@@ -76,8 +79,8 @@ def merge_stage_universal_info(engine) -> None:
         for name in ("universal_checkpoint_version", "original_vocab_size"):
             if name in info:
                 merged.setdefault(name, info[name])
-    merged[PIPELINE_REPLICATED_KEY.resolve()] = [r"^tied_modules\."]
-    setattr(engine.module, key, merged)
+    merged[pipeline_replicated_key] = [r"^tied_modules\."]
+    return merged
 
 
 # Every shard a save writes (checksummed into commit.json), and rank 0's copy of zero_to_fp32.py: proven by

@@ -116,6 +116,18 @@ class ParallelLayout:
         return " x ".join([*used, f"data parallel {self.dp}"])
 
 
+def ulysses_split_problem(heads: int, kv_heads: int, sp: int) -> str | None:
+    """Why Ulysses cannot split `heads` query and `kv_heads` key/value heads (a tensor rank's, under TP) over `sp`
+    ranks ("heads" or "kv_heads"), or None: each rank takes heads / sp query heads, and the key/value heads split
+    the same way when sp divides them or repeat across the group when sp is a multiple of them (MQA and GQA past the
+    KV heads), as DeepSpeed's UlyssesSPAttentionHF does. The layout check and the planners' degrees both ask this."""
+    if heads % sp:
+        return "heads"
+    if kv_heads % sp and sp % kv_heads:
+        return "kv_heads"
+    return None
+
+
 @dataclass(frozen=True)
 class DistInfo:
     """The launch: this process's rank among the world, read once from the launcher's environment

@@ -12,7 +12,7 @@ import dataclasses
 from scaletrain.config import ParallelArgs, PlanningArgs, ResolvedDSConfig
 from scaletrain.distributed.pipeline import check_pipeline_model
 from scaletrain.errors import UsageError
-from scaletrain.parts import DistInfo, ParallelLayout, ResolvedRun
+from scaletrain.parts import DistInfo, ParallelLayout, ResolvedRun, ulysses_split_problem
 
 # The model dimensions a tensor-parallel split divides (Llama-family names; models without them are not checked).
 _SPLIT_DIMENSIONS = (
@@ -169,9 +169,7 @@ def check_model_layout(parallel: ParallelArgs, model_config) -> None:
 
 
 def _check_ulysses_heads(sp: int, text_config, tp: int = 1) -> None:
-    """Ulysses gives each rank 1/sp of the query heads (of its tensor rank's heads, with TP); the key/value heads
-    are split the same way when sp divides them, or repeated across the group when sp is a multiple of them (MQA and
-    GQA past the KV heads), as DeepSpeed's UlyssesSPAttentionHF does."""
+    """Ulysses splits each tensor rank's heads over the sequence group (parts.ulysses_split_problem)."""
     heads = getattr(text_config, "num_attention_heads", None)
     if not isinstance(heads, int):
         return
@@ -179,13 +177,14 @@ def _check_ulysses_heads(sp: int, text_config, tp: int = 1) -> None:
     local, local_kv = heads // tp, kv_heads // tp
     per_rank = f" ({local} on each of --tensor_parallel_size {tp} ranks)" if tp > 1 else ""
     kv_per_rank = f" ({local_kv} on each of --tensor_parallel_size {tp} ranks)" if tp > 1 else ""
-    if local % sp:
+    problem = ulysses_split_problem(local, local_kv, sp)
+    if problem == "heads":
         raise UsageError(
             f"--sequence_parallel_size {sp}: the model's {heads} attention heads (num_attention_heads){per_rank} do "
             f"not split into {sp} equal parts",
             f"choose a size that divides {heads}" if tp == 1 else f"choose sizes whose product divides {heads}",
         )
-    if local_kv % sp and sp % local_kv:
+    if problem == "kv_heads":
         raise UsageError(
             f"--sequence_parallel_size {sp}: the model's {kv_heads} key/value heads (num_key_value_heads)"
             f"{kv_per_rank} neither split into {sp} parts nor repeat evenly over {sp} ranks",

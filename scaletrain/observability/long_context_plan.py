@@ -19,6 +19,7 @@ from scaletrain.observability.memory_planner import (
     offloaded_checkpoint_bytes,
     options_for,
 )
+from scaletrain.parts import ulysses_split_problem
 
 FEATURE_SETS = (  # (name, tiled MLP, activation offloading), each with activation checkpointing
     ("checkpointing", False, False),
@@ -30,11 +31,11 @@ GRAIN = 1024  # blocks are reported in multiples of 1K tokens
 
 def ulysses_degrees(shape: ModelShape, ranks: int) -> list:
     """1 and every sequence-parallel degree up to `ranks` that Ulysses accepts for the model: it divides the ranks
-    and the query heads, and divides or is a multiple of the KV heads (a model of unknown heads: 1 only)."""
+    and splits the heads (parts.ulysses_split_problem; a model of unknown heads: 1 only)."""
     heads, kv = shape.heads, shape.kv_heads or shape.heads
     if not heads:
         return [1]
-    return [1] + [n for n in range(2, ranks + 1) if ranks % n == 0 and heads % n == 0 and (kv % n == 0 or n % kv == 0)]
+    return [1] + [n for n in range(2, ranks + 1) if ranks % n == 0 and ulysses_split_problem(heads, kv, n) is None]
 
 
 def sequence_degrees(shape: ModelShape, ranks: int) -> list:

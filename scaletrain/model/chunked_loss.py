@@ -35,6 +35,34 @@ def _chunk(hidden, targets, start: int, chunk: int) -> tuple:
     return hidden[start : start + chunk].masked_fill(ignored.unsqueeze(1), 0), t.masked_fill(ignored, 0), ignored
 
 
+def _gradient_buffers(hidden, weight, bias, with_grad: bool) -> tuple:
+    """(hidden's, weight's, bias's) gradient accumulators of a chunked loss, None where none is wanted. The weight's
+    is summed in its own dtype, as autograd does: an fp32 accumulator would add V x H x 4 bytes (4.2 GB for a 128k x
+    8192 head); the bias's in fp32."""
+    grad_hidden = torch.empty_like(hidden) if with_grad and hidden.requires_grad else None
+    grad_weight = torch.zeros_like(weight) if with_grad and weight.requires_grad else None
+    grad_bias = (
+        torch.zeros(bias.shape, dtype=torch.float32, device=bias.device)
+        if with_grad and bias is not None and bias.requires_grad
+        else None
+    )
+    return grad_hidden, grad_weight, grad_bias
+
+
+def _add_chunk_gradients(grads: tuple, d_logits, h, weight, ignored, start: int, chunk: int) -> None:
+    """Add one chunk's gradients, from d(loss)/d(logits) [c, V] (fp32), to the buffers of _gradient_buffers; the
+    ignored tokens' rows reach neither the bias's nor (zeroed) the hidden states' gradient."""
+    grad_hidden, grad_weight, grad_bias = grads
+    if grad_bias is not None:
+        grad_bias += torch.mv(d_logits.t(), (~ignored).to(d_logits.dtype))
+    d_logits = d_logits.to(h.dtype)
+    if grad_hidden is not None:
+        torch.mm(d_logits, weight, out=grad_hidden[start : start + chunk])
+        grad_hidden[start : start + chunk].masked_fill_(ignored.unsqueeze(1), 0)
+    if grad_weight is not None:
+        grad_weight.addmm_(d_logits.t(), h.to(grad_weight.dtype))
+
+
 class ChunkedCrossEntropy(torch.autograd.Function):
     """sum over tokens of cross_entropy(hidden @ weight^T + bias, targets), ignoring IGNORE_INDEX targets, in chunks.
 
@@ -45,20 +73,11 @@ class ChunkedCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, weight, bias, targets, chunk: int, with_grad: bool):
         total = torch.zeros((), dtype=torch.float32, device=hidden.device)
-        grad_hidden = torch.empty_like(hidden) if with_grad and hidden.requires_grad else None
-        # Summed in the weight's own dtype, as autograd does: an fp32 accumulator would add V x H x 4 bytes (4.2 GB
-        # for a 128k x 8192 head).
-        grad_weight = torch.zeros_like(weight) if with_grad and weight.requires_grad else None
-        grad_bias = (
-            torch.zeros(bias.shape, dtype=torch.float32, device=bias.device)
-            if with_grad and bias is not None and bias.requires_grad
-            else None
-        )
+        grads = _gradient_buffers(hidden, weight, bias, with_grad)
         for start in range(0, hidden.size(0), chunk):
             # Ignored tokens are masked on the [tokens, hidden] side, as zero hidden states (finite logits whatever the
             # model produced there): they reach neither the weight's gradient nor, zeroed below, the hidden states'.
             h, safe_targets, ignored = _chunk(hidden, targets, start, chunk)
-            skipped = ignored.unsqueeze(1)
             # One fused pass over the chunk's logits (max, sum of exponentials, subtraction) instead of
             # logsumexp's several; the softmax for the gradient is its exponential, in place.
             log_probs = F.log_softmax(F.linear(h, weight, bias), dim=-1, dtype=torch.float32)
@@ -68,15 +87,8 @@ class ChunkedCrossEntropy(torch.autograd.Function):
             # d(summed loss)/d(logits) = softmax - one_hot(target)
             d_logits = log_probs.exp_()
             d_logits[torch.arange(h.size(0), device=h.device), safe_targets] -= 1.0
-            if grad_bias is not None:
-                grad_bias += torch.mv(d_logits.t(), (~ignored).to(d_logits.dtype))
-            d_logits = d_logits.to(h.dtype)
-            if grad_hidden is not None:
-                torch.mm(d_logits, weight, out=grad_hidden[start : start + chunk])
-                grad_hidden[start : start + chunk].masked_fill_(skipped, 0)
-            if grad_weight is not None:
-                grad_weight.addmm_(d_logits.t(), h.to(grad_weight.dtype))
-        ctx.grads = (grad_hidden, grad_weight, grad_bias)
+            _add_chunk_gradients(grads, d_logits, h, weight, ignored, start, chunk)
+        ctx.grads = grads
         ctx.dtypes = (hidden.dtype, weight.dtype, None if bias is None else bias.dtype)
         return total
 
@@ -164,13 +176,7 @@ class VocabParallelCrossEntropy(torch.autograd.Function):
 
         chunk, with_grad, group, vocab_start = how
         total = torch.zeros((), dtype=torch.float32, device=hidden.device)
-        grad_hidden = torch.empty_like(hidden) if with_grad and hidden.requires_grad else None
-        grad_weight = torch.zeros_like(weight) if with_grad and weight.requires_grad else None
-        grad_bias = (
-            torch.zeros(bias.shape, dtype=torch.float32, device=bias.device)
-            if with_grad and bias is not None and bias.requires_grad
-            else None
-        )
+        grads = _gradient_buffers(hidden, weight, bias, with_grad)
         rows = weight.size(0)
         for start in range(0, hidden.size(0), chunk):
             h, safe_targets, ignored = _chunk(hidden, targets, start, chunk)
@@ -191,17 +197,10 @@ class VocabParallelCrossEntropy(torch.autograd.Function):
             d_logits = exps.div_(sums[0].unsqueeze(1))  # softmax over the whole vocabulary, this rank's columns
             picked = torch.arange(h.size(0), device=h.device)[mine]
             d_logits[picked, local[mine]] -= 1.0
-            if grad_bias is not None:
-                grad_bias += torch.mv(d_logits.t(), (~ignored).to(d_logits.dtype))
-            d_logits = d_logits.to(h.dtype)
-            if grad_hidden is not None:
-                torch.mm(d_logits, weight, out=grad_hidden[start : start + chunk])
-                grad_hidden[start : start + chunk].masked_fill_(ignored.unsqueeze(1), 0)
-            if grad_weight is not None:
-                grad_weight.addmm_(d_logits.t(), h.to(grad_weight.dtype))
-        if grad_hidden is not None:
-            dist.all_reduce(grad_hidden, group=group)
-        ctx.grads = (grad_hidden, grad_weight, grad_bias)
+            _add_chunk_gradients(grads, d_logits, h, weight, ignored, start, chunk)
+        if grads[0] is not None:  # every rank's part of the hidden states' gradient
+            dist.all_reduce(grads[0], group=group)
+        ctx.grads = grads
         ctx.dtypes = (hidden.dtype, weight.dtype, None if bias is None else bias.dtype)
         return total
 

@@ -72,6 +72,8 @@ from scaletrain.model import (
     merged_dir,
 )
 from scaletrain.observability import (
+    attention_heads,
+    measured_attention_tflops,
     CommLog,
     comms_summary,
     describe_dry_run,
@@ -81,6 +83,7 @@ from scaletrain.observability import (
     MetricsLogger,
     print_memory_plan,
     RunIdentity,
+    write_micro_batch_probe,
 )
 from scaletrain.parts import BuiltModel, DistInfo, ResolvedRun, TrainingData
 from scaletrain.preflight import print_config, resolve_run
@@ -94,12 +97,14 @@ from scaletrain.train import (
     HangNotes,
     PipelineBubble,
     loop_settings,
+    micro_batch_fixed_seconds,
     NonFiniteGuard,
     NonFinitePolicy,
     PeriodicEvaluation,
     PipelineStep,
     PreemptionFlag,
     PreemptionSave,
+    PROBE_TOKENS,
     preference_objective,
     prepare_reference,
     ProgressBar,
@@ -467,7 +472,31 @@ class Run:
             self._export()
         if self.comm_log is not None:  # every rank's totals, gathered: a slow link shows
             log.info(comms_summary(all_gather_objects(self.comm_log.totals())))
+        self._probe_for_calibration()
         log.info("done: %d steps, %d tokens trained; outputs in %s", step, self.state.tokens_seen, out)
+
+    def _probe_for_calibration(self) -> None:
+        """What --plan_calibration needs beside the steps' phases, measured once everything of the run is saved: the
+        fixed cost of a micro-batch (train.step.micro_batch_fixed_seconds) and the fused attention's rate at the
+        run's shape, in the run folder. Not where a micro-batch takes another path (the pipeline's schedule,
+        sequence-parallel shards, preference pairs) or where a new shape would recompile."""
+        import torch
+
+        layout = self.dist.layout
+        if layout.pp > 1 or layout.sp > 1 or self.objective is not None or self.engine.is_compiled:
+            return
+        seconds = micro_batch_fixed_seconds(self.engine)
+        heads, head_dim = attention_heads(self.resolved.model_config)
+        dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[self.resolved.ds.precision]
+        micro_batch, block = self.engine.train_micro_batch_size_per_gpu(), self.resolved.block_size
+        attention = None
+        if heads and head_dim:  # a model that names its attention's shape
+            heads //= layout.tp
+            attention = measured_attention_tflops(self.engine.device, dtype, micro_batch, heads, block, head_dim)
+            log.info("attention at %.3g TFLOP/s (%d x %d tokens, %d heads)", attention, micro_batch, block, heads)
+        log.info("a micro-batch's fixed cost: %.3g ms (one %d-token sequence)", seconds * 1e3, PROBE_TOKENS)
+        if self.dist.is_main:
+            write_micro_batch_probe(self.cfg.run.output_dir, seconds, PROBE_TOKENS, attention)
 
     def _export(self) -> None:
         """The Hugging Face folder, completed on rank 0 with a generation config and a model card."""

@@ -119,8 +119,9 @@ class PlanningArgs:
     plan_json: str | None = _flag(None, "--plan: also write the plan as JSON to this file (layouts, recommended).")
     plan_calibration: str | None = _flag(
         None,
-        "--plan: a finished run's --output_dir on the machine to plan for; its measured phases (and comms log, and "
-        "gpu_check.json beside it) set the time model's rates; without --gpu, plans that machine and world size.",
+        "--plan: a finished run's --output_dir on the machine to plan for; its measured phases (and its probe of a "
+        "micro-batch's fixed cost and attention's rate, comms log, gpu_check.json beside it) set the time model's "
+        "rates; without --gpu, plans that machine and world size.",
     )
     plan_scaling: str | None = _flag(
         None, "--plan: node counts (e.g. 1,2,4,8) to predict tokens/s, speed-up and efficiency at, and what grows."

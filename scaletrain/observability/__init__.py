@@ -4,12 +4,18 @@ prompts.
 This face re-exports what other parts of scaletrain use; inside the wing, modules import each other by path.
 """
 
-from scaletrain.observability.calibration import read_calibration
+from scaletrain.observability.calibration import read_calibration, write_micro_batch_probe
 from scaletrain.observability.comms_log import CommLog, comms_summary
 from scaletrain.observability.eval_prompts import EvalPrompts, generate_samples, load_eval_prompts
 from scaletrain.observability.goodput import GoodputLedger
 from scaletrain.observability.host_memory import CgroupMemory, HostMemoryPhase
-from scaletrain.observability.flops import ModelFlops, model_flops, throughput_model
+from scaletrain.observability.flops import (
+    ModelFlops,
+    attention_heads,
+    measured_attention_tflops,
+    model_flops,
+    throughput_model,
+)
 from scaletrain.observability.memory_planner import (
     ModelShape,
     OPTIMIZER_BYTES,
@@ -30,6 +36,7 @@ from scaletrain.observability.metrics import (
 
 __all__ = [
     "read_calibration",
+    "write_micro_batch_probe",
     "CgroupMemory",
     "CommLog",
     "EvalPrompts",
@@ -50,6 +57,8 @@ __all__ = [
     "generate_samples",
     "load_eval_prompts",
     "model_flops",
+    "attention_heads",
+    "measured_attention_tflops",
     "throughput_model",
     "print_memory_plan",
     "snapshot_bytes_per_rank",

@@ -1,10 +1,14 @@
 """--plan --plan_calibration RUN_DIR: the time model calibrated by a measured run on the machine to plan for. From the
 run's folder: its metrics.jsonl (the steady steps' phases, the device peak behind its MFU), its flags
 (run_config.json: block size, micro-batch, accumulation, layout), its DeepSpeed JSON (ZeRO stage), its comms log's
-bus bandwidths where --comms_log was on, and scripts/gpu_check.sh's measured matmul rate where gpu_check.json sits in
-or beside the folder. The model's own FLOP, byte and communication formulas stay as they are; the run sets the
-machine's rates: how much slower than the FLOP model its compute runs (the compute scale), its optimizer step, and
-what a step spends outside both (data, synchronisation). Formulas: docs/parallelism.md#time-model."""
+bus bandwidths where --comms_log was on, what train.py measures after its last step (micro_batch_probe.json: the
+fixed cost of a micro-batch, the fused attention's rate at the run's shape), and scripts/gpu_check.sh's measured
+matmul rate where gpu_check.json sits in or beside the folder. The model's own FLOP, byte and communication formulas
+stay as they are; the run sets the machine's rates: the time of a micro-batch that does not grow with its tokens
+(dispatch, launches, gradient hooks), attention's rate, how much slower than the FLOP model the rest of its compute
+runs (the compute scale), its optimizer step, and what a step spends outside both (data, synchronisation). One run's
+step time cannot tell a fixed cost or a slow kernel from a slower rate overall; the probe's tiny micro-batch, whose
+FLOPs are negligible, and its attention kernel alone do. Formulas: docs/parallelism.md#time-model."""
 
 from __future__ import annotations
 
@@ -17,10 +21,19 @@ from scaletrain.config import GPU
 from scaletrain.errors import UsageError
 from scaletrain.observability.memory_planner import ModelShape
 from scaletrain.observability.metrics import METRICS_FILE, read_records
-from scaletrain.observability.time_model import NVLINK_EFFICIENCY, Cluster, Layout, predict_step
+from scaletrain.observability.time_model import (
+    NVLINK_EFFICIENCY,
+    Cluster,
+    Layout,
+    compute_parts,
+    compute_passes,
+    predict_step,
+    split_compute,
+)
 
 CPU_MEMORY_GBS = 20.0  # a CPU's memory bandwidth for the element-wise term of a calibrated CPU (a DDR channel pair)
 COLLECTIVES = ("all_reduce", "reduce_scatter", "all_gather", "all_to_all")
+PROBE_FILE = "micro_batch_probe.json"
 
 
 @dataclass(frozen=True)
@@ -35,6 +48,8 @@ class Calibration:
     phases: dict  # median seconds of the steady steps: step, forward, backward, pipeline, optimizer
     bus_gbs: float | None = None  # the comms log's latency-weighted bus bandwidth, GB/s
     matmul_tflops: float | None = None  # gpu_check.json's measured matmul rate
+    micro_batch_fixed_s: float | None = None  # the probe's fixed time of one micro-batch (micro_batch_probe.json)
+    attention_tflops: float | None = None  # the probe's fused-attention rate at the run's shape
 
     @property
     def world(self) -> int:
@@ -107,7 +122,29 @@ def read_calibration(run_dir: Path) -> Calibration:
         phases=phases,
         bus_gbs=_bus_bandwidth(steady),
         matmul_tflops=_gpu_check_matmul(run_dir),
+        **_probe(run_dir),
     )
+
+
+def write_micro_batch_probe(run_dir: Path, seconds: float, tokens: int, attention_tflops: float | None) -> None:
+    """Record what train.py measured after its last step: the fixed cost of a micro-batch
+    (train.step.micro_batch_fixed_seconds) and the fused attention's rate at the run's shape
+    (flops.measured_attention_tflops)."""
+    probe = {"fixed_seconds_per_micro_batch": seconds, "probe_tokens": tokens, "attention_tflops": attention_tflops}
+    (Path(run_dir) / PROBE_FILE).write_text(json.dumps(probe, indent=2) + "\n")
+
+
+def _probe(run_dir: Path) -> dict:
+    """The Calibration fields of the run's probe; none where it has none (a pipeline, sequence-parallel or
+    preference run, a compiled one, or one that never finished)."""
+    path = run_dir / PROBE_FILE
+    if not path.is_file():
+        return {}
+    probe = _read_json(path, run_dir)
+    return {
+        "micro_batch_fixed_s": float(probe["fixed_seconds_per_micro_batch"]),
+        "attention_tflops": probe["attention_tflops"] and float(probe["attention_tflops"]),
+    }
 
 
 def _block_size(records: list, layout: Layout) -> int:
@@ -152,24 +189,36 @@ def calibrated_gpu(calibration: Calibration, memory_gb: float) -> GPU:
 
 
 def calibrate(cluster: Cluster, calibration: Calibration, shape: ModelShape) -> Cluster:
-    """`cluster` with the run's rates: the compute scale (measured forward + backward over the model's compute for
-    the run's own shape and layout, model-parallel traffic taken out), the optimizer scale, the per-step overhead,
-    the measured bus bandwidth inside a node, and gpu_check's matmul rate as the achievable fraction of the peak."""
+    """`cluster` with the run's rates: the fixed cost of a micro-batch (the probe's, per layer), the compute scale
+    (measured forward + backward over the model's compute for the run's own shape and layout, model-parallel traffic
+    and the micro-batches' fixed cost taken out), the optimizer scale, the per-step overhead, the measured bus
+    bandwidth inside a node, and gpu_check's matmul rate as the achievable fraction of the peak. `shape` is the
+    calibrated run's model."""
+    layout = calibration.layout
     if calibration.matmul_tflops:
         cluster = replace(cluster, matmul_efficiency=min(1.0, calibration.matmul_tflops * 1e12 / cluster.peak_flops))
     if calibration.bus_gbs:
         cluster = replace(cluster, intra_node_gbs=calibration.bus_gbs / NVLINK_EFFICIENCY)
-    nominal = predict_step(shape, calibration.block_size, calibration.layout, cluster, calibration.precision)
+    if calibration.micro_batch_fixed_s is not None:  # the probe ran the run's model, recomputation included
+        per_layer = calibration.micro_batch_fixed_s / (shape.layers / layout.pp) * 3 / compute_passes(layout)
+        cluster = replace(cluster, micro_batch_fixed_s_per_layer=per_layer)
+    if calibration.attention_tflops:
+        cluster = replace(cluster, attention_efficiency=calibration.attention_tflops * 1e12 / cluster.peak_flops)
+    nominal = predict_step(shape, calibration.block_size, layout, cluster, calibration.precision)
     terms = nominal.terms
     traffic = terms["tensor_parallel"] + terms["sequence_parallel"] + terms["pipeline_p2p"]
-    measured_compute = max(calibration.compute_s - traffic, 0.1 * terms["compute"])
+    value_bytes = 4 if calibration.precision == "fp32" else 2
+    scaled, measured = split_compute(
+        compute_parts(shape, calibration.block_size, layout, cluster, value_bytes), cluster
+    )
     # the bubble is compute's (P - 1) / m; what the run measured holds both
-    bubble_share = terms["pipeline_bubble"] / terms["compute"] if terms["compute"] else 0.0
-    compute_scale = measured_compute / (terms["compute"] * (1 + bubble_share)) if terms["compute"] else 1.0
+    bubble = 1 + (terms["pipeline_bubble"] / terms["compute"] if terms["compute"] else 0.0)
+    m = layout.grad_accum
+    to_scale = max(calibration.compute_s - traffic - m * measured * bubble, 0.1 * m * scaled * bubble)
     optimizer_scale = calibration.phases["optimizer"] / terms["optimizer"] if terms["optimizer"] else 1.0
     return replace(
         cluster,
-        compute_scale=compute_scale,
+        compute_scale=to_scale / (m * scaled * bubble) if scaled else 1.0,
         optimizer_scale=optimizer_scale,
         step_overhead_s=calibration.overhead_s,
     )
@@ -184,6 +233,14 @@ def describe_calibration(calibration: Calibration, cluster: Cluster) -> str:
         f"s, compute {calibration.compute_s:.3g} s = {cluster.compute_scale:.2f}x the FLOP model at "
         f"{calibration.peak_tflops:.3g} TFLOP/s, optimizer {phases['optimizer']:.3g} s, other "
         f"{calibration.overhead_s:.3g} s a step"
+        + _probe_part(calibration)
         + ("" if calibration.bus_gbs is None else f", bus bandwidth {calibration.bus_gbs:.3g} GB/s (comms log)")
         + ("" if calibration.matmul_tflops is None else f", matmul {calibration.matmul_tflops:g} TFLOP/s (gpu_check)")
+    )
+
+
+def _probe_part(calibration: Calibration) -> str:
+    fixed, attention = calibration.micro_batch_fixed_s, calibration.attention_tflops
+    return ("" if fixed is None else f", fixed {fixed * 1e3:.3g} ms a micro-batch (probe)") + (
+        "" if attention is None else f", attention {attention:.3g} TFLOP/s (probe)"
     )

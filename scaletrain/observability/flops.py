@@ -50,12 +50,18 @@ def model_flops(meta_model, model_config, seq_len: int) -> ModelFlops:
     linear = [m.weight for m in meta_model.modules() if isinstance(m, torch.nn.Linear)]
     matmul = sum(w.numel() for w in linear)
     frozen = sum(w.numel() for w in linear if not w.requires_grad)
+    heads, head_dim = attention_heads(model_config)
+    text = model_config.get_text_config() if hasattr(model_config, "get_text_config") else model_config
+    layers = getattr(text, "num_hidden_layers", None) or getattr(text, "n_layer", 0)
+    return ModelFlops(matmul, layers, heads, head_dim, seq_len, frozen)
+
+
+def attention_heads(model_config) -> tuple:
+    """(query heads, head dimension) of a Hugging Face config (0 where it names neither)."""
     text = model_config.get_text_config() if hasattr(model_config, "get_text_config") else model_config
     heads = getattr(text, "num_attention_heads", None) or getattr(text, "n_head", 0)
     hidden = getattr(text, "hidden_size", None) or getattr(text, "n_embd", 0)
-    head_dim = getattr(text, "head_dim", None) or (hidden // heads if heads else 0)
-    layers = getattr(text, "num_hidden_layers", None) or getattr(text, "n_layer", 0)
-    return ModelFlops(matmul, layers, heads, head_dim, seq_len, frozen)
+    return heads, getattr(text, "head_dim", None) or (hidden // heads if heads else 0)
 
 
 def calibrate_cpu_tflops(seconds: float = 0.5, size: int = 1024) -> float:
@@ -84,6 +90,33 @@ def measured_matmul_tflops(device: str, precision: str, seconds: float = 0.5, si
         synchronize()
         runs += burst
     return 2 * size**3 * runs / (time.perf_counter() - started) / 1e12
+
+
+def measured_attention_tflops(
+    device, dtype, batch: int, heads: int, seq_len: int, head_dim: int, repeats: int = 3
+) -> float:
+    """The rate of causal fused attention (torch's scaled_dot_product_attention, forward and backward) on `device`
+    for one layer's shape, in TFLOP/s as the time model counts it: 2 x batch x seq_len^2 x heads x head_dim forward
+    (the causal half of QK^T and AV), twice that backward. The median of `repeats` after one that warms up."""
+    import statistics
+
+    import torch
+    import torch.nn.functional as F
+    from deepspeed.accelerator import get_accelerator
+
+    generator = torch.Generator().manual_seed(0)  # the run's RNG left alone (measured_matmul_tflops says why)
+    q, k, v = (
+        torch.randn(batch, heads, seq_len, head_dim, generator=generator).to(device, dtype).requires_grad_()
+        for _ in range(3)
+    )
+    times = []
+    for _ in range(repeats + 1):
+        get_accelerator().synchronize()
+        started = time.perf_counter()
+        F.scaled_dot_product_attention(q, k, v, is_causal=True).sum().backward()
+        get_accelerator().synchronize()
+        times.append(time.perf_counter() - started)
+    return 3 * 2 * batch * seq_len**2 * heads * head_dim / statistics.median(times[1:]) / 1e12
 
 
 def peak_from_name(device_name: str, precision: str) -> float | None:

@@ -20,6 +20,9 @@ docs/parallelism.md#time-model; in short, per pipeline stage and micro-batch of 
                       (ZeRO, Rajbhandari et al. 2020, §7); ZeRO-2 overlaps the reduction with the last backward;
                       ZeRO-3 gathers the parameters twice and reduce-scatters the gradients each micro-batch, 3 (D-1)/D
                       x bytes, overlapped with that micro-batch's compute (prefetch) and exposed beyond it
+    fixed cost        a --plan_calibration run's measured time of a micro-batch that does not grow with its tokens
+                      (operator dispatch, kernel launches, DeepSpeed's gradient hooks), per layer of the stage, once
+                      more per recomputed forward; 0 on a datasheet GPU, where large micro-batches hide it
     optimizer         Adam reads and writes 30 bytes per parameter of the rank's partition at the memory bandwidth;
                       with CPU offload the gradients and updated weights cross PCIe and CPU-Adam runs on the host
 
@@ -59,9 +62,13 @@ class Cluster:
     peak_tflops: float | None = None  # overrides the GPU's (--gpu_peak_tflops)
     intra_node_gbs: float | None = None  # overrides the GPU's NVLink GB/s (--intra_node_gbps)
     matmul_efficiency: float | None = None  # measured (calibration, gpu_check.sh) instead of the published fraction
+    # measured (a calibration run's attention probe) instead of the published fraction; compute_scale leaves it alone
+    attention_efficiency: float | None = None
     compute_scale: float = 1.0  # measured compute over the FLOP model's (--plan_calibration)
     optimizer_scale: float = 1.0  # measured optimizer step over the model's
     step_overhead_s: float = 0.0  # measured per-step time outside compute and optimizer (data, synchronisation)
+    # measured fixed time of one micro-batch's forward and backward per decoder layer, recomputation not included
+    micro_batch_fixed_s_per_layer: float = 0.0
 
     def __post_init__(self):
         for name in ("nodes", "gpus_per_node", "inter_node_gbps", "peak_tflops", "intra_node_gbs"):
@@ -84,7 +91,7 @@ class Cluster:
 
     @property
     def attention_flops(self) -> float:
-        return self.peak_flops * self.gpu.attention_efficiency
+        return self.peak_flops * (self.attention_efficiency or self.gpu.attention_efficiency)
 
     def bus_bandwidth(self, group_size: int, stride: int = 1) -> float:
         """Bytes/s of bus bandwidth (NCCL's definition) of a collective over `group_size` ranks whose neighbours are
@@ -220,14 +227,15 @@ class _Slot:
         return self.compute + self.tensor + self.sequence
 
 
-def _passes(layout: Layout) -> int:
+def compute_passes(layout: Layout) -> int:
     return 3 + (1 if layout.checkpointing else 0)  # forward = 1, backward = 2, recomputation = 1 more forward
 
 
-def _micro_batch_slot(shape: ModelShape, seq_len: int, layout: Layout, cluster: Cluster, value_bytes: int) -> _Slot:
-    """One micro-batch through one stage (forward, backward, recomputation): compute and model-parallel traffic."""
+def compute_parts(shape: ModelShape, seq_len: int, layout: Layout, cluster: Cluster, value_bytes: int) -> dict:
+    """Seconds of one micro-batch's compute through one stage (forward, backward, recomputation) by kind, before the
+    calibrated compute scale: matmul, attention, elementwise, fixed."""
     tp, sp, b, h = layout.tp, layout.sp, layout.micro_batch, shape.hidden
-    layers, passes, hbm = shape.layers / layout.pp, _passes(layout), cluster.gpu.hbm_gbs * 1e9
+    layers, passes, hbm = shape.layers / layout.pp, compute_passes(layout), cluster.gpu.hbm_gbs * 1e9
     tokens = b * seq_len / sp  # tokens this GPU's layers see
     matmul = 2 * stage_matmul_params(shape, tp, layout.pp) * tokens * passes / cluster.matmul_flops
     if layout.flash_attention:  # the causal half of QK^T and AV, in one fused kernel
@@ -236,7 +244,32 @@ def _micro_batch_slot(shape: ModelShape, seq_len: int, layout: Layout, cluster: 
         scores = b * (shape.heads or 1) / (tp * sp) * seq_len**2 * layers
         attention = 4 * b * seq_len**2 * h * layers / (tp * sp) * passes / cluster.matmul_flops
         attention += SCORE_PASSES * scores * value_bytes * passes / hbm
-    elementwise = ELEMENTWISE_VALUES * tokens * h * value_bytes * layers * passes / hbm
+    return {
+        "matmul": matmul,
+        "attention": attention,
+        "elementwise": ELEMENTWISE_VALUES * tokens * h * value_bytes * layers * passes / hbm,
+        "fixed": cluster.micro_batch_fixed_s_per_layer * layers * passes / 3,  # forward + backward = 3 passes
+    }
+
+
+def split_compute(parts: dict, cluster: Cluster) -> tuple:
+    """(seconds the calibrated compute scale applies to, seconds it does not) of compute_parts: the scale corrects
+    what the FLOP and byte model predicts, not what a probe measured (the fixed cost, a measured attention rate)."""
+    measured = parts["fixed"] + (parts["attention"] if cluster.attention_efficiency is not None else 0.0)
+    return sum(parts.values()) - measured, measured
+
+
+def scaled_compute(parts: dict, cluster: Cluster) -> float:
+    """A micro-batch's compute seconds, the calibrated scale applied."""
+    scaled, measured = split_compute(parts, cluster)
+    return scaled * cluster.compute_scale + measured
+
+
+def _micro_batch_slot(shape: ModelShape, seq_len: int, layout: Layout, cluster: Cluster, value_bytes: int) -> _Slot:
+    """One micro-batch through one stage (forward, backward, recomputation): compute and model-parallel traffic."""
+    tp, sp, b, h = layout.tp, layout.sp, layout.micro_batch, shape.hidden
+    layers, passes = shape.layers / layout.pp, compute_passes(layout)
+    tokens = b * seq_len / sp  # tokens this GPU's layers see
     activation = tokens * h * value_bytes
     tp_allreduces = layers * (4 + (2 if layout.checkpointing else 0)) if tp > 1 else 0
     tp_bytes = tp_allreduces * 2 * (tp - 1) / tp * activation
@@ -245,7 +278,7 @@ def _micro_batch_slot(shape: ModelShape, seq_len: int, layout: Layout, cluster: 
     # q, k, v in, the output back: of this tensor rank's heads
     sp_bytes = layers * (2 + 2 * kv_share) * activation / tp * (sp - 1) / sp * sp_passes
     return _Slot(
-        compute=(matmul + attention + elementwise) * cluster.compute_scale,
+        compute=scaled_compute(compute_parts(shape, seq_len, layout, cluster, value_bytes), cluster),
         tensor=cluster.collective(tp_bytes, tp_allreduces, tp),
         sequence=cluster.collective(sp_bytes, 4 * layers * sp_passes, sp, stride=tp),
         tensor_bytes=tp_bytes,
@@ -272,7 +305,7 @@ def _data_parallel(shape: ModelShape, layout: Layout, cluster: Cluster, value_by
     reduce = cluster.collective(fraction * grad_bytes, buckets, zero_ranks, stride=layout.tp)
     gather = cluster.collective(fraction * params * value_bytes, buckets, zero_ranks, stride=layout.tp)
     overlap = layout.overlap_grad_reduce if layout.overlap_grad_reduce is not None else layout.zero_stage >= 2
-    backward_of_one = slot.seconds * 2 / _passes(layout)
+    backward_of_one = slot.seconds * 2 / compute_passes(layout)
     exposed = (max(0.0, reduce - backward_of_one) if overlap else reduce) + gather
     return exposed, fraction * (grad_bytes + params * value_bytes)
 

@@ -30,7 +30,7 @@ from scaletrain.train.preference import preference_objective
 from scaletrain.train.reference import check_reference_model, prepare_reference
 from scaletrain.train.settings import loop_settings
 from scaletrain.train.state import TrainState, seed_everything
-from scaletrain.train.step import PipelineStep
+from scaletrain.train.step import PROBE_TOKENS, PipelineStep, micro_batch_fixed_seconds
 from scaletrain.train.trainer import EngineStep, Trainer
 
 __all__ = [
@@ -48,6 +48,7 @@ __all__ = [
     "NonFinitePolicy",
     "PREEMPTION_RECORD_ENV",
     "PeriodicEvaluation",
+    "PROBE_TOKENS",
     "PipelineStep",
     "PreemptionFlag",
     "PreemptionSave",
@@ -63,6 +64,7 @@ __all__ = [
     "enable_flight_recorder",
     "evaluate_sets",
     "loop_settings",
+    "micro_batch_fixed_seconds",
     "preference_objective",
     "prepare_reference",
     "seed_everything",

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import itertools
 import math
+import time
 from collections.abc import Callable
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -294,3 +295,31 @@ def _forward_backward(
     engine.backward(objective_value, scale_wrt_gas=False)
     clock.lap("backward")
     return summed.detach(), aux, metrics
+
+
+PROBE_TOKENS = 8  # the probe's micro-batch: one sequence this short, whose FLOPs are negligible beside its fixed cost
+
+
+def micro_batch_fixed_seconds(engine, repeats: int = 3) -> float:
+    """The part of a micro-batch's forward and backward that does not grow with its tokens: operator dispatch,
+    kernel launches, DeepSpeed's per-parameter gradient hooks. Measured as the median time of `repeats` micro-batches
+    of one PROBE_TOKENS-token sequence, after one that warms up, each with its boundary reduction (as a step's last
+    micro-batch). Run after the last step only: the gradients it leaves are never stepped, the run's state is saved
+    already. Every rank runs it (the model's and the reduction's collectives); --plan_calibration reads it."""
+    import statistics
+
+    import torch
+    from deepspeed.accelerator import get_accelerator
+
+    ids = torch.arange(PROBE_TOKENS).unsqueeze(0)
+    batch = {"input_ids": ids, "labels": ids}
+    engine.train()
+    times = []
+    for _ in range(repeats + 1):
+        get_accelerator().synchronize()
+        started = time.perf_counter()
+        engine.set_gradient_accumulation_boundary(True)
+        engine.backward(token_loss_sum(engine, batch), scale_wrt_gas=False)
+        get_accelerator().synchronize()
+        times.append(time.perf_counter() - started)
+    return statistics.median(times[1:])

@@ -1,6 +1,7 @@
 """The time model calibrated on this CPU: one 1-rank run of the benchmark model (256-token blocks, micro-batch 4)
-calibrates --plan's rates, which then predict runs of other block sizes and micro-batches; each run is measured
-(median step time of its steady steps) beside its prediction.
+calibrates --plan's rates (its steps' phases and its probe: a micro-batch's fixed cost, attention's rate), which then
+predict runs of other block sizes and micro-batches; each run is measured (median step time of its steady steps)
+beside its prediction, and beside the prediction of the same calibration without its probe.
 
     python scripts/bench/time_model_calibration.py    # Markdown rows for BENCHMARKS.md
 """
@@ -24,7 +25,9 @@ def main() -> None:
     from transformers import AutoConfig
 
     from scaletrain.model import meta_model
-    from scaletrain.observability.calibration import calibrate, calibrated_gpu, read_calibration
+    from dataclasses import replace
+
+    from scaletrain.observability.calibration import calibrate, calibrated_gpu, describe_calibration, read_calibration
     from scaletrain.observability.memory_planner import ModelShape
     from scaletrain.observability.time_model import Cluster, predict_step
 
@@ -44,13 +47,19 @@ def main() -> None:
         shape = ModelShape.from_meta_model(meta_model(config, False), config)
         reference = runs[SHAPES[0]]
         cluster = calibrate(Cluster(1, 1, calibrated_gpu(reference, 24)), reference, shape)
-        print("| block x micro-batch | tokens a micro-batch | measured s/step | predicted | predicted / measured |")
-        print("|---|---|---|---|---|")
+        unprobed = replace(reference, micro_batch_fixed_s=None, attention_tflops=None)
+        without = calibrate(Cluster(1, 1, calibrated_gpu(unprobed, 24)), unprobed, shape)
+        print(describe_calibration(reference, cluster))
+        print()
+        print("| block x micro-batch | tokens a micro-batch | measured s/step | predicted | predicted / measured | "
+              "without the probe |")  # fmt: skip
+        print("|---|---|---|---|---|---|")
         for (block, micro), run in runs.items():
             predicted = predict_step(shape, block, run.layout, cluster, "fp32").step_time
+            plain = predict_step(shape, block, run.layout, without, "fp32").step_time
             label = f"{block} x {micro}" + (" (calibration)" if run is reference else "")
             print(f"| {label} | {block * micro} | {run.phases['step']:.3f} | {predicted:.3f} | "
-                  f"{predicted / run.phases['step']:.2f} |")  # fmt: skip
+                  f"{predicted / run.phases['step']:.2f} | {plain / run.phases['step']:.2f} |")  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -25,6 +25,7 @@ from scaletrain.parts import DistInfo
 from scaletrain.errors import UsageError
 from scaletrain.distributed.layout import apply_layout, check_pipeline_run, resolve_layout
 from scaletrain.distributed.pipeline import check_pipeline_model, hf_parameter_name
+from scaletrain.observability.calibration import PROBE_FILE
 from tests.harness import LAYOUT_STEPS as STEPS, REPO, check_ok, launch, layout_flags, read_metrics
 from tests.distributed.test_tensor_parallel import (
     _assert_matches,
@@ -212,6 +213,8 @@ def test_each_stages_bubble_is_measured_beside_the_schedules(pp2_zero1):
         assert record["pipeline_bubble_expected"] == 0.5
         assert all(record[f"pipeline_bubble_stage{stage}"] > 0 for stage in (0, 1)), record
     assert not any("pipeline_bubble_stage0" in r for r in records if "eval_loss" in r)
+    # the pipe engine's schedule runs whole steps only: no probe of one micro-batch for --plan_calibration
+    assert not (pp2_zero1 / PROBE_FILE).exists()
 
 
 @pytest.mark.slow  # needs the 2-rank pipeline checkpoint

@@ -48,6 +48,20 @@ def test_the_cpu_calibration_leaves_the_global_rng_alone():
     assert torch.equal(torch.get_rng_state(), before)
 
 
+def test_the_attention_probe_measures_a_positive_rate_and_leaves_the_global_rng_alone():
+    """The fused attention's rate a run measures after its last step (for --plan_calibration): positive, and drawn
+    from a generator of its own, like the matmul calibration."""
+    import torch
+
+    from scaletrain.observability import measured_attention_tflops
+
+    torch.manual_seed(7)
+    before = torch.get_rng_state()
+    rate = measured_attention_tflops("cpu", torch.float32, batch=2, heads=2, seq_len=64, head_dim=16, repeats=1)
+    assert 1e-5 < rate < 100
+    assert torch.equal(torch.get_rng_state(), before)
+
+
 def test_lora_flops_per_token_match_a_counted_training_step():
     """A real LoRA model's forward and backward, its matmuls counted by torch's FlopCounterMode (eager attention, so
     the attention products are counted too): the frozen base costs 4 per parameter, not 6. The formula ignores that

@@ -262,10 +262,10 @@ def test_gpu_presets_carry_their_sources():
 @pytest.mark.extended
 def test_a_calibrated_plan_predicts_other_blocks_and_micro_batches_within_15_percent(tmp_path, cache_dir):
     """Calibrated by one 1-rank run of the benchmark model (256-token blocks, micro-batch 4), the time model predicts
-    the step time of runs with other block sizes and micro-batches (128 x 8, 64 x 16: the same tokens a micro-batch
-    shaped otherwise, and 256 x 8, twice the tokens) within 15% of what they measure. Micro-batches of 512 tokens and
-    fewer are not asserted: per-operation dispatch costs that the FLOP model does not count make them up to 2x slower
-    than predicted on this CPU (docs/parallelism.md#time-model)."""
+    the step time of runs with other block sizes and micro-batches within 15% of what they measure: 128 x 8 and 64 x
+    16 (the same tokens a micro-batch shaped otherwise: attention's share changes), 256 x 8 (twice the tokens), 256 x
+    2 and 64 x 4 (half and a quarter: the micro-batch's fixed cost weighs more). The run's probe (its fixed cost of a
+    micro-batch, its attention rate) is what lets one run predict the small ones (docs/parallelism.md#time-model)."""
     import subprocess
     import sys
 
@@ -289,7 +289,7 @@ def test_a_calibrated_plan_predicts_other_blocks_and_micro_batches_within_15_per
         check_ok(launch(REPO / "train.py", flags, "python", cache_dir))
         return read_calibration(out)
 
-    measured = {shape: train(*shape) for shape in ((256, 4), (128, 8), (64, 16), (256, 8))}
+    measured = {shape: train(*shape) for shape in ((256, 4), (128, 8), (64, 16), (256, 8), (256, 2), (64, 4))}
     config = AutoConfig.from_pretrained(model)
     shape = ModelShape.from_meta_model(meta_model(config, False), config)
     reference = measured[(256, 4)]
@@ -312,6 +312,56 @@ def test_a_calibrated_plan_predicts_other_blocks_and_micro_batches_within_15_per
     flags_row = next(line for line in lines if line.startswith("| flags: DP 1 | ZeRO-2 | 8 x 1 |"))
     planned = float(flags_row.split(" | ")[5])
     assert abs(planned / measured[(128, 8)].phases["step"] - 1) <= 0.15
+
+
+@pytest.mark.parametrize("checkpointing", [False, True])
+def test_the_probes_fixed_cost_and_attention_rate_stay_out_of_the_compute_scale(tmp_path, checkpointing):
+    """A run's probe (micro_batch_probe.json): its fixed cost of a micro-batch, per layer, and its measured attention
+    rate are taken out of the measured compute before the compute scale is set, and predicted as measured: a replay
+    of the run gives its compute, and a micro-batch of a quarter of the sequences gives the fixed cost plus a quarter
+    of the rest (every other part of the FLOP and byte model grows with the sequences at a fixed block size)."""
+    from scaletrain.observability import calibration as cal
+
+    run = tmp_path / "run"
+    run.mkdir()
+    assert cal._probe(run) == {}  # a run without a probe calibrates as before
+    cal.write_micro_batch_probe(run, 0.02, 8, 40.0)
+    assert cal._probe(run) == {"micro_batch_fixed_s": 0.02, "attention_tflops": 40.0}
+    layout = tm.Layout(micro_batch=4, grad_accum=2, checkpointing=checkpointing)
+    measured = cal.Calibration(
+        run_dir=run, layout=layout, block_size=512, precision="bf16", peak_tflops=989.0,
+        phases={"step": 1.0, "forward": 0.3, "backward": 0.6, "pipeline": 0.0, "optimizer": 0.05}, **cal._probe(run),
+    )  # fmt: skip
+    cluster = cal.calibrate(tm.Cluster(1, 8, GPUS["h100-sxm"]), measured, SHAPE)
+    passes = 4 if checkpointing else 3  # the probe's run recomputed its forward too
+    assert cluster.micro_batch_fixed_s_per_layer == pytest.approx(0.02 / SHAPE.layers * 3 / passes)
+    assert cluster.attention_efficiency == pytest.approx(40 / 989)
+    assert tm.predict_step(SHAPE, 512, layout, cluster).terms["compute"] == pytest.approx(0.9)
+    quarter = tm.predict_step(SHAPE, 512, replace(layout, micro_batch=1), cluster).terms["compute"]
+    assert quarter == pytest.approx(2 * (0.02 + (0.45 - 0.02) / 4))
+    parts = tm.compute_parts(SHAPE, 512, layout, cluster, 2)
+    attention = 2 * 4 * 512**2 * SHAPE.hidden * SHAPE.layers * passes / 40e12  # the probe's rate, hand-counted
+    assert parts["attention"] == pytest.approx(attention) and parts["fixed"] == pytest.approx(0.02)
+    scaled, unscaled = tm.split_compute(parts, cluster)
+    assert unscaled == pytest.approx(0.02 + attention)  # neither is scaled
+    assert scaled * cluster.compute_scale + unscaled == pytest.approx(0.45)
+
+
+def test_a_finished_run_records_its_micro_batch_fixed_cost_and_attention_rate(layout_reference):
+    """After its last step a run measures the two things its step times cannot separate (the fixed cost of a
+    micro-batch, the fused attention's rate at its shape) into micro_batch_probe.json, which --plan_calibration
+    reads: the fixed cost is below a whole micro-batch's forward and backward, and both are logged."""
+    from scaletrain.observability.calibration import PROBE_FILE, read_calibration
+    from tests.harness import reference_output
+
+    probe = json.loads((layout_reference / PROBE_FILE).read_text())
+    assert probe["probe_tokens"] == 8 and probe["attention_tflops"] > 0
+    calibration = read_calibration(layout_reference)
+    per_micro_batch = calibration.compute_s / calibration.layout.grad_accum
+    assert 0 < calibration.micro_batch_fixed_s == probe["fixed_seconds_per_micro_batch"] < per_micro_batch
+    stdout, stderr = reference_output(layout_reference)
+    shape = f"TFLOP/s ({calibration.layout.micro_batch} x {calibration.block_size} tokens, "
+    assert "a micro-batch's fixed cost:" in stdout + stderr and shape in stdout + stderr
 
 
 def test_calibration_reads_the_comms_logs_bus_bandwidth_and_gpu_checks_matmul_rate(tmp_path):

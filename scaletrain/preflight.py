@@ -201,8 +201,9 @@ def _resolve_engine_config(
 ) -> ResolvedDSConfig:
     """The DeepSpeed JSON with every "auto" filled, and the engine-side checks that need it: the parallel layout's
     DeepSpeed keys, the batch ramp-up, and whether a non-finite update can be skipped."""
-    pp = dist.layout.pp
-    size = ModelSize(_hidden_size(model_config), shape.n_params, int(shape.params_per_rank(1, pp)) if pp > 1 else None)
+    tp, pp = dist.layout.tp, dist.layout.pp
+    rank_params = int(shape.params_per_rank(tp, pp)) if tp * pp > 1 else None
+    size = ModelSize(_hidden_size(model_config), shape.n_params, rank_params)
     ds = resolve_ds_config(raw_ds_config, cfg.engine, cfg.optim, cfg.explicit_flags, dist.layout.dp, hardware, size)
     if not cfg.planning.plan:  # --plan covers every ZeRO option for the layout, whatever --config says
         ds = resolve_layout(cfg.parallel, ds, cfg.engine.config)

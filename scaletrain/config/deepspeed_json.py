@@ -59,8 +59,9 @@ def bucket_elements(accelerator: str, precision: str, n_params: int | None, cap:
     it from B = a b (1 - s) / s = 9 a b (s = 10%). Bounded above by the model's parameter count (one bucket holds
     every gradient: larger buys nothing, and ZeRO-2 allocates its buckets whole) and by DeepSpeed's default of 5e8
     elements (memory). The "auto" rule it replaces (hidden^2) gave 65,536 elements on a hidden-256 model: a 256 KB
-    all-reduce that gloo spends ~80% of in latency. Under pipeline parallelism `n_params` is the largest stage's
-    (`cap` names it): a rank reduces only its stage's gradients, and ZeRO-1 allocates its bucket whole."""
+    all-reduce that gloo spends ~80% of in latency. Under tensor or pipeline parallelism `n_params` is one rank's share
+    (`cap` names it): a rank reduces only its shards' and its stage's gradients, and ZeRO-1 and -3 allocate their
+    bucket whole."""
     link = LINKS.get(accelerator, LINKS["cuda"])
     element_bytes = 4 if precision == "fp32" else 2
     amortised = int(link.latency_s * link.bandwidth_bytes_per_s * (1 - LATENCY_SHARE) / LATENCY_SHARE / element_bytes)
@@ -409,8 +410,8 @@ def _resolve_zero(r: _Resolver, engine: EngineArgs, hw: HardwareFacts, precision
     """The ZeRO section: collective bucket sizes, the ZeRO-3 persistence threshold, and NVMe offload."""
     r.config.setdefault("zero_optimization", {"stage": 0})
     hidden_size = model.hidden_size
-    if model.stage_params:
-        bucket, why = bucket_elements(hw.accelerator, precision, model.stage_params, "the largest pipeline stage")
+    if model.rank_params:
+        bucket, why = bucket_elements(hw.accelerator, precision, model.rank_params, "a rank's share of the model")
     else:
         bucket, why = bucket_elements(hw.accelerator, precision, model.n_params)
     for key in ("reduce_bucket_size", "allgather_bucket_size", "stage3_prefetch_bucket_size"):
@@ -440,7 +441,8 @@ class ModelSize:
 
     hidden_size: int
     n_params: int | None = None
-    stage_params: int | None = None  # the largest pipeline stage's parameters, under pipeline parallelism
+    # the parameters of one rank under tensor or pipeline parallelism (its shards, on the largest stage)
+    rank_params: int | None = None
 
 
 def resolve_ds_config(

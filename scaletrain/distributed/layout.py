@@ -237,12 +237,6 @@ def resolve_layout(parallel: ParallelArgs, ds: ResolvedDSConfig, config_path: st
     _check_pipeline_config(parallel, ds, config_path)
     if tp == 1:
         return ds
-    if ds.zero_stage == 3:
-        raise UsageError(
-            f"--tensor_parallel_size {tp} with ZeRO stage 3 ({config_path}): AutoTP with ZeRO-3 is not "
-            "supported here (verified only without data parallelism)",
-            "use a ZeRO-1 or ZeRO-2 config with tensor parallelism",
-        )
     if ds.offloads_optimizer or ds.offloads_params:
         raise UsageError(
             f"--tensor_parallel_size {tp} with offload ({config_path}): not supported here (untested)",

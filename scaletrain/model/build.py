@@ -80,7 +80,11 @@ def build_model(args: ModelArgs, model_config, ds_config: dict, pipeline: bool =
     from scaletrain.model.stage_weights import stage_weights_model
 
     zero3 = ds_config.get("zero_optimization", {}).get("stage", 0) == 3
-    keepalive = HfDeepSpeedConfig(ds_config) if zero3 else None
+    # Under tensor parallelism AutoTP shards whole weights at deepspeed.initialize, and ZeRO-3 then partitions the
+    # shards over the data-parallel ranks: built whole (as under ZeRO-1/2 with TP), not inside zero.Init, whose
+    # config would count every rank as data-parallel.
+    sharded = zero3 and ds_config.get("tensor_parallel", {}).get("autotp_size", 1) <= 1
+    keepalive = HfDeepSpeedConfig(ds_config) if sharded else None
     staged = stage_weights_model(args, model_config) if pipeline else None
     if staged is not None:
         model = staged
@@ -108,11 +112,13 @@ def build_model(args: ModelArgs, model_config, ds_config: dict, pipeline: bool =
         args.model_source,
         n_params / 1e6,
         ", built sharded (ZeRO-3)"
-        if zero3
+        if sharded
         else ", on the meta device (each pipeline stage reads its own weights)"
         if staged is not None
         else "",
     )
+    if zero3 and keepalive is None:  # alive for the engine's life all the same (generation's synced_gpus reads it)
+        keepalive = HfDeepSpeedConfig(ds_config)
     return model, keepalive
 
 

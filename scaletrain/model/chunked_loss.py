@@ -325,7 +325,7 @@ def install_chunked_loss(model, chunk_size: int | None) -> int | None:
         log.info("loss: whole logits (%s: the loss cannot be chunked through the head)", why)
         return None
     # this rank's rows of the vocabulary (under ZeRO-3 the weight is partitioned: out_features is the whole count)
-    rows = head.out_features if shard is None else head.weight.size(0)
+    rows = head.out_features if shard is None else getattr(head.weight, "ds_shape", head.weight.shape)[0]
     tokens = chunk_size or auto_loss_chunk(rows)
     if not ChunkedLoss.forward_is_eager:  # once per process (see the forward's comment)
         ChunkedLoss.forward = torch.compiler.disable(ChunkedLoss.forward)

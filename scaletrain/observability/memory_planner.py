@@ -254,12 +254,12 @@ def pipeline_kept_outputs(
 
 
 def options_for(tp: int, sp: int = 1, pp: int = 1) -> list[Option]:
-    """The options the pipeline runs with this layout (TP: ZeRO-1/2, PP: ZeRO-1, neither with offload; SP:
+    """The options the pipeline runs with this layout (TP: ZeRO-1/2/3, PP: ZeRO-1, neither with offload; SP:
     ZeRO-1/2/3 with CPU offload, not NVMe)."""
     if pp > 1:
         return [o for o in OPTIONS if o.stage == 1]
     if tp > 1:
-        return [o for o in OPTIONS if o.stage < 3 and o.offload_optimizer == "none"]
+        return [o for o in OPTIONS if o.offload_optimizer == "none" and o.offload_params == "none"]
     return OPTIONS if sp == 1 else [o for o in OPTIONS if o.offload_optimizer != "nvme"]
 
 

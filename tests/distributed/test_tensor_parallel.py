@@ -59,6 +59,17 @@ def tp2_zero1(tmp_path_factory, cache_dir) -> Path:
     return run_dir
 
 
+@pytest.fixture(scope="module")
+def tp2_zero3(tmp_path_factory, cache_dir) -> Path:
+    """TP 2 x DP 2 under ZeRO-3, 4 ranks."""
+    run_dir = tmp_path_factory.mktemp("tp") / "tp2_zero3"
+    flags = _flags(run_dir, "zero3", "--tensor_parallel_size", "2", "--per_device_train_batch_size", "2")
+    proc = launch(REPO / "train.py", flags, "deepspeed", cache_dir, nprocs=4)
+    check_ok(proc)
+    assert "layout: tensor parallel 2 x data parallel 2" in proc.stdout + proc.stderr
+    return run_dir
+
+
 def _assert_matches(run_dir: Path, reference: Path, steps=range(1, STEPS + 1)) -> None:
     expected, got = _records(reference), _records(run_dir)
     assert sorted(got) == list(steps)
@@ -78,13 +89,17 @@ def _assert_same_export(run_dir: Path, reference: Path) -> None:
     AutoModelForCausalLM.from_pretrained(run_dir)  # a folder Hugging Face loads as it is
 
 
-@pytest.mark.slow  # a 1-rank reference, two 2-rank runs and a 4-rank run of 8 steps
+@pytest.mark.slow  # a 1-rank reference, a 2-rank run and two 4-rank runs of 8 steps
 # (TP 2 under ZeRO-2 was dropped to keep CI in its budget: ZeRO-1 and -2 are one optimizer in DeepSpeed)
-@pytest.mark.parametrize("config,nprocs", [("zero1", 2), ("zero1", 4)])
-def test_tensor_parallel_matches_one_rank(config, nprocs, reference, tp2_zero1, tmp_path, cache_dir):
-    """TP 2 alone, and TP 2 x DP 2 (4 ranks: each TP group reads half of the global batch of 4)."""
-    if (config, nprocs) == ("zero1", 2):
-        run_dir = tp2_zero1
+# TP 2 x DP 2 under ZeRO-1 runs in the extended tier (CI's budget): TP x PP x DP and TP x SP x DP run it composed
+@pytest.mark.parametrize(
+    "config,nprocs", [("zero1", 2), pytest.param("zero1", 4, marks=pytest.mark.extended), ("zero3", 4)]
+)
+def test_tensor_parallel_matches_one_rank(config, nprocs, reference, tp2_zero1, tp2_zero3, tmp_path, cache_dir):
+    """TP 2 alone, and TP 2 x DP 2 (4 ranks: each TP group reads half of the global batch of 4) under ZeRO-1 and
+    ZeRO-3 (AutoTP shards the whole weights, then ZeRO-3 partitions each shard over the data-parallel ranks)."""
+    if (config, nprocs) in (("zero1", 2), ("zero3", 4)):
+        run_dir = tp2_zero1 if config == "zero1" else tp2_zero3
     else:
         run_dir = tmp_path / "tp2"
         proc = launch(
@@ -108,7 +123,13 @@ def test_tensor_parallel_matches_one_rank(config, nprocs, reference, tp2_zero1, 
 
 
 def resume_copy_at_step4(
-    source: Path, run_dir: Path, layout: list, nprocs: int, cache_dir: Path, converted: bool | None = None
+    source: Path,
+    run_dir: Path,
+    layout: list,
+    nprocs: int,
+    cache_dir: Path,
+    converted: bool | None = None,
+    config: str = "zero1",
 ) -> None:
     """Resume a copy of `source`'s run folder from its step-4 checkpoint to the end, with `layout`'s flags on
     `nprocs` ranks: it says where it resumed from, and goes through the universal checkpoint exactly when the
@@ -119,7 +140,7 @@ def resume_copy_at_step4(
         shutil.copy(source / name, run_dir / name)
     proc = launch(
         REPO / "train.py",
-        _flags(run_dir, "zero1", *layout),
+        _flags(run_dir, config, *layout),
         "deepspeed" if nprocs > 1 else "python",
         cache_dir,
         nprocs=nprocs,
@@ -138,6 +159,18 @@ def test_a_tensor_parallel_checkpoint_resumes_on_the_same_layout_and_on_one_rank
 ):
     run_dir = tmp_path / "resumed"
     resume_copy_at_step4(tp2_zero1, run_dir, ["--tensor_parallel_size", "2"] if nprocs == 2 else [], nprocs, cache_dir)
+    _assert_matches(run_dir, reference, steps=range(5, STEPS + 1))
+    _assert_same_export(run_dir, reference)
+
+
+@pytest.mark.slow  # two runs resumed from the TP 2 x DP 2 ZeRO-3 checkpoint at step 4: on 4 ranks and on 1 rank
+@pytest.mark.parametrize("nprocs", [4, 1])
+def test_a_tensor_parallel_zero3_checkpoint_resumes_on_the_same_layout_and_on_one_rank(
+    nprocs, reference, tp2_zero3, tmp_path, cache_dir
+):
+    run_dir = tmp_path / "resumed"
+    layout = ["--tensor_parallel_size", "2", "--per_device_train_batch_size", "2"] if nprocs == 4 else []
+    resume_copy_at_step4(tp2_zero3, run_dir, layout, nprocs, cache_dir, config="zero3")
     _assert_matches(run_dir, reference, steps=range(5, STEPS + 1))
     _assert_same_export(run_dir, reference)
 
@@ -177,7 +210,6 @@ def _resolved(config: dict):
 @pytest.mark.parametrize(
     "config,message",
     [
-        ({"zero_optimization": {"stage": 3}}, "with ZeRO stage 3"),
         ({"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}}}, "with offload"),
         (
             {"zero_optimization": {"stage": 1}, "tensor_parallel": {"autotp_size": 4}},

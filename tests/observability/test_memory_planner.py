@@ -120,22 +120,23 @@ def test_recommendation_prefers_the_fastest_option_that_fits_then_checkpointing(
 
 @pytest.mark.slow
 @pytest.mark.parametrize(
-    "stage,accumulation,tp,sp",
+    "stage,accumulation,tp,sp,dp",
     [
-        pytest.param(1, 1, 1, 1, marks=pytest.mark.extended),  # for CI's time: ZeRO-1 is planned in CI at GA 2
-        (1, 2, 1, 1),
-        (2, 2, 1, 1),
-        (3, 1, 1, 1),
-        (2, 1, 2, 1),
-        (3, 1, 1, 2),
-        (2, 1, 2, 2),  # TP 2 x SP 2 on 4 ranks
+        pytest.param(1, 1, 1, 1, 2, marks=pytest.mark.extended),  # for CI's time: ZeRO-1 is planned in CI at GA 2
+        (1, 2, 1, 1, 2),
+        (2, 2, 1, 1, 2),
+        (3, 1, 1, 1, 2),
+        (2, 1, 2, 1, 1),
+        (3, 1, 1, 2, 1),
+        (2, 1, 2, 2, 1),  # TP 2 x SP 2 on 4 ranks
+        (3, 1, 2, 1, 2),  # TP 2 x DP 2 on 4 ranks: ZeRO-3 partitions each tensor rank's shard over its 2 replicas
     ],
 )
 def test_planned_model_states_match_a_real_two_rank_run_within_10_percent(
-    stage, accumulation, tp, sp, tmp_path, cache_dir
+    stage, accumulation, tp, sp, dp, tmp_path, cache_dir
 ):
     run_dir = tmp_path / "run"
-    nprocs = max(2, tp * sp)
+    nprocs = tp * sp * dp
     proc = launch(
         MEMORY_PROBE,
         [

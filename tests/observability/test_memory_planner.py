@@ -367,7 +367,7 @@ def test_the_longest_block_is_the_longest_that_fits():
 def test_plan_recommends_tensor_parallelism_inside_a_node_before_offload(tmp_path):
     """A 70B Llama on 4 nodes x 8 GPUs of 80 GB, 4096 tokens per micro-batch: ZeRO-1/2 hold the whole weights and
     do not fit; ZeRO-3 (with checkpointing) does, and comes first; with --tensor_parallel_size 8 the plan is the TP
-    layout's (ZeRO-1/2 only), and its recommendation names the size."""
+    layout's (ZeRO-1/2/3, no offload: AutoTP with offload is refused), and its recommendation names the size."""
     model = tmp_path / "llama70b"
     model.mkdir()
     (model / "config.json").write_text(
@@ -426,7 +426,7 @@ def test_plan_recommends_tensor_parallelism_inside_a_node_before_offload(tmp_pat
     tensor_parallel = plan("--tensor_parallel_size", "8")
     assert "32 ranks: tensor parallel 8 x 4 data-parallel" in tensor_parallel[0]
     rows = [line for line in tensor_parallel if line.startswith("| ZeRO")]
-    assert [row.split(" | ")[0] for row in rows] == ["| ZeRO-1", "| ZeRO-2"]
+    assert [row.split(" | ")[0] for row in rows] == ["| ZeRO-1", "| ZeRO-2", "| ZeRO-3"]
     # ZeRO-1 fits with activation checkpointing: the chunked loss holds a chunk of each rank's 16,032 rows of the
     # head (84 MB), not the 5.3 GB of whole logits AutoTP's head would gather
     assert tensor_parallel[-2].startswith(

@@ -206,12 +206,13 @@ def model_state_bytes(
     return params, grads, optimizer, host, nvme
 
 
-def activation_bytes(shape: ModelShape, run: PlannedRun, stage: int = 1) -> tuple:
+def activation_bytes(shape: ModelShape, run: PlannedRun, stage: int = 1, reduce_bucket: int | None = None) -> tuple:
     """Working memory (without, with) activation checkpointing, bytes per GPU for one micro-batch of `run` under ZeRO
     `stage` (under pipeline parallelism: of the stage that needs most). The chunked loss holds one chunk's logits
     (of this rank's rows of the vocabulary under tensor parallelism; a pipeline stage's head is whole); the tiled MLP
     holds the intermediates of `hidden` tokens at a time; activation offloading keeps two checkpointed inputs on the
-    GPU (one going out, one coming back)."""
+    GPU (one going out, one coming back). ZeRO-2 adds its reduce bucket's buffers (zero2_backward_buckets);
+    `reduce_bucket` in elements as in model_state_bytes."""
     scale = 2 if run.precision == "fp32" else 1
     tp, pp = run.tp, run.pp
     tokens = run.micro_batch * run.block_size / run.sp
@@ -234,7 +235,21 @@ def activation_bytes(shape: ModelShape, run: PlannedRun, stage: int = 1) -> tupl
     last_stage = (shape.layers / pp * per_layer + logits, last_kept + per_layer + logits)
     without, with_checkpointing = (max(first_stage[i], last_stage[i]) for i in (0, 1))
     gathered = 2 * weight_bytes(run.precision) * shape.largest_layer_params if stage == 3 else 0
+    if stage == 2:
+        gathered += zero2_backward_buckets(shape, run.precision, tp, pp, reduce_bucket)
     return without + gathered, with_checkpointing + gathered
+
+
+def zero2_backward_buckets(
+    shape: ModelShape, precision: str, tp: int = 1, pp: int = 1, reduce_bucket: int | None = None
+) -> float:
+    """Bytes of the reduce bucket's buffers ZeRO-2 allocates at a backward's first gradient and frees at its end
+    (DeepSpeed 0.19's setup_buckets): two with overlap_comm (zero2.json and zero2_offload.json set it), each of the
+    whole bucket in the training dtype, on the GPU with optimizer offload too. Not in the model states: they are gone
+    by the update."""
+    n = shape.params_per_rank(tp, pp)
+    bucket = bucket_elements("cuda", precision, shape.n_params)[0] if reduce_bucket is None else reduce_bucket
+    return 2 * min(bucket, n) * weight_bytes(precision)
 
 
 def offloaded_checkpoint_bytes(shape: ModelShape, tokens: float, precision: str) -> float:

@@ -234,10 +234,11 @@ def activation_bytes(shape: ModelShape, run: PlannedRun, stage: int = 1, reduce_
     last_kept = min(kept_layers, shape.layers / pp) * kept
     last_stage = (shape.layers / pp * per_layer + logits, last_kept + per_layer + logits)
     without, with_checkpointing = (max(first_stage[i], last_stage[i]) for i in (0, 1))
-    gathered = 2 * weight_bytes(run.precision) * shape.largest_layer_params if stage == 3 else 0
-    if stage == 2:
-        gathered += zero2_backward_buckets(shape, run.precision, tp, pp, reduce_bucket)
-    return without + gathered, with_checkpointing + gathered
+    if stage == 3:  # the largest layer gathered whole
+        zero_buffers = 2 * weight_bytes(run.precision) * shape.largest_layer_params
+    else:
+        zero_buffers = zero2_backward_buckets(shape, run.precision, tp, pp, reduce_bucket) if stage == 2 else 0
+    return without + zero_buffers, with_checkpointing + zero_buffers
 
 
 def zero2_backward_buckets(

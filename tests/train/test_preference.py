@@ -432,6 +432,7 @@ def test_one_rank_two_ranks_and_accumulation_give_the_same_losses_and_metrics(dp
 
 
 @pytest.mark.slow
+@pytest.mark.extended  # ~45 s: ORPO's loss on any split of the batch is tested in process, the ranks by the DPO test
 def test_orpo_trains_the_same_on_one_rank_two_ranks_and_padding_free_accumulation(dpo_runs):
     """ORPO's NLL term is the token mean over the global batch's whole chosen sequences: one rank, two ranks (ZeRO-3)
     and one rank accumulating 2 x 2 padding-free give the same per-step loss, nll_loss and TRL's metrics, within 1e-5

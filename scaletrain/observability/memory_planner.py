@@ -279,12 +279,15 @@ def options_for(tp: int, sp: int = 1, pp: int = 1) -> list[Option]:
     return OPTIONS if sp == 1 else [o for o in OPTIONS if o.offload_optimizer != "nvme"]
 
 
-def plan_memory(shape: ModelShape, run: PlannedRun) -> list[Estimate]:
-    """One estimate per option the run's layout trains with (options_for)."""
+def plan_memory(shape: ModelShape, run: PlannedRun, reduce_bucket: int | None = None) -> list[Estimate]:
+    """One estimate per option the run's layout trains with (options_for); `reduce_bucket` in elements as in
+    model_state_bytes."""
     estimates = []
     for option in options_for(run.tp, run.sp, run.pp):
-        act, act_ckpt = activation_bytes(shape, run, option.stage)
-        params, grads, optimizer, host, nvme = model_state_bytes(option, shape, run.dp, run.precision, run.tp, run.pp)
+        act, act_ckpt = activation_bytes(shape, run, option.stage, reduce_bucket)
+        params, grads, optimizer, host, nvme = model_state_bytes(
+            option, shape, run.dp, run.precision, run.tp, run.pp, reduce_bucket
+        )
         if run.features.offload:
             host += offloaded_checkpoint_bytes(shape, run.micro_batch * run.block_size / run.sp, run.precision)
         per_node = run.gpus_per_node

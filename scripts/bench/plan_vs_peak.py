@@ -13,6 +13,7 @@ keeps between steps).
 
 from __future__ import annotations
 
+import functools
 import json
 import sys
 import tempfile
@@ -45,26 +46,28 @@ def planned(run_dir: Path, layout: tuple, micro: int, block: int) -> tuple:
     """(model states, working memory) bytes the planner gives for this run's resolved DeepSpeed config; `layout` as
     in LAYOUTS."""
     stage, _, tp, sp, pp, dp = layout
-    nprocs = tp * sp * pp * dp
+    from scaletrain.observability import memory_planner
+
+    shape = tiny_shape()
+    bucket = json.loads((run_dir / "ds_config.json").read_text())["zero_optimization"]["reduce_bucket_size"]
+    run = memory_planner.PlannedRun(
+        gpus_per_node=tp * sp * pp * dp, micro_batch=micro, block_size=block, precision="fp32", tp=tp, sp=sp, pp=pp,
+        loss_chunk=memory_planner.auto_loss_chunk(shape.vocab),
+    )  # fmt: skip
+    estimates = memory_planner.plan_memory(shape, run, reduce_bucket=bucket)
+    estimate = next(e for e in estimates if e.option.stage == stage and e.option.offload_optimizer == "none")
+    return estimate.model_states, estimate.activations
+
+
+@functools.cache
+def tiny_shape():
     from transformers import AutoConfig
 
     from scaletrain.model.build import meta_model
-    from scaletrain.observability import memory_planner
-    from scaletrain.observability.plan_report import auto_loss_chunk
+    from scaletrain.observability.memory_planner import ModelShape
 
     config = AutoConfig.from_pretrained(REPO / "data" / "tiny-llama")
-    shape = memory_planner.ModelShape.from_meta_model(meta_model(config, False), config)
-    bucket = json.loads((run_dir / "ds_config.json").read_text())["zero_optimization"]["reduce_bucket_size"]
-    option = next(o for o in memory_planner.OPTIONS if o.stage == stage and o.offload_optimizer == "none")
-    params, grads, optimizer, _, _ = memory_planner.model_state_bytes(
-        option, shape, dp=nprocs // (tp * pp), precision="fp32", tp=tp, pp=pp, reduce_bucket=bucket
-    )
-    run = memory_planner.PlannedRun(
-        gpus_per_node=nprocs, micro_batch=micro, block_size=block, precision="fp32", tp=tp, sp=sp, pp=pp,
-        loss_chunk=auto_loss_chunk(shape.vocab),
-    )  # fmt: skip
-    working, _ = memory_planner.activation_bytes(shape, run, stage, reduce_bucket=bucket)
-    return params + grads + optimizer, working
+    return ModelShape.from_meta_model(meta_model(config, False), config)
 
 
 def main() -> None:

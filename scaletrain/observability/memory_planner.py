@@ -51,6 +51,17 @@ class ModelShape:
         split = min(max(self.linear_params - self.head_params, 0), body)  # the decoder layers' linear weights
         return (body - split + split / tp) / pp + max(self.embedding_params, self.head_params)
 
+    def pipeline_stage(self, pp: int, which: str) -> ModelShape:
+        """The `which` stage of `pp` ("first": with the embeddings, "last": with the head) as a model of its own: its
+        share of the decoder layers (whose linear weights tensor parallelism splits) and its end's parameters, whole;
+        params_per_tp_rank of it is params_per_rank's count for that stage."""
+        if pp == 1:
+            return self
+        body = self.n_params - self.embedding_params - (0 if self.head_tied else self.head_params)
+        split = min(max(self.linear_params - self.head_params, 0), body)
+        end = self.embedding_params if which == "first" else self.head_params
+        return replace(self, n_params=round(body / pp + end), linear_params=round(split / pp))
+
     @classmethod
     def from_meta_model(cls, model, model_config) -> ModelShape:
         import torch
@@ -118,6 +129,7 @@ class PlannedRun:
     sp: int = 1
     pp: int = 1
     loss_chunk: int | None = None  # tokens per chunk of the chunked loss (None: the whole logits)
+    grad_accum: int = 1  # micro-batches per update: ZeRO-1/2 hold the earlier ones' gradients through the later ones
     features: MemoryFeatures = NO_FEATURES
 
     @property
@@ -181,7 +193,8 @@ def model_state_bytes(
     pp: int = 1,
     reduce_bucket: int | None = None,
 ) -> tuple:
-    """(params, grads, optimizer) bytes on one GPU, and (host, nvme) bytes per rank, for one option.
+    """(params, grads, optimizer) bytes on one GPU, and (host, nvme) bytes per rank, for one option (under pipeline
+    parallelism on the largest stage's ranks; a given stage's: shape.pipeline_stage(pp, which) with pp=1).
     `reduce_bucket`: the reduce bucket in elements (default: dsconfig's rule for a CUDA link)."""
     p, n = weight_bytes(precision), shape.params_per_rank(tp, pp)
     grad_bytes = 4 if precision == "fp32" else (p if option.stage == 3 else p + 4)
@@ -206,13 +219,74 @@ def model_state_bytes(
     return params, grads, optimizer, host, nvme
 
 
-def activation_bytes(shape: ModelShape, run: PlannedRun, stage: int = 1, reduce_bucket: int | None = None) -> tuple:
-    """Working memory (without, with) activation checkpointing, bytes per GPU for one micro-batch of `run` under ZeRO
-    `stage` (under pipeline parallelism: of the stage that needs most). The chunked loss holds one chunk's logits
-    (of this rank's rows of the vocabulary under tensor parallelism; a pipeline stage's head is whole); the tiled MLP
-    holds the intermediates of `hidden` tokens at a time; activation offloading keeps two checkpointed inputs on the
-    GPU (one going out, one coming back). ZeRO-2 adds its reduce bucket's buffers (zero2_backward_buckets);
-    `reduce_bucket` in elements as in model_state_bytes."""
+ZERO3_MAX_LIVE_PARAMETERS = 10**9  # ds_configs/zero3*.json's stage3_max_live_parameters (and reuse distance)
+
+
+def activation_bytes(
+    shape: ModelShape,
+    run: PlannedRun,
+    stage: int = 1,
+    reduce_bucket: int | None = None,
+    grads_offloaded: bool = False,
+    pipeline_stage: str | None = None,
+) -> tuple:
+    """Working memory (without, with activation checkpointing): bytes per GPU that a training step of `run` under ZeRO
+    `stage` holds at its peak beyond the model states (model_state_bytes), from a timeline of the step (step_peaks);
+    under pipeline parallelism of the stage that needs most, or of `pipeline_stage` ("first" or "last").
+    `reduce_bucket` in elements as in model_state_bytes; `grads_offloaded`: the gradient partition lives in host memory
+    (optimizer offload)."""
+    option = Option("", "", max(stage, 1), "cpu" if grads_offloaded else "none")
+    states = sum(model_state_bytes(option, shape, max(run.dp, 1), run.precision, run.tp, run.pp, reduce_bucket)[:3])
+    stages = ("first", "last") if run.pp > 1 and pipeline_stage is None else (pipeline_stage or "last",)
+    peaks = [peak_bytes(shape, run, option, reduce_bucket, which) for which in stages]
+    return tuple(max(peak[i] for peak in peaks) - states for i in (0, 1))
+
+
+def peak_bytes(shape: ModelShape, run: PlannedRun, option: Option, reduce_bucket: int | None, which: str) -> tuple:
+    """(without, with activation checkpointing) the most a rank of the `which` pipeline stage ("first" or "last";
+    without pipeline parallelism, any rank) holds during a step of `run` under `option`: its parameters and
+    optimizer states, and the highest of step_peaks (or of ZeRO-1/2's gradients at the update)."""
+    stage_shape = shape.pipeline_stage(run.pp, which)
+    params, grads, optimizer, *_ = model_state_bytes(
+        option, stage_shape, max(run.dp, 1), run.precision, run.tp, 1, reduce_bucket
+    )
+    n = stage_shape.params_per_tp_rank(run.tp)
+    transient = grads if option.stage < 3 else 0.0  # ZeRO-1/2's gradients live from the backward to the update
+    persistent = params + optimizer + grads - transient
+    return tuple(
+        persistent + max(*phases, transient)
+        for phases in step_peaks(shape, run, option.stage, n, reduce_bucket, which, option.offload_optimizer != "none")
+    )
+
+
+def step_peaks(
+    shape: ModelShape,
+    run: PlannedRun,
+    stage: int,
+    n: float,
+    reduce_bucket: int | None,
+    which: str = "last",
+    grads_offloaded: bool = False,
+) -> tuple:
+    """((forward, backward, end of backward) without, the same with activation checkpointing): bytes a step holds
+    above the parameters and optimizer states at each of its three highest points, on a rank that holds `n`
+    parameters (`which` pipeline stage: "first" holds the embeddings and pp micro-batches of its layers in flight
+    under 1F1B, "last" one micro-batch, the final norm and the loss). Measured on real runs (tests/helpers/
+    peak_memory_probe.py, BENCHMARKS.md "--plan's total against each rank's measured peak"):
+
+    - forward, at the loss: every layer's saved activations (per_layer), the chunked loss's gradient buffers (the
+      head's weight and the hidden states', filled in its forward) and one chunk's logits with their fp32
+      log-probabilities; gradients held from the step's earlier micro-batches; ZeRO-3's gathered parameters (up to
+      stage3_max_live_parameters stay gathered until the backward releases them).
+    - backward, at its first gradient: the activations, the MLP backward's two [tokens, intermediate] temporaries, and
+      the gradient memory the backward opens at once: ZeRO-0/1's reduce bucket (whole), ZeRO-2's two (overlap_comm),
+      beside the gradients held from earlier micro-batches. The activations are freed as the gradients grow, so the
+      two are never counted whole at once: ZeRO-1/2's whole gradients are the update's (the model states).
+    - end of backward: ZeRO-2's gradient partition beside its buckets; ZeRO-3's reduce bucket flattened and the
+      reduce-scatter's copy of it.
+    Under 1F1B the first stage's later backwards hold one micro-batch fewer each beside the gradients.
+    """
+    p = weight_bytes(run.precision)
     scale = 2 if run.precision == "fp32" else 1
     tp, pp = run.tp, run.pp
     tokens = run.micro_batch * run.block_size / run.sp
@@ -220,37 +294,56 @@ def activation_bytes(shape: ModelShape, run: PlannedRun, stage: int = 1, reduce_
     per_layer = (
         tokens * (8 * shape.hidden + 10 * shape.hidden / tp) + mlp_tokens * 8 * shape.intermediate / tp
     ) * scale
-    chunk = run.loss_chunk
-    logit_tokens = min(tokens, chunk) if chunk else tokens
-    vocab = shape.vocab / tp if chunk and pp == 1 else shape.vocab  # AutoTP's whole-logits head gathers them
-    logits = logit_tokens * vocab * 10 * (1.5 if run.precision == "fp32" else 1)
     kept = 2 * tokens * shape.hidden * scale  # a checkpointed layer's input
     kept_layers = min(shape.layers, 2) if run.features.offload else shape.layers
+    last = which == "last" or pp == 1
     # 1F1B: the first stage holds up to pp micro-batches in flight for its layers / pp layers, the last one
-    # micro-batch and the logits, plus those of the pipe engine's other output buffer.
-    first_stage = (shape.layers * per_layer, kept_layers * kept + per_layer)
-    kept_outputs = pipeline_kept_outputs(shape, run.micro_batch, run.block_size, run.precision, bool(chunk))
-    logits += kept_outputs / 2 if pp > 1 else 0
-    last_kept = min(kept_layers, shape.layers / pp) * kept
-    last_stage = (shape.layers / pp * per_layer + logits, last_kept + per_layer + logits)
-    without, with_checkpointing = (max(first_stage[i], last_stage[i]) for i in (0, 1))
-    if stage == 3:  # the largest layer gathered whole
-        zero_buffers = 2 * weight_bytes(run.precision) * shape.largest_layer_params
+    layers = shape.layers / pp if last else shape.layers
+    activations = layers * per_layer
+    checkpointed = min(kept_layers, layers) * kept
+    loss_kept = loss_peak = 0.0
+    if last:
+        chunk = run.loss_chunk
+        logit_tokens = min(tokens, chunk) if chunk else tokens
+        vocab_parallel = bool(chunk) and pp == 1 and tp > 1
+        vocab = shape.vocab / tp if vocab_parallel else shape.vocab  # AutoTP's whole-logits head gathers them
+        if chunk:  # logits in the training dtype and their fp32 log-probabilities (the vocabulary-parallel loss
+            # exponentiates an fp32 chunk in place); the head's and the hidden states' gradients, filled in the forward
+            loss_peak = logit_tokens * vocab * (4 if vocab_parallel and p == 4 else p + 4)
+            loss_kept = vocab * shape.hidden * p + tokens * shape.hidden * p
+        else:  # logits, their fp32 copy and log-softmax, and the logits' gradient
+            loss_peak = logit_tokens * vocab * 10 * (1.5 if run.precision == "fp32" else 1)
+        loss_kept += 2 * tokens * shape.hidden * p  # the final norm's input and output
+        if pp > 1:  # the pipe engine's other output buffer (pipeline_kept_outputs)
+            loss_kept += pipeline_kept_outputs(shape, run.micro_batch, run.block_size, run.precision, bool(chunk)) / 2
+    bucket = bucket_elements("cuda", run.precision, shape.n_params)[0] if reduce_bucket is None else reduce_bucket
+    bucket = min(bucket, n)
+    accumulating = run.grad_accum > 1 or pp > 1
+    if stage == 3:
+        gathered = max(shape.largest_layer_params, min(n, ZERO3_MAX_LIVE_PARAMETERS)) * p
+        held, opened, end = 0.0, 0.0, 2 * bucket * p
     else:
-        zero_buffers = zero2_backward_buckets(shape, run.precision, tp, pp, reduce_bucket) if stage == 2 else 0
-    return without + zero_buffers, with_checkpointing + zero_buffers
-
-
-def zero2_backward_buckets(
-    shape: ModelShape, precision: str, tp: int = 1, pp: int = 1, reduce_bucket: int | None = None
-) -> float:
-    """Bytes of the reduce bucket's buffers ZeRO-2 allocates at a backward's first gradient and frees at its end
-    (DeepSpeed 0.19's setup_buckets): two with overlap_comm (zero2.json and zero2_offload.json set it), each of the
-    whole bucket in the training dtype, on the GPU with optimizer offload too. Not in the model states: they are gone
-    by the update."""
-    n = shape.params_per_rank(tp, pp)
-    bucket = bucket_elements("cuda", precision, shape.n_params)[0] if reduce_bucket is None else reduce_bucket
-    return 2 * min(bucket, n) * weight_bytes(precision)
+        gathered = 0.0
+        # ZeRO-0/1: the reduce bucket, allocated whole at the backward's first gradient, and the autograd gradients
+        # (16-bit), whole until the boundary's reduction; ZeRO-2: its two reduce buckets (overlap_comm) and, reduced
+        # into, the gradient partition (16-bit and fp32, or in host memory under optimizer offload)
+        partition = 0.0 if grads_offloaded else (4 if run.precision == "fp32" else p + 4) * n / max(run.dp, 1)
+        whole = p * n + bucket * p
+        held = (whole if stage < 2 else partition) if accumulating else 0.0
+        opened = (held or bucket * p) if stage < 2 else 2 * bucket * p + held
+        end = 0.0 if stage < 2 else partition + 2 * bucket * p
+        if not last:  # 1F1B: the first stage's first backward, every micro-batch in flight, opens the bucket alone;
+            opened = bucket * p  # its later ones hold fewer micro-batches beside the gradients (below)
+            held = held if run.grad_accum > pp else 0.0  # its forwards come before its backwards
+    temporaries = 2 * mlp_tokens * shape.intermediate / tp * p
+    phases = []
+    for saved, recomputed in ((activations, 0.0), (checkpointed, per_layer)):
+        forward = saved + loss_kept + loss_peak + held + gathered
+        backward = saved + recomputed + loss_kept + temporaries + opened + gathered
+        if not last and stage < 3:  # the first stage's last backward: one micro-batch left, every gradient held
+            backward = max(backward, saved / pp + recomputed + temporaries + (p * n + bucket * p))
+        phases.append((forward, backward, end))
+    return tuple(phases)
 
 
 def offloaded_checkpoint_bytes(shape: ModelShape, tokens: float, precision: str) -> float:
@@ -284,7 +377,8 @@ def plan_memory(shape: ModelShape, run: PlannedRun, reduce_bucket: int | None = 
     model_state_bytes."""
     estimates = []
     for option in options_for(run.tp, run.sp, run.pp):
-        act, act_ckpt = activation_bytes(shape, run, option.stage, reduce_bucket)
+        offloaded = option.offload_optimizer != "none"
+        act, act_ckpt = activation_bytes(shape, run, option.stage, reduce_bucket, offloaded)
         params, grads, optimizer, host, nvme = model_state_bytes(
             option, shape, run.dp, run.precision, run.tp, run.pp, reduce_bucket
         )

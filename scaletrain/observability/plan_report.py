@@ -52,6 +52,7 @@ def planned_run(cfg: RunConfig, shape: ModelShape, block_size: int) -> PlannedRu
         sp=parallel.sequence_parallel_size,
         pp=parallel.pipeline_parallel_size,
         loss_chunk=None if chunk == 0 else chunk or auto_loss_chunk(shape.vocab),
+        grad_accum=cfg.optim.gradient_accumulation_steps,
         features=MemoryFeatures(model.tiled_mlp, model.activation_offloading),
     )
 

@@ -117,8 +117,8 @@ class Planner:
         self.gpu_bytes, self.host_bytes = gpu_bytes, host_bytes
         self._memory: dict = {}
 
-    def _estimates(self, tp: int, sp: int, pp: int, micro_batch: int) -> dict:
-        key = (tp, sp, pp, micro_batch)
+    def _estimates(self, tp: int, sp: int, pp: int, micro_batch: int, accum: int) -> dict:
+        key = (tp, sp, pp, micro_batch, accum)
         if key not in self._memory:
             run = replace(
                 self.run,
@@ -128,14 +128,15 @@ class Planner:
                 sp=sp,
                 pp=pp,
                 micro_batch=micro_batch,
+                grad_accum=accum,
             )
             self._memory[key] = {e.option.name: e for e in plan_memory(self.shape, run)}
         return self._memory[key]
 
     def score(self, layout: Layout, option: Option) -> Candidate:
-        estimate: Estimate | None = self._estimates(layout.tp, layout.sp, layout.pp, layout.micro_batch).get(
-            option.name
-        )
+        estimate: Estimate | None = self._estimates(
+            layout.tp, layout.sp, layout.pp, layout.micro_batch, layout.grad_accum
+        ).get(option.name)
         if estimate is None:  # an option the layout does not train with (the flags' own ZeRO-0, say): its states
             estimate = _estimate_for(option, self.shape, self.run, layout, self.cluster)
         peak = estimate.total(layout.checkpointing)
@@ -204,7 +205,7 @@ def _estimate_for(option: Option, shape: ModelShape, run: PlannedRun, layout: La
 
     planned = replace(
         run, gpus_per_node=cluster.gpus_per_node, nodes=cluster.nodes, tp=layout.tp, sp=layout.sp, pp=layout.pp,
-        micro_batch=layout.micro_batch,
+        micro_batch=layout.micro_batch, grad_accum=layout.grad_accum,
     )  # fmt: skip
     act, act_ckpt = activation_bytes(shape, planned, max(option.stage, 1))
     dp = 1 if option.stage == 0 else planned.dp

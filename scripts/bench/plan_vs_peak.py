@@ -42,21 +42,23 @@ LAYOUTS = (
 )
 
 
-def planned(run_dir: Path, layout: tuple, micro: int, block: int) -> tuple:
-    """(model states, working memory) bytes the planner gives for this run's resolved DeepSpeed config; `layout` as
-    in LAYOUTS."""
-    stage, _, tp, sp, pp, dp = layout
+def planned(run_dir: Path, layout: tuple, micro: int, block: int, rank: int) -> tuple:
+    """(model states, planned peak) bytes the planner gives `rank` (its pipeline stage's) for this run's resolved
+    DeepSpeed config; `layout` as in LAYOUTS."""
+    stage, accumulation, tp, sp, pp, dp = layout
     from scaletrain.observability import memory_planner
 
     shape = tiny_shape()
     bucket = json.loads((run_dir / "ds_config.json").read_text())["zero_optimization"]["reduce_bucket_size"]
     run = memory_planner.PlannedRun(
         gpus_per_node=tp * sp * pp * dp, micro_batch=micro, block_size=block, precision="fp32", tp=tp, sp=sp, pp=pp,
-        loss_chunk=memory_planner.auto_loss_chunk(shape.vocab),
+        loss_chunk=memory_planner.auto_loss_chunk(shape.vocab), grad_accum=accumulation,
     )  # fmt: skip
-    estimates = memory_planner.plan_memory(shape, run, reduce_bucket=bucket)
-    estimate = next(e for e in estimates if e.option.stage == stage and e.option.offload_optimizer == "none")
-    return estimate.model_states, estimate.activations
+    option = next(o for o in memory_planner.OPTIONS if o.stage == stage and o.offload_optimizer == "none")
+    which = "first" if pp > 1 and rank < tp * sp * dp else "last"  # the pipe axis varies slowest
+    stage_shape = shape.pipeline_stage(pp, which)
+    states = sum(memory_planner.model_state_bytes(option, stage_shape, dp * sp, "fp32", tp, 1, bucket)[:3])
+    return states, memory_planner.peak_bytes(shape, run, option, bucket, which)[0]
 
 
 @functools.cache
@@ -88,13 +90,13 @@ def main() -> None:
             flags += ["--tensor_parallel_size", str(tp), "--sequence_parallel_size", str(sp)]
             flags += ["--pipeline_parallel_size", str(pp), "--peak_tflops", "0.2"]
             launch(PROBE, flags, nprocs)
-            states, working = planned(run_dir, layout, args.batch, args.block_size)
             sizes = [f"{kind} {size}" for kind, size in (("TP", tp), ("SP", sp), ("PP", pp), ("DP", dp)) if size > 1]
             name = " x ".join(sizes) or "1 rank"
             name += f", accumulation {accumulation}" if accumulation > 1 else ""
             for rank in range(nprocs):
                 step = json.loads((run_dir / f"peak_memory_rank{rank}.json").read_text())["steps"][-1]
-                total = states + working
+                states, total = planned(run_dir, layout, args.batch, args.block_size, rank)
+                working = total - states
                 print(
                     f"| {name} | {stage} | {rank} | {step['peak'] / mib:.2f} | {step['drift'] / mib:+.2f} | "
                     f"{step['start'] / mib:.2f} | {states / mib:.2f} + {working / mib:.2f} = {total / mib:.2f} | "

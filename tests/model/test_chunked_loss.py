@@ -22,7 +22,7 @@ from scaletrain.model.chunked_loss import (
 )
 from scaletrain.config.cli import parse_run_config
 from scaletrain.errors import UsageError
-from scaletrain.observability.memory_planner import activation_bytes, auto_loss_chunk
+from scaletrain.observability.memory_planner import auto_loss_chunk
 from tests.harness import REPO, check_ok, launch, layout_flags, read_metrics
 from tests.distributed.test_tensor_parallel import _assert_matches, _assert_same_export
 
@@ -266,25 +266,34 @@ def test_auto_chunk_keeps_a_chunks_fp32_logits_under_256_mib():
 def test_the_memory_plan_counts_one_chunk_of_logits():
     from dataclasses import replace
 
-    from scaletrain.observability.memory_planner import ModelShape, PlannedRun
+    from scaletrain.observability.memory_planner import ModelShape, PlannedRun, step_peaks
 
     shape = ModelShape(
         n_params=10**9, largest_layer_params=10**8, layers=16, hidden=2048, intermediate=8192, vocab=128_256, kv_heads=8
     )
     run = PlannedRun(micro_batch=4, block_size=4096, precision="bf16")
-    whole, _ = activation_bytes(shape, run)
-    chunked, _ = activation_bytes(shape, replace(run, loss_chunk=523))
-    assert whole - chunked == pytest.approx((4 * 4096 - 523) * 128_256 * 10)
+
+    def forward(planned, which="last"):  # the step's forward peak (at the loss), without checkpointing
+        return step_peaks(shape, planned, 1, 10**9, 0, which)[0][0]
+
+    tokens, vocab, hidden = 4 * 4096, 128_256, 2048
+    # the whole logits (bf16, their fp32 copy and log-softmax, their gradient: 10 bytes) against one chunk's (bf16
+    # and fp32 log-probabilities: 6 bytes) and the gradients the chunked loss fills in its forward (head, hidden)
+    chunked_extra = vocab * hidden * 2 + tokens * hidden * 2
+    whole_minus_chunked = tokens * vocab * 10 - (523 * vocab * 6 + chunked_extra)
+    assert forward(run) - forward(replace(run, loss_chunk=523)) == pytest.approx(whole_minus_chunked)
     # Tensor parallelism: a chunk of each rank's half of the head's rows, against the gathered whole logits.
-    whole_tp, _ = activation_bytes(shape, replace(run, tp=2))
-    chunked_tp, _ = activation_bytes(shape, replace(run, tp=2, loss_chunk=523))
-    assert whole_tp - chunked_tp == pytest.approx((4 * 4096 - 523 / 2) * 128_256 * 10)
+    tp = replace(run, tp=2)
+    chunked_tp_extra = vocab / 2 * hidden * 2 + tokens * hidden * 2
+    assert forward(tp) - forward(replace(tp, loss_chunk=523)) == pytest.approx(
+        tokens * vocab * 10 - (523 * vocab / 2 * 6 + chunked_tp_extra)
+    )
     # Pipeline parallelism: a chunk of the whole head's logits on the last stage, and hidden states (not logits) in
-    # the pipe engine's other output buffer (with activation checkpointing the last stage needs most either way).
-    _, whole_pp = activation_bytes(shape, replace(run, pp=2))
-    _, chunked_pp = activation_bytes(shape, replace(run, pp=2, loss_chunk=523))
-    kept = 4 * 4096 * (128_256 - 2048) * 2  # half of 2 s b (V - h) p: one buffer beside the one in use
-    assert whole_pp - chunked_pp == pytest.approx((4 * 4096 - 523) * 128_256 * 10 + kept)
+    # the pipe engine's other output buffer; the first stage holds no logits at all.
+    pp = replace(run, pp=2, grad_accum=2)
+    kept = tokens * (vocab - hidden) * 2  # half of 2 s b (V - h) p: one buffer beside the one in use
+    assert forward(pp) - forward(replace(pp, loss_chunk=523)) == pytest.approx(whole_minus_chunked + kept)
+    assert forward(pp, "first") == forward(replace(pp, loss_chunk=523), "first")
 
 
 def test_models_that_change_the_heads_output_keep_the_whole_logits():

@@ -301,21 +301,7 @@ def step_peaks(
     layers = shape.layers / pp if last else shape.layers
     activations = layers * per_layer
     checkpointed = min(kept_layers, layers) * kept
-    loss_kept = loss_peak = 0.0
-    if last:
-        chunk = run.loss_chunk
-        logit_tokens = min(tokens, chunk) if chunk else tokens
-        vocab_parallel = bool(chunk) and pp == 1 and tp > 1
-        vocab = shape.vocab / tp if vocab_parallel else shape.vocab  # AutoTP's whole-logits head gathers them
-        if chunk:  # logits in the training dtype and their fp32 log-probabilities (the vocabulary-parallel loss
-            # exponentiates an fp32 chunk in place); the head's and the hidden states' gradients, filled in the forward
-            loss_peak = logit_tokens * vocab * (4 if vocab_parallel and p == 4 else p + 4)
-            loss_kept = vocab * shape.hidden * p + tokens * shape.hidden * p
-        else:  # logits, their fp32 copy and log-softmax, and the logits' gradient
-            loss_peak = logit_tokens * vocab * 10 * (1.5 if run.precision == "fp32" else 1)
-        loss_kept += 2 * tokens * shape.hidden * p  # the final norm's input and output
-        if pp > 1:  # the pipe engine's other output buffer (pipeline_kept_outputs)
-            loss_kept += pipeline_kept_outputs(shape, run.micro_batch, run.block_size, run.precision, bool(chunk)) / 2
+    loss_kept, loss_peak = loss_bytes(shape, run, tokens) if last else (0.0, 0.0)
     bucket = bucket_elements("cuda", run.precision, shape.n_params)[0] if reduce_bucket is None else reduce_bucket
     bucket = min(bucket, n)
     accumulating = run.grad_accum > 1 or pp > 1
@@ -344,6 +330,27 @@ def step_peaks(
             backward = max(backward, saved / pp + recomputed + temporaries + (p * n + bucket * p))
         phases.append((forward, backward, end))
     return tuple(phases)
+
+
+def loss_bytes(shape: ModelShape, run: PlannedRun, tokens: float) -> tuple:
+    """(kept through the step, the loss's own peak) bytes of the last stage's loss on `tokens` tokens: the chunked
+    loss holds one chunk's logits in the training dtype and their fp32 log-probabilities (the vocabulary-parallel loss
+    exponentiates an fp32 chunk in place) and fills the head's and the hidden states' gradients in its forward; the
+    whole logits take their fp32 copy, log-softmax and gradient (10 bytes each, x1.5 in fp32). Kept too: the final
+    norm's input and output, and under pipeline parallelism the pipe engine's other output buffer."""
+    p, tp, chunk = weight_bytes(run.precision), run.tp, run.loss_chunk
+    logit_tokens = min(tokens, chunk) if chunk else tokens
+    vocab_parallel = bool(chunk) and run.pp == 1 and tp > 1
+    vocab = shape.vocab / tp if vocab_parallel else shape.vocab  # AutoTP's whole-logits head gathers them
+    if chunk:
+        peak = logit_tokens * vocab * (4 if vocab_parallel and p == 4 else p + 4)
+        kept = vocab * shape.hidden * p + tokens * shape.hidden * p
+    else:
+        peak, kept = logit_tokens * vocab * 10 * (1.5 if run.precision == "fp32" else 1), 0.0
+    kept += 2 * tokens * shape.hidden * p
+    if run.pp > 1:  # pipeline_kept_outputs: one buffer beside the one in use
+        kept += pipeline_kept_outputs(shape, run.micro_batch, run.block_size, run.precision, bool(chunk)) / 2
+    return kept, peak
 
 
 def offloaded_checkpoint_bytes(shape: ModelShape, tokens: float, precision: str) -> float:

@@ -1,6 +1,6 @@
-"""--plan's per-GPU total (model states + working memory, no activation checkpointing) against each rank's measured
-peak during a training step, for single and composed layouts: the tiny Llama in fp32, micro-batch 4 of 64 tokens,
-3 steps, the peak of the last.
+"""--plan's per-GPU total (model states + working memory, without or with activation checkpointing as the run) against
+each rank's measured peak during a training step, for single and composed layouts: the tiny Llama in fp32,
+micro-batch 4 of 64 tokens, 3 steps, the peak of the last; each pipeline stage against its own plan.
 
 Each run is tests/helpers/peak_memory_probe.py (train.py's phases under torch's profiler with profile_memory=True
 from before the model is built: the live tensor bytes at the end of step 2 plus the highest running sum of step 3's
@@ -26,26 +26,30 @@ from scripts.bench.common import bench_parser, launch  # noqa: E402
 
 PROBE = "tests/helpers/peak_memory_probe.py"
 
-# (ZeRO stage, gradient accumulation, TP, SP, PP, DP)
+# (ZeRO stage, gradient accumulation, TP, SP, PP, DP, activation checkpointing)
 LAYOUTS = (
-    (2, 1, 1, 1, 1, 1),
-    (2, 2, 1, 1, 1, 1),
-    (1, 1, 1, 1, 1, 2),
-    (1, 1, 2, 1, 1, 1),
-    (2, 1, 2, 1, 1, 1),
-    (2, 1, 1, 2, 1, 1),
-    (3, 1, 1, 2, 1, 1),
-    (3, 1, 2, 1, 1, 2),
-    (2, 1, 2, 2, 1, 1),
-    (1, 2, 1, 1, 2, 1),
-    (1, 2, 2, 1, 2, 1),
+    (2, 1, 1, 1, 1, 1, False),
+    (2, 2, 1, 1, 1, 1, False),
+    (1, 2, 1, 1, 1, 1, False),
+    (1, 1, 1, 1, 1, 2, False),
+    (1, 1, 2, 1, 1, 1, False),
+    (2, 1, 2, 1, 1, 1, False),
+    (2, 1, 1, 2, 1, 1, False),
+    (3, 1, 1, 2, 1, 1, False),
+    (3, 1, 2, 1, 1, 2, False),
+    (2, 1, 2, 2, 1, 1, False),
+    (1, 2, 1, 1, 2, 1, False),
+    (1, 2, 2, 1, 2, 1, False),
+    (2, 1, 1, 1, 1, 1, True),
+    (3, 1, 1, 2, 1, 1, True),
+    (1, 2, 2, 1, 2, 1, True),
 )
 
 
 def planned(run_dir: Path, layout: tuple, micro: int, block: int, rank: int) -> tuple:
     """(model states, planned peak) bytes the planner gives `rank` (its pipeline stage's) for this run's resolved
     DeepSpeed config; `layout` as in LAYOUTS."""
-    stage, accumulation, tp, sp, pp, dp = layout
+    stage, accumulation, tp, sp, pp, dp, checkpointing = layout
     from scaletrain.observability import memory_planner
 
     shape = tiny_shape()
@@ -58,7 +62,7 @@ def planned(run_dir: Path, layout: tuple, micro: int, block: int, rank: int) -> 
     which = "first" if pp > 1 and rank < tp * sp * dp else "last"  # the pipe axis varies slowest
     stage_shape = shape.pipeline_stage(pp, which)
     states = sum(memory_planner.model_state_bytes(option, stage_shape, dp * sp, "fp32", tp, 1, bucket)[:3])
-    return states, memory_planner.peak_bytes(shape, run, option, bucket, which)[0]
+    return states, memory_planner.peak_bytes(shape, run, option, bucket, which)[int(checkpointing)]
 
 
 @functools.cache
@@ -80,7 +84,7 @@ def main() -> None:
         "| planned / measured |\n|---|---|---|---|---|---|---|---|"
     )
     for layout in LAYOUTS:
-        stage, accumulation, tp, sp, pp, dp = layout
+        stage, accumulation, tp, sp, pp, dp, checkpointing = layout
         nprocs = tp * sp * pp * dp
         with tempfile.TemporaryDirectory() as tmp:
             run_dir = Path(tmp) / "run"
@@ -89,10 +93,12 @@ def main() -> None:
             flags += ["--gradient_accumulation_steps", str(accumulation), "--disable_tqdm", "--max_eval_samples", "8"]
             flags += ["--tensor_parallel_size", str(tp), "--sequence_parallel_size", str(sp)]
             flags += ["--pipeline_parallel_size", str(pp), "--peak_tflops", "0.2"]
+            flags += ["--gradient_checkpointing"] if checkpointing else []
             launch(PROBE, flags, nprocs)
             sizes = [f"{kind} {size}" for kind, size in (("TP", tp), ("SP", sp), ("PP", pp), ("DP", dp)) if size > 1]
             name = " x ".join(sizes) or "1 rank"
             name += f", accumulation {accumulation}" if accumulation > 1 else ""
+            name += ", checkpointing" if checkpointing else ""
             for rank in range(nprocs):
                 step = json.loads((run_dir / f"peak_memory_rank{rank}.json").read_text())["steps"][-1]
                 states, total = planned(run_dir, layout, args.batch, args.block_size, rank)

@@ -297,7 +297,7 @@ def step_peaks(
     kept = 2 * tokens * shape.hidden * scale  # a checkpointed layer's input
     kept_layers = min(shape.layers, 2) if run.features.offload else shape.layers
     last = which == "last" or pp == 1
-    # 1F1B: the first stage holds up to pp micro-batches in flight for its layers / pp layers, the last one
+    # 1F1B: the first stage holds up to pp micro-batches in flight for its layers / pp layers, the last stage one
     layers = shape.layers / pp if last else shape.layers
     activations = layers * per_layer
     checkpointed = min(kept_layers, layers) * kept

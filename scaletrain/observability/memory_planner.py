@@ -479,7 +479,8 @@ def render_memory_plan(
         f"{_describe(run.ranks, tp, sp, pp)}, {run.precision}, micro-batch {run.micro_batch} x {run.block_size} "
         f"tokens{run.features.describe()}, {gpu_memory_gb:g} GB per GPU"
         + ("" if host_memory_gb is None else f", {host_memory_gb:g} GB host per node"),
-        "GB per GPU unless marked; 'fits' leaves 10% of the GPU free (fragmentation, communication buffers)",
+        "GB per GPU unless marked; working: what a step holds beyond the model states at its peak (0 where the "
+        "update's gradients are the peak); 'fits' leaves 10% of the GPU free (fragmentation, communication buffers)",
         "",
         "| option | params | grads | optimizer | model states | working (no ckpt / ckpt) | total (no ckpt / "
         "ckpt) | host per node | NVMe per node | fits (no ckpt / ckpt) | config |",

@@ -45,22 +45,18 @@ class ModelShape:
         last, with the head, each with layers / pp decoder layers). Under tensor x pipeline parallelism a stage's
         decoder layers split their linear layers over the tensor ranks, and its embedding and head stay whole
         (scaletrain.distributed.layout.TENSOR_STAGE_PARTITION)."""
-        if pp == 1:
-            return self.params_per_tp_rank(tp)
-        body = self.n_params - self.embedding_params - (0 if self.head_tied else self.head_params)
-        split = min(max(self.linear_params - self.head_params, 0), body)  # the decoder layers' linear weights
-        return (body - split + split / tp) / pp + max(self.embedding_params, self.head_params)
+        return max(self.pipeline_stage(pp, which).params_per_tp_rank(tp) for which in ("first", "last"))
 
     def pipeline_stage(self, pp: int, which: str) -> ModelShape:
         """The `which` stage of `pp` ("first": with the embeddings, "last": with the head) as a model of its own: its
         share of the decoder layers (whose linear weights tensor parallelism splits) and its end's parameters, whole;
-        params_per_tp_rank of it is params_per_rank's count for that stage."""
+        params_per_tp_rank of it is params_per_rank's count for that stage (its counts may be fractions)."""
         if pp == 1:
             return self
         body = self.n_params - self.embedding_params - (0 if self.head_tied else self.head_params)
-        split = min(max(self.linear_params - self.head_params, 0), body)
+        split = min(max(self.linear_params - self.head_params, 0), body)  # the decoder layers' linear weights
         end = self.embedding_params if which == "first" else self.head_params
-        return replace(self, n_params=round(body / pp + end), linear_params=round(split / pp))
+        return replace(self, n_params=body / pp + end, linear_params=split / pp)
 
     @classmethod
     def from_meta_model(cls, model, model_config) -> ModelShape:
@@ -228,16 +224,15 @@ def activation_bytes(
     stage: int = 1,
     reduce_bucket: int | None = None,
     grads_offloaded: bool = False,
-    pipeline_stage: str | None = None,
 ) -> tuple:
     """Working memory (without, with activation checkpointing): bytes per GPU that a training step of `run` under ZeRO
     `stage` holds at its peak beyond the model states (model_state_bytes), from a timeline of the step (step_peaks);
-    under pipeline parallelism of the stage that needs most, or of `pipeline_stage` ("first" or "last").
+    under pipeline parallelism of the stage that needs most.
     `reduce_bucket` in elements as in model_state_bytes; `grads_offloaded`: the gradient partition lives in host memory
     (optimizer offload)."""
     option = Option("", "", max(stage, 1), "cpu" if grads_offloaded else "none")
     states = sum(model_state_bytes(option, shape, max(run.dp, 1), run.precision, run.tp, run.pp, reduce_bucket)[:3])
-    stages = ("first", "last") if run.pp > 1 and pipeline_stage is None else (pipeline_stage or "last",)
+    stages = ("first", "last") if run.pp > 1 else ("last",)
     peaks = [peak_bytes(shape, run, option, reduce_bucket, which) for which in stages]
     return tuple(max(peak[i] for peak in peaks) - states for i in (0, 1))
 

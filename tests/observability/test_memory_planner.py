@@ -204,7 +204,7 @@ PEAK_LAYOUTS = {  # ZeRO stage, ranks, accumulation, tensor, sequence, pipeline 
 }
 
 
-@pytest.mark.slow  # a 2-rank and a 4-rank run of 3 steps under torch's profiler
+@pytest.mark.slow  # a 2-rank and a 4-rank run of 4 steps under torch's profiler
 @pytest.mark.parametrize("layout", PEAK_LAYOUTS.values(), ids=PEAK_LAYOUTS.keys())
 def test_the_plans_total_is_within_10_percent_of_each_ranks_measured_peak(layout, tmp_path, cache_dir):
     """The plan's per-GPU total without checkpointing (its step timeline: the highest of the forward at the loss, the
@@ -217,7 +217,7 @@ def test_the_plans_total_is_within_10_percent_of_each_ranks_measured_peak(layout
     BENCHMARKS.md, "--plan's total against each rank's measured peak"."""
     stage, nprocs, accumulation, tp, sp, pp = layout
     run_dir = tmp_path / "run"
-    flags = ["--config", f"ds_configs/zero{stage}.json", "--output_dir", str(run_dir), "--max_steps", "3"]
+    flags = ["--config", f"ds_configs/zero{stage}.json", "--output_dir", str(run_dir), "--max_steps", "4"]
     flags += [*FAST_FLAGS, "--max_eval_samples", "8", "--gradient_accumulation_steps", str(accumulation)]
     flags += ["--tensor_parallel_size", str(tp), "--sequence_parallel_size", str(sp)]
     flags += ["--pipeline_parallel_size", str(pp)]
@@ -235,11 +235,14 @@ def test_the_plans_total_is_within_10_percent_of_each_ranks_measured_peak(layout
         which = "first" if rank < nprocs // pp else "last"  # the pipe axis varies slowest
         total = memory_planner.peak_bytes(shape, planned_run, option, bucket, which)[0]
         steps = json.loads((run_dir / f"peak_memory_rank{rank}.json").read_text())["steps"]
-        assert len(steps) == 2, steps  # steps 2 and 3 (the first builds Adam's moments)
-        step = steps[-1]
-        # the profiler saw (almost) every allocation: the running sum ends within 5% of the peak from the live bytes
-        # (0.0-1.5% in the benchmark's SP 2 runs; 2.4% once here, a tensor alive at the mark that only C++ held)
-        assert abs(step["drift"]) <= 0.05 * step["peak"], step
+        assert len(steps) == 3, steps  # steps 2 to 4 (the first builds Adam's moments)
+        # the step the profiler saw whole: its running sum ends within 5% of the peak from the live bytes (0.0-1.5% in
+        # the benchmark's SP 2 runs). About one rank-step in twenty here ends 3.2-3.9 MB high (4 of 80 on this machine,
+        # once in CI): an allocation of the step (2.8 MB on the last stage, where it was traced) whose free the
+        # profiler never records although the tensor is gone at the mark, so that step's running sum, and its peak
+        # if the free came before it, are not a measure. Of three steps, one is clean all but always.
+        step = min(steps, key=lambda record: abs(record["drift"]))
+        assert abs(step["drift"]) <= 0.05 * step["peak"], steps
         assert step["start"] < step["peak"], step
         assert abs(total - step["peak"]) <= 0.10 * step["peak"], (
             f"rank {rank} ({which} stage): planned {total / 2**20:.2f} MiB, {step}"

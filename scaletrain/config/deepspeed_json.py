@@ -82,27 +82,36 @@ class ResolvedDSConfig:
     precision: str  # "bf16", "fp16" or "fp32"
     precision_reason: str
 
+    @classmethod
+    def saved(cls, config: dict, source: str) -> ResolvedDSConfig:
+        """A run's resolved JSON as train.py saved it (ds_config.json): every value from `source`, the precision its
+        bf16/fp16 sections enable."""
+        precision = next((kind for kind in ("bf16", "fp16") if config.get(kind, {}).get("enabled") is True), "fp32")
+        return cls(config, {}, precision, f"{source}: {precision}")
+
     @property
     def zero_stage(self) -> int:
         return int(self.config.get("zero_optimization", {}).get("stage", 0))
 
     @property
+    def offload_devices(self) -> tuple[str, str]:
+        """(the optimizer's, the parameters' offload device): "none", "cpu" or "nvme"."""
+        zero = self.config.get("zero_optimization", {})
+        return tuple(zero.get(f"offload_{kind}", {}).get("device") or "none" for kind in ("optimizer", "param"))
+
+    @property
     def offloads_optimizer(self) -> bool:
-        device = self.config.get("zero_optimization", {}).get("offload_optimizer", {}).get("device", "none")
-        return device not in (None, "none")
+        return self.offload_devices[0] != "none"
 
     @property
     def offloads_params(self) -> bool:
-        device = self.config.get("zero_optimization", {}).get("offload_param", {}).get("device", "none")
-        return device not in (None, "none")
+        return self.offload_devices[1] != "none"
 
     @property
     def offload_setting(self) -> str:
         """The offload devices as checkpoints record them: "optimizer=<device>,param=<device>"."""
-        zero = self.config.get("zero_optimization", {})
-        return ",".join(
-            f"{kind}={zero.get(f'offload_{kind}', {}).get('device') or 'none'}" for kind in ("optimizer", "param")
-        )
+        optimizer, param = self.offload_devices
+        return f"optimizer={optimizer},param={param}"
 
     @property
     def micro_batch(self) -> int:

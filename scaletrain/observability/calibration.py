@@ -17,7 +17,7 @@ import statistics
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from scaletrain.config import GPU
+from scaletrain.config import GPU, ResolvedDSConfig
 from scaletrain.errors import UsageError
 from scaletrain.observability.memory_planner import ModelShape
 from scaletrain.observability.metrics import METRICS_FILE, read_records
@@ -85,7 +85,7 @@ def read_calibration(run_dir: Path) -> Calibration:
     if not (run_dir / METRICS_FILE).is_file():
         raise _refuse(run_dir, f"no {METRICS_FILE}")
     flags = _read_json(run_dir / "run_config.json", run_dir)
-    ds = _read_json(run_dir / "ds_config.json", run_dir)
+    ds = ResolvedDSConfig.saved(_read_json(run_dir / "ds_config.json", run_dir), str(run_dir / "ds_config.json"))
     records, _ = read_records(run_dir / METRICS_FILE)
     steps = [r for r in records if "step_time_s" in r and r.get("mfu")]
     if len(steps) < 4:
@@ -97,27 +97,24 @@ def read_calibration(run_dir: Path) -> Calibration:
     micro, accum = flags["per_device_train_batch_size"], flags["gradient_accumulation_steps"]
     tp, pp, sp = (flags.get(f"{kind}_parallel_size", 1) for kind in ("tensor", "pipeline", "sequence"))
     dp = max(1, round(median("global_batch") / (micro * accum)))
-    zero = ds.get("zero_optimization", {})
+    offload_optimizer, offload_params = ds.offload_devices
     layout = Layout(
         tp=tp,
         pp=pp,
         sp=sp,
         dp=dp,
-        zero_stage=int(zero.get("stage", 0)),
-        offload_optimizer=zero.get("offload_optimizer", {}).get("device") or "none",
-        offload_params=zero.get("offload_param", {}).get("device") or "none",
+        zero_stage=ds.zero_stage,
+        offload_optimizer=offload_optimizer,
+        offload_params=offload_params,
         micro_batch=micro,
         grad_accum=accum,
         checkpointing=bool(flags.get("gradient_checkpointing")),
     )
-    precision = "bf16" if ds.get("bf16", {}).get("enabled") is True else "fp16" if ds.get("fp16", {}).get(
-        "enabled"
-    ) is True else "fp32"  # fmt: skip
     return Calibration(
         run_dir=run_dir,
         layout=layout,
         block_size=int(flags.get("block_size") or 0) or _block_size(steady, layout),
-        precision=precision,
+        precision=ds.precision,
         peak_tflops=median("tflops_per_device") / median("mfu"),
         phases=phases,
         bus_gbs=_bus_bandwidth(steady),

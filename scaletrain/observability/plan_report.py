@@ -112,9 +112,7 @@ def planned_cluster(cfg: RunConfig, nodes: int | None = None, calibration: tuple
 
 def flags_option(cfg: RunConfig, ds: ResolvedDSConfig) -> Option:
     """The ZeRO option the flags' --config names (its stage and offload devices)."""
-    zero = ds.config.get("zero_optimization", {})
-    optimizer = zero.get("offload_optimizer", {}).get("device") or "none"
-    params = zero.get("offload_param", {}).get("device") or "none"
+    optimizer, params = ds.offload_devices
     for option in OPTIONS:
         if (option.stage, option.offload_optimizer, option.offload_params) == (ds.zero_stage, optimizer, params):
             return option

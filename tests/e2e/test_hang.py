@@ -154,9 +154,10 @@ def test_a_rank_frozen_with_sigstop_ends_the_job_named_with_stacks_and_no_proces
     assert f"stopped: rank 1 ({socket.gethostname()}, pid {victim}) at step" in line, line
     assert "no heartbeat" in line and str(attempt / "stacks-rank-*.txt") in line
     stacks = (attempt / "stacks-rank-00000.txt").read_text()
-    # rank 0 was waiting for rank 1 in a collective: a step's all_reduce (torch's, or the shared-memory kernel's), or
-    # a save's barrier when the freeze landed at a save step (CI saw both); which depends on where rank 1 stopped
-    collective = r'comm\.py", line \d+ in (all_reduce|barrier|all_gather\w*|reduce_scatter\w*|broadcast)\n'
+    # rank 0 was waiting for rank 1 in a collective: a step's all_reduce (torch's, or the shared-memory kernel's), a
+    # save's barrier, or the save's agreement (torch's all_reduce called by world.any_rank) when the freeze landed at a
+    # save step (CI saw all three); which depends on where rank 1 stopped. DeepSpeed's comm.py or torch's c10d.
+    collective = r'(comm|c10d)\.py", line \d+ in (all_reduce|barrier|all_gather\w*|reduce_scatter\w*|broadcast)\n'
     assert re.search(collective, stacks), stacks
     assert not (attempt / "stacks-rank-00001.txt").exists()  # a frozen rank writes nothing
     deadline = time.monotonic() + 10  # the launcher has reaped its children; nothing else may be left either

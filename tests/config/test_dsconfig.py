@@ -6,7 +6,13 @@ import pytest
 
 from scaletrain.errors import UsageError
 from scaletrain.config.cli import parse_run_config
-from scaletrain.config.deepspeed_json import HardwareFacts, ModelSize, load_ds_config, resolve_ds_config
+from scaletrain.config.deepspeed_json import (
+    HardwareFacts,
+    ModelSize,
+    ResolvedDSConfig,
+    load_ds_config,
+    resolve_ds_config,
+)
 from tests.harness import REPO
 
 CPU = HardwareFacts("cpu", bf16_fast=False)
@@ -58,6 +64,17 @@ def test_every_shipped_config_resolves_completely(name, tmp_path):
     assert resolved.precision == "fp32" and not c["bf16"]["enabled"] and not c["fp16"]["enabled"]
     # torch AdamW on CPU only where no optimizer offload needs DeepSpeedCPUAdam
     assert c["optimizer"]["params"].get("torch_adam", False) == (not resolved.offloads_optimizer)
+    # a run's saved ds_config.json reads back as the resolved one (calibration and --plan_calibration read it)
+    saved = ResolvedDSConfig.saved(json.loads(json.dumps(c)), "ds_config.json")
+    assert (saved.precision, saved.zero_stage, saved.offload_setting) == (
+        resolved.precision, resolved.zero_stage, resolved.offload_setting,
+    )  # fmt: skip
+    assert saved.offload_devices == {
+        "zero1": ("none", "none"), "zero2": ("none", "none"), "zero3": ("none", "none"),
+        "zero2_offload": ("cpu", "none"), "zero3_offload": ("cpu", "cpu"), "zero3_nvme": ("nvme", "nvme"),
+    }[name]  # fmt: skip
+    bf16 = ResolvedDSConfig.saved({**c, "bf16": {"enabled": True}}, "ds_config.json")
+    assert bf16.precision == "bf16"
 
 
 def test_precision_auto_is_bf16_on_a_bf16_gpu_and_flags_win(tmp_path):

@@ -85,7 +85,8 @@ def read_calibration(run_dir: Path) -> Calibration:
     if not (run_dir / METRICS_FILE).is_file():
         raise _refuse(run_dir, f"no {METRICS_FILE}")
     flags = _read_json(run_dir / "run_config.json", run_dir)
-    ds = ResolvedDSConfig.saved(_read_json(run_dir / "ds_config.json", run_dir), str(run_dir / "ds_config.json"))
+    ds_path = run_dir / "ds_config.json"
+    ds = ResolvedDSConfig.saved(_read_json(ds_path, run_dir), str(ds_path))
     records, _ = read_records(run_dir / METRICS_FILE)
     steps = [r for r in records if "step_time_s" in r and r.get("mfu")]
     if len(steps) < 4:

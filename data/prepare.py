@@ -16,12 +16,11 @@ import logging
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from scaletrain.config.slices import DataArgs, ModelArgs, OptimArgs  # noqa: E402
-from scaletrain.config.cli import _Parser, add_flags, slices_from  # noqa: E402
-from scaletrain.errors import PrepareError, UsageError  # noqa: E402
-from scaletrain.logs import setup_logging, silence_library_logs  # noqa: E402
+from scaletrain.config.slices import DataArgs, ModelArgs, OptimArgs
+from scaletrain.config.cli import _Parser, add_flags, slices_from
+from scaletrain.errors import PrepareError, UsageError
+from scaletrain.logs import setup_logging, silence_library_logs
 
 # train.py's data flags that only concern reading a prepared store (a store is what this script makes).
 TRAINING_ONLY = tuple(name for name, f in DataArgs.__dataclass_fields__.items() if f.metadata.get("training_only"))

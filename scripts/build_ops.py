@@ -17,9 +17,8 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from scaletrain.engine import ops  # noqa: E402
+from scaletrain.engine import ops
 
 REPO = Path(__file__).resolve().parents[1]
 

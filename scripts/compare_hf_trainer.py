@@ -57,13 +57,12 @@ from pathlib import Path
 
 import psutil
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
+from data.build_tiny_llama import tiny_llama_variant
+from scaletrain.observability.metrics import METRICS_FILE, read_records
+from scripts.bench.common import bench_model, steady_rate
+from scripts.launching import Launcher, child_env
 
-from data.build_tiny_llama import tiny_llama_variant  # noqa: E402
-from scaletrain.observability.metrics import METRICS_FILE, read_records  # noqa: E402
-from scripts.bench.common import bench_model, steady_rate  # noqa: E402
-from scripts.launching import Launcher, child_env  # noqa: E402
+REPO = Path(__file__).resolve().parents[1]
 
 TINY_VOCAB = 4096  # data/tiny-llama's tokenizer; a larger model vocabulary simply has unused rows
 # Per-measure defaults: the jobs the memory and throughput goals are measured on; command-line flags override them.

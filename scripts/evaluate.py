@@ -22,13 +22,11 @@ import shutil
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from scaletrain.checkpoint.commit import committed_step, newest_committed, verify  # noqa: E402
-from scaletrain.config import HarnessArgs  # noqa: E402
-from scaletrain.errors import UsageError  # noqa: E402
-from scaletrain.harness import RESULTS_DIR, resolve_tasks  # noqa: E402
+from scaletrain.checkpoint.commit import committed_step, newest_committed, verify
+from scaletrain.config import HarnessArgs
+from scaletrain.errors import UsageError
+from scaletrain.harness import RESULTS_DIR, resolve_tasks
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 
@@ -72,7 +70,7 @@ def model_source(path: Path) -> tuple:
 
 def export_checkpoint(checkpoint: Path, folder: Path, is_main: bool) -> Path:
     """The checkpoint as a Hugging Face folder (fp32 master weights; a LoRA run's merged model), written by rank 0."""
-    from export_hf import export
+    from scripts.export_hf import export
 
     from scaletrain.model.lora import merged_dir, peft_args_of
 

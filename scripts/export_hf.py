@@ -19,16 +19,15 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from scaletrain.checkpoint.commit import committed_step, verify  # noqa: E402
-from scaletrain.checkpoint.export import export_pipeline_checkpoint  # noqa: E402
-from scaletrain.checkpoint.resume import read_train_state  # noqa: E402
-from scaletrain.config.slices import DEFAULT_MODEL_DIR  # noqa: E402
-from scaletrain.errors import UsageError  # noqa: E402
-from scaletrain.model.lora import merged_dir, peft_args_of  # noqa: E402
-from scaletrain.observability.metrics import METRICS_FILE, read_records  # noqa: E402
-from scaletrain.checkpoint.publish import check_push_target, push_to_hub, write_generation_config, write_model_card  # noqa: E402
+from scaletrain.checkpoint.commit import committed_step, verify
+from scaletrain.checkpoint.export import export_pipeline_checkpoint
+from scaletrain.checkpoint.resume import read_train_state
+from scaletrain.config.slices import DEFAULT_MODEL_DIR
+from scaletrain.errors import UsageError
+from scaletrain.model.lora import merged_dir, peft_args_of
+from scaletrain.observability.metrics import METRICS_FILE, read_records
+from scaletrain.checkpoint.publish import check_push_target, push_to_hub, write_generation_config, write_model_card
 
 
 @dataclass(frozen=True)

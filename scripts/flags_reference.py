@@ -18,11 +18,10 @@ import types
 import typing
 from pathlib import Path
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO_ROOT))
+from scaletrain.config.run_config import RunConfig
+from scaletrain.config.cli import build_parser
 
-from scaletrain.config.run_config import RunConfig  # noqa: E402
-from scaletrain.config.cli import build_parser  # noqa: E402
+REPO_ROOT = Path(__file__).resolve().parents[1]
 
 FLAGS_MD = REPO_ROOT / "docs" / "flags.md"
 REGENERATE = "python scripts/flags_reference.py"

@@ -14,9 +14,8 @@ import datetime
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from scaletrain.observability.goodput import LEDGER_FILE, per_attempt, read_ledger, render_table  # noqa: E402
+from scaletrain.observability.goodput import LEDGER_FILE, per_attempt, read_ledger, render_table
 
 COLOURS = {
     "productive": "tab:green",

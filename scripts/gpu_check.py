@@ -61,15 +61,14 @@ import tempfile
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
+from scripts.compare_hf_trainer import build_model, common_env, model_shape, n_parameters
+from scripts.gpu_check_checks import apply_checks, exit_code
+from scripts.gpu_check_report import About, add_measured_mfu, causal_flops_per_token, header
+from scripts.gpu_check_report import machine_facts, measured_peak, render, write_result
+from scripts.gpu_check_rows import CPU_SETUP, GPU_SETUP, OK, Row, Setup, specs
+from scripts.gpu_check_runs import Context, run_row
 
-from scripts.compare_hf_trainer import build_model, common_env, model_shape, n_parameters  # noqa: E402
-from scripts.gpu_check_checks import apply_checks, exit_code  # noqa: E402
-from scripts.gpu_check_report import About, add_measured_mfu, causal_flops_per_token, header  # noqa: E402
-from scripts.gpu_check_report import machine_facts, measured_peak, render, write_result  # noqa: E402
-from scripts.gpu_check_rows import CPU_SETUP, GPU_SETUP, OK, Row, Setup, specs  # noqa: E402
-from scripts.gpu_check_runs import Context, run_row  # noqa: E402
+REPO = Path(__file__).resolve().parents[1]
 
 
 def runs_to_skip(args: argparse.Namespace) -> list:

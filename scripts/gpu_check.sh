@@ -15,6 +15,9 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-$( [ -x .venv/bin/python ] && echo .venv/bin/python || echo python3 )}
+# The checkout first on the path, for an interpreter without this project installed (an offline image's own, with
+# the carried packages on PYTHONPATH): scripts/gpu_check.py imports its sibling modules as `scripts.*`.
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 export HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 WANDB_MODE=offline TOKENIZERS_PARALLELISM=false PYTHONUNBUFFERED=1
 
 if [[ " $* " != *" --cpu_test "* ]]; then

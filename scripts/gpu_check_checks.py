@@ -5,13 +5,11 @@ from __future__ import annotations
 
 import math
 import statistics
-import sys
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
+from scripts.gpu_check_rows import CHECK_FAILED, FAILED, OK, Row
 
-from scripts.gpu_check_rows import CHECK_FAILED, FAILED, OK, Row  # noqa: E402
+REPO = Path(__file__).resolve().parents[1]
 
 LOSS_RTOL = 2e-2  # bf16 rounds to ~3 significant digits
 DPO_LOG2_ATOL = 1e-2  # policy == reference at step 1, up to bf16 rounding between the two forwards

@@ -12,11 +12,10 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
+from scripts.gpu_check_checks import LOSS_RTOL, MEMORY_MARGIN, exit_code
+from scripts.gpu_check_rows import Setup
 
-from scripts.gpu_check_checks import LOSS_RTOL, MEMORY_MARGIN, exit_code  # noqa: E402
-from scripts.gpu_check_rows import Setup  # noqa: E402
+REPO = Path(__file__).resolve().parents[1]
 
 
 @dataclass(frozen=True)

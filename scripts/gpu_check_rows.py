@@ -7,14 +7,12 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
+from scripts.compare_hf_trainer import model_shape, n_parameters
 
-from scripts.compare_hf_trainer import model_shape, n_parameters  # noqa: E402
+REPO = Path(__file__).resolve().parents[1]
 
 OK, FAILED, CHECK_FAILED = "ok", "FAILED", "check failed"
 PRETRAINED = "pretrained"  # the check's model saved with its random init: QLoRA and DPO need saved weights

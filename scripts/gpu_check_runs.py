@@ -14,14 +14,13 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
+from scaletrain.observability.metrics import METRICS_FILE, read_records
+from scripts.launching import Launcher, run
+from scripts.gpu_check_checks import dpo_check
+from scripts.gpu_check_rows import FAILED, OK, PAIRS, PRETRAINED, Row, Setup, Spec
+from scripts.gpu_check_rows import save_pretrained_base, write_pairs
 
-from scaletrain.observability.metrics import METRICS_FILE, read_records  # noqa: E402
-from scripts.launching import Launcher, run  # noqa: E402
-from scripts.gpu_check_checks import dpo_check  # noqa: E402
-from scripts.gpu_check_rows import FAILED, OK, PAIRS, PRETRAINED, Row, Setup, Spec  # noqa: E402
-from scripts.gpu_check_rows import save_pretrained_base, write_pairs  # noqa: E402
+REPO = Path(__file__).resolve().parents[1]
 
 LONG_CONTEXT_GOAL = 2**20  # tokens in one block on one H200 (ALST: 500K on one H100-80GB)
 

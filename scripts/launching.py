@@ -49,7 +49,7 @@ RANK_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_POR
 
 def free_port() -> int:
     """A TCP port free on this host now (scaletrain.distributed.world's, imported when a launch needs one)."""
-    from scaletrain.distributed.world import free_port as free  # the repository is on sys.path by then
+    from scaletrain.distributed.world import free_port as free  # torch's import, only when a launch needs it
 
     return free()
 

@@ -10,10 +10,9 @@ import argparse
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from scaletrain.config.values import eval_loss_set  # noqa: E402
-from scaletrain.observability.metrics import METRICS_FILE, read_records  # noqa: E402
+from scaletrain.config.values import eval_loss_set
+from scaletrain.observability.metrics import METRICS_FILE, read_records
 
 LM_EVAL = "lm_eval/"  # --lm_eval_tasks: lm_eval/<task>/<metric>, and <metric>_stderr beside it
 PHASES = ("data_wait", "forward", "backward", "pipeline", "optimizer", "sync", "checkpoint", "evaluation")

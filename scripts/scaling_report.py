@@ -23,11 +23,10 @@ import sys
 import tempfile
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
+from scaletrain.observability.metrics import METRICS_FILE, read_records
+from scripts.launching import Launcher
 
-from scaletrain.observability.metrics import METRICS_FILE, read_records  # noqa: E402
-from scripts.launching import Launcher  # noqa: E402
+REPO = Path(__file__).resolve().parents[1]
 
 PHASES = ("data_wait", "forward", "backward", "pipeline", "optimizer", "sync", "checkpoint")
 

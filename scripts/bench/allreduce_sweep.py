@@ -11,13 +11,10 @@ give every rank the same sum. Prints one Markdown row per size (rank 0): the fig
 from __future__ import annotations
 
 import statistics
-import sys
 from functools import partial
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from scripts.bench.common import bench_parser, timed  # noqa: E402
+from scripts.bench.common import bench_parser, timed
 
 
 def main() -> None:

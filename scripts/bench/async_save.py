@@ -20,15 +20,13 @@ import os
 import re
 import shutil
 import statistics
-import sys
 import tempfile
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(REPO))
+from scripts.bench.checkpoint import COMMON, dir_bytes, model, seconds
+from scripts.bench.common import bench_parser, launch, metrics
 
-from scripts.bench.checkpoint import COMMON, dir_bytes, model, seconds  # noqa: E402
-from scripts.bench.common import bench_parser, launch, metrics  # noqa: E402
+REPO = Path(__file__).resolve().parents[2]
 
 
 def run(folder: Path, out: Path, steps: int, every: int, mode: str) -> tuple:

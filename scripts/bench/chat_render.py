@@ -8,14 +8,12 @@ scaletrain.data.chat_store.render_split. Prints conversations/s for each and the
 """
 
 import json
-import sys
 from functools import partial
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(REPO))
+from scripts.bench.common import bench_parser, timed
 
-from scripts.bench.common import bench_parser, timed  # noqa: E402
+REPO = Path(__file__).resolve().parents[2]
 
 
 def main() -> None:

@@ -16,16 +16,14 @@ import json
 import re
 import shutil
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(REPO))
+from data.build_tiny_llama import tiny_llama_variant
+from scripts.bench.common import bench_parser, launch, metrics
 
-from data.build_tiny_llama import tiny_llama_variant  # noqa: E402
-from scripts.bench.common import bench_parser, launch, metrics  # noqa: E402
+REPO = Path(__file__).resolve().parents[2]
 
 COMMON = [
     "--config",

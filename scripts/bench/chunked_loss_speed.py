@@ -12,19 +12,16 @@ vocabulary 4096), and the same with a 32k vocabulary. Run it in a checkout of an
 from __future__ import annotations
 
 import statistics
-import sys
 from functools import partial
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from scaletrain.data.blocks import IGNORE_INDEX  # noqa: E402
-from scaletrain.model.chunked_loss import chunked_token_loss  # noqa: E402
-from scaletrain.observability.memory_planner import auto_loss_chunk  # noqa: E402
-from scripts.bench.common import bench_parser, timed  # noqa: E402
+from scaletrain.data.blocks import IGNORE_INDEX
+from scaletrain.model.chunked_loss import chunked_token_loss
+from scaletrain.observability.memory_planner import auto_loss_chunk
+from scripts.bench.common import bench_parser, timed
 
 
 def whole_logits_loss(hidden, weight, targets):

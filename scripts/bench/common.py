@@ -2,13 +2,9 @@
 (through scripts/launching.py), the benchmark model, reading metrics.jsonl (scaletrain.observability's reader),
 steady tokens/s, timing and the "median (run, run)" figures.
 
-A benchmark puts the repository on sys.path and imports from here by full path, so that it runs as a script
-(`python scripts/bench/X.py`) and imports as a module (`from scripts.bench.X import ...`) alike:
-
-    REPO = Path(__file__).resolve().parents[2]
-    sys.path.insert(0, str(REPO))
-
-    from scripts.bench.common import bench_parser, launch  # noqa: E402
+A benchmark imports from here by full path (`from scripts.bench.common import bench_parser, launch`): the editable
+install (`pip install -e .`) puts the checkout on the path, so it runs as a script (`python scripts/bench/X.py`) and
+imports as a module (`from scripts.bench.X import ...`) alike.
 """
 
 from __future__ import annotations

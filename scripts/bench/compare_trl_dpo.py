@@ -68,13 +68,12 @@ from collections.abc import Callable
 from itertools import pairwise
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(REPO))
+from scripts.bench.common import bench_parser, median_runs, metrics, steady_rate
+from scripts.launching import child_env
+from scaletrain.config import LOSS_TYPES
+from scaletrain.train.preference import METRIC_NAMES  # the metrics both sides log, by TRL's names
 
-from scripts.bench.common import bench_parser, median_runs, metrics, steady_rate  # noqa: E402
-from scripts.launching import child_env  # noqa: E402
-from scaletrain.config import LOSS_TYPES  # noqa: E402
-from scaletrain.train.preference import METRIC_NAMES  # noqa: E402  (the metrics both sides log, by TRL's names)
+REPO = Path(__file__).resolve().parents[2]
 
 # Compared where both sides log them: TRL's metrics, and ORPO's nll_loss (CPOTrainer logs one too; ours, for orpo only).
 COMPARED = (*METRIC_NAMES, "nll_loss")

@@ -14,14 +14,12 @@ from __future__ import annotations
 
 import json
 import statistics
-import sys
 import tempfile
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(REPO))
+from scripts.bench.common import bench_model, bench_parser, launch, median_runs, metrics, train_args
 
-from scripts.bench.common import bench_model, bench_parser, launch, median_runs, metrics, train_args  # noqa: E402
+REPO = Path(__file__).resolve().parents[2]
 
 MODES = {"eager": [], "compiled (inductor)": ["--torch_compile"]}
 

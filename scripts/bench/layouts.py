@@ -18,14 +18,12 @@ from __future__ import annotations
 
 import json
 import statistics
-import sys
 import tempfile
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(REPO))
+from scripts.bench.common import bench_model, bench_parser, median_runs, train_args, train_rate
 
-from scripts.bench.common import bench_model, bench_parser, median_runs, train_args, train_rate  # noqa: E402
+REPO = Path(__file__).resolve().parents[2]
 
 TP2, PP2 = ["--tensor_parallel_size", "2"], ["--pipeline_parallel_size", "2", "--gradient_accumulation_steps", "4"]
 LAYOUTS = {  # ranks -> {name -> (flags, micro-batch as a fraction of the global batch, ZeRO config)}; baseline first

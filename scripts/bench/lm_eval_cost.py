@@ -18,10 +18,9 @@ import sys
 import tempfile
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from scripts.bench.common import REPO, bench_parser, launch, timed  # noqa: E402
-from scripts.launching import BIN, child_env, run  # noqa: E402
+from scripts.bench.common import REPO, bench_parser, launch, timed
+from scripts.launching import BIN, child_env, run
 
 TASKS = REPO / "tests" / "fixtures" / "lm_eval"
 

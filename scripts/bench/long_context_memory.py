@@ -26,11 +26,10 @@ import sys
 import tempfile
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(REPO))
+from scripts.bench.common import bench_parser, train_args
+from scripts.launching import Launcher, child_env, run
 
-from scripts.bench.common import bench_parser, train_args  # noqa: E402
-from scripts.launching import Launcher, child_env, run  # noqa: E402
+REPO = Path(__file__).resolve().parents[2]
 
 VARIANTS = {  # name -> train.py flags on top of gradient checkpointing
     "checkpointing": [],

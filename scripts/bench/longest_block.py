@@ -21,16 +21,14 @@ from __future__ import annotations
 import argparse
 import json
 import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(REPO))
+from scaletrain.observability.metrics import METRICS_FILE, read_records
+from scripts.launching import Launcher, child_env, run
 
-from scaletrain.observability.metrics import METRICS_FILE, read_records  # noqa: E402
-from scripts.launching import Launcher, child_env, run  # noqa: E402
+REPO = Path(__file__).resolve().parents[2]
 
 LLAMA_8B = {  # Llama-3.1-8B's shape; the vocabulary is the sample tokenizer's (random init, our own data)
     "hidden_size": 4096,

@@ -17,11 +17,10 @@ import numpy as np
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-from scaletrain.config.cli import parse_run_config  # noqa: E402
-from scaletrain.data.blocks import blocks_from_store  # noqa: E402
-from scaletrain.data.preparation import ensure_token_store  # noqa: E402
-from scaletrain.data.token_store import open_store  # noqa: E402
+from scaletrain.config.cli import parse_run_config
+from scaletrain.data.blocks import blocks_from_store
+from scaletrain.data.preparation import ensure_token_store
+from scaletrain.data.token_store import open_store
 
 
 def main() -> None:

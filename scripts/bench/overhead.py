@@ -11,14 +11,10 @@ from __future__ import annotations
 
 import json
 import statistics
-import sys
 import tempfile
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(REPO))
-
-from scripts.bench.common import (  # noqa: E402
+from scripts.bench.common import (
     bench_model,
     bench_parser,
     launch,
@@ -27,6 +23,8 @@ from scripts.bench.common import (  # noqa: E402
     steady_rate,
     train_args,
 )
+
+REPO = Path(__file__).resolve().parents[2]
 
 
 def main() -> None:

@@ -15,14 +15,12 @@ from __future__ import annotations
 
 import functools
 import json
-import sys
 import tempfile
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(REPO))
+from scripts.bench.common import bench_parser, launch
 
-from scripts.bench.common import bench_parser, launch  # noqa: E402
+REPO = Path(__file__).resolve().parents[2]
 
 PROBE = "tests/helpers/peak_memory_probe.py"
 

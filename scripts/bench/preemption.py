@@ -34,12 +34,11 @@ import threading
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(REPO))
+from scripts.bench.checkpoint import COMMON, model
+from scripts.bench.common import bench_parser
+from scripts.launching import child_env
 
-from scripts.bench.checkpoint import COMMON, model  # noqa: E402
-from scripts.bench.common import bench_parser  # noqa: E402
-from scripts.launching import child_env  # noqa: E402
+REPO = Path(__file__).resolve().parents[2]
 
 CASES = {
     "no write in flight": r"committed checkpoint \S+/step{every}, written in the background",

@@ -25,10 +25,9 @@ import time
 from itertools import chain
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(REPO))
+from scripts.bench.common import bench_parser
 
-from scripts.bench.common import bench_parser  # noqa: E402
+REPO = Path(__file__).resolve().parents[2]
 
 
 def build_corpus(folder: Path) -> Path:

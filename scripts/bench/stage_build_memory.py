@@ -11,14 +11,12 @@ fp32). Each figure is the `model build: host memory peak N MiB (+M MiB in it)` l
 from __future__ import annotations
 
 import re
-import sys
 import tempfile
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(REPO))
+from scripts.bench.common import bench_parser, launch
 
-from scripts.bench.common import bench_parser, launch  # noqa: E402
+REPO = Path(__file__).resolve().parents[2]
 
 WIDE = {
     "hidden_size": 512,

@@ -11,14 +11,12 @@ from __future__ import annotations
 
 import json
 import statistics
-import sys
 import tempfile
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(REPO))
+from scripts.bench.common import bench_parser, timed
 
-from scripts.bench.common import bench_parser, timed  # noqa: E402
+REPO = Path(__file__).resolve().parents[2]
 
 
 def main() -> None:

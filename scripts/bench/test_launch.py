@@ -17,17 +17,15 @@ first run of all also prepares the token store; it is not timed.
 from __future__ import annotations
 
 import shutil
-import sys
 import tempfile
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(REPO))
+from scripts.bench.common import bench_parser
+from scripts.launching import Launcher, child_env, run
+from tests.harness import FAST_FLAGS, LAUNCH_POLL_PATCH, LAUNCH_WITHOUT_FINAL_COLLECTION
 
-from scripts.bench.common import bench_parser  # noqa: E402
-from scripts.launching import Launcher, child_env, run  # noqa: E402
-from tests.harness import FAST_FLAGS, LAUNCH_POLL_PATCH, LAUNCH_WITHOUT_FINAL_COLLECTION  # noqa: E402
+REPO = Path(__file__).resolve().parents[2]
 
 SHIPPED_POLL = LAUNCH_WITHOUT_FINAL_COLLECTION.replace(LAUNCH_POLL_PATCH, "")
 # --compare -> {variant: (the launcher's code, extra flags of train.py)}

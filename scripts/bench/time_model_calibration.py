@@ -8,14 +8,12 @@ beside its prediction, and beside the prediction of the same calibration without
 
 from __future__ import annotations
 
-import sys
 import tempfile
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(REPO))
+from scripts.bench.common import bench_model, bench_parser, launch
 
-from scripts.bench.common import bench_model, bench_parser, launch  # noqa: E402
+REPO = Path(__file__).resolve().parents[2]
 
 SHAPES = ((256, 4), (128, 8), (64, 16), (256, 8), (256, 2), (128, 2), (64, 4))
 

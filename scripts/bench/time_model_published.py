@@ -12,16 +12,14 @@ prediction drifts past 25%.
 
 from __future__ import annotations
 
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(REPO))
+from scaletrain.config import GPUS
+from scaletrain.observability.memory_planner import ModelShape
+from scaletrain.observability.time_model import Cluster, Layout, dense_shape, predict_step
 
-from scaletrain.config import GPUS  # noqa: E402
-from scaletrain.observability.memory_planner import ModelShape  # noqa: E402
-from scaletrain.observability.time_model import Cluster, Layout, dense_shape, predict_step  # noqa: E402
+REPO = Path(__file__).resolve().parents[2]
 
 TOLERANCE = 0.25
 

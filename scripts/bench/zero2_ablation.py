@@ -13,14 +13,12 @@ from __future__ import annotations
 import copy
 import json
 import statistics
-import sys
 import tempfile
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(REPO))
+from scripts.bench.common import bench_model, bench_parser, median_runs, train_args, train_rate
 
-from scripts.bench.common import bench_model, bench_parser, median_runs, train_args, train_rate  # noqa: E402
+REPO = Path(__file__).resolve().parents[2]
 
 VARIANTS = {  # (zero_optimization changes, optimizer.params changes)
     "default": ({}, {}),

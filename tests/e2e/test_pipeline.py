@@ -264,7 +264,6 @@ def test_zero3_never_holds_the_whole_model_on_a_rank(tmp_path, cache_dir):
     script = tmp_path / "shard_check.py"
     script.write_text(f"""
 import sys, json
-sys.path.insert(0, {str(REPO)!r})
 from scaletrain.distributed.world import communication_threads, read_launch_env
 from scaletrain.run import Run
 
@@ -307,7 +306,6 @@ def test_a_run_frees_its_process_groups_before_exit(tmp_path, cache_dir, stage, 
     script = tmp_path / "train_then_count.py"
     script.write_text(f"""
 import json, sys
-sys.path.insert(0, {str(REPO)!r})
 import train
 from deepspeed.runtime.engine import DeepSpeedEngine
 from scaletrain.distributed.world import communication_threads, read_launch_env

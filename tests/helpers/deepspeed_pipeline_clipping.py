@@ -8,9 +8,6 @@ fix is still needed: once an upgrade fixes DeepSpeed, this run matches the refer
 """
 
 import sys
-from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 
 def main() -> int:

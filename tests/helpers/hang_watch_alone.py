@@ -10,8 +10,6 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-
 
 def main() -> None:
     from scaletrain.train.hang import HangWatch

@@ -13,9 +13,7 @@ the last stage calls. Without the variable it is plain train.py.
 import inspect
 import os
 import sys
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 INJECT_ENV = "SCALETRAIN_TEST_INJECT_NONFINITE"
 

@@ -10,8 +10,6 @@ import json
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-
 
 def main(out: Path) -> None:
     import deepspeed

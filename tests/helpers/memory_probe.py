@@ -16,9 +16,8 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from phases import trained_run  # noqa: E402
+from tests.helpers.phases import trained_run
 
 
 def live_tensor_bytes(module=None) -> int:

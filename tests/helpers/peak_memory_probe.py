@@ -18,10 +18,9 @@ from pathlib import Path
 
 from torch.profiler import ProfilerActivity, profile
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from memory_probe import live_tensor_bytes  # noqa: E402
-from phases import trained_run  # noqa: E402
+from tests.helpers.memory_probe import live_tensor_bytes
+from tests.helpers.phases import trained_run
 
 
 def step_records(events: list[tuple[int, int]], marks: list[tuple[int, int]]) -> list[dict]:

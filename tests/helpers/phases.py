@@ -1,14 +1,11 @@
 """Test helpers' shared start: plan a run from argv and take it through training, as train.py does."""
 
-import sys
 from contextlib import contextmanager
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from scaletrain.distributed.world import read_launch_env  # noqa: E402
-from scaletrain.logs import setup_logging  # noqa: E402
-from scaletrain.run import Run  # noqa: E402
+from scaletrain.distributed.world import read_launch_env
+from scaletrain.logs import setup_logging
+from scaletrain.run import Run
 
 
 @contextmanager

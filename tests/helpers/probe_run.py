@@ -9,11 +9,10 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from phases import trained_run  # noqa: E402
+from tests.helpers.phases import trained_run
 
-from scaletrain.distributed.world import communication_threads  # noqa: E402
+from scaletrain.distributed.world import communication_threads
 
 PROBE_FILE = "probe_logits.pt"
 

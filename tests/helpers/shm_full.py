@@ -12,7 +12,6 @@ import os
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 SHM_ENV = "SCALETRAIN_TEST_SHM"
 

@@ -10,9 +10,7 @@ for this. Without the variable it is plain train.py.
 import os
 import sys
 import time
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 SLOW_ENV = "SCALETRAIN_TEST_SLOW_PRUNE"
 

@@ -16,9 +16,7 @@ import os
 import signal
 import sys
 import time
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 SLOW_ENV = "SCALETRAIN_TEST_SLOW_RANK"
 SIGNAL_ENV = "SCALETRAIN_TEST_SIGNAL_AT"

@@ -12,10 +12,9 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from scaletrain.errors import SAVED_REQUEUE_EXIT_CODE  # noqa: E402
-from scaletrain.train.preemption import PreemptionFlag, record_preemption_saved  # noqa: E402
+from scaletrain.errors import SAVED_REQUEUE_EXIT_CODE
+from scaletrain.train.preemption import PreemptionFlag, record_preemption_saved
 
 
 def agree_on_the_stop(agree_dir: Path, rank: str, world_size: int, timeout_s: float = 120) -> None:

@@ -27,32 +27,27 @@ def main(argv=None) -> int:
     dist = read_launch_env()
     setup_logging(dist.rank)
     try:
-        from scaletrain.run import Run
+        from scaletrain.preflight import print_config
+        from scaletrain.run import Lifetime, build_run, plan_run, print_plan, publish
 
-        run = Run.from_flags(argv, dist)  # flags, recipe, DeepSpeed JSON, model config, tokenizer: exit 2 on a mistake
+        plan = plan_run(argv, dist)  # flags, recipe, DeepSpeed JSON, model config, tokenizer: exit 2 on a mistake
     except RunEnded as err:
         from scaletrain.distributed import stop_with_the_others
 
         return report(stop_with_the_others(err, dist, argv), dist)  # the other ranks learn of it at the rendezvous
-    if run.cfg.run.print_config:
-        run.print_config()  # every "auto" filled, with where each value came from
+    if plan.cfg.run.print_config:
+        print_config(plan)  # every "auto" filled, with where each value came from
         return 0
-    if run.cfg.planning.plan:
-        run.print_memory_plan()  # per-GPU memory of each ZeRO stage and offload option, from the meta model
+    if plan.cfg.planning.plan:
+        print_plan(plan)  # per-GPU memory of each ZeRO stage, offload option and layout, from the meta model
         return 0
+    lifetime = Lifetime()  # what the build acquires, released below on every path
     exit_code = 1  # a crash, unless the run ends otherwise
     try:
-        run.init_distributed()  # process group; the ranks share their pre-flight verdicts and compare what they found
-        run.prepare_inputs()  # checkpoint checksums (a damaged one: fall back), universal conversion, token store
-        run.build_model()  # ZeRO-3: built sharded, never whole on one rank
-        run.build_data()  # packed blocks from the store, the global order read by this rank
-        run.write_run_folder()  # resolved configs saved only after everything above succeeded
-        run.build_engine()  # deepspeed.initialize with the resolved config and LR schedule
-        run.resume()  # newest committed checkpoint (or none): weights, optimizer, schedule, RNG, data position
-        run.reference_log_probs()  # preference pairs: the starting model's log-probs of each pair, once (or read)
-        run.watch_for_hangs()  # heartbeats: a run stuck for --hang_timeout ends naming the ranks that stopped (86)
-        run.train()  # the loop: forward, backward, step, metrics, eval, periodic and preemption saves
-        run.finish()  # final eval, DeepSpeed checkpoint, Hugging Face export
+        # Built in one straight line (process group, inputs, model, data, run folder, engine, resume, reference
+        # log-probs, hang watch), then trained and ended (final eval, checkpoint, Hugging Face export). The built
+        # run is not kept in this frame, so nothing here holds the engine past the release below.
+        build_run(plan, lifetime=lifetime).train()
         exit_code = 0
     except RunEnded as err:  # usage (2), failed save or preparation (1), non-finite stop (3), preempted (85)
         exit_code = report(err, dist)
@@ -61,8 +56,8 @@ def main(argv=None) -> int:
         traceback.clear_frames(err.__traceback__.tb_next)  # (the lines stay printable); close() can free it
         raise
     finally:
-        run.close(exit_code)  # metrics sinks (wandb marks a non-zero end failed) and the process group
-    return run.publish()  # --push_to_hub: rank 0 uploads the export, no collective left to wait on
+        lifetime.close(exit_code)  # metrics sinks (wandb marks a non-zero end failed), engines, the process group
+    return publish(plan)  # --push_to_hub: rank 0 uploads the export, no collective left to wait on
 
 
 if __name__ == "__main__":

@@ -26,7 +26,8 @@ from pathlib import Path
 from scaletrain.checkpoint.commit import committed_step, newest_committed, verify
 from scaletrain.config import HarnessArgs
 from scaletrain.errors import UsageError
-from scaletrain.harness import RESULTS_DIR, resolve_tasks
+from scaletrain.harness import resolve_tasks
+from scaletrain.harness.results import RESULTS_DIR
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 
@@ -108,7 +109,7 @@ def _zero3_lm(folder: Path, args: argparse.Namespace, dist, dtype):
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from transformers.integrations import HfDeepSpeedConfig
 
-    from scaletrain.harness import engine_lm
+    from scaletrain.harness.live_model import engine_lm
 
     if (folder / "adapter_config.json").is_file():
         raise UsageError(
@@ -135,7 +136,7 @@ def _zero3_lm(folder: Path, args: argparse.Namespace, dist, dtype):
 
 def evaluate(args: argparse.Namespace, dist) -> dict | None:
     """Check everything, export a checkpoint, evaluate; lm-eval's results on rank 0."""
-    from scaletrain.harness import score
+    from scaletrain.harness.scoring import score
 
     harness = HarnessArgs(
         lm_eval_tasks=args.tasks,

@@ -11,6 +11,7 @@ from pathlib import Path
 
 from scaletrain.checkpoint import commit
 from scaletrain.checkpoint.async_save import BackgroundWriter
+from scaletrain.distributed import broadcast_from_main
 from scaletrain.checkpoint.save import (
     checkpoint_parameters,
     planned_checkpoint_bytes,
@@ -22,7 +23,7 @@ from scaletrain.checkpoint.save import (
 from scaletrain.model import base_identity
 from scaletrain.observability import GoodputLedger
 from scaletrain.parts import ResolvedRun
-from scaletrain.train import Callback, StepOutcome, TrainState
+from scaletrain.train import Callback, Order, StepOutcome, TrainState
 
 
 log = logging.getLogger(__name__)
@@ -90,8 +91,10 @@ class Saver:
         """--async_save, at a step boundary (every rank): commit the save in flight once every rank's write is done
         (`wait`: this rank's first); a failed write ends the run here."""
         writer = self.writer
-        step = writer and writer.in_flight and writer.in_flight.step  # None: nothing in flight
-        committed = step and settle_checkpoint(writer, self.resolved.dist.rank, wait)
+        if writer is None or writer.in_flight is None or not writer.in_flight.step:
+            return  # nothing in flight
+        step = writer.in_flight.step
+        committed = settle_checkpoint(writer, self.resolved.dist.rank, wait)
         if committed:
             self.ledger.committed(step, self._in_flight_step_s)
             self._committed(step, committed)
@@ -142,6 +145,8 @@ class CommitInFlight(Callback):
     """After each step: commit a background save once every rank's write is done (before the step's record, so
     that a failed write is said before more is written), under the hang watch's allowance of a save."""
 
+    order = Order.COMMIT_IN_FLIGHT
+
     def __init__(self, saver: Saver):
         self.saver = saver
 
@@ -150,15 +155,31 @@ class CommitInFlight(Callback):
             self.trainer.phase("commit of a background save", long=True)
             self.saver.commit_pending()
 
+    def end_of_training(self, step: int) -> None:
+        self.saver.commit_pending(wait=True)  # --async_save: the save in flight is committed before anything else
+        self.saver.wait_for_pruning()  # the checkpoints folder holds what it will hold when rank 0 looks
+
 
 class PeriodicSave(Callback):
     """A save every --save_steps steps, and once --save_interval_minutes have passed on any rank (the ranks' clocks
-    differ: the step boundary agrees on it); not at the last step, which the end of the run saves."""
+    differ: the step boundary agrees on it); not at the last step, which the end of training saves (--save_at_end)
+    unless its checkpoint is already committed."""
 
-    def __init__(self, saver: Saver, save_steps: int, interval_minutes: float):
-        self.saver, self.save_steps = saver, save_steps
+    order = Order.PERIODIC_SAVE
+
+    def __init__(self, saver: Saver, save_steps: int, interval_minutes: float, at_end: bool = True):
+        self.saver, self.save_steps, self.at_end = saver, save_steps, at_end
         self.interval_s = 60 * interval_minutes
         self.last_save = time.monotonic()
+
+    def end_of_training(self, step: int) -> None:
+        # Decided by rank 0: ranks that disagreed about entering a collective save would hang in it.
+        resolved = self.saver.resolved
+        newest = broadcast_from_main(
+            commit.newest_committed(resolved.cfg.run.output_dir) if resolved.dist.is_main else None
+        )
+        if self.at_end and (newest is None or commit.committed_step(newest) != step):
+            self.saver.save(now=True)
 
     def requests(self) -> tuple:
         due = self.interval_s and time.monotonic() - self.last_save >= self.interval_s

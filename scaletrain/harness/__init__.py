@@ -6,9 +6,7 @@ imported only where a run or scripts/evaluate.py asks for an evaluation.
 This face re-exports what other parts of scaletrain use; inside the wing, modules import each other by path.
 """
 
-from scaletrain.harness.live_model import engine_lm
-from scaletrain.harness.results import RESULTS_DIR
-from scaletrain.harness.scoring import score
+from scaletrain.harness.live_scores import LiveScores
 from scaletrain.harness.tasks import HarnessTasks, resolve_tasks
 
-__all__ = ["HarnessTasks", "RESULTS_DIR", "engine_lm", "resolve_tasks", "score"]
+__all__ = ["HarnessTasks", "LiveScores", "resolve_tasks"]

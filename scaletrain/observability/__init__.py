@@ -6,7 +6,7 @@ This face re-exports what other parts of scaletrain use; inside the wing, module
 
 from scaletrain.observability.calibration import read_calibration, write_micro_batch_probe
 from scaletrain.observability.comms_log import CommLog, comms_summary
-from scaletrain.observability.eval_prompts import EvalPrompts, generate_samples, load_eval_prompts
+from scaletrain.observability.eval_prompts import EvalPrompts, PromptSamples, load_eval_prompts
 from scaletrain.observability.goodput import GoodputLedger
 from scaletrain.observability.host_memory import CgroupMemory, HostMemoryPhase
 from scaletrain.observability.flops import (
@@ -50,11 +50,11 @@ __all__ = [
     "memory_stats",
     "ModelFlops",
     "ModelShape",
+    "PromptSamples",
     "OPTIMIZER_BYTES",
     "PhaseClock",
     "ThroughputModel",
     "auto_loss_chunk",
-    "generate_samples",
     "load_eval_prompts",
     "model_flops",
     "attention_heads",

@@ -10,8 +10,10 @@ import json
 import logging
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from scaletrain.errors import UsageError
+from scaletrain.observability.metrics import MetricsLogger
 from scaletrain.parts import ParallelLayout
 
 log = logging.getLogger(__name__)
@@ -111,3 +113,20 @@ def generate_samples(engine, prompts: EvalPrompts, tokenizer, eos_ids: list, syn
     if was_training:
         module.train()
     return rows
+
+
+@dataclass
+class PromptSamples:
+    """--eval_prompts at a step: every rank generates (ZeRO-3 gathers in each forward: `synced` keeps the ranks'
+    forwards in step); rank 0 records the text in the metrics."""
+
+    engine: Any
+    prompts: EvalPrompts
+    tokenizer: Any
+    eos_ids: list
+    synced: bool
+    metrics: MetricsLogger
+
+    def __call__(self, step: int) -> None:
+        rows = generate_samples(self.engine, self.prompts, self.tokenizer, self.eos_ids, self.synced)
+        self.metrics.log_generations(step, rows)

@@ -5,7 +5,7 @@ guard, preemption, the hang watch, and the preference objective with its referen
 This face re-exports what other parts of scaletrain use; inside the wing, modules import each other by path.
 """
 
-from scaletrain.train.callbacks import Callback, StepOutcome
+from scaletrain.train.callbacks import Callback, Order, StepOutcome
 from scaletrain.train.evaluation import BenchmarkEvaluation, PeriodicEvaluation, evaluate_sets
 from scaletrain.train.hang import (
     HANG_DIR,
@@ -26,16 +26,18 @@ from scaletrain.train.observers import (
     TrainingRecords,
 )
 from scaletrain.train.preemption import PREEMPTION_RECORD_ENV, PreemptionFlag, PreemptionSave, RANK_PREEMPTION_SIGNAL
-from scaletrain.train.preference import preference_objective
+from scaletrain.train.preference import PreferenceObjective, preference_objective
 from scaletrain.train.reference import check_reference_model, prepare_reference
 from scaletrain.train.settings import loop_settings
 from scaletrain.train.state import TrainState, seed_everything
-from scaletrain.train.step import PROBE_TOKENS, PipelineStep, micro_batch_fixed_seconds
+from scaletrain.train.calibration_probe import probe_applies, probe_for_calibration
+from scaletrain.train.step import PipelineStep
 from scaletrain.train.trainer import EngineStep, Trainer
 
 __all__ = [
     "BenchmarkEvaluation",
     "Callback",
+    "Order",
     "CommsWindow",
     "EngineStep",
     "GoodputBook",
@@ -43,12 +45,12 @@ __all__ = [
     "HANG_NOTE_ENV",
     "HangNotes",
     "PipelineBubble",
+    "PreferenceObjective",
     "HangWatch",
     "NonFiniteGuard",
     "NonFinitePolicy",
     "PREEMPTION_RECORD_ENV",
     "PeriodicEvaluation",
-    "PROBE_TOKENS",
     "PipelineStep",
     "PreemptionFlag",
     "PreemptionSave",
@@ -64,7 +66,8 @@ __all__ = [
     "enable_flight_recorder",
     "evaluate_sets",
     "loop_settings",
-    "micro_batch_fixed_seconds",
+    "probe_applies",
+    "probe_for_calibration",
     "preference_objective",
     "prepare_reference",
     "seed_everything",

@@ -10,7 +10,8 @@ from __future__ import annotations
 
 from collections.abc import Collection
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from enum import IntEnum
+from typing import TYPE_CHECKING, ClassVar
 
 if TYPE_CHECKING:
     from scaletrain.train.step import StepResult
@@ -45,10 +46,30 @@ class RolledBack(Exception):
     skipped, and every callback's on_rollback follows."""
 
 
+class Order(IntEnum):
+    """When each side concern acts, lowest first, at every hook: the trainer calls its callbacks in this order,
+    whatever order they were listed in (callbacks of one order keep their list order, which none may depend on)."""
+
+    HANG_NOTES = 10  # the hang watch hears of a phase before the other concerns start work in it
+    NONFINITE_GUARD = 20  # its verdict (veto, skip, rollback) before anything records, evaluates or saves the step
+    GOODPUT = 30
+    PROFILER = 40
+    COMMIT_IN_FLIGHT = 50  # a save in flight committed before this step's work is counted or saved
+    OBSERVER = 60  # progress, communication and pipeline windows: they only watch
+    TRAINING_RECORDS = 70  # the step's record before an evaluation, a save or a preemption save
+    EVALUATION = 80  # evaluation before a periodic save of the same step
+    BENCHMARKS = 90
+    PERIODIC_SAVE = 100  # at the end: the final checkpoint, after the last evaluation
+    EXPORT = 105  # at the end: the Hugging Face folder, from the saved run
+    PREEMPTION_SAVE = 110  # last: a save due at the preemption's step is the one it commits (once)
+
+
 class Callback:
-    """A side concern of the loop. Every method does nothing unless overridden; `trainer` is set before pre_train."""
+    """A side concern of the loop. Every method does nothing unless overridden; `trainer` is set before pre_train;
+    `order` places it among the others (Order)."""
 
     trainer: Trainer
+    order: ClassVar[int] = Order.OBSERVER
 
     def pre_train(self) -> None:
         """Before the first step of this attempt."""
@@ -85,3 +106,8 @@ class Callback:
 
     def post_train(self) -> None:
         """The loop ended, however it ended (its last step, a planned end such as a preemption, a crash)."""
+
+    def end_of_training(self, step: int) -> None:
+        """The run reached its last step, `step` (or was resumed there, already complete): the end's work, after
+        post_train, on every rank (the last evaluation, the final checkpoint, the export). Not after a planned end
+        such as a preemption, nor after a crash."""

@@ -5,11 +5,13 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from typing import Protocol
 
 from scaletrain.config import eval_metric_prefix
 from scaletrain.data import EvalBatches, IGNORE_INDEX
+from scaletrain.distributed import broadcast_from_main
 from scaletrain.observability import MetricsLogger
-from scaletrain.train.callbacks import Callback, StepOutcome
+from scaletrain.train.callbacks import Callback, Order, StepOutcome
 from scaletrain.train.losses import token_loss_sum
 
 
@@ -46,6 +48,8 @@ class PeriodicEvaluation(Callback):
     """Every --eval_steps steps (not at the last: the end of the run evaluates it): the validation sets' losses and
     --eval_prompts' generations, on every rank (collectives)."""
 
+    order = Order.EVALUATION
+
     def __init__(
         self,
         eval_steps: int,
@@ -64,6 +68,14 @@ class PeriodicEvaluation(Callback):
             self.trainer.phase("evaluation", long=True)
             self.trainer.hold("evaluation", lambda: self._evaluate(outcome.step))
 
+    def end_of_training(self, step: int) -> None:
+        """The last step's evaluation, unless it has its records (a run resumed at its last step evaluated it):
+        decided by rank 0, which holds the records, so that every rank enters the same collectives."""
+        if not (self.evaluate or self.generate):
+            return
+        if not broadcast_from_main(self.metrics.evaluated(step)):
+            self.trainer.hold("evaluation", lambda: self._evaluate(step))
+
     def _evaluate(self, step: int) -> None:
         if self.evaluate is not None:
             self.metrics.log({"step": step, **self.evaluate()})
@@ -71,13 +83,30 @@ class PeriodicEvaluation(Callback):
             self.generate(step)
 
 
+class Scorer(Protocol):
+    """Benchmark scores of the live model at a step (harness.LiveScores)."""
+
+    def __call__(self, step: int) -> None: ...
+
+    def scored(self, step: int) -> bool:
+        """Whether `step` has its scores on disk (rank 0's view of the run folder)."""
+        ...
+
+
 class BenchmarkEvaluation(Callback):
     """--lm_eval_steps N: lm-evaluation-harness scores every N steps (0: none during training; not at the last step,
-    whose scores the end of the run takes), on every rank (collectives). Its time is the run's evaluation time: the
-    step profile's "evaluation" phase, the goodput ledger's eval, and the hang watch's long allowance."""
+    which the end of training scores unless its scores are on disk), on every rank (collectives). Its time is the
+    run's evaluation time: the step profile's "evaluation" phase, the goodput ledger's eval, and the hang watch's
+    long allowance."""
 
-    def __init__(self, every: int, score: Callable[[int], None]):
+    order = Order.BENCHMARKS
+
+    def __init__(self, every: int, score: Scorer):
         self.every, self.score = every, score
+
+    def end_of_training(self, step: int) -> None:
+        if not broadcast_from_main(self.score.scored(step)):  # rank 0's view: every rank scores, or none
+            self.trainer.hold("evaluation", lambda: self.score(step))
 
     def post_step(self, outcome: StepOutcome) -> None:
         due = self.every and outcome.step % self.every == 0 and not outcome.last and "stop" not in outcome.requests

@@ -19,7 +19,7 @@ from collections.abc import Callable
 
 from scaletrain.config import NonFiniteArgs
 from scaletrain.errors import NonFiniteStop
-from scaletrain.train.callbacks import Callback, RolledBack, StepOutcome
+from scaletrain.train.callbacks import Callback, Order, RolledBack, StepOutcome
 from scaletrain.train.state import TrainState
 
 log = logging.getLogger(__name__)
@@ -44,6 +44,8 @@ class NonFinitePolicy:
 class NonFiniteGuard(Callback):
     """Judges each step before its update, counts skips after it, writes the ledger (rank 0) and, after
     --max_consecutive_skips skips in a row, rolls the run back through `rollback` (which returns the jump's entry)."""
+
+    order = Order.NONFINITE_GUARD
 
     def __init__(
         self,

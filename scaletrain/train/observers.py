@@ -11,7 +11,7 @@ from contextlib import ExitStack
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from scaletrain.train.callbacks import Callback, StepOutcome
+from scaletrain.train.callbacks import Callback, Order, StepOutcome
 from scaletrain.train.log_window import LogWindow
 from scaletrain.train.step import rampup_lr_factor
 
@@ -27,6 +27,8 @@ class TrainingRecords(Callback):
     """The log window: each step's loss, time and phases summed on this rank, and at each logging step (or a step
     that stops the run) one record of the window, reduced across ranks, to the metrics sinks. A collective: every
     rank writes a record at the same steps."""
+
+    order = Order.TRAINING_RECORDS
 
     def __init__(self, metrics: MetricsLogger, throughput: ThroughputModel | None = None):
         self.metrics, self.throughput = metrics, throughput
@@ -72,6 +74,8 @@ class TrainingRecords(Callback):
 class ProgressBar(Callback):
     """tqdm's bar of steps, with log lines printed above it (rank 0, unless --disable_tqdm)."""
 
+    order = Order.OBSERVER
+
     def __init__(self, show: bool):
         self.show = show
         self._bar = None
@@ -112,6 +116,8 @@ class ProgressBar(Callback):
 class GoodputBook(Callback):
     """Books the loop's time in the goodput ledger: each step's, the data wait, saves and evaluations."""
 
+    order = Order.GOODPUT
+
     def __init__(self, ledger: GoodputLedger):
         self.ledger = ledger
         self._unbooked_save = 0.0  # a save's seconds not yet booked with the step after it
@@ -145,6 +151,8 @@ class GoodputBook(Callback):
 class HangNotes(Callback):
     """Tells the hang watch where the loop is (an assignment or two: nothing is written from the loop)."""
 
+    order = Order.HANG_NOTES
+
     def __init__(self, watch: HangWatch):
         self.watch = watch
 
@@ -154,6 +162,8 @@ class HangNotes(Callback):
 
 class CommsWindow(Callback):
     """--comms_log: this rank's collectives since the last record, in each training record."""
+
+    order = Order.OBSERVER
 
     def __init__(self, comm_log: CommLog):
         self.comm_log = comm_log
@@ -166,6 +176,8 @@ class PipelineBubble(Callback):
     """Under pipeline parallelism, each stage's bubble since the last record, measured: the seconds its ranks waited
     in the schedule's receives (for a neighbour stage: the fill and drain of 1F1B, and the transfers) over the seconds
     they spent in forward and backward passes, beside the schedule's own (stages - 1) / micro-batches."""
+
+    order = Order.OBSERVER
 
     def __init__(self, times: InstructionTimes, stage: int, stages: int, micro_batches: Callable[[], int]):
         self.times, self.stage, self.stages, self.micro_batches = times, stage, stages, micro_batches
@@ -184,6 +196,8 @@ class PipelineBubble(Callback):
 
 class StepProfiler(Callback):
     """--profile_steps A-B: a torch profiler trace of steps A..B (1-based), one Chrome trace per rank."""
+
+    order = Order.PROFILER
 
     def __init__(self, steps: tuple | None, out_dir: str, rank: int):
         self.steps = steps

@@ -13,7 +13,7 @@ import signal
 from collections.abc import Callable
 
 from scaletrain.errors import Preempted
-from scaletrain.train.callbacks import Callback, StepOutcome
+from scaletrain.train.callbacks import Callback, Order, StepOutcome
 
 log = logging.getLogger(__name__)
 PREEMPTION_SIGNALS = (signal.SIGUSR1, signal.SIGTERM)
@@ -50,6 +50,8 @@ class PreemptionFlag:
 
 class PreemptionSave(Callback):
     """A signal on any rank: every rank saves the step (committed before it returns) and the run ends, Preempted."""
+
+    order = Order.PREEMPTION_SAVE
 
     def __init__(self, flag: PreemptionFlag, save: Callable[[], object], grace_seconds: float):
         self.flag, self.save, self.grace_seconds = flag, save, grace_seconds

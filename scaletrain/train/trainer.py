@@ -49,30 +49,39 @@ class Trainer:
     ):
         self.engine, self.batches, self.state, self.settings = engine, batches, state, settings
         self.runner = runner
-        self.callbacks = tuple(callbacks)
+        self.callbacks = tuple(sorted(callbacks, key=lambda callback: callback.order))  # stable: ties keep theirs
         self.clock = PhaseClock(engine.device)
         self._held = 0.0  # seconds saves held the loop since the step in flight began
         self._held_eval = 0.0  # seconds evaluations held it
         for callback in self.callbacks:
             callback.trainer = self
 
-    def fit(self) -> None:
-        """The loop. A planned end that a callback raises (an errors.RunEnded) ends it after its step."""
+    def fit(self, finish: bool = True) -> None:
+        """The loop, then (`finish`) the callbacks' end of training. A planned end that a callback raises (an
+        errors.RunEnded) ends it after its step, with no end of training."""
         self.engine.train()
         self._call("pre_train")
         try:
-            first = True  # the first step of an attempt (compiles, warms up) has the long allowance
-            while self.state.step < self.settings.max_steps:
-                self.phase("forward/backward", self.state.step + 1, long=first)
-                first = False
-                outcome = self._step()
-                try:
-                    self._call("post_step", outcome)
-                except RolledBack:
-                    self._call("on_rollback", self.state.step)
+            try:
+                self._loop()
+            finally:
+                self._call("post_train")
+            if finish:
+                self.phase("end of run: evaluation, save, export", long=True)
+                self._call("end_of_training", self.state.step)
         finally:
-            self._call("post_train")
             self.callbacks = ()  # they hold this trainer, and it the engine: no cycle outlives the loop
+
+    def _loop(self) -> None:
+        first = True  # the first step of an attempt (compiles, warms up) has the long allowance
+        while self.state.step < self.settings.max_steps:
+            self.phase("forward/backward", self.state.step + 1, long=first)
+            first = False
+            outcome = self._step()
+            try:
+                self._call("post_step", outcome)
+            except RolledBack:
+                self._call("on_rollback", self.state.step)
 
     def _step(self) -> StepOutcome:
         step = self.state.step + 1

@@ -265,19 +265,21 @@ def test_zero3_never_holds_the_whole_model_on_a_rank(tmp_path, cache_dir):
     script.write_text(f"""
 import sys, json
 from scaletrain.distributed.world import communication_threads, read_launch_env
-from scaletrain.run import Run
+from scaletrain.run import Lifetime, build_rank_model, plan_run, start_world
 
-def shard_sizes(run):
-    params = list(run.model.module.parameters())
+def shard_sizes(model):
+    params = list(model.module.parameters())
     return {{"local": sum(p.ds_tensor.numel() for p in params), "full": sum(p.ds_numel for p in params),
              "empty": all(p.numel() == 0 for p in params)}}  # the module's own tensors are placeholders
 
 dist = read_launch_env()
-run = Run.from_flags(["--config", "ds_configs/zero3.json", "--output_dir", {str(tmp_path / "o")!r}], dist)
-run.init_distributed()
-run.build_model()
-report = {{"rank": dist.rank, **shard_sizes(run)}}
-run.close()
+plan = plan_run(["--config", "ds_configs/zero3.json", "--output_dir", {str(tmp_path / "o")!r}], dist)
+lifetime = Lifetime()
+plan = plan.replace(dist=start_world(plan, lifetime=lifetime))
+model = build_rank_model(plan, lifetime=lifetime)
+report = {{"rank": dist.rank, **shard_sizes(model)}}
+del model
+lifetime.close(0)
 report["threads_after_close"] = communication_threads()  # the parameters held the process group
 # one file per rank: two ranks printing to one pipe can interleave their lines
 open({str(tmp_path)!r} + f"/shard{{dist.rank}}.json", "w").write(json.dumps(report))

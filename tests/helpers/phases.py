@@ -2,32 +2,26 @@
 
 from contextlib import contextmanager
 
-
 from scaletrain.distributed.world import read_launch_env
 from scaletrain.logs import setup_logging
-from scaletrain.run import Run
+from scaletrain.run import Lifetime, build_run, plan_run
 
 
 @contextmanager
 def trained_run(argv, finish: bool = True, before_train=None):
-    """The Run after train() (and finish(), unless finish=False); closed on exit. before_train(engine) runs
-    after the engine is built, before training."""
+    """The built Run after train() (and finish(), unless finish=False); its lifetime closed on exit.
+    before_train(engine) runs after the engine is built, before training. Like train.py, keep no reference to the
+    run past the block: what it holds would outlive the process group."""
     dist = read_launch_env()
     setup_logging(dist.rank)
-    run = Run.from_flags(argv, dist)
+    plan = plan_run(argv, dist)
+    lifetime = Lifetime()
     try:
-        run.init_distributed()
-        run.prepare_inputs()
-        run.build_model()
-        run.build_data()
-        run.write_run_folder()
-        run.build_engine()
-        run.resume()
+        run = build_run(plan, lifetime=lifetime)
         if before_train:
             before_train(run.engine)
-        run.train()
-        if finish:
-            run.finish()
+        run.train(finish=finish)
         yield run
     finally:
-        run.close()
+        run = None  # the caller's name for it is the last one
+        lifetime.close(0)

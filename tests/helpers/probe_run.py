@@ -29,9 +29,11 @@ def main() -> None:
             logits = run.engine(input_ids=probe).logits.float().cpu()
         if run.dist.is_main:
             torch.save({"input_ids": probe.cpu(), "logits": logits}, Path(run.cfg.run.output_dir) / PROBE_FILE)
+        rank = run.dist.rank
+        del run  # nothing of the run may outlive its close below
     # closed (the process groups freed, as train.py's main does): none of gloo's threads may be left for the
     # interpreter to tear down at exit (tests/e2e/test_pipeline.py reads this line, one per rank)
-    print(f"probe: rank {run.dist.rank}: {communication_threads()} communication threads after close", flush=True)
+    print(f"probe: rank {rank}: {communication_threads()} communication threads after close", flush=True)
 
 
 if __name__ == "__main__":

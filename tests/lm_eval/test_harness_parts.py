@@ -96,7 +96,8 @@ def test_every_forward_of_an_evaluation_is_progress_for_the_hang_watch(tmp_path)
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     from scaletrain.config import HarnessArgs
-    from scaletrain.harness import engine_lm, score
+    from scaletrain.harness.live_model import engine_lm
+    from scaletrain.harness.scoring import score
 
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(REPO / "data" / "tiny-llama")).train()

@@ -19,7 +19,7 @@ from scaletrain.errors import Preempted
 from scaletrain.observability.metrics import PHASES, PhaseClock
 from scaletrain.train import step as steps
 from scaletrain.train import trainer as trainer_module
-from scaletrain.train.callbacks import Callback, RolledBack, StepOutcome
+from scaletrain.train.callbacks import Callback, Order, RolledBack, StepOutcome
 from scaletrain.train.log_window import LogWindow
 from scaletrain.train.nonfinite import NonFiniteGuard, NonFinitePolicy
 from scaletrain.train.settings import LoopSettings
@@ -113,8 +113,69 @@ def test_every_callback_hears_each_event_in_the_lists_order_and_the_loop_counts_
         ("b", "post_step", 3, True, ["save"]),
     ]
     assert ("a", "phase", "forward/backward", 2, False) in events
-    assert events[-2:] == [("a", "post_train"), ("b", "post_train")]
+    assert events[-4:] == [  # the loop's end, then the end of training's phase
+        ("a", "post_train"),
+        ("b", "post_train"),
+        ("a", "phase", "end of run: evaluation, save, export", None, True),
+        ("b", "phase", "end of run: evaluation, save, export", None, True),
+    ]
     assert trainer.logged(2) and trainer.logged(3) and not trainer.logged(1)
+
+
+def test_callbacks_act_in_their_declared_order_whatever_order_they_are_listed_in():
+    """The trainer orders its callbacks by each one's declared Order, not by list position: a save listed before
+    the records it must follow, and the preemption save listed first, still act after them."""
+    events: list = []
+
+    def recorder(name: str, order: Order) -> Recorder:
+        kind = type(f"Recorder_{name}", (Recorder,), {"order": order})
+        return kind(events, name)
+
+    listed = [
+        recorder("preemption", Order.PREEMPTION_SAVE),
+        recorder("save", Order.PERIODIC_SAVE),
+        recorder("records", Order.TRAINING_RECORDS),
+        recorder("guard", Order.NONFINITE_GUARD),
+        recorder("evaluation", Order.EVALUATION),
+    ]
+    trainer = Trainer(Engine(), None, TrainState(), settings(max_steps=1), Runner([result()]), listed)
+    expected = ["guard", "records", "evaluation", "save", "preemption"]
+    assert [c.name for c in trainer.callbacks] == expected
+    trainer.fit()
+    assert [e[0] for e in events if e[1] == "post_step"] == expected
+    assert [e[0] for e in events if e[1] == "pre_train"] == expected
+
+
+def test_the_run_s_callbacks_declare_the_order_the_loop_relies_on():
+    """The real concerns' declared orders: the guard's verdict before the step's record, the record before
+    evaluation, evaluation before the periodic save, the preemption save last."""
+    from scaletrain.checkpoint import CommitInFlight, PeriodicSave
+    from scaletrain.train import (
+        BenchmarkEvaluation,
+        GoodputBook,
+        HangNotes,
+        PeriodicEvaluation,
+        PreemptionSave,
+        ProgressBar,
+        StepProfiler,
+        TrainingRecords,
+    )
+
+    sequence = [
+        HangNotes,
+        NonFiniteGuard,
+        GoodputBook,
+        StepProfiler,
+        CommitInFlight,
+        ProgressBar,
+        TrainingRecords,
+        PeriodicEvaluation,
+        BenchmarkEvaluation,
+        PeriodicSave,
+        PreemptionSave,
+    ]
+    orders = [kind.order for kind in sequence]
+    assert orders == sorted(orders) and len(set(orders)) == len(orders), dict(zip(sequence, orders, strict=True))
 
 
 def test_a_rollback_skips_the_rest_of_its_step_and_every_callback_hears_it():
@@ -305,5 +366,36 @@ def test_a_preemption_at_an_evaluation_step_saves_without_evaluating():
     evaluation = PeriodicEvaluation(1, Metrics(), evaluate=lambda: {"eval_loss": 1.0})
     runner = Runner([result(), result(requests=("stop",)), result()])
     trainer = Trainer(Engine(), None, TrainState(), settings(max_steps=3), runner, [evaluation])
-    trainer.fit()
-    assert evaluated == [1]  # not step 2 (the preemption's), not step 3 (the last: the end of the run's)
+    trainer.fit(finish=False)
+    assert evaluated == [1]  # not step 2 (the preemption's), not step 3 (the last: the end of training's)
+
+
+def test_the_end_of_training_evaluates_the_last_step_once_unless_it_has_its_records():
+    """The last step is evaluated by the end of training, after the loop; a run resumed at its last step (already
+    complete, its records written) runs no step and does not evaluate it again."""
+    from scaletrain.train.evaluation import PeriodicEvaluation
+
+    evaluated: list = []
+
+    class Metrics:
+        def __init__(self, done: set):
+            self.done = done
+
+        def log(self, record):
+            evaluated.append(record["step"])
+
+        def evaluated(self, step):
+            return step in self.done
+
+    def run(state: TrainState, done: set, steps: int) -> None:
+        evaluation = PeriodicEvaluation(1, Metrics(done), evaluate=lambda: {"eval_loss": 1.0})
+        trainer = Trainer(Engine(), None, state, settings(max_steps=2), Runner([result()] * steps), [evaluation])
+        trainer.fit()
+
+    run(TrainState(), set(), steps=2)
+    assert evaluated == [1, 2]  # step 1 by the loop, step 2 (the last) by the end of training
+    evaluated.clear()
+    resumed = TrainState()
+    resumed.step = 2
+    run(resumed, {1, 2}, steps=0)
+    assert evaluated == []

@@ -1,0 +1,368 @@
+"""How each part of a run is built from the pre-flight's plan: the process group, the inputs, this rank's model, the
+engine and its step runner, the sinks, the reference log-probs, the hang watch, the live benchmark scores; and the
+`Lifetime` that releases what they acquire. scaletrain/run.py's build_run calls them in order."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from contextlib import ExitStack
+from functools import partial
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from scaletrain.checkpoint import (
+    background_writer,
+    clear_previous_run,
+    ensure_universal,
+    resume_elsewhere,
+    Saver,
+    verified_resume_checkpoint,
+    write_run_folder,
+)
+from scaletrain.data import prepare_stores
+from scaletrain.distributed import (
+    barrier,
+    build_pipeline_module,
+    communication_threads,
+    check_tensor_groups_within_nodes,
+    describe_launch,
+    init_distributed,
+    preflight_facts,
+    register_ulysses,
+    settle,
+    store_facts,
+    teardown_distributed,
+    use_shm_allreduce,
+)
+from scaletrain.engine import (
+    build_engine,
+    compile_engine,
+    compile_requested,
+    release_engine,
+    restart_schedule,
+    repair_universal_load,
+    SkipSwitch,
+)
+from scaletrain.errors import HANG_EXIT_CODE, RunEnded
+from scaletrain.harness import LiveScores
+from scaletrain.logs import interactive
+from scaletrain.model import (
+    apply_lora,
+    build_model,
+    build_qlora_model,
+    install_chunked_loss,
+    mark_leaf_modules,
+)
+from scaletrain.observability import (
+    CommLog,
+    GoodputLedger,
+    HostMemoryPhase,
+    MetricsLogger,
+    RunIdentity,
+)
+from scaletrain.parts import BuiltModel, DistInfo, ResolvedRun, TrainingData
+from scaletrain.train import (
+    EngineStep,
+    enable_flight_recorder,
+    PipelineStep,
+    prepare_reference,
+    seed_everything,
+    start_hang_watch,
+    TrainState,
+)
+
+if TYPE_CHECKING:
+    from deepspeed import DeepSpeedEngine
+
+    from scaletrain.engine import LRSchedule
+    from scaletrain.train import HangWatch, PreferenceObjective
+
+log = logging.getLogger(__name__)
+
+
+class Lifetime:
+    """What a run acquires, released in reverse by close() on the error path too: the run's parts first, the
+    process group last; and how the run ended (the process's exit code), for the sinks that record it."""
+
+    def __init__(self) -> None:
+        self.exit_code = 1  # a crash, unless told otherwise
+        self.parts = ExitStack()  # engines, sinks, signal handlers, watches: released before the process group
+        self.world = ExitStack()  # the process group and its check: released last
+
+    def close(self, exit_code: int) -> None:
+        self.exit_code = exit_code
+        try:
+            self.parts.close()
+        finally:
+            self.world.close()
+
+
+def start_world(resolved: ResolvedRun, *, lifetime: Lifetime) -> DistInfo:
+    """The process group, then every rank's pre-flight verdict: a rank whose pre-flight failed joins too
+    (distributed.stop_with_the_others), so its mistake stops every rank here; the ranks also compare the resume
+    checkpoint, tokenizer and run configuration each found, before any rank acts on them."""
+    cfg = resolved.cfg
+    enable_flight_recorder(cfg.run.output_dir)  # on a GPU: NCCL's trace, for a hang's report
+    dist = init_distributed(resolved.dist, cfg.hang.ddp_timeout)
+    lifetime.world.callback(check_teardown)
+    lifetime.world.callback(teardown_distributed, dist.rank)
+    started = resolved.replace(dist=dist)
+    settle(dist, facts=preflight_facts(started))
+    hosts = describe_launch(started)  # the run's first lines: where the ranks landed, what each runs with
+    check_tensor_groups_within_nodes(cfg.parallel, dist.layout, hosts)
+    if cfg.engine.cpu_shm_allreduce:  # after the rendezvous: every rank decides on the same facts
+        shm = use_shm_allreduce(dist)
+        if shm is not None:
+            lifetime.parts.callback(release_shm_allreduce, shm)
+    seed_everything(cfg.optim.seed)
+    return dist
+
+
+def prepare_inputs(resolved: ResolvedRun) -> tuple[ResolvedRun, tuple]:
+    """The resume checkpoint verified and converted, and the token stores, then the ranks settle: a failure on any
+    rank (a node whose store could not be prepared) stops every rank, and so do token stores that differ between
+    ranks. The plan comes back with the checkpoint the run continues."""
+    error = None
+    stores: tuple = ()
+    try:
+        resolved = prepare_resume(resolved)
+        stores = prepare_stores(resolved)
+    except RunEnded as err:
+        error = err
+    settle(resolved.dist, error, None if error else store_facts(list(stores)))
+    return resolved, stores
+
+
+def prepare_resume(resolved: ResolvedRun) -> ResolvedRun:
+    """The checkpoint's files checked against their SHA-256 by every rank (a share each) before anything reads
+    them: a damaged one falls back, on every rank, to the previous committed checkpoint (or stops the run).
+    Then a checkpoint from another number of ranks, layout or offload is converted to DeepSpeed's universal
+    format (global rank 0 converts; the others wait on the file system, with a way out if rank 0 fails)."""
+    resume, dist = resolved.resume, resolved.dist
+    if resume is None:
+        return resolved
+    auto = resolved.cfg.checkpoint.resume_from_checkpoint == "auto"
+    verified = verified_resume_checkpoint(resume.checkpoint, auto, dist.rank, dist.world_size)
+    if verified != resume.checkpoint:
+        resolved = resume_elsewhere(resolved, verified)
+        resume = resolved.resume
+    if resume is not None and resume.reshard:
+        ensure_universal(resume.checkpoint, dist.rank)
+    return resolved
+
+
+def build_rank_model(resolved: ResolvedRun, *, lifetime: Lifetime) -> BuiltModel:
+    """This rank's model (ZeRO-3: built sharded; pipeline: its stage alone), with LoRA and the layout's attention
+    and stage wrappers."""
+    memory = HostMemoryPhase("model build")
+    cfg, layout = resolved.cfg, resolved.dist.layout
+    # The backend the pre-flight's meta model was built with: the one named, or the one transformers chose.
+    args = dataclasses.replace(cfg.model, attn_implementation=resolved.attn_implementation)
+    if cfg.peft.load_in_4bit:  # QLoRA: the base in 4 bits on this rank's GPU, then LoRA as below
+        module, keepalive = build_qlora_model(args, resolved.model_config, resolved.ds)
+    else:
+        pipeline = layout.pp > 1 and not cfg.peft.use_peft  # stages built alone
+        module, keepalive = build_model(args, resolved.model_config, resolved.ds.config, pipeline)
+    if cfg.peft.use_peft:  # LoRA: peft wraps the built (ZeRO-3: partitioned) model; only the adapter trains
+        module = apply_lora(module, cfg.peft)
+    if resolved.ds.zero_stage == 3:  # before deepspeed.initialize, which installs the gather hooks
+        mark_leaf_modules(module, resolved.model_config)
+    if layout.sp > 1:
+        lifetime.parts.callback(register_ulysses(module, resolved))
+    pipeline_loss = None
+    if layout.pp > 1:  # this rank keeps its stage's layers of the model it built
+        module, pipeline_loss = build_pipeline_module(
+            module, layout, cfg.parallel.pipeline_partition, cfg.model.loss_chunk_size
+        )
+    memory.report()
+    return BuiltModel(module, keepalive, pipeline_loss)
+
+
+def write_outputs_folder(resolved: ResolvedRun, data: TrainingData) -> None:
+    """The resolved configs saved beside the outputs, only after everything before succeeded."""
+    cfg = resolved.cfg
+    if cfg.run.dry_run:
+        return  # a dry run leaves the output folder as it was
+    if resolved.resume is None and cfg.run.overwrite_output_dir and resolved.dist.is_main:
+        clear_previous_run(cfg.run.output_dir)  # an explicit fresh start in a used folder
+    schedule = data.schedule
+    write_run_folder(resolved, {"total_steps": schedule.total_steps, "warmup_steps": schedule.warmup_steps})
+    barrier()  # the folder exists before any rank writes into it
+
+
+def build_engine_and_runner(
+    resolved: ResolvedRun, *, model: BuiltModel, data: TrainingData, lifetime: Lifetime
+) -> tuple[DeepSpeedEngine, EngineStep | PipelineStep]:
+    """deepspeed.initialize with the resolved config and LR schedule, and the step runner that drives it."""
+    cfg, ds = resolved.cfg, resolved.ds
+    engine = build_engine(model.module, ds.config, cfg.optim.weight_decay, data.schedule, resolved.dist.layout)
+    lifetime.parts.callback(release_engine_quietly, engine)
+    switch = SkipSwitch(engine.optimizer) if cfg.nonfinite.on_nonfinite == "skip" else None
+    runner: EngineStep | PipelineStep
+    if model.pipeline_loss is not None:
+        runner = PipelineStep(engine, model.pipeline_loss, switch)
+    else:  # after deepspeed.initialize (tensor parallelism may replace the head), before compile
+        runner = EngineStep(switch)
+        install_chunked_loss(engine.module, cfg.model.loss_chunk_size)
+    if compile_requested(cfg.engine.torch_compile, ds.config):
+        compile_engine(engine, cfg.engine.torch_compile_backend, cfg.engine.torch_compile_mode)
+    return engine, runner
+
+
+def open_comm_log(resolved: ResolvedRun, *, lifetime: Lifetime) -> CommLog | None:
+    """--comms_log: each collective's count, bytes and bandwidth, from here on (the engine's start-up broadcasts
+    are not training's)."""
+    if not resolved.cfg.logging.comms_log:
+        return None
+    comm_log = CommLog(resolved.dist.layout)
+    lifetime.parts.callback(comm_log.close)
+    return comm_log
+
+
+def record_layout(state: TrainState, resolved: ResolvedRun) -> None:
+    """The layout this run trains with, into the train state its checkpoints carry."""
+    ds = resolved.ds
+    state.record_layout(resolved.dist.layout, ds.zero_stage, ds.offload_setting)
+
+
+def reloaded(
+    engine: DeepSpeedEngine, *, state: TrainState, resolved: ResolvedRun, schedule: LRSchedule, universal: bool
+) -> None:
+    """After a checkpoint was loaded (resume, rollback): this run's flags rule from here on. A universal load
+    restores no weight decay and (ZeRO-3) shares one Adam step counter: repaired here. The checkpoint restored the
+    saving run's peak LR and next LR."""
+    if universal:
+        repair_universal_load(engine, resolved.cfg.optim.weight_decay)
+    restart_schedule(engine.lr_scheduler, schedule, resolved.ds.peak_lr)
+    record_layout(state, resolved)
+
+
+def open_metrics(resolved: ResolvedRun, *, state: TrainState, lifetime: Lifetime) -> MetricsLogger:
+    """This attempt's metrics sinks (metrics.jsonl, wandb, tensorboard); wandb resumes the run id the checkpoint
+    carries. Closed with the run's exit code (wandb marks a non-zero end failed)."""
+    cfg = resolved.cfg
+    out = cfg.run.output_dir
+    identity = RunIdentity(cfg.run.run_name or Path(out).resolve().name, cfg.to_dict(), state.wandb_run_id)
+    metrics = MetricsLogger(
+        out,
+        resolved.dist.is_main,
+        cfg.logging.report_sinks,
+        identity,
+        resume_step=state.step,
+        write_files=not cfg.run.dry_run,
+    )
+    lifetime.parts.callback(lambda: metrics.close(lifetime.exit_code))
+    state.wandb_run_id = metrics.wandb_run_id
+    return metrics
+
+
+def open_ledger(resolved: ResolvedRun, *, step: int, metrics: MetricsLogger, lifetime: Lifetime) -> GoodputLedger:
+    """This attempt's entry in the goodput ledger, ended with the run's exit code."""
+    cfg = resolved.cfg
+    ledger = GoodputLedger(cfg.run.output_dir, resolved.dist.is_main and not cfg.run.dry_run)
+    ledger.begin(step)
+    lifetime.parts.callback(lambda: ledger.end(lifetime.exit_code, metrics))
+    return ledger
+
+
+def open_saver(
+    resolved: ResolvedRun, *, engine: DeepSpeedEngine, state: TrainState, ledger: GoodputLedger, lifetime: Lifetime
+) -> Saver:
+    """The run's saver (--async_save: with its background writer process)."""
+    cfg, ds = resolved.cfg, resolved.ds
+    writer = None
+    if cfg.checkpoint.async_save and not cfg.run.dry_run:
+        writer = background_writer(resolved.n_params, ds.precision, ds.zero_stage, resolved.dist)
+    saver = Saver(resolved, engine, state, ledger, writer)
+    lifetime.parts.callback(saver.close)
+    return saver
+
+
+def with_reference(
+    objective: PreferenceObjective | None,
+    resolved: ResolvedRun,
+    *,
+    engine: DeepSpeedEngine,
+    data: TrainingData,
+    state: TrainState,
+    lifetime: Lifetime,
+) -> PreferenceObjective | None:
+    """Preference pairs: the objective with the reference's log-probs of every pair, read back or computed once
+    before step 1. None for plain language modelling."""
+    if objective is None:
+        return None
+    only = None
+    if resolved.cfg.run.dry_run:
+        only = data.order.global_batch_indices(state.step + state.data_offset)
+    reference = prepare_reference(engine, resolved, data, state.step == 0, only)
+    if reference is not None:  # a live reference's own engine
+        lifetime.parts.callback(release_engine, reference)
+    return dataclasses.replace(objective, reference=reference)
+
+
+def watch_for_hangs(resolved: ResolvedRun, *, ledger: GoodputLedger, lifetime: Lifetime) -> HangWatch | None:
+    """--hang_timeout: this rank's heartbeat, and a watch that ends a stuck run naming the ranks that stopped."""
+    cfg = resolved.cfg
+    if cfg.run.dry_run:
+        return None
+    on_hang = partial(ledger.end, HANG_EXIT_CODE)  # the attempt's end in goodput.json
+    watch = start_hang_watch(cfg.hang, cfg.run.output_dir, resolved.dist, on_hang)
+    if watch is not None:
+        lifetime.parts.callback(watch.stop)
+    return watch
+
+
+def live_scores(
+    resolved: ResolvedRun,
+    *,
+    engine: DeepSpeedEngine,
+    metrics: MetricsLogger,
+    watch: HangWatch | None,
+    lifetime: Lifetime,
+) -> LiveScores | None:
+    """--lm_eval_tasks: lm-evaluation-harness on the live model, each data-parallel rank a share of the requests."""
+    tasks, cfg, dist = resolved.lm_eval_tasks, resolved.cfg, resolved.dist
+    if tasks is None:
+        return None
+    progress = (lambda what: watch.phase(f"lm-eval: {what}", long=True)) if watch is not None else None
+    scores = LiveScores(
+        engine.module,
+        tokenizer=resolved.tokenizer,
+        tasks=tasks,
+        args=cfg.lm_eval,
+        out_dir=Path(cfg.run.output_dir),
+        data_rank=dist.coords.dp,
+        data_ranks=dist.layout.dp,
+        lockstep=resolved.ds.zero_stage == 3 and dist.layout.dp > 1,  # each forward a collective
+        log=metrics.log,
+        progress=progress,
+        show_bars=dist.is_main and not cfg.logging.disable_tqdm and interactive(),
+    )
+    lifetime.parts.callback(scores.close)
+    return scores
+
+
+def release_engine_quietly(engine: DeepSpeedEngine) -> None:
+    # The engine, optimizer and ZeRO-3 parameters hold process groups, so destroy_process_group alone left
+    # gloo's threads running until the interpreter tore the objects down at exit, which now and then aborted
+    # a finished run (SIGABRT, "terminate called without an active exception"). Free them here instead.
+    try:
+        release_engine(engine)
+    except Exception as err:  # never hide the error that brought us here, nor skip the teardown
+        log.warning("could not release the DeepSpeed engine cleanly: %s", err)
+
+
+def release_shm_allreduce(shm) -> None:
+    log.info("cpu: %d all-reduces (%.2f GB) went through shared memory", shm.calls, shm.bytes / 1e9)
+    shm.uninstall()
+
+
+def check_teardown() -> None:
+    lingering = communication_threads()
+    if lingering:
+        log.warning(
+            "%d communication threads outlive the process group: something still holds it, and the "
+            "interpreter will tear it down at exit",
+            lingering,
+        )

@@ -128,7 +128,10 @@ class HangEnd:
         return self.reported_at is not None
 
     def kill_if_due(self, group: int) -> None:
-        if not self.reported() or time.monotonic() - self.reported_at < self.kill_after_s:
+        if not self.reported():
+            return
+        assert self.reported_at is not None  # reported() sets it
+        if time.monotonic() - self.reported_at < self.kill_after_s:
             return
         for rank in rank_processes(group):
             try:

@@ -230,6 +230,7 @@ def _trained_model(cfg: RunConfig, skeleton, model_config):
         return skeleton
     from scaletrain.model import meta_lora_model
 
+    assert cfg.model.model_name_or_path is not None  # --use_peft without it is refused (config _check_peft_run)
     return meta_lora_model(model_config, cfg.peft, cfg.model.model_name_or_path, cfg.model.trust_remote_code)
 
 

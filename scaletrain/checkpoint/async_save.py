@@ -21,9 +21,12 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    from multiprocessing.connection import Connection
+    from multiprocessing.process import BaseProcess
+
     import torch
 
 log = logging.getLogger(__name__)
@@ -136,7 +139,8 @@ class Snapshot:
     def take(self, state_dict, path, zipfile_serialization: bool = True) -> None:
         # Per file: every object of the state dict is alive while it is walked, so no identity is reused (the
         # storages of an earlier file, freed since, may have left their addresses to this one's).
-        self._memo = {}  # id(container or tensor) -> its copy: met twice, it stays one object, as pickle keeps it
+        # id(container or tensor) -> its copy: met twice, it stays one object, as pickle keeps it
+        self._memo: dict[int, Any] = {}
         self._seen = {}
         structure = self._walk(state_dict)
         self.files.append((str(path), pickle.dumps(structure, protocol=pickle.HIGHEST_PROTOCOL), zipfile_serialization))
@@ -313,8 +317,8 @@ class BackgroundWriter:
     def __init__(self, rank: int):
         self.rank = rank
         self.buffers = HostBuffers(f"{os.getpid()}-rank{rank}")
-        self.process = None
-        self.conn = None
+        self.process: BaseProcess | None = None
+        self.conn: Connection | None = None
         self.in_flight: InFlight | None = None
 
     def snapshot(self) -> Snapshot:
@@ -336,24 +340,28 @@ class BackgroundWriter:
     def submit(self, in_flight: InFlight, snapshot: Snapshot) -> None:
         self.start()
         self.in_flight = in_flight
+        assert self.conn is not None  # start() made the pipe
         self.conn.send((str(in_flight.tmp), snapshot.files, snapshot.buffers))
 
     def status(self, wait: bool = False) -> str:
         """ "writing", "done" or "failed" for the save in flight (`wait`: until it is no longer writing)."""
         flight = self.in_flight
+        assert flight is not None  # only asked while a save is in flight
         if flight.result is None:
+            conn, process = self.conn, self.process
+            assert conn is not None and process is not None  # submit() started the writer and its pipe
             try:
-                if self.conn.poll(None if wait else 0):
-                    flight.result = self.conn.recv()
-                elif not self.process.is_alive():
+                if conn.poll(None if wait else 0):
+                    flight.result = conn.recv()
+                elif not process.is_alive():
                     flight.result = (
                         "failed",
                         str(flight.tmp),
-                        f"its writer process died (exit {self.process.exitcode})",
+                        f"its writer process died (exit {process.exitcode})",
                     )
             except (EOFError, OSError):
-                self.process.join(timeout=5)
-                flight.result = ("failed", str(flight.tmp), f"its writer process died (exit {self.process.exitcode})")
+                process.join(timeout=5)
+                flight.result = ("failed", str(flight.tmp), f"its writer process died (exit {process.exitcode})")
         return "writing" if flight.result is None else flight.result[0]
 
     def close(self) -> None:
@@ -362,6 +370,7 @@ class BackgroundWriter:
         if self.process is not None:
             writing = self.in_flight is not None and self.in_flight.result is None
             if writing:
+                assert self.conn is not None  # made with the process, in start()
                 try:
                     self.conn.send(None)
                 except OSError:

@@ -99,6 +99,13 @@ def committed_step(path: Path) -> int | None:
     return int(name[len(PREFIX) :]) if name.startswith(PREFIX) and name[len(PREFIX) :].isdigit() else None
 
 
+def committed_step_key(path: Path) -> int:
+    """committed_step of a path known to be a committed checkpoint: a sort key."""
+    step = committed_step(path)
+    assert step is not None  # the caller kept committed checkpoints only
+    return step
+
+
 def universal_path(ckpt: Path) -> Path:
     return ckpt.parent / UNIVERSAL_DIR / ckpt.name
 
@@ -120,7 +127,7 @@ def verify(ckpt: Path) -> str | None:
     return None
 
 
-def newest_committed(output_dir: str) -> Path | None:
+def newest_committed(output_dir: str | Path) -> Path | None:
     """The newest checkpoint that verifies; newer broken ones are skipped with a warning naming them."""
     root = Path(output_dir) / CHECKPOINT_DIR
     return _newest_intact(root) if root.is_dir() else None
@@ -133,9 +140,9 @@ def _newest_intact(root: Path, below: int | None = None) -> Path | None:
         (
             p
             for p in root.iterdir()
-            if p.is_dir() and committed_step(p) is not None and (below is None or committed_step(p) < below)
+            if p.is_dir() and (step := committed_step(p)) is not None and (below is None or step < below)
         ),
-        key=committed_step,
+        key=committed_step_key,
         reverse=True,
     )
     for ckpt in candidates:
@@ -149,7 +156,8 @@ def _newest_intact(root: Path, below: int | None = None) -> Path | None:
 def checksum_shares(files: dict, world_size: int) -> list:
     """The files of a commit record ({name: size}) split among the ranks by size, largest first, each to the rank
     with the fewest bytes so far: every file is hashed once, each rank reads about 1/world_size of the bytes."""
-    shares, loads = [[] for _ in range(world_size)], [0] * world_size
+    shares: list[list[str]] = [[] for _ in range(world_size)]
+    loads = [0] * world_size
     for rel, size in sorted(files.items(), key=lambda item: (-item[1], item[0])):
         least = loads.index(min(loads))
         shares[least].append(rel)
@@ -277,7 +285,9 @@ def prune_checkpoints(root: Path, limit: int, keep: Path) -> None:
     if limit <= 0:
         return
     committed = sorted(
-        (p for p in root.iterdir() if p.is_dir() and committed_step(p) is not None), key=committed_step, reverse=True
+        (p for p in root.iterdir() if p.is_dir() and committed_step(p) is not None),
+        key=committed_step_key,
+        reverse=True,
     )
     for old in committed[limit:]:
         if old != keep:

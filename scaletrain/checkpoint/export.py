@@ -100,7 +100,9 @@ def export_hf_model(
         return
     if hasattr(engine.module, "scaletrain_layers"):  # a pipeline: rank 0 reads every stage's layer files
         if is_main:
-            export_pipeline_checkpoint(newest_committed(Path(out_dir)), out_dir, engine.module.hf_config, tokenizer)
+            ckpt = newest_committed(Path(out_dir))
+            assert ckpt is not None  # a pipeline's export reads the checkpoint the end of training committed
+            export_pipeline_checkpoint(ckpt, out_dir, engine.module.hf_config, tokenizer)
             log.info("exported Hugging Face model to %s (from the pipeline's layer files)", out_dir)
         barrier()
         return

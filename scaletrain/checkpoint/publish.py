@@ -12,6 +12,7 @@ import sys
 import time
 from pathlib import Path
 from collections.abc import Callable
+from typing import TypeGuard
 
 from scaletrain.config import eval_loss_set
 from scaletrain.errors import UsageError
@@ -155,9 +156,9 @@ def complete_export(out_dir, tokenizer, model_config, run_config: dict, final: d
     log.info("wrote generation_config.json (EOS ids %s) and the model card README.md in %s", eos, out_dir)
 
 
-def _on_hub(name: str | None) -> bool:
+def _on_hub(name: str | None) -> TypeGuard[str]:
     """A hub id (owner/name or name), not a local path."""
-    return bool(name) and not Path(name).exists() and not str(name).startswith((".", "/", "~"))
+    return bool(name and not Path(name).exists() and not str(name).startswith((".", "/", "~")))
 
 
 def hub_token() -> str | None:

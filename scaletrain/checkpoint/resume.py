@@ -218,6 +218,7 @@ def ensure_universal(ckpt: Path, rank: int) -> Path:
         fcntl.flock(lock, fcntl.LOCK_EX)
     barrier()
     if rank == 0:
+        assert lock is not None  # taken above, on rank 0
         try:
             if not done.exists():
                 _convert_to_universal(ckpt, out, command, done)

@@ -32,6 +32,7 @@ def resume_elsewhere(resolved: ResolvedRun, checkpoint: Path) -> ResolvedRun:
     """The run resolved to continue `checkpoint` instead (the fallback from a damaged one), checked as the
     pre-flight checks its choice: a new value, the one given is left as it was."""
     ds = resolved.ds.without(UNIVERSAL_KEY)  # set again if `checkpoint` needs it
+    assert resolved.model_facts is not None  # the pre-flight that resolved the run described the model
     resume, ds = resume_point(resolved.cfg, ds, resolved.model_facts, resolved.dist.layout, checkpoint)
     return resolved.replace(resume=resume, ds=ds)
 

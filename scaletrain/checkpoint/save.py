@@ -19,6 +19,7 @@ from scaletrain.checkpoint.commit import (
     TMP_PREFIX,
     commit_checkpoint,
     committed_step,
+    committed_step_key,
     describe_write_failure,
     file_checksum,
     is_write_failure,
@@ -94,7 +95,8 @@ def _last_committed_size(root: Path) -> tuple:
     """(newest checkpoint with a commit record, its bytes): the size the next save will need again."""
     if not root.is_dir():
         return None, 0
-    for ckpt in sorted((p for p in root.iterdir() if committed_step(p) is not None), key=committed_step, reverse=True):
+    committed = (p for p in root.iterdir() if committed_step(p) is not None)
+    for ckpt in sorted(committed, key=committed_step_key, reverse=True):
         try:
             return ckpt, sum(json.loads((ckpt / COMMIT).read_text())["files"].values())
         except (OSError, ValueError, KeyError):
@@ -360,10 +362,15 @@ def settle_checkpoint(writer: BackgroundWriter, rank: int, wait: bool = False) -
     if max_over_ranks({"done": 0, "writing": 1, "failed": 2}[status]) == 1:
         return None
     failure = None
+    result = flight.result  # the writer's answer, once this rank's write is no longer "writing"
     if status == "failed":
-        failure = f"rank {rank} could not write {flight.result[1]} ({flight.result[2]})"
+        assert result is not None
+        failure = f"rank {rank} could not write {result[1]} ({result[2]})"
     # (a rank still writing when another's write failed sends nothing: nothing is committed)
-    checksums = {} if status != "done" else {**flight.own_checksums, **_relative(flight.result[1], flight.tmp)}
+    checksums = {}
+    if status == "done":
+        assert result is not None
+        checksums = {**flight.own_checksums, **_relative(result[1], flight.tmp)}
     reports = all_gather_objects((failure, checksums))
     writer.in_flight = None
     failures = [f for f, _ in reports if f]

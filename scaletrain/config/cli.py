@@ -13,6 +13,7 @@ import argparse
 import dataclasses
 import difflib
 from collections.abc import Sequence
+from typing import Any
 
 from scaletrain.config.checks import validate_run_config
 from scaletrain.config.deepspeed_json import ResolvedDSConfig
@@ -100,12 +101,13 @@ def build_parser(suppress_defaults: bool = False, defaults: dict | None = None) 
     add_flags(parser, suppress_defaults=suppress_defaults, defaults=defaults)
     switches = {f.name for slice_name, f in flag_fields() if _value_type(SLICES[slice_name], f) is bool}
     for alias, name in FLAG_ALIASES.items():
+        action: dict[str, Any] = {"action": argparse.BooleanOptionalAction} if name in switches else {}
         parser.add_argument(
             f"--{alias}",
             dest=name,
             default=argparse.SUPPRESS,
             help=f"Alias of --{name} (Hugging Face spelling).",
-            **({"action": argparse.BooleanOptionalAction} if name in switches else {}),
+            **action,
         )
     return parser
 

@@ -13,6 +13,7 @@ import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from scaletrain.config.deepspeed_schema import check_ds_keys
 from scaletrain.config.slices import NVME_PATH_ENV, EngineArgs, OptimArgs
@@ -97,7 +98,8 @@ class ResolvedDSConfig:
     def offload_devices(self) -> tuple[str, str]:
         """(the optimizer's, the parameters' offload device): "none", "cpu" or "nvme"."""
         zero = self.config.get("zero_optimization", {})
-        return tuple(zero.get(f"offload_{kind}", {}).get("device") or "none" for kind in ("optimizer", "param"))
+        optimizer, param = (zero.get(f"offload_{kind}", {}).get("device") or "none" for kind in ("optimizer", "param"))
+        return optimizer, param
 
     @property
     def offloads_optimizer(self) -> bool:
@@ -142,9 +144,10 @@ class ResolvedDSConfig:
         *parents, leaf = dotted.split(".")
         node = config
         for part in parents:
-            node = node.get(part)
-            if not isinstance(node, dict):
+            child = node.get(part)
+            if not isinstance(child, dict):
                 return self
+            node = child
         node.pop(leaf, None)
         sources.pop(dotted, None)
         return dataclasses.replace(self, config=config, sources=sources)
@@ -194,7 +197,7 @@ def load_ds_config(path: str) -> dict:
 
 
 def _get(tree: dict, dotted: str) -> JSONValue:
-    node: JSONValue = tree
+    node: Any = tree  # any JSON value: indexing a list or scalar raises TypeError, which explicit() relies on
     for part in dotted.split("."):
         node = node[part]
     return node
@@ -284,7 +287,8 @@ def _check_flag_contradictions(r: _Resolver, optim: OptimArgs, explicit: frozens
         json_value = r.explicit(key)
         if json_value is None or flag not in explicit:
             continue
-        if float(json_value) != float(value_of(optim)):
+        # A JSON number (or numeric string) here; a list or object is not checked first, float() raises as it did
+        if float(json_value) != float(value_of(optim)):  # type: ignore[arg-type]
             raise UsageError(
                 f"--{flag} {value_of(optim)} contradicts {key}={json_value} in {r.path}",
                 f'set {key} to "auto" in the JSON, or drop --{flag}',

@@ -130,6 +130,7 @@ def parse_validation_sets(value: str | None) -> dict:
         )
     sets = {}
     for match in named:
+        assert match is not None  # all(named) above
         name, path = match.groups()
         split = f"{VALIDATION_SPLIT}.{name}"
         if split in sets:

@@ -179,7 +179,7 @@ class MixedBlocks:
     seed: int
     period: int = 1000
 
-    def __post_init__(self):
+    def __post_init__(self) -> None:
         self.schedule = smooth_schedule(self.weights, self.period)
         self.per_period = np.bincount(self.schedule, minlength=len(self.sources))
         self.rank_in_period = np.zeros(self.period, dtype=np.int64)

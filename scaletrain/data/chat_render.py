@@ -19,7 +19,8 @@ import re
 import sys
 from dataclasses import dataclass
 from pathlib import Path
-from collections.abc import Iterable, Sequence
+from typing import cast
+from collections.abc import Collection, Iterable, Sequence
 
 from scaletrain.errors import UsageError
 
@@ -131,7 +132,7 @@ def render_conversation(
             "drop the example or add the prompt it answers",
         )
     full = _render(tokenizer, template, messages, False, index)
-    replies = []  # (start, end) of each trained reply in the text of the whole conversation
+    replies: list[tuple[int, int]] = []  # (start, end) of each trained reply in the text of the whole conversation
     for i, message in enumerate(messages):
         if message["role"] != "assistant" or i < train_from:
             continue
@@ -195,8 +196,8 @@ def _through_end_of_turn(ids: list, marked: list, tokenizer) -> list:
     separator a template writes after the end of turn (Qwen's and Gemma's newline) is never generated."""
     end_of_turn = _end_of_turn_ids(tokenizer)
     mask = [0] * len(ids)
-    for is_marked, run in itertools.groupby(range(len(ids)), key=lambda j: marked[j]):
-        run = list(run)
+    for is_marked, group in itertools.groupby(range(len(ids)), key=lambda j: marked[j]):
+        run = list(group)
         if is_marked:
             closing = [j for j in run if ids[j] in end_of_turn]
             for j in run[: run.index(closing[-1]) + 1] if closing else run:
@@ -212,11 +213,15 @@ def _check_generation_markers(
     token would teach the model never to stop)."""
     from transformers.utils.chat_template_utils import render_jinja_template
 
-    rendered, spans = render_jinja_template(
-        conversations=[list(messages)],
-        chat_template=template.text,
-        return_assistant_tokens_mask=True,
-        **tokenizer.special_tokens_map,
+    # With return_assistant_tokens_mask it returns (renders, generation spans) though annotated `-> str`
+    rendered, spans = cast(
+        "tuple[list[str], list[list[tuple[int, int]]]]",
+        render_jinja_template(
+            conversations=[list(messages)],
+            chat_template=template.text,
+            return_assistant_tokens_mask=True,
+            **tokenizer.special_tokens_map,
+        ),
     )
     assert rendered[0] == full, "transformers renders the template another way than apply_chat_template"
     ids, offsets = pieces[0], pieces[1]
@@ -301,7 +306,7 @@ class MaskSummary:
     examples_without_trained_tokens: int
 
 
-def check_masks(masks: Iterable[Sequence[int]], template: ChatTemplate | None) -> MaskSummary:
+def check_masks(masks: Iterable[Collection[int]], template: ChatTemplate | None) -> MaskSummary:
     """Refuse a dataset whose masks train nothing, or everything: either way the template did not separate the
     prompts from the replies (the silent all-zero or all-one masks of stock templates; marin#7237)."""
     examples = tokens = trained = untrained_examples = 0

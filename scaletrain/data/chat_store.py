@@ -222,8 +222,8 @@ def _chat_data_of_stores(data: DataArgs) -> ChatData | None:
     first_path, first = chat[0]
     for path, manifest in chat[1:]:
         _check_same_chat(first_path, first, path, manifest, data.store_flag)
-    text = first.get("chat_template")  # every store's, as checked
-    template = ChatTemplate(text, f"the chat template of store {first_path}") if text else None
+    template_text = first.get("chat_template")  # every store's, as checked
+    template = ChatTemplate(template_text, f"the chat template of store {first_path}") if template_text else None
     return ChatData(first.get("chat_kind", "messages"), template, first["fingerprint"]["loss_mode"])
 
 

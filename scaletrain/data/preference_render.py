@@ -196,6 +196,7 @@ def render_pair(row: dict, tokenizer, template: ChatTemplate | None, index: int)
     if fmt == "explicit_text":
         prompt_ids, chosen_ids, rejected_ids = _tokenize_text(prompt, chosen, rejected, tokenizer, index)
     else:
+        assert template is not None  # refused above without one
         prompt_ids, chosen_ids, rejected_ids = (
             _tokenize_chat(messages, tokenizer, template, index, generation_prompt)
             for messages, generation_prompt in ((prompt, True), (prompt + chosen, False), (prompt + rejected, False))

@@ -84,6 +84,7 @@ def _load_hub_dataset(data: DataArgs, cache: dict) -> tuple:
     or found (the model and tokenizer get the same)."""
     import datasets
 
+    assert data.dataset_name is not None  # called only for a --dataset_name
     try:
         # load_dataset's own steps, keeping the builder: its hash is the commit the revision resolved to.
         builder = datasets.load_dataset_builder(

@@ -70,17 +70,19 @@ class GlobalOrder:
     def stages(self) -> list:
         """Constant-batch orders, each valid from its start_step: the ramp's stages from this run's start, then the
         full batch. Each stage starts at the data position its first step reads, as a resume there would."""
+        ramp = self.ramp
+        assert ramp is not None, "stages are those of a ramp-up"  # read only where there is one
         segments, step, samples = [], self.start_step, self.start_samples
         unit = self.micro_batch * self.dp_world_size
         while True:
-            batch = self.ramp.global_batch(samples)
+            batch = ramp.global_batch(samples)
             segment = dataclasses.replace(
                 self, accumulation=batch // unit, start_step=step, start_samples=samples, ramp=None
             )
             segments.append(segment)
-            if batch >= self.ramp.full:
+            if batch >= ramp.full:
                 return segments
-            threshold = self.ramp.next_change(samples)
+            threshold = ramp.next_change(samples)
             while segment.consumed_before(step) < threshold:
                 step += 1
             samples = segment.consumed_before(step)

@@ -69,6 +69,7 @@ def source_identity(
                 for split, paths in files.items()
             },
         }
+    assert dataset_name is not None, "a source is local files or a dataset"  # the caller passes one of the two
     path = Path(dataset_name)
     if path.is_dir() and ((path / "dataset_dict.json").exists() or (path / "dataset_info.json").exists()):
         state = sorted(p for p in path.rglob("*.arrow"))
@@ -520,7 +521,7 @@ def _adds_special_tokens(tokenizer) -> bool:
     return not (probe and probe[-1] == tokenizer.eos_token_id)
 
 
-def _start_encoder(num_proc: int, init_args: tuple) -> tuple:
+def _start_encoder(num_proc: int, init_args: tuple[str, int, str, bool]) -> tuple:
     """(the worker pool or None, encode: batches of texts -> (flat ids, lengths) per batch)."""
     if num_proc > MAX_TOKENIZER_THREADS:
         pool = WorkerPool(num_proc, init_args)

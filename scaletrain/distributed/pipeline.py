@@ -423,12 +423,13 @@ def hf_state_dict_from_layer_files(ckpt, places: list, full_shapes: dict) -> dic
 
     import torch
 
-    shards = defaultdict(dict)  # layer index -> tensor rank -> its state dict
+    shards: defaultdict[int, dict[int, dict]] = defaultdict(dict)  # layer index -> tensor rank -> its state dict
     files = sorted(ckpt.glob("layer_*-model_states.pt"))
     if not files:
         raise FileNotFoundError(f"{ckpt}: no pipeline layer files (layer_XX-model_states.pt)")
     for path in files:
         found = re.match(r"layer_(\d+)(?:-model_(\d+))?-model_states\.pt$", path.name)
+        assert found is not None, f"{path}: not a DeepSpeed pipeline layer file name"
         index, tensor_rank = int(found.group(1)), int(found.group(2) or 0)
         if places[index]["prefix"] is not None:
             shards[index][tensor_rank] = torch.load(path, map_location="cpu", weights_only=True)

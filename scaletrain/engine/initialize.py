@@ -3,17 +3,22 @@
 from __future__ import annotations
 
 import logging
+from typing import TYPE_CHECKING
 
 from scaletrain.errors import UsageError
 from scaletrain.parts import ParallelLayout
 from scaletrain.engine.schedules import LRSchedule
+
+if TYPE_CHECKING:
+    import torch
 
 log = logging.getLogger(__name__)
 
 
 def parameter_groups(model, weight_decay: float) -> list:
     """Decay matrices only: biases and norm weights (1-D tensors) keep weight_decay 0, as is standard for LMs."""
-    decay, no_decay = [], []
+    decay: list[torch.nn.Parameter] = []
+    no_decay: list[torch.nn.Parameter] = []
     for _, param in model.named_parameters():
         if not param.requires_grad:
             continue
@@ -43,7 +48,8 @@ def build_engine(model, ds_config: dict, weight_decay: float, schedule: LRSchedu
 
     from scaletrain.engine.ds_internals import tensor_parallel_mpu, tensor_parallel_stages
 
-    mpu, groups = None, contextlib.nullcontext()
+    mpu = None
+    groups: contextlib.AbstractContextManager[object] = contextlib.nullcontext()
     if layout.tp > 1 and isinstance(model, PipelineModule):  # AutoTP splits each stage over the grid's groups
         groups = tensor_parallel_stages(model.mpu())
     elif layout.tp > 1:  # AutoTP shards the model inside initialize (tensor_parallel.autotp_size)

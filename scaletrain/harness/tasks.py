@@ -68,13 +68,13 @@ def resolve_tasks(
     has_names = any(Path(s).suffix not in (".yaml", ".yml") for s in loads)
     # The built-in index (about 14k YAML files, ~10 s) only where a spec is a name; a file's own folder otherwise.
     manager = TaskManager(include_path=include or None, include_defaults=has_names)
-    documents = {}
+    documents: dict[str, int] = {}
     for spec in loads:
         documents |= _build(manager, spec, limit, ranks, flag)
     return HarnessTasks(tuple(loads), manager, documents)
 
 
-def _build(manager, spec: str, limit: int | None, ranks: int, flag: str) -> dict:
+def _build(manager, spec: str, limit: int | None, ranks: int, flag: str) -> dict[str, int]:
     """{leaf task: documents scored} of one spec, built as an evaluation will build it."""
     shown = Path(spec).name if Path(spec).suffix in (".yaml", ".yml") else spec
     if Path(spec).suffix not in (".yaml", ".yml") and spec not in manager.all_tasks:

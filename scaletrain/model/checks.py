@@ -35,6 +35,7 @@ def describe_model(cfg: RunConfig, model_config) -> tuple:
         "adapter": describe_adapter(cfg.peft) if cfg.peft.use_peft else None,
     }
     if cfg.peft.use_peft:
+        assert cfg.model.model_name_or_path is not None  # --use_peft needs it (config._check_peft_run)
         facts["base"] = base_identity(cfg.model.model_name_or_path)
     return skeleton, facts
 

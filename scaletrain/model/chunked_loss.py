@@ -305,7 +305,7 @@ def chunked_loss_head(model) -> ChunkedLoss | None:
 def logit_transforms(model) -> list:
     """The config keys by which `model` changes its head's output (the loss cannot be computed inside the head)."""
     config = getattr(model, "config", None)
-    text_config = config.get_text_config() if hasattr(config, "get_text_config") else config
+    text_config = config.get_text_config() if config is not None and hasattr(config, "get_text_config") else config
     return [key for key in LOGIT_TRANSFORM_KEYS if getattr(text_config, key, None) not in (None, 1, 1.0)]
 
 
@@ -324,11 +324,12 @@ def install_chunked_loss(model, chunk_size: int | None) -> int | None:
         why = f"its config sets {', '.join(transforms)}" if transforms else f"its head is a {type(head).__name__}"
         log.info("loss: whole logits (%s: the loss cannot be chunked through the head)", why)
         return None
+    assert head is not None  # a missing head is no Linear and has no shard: returned above
     # this rank's rows of the vocabulary (under ZeRO-3 the weight is partitioned: out_features is the whole count)
     rows = head.out_features if shard is None else getattr(head.weight, "ds_shape", head.weight.shape)[0]
     tokens = chunk_size or auto_loss_chunk(rows)
     if not ChunkedLoss.forward_is_eager:  # once per process (see the forward's comment)
-        ChunkedLoss.forward = torch.compiler.disable(ChunkedLoss.forward)
+        ChunkedLoss.forward = torch.compiler.disable(ChunkedLoss.forward)  # type: ignore[method-assign]  # eager, once
         ChunkedLoss.forward_is_eager = True
     head.__class__ = ChunkedLossHead if shard is None else _tensor_parallel_head_class(type(head))
     head.chunk_tokens = tokens

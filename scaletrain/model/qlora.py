@@ -95,7 +95,9 @@ def quantization_settings(precision: str, bf16_fast: bool) -> dict:
     }
 
 
-def model_kwargs(model_args: ModelArgs, precision: str, bf16_fast: bool, device: torch.device | None) -> dict:
+def model_kwargs(
+    model_args: ModelArgs, precision: str, bf16_fast: bool, device: torch.device | int | str | None
+) -> dict:
     """from_pretrained's arguments for the 4-bit base: the quantization, the weights' dtype equal to the storage
     (every other weight then arrives in the run's dtype too), and the whole base on this rank's device (without a
     device map, transformers would pick the current CUDA device; naming it keeps rank and GPU paired)."""
@@ -116,7 +118,7 @@ def build_qlora_model(
     model_args: ModelArgs,
     model_config,
     ds: ResolvedDSConfig,
-    device: torch.device | None = None,
+    device: torch.device | int | str | None = None,
     bf16_fast: bool | None = None,
 ) -> tuple:
     """(model, keepalive) as model.build_model returns them: the pretrained base in 4 bits, prepared for training by
@@ -135,6 +137,8 @@ def build_qlora_model(
     # quantized model, so this base is loaded whole and partitioned by deepspeed.initialize.
     keepalive = HfDeepSpeedConfig(ds.config) if ds.zero_stage == 3 else None
     kwargs = model_kwargs(model_args, ds.precision, bf16_fast, device)
+    # --load_in_4bit needs --use_peft, which needs --model_name_or_path (config._check_peft_run).
+    assert model_args.model_name_or_path is not None
     model = AutoModelForCausalLM.from_pretrained(model_args.model_name_or_path, config=model_config, **kwargs)
     model = prepare_model_for_kbit_training(
         model,

@@ -14,6 +14,10 @@ from collections import defaultdict
 from collections.abc import Callable
 from contextlib import contextmanager
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import torch
 
 log = logging.getLogger(__name__)
 
@@ -142,7 +146,7 @@ class CheckpointTensors:
         by_file = defaultdict(set)
         for key in filter(None, keys.values()):
             by_file[self.files[key]].add(key)
-        read = {}
+        read: dict[str, torch.Tensor] = {}
         for path, file_keys in by_file.items():
             with safe_open(str(path), framework="pt") as handle:
                 read.update((key, handle.get_tensor(key)) for key in file_keys)
@@ -275,11 +279,11 @@ def _init_weights_on_meta(owned: set, outer_class: type):
 
     try:
         modeling_utils.get_torch_context_manager_or_global_device = lambda: torch.device("cpu")
-        PreTrainedModel._initialize_weights = initialize
+        PreTrainedModel._initialize_weights = initialize  # type: ignore[method-assign]  # while a stage is built
         yield
     finally:
         modeling_utils.get_torch_context_manager_or_global_device = original_device
-        PreTrainedModel._initialize_weights = original_init
+        PreTrainedModel._initialize_weights = original_init  # type: ignore[method-assign]  # transformers' own, back
 
 
 def stage_weights_model(args, model_config):

@@ -148,7 +148,7 @@ def per_op_comm_latencies(
     records = COMMS_RECORDS.on(logger)
     comm_module = COMMS_MSG_SIZE.owner_object()
     size_of = COMMS_MSG_SIZE.on(comm_module)
-    running = {}  # the last running total per op name
+    running: dict[str, float] = {}  # the last running total per op name
     pending = {}  # the group of the op being timed (ops are timed one at a time: each is made blocking)
 
     def msg_size_noting_group(func, *args, **kwargs):

@@ -14,7 +14,6 @@ import logging
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
-from types import ModuleType
 from typing import Any  # an internal found by name at run time is whatever DeepSpeed made it
 
 log = logging.getLogger(__name__)
@@ -102,8 +101,8 @@ class Hook:
             return self._find_module()
         return self.on(self.owner_object())
 
-    def owner_object(self) -> type | ModuleType:
-        """The owner module or class (imported)."""
+    def owner_object(self) -> Any:
+        """The owner module or class (imported): whatever DeepSpeed made it, its attributes found by name."""
         module_name, _, class_name = self.owner.partition(":")
         if module_name.split(".")[0] == "deepspeed":
             check_version()
@@ -115,6 +114,7 @@ class Hook:
 
     def on(self, obj: object) -> Any:
         """The attribute looked up on `obj` (an instance of the owner class, or the owner itself), checked."""
+        assert self.name is not None, f"{self.owner}: a module hook has no attribute to look up"
         value = require(obj, self.name, self.purpose, self.instead)
         problem = self.problem(value) if self.problem else None
         if problem:

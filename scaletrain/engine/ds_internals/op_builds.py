@@ -83,7 +83,7 @@ def remember_cpu_info(folder: str | None) -> None:
                     tmp.unlink(missing_ok=True)
         return copy.deepcopy(answer)
 
-    get_cpu_info.remembered = True
+    get_cpu_info.remembered = True  # type: ignore[attr-defined]  # a marker on the replacement: installed once
     module.get_cpu_info = get_cpu_info
 
 

@@ -4,6 +4,8 @@ _overflow_check_and_loss_scale_update), or a plain torch optimizer's step be rep
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any, cast
 
 from scaletrain.engine.ds_internals.guard import CHECKED_DEEPSPEED_VERSIONS, Hook
 
@@ -12,7 +14,8 @@ def _no_check_grad_overflow(init: object) -> str | None:
     import inspect
 
     # An instance attribute, set from this argument: the class itself cannot show it.
-    if "check_grad_overflow" in inspect.signature(init).parameters:
+    # Hook.problem takes any found value; this one is DeepSpeedZeroOptimizer.__init__.
+    if "check_grad_overflow" in inspect.signature(cast(Callable[..., Any], init)).parameters:
         return None
     return "no longer takes check_grad_overflow (the instance flag SkipSwitch sets)"
 

@@ -36,7 +36,7 @@ def pipeline_module_class(after_build: Callable | None = None) -> type:
     if after_build is None:
         return pipeline_module
 
-    class StagePipelineModule(pipeline_module):
+    class StagePipelineModule(pipeline_module):  # type: ignore[misc, valid-type]  # found at run time
         def _build(self):
             super()._build()
             after_build(self)
@@ -125,7 +125,7 @@ def fix_pipeline_stage0_clipping(engine) -> None:
 
     PIPE_CLIP.on(engine)
     module, grid = engine.module, engine.grid
-    tied_elsewhere = set()
+    tied_elsewhere: set[int] = set()  # id() of each parameter counted on another rank of its tie group
     for comm in getattr(module, "tied_comms", {}).values():
         if engine.global_rank != min(comm["ranks"]):
             tied_elsewhere.update(id(p) for p in comm["module"].parameters())

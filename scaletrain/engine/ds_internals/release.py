@@ -6,15 +6,18 @@ zero1_pp2-*]."""
 
 from __future__ import annotations
 
+from typing import Any
 
 from scaletrain.engine.ds_internals.guard import Hook
 
 _RELEASE = "freeing a ZeRO-3 engine's process groups before exit"
 
 
-def _caches(function: object) -> list:
+def _caches(function: object) -> list[Any]:
     """Every functools cache in `function` or inside its decorators' closures."""
-    found, pending, seen = [], [function], set()
+    found: list[Any] = []  # each has cache_clear()
+    pending: list[object] = [function]
+    seen: set[int] = set()
     while pending:
         current = pending.pop()
         if id(current) in seen or not callable(current):

@@ -30,7 +30,7 @@ class ModelFlops:
     matmul_params: int
     layers: int
     heads: int
-    head_dim: int
+    head_dim: float  # hidden / heads where a shape names no head dimension of its own
     seq_len: int
     frozen_matmul_params: int = 0  # of matmul_params, those that train no weight gradient (LoRA's base)
 
@@ -52,7 +52,7 @@ def model_flops(meta_model, model_config, seq_len: int) -> ModelFlops:
     frozen = sum(w.numel() for w in linear if not w.requires_grad)
     heads, head_dim = attention_heads(model_config)
     text = model_config.get_text_config() if hasattr(model_config, "get_text_config") else model_config
-    layers = getattr(text, "num_hidden_layers", None) or getattr(text, "n_layer", 0)
+    layers = getattr(text, "num_hidden_layers", None) or getattr(text, "n_layer", 0) or 0
     return ModelFlops(matmul, layers, heads, head_dim, seq_len, frozen)
 
 

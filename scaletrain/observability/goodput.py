@@ -105,7 +105,8 @@ def per_attempt(attempts: list) -> list:
         if _reexport_only(attempt, previous):
             rows.append({"seconds": seconds, "not_counted": not_counted + attempt["end"] - attempt["start"]})
             continue
-        kept = attempt["step_s"] if kept_up_to[index] is None else _step_s_up_to(attempt, kept_up_to[index])
+        up_to = kept_up_to[index]
+        kept = attempt["step_s"] if up_to is None else _step_s_up_to(attempt, up_to)
         seconds["productive"] = kept
         seconds["lost_work"] = attempt["step_s"] - kept + attempt["rolled_back_s"]
         seconds["startup"] = (attempt["first_step_at"] or attempt["end"]) - attempt["start"]

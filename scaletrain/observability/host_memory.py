@@ -50,6 +50,7 @@ class HostMemoryPhase:
 
     def report(self) -> tuple:
         peak = _status_mib("VmHWM") if self.own_peak else _lifetime_peak_mib()
+        assert peak is not None and self.start is not None, "own_peak: /proc/self/status reports VmRSS and VmHWM"
         log.info("%s: host memory peak %.0f MiB (+%.0f MiB in it)", self.phase, peak, peak - self.start)
         return peak, peak - self.start
 

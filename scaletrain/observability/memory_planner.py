@@ -56,7 +56,8 @@ class ModelShape:
         body = self.n_params - self.embedding_params - (0 if self.head_tied else self.head_params)
         split = min(max(self.linear_params - self.head_params, 0), body)  # the decoder layers' linear weights
         end = self.embedding_params if which == "first" else self.head_params
-        return replace(self, n_params=body / pp + end, linear_params=split / pp)
+        # A stage's share of the body is fractional where PP does not divide the layers: the sums take it as it is.
+        return replace(self, n_params=body / pp + end, linear_params=split / pp)  # type: ignore[arg-type]
 
     @classmethod
     def from_meta_model(cls, model, model_config) -> ModelShape:

@@ -254,6 +254,7 @@ class MetricsLogger:
 
     def _close_file(self) -> None:
         file, self._file = self._file, None
+        assert file is not None, "called with the file open"
         try:
             file.close()
         except OSError:  # what could not be flushed is said above; the file is closed all the same

@@ -178,7 +178,7 @@ def _sequence_degrees(shape: ModelShape, tp: int, world: int) -> list:
     """The Ulysses degrees for each tensor rank's heads (TP splits them first) over the ranks left to it."""
     if tp == 1:
         return ulysses_degrees(shape, world)
-    local = replace(shape, heads=(shape.heads or 0) // tp, kv_heads=(shape.kv_heads or 0) // tp or None)
+    local = replace(shape, heads=(shape.heads or 0) // tp, kv_heads=(shape.kv_heads or 0) // tp)  # 0: unknown
     return ulysses_degrees(local, world // tp)
 
 
@@ -230,7 +230,7 @@ def runner_up(candidates: list[Candidate], best: Candidate) -> Candidate | None:
 def separating_term(best: Candidate, other: Candidate) -> tuple:
     """(term, seconds) where `other` loses most against `best`."""
     gaps = {t: other.prediction.terms[t] - best.prediction.terms[t] for t in best.prediction.terms}
-    term = max(gaps, key=gaps.get)
+    term = max(gaps, key=lambda t: gaps[t])
     return term, gaps[term]
 
 

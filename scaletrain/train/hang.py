@@ -53,7 +53,14 @@ def stacks_file(folder: Path, rank: int) -> Path:
     return folder / f"stacks-rank-{rank:05d}.txt"
 
 
-BEAT_FIELDS = {"rank": int, "step": int, "phase": str, "beat": (int, float), "since": (int, float), "finished": bool}
+BEAT_FIELDS: dict[str, type | tuple[type, ...]] = {
+    "rank": int,
+    "step": int,
+    "phase": str,
+    "beat": (int, float),
+    "since": (int, float),
+    "finished": bool,
+}
 
 
 def read_beats(folder: Path) -> dict:
@@ -143,7 +150,7 @@ def dump_flight_recorder(folder: Path, rank: int) -> Path | None:
     if not torch.cuda.is_available() or not torch_dist.is_initialized():
         return None
     try:
-        trace = torch._C._distributed_c10d._dump_nccl_trace()
+        trace = torch._C._distributed_c10d._dump_nccl_trace()  # type: ignore[attr-defined]  # CUDA builds only
     except (AttributeError, RuntimeError):
         return None
     path = folder / f"nccl-trace-rank-{rank:05d}.pkl"
@@ -177,7 +184,7 @@ def attempt_folder(output_dir: str) -> Path:
 
 
 def start_hang_watch(
-    args: HangArgs, output_dir: str, dist: DistInfo, on_hang: Callable[[], None] | None = None
+    args: HangArgs, output_dir: str, dist: DistInfo, on_hang: Callable[[], object] | None = None
 ) -> HangWatch | None:
     """Every rank (a collective): this attempt's hang folder chosen by global rank 0, this rank's watch started, and a
     barrier, so that every rank's first heartbeat exists before any rank reads them. None when --hang_timeout is 0."""
@@ -214,7 +221,7 @@ class HangWatch:
         world_size: int,
         timeout: float,
         long_allowance_s: float,
-        on_hang: Callable[[], None] | None = None,
+        on_hang: Callable[[], object] | None = None,
     ):
         self.folder, self.rank, self.world_size = Path(folder), rank, world_size
         self.timeout, self.long_allowance = timeout, long_allowance_s

@@ -48,6 +48,7 @@ class LogWindow:
             self.skipped += 1
         else:
             if result.aux_share is not None:
+                assert self.aux_sum is not None  # opened at 0.0 above
                 self.aux_sum = self.aux_sum + result.aux_share
             self.loss_sum = self.loss_sum + result.loss_sum
             self.loss_targets += result.targets
@@ -81,8 +82,9 @@ class LogWindow:
         mine[1] = self.phases["forward"] / self.phase_steps if self.phase_steps else 0.0
         aux = 0.0 if self.aux_sum is None else self.aux_sum
         mine[2] = torch.as_tensor(aux, dtype=torch.float64, device=device).reshape(())
+        sums = self.metric_sums or {}
         for k, name in enumerate(extra):
-            mine[3 + k] = torch.as_tensor(self.metric_sums[name], dtype=torch.float64, device=device).reshape(())
+            mine[3 + k] = torch.as_tensor(sums[name], dtype=torch.float64, device=device).reshape(())
         gathered = [torch.zeros_like(mine) for _ in range(torch_dist.get_world_size())]
         torch_dist.all_gather(gathered, mine)
         rows = torch.stack(gathered).cpu()

@@ -69,6 +69,7 @@ class NonFiniteGuard(Callback):
         samples = partial(self.trainer.batches.sample_ids, outcome.data_step)
         if self.after_step(outcome.step, result.global_loss, result.forced, result.applied, samples) == "rollback":
             self.trainer.phase("rollback", long=True)
+            assert self.rollback is not None, "a rollback policy is built with its rollback"
             self.record(self.rollback())  # back to the newest committed checkpoint, the data past this streak
             raise RolledBack
 

@@ -9,7 +9,7 @@ import time
 from collections.abc import Callable
 from contextlib import ExitStack
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from scaletrain.train.callbacks import Callback, Order, StepOutcome
 from scaletrain.train.log_window import LogWindow
@@ -78,7 +78,7 @@ class ProgressBar(Callback):
 
     def __init__(self, show: bool):
         self.show = show
-        self._bar = None
+        self._bar: Any = None  # tqdm's bar, opened at pre_train
         self._redirect = ExitStack()
 
     def pre_train(self) -> None:
@@ -203,7 +203,7 @@ class StepProfiler(Callback):
         self.steps = steps
         self.out = Path(out_dir) / "profile"
         self.rank = rank
-        self._prof = None
+        self._prof: Any = None  # torch's profiler over steps A..B
 
     def pre_step(self, step: int) -> None:
         if self.steps and step == self.steps[0]:
@@ -215,7 +215,7 @@ class StepProfiler(Callback):
             self._prof.start()
 
     def post_step(self, outcome: StepOutcome) -> None:
-        if self._prof is not None and outcome.step == self.steps[1]:
+        if self._prof is not None and self.steps is not None and outcome.step == self.steps[1]:
             self._prof.stop()
             self.out.mkdir(parents=True, exist_ok=True)
             path = self.out / f"trace_rank{self.rank}_steps{self.steps[0]}-{self.steps[1]}.json"

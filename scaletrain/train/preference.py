@@ -9,9 +9,13 @@ from __future__ import annotations
 
 from contextlib import nullcontext
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from scaletrain.data import IGNORE_INDEX
 from scaletrain.parts import ResolvedRun
+
+if TYPE_CHECKING:
+    from scaletrain.train.preference_loss import PreferenceLoss
 
 METRIC_NAMES = (
     "rewards/chosen",
@@ -92,7 +96,7 @@ def _per_sequence(per_token, mask, batch: dict, device) -> list:
 class PreferenceObjective:
     """Called by the loop for each micro-batch: (summed per-pair loss, {metric: summed value}), both on the device."""
 
-    loss: object  # scaletrain.train.preference_loss.PreferenceLoss
+    loss: PreferenceLoss
     live_reference: bool = False  # the reference runs at every step: the reference engine, or the LoRA base
     reference: object = None  # the reference's own engine (train/reference.py), or None: the LoRA base
 

@@ -64,12 +64,11 @@ import statistics
 import subprocess
 import sys
 import tempfile
-from collections.abc import Callable
 from itertools import pairwise
 from pathlib import Path
 
 from scripts.bench.common import bench_parser, median_runs, metrics, steady_rate
-from scripts.launching import child_env
+from scripts.bench.trl_environment import installed_version, run_env, trl_env, unmet_requirements
 from scaletrain.config import LOSS_TYPES
 from scaletrain.train.preference import METRIC_NAMES  # the metrics both sides log, by TRL's names
 
@@ -190,54 +189,6 @@ def install_trl(target: Path) -> Path:
         cmd = [sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", "--target", str(target)]
         run_checked([*cmd, f"trl=={TRL_VERSION}"], dict(os.environ), target.parent / "pip_trl.log")
     return target
-
-
-def unmet_requirements(metadata: str, version_of: Callable[[str], str | None]) -> list:
-    """The unconditional Requires-Dist lines of a METADATA text that `version_of` (name -> installed version, None
-    when absent) does not satisfy, each as 'requirement (installed: version)'. Extras and other platforms are not
-    asked for."""
-    from packaging.requirements import Requirement
-
-    unmet = []
-    for line in metadata.splitlines():
-        if not line.startswith("Requires-Dist:"):
-            continue
-        req = Requirement(line.split(":", 1)[1].strip())
-        if req.marker is not None and not req.marker.evaluate({"extra": ""}):
-            continue
-        have = version_of(req.name)
-        if have is None or not req.specifier.contains(have, prereleases=True):
-            unmet.append(f"{req} (installed: {have or 'none'})")
-    return unmet
-
-
-def installed_version(name: str) -> str | None:
-    from importlib.metadata import PackageNotFoundError, version
-
-    try:
-        return version(name)
-    except PackageNotFoundError:
-        return None
-
-
-def trl_env(trl_dir: Path, threads: int, cache: Path) -> dict:
-    """The TRL child's environment: TRL's folder first on PYTHONPATH, then child_env's (the repository, then the
-    caller's PYTHONPATH); offline, OMP_NUM_THREADS."""
-    env = run_env(threads, cache)
-    env["PYTHONPATH"] = os.pathsep.join([str(trl_dir), env["PYTHONPATH"]])
-    return env
-
-
-def run_env(threads: int, cache: Path) -> dict:
-    """Either side's environment: offline, the thread count, caches in the work folder."""
-    return child_env(
-        HF_HUB_OFFLINE="1",
-        HF_DATASETS_OFFLINE="1",
-        HF_DATASETS_CACHE=str(cache / "datasets"),
-        SCALETRAIN_CACHE=str(cache / "scaletrain"),
-        TOKENIZERS_PARALLELISM="false",
-        OMP_NUM_THREADS=str(threads),
-    )
 
 
 def trl_spec(args: argparse.Namespace, model: Path, pairs: Path, out_dir: Path) -> dict:

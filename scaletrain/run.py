@@ -296,8 +296,7 @@ class Run:
     def rollback(self) -> dict:
         """--max_consecutive_skips reached: back to the newest committed checkpoint, the data past the streak; the
         jump's entry for the non-finite ledger."""
-        self.saver.commit_pending(wait=True)  # a save in flight is committed first: it may be the one to go back to
-        self.saver.wait_for_pruning()  # the checkpoints folder holds what it will hold when rank 0 looks
+        self.saver.settle()  # a save in flight is committed first: it may be the one to go back to
         jump = roll_back(self.engine, self.state, self.resolved, self._reloaded)
         self.saver.committed = None  # (a fallback past a damaged newest one retrains its step on other data)
         return jump

@@ -119,6 +119,12 @@ class Saver:
         )
         self._pruning.start()
 
+    def settle(self) -> None:
+        """The save in flight committed (every rank) and rank 0's deletions done: the checkpoints folder holds what
+        it will hold when rank 0 looks (the end of training, a rollback)."""
+        self.commit_pending(wait=True)
+        self.wait_for_pruning()
+
     def wait_for_pruning(self) -> None:
         if self._pruning is not None:
             self._pruning.join()
@@ -156,8 +162,7 @@ class CommitInFlight(Callback):
             self.saver.commit_pending()
 
     def end_of_training(self, step: int) -> None:
-        self.saver.commit_pending(wait=True)  # --async_save: the save in flight is committed before anything else
-        self.saver.wait_for_pruning()  # the checkpoints folder holds what it will hold when rank 0 looks
+        self.saver.settle()  # --async_save: the save in flight is committed before anything else
 
 
 class PeriodicSave(Callback):

@@ -13,9 +13,11 @@ from pathlib import Path
 
 from scaletrain.checkpoint import check_push_target, plan_resume
 from scaletrain.config import (
+    assemble_ds_config,
     check_preference_run,
     check_rampup,
     explain_resolved,
+    DSKey,
     HardwareFacts,
     load_ds_config,
     ModelSize,
@@ -31,8 +33,8 @@ from scaletrain.distributed import (
     check_model_layout,
     check_pipeline_layout,
     check_sequence_layout,
+    layout_ds_keys,
     place_ranks,
-    resolve_layout,
 )
 from scaletrain.engine import check_compile, check_deepspeed_hooks, compile_requested
 from scaletrain.train import check_reference_model
@@ -118,10 +120,10 @@ def resolve_run(argv: Sequence[str] | None, dist: DistInfo) -> ResolvedRun:
     skeleton, model_facts = describe_model(cfg, model_config)
     hardware = hardware_facts()
     shape = ModelShape.from_meta_model(skeleton, model_config)
-    ds = _resolve_engine_config(cfg, raw_ds_config, dist, hardware, model_config, shape)
-    resolved = ResolvedRun(
+    filled, layout_keys = _resolve_engine_config(cfg, raw_ds_config, dist, hardware, model_config, shape)
+    resolved = ResolvedRun(  # the checks below read the JSON as filled; the layout's and resume's keys join it last
         cfg,
-        ds,
+        filled,
         dist,
         model_config,
         tokenizer,
@@ -131,7 +133,7 @@ def resolve_run(argv: Sequence[str] | None, dist: DistInfo) -> ResolvedRun:
         model_facts=model_facts,
         chat=chat,
     )
-    router_loss = check_model_features(cfg, ds, skeleton, model_config, hardware, resolved.isolates_documents)
+    router_loss = check_model_features(cfg, filled, skeleton, model_config, hardware, resolved.isolates_documents)
     check_preference_run(cfg, chat is not None and chat.kind == "preference", router_loss is not None)
     check_reference_model(cfg, model_config)
     _check_layout(resolved, hardware)
@@ -139,11 +141,11 @@ def resolve_run(argv: Sequence[str] | None, dist: DistInfo) -> ResolvedRun:
         cfg.logging.eval_prompts, tokenizer, cfg.logging.eval_max_new_tokens, max_positions(model_config), dist.layout
     )
     lm_eval_tasks = _lm_eval_tasks(cfg, dist)
-    resume, ds = plan_resume(cfg, ds, model_facts, dist.layout)
+    resume, resume_keys = plan_resume(cfg, filled, model_facts, dist.layout)
     trained = _trained_model(cfg, skeleton, model_config)
-    _check_disk_space_for(cfg, ds, model_facts["n_params"], trained)
+    _check_disk_space_for(cfg, filled, model_facts["n_params"], trained)
     return resolved.replace(
-        ds=ds,
+        ds=assemble_ds_config(filled, layout_keys, resume_keys),
         resume=resume,
         flops=model_flops(trained, model_config, block_size),
         model_shape=shape if cfg.planning.plan else None,
@@ -198,22 +200,23 @@ def _check_layout(resolved: ResolvedRun, hardware: HardwareFacts) -> None:
 
 def _resolve_engine_config(
     cfg: RunConfig, raw_ds_config: dict, dist: DistInfo, hardware: HardwareFacts, model_config, shape: ModelShape
-) -> ResolvedDSConfig:
-    """The DeepSpeed JSON with every "auto" filled, and the engine-side checks that need it: the parallel layout's
-    DeepSpeed keys, the batch ramp-up, and whether a non-finite update can be skipped."""
+) -> tuple[ResolvedDSConfig, tuple[DSKey, ...]]:
+    """(the DeepSpeed JSON with every "auto" filled, the keys the parallel layout adds to it), and the engine-side
+    checks that need them: the layout's DeepSpeed keys, the batch ramp-up, and whether a non-finite update can be
+    skipped."""
     tp, pp = dist.layout.tp, dist.layout.pp
     rank_params = int(shape.params_per_rank(tp, pp)) if tp * pp > 1 else None
     size = ModelSize(_hidden_size(model_config), shape.n_params, rank_params)
     ds = resolve_ds_config(raw_ds_config, cfg.engine, cfg.optim, cfg.explicit_flags, dist.layout.dp, hardware, size)
-    if not cfg.planning.plan:  # --plan covers every ZeRO option for the layout, whatever --config says
-        ds = resolve_layout(cfg.parallel, ds, cfg.engine.config)
+    # --plan covers every ZeRO option for the layout, whatever --config says
+    layout_keys = () if cfg.planning.plan else layout_ds_keys(cfg.parallel, ds, cfg.engine.config)
     check_rampup(cfg.optim.rampup_batch_size, ds, dist.layout.dp)
     if cfg.nonfinite.on_nonfinite == "skip" and ds.zero_stage == 0 and ds.precision != "fp32":
         raise UsageError(
             f"--on_nonfinite skip: updates of ZeRO stage 0 in {ds.precision} cannot be skipped",
             "use a ZeRO stage 1-3 config, or --on_nonfinite stop",
         )
-    return ds
+    return ds, layout_keys
 
 
 def _check_disk_space_for(cfg: RunConfig, ds: ResolvedDSConfig, n_params: int, trained) -> None:

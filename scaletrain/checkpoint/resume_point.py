@@ -9,7 +9,7 @@ from pathlib import Path
 
 from scaletrain.checkpoint.resume import check_resumable, read_train_state, resolve_resume, saved_zero_stage
 from scaletrain.checkpoint.run_folder import read_previous_run_config
-from scaletrain.config import ResolvedDSConfig, RunConfig
+from scaletrain.config import DSKey, ResolvedDSConfig, RunConfig, assemble_ds_config
 from scaletrain.errors import UsageError
 from scaletrain.parts import ParallelLayout, ResolvedRun, ResumePoint
 
@@ -18,42 +18,43 @@ UNIVERSAL_KEY = "checkpoint.load_universal"
 
 def plan_resume(
     cfg: RunConfig, ds: ResolvedDSConfig, model_facts: dict, layout: ParallelLayout
-) -> tuple[ResumePoint | None, ResolvedDSConfig]:
-    """(the checkpoint this run continues or None, the DeepSpeed config that loads it)."""
+) -> tuple[ResumePoint | None, tuple[DSKey, ...]]:
+    """(the checkpoint this run continues or None, the keys the DeepSpeed config needs to load it)."""
     if cfg.planning.plan:
-        return None, ds
+        return None, ()
     checkpoint = resolve_resume(cfg.checkpoint.resume_from_checkpoint, cfg.run.output_dir)
     if checkpoint is None:
-        return None, ds
+        return None, ()
     return resume_point(cfg, ds, model_facts, layout, checkpoint)
 
 
 def resume_elsewhere(resolved: ResolvedRun, checkpoint: Path) -> ResolvedRun:
     """The run resolved to continue `checkpoint` instead (the fallback from a damaged one), checked as the
     pre-flight checks its choice: a new value, the one given is left as it was."""
-    ds = resolved.ds.without(UNIVERSAL_KEY)  # set again if `checkpoint` needs it
+    ds = resolved.ds.without(UNIVERSAL_KEY)  # the first choice's resume keys out; `checkpoint`'s in
     assert resolved.model_facts is not None  # the pre-flight that resolved the run described the model
-    resume, ds = resume_point(resolved.cfg, ds, resolved.model_facts, resolved.dist.layout, checkpoint)
-    return resolved.replace(resume=resume, ds=ds)
+    resume, keys = resume_point(resolved.cfg, ds, resolved.model_facts, resolved.dist.layout, checkpoint)
+    return resolved.replace(resume=resume, ds=assemble_ds_config(ds, keys))
 
 
 def resume_point(
     cfg: RunConfig, ds: ResolvedDSConfig, model_facts: dict, layout: ParallelLayout, checkpoint: Path
-) -> tuple[ResumePoint, ResolvedDSConfig]:
+) -> tuple[ResumePoint, tuple[DSKey, ...]]:
     previous = read_previous_run_config(checkpoint)
     check_peak_lr(cfg, ds, previous, checkpoint)
     reshard = check_resumable(checkpoint, layout, ds.zero_stage, ds.offload_setting, model_facts)
     state = read_train_state(checkpoint)
-    if reshard:
-        saved = tuple(state.get(f"{kind}_parallel_size", 1) for kind in ("tensor", "sequence", "pipeline"))
-        why = (
-            f"resume of a checkpoint from {state['world_size']} data-parallel ranks x (tensor, sequence, "
-            f"pipeline) parallel {saved} on {layout.dp} x ({layout.tp}, {layout.sp}, {layout.pp}), ZeRO stage "
-            f"{saved_zero_stage(checkpoint, state)} ({state.get('offload') or 'offload unrecorded'}) "
-            f"on {ds.zero_stage} ({ds.offload_setting})"
-        )
-        ds = ds.with_values({UNIVERSAL_KEY: True}, why)
-    return ResumePoint(checkpoint, state, reshard, previous), ds
+    point = ResumePoint(checkpoint, state, reshard, previous)
+    if not reshard:
+        return point, ()
+    saved = tuple(state.get(f"{kind}_parallel_size", 1) for kind in ("tensor", "sequence", "pipeline"))
+    why = (
+        f"resume of a checkpoint from {state['world_size']} data-parallel ranks x (tensor, sequence, "
+        f"pipeline) parallel {saved} on {layout.dp} x ({layout.tp}, {layout.sp}, {layout.pp}), ZeRO stage "
+        f"{saved_zero_stage(checkpoint, state)} ({state.get('offload') or 'offload unrecorded'}) "
+        f"on {ds.zero_stage} ({ds.offload_setting})"
+    )
+    return point, (DSKey(UNIVERSAL_KEY, True, why),)
 
 
 def check_peak_lr(cfg: RunConfig, ds: ResolvedDSConfig, previous: dict | None, checkpoint: Path) -> None:

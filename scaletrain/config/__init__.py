@@ -7,11 +7,13 @@ This face re-exports what other parts of scaletrain use; inside the wing, module
 from scaletrain.config.checks import check_rampup
 from scaletrain.config.cli import explain_resolved, parse_run_config
 from scaletrain.config.deepspeed_json import (
+    DSKey,
     HardwareFacts,
     ModelSize,
     ResolvedDSConfig,
     bucket_elements,
     load_ds_config,
+    assemble_ds_config,
     resolve_ds_config,
 )
 from scaletrain.config.run_config import RunConfig
@@ -30,6 +32,7 @@ from scaletrain.config.values import (
 
 __all__ = [
     "DataArgs",
+    "DSKey",
     "HangArgs",
     "HardwareFacts",
     "HarnessArgs",
@@ -49,6 +52,7 @@ __all__ = [
     "ResolvedDSConfig",
     "RunConfig",
     "VALIDATION_SPLIT",
+    "assemble_ds_config",
     "bucket_elements",
     "check_preference_run",
     "check_rampup",

@@ -1,8 +1,10 @@
-"""Load a DeepSpeed JSON and fill every "auto" from the run's flags, the model and the hardware.
+"""Load a DeepSpeed JSON, fill every "auto" from the run's flags, the model and the hardware, and assemble the
+run's DeepSpeed config from it and the keys other concerns contribute (the layout's, the resume's).
 
 The JSON is data: the numbers the run decides (batch sizes, learning rate, clipping, precision, bucket sizes)
-are computed here, once, and each resolved value remembers where it came from so that the printed and saved
-config explains itself. Imports no torch: the caller passes in the facts about hardware and model.
+are computed here, once, and each value remembers where it came from (the JSON file, a flag, a default, a
+contribution) so that the printed and saved config explains itself. Imports no torch: the caller passes in the
+facts about hardware and model.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ import dataclasses
 import json
 import os
 from dataclasses import dataclass
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -77,18 +80,29 @@ def bucket_elements(accelerator: str, precision: str, n_params: int | None, cap:
 
 
 @dataclass(frozen=True)
+class DSKey:
+    """One key a concern outside the JSON's own resolution contributes to the DeepSpeed config: the dotted key, its
+    value, and why (shown beside it by --print_config)."""
+
+    key: str
+    value: JSONValue
+    source: str
+
+
+@dataclass(frozen=True)
 class ResolvedDSConfig:
     config: dict
-    sources: dict  # dotted key -> where its value came from
+    sources: dict  # dotted key -> where its value came from, for each value not taken as written in `origin`
     precision: str  # "bf16", "fp16" or "fp32"
     precision_reason: str
+    origin: str = "the DeepSpeed JSON"  # where the values without a recorded source were written (--config)
 
     @classmethod
     def saved(cls, config: dict, source: str) -> ResolvedDSConfig:
         """A run's resolved JSON as train.py saved it (ds_config.json): every value from `source`, the precision its
         bf16/fp16 sections enable."""
         precision = next((kind for kind in ("bf16", "fp16") if config.get(kind, {}).get("enabled") is True), "fp32")
-        return cls(config, {}, precision, f"{source}: {precision}")
+        return cls(config, {}, precision, f"{source}: {precision}", origin=source)
 
     @property
     def zero_stage(self) -> int:
@@ -172,12 +186,39 @@ class ResolvedDSConfig:
         return ", ".join(parts) + " (every value with its source: --log_level debug, or config_sources.txt)"
 
     def explained(self) -> str:
-        """The resolved JSON followed by one line per value the pipeline decided."""
+        """The resolved JSON followed by one line per value the pipeline decided, then the values taken as written."""
         lines = [json.dumps(self.config, indent=2, sort_keys=True), "where the decided values came from:"]
         lines += [
             f"  {key} = {json.dumps(_get(self.config, key))}  <- {src}" for key, src in sorted(self.sources.items())
         ]
+        written = [key for key in _leaf_keys(self.config) if key not in self.sources]
+        if written:
+            lines.append(f"as written in {self.origin}:")
+            lines += [f"  {key} = {json.dumps(_get(self.config, key))}" for key in written]
         return "\n".join(lines)
+
+
+def assemble_ds_config(filled: ResolvedDSConfig, *contributions: Sequence[DSKey]) -> ResolvedDSConfig:
+    """The run's DeepSpeed config, assembled once: the JSON with every "auto" filled (`filled`, its values' sources
+    recorded), then each contribution's keys in order (the layout's, the resume's), each recorded with its source.
+    Two contributions setting one key is a bug in the concerns, not a user's mistake."""
+    contributed: dict = {}
+    assembled = filled
+    for keys in contributions:
+        for entry in keys:
+            assert entry.key not in contributed, f"{entry.key}: set by {contributed[entry.key]} and {entry.source}"
+            contributed[entry.key] = entry.source
+            assembled = assembled.with_values({entry.key: entry.value}, entry.source)
+    return assembled
+
+
+def _leaf_keys(tree: dict, prefix: str = "") -> list:
+    """The dotted key of every value that is not an object, in order."""
+    keys: list[str] = []
+    for name, value in sorted(tree.items()):
+        dotted = f"{prefix}{name}"
+        keys += _leaf_keys(value, f"{dotted}.") if isinstance(value, dict) and value else [dotted]
+    return keys
 
 
 def load_ds_config(path: str) -> dict:
@@ -480,7 +521,7 @@ def resolve_ds_config(
     precision, reason = _resolve_precision(r, engine, hw)
     _resolve_zero(r, engine, hw, precision, model)
 
-    resolved = ResolvedDSConfig(r.config, r.sources, precision, reason)
+    resolved = ResolvedDSConfig(r.config, r.sources, precision, reason, origin=engine.config)
     _resolve_cpu_adam(r, hw, resolved)
     r.fill("steps_per_print", 2**31 - 1, "default: the pipeline logs its own metrics")
 

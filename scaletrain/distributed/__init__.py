@@ -10,8 +10,8 @@ from scaletrain.distributed.layout import (
     check_tensor_groups_within_nodes,
     check_pipeline_layout,
     check_sequence_layout,
+    layout_ds_keys,
     place_ranks,
-    resolve_layout,
 )
 from scaletrain.distributed.pipeline import (
     LAYER_MAP,
@@ -52,6 +52,7 @@ __all__ = [
     "check_model_layout",
     "check_pipeline_layout",
     "check_sequence_layout",
+    "layout_ds_keys",
     "check_tensor_groups_within_nodes",
     "communication_threads",
     "describe_launch",
@@ -64,7 +65,6 @@ __all__ = [
     "read_launch_env",
     "register_ulysses",
     "rename_universal_parameters",
-    "resolve_layout",
     "sequence_shard",
     "settle",
     "stop_with_the_others",

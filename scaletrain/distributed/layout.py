@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from scaletrain.config import ParallelArgs, PlanningArgs, ResolvedDSConfig
+from scaletrain.config import DSKey, ParallelArgs, PlanningArgs, ResolvedDSConfig
 from scaletrain.distributed.pipeline import check_pipeline_model
 from scaletrain.errors import UsageError
 from scaletrain.parts import DistInfo, ParallelLayout, ResolvedRun, ulysses_split_problem
@@ -221,9 +221,10 @@ def check_sequence_layout(parallel: ParallelArgs, block_size: int, attn_implemen
         )
 
 
-def resolve_layout(parallel: ParallelArgs, ds: ResolvedDSConfig, config_path: str) -> ResolvedDSConfig:
-    """The resolved DeepSpeed config with the layout written into it (its tensor_parallel section and
-    sequence_parallel_size), refusing the combinations that are not supported, with the reason."""
+def layout_ds_keys(parallel: ParallelArgs, ds: ResolvedDSConfig, config_path: str) -> tuple[DSKey, ...]:
+    """The keys the layout contributes to the DeepSpeed config (its tensor_parallel section and
+    sequence_parallel_size; config.assemble_ds_config writes them), refusing the combinations of the layout and
+    the resolved JSON `ds` that are not supported, with the reason."""
     tp = parallel.tensor_parallel_size
     section = ds.config.get("tensor_parallel")
     section = section if isinstance(section, dict) else {}
@@ -233,10 +234,10 @@ def resolve_layout(parallel: ParallelArgs, ds: ResolvedDSConfig, config_path: st
             f"tensor_parallel.autotp_size {in_json} in {config_path} contradicts --tensor_parallel_size {tp}",
             "remove the key and pass --tensor_parallel_size",
         )
-    ds = _resolve_sequence_layout(parallel, ds, config_path)
+    keys = _sequence_layout_keys(parallel, ds, config_path)
     _check_pipeline_config(parallel, ds, config_path)
     if tp == 1:
-        return ds
+        return keys
     if ds.offloads_optimizer or ds.offloads_params:
         raise UsageError(
             f"--tensor_parallel_size {tp} with offload ({config_path}): not supported here (untested)",
@@ -248,13 +249,14 @@ def resolve_layout(parallel: ParallelArgs, ds: ResolvedDSConfig, config_path: st
             "logits of the whole vocabulary on every rank",
             "remove the key",
         )
-    ds = ds.with_values({"tensor_parallel.autotp_size": tp}, "--tensor_parallel_size")
+    keys += (DSKey("tensor_parallel.autotp_size", tp, "--tensor_parallel_size"),)
     if parallel.pipeline_parallel_size > 1:
-        ds = _resolve_tensor_stages(ds, section, config_path)
+        keys += (_tensor_stages_key(section, config_path),)
     # With tied embeddings AutoTP would switch to a vocabulary-parallel head by itself (logits of half the
     # vocabulary per rank); the pipeline's token-weighted loss is computed from the whole logits.
-    return ds.with_values(
-        {"tensor_parallel.vocab_parallel_lm_head": False}, "tensor parallelism: the loss reads whole logits"
+    return (
+        *keys,
+        DSKey("tensor_parallel.vocab_parallel_lm_head", False, "tensor parallelism: the loss reads whole logits"),
     )
 
 
@@ -273,7 +275,7 @@ TENSOR_STAGE_PARTITION = {
 }
 
 
-def _resolve_tensor_stages(ds: ResolvedDSConfig, section: dict, config_path: str) -> ResolvedDSConfig:
+def _tensor_stages_key(section: dict, config_path: str) -> DSKey:
     """Tensor x pipeline parallelism: AutoTP splits each stage's layers by the pipeline's own parameter names."""
     for key in ("partition_config", "preset_model"):
         if section.get(key) is not None:
@@ -282,12 +284,12 @@ def _resolve_tensor_stages(ds: ResolvedDSConfig, section: dict, config_path: str
                 "the stages' layers are split by the pipeline's own parameter names",
                 "remove the key",
             )
-    return ds.with_values(
-        {"tensor_parallel.partition_config": TENSOR_STAGE_PARTITION}, "tensor x pipeline parallelism: split by stage"
+    return DSKey(
+        "tensor_parallel.partition_config", TENSOR_STAGE_PARTITION, "tensor x pipeline parallelism: split by stage"
     )
 
 
-def _resolve_sequence_layout(parallel: ParallelArgs, ds: ResolvedDSConfig, config_path: str) -> ResolvedDSConfig:
+def _sequence_layout_keys(parallel: ParallelArgs, ds: ResolvedDSConfig, config_path: str) -> tuple[DSKey, ...]:
     sp = parallel.sequence_parallel_size
     in_json = ds.config.get("sequence_parallel_size")
     if in_json not in (None, 1, "auto", sp):
@@ -296,7 +298,7 @@ def _resolve_sequence_layout(parallel: ParallelArgs, ds: ResolvedDSConfig, confi
             "remove the key and pass --sequence_parallel_size",
         )
     if sp == 1:
-        return ds
+        return ()
     if ds.zero_stage == 0:
         raise UsageError(
             f"--sequence_parallel_size {sp} with ZeRO stage 0 ({config_path}): not supported here "
@@ -311,7 +313,7 @@ def _resolve_sequence_layout(parallel: ParallelArgs, ds: ResolvedDSConfig, confi
             "supported here (verified with CPU offload)",
             "use ds_configs/zero3_offload.json (CPU offload) with sequence parallelism",
         )
-    return ds.with_values({"sequence_parallel_size": sp}, "--sequence_parallel_size")
+    return (DSKey("sequence_parallel_size", sp, "--sequence_parallel_size"),)
 
 
 def _check_pipeline_config(parallel: ParallelArgs, ds: ResolvedDSConfig, config_path: str) -> None:

@@ -172,3 +172,34 @@ def test_bf16_disabled_in_the_json_trains_fp32_on_a_bf16_gpu(tmp_path):
     assert resolved.precision == "fp32" and not resolved.config["bf16"]["enabled"]
     assert not resolved.config["fp16"]["enabled"] and "bf16.enabled=false" in resolved.precision_reason
     assert resolve(raw, cfg_for(tmp_path, "--bf16"), 1, 64, H100).precision == "bf16"  # the flag still wins
+
+
+def test_the_deepspeed_config_is_assembled_once_from_ordered_contributions_each_with_its_source(tmp_path):
+    """The filled JSON, then the layout's keys, then the resume's: every key says where it came from, the filled
+    config is left as it was, and two concerns writing one key is refused."""
+    from scaletrain.config import DSKey, assemble_ds_config
+
+    cfg = cfg_for(tmp_path)
+    path = cfg.engine.config
+    filled = resolve(load_ds_config(path), cfg, dp_world_size=2, hidden_size=64, hw=CPU)
+    layout = (
+        DSKey("tensor_parallel.autotp_size", 2, "--tensor_parallel_size"),
+        DSKey("tensor_parallel.vocab_parallel_lm_head", False, "tensor parallelism: the loss reads whole logits"),
+    )
+    resume = (DSKey("checkpoint.load_universal", True, "resume of a checkpoint from 4 data-parallel ranks"),)
+    ds = assemble_ds_config(filled, layout, resume)
+    assert ds.config["tensor_parallel"] == {"autotp_size": 2, "vocab_parallel_lm_head": False}
+    assert ds.config["checkpoint"]["load_universal"] is True
+    assert "tensor_parallel" not in filled.config and "checkpoint" not in filled.config
+    assert ds.sources["tensor_parallel.autotp_size"] == "--tensor_parallel_size"
+    assert ds.sources["checkpoint.load_universal"].startswith("resume of a checkpoint")
+    assert ds.sources["train_batch_size"] == filled.sources["train_batch_size"]  # the fill's sources kept
+    explained = ds.explained()
+    decided, written = explained.split(f"as written in {path}:")
+    assert "  tensor_parallel.autotp_size = 2  <- --tensor_parallel_size" in decided
+    assert "  zero_optimization.stage = 3\n" in written  # taken from the file as it stands
+    every_leaf = [line for line in explained.splitlines() if line.startswith("  ") and " = " in line]
+    named = {line.split(" = ")[0].strip() for line in every_leaf}
+    assert {"train_batch_size", "zero_optimization.stage", "checkpoint.load_universal", "optimizer.type"} <= named
+    with pytest.raises(AssertionError, match="tensor_parallel.autotp_size: set by --tensor_parallel_size and"):
+        assemble_ds_config(filled, layout, (DSKey("tensor_parallel.autotp_size", 4, "another concern"),))

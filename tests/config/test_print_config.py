@@ -38,6 +38,9 @@ def test_print_config_explains_every_value_and_writes_nothing(tmp_path, monkeypa
         "/ 4 bytes = 2700000, capped at the model (1787008)"
     ) in printed
     assert "precision fp32 (auto: no fast bf16" in printed
+    # the values no concern decided, each as the JSON file has it
+    assert "as written in ds_configs/zero3_offload.json:\n" in printed
+    assert '  zero_optimization.offload_param.device = "cpu"\n' in printed
     resolved = json.loads(printed[printed.index("{") : printed.index("where the decided values came from")])
     assert resolved["zero_optimization"]["offload_param"]["device"] == "cpu"
     assert "auto" not in json.dumps(resolved)

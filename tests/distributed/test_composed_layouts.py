@@ -28,7 +28,8 @@ import pytest
 
 from scaletrain.checkpoint.resume import check_resumable
 from scaletrain.config import ParallelArgs
-from scaletrain.distributed.layout import TENSOR_STAGE_PARTITION, apply_layout, check_model_layout, resolve_layout
+from scaletrain.config import assemble_ds_config
+from scaletrain.distributed.layout import TENSOR_STAGE_PARTITION, apply_layout, check_model_layout, layout_ds_keys
 from scaletrain.distributed.pipeline import _joined, check_pipeline_model
 from scaletrain.errors import UsageError
 from scaletrain.parts import DistInfo, ParallelLayout
@@ -338,13 +339,13 @@ def test_each_stage_is_split_by_the_pipelines_names_for_the_families_that_have_t
         check_pipeline_model(2, _tiny(model_type), "sdpa")  # a pipeline alone maps them
         with pytest.raises(UsageError, match=f"the model type '{model_type}' has no tensor split of its stages"):
             check_pipeline_model(2, _tiny(model_type), "sdpa", tp=2)
-    resolved = resolve_layout(
-        ParallelArgs(tensor_parallel_size=2, pipeline_parallel_size=2), _resolved({"zero_optimization": {}}), "x.json"
-    )
+    filled = _resolved({"zero_optimization": {}})
+    keys = layout_ds_keys(ParallelArgs(tensor_parallel_size=2, pipeline_parallel_size=2), filled, "x.json")
+    resolved = assemble_ds_config(filled, keys)
     assert resolved.config["tensor_parallel"]["partition_config"] == TENSOR_STAGE_PARTITION
     assert resolved.config["tensor_parallel"]["autotp_size"] == 2
     with pytest.raises(UsageError, match="tensor_parallel.preset_model in x.json with --tensor_parallel_size and"):
-        resolve_layout(
+        layout_ds_keys(
             ParallelArgs(tensor_parallel_size=2, pipeline_parallel_size=2),
             _resolved({"tensor_parallel": {"preset_model": "llama"}}),
             "x.json",

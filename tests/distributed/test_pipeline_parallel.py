@@ -23,7 +23,7 @@ from scaletrain.config.slices import ParallelArgs
 from scaletrain.config.cli import parse_run_config
 from scaletrain.parts import DistInfo
 from scaletrain.errors import UsageError
-from scaletrain.distributed.layout import apply_layout, check_pipeline_run, resolve_layout
+from scaletrain.distributed.layout import apply_layout, check_pipeline_run, layout_ds_keys
 from scaletrain.distributed.pipeline import check_pipeline_model, hf_parameter_name
 from scaletrain.observability.calibration import PROBE_FILE
 from tests.harness import LAYOUT_STEPS as STEPS, REPO, check_ok, launch, layout_flags, read_metrics
@@ -421,7 +421,7 @@ def test_the_model_must_map_onto_stages():
 )
 def test_unsupported_deepspeed_configs_are_refused_with_the_reason(config, message):
     with pytest.raises(UsageError, match=message):
-        resolve_layout(ParallelArgs(pipeline_parallel_size=2), _resolved(config), "x.json")
+        layout_ds_keys(ParallelArgs(pipeline_parallel_size=2), _resolved(config), "x.json")
 
 
 def test_unsupported_run_options_are_refused_with_the_reason():

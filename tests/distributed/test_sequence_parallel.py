@@ -16,7 +16,8 @@ import pytest
 from scaletrain.config.slices import ParallelArgs
 from scaletrain.errors import UsageError
 from scaletrain.parts import DistInfo
-from scaletrain.distributed.layout import apply_layout, check_model_layout, check_sequence_layout, resolve_layout
+from scaletrain.config import assemble_ds_config
+from scaletrain.distributed.layout import apply_layout, check_model_layout, check_sequence_layout, layout_ds_keys
 from tests.harness import REPO, check_ok, launch, read_metrics
 from tests.distributed.test_tensor_parallel import (
     _assert_matches,
@@ -206,10 +207,9 @@ def test_sequence_layout_checks():
         ({"zero_optimization": {"stage": 1}, "sequence_parallel_size": 4}, "contradicts"),
     ):
         with pytest.raises(UsageError, match=message):
-            resolve_layout(ParallelArgs(sequence_parallel_size=2), _resolved(raw), "x.json")
-    ds = resolve_layout(
-        ParallelArgs(sequence_parallel_size=2), _resolved({"zero_optimization": {"stage": 3}}), "x.json"
-    )
+            layout_ds_keys(ParallelArgs(sequence_parallel_size=2), _resolved(raw), "x.json")
+    filled = _resolved({"zero_optimization": {"stage": 3}})
+    ds = assemble_ds_config(filled, layout_ds_keys(ParallelArgs(sequence_parallel_size=2), filled, "x.json"))
     assert ds.config["sequence_parallel_size"] == 2 and "tensor_parallel" not in ds.config
     # with tensor parallelism: a layout (test_composed_layouts.py runs it)
     placed = apply_layout(

@@ -18,7 +18,8 @@ import pytest
 from scaletrain.config.slices import ParallelArgs
 from scaletrain.parts import DistInfo
 from scaletrain.errors import UsageError
-from scaletrain.distributed.layout import apply_layout, check_model_layout, resolve_layout
+from scaletrain.config import assemble_ds_config
+from scaletrain.distributed.layout import apply_layout, check_model_layout, layout_ds_keys
 from tests.harness import LAYOUT_STEPS, REPO, check_ok, launch, layout_flags, read_metrics
 
 STEPS = LAYOUT_STEPS
@@ -224,17 +225,17 @@ def _resolved(config: dict):
 )
 def test_unsupported_combinations_are_refused_with_the_reason(config, message):
     with pytest.raises(UsageError, match=message):
-        resolve_layout(ParallelArgs(tensor_parallel_size=2), _resolved(config), "x.json")
+        layout_ds_keys(ParallelArgs(tensor_parallel_size=2), _resolved(config), "x.json")
 
 
 def test_the_layout_is_written_into_the_deepspeed_config():
     given = _resolved({"zero_optimization": {"stage": 2}})
-    ds = resolve_layout(ParallelArgs(tensor_parallel_size=2), given, "x.json")
+    ds = assemble_ds_config(given, layout_ds_keys(ParallelArgs(tensor_parallel_size=2), given, "x.json"))
     assert "tensor_parallel" not in given.config  # a new value: the one given is left as it was
     assert ds.config["tensor_parallel"] == {"autotp_size": 2, "vocab_parallel_lm_head": False}
     assert ds.sources["tensor_parallel.autotp_size"] == "--tensor_parallel_size"
     untouched = _resolved({"zero_optimization": {"stage": 3}})
-    assert "tensor_parallel" not in resolve_layout(ParallelArgs(tensor_parallel_size=1), untouched, "x.json").config
+    assert layout_ds_keys(ParallelArgs(tensor_parallel_size=1), untouched, "x.json") == ()
 
 
 @pytest.mark.slow  # needs the 2-rank TP checkpoint

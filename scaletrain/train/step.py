@@ -40,7 +40,6 @@ if TYPE_CHECKING:
     from scaletrain.distributed import TokenLoss
     from scaletrain.engine import SkipSwitch
     from scaletrain.observability import PhaseClock
-    from scaletrain.train.trainer import Trainer
 
 
 def agree_step(device, loss_sum, *flags: bool) -> tuple:
@@ -91,12 +90,28 @@ class StepResult:
         return self.agreed.forced
 
 
+@dataclass(frozen=True)
+class StepBoundary:
+    """What a step gets from the loop that runs it, and all it gets: the clock its phases lap, and the step-boundary
+    agreement the loop runs on every rank (the global loss, the callbacks' requests and vetoes) once the gradients
+    are in and before the update. The step knows no trainer: it returns what happened."""
+
+    clock: PhaseClock
+    agree: Callable[[torch.Tensor | float, int], Agreement]  # (this rank's summed loss, the step's targets)
+
+
 def optimizer_step(
-    engine, batches: StepBatches, data_step: int, settings: LoopSettings, boundary: Trainer, switch: SkipSwitch | None
+    engine,
+    batches: StepBatches,
+    *,
+    data_step: int,
+    settings: LoopSettings,
+    boundary: StepBoundary,
+    switch: SkipSwitch | None,
 ) -> StepResult:
     """One optimizer step on the global batch of `data_step` (0-based): every micro-batch's forward and backward,
-    the step-boundary agreement (`boundary`, the trainer: the loss, the callbacks' requests and vetoes), then the
-    update at the accumulation boundary (skipped on every rank through `switch` when a callback vetoed it)."""
+    the step-boundary agreement (`boundary.agree`), then the update at the accumulation boundary (skipped on every
+    rank through `switch` when the agreement vetoed it)."""
     clock = boundary.clock
     micro_batches, targets, blocks = batches.for_step(data_step)
     clock.lap("data_wait")
@@ -134,7 +149,6 @@ def optimizer_step(
     if switch:
         switch.skip = agreed.forced is not None
     clock.lap("sync")
-    boundary.phase("optimizer update")
     with scaled_lr(engine, rampup_lr_factor(batches, data_step, settings)):
         engine.step()  # the update, at the accumulation boundary
     clock.lap("optimizer")
@@ -181,7 +195,7 @@ class PipelineStep:
             self._before_update()
 
     def step(
-        self, engine, batches: StepBatches, data_step: int, settings: LoopSettings, boundary: Trainer
+        self, engine, batches: StepBatches, *, data_step: int, settings: LoopSettings, boundary: StepBoundary
     ) -> StepResult:
         from scaletrain.distributed import pipe_micro_batches
 

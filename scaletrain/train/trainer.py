@@ -17,7 +17,7 @@ from scaletrain.train import step as steps
 from scaletrain.train.callbacks import REQUESTS, Callback, RolledBack, StepOutcome
 from scaletrain.train.settings import LoopSettings
 from scaletrain.train.state import TrainState
-from scaletrain.train.step import Agreement, PipelineStep, StepResult, agree_step
+from scaletrain.train.step import Agreement, PipelineStep, StepBoundary, StepResult, agree_step
 
 if TYPE_CHECKING:
     from scaletrain.engine import SkipSwitch
@@ -30,13 +30,16 @@ class EngineStep:
     def __init__(self, switch: SkipSwitch | None = None):
         self.switch = switch
 
-    def step(self, engine, batches: StepBatches, data_step: int, settings: LoopSettings, boundary: Trainer):
-        return steps.optimizer_step(engine, batches, data_step, settings, boundary, self.switch)
+    def step(self, engine, batches: StepBatches, *, data_step: int, settings: LoopSettings, boundary: StepBoundary):
+        return steps.optimizer_step(
+            engine, batches, data_step=data_step, settings=settings, boundary=boundary, switch=self.switch
+        )
 
 
 class Trainer:
     """Trains until the settings' max_steps. Callbacks get this trainer as `trainer` and may call phase(), hold(),
-    record_fields() and records() on it; `engine`, `batches`, `state` and `settings` are theirs to read."""
+    record_fields() and records() on it; `engine`, `batches`, `state` and `settings` are theirs to read. The step
+    runner gets only a StepBoundary (the clock and the agreement), never the trainer."""
 
     def __init__(
         self,
@@ -89,7 +92,10 @@ class Trainer:
         started = time.perf_counter()
         self.clock.start(measured=self.logged(step))  # a GPU synchronises per phase only in the logged steps
         data_step = self.state.step + self.state.data_offset  # rollbacks jump the data past offending batches
-        result = self.runner.step(self.engine, self.batches, data_step, self.settings, self)
+        boundary = StepBoundary(clock=self.clock, agree=self.agree)
+        result = self.runner.step(
+            self.engine, self.batches, data_step=data_step, settings=self.settings, boundary=boundary
+        )
         count_step(self.state, result)
         # A save's or an evaluation's time joins the next step's, whose record follows it (the step profile's
         # "checkpoint" and "evaluation" phases).
@@ -115,7 +121,8 @@ class Trainer:
 
     def agree(self, loss_sum, targets: int) -> Agreement:
         """The step boundary, every rank: one all-reduce of the loss and of what each rank requests, then the
-        callbacks' vetoes on the agreed global loss (the same on every rank, so the same verdict)."""
+        callbacks' vetoes on the agreed global loss (the same on every rank, so the same verdict). The step calls it
+        (through its StepBoundary) once its gradients are in; the update follows."""
         self.phase("step-boundary all-reduce")
         asked = set().union(*(callback.requests() for callback in self.callbacks))
         assert asked <= set(REQUESTS), asked - set(REQUESTS)
@@ -124,6 +131,7 @@ class Trainer:
         forced = next(
             (reason for callback in self.callbacks if (reason := callback.veto_update(global_loss)) is not None), None
         )
+        self.phase("optimizer update")
         return Agreement(global_loss, forced, frozenset(name for name, on in zip(REQUESTS, flags, strict=True) if on))
 
     def phase(self, name: str, step: int | None = None, long: bool = False) -> None:

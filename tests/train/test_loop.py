@@ -54,9 +54,8 @@ class Runner:
     def __init__(self, results: list):
         self.results = list(results)
 
-    def step(self, engine, batches, data_step, settings, boundary):
+    def step(self, engine, batches, *, data_step, settings, boundary):
         boundary.clock.lap("data_wait")
-        boundary.phase("optimizer update")
         return self.results.pop(0)
 
 
@@ -295,7 +294,7 @@ def test_the_injection_scales_the_loss_only_inside_the_optimizer_step_of_its_dat
     params = list(inspect.signature(steps.optimizer_step).parameters)
     assert "data_step" in params
 
-    def step_standin(engine, batches, data_step, settings, boundary, switch):
+    def step_standin(engine, batches, *, data_step, settings, boundary, switch):
         return steps.token_loss_sum(engine, batches)
 
     assert list(inspect.signature(step_standin).parameters) == params
@@ -308,9 +307,13 @@ def test_the_injection_scales_the_loss_only_inside_the_optimizer_step_of_its_dat
     monkeypatch.setattr(pipeline.TokenLoss, "__call__", pipeline.TokenLoss.__call__)
     inject_nonfinite.install({5: 10.0, 7: math.nan})
     runner = EngineStep()
-    assert runner.step(None, None, 4, None, None).item() == 20.0  # data step 5 (1-based)
-    assert runner.step(None, None, 5, None, None).item() == 2.0
-    assert math.isnan(runner.step(None, None, 6, None, None).item())
+
+    def step(data_step):
+        return runner.step(None, None, data_step=data_step, settings=None, boundary=None)
+
+    assert step(4).item() == 20.0  # data step 5 (1-based)
+    assert step(5).item() == 2.0
+    assert math.isnan(step(6).item())
     assert steps.token_loss_sum(None, None).item() == 2.0  # an evaluation outside the step is untouched
 
 

@@ -130,21 +130,27 @@ def ulysses_split_problem(heads: int, kv_heads: int, sp: int) -> str | None:
 
 @dataclass(frozen=True)
 class DistInfo:
-    """The launch: this process's rank among the world, read once from the launcher's environment
-    (distributed.read_launch_env), and the run's parallel layout (pure data parallelism until the pre-flight sets
-    the run's)."""
+    """The launch: this process's rank, read once from the launcher's environment (distributed.read_launch_env),
+    and the world's parallel layout, whose size is the world's (`launched` makes it data parallelism over the world;
+    the pre-flight sets the run's)."""
 
     rank: int
     local_rank: int
-    world_size: int
     launcher: str  # "torchrun/deepspeed", "srun" or "single"
+    layout: ParallelLayout
     accelerator: str = "cpu"  # DeepSpeed's accelerator name, known once the process group exists
-    layout: ParallelLayout = None  # type: ignore[assignment]  # None: data parallelism over the world
+
+    @classmethod
+    def launched(cls, *, rank: int, local_rank: int, world_size: int, launcher: str, accelerator: str = "cpu"):
+        """A launch of `world_size` ranks, data parallel over all of them until the run's layout is applied."""
+        return cls(rank, local_rank, launcher, ParallelLayout(dp=world_size), accelerator)
 
     def __post_init__(self):
-        if self.layout is None:
-            object.__setattr__(self, "layout", ParallelLayout(dp=self.world_size))
-        assert self.layout.world_size == self.world_size, f"{self.layout} on {self.world_size} ranks"
+        assert 0 <= self.rank < self.layout.world_size, f"rank {self.rank} outside {self.layout}"
+
+    @property
+    def world_size(self) -> int:
+        return self.layout.world_size
 
     @property
     def is_main(self) -> bool:

@@ -30,20 +30,20 @@ def read_launch_env(environ: Mapping[str, str] | None = None) -> DistInfo:
     """
     env = os.environ if environ is None else environ
     if "RANK" in env and "WORLD_SIZE" in env:
-        return DistInfo(
+        return DistInfo.launched(
             rank=int(env["RANK"]),
             local_rank=int(env.get("LOCAL_RANK", 0)),
             world_size=int(env["WORLD_SIZE"]),
             launcher="torchrun/deepspeed",
         )
     if int(env.get("SLURM_NTASKS", "1")) > 1 and "SLURM_PROCID" in env:
-        return DistInfo(
+        return DistInfo.launched(
             rank=int(env["SLURM_PROCID"]),
             local_rank=int(env.get("SLURM_LOCALID", 0)),
             world_size=int(env["SLURM_NTASKS"]),
             launcher="srun",
         )
-    return DistInfo(rank=0, local_rank=0, world_size=1, launcher="single")
+    return DistInfo.launched(rank=0, local_rank=0, world_size=1, launcher="single")
 
 
 def free_port() -> int:

@@ -167,10 +167,10 @@ def test_only_global_rank_0_streams_the_first_record_of_a_hub_chat_dataset(tmp_p
         str(MISTRAL),
     ]
     streams_asked.clear()
-    resolved = resolve_run(argv, DistInfo(rank=1, local_rank=1, world_size=2, launcher="torchrun/deepspeed"))
+    resolved = resolve_run(argv, DistInfo.launched(rank=1, local_rank=1, world_size=2, launcher="torchrun/deepspeed"))
     assert resolved.chat == chat and streams_asked == []  # a rank but 0: the features, no request
     with pytest.raises(UsageError, match="has role 'robot'"):
-        resolve_run(argv, DistInfo(rank=0, local_rank=0, world_size=2, launcher="torchrun/deepspeed"))
+        resolve_run(argv, DistInfo.launched(rank=0, local_rank=0, world_size=2, launcher="torchrun/deepspeed"))
     assert streams_asked == ["train"]
 
 

@@ -288,7 +288,7 @@ def test_a_tied_qwen2_matches_one_rank(layout, tiny_qwen2, qwen2_reference, tmp_
 
 
 def test_tensor_x_pipeline_and_tensor_x_sequence_are_layouts_and_sequence_with_pipeline_is_refused():
-    dist = DistInfo(rank=5, local_rank=1, world_size=8, launcher="srun")
+    dist = DistInfo.launched(rank=5, local_rank=1, world_size=8, launcher="srun")
     placed = apply_layout(ParallelArgs(tensor_parallel_size=2, pipeline_parallel_size=2), dist)
     assert placed.layout == ParallelLayout(tp=2, pp=2, dp=2)
     assert (placed.coords.tp, placed.coords.dp, placed.coords.pp) == (1, 0, 1)

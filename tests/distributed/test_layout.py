@@ -48,13 +48,14 @@ def test_the_layout_of_a_world_gives_data_parallelism_the_rest_and_refuses_a_wor
 
 
 def test_a_launch_is_data_parallel_until_the_runs_layout_is_applied():
-    dist = DistInfo(rank=5, local_rank=1, world_size=8, launcher="srun")
+    dist = DistInfo.launched(rank=5, local_rank=1, world_size=8, launcher="srun")
     assert dist.layout == ParallelLayout(dp=8) and dist.coords == Coordinates(dp=5)
     placed = apply_layout(ParallelArgs(tensor_parallel_size=2), dist)
     assert placed.layout == ParallelLayout(tp=2, dp=4) and placed.coords == Coordinates(tp=1, dp=2)
     assert dist.layout == ParallelLayout(dp=8)  # a new value: the launch's is left as it was
+    assert placed.world_size == dist.world_size == 8  # the layout's size is the world's: one number, not two
     with pytest.raises(AssertionError):
-        DistInfo(rank=0, local_rank=0, world_size=8, launcher="srun", layout=ParallelLayout(dp=4))
+        DistInfo.launched(rank=8, local_rank=0, world_size=8, launcher="srun")
 
 
 def test_the_launch_line_names_each_model_parallel_group_with_its_hosts():

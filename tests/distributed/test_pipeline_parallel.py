@@ -267,7 +267,7 @@ def test_a_nan_on_the_last_stage_skips_every_stages_update(tmp_path, cache_dir):
 
 
 def test_stages_are_consecutive_data_parallel_replicas():
-    dist = DistInfo(rank=5, local_rank=1, world_size=8, launcher="srun")
+    dist = DistInfo.launched(rank=5, local_rank=1, world_size=8, launcher="srun")
     placed = apply_layout(ParallelArgs(pipeline_parallel_size=2), dist)
     assert (placed.layout.dp, placed.coords.dp, placed.coords.pp) == (4, 1, 1)  # DeepSpeed: rank = stage x dp + d
     with pytest.raises(UsageError, match="--pipeline_parallel_size 3 does not divide the world size 8"):
@@ -437,7 +437,7 @@ def test_unsupported_run_options_are_refused_with_the_reason():
     with pytest.raises(UsageError, match="--sequence_parallel_size 2 with --pipeline_parallel_size 2: sequence par"):
         apply_layout(
             parse_run_config(["--sequence_parallel_size", "2", "--pipeline_parallel_size", "2"]).parallel,
-            DistInfo(rank=0, local_rank=0, world_size=4, launcher="srun"),
+            DistInfo.launched(rank=0, local_rank=0, world_size=4, launcher="srun"),
         )
 
 

@@ -214,6 +214,6 @@ def test_sequence_layout_checks():
     # with tensor parallelism: a layout (test_composed_layouts.py runs it)
     placed = apply_layout(
         ParallelArgs(tensor_parallel_size=2, sequence_parallel_size=2),
-        DistInfo(rank=0, local_rank=0, world_size=4, launcher="srun"),
+        DistInfo.launched(rank=0, local_rank=0, world_size=4, launcher="srun"),
     )
     assert placed.layout.groups("sp") == [(0, 2), (1, 3)]

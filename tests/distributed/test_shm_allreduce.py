@@ -14,7 +14,9 @@ from scaletrain.parts import DistInfo
 
 
 def _dist(world_size: int, accelerator: str = "cpu") -> DistInfo:
-    return DistInfo(rank=0, local_rank=0, world_size=world_size, launcher="torchrun/deepspeed", accelerator=accelerator)
+    return DistInfo.launched(
+        rank=0, local_rank=0, world_size=world_size, launcher="torchrun/deepspeed", accelerator=accelerator
+    )
 
 
 @pytest.mark.parametrize(

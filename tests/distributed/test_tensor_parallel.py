@@ -187,7 +187,7 @@ def _tiny_llama_config():
 
 
 def test_the_world_must_split_into_tensor_parallel_groups():
-    dist = DistInfo(rank=5, local_rank=1, world_size=6, launcher="srun")
+    dist = DistInfo.launched(rank=5, local_rank=1, world_size=6, launcher="srun")
     placed = apply_layout(ParallelArgs(tensor_parallel_size=2), dist)
     assert (placed.layout.dp, placed.coords.dp, placed.coords.tp) == (3, 2, 1)  # consecutive ranks per TP group
     with pytest.raises(UsageError, match="--tensor_parallel_size 4 does not divide the world size 6"):

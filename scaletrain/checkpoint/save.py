@@ -190,7 +190,10 @@ def _write_checkpoint_files(
     from scaletrain.engine import recorded_checkpoint_writes, universal_checkpoint_info
 
     # universal_checkpoint_info lets DeepSpeed's ds_to_universal convert this checkpoint for another rank count.
-    client_state = {"train_state": state.state_dict(), **universal_checkpoint_info(state.tensor_parallel_size)}
+    client_state = {
+        "train_state": state.state_dict(),
+        **universal_checkpoint_info(state.layout.tp if state.layout else 1),
+    }
     with recorded_checkpoint_writes(engine, is_write_failure, write) as writes:
         engine.save_checkpoint(
             str(tmp.parent),

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, fields
 
 from scaletrain.parts import ParallelLayout
 
@@ -29,10 +29,9 @@ class TrainState:
     loss_mean: float | None = None  # running mean of the applied steps' losses, for --loss_spike_factor
     loss_mean_steps: int = 0  # how many applied steps the running mean has seen
     data_offset: int = 0  # data steps jumped over by rollbacks: step s trains on the batch of data step s + offset
-    world_size: int = 0  # data-parallel ranks that produced this state (a resume must match it)
-    tensor_parallel_size: int = 1  # the tensor-parallel size that produced it (another one reshards)
-    sequence_parallel_size: int = 1  # likewise the sequence-parallel size
-    pipeline_parallel_size: int = 1  # the pipeline stages (a resume must match: layer files do not reshard)
+    # The layout that produced this state (None: not recorded yet). A resume compares it: other data-parallel,
+    # tensor- or sequence-parallel sizes reshard, another pipeline size is refused (layer files do not reshard).
+    layout: ParallelLayout | None = None
     # Tensor x pipeline: every stage's tensor split is recorded for the universal conversion (older checkpoints
     # record only their own stage's, so they resume on their own layout only).
     stage_splits_recorded: bool = False
@@ -42,14 +41,25 @@ class TrainState:
 
     def record_layout(self, layout: ParallelLayout, zero_stage: int, offload: str) -> None:
         """The layout and ZeRO setting that produce this state from now on (what a resume compares)."""
-        self.world_size, self.tensor_parallel_size = layout.dp, layout.tp
-        self.sequence_parallel_size, self.pipeline_parallel_size = layout.sp, layout.pp
-        self.zero_stage, self.offload = zero_stage, offload
+        self.layout, self.zero_stage, self.offload = layout, zero_stage, offload
         self.stage_splits_recorded = layout.tp > 1 and layout.pp > 1  # engine.build_engine merges them
 
     def state_dict(self) -> dict:
-        return asdict(self)
+        """The state as checkpoints keep it (train_state in the client state): the layout as its sizes, under the
+        names checkpoints have always used (world_size: the data-parallel ranks; 0 where none was recorded)."""
+        state = {name: value for name, value in asdict(self).items() if name != "layout"}
+        layout = self.layout or ParallelLayout(dp=0)
+        sizes = (layout.dp, layout.tp, layout.sp, layout.pp)
+        return {**state, **dict(zip(_LAYOUT_KEYS, sizes, strict=True))}
 
     def load_state_dict(self, state: dict) -> None:
+        known = {f.name for f in fields(self)}
         for key, value in state.items():
-            setattr(self, key, value)
+            if key in known:
+                setattr(self, key, value)
+        dp, tp, sp, pp = (state.get(key, 1) for key in _LAYOUT_KEYS)
+        self.layout = ParallelLayout(tp=tp, sp=sp, pp=pp, dp=dp) if dp else None
+
+
+# The layout's sizes in a saved train state: data parallel (as world_size), tensor, sequence, pipeline.
+_LAYOUT_KEYS = ("world_size", "tensor_parallel_size", "sequence_parallel_size", "pipeline_parallel_size")

@@ -251,6 +251,25 @@ def test_count_step_books_applied_and_skipped_steps():
     assert (state.step, state.samples_seen, state.tokens_seen, state.skipped_steps) == (2, 16, 100, 1)
 
 
+def test_the_train_state_keeps_its_layout_as_checkpoints_have_always_recorded_it():
+    """One layout type: the state holds the ParallelLayout; a checkpoint's train_state keeps the sizes under their
+    old names (world_size the data-parallel ranks), so older checkpoints and the resume checks read it unchanged."""
+    from scaletrain.parts import ParallelLayout
+
+    state = TrainState(step=7)
+    assert state.state_dict()["world_size"] == 0 and state.layout is None  # not recorded yet
+    state.record_layout(ParallelLayout(tp=2, pp=2, dp=3), 1, "optimizer=none,param=none")
+    saved = state.state_dict()
+    assert (saved["world_size"], saved["tensor_parallel_size"], saved["pipeline_parallel_size"]) == (3, 2, 2)
+    assert saved["sequence_parallel_size"] == 1 and saved["stage_splits_recorded"] is True and "layout" not in saved
+    restored = TrainState()
+    restored.load_state_dict(saved)
+    assert restored == state
+    older = TrainState()  # a state saved before the sequence and pipeline sizes were kept
+    older.load_state_dict({"step": 3, "world_size": 4, "tensor_parallel_size": 2})
+    assert older.layout == ParallelLayout(tp=2, dp=4) and older.step == 3
+
+
 def test_the_guard_vetoes_a_nonfinite_loss_and_rolls_back_after_its_streak(tmp_path):
     state = TrainState()
     entries = []

@@ -17,6 +17,7 @@ from scaletrain.checkpoint import (
     ensure_universal,
     resume_elsewhere,
     Saver,
+    SaveSettings,
     verified_resume_checkpoint,
     write_run_folder,
 )
@@ -107,9 +108,16 @@ def start_world(resolved: ResolvedRun, *, lifetime: Lifetime) -> DistInfo:
     dist = init_distributed(resolved.dist, cfg.hang.ddp_timeout)
     lifetime.world.callback(check_teardown)
     lifetime.world.callback(teardown_distributed, dist.rank)
-    started = resolved.replace(dist=dist)
-    settle(dist, facts=preflight_facts(started))
-    hosts = describe_launch(started)  # the run's first lines: where the ranks landed, what each runs with
+    facts = preflight_facts(
+        run_configuration=cfg.to_dict(),
+        block_size=resolved.block_size,
+        ds_config=resolved.ds.config,
+        tokenizer=resolved.tokenizer,
+        resume=resolved.resume,
+    )
+    settle(dist, facts=facts)
+    # the run's first lines: where the ranks landed, what each runs with
+    hosts = describe_launch(dist, ds=resolved.ds, config_path=cfg.engine.config, attention=attention_choice(resolved))
     check_tensor_groups_within_nodes(cfg.parallel, dist.layout, hosts)
     if cfg.engine.cpu_shm_allreduce:  # after the rendezvous: every rank decides on the same facts
         shm = use_shm_allreduce(dist)
@@ -117,6 +125,13 @@ def start_world(resolved: ResolvedRun, *, lifetime: Lifetime) -> DistInfo:
             lifetime.parts.callback(release_shm_allreduce, shm)
     seed_everything(cfg.optim.seed)
     return dist
+
+
+def attention_choice(resolved: ResolvedRun) -> str:
+    """The model's attention backend and who chose it, as the launch line says it."""
+    named = resolved.cfg.model.attn_implementation is not None
+    chooser = "--attn_implementation" if named else f"transformers' choice for {resolved.model_config.model_type}"
+    return f"{resolved.attn_implementation} ({chooser})"
 
 
 def prepare_inputs(resolved: ResolvedRun) -> tuple[ResolvedRun, tuple]:
@@ -145,8 +160,11 @@ def prepare_resume(resolved: ResolvedRun) -> ResolvedRun:
     auto = resolved.cfg.checkpoint.resume_from_checkpoint == "auto"
     verified = verified_resume_checkpoint(resume.checkpoint, auto, dist.rank, dist.world_size)
     if verified != resume.checkpoint:
-        resolved = resume_elsewhere(resolved, verified)
-        resume = resolved.resume
+        assert resolved.model_facts is not None  # the pre-flight that planned the resume described the model
+        resume, ds = resume_elsewhere(
+            verified, cfg=resolved.cfg, ds=resolved.ds, model_facts=resolved.model_facts, layout=dist.layout
+        )
+        resolved = resolved.replace(resume=resume, ds=ds)
     if resume is not None and resume.reshard:
         ensure_universal(resume.checkpoint, dist.rank)
     return resolved
@@ -169,7 +187,15 @@ def build_rank_model(resolved: ResolvedRun, *, lifetime: Lifetime) -> BuiltModel
     if resolved.ds.zero_stage == 3:  # before deepspeed.initialize, which installs the gather hooks
         mark_leaf_modules(module, resolved.model_config)
     if layout.sp > 1:
-        lifetime.parts.callback(register_ulysses(module, resolved))
+        undo = register_ulysses(
+            module,
+            dist=resolved.dist,
+            model_config=resolved.model_config,
+            block_size=resolved.block_size,
+            micro_batch=resolved.ds.micro_batch,
+            attention_isolation=cfg.data.attention_isolation or resolved.chat is not None,
+        )
+        lifetime.parts.callback(undo)
     pipeline_loss = None
     if layout.pp > 1:  # this rank keeps its stage's layers of the model it built
         module, pipeline_loss = build_pipeline_module(
@@ -187,7 +213,14 @@ def write_outputs_folder(resolved: ResolvedRun, data: TrainingData) -> None:
     if resolved.resume is None and cfg.run.overwrite_output_dir and resolved.dist.is_main:
         clear_previous_run(cfg.run.output_dir)  # an explicit fresh start in a used folder
     schedule = data.schedule
-    write_run_folder(resolved, {"total_steps": schedule.total_steps, "warmup_steps": schedule.warmup_steps})
+    write_run_folder(
+        cfg,
+        ds=resolved.ds,
+        dist=resolved.dist,
+        block_size=resolved.block_size,
+        n_params=resolved.n_params,
+        schedule_facts={"total_steps": schedule.total_steps, "warmup_steps": schedule.warmup_steps},
+    )
     barrier()  # the folder exists before any rank writes into it
 
 
@@ -274,7 +307,16 @@ def open_saver(
     writer = None
     if cfg.checkpoint.async_save and not cfg.run.dry_run:
         writer = background_writer(resolved.n_params, ds.precision, ds.zero_stage, resolved.dist)
-    saver = Saver(resolved, engine, state, ledger, writer)
+    settings = SaveSettings(
+        output_dir=cfg.run.output_dir,
+        save_total_limit=cfg.checkpoint.save_total_limit,
+        adapter_only=cfg.peft.use_peft,
+        n_params=resolved.n_params,
+        precision=ds.precision,
+        zero_stage=ds.zero_stage,
+        model_facts=resolved.model_facts,
+    )
+    saver = Saver(settings, engine=engine, state=state, ledger=ledger, writer=writer, dist=resolved.dist)
     lifetime.parts.callback(saver.close)
     return saver
 

@@ -195,7 +195,15 @@ def _check_layout(resolved: ResolvedRun, hardware: HardwareFacts) -> None:
     check_sequence_layout(cfg.parallel, resolved.block_size, attn, hardware.accelerator)
     check_compile(compile_requested(cfg.engine.torch_compile, ds.config), resolved.dist.layout, cfg.engine.config)
     if not cfg.planning.plan:  # --plan covers every layout option, whatever this launch is
-        check_pipeline_layout(cfg.parallel, resolved, cfg.engine.config)
+        check_pipeline_layout(
+            cfg.parallel,
+            model_config=resolved.model_config,
+            attn_implementation=attn,
+            block_size=resolved.block_size,
+            isolates_documents=resolved.isolates_documents,
+            ds=ds,
+            config_path=cfg.engine.config,
+        )
 
 
 def _resolve_engine_config(

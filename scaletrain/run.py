@@ -297,7 +297,14 @@ class Run:
         """--max_consecutive_skips reached: back to the newest committed checkpoint, the data past the streak; the
         jump's entry for the non-finite ledger."""
         self.saver.settle()  # a save in flight is committed first: it may be the one to go back to
-        jump = roll_back(self.engine, self.state, self.resolved, self._reloaded)
+        jump = roll_back(
+            self.engine,
+            state=self.state,
+            output_dir=self.cfg.run.output_dir,
+            dist=self.dist,
+            resume=self.resolved.resume,
+            reloaded=self._reloaded,
+        )
         self.saver.committed = None  # (a fallback past a damaged newest one retrains its step on other data)
         return jump
 

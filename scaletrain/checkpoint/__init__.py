@@ -11,7 +11,7 @@ from scaletrain.checkpoint.resume import ensure_universal, load_checkpoint
 from scaletrain.checkpoint.resume_point import plan_resume, resume_elsewhere
 from scaletrain.checkpoint.rollback import roll_back
 from scaletrain.checkpoint.run_folder import write_run_folder
-from scaletrain.checkpoint.saver import CommitInFlight, PeriodicSave, Saver
+from scaletrain.checkpoint.saver import CommitInFlight, PeriodicSave, Saver, SaveSettings
 from scaletrain.checkpoint.save import background_writer
 
 __all__ = [
@@ -19,6 +19,7 @@ __all__ = [
     "FinalExport",
     "PeriodicSave",
     "Saver",
+    "SaveSettings",
     "background_writer",
     "check_push_target",
     "clear_previous_run",

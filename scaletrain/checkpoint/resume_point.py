@@ -11,7 +11,7 @@ from scaletrain.checkpoint.resume import check_resumable, read_train_state, reso
 from scaletrain.checkpoint.run_folder import read_previous_run_config
 from scaletrain.config import DSKey, ResolvedDSConfig, RunConfig, assemble_ds_config
 from scaletrain.errors import UsageError
-from scaletrain.parts import ParallelLayout, ResolvedRun, ResumePoint
+from scaletrain.parts import ParallelLayout, ResumePoint
 
 UNIVERSAL_KEY = "checkpoint.load_universal"
 
@@ -28,13 +28,14 @@ def plan_resume(
     return resume_point(cfg, ds, model_facts, layout, checkpoint)
 
 
-def resume_elsewhere(resolved: ResolvedRun, checkpoint: Path) -> ResolvedRun:
-    """The run resolved to continue `checkpoint` instead (the fallback from a damaged one), checked as the
-    pre-flight checks its choice: a new value, the one given is left as it was."""
-    ds = resolved.ds.without(UNIVERSAL_KEY)  # the first choice's resume keys out; `checkpoint`'s in
-    assert resolved.model_facts is not None  # the pre-flight that resolved the run described the model
-    resume, keys = resume_point(resolved.cfg, ds, resolved.model_facts, resolved.dist.layout, checkpoint)
-    return resolved.replace(resume=resume, ds=assemble_ds_config(ds, keys))
+def resume_elsewhere(
+    checkpoint: Path, *, cfg: RunConfig, ds: ResolvedDSConfig, model_facts: dict, layout: ParallelLayout
+) -> tuple[ResumePoint, ResolvedDSConfig]:
+    """(the resume point, the DeepSpeed config) of continuing `checkpoint` instead (the fallback from a damaged
+    one), checked as the pre-flight checks its choice; `ds` is the config that loaded the first choice."""
+    ds = ds.without(UNIVERSAL_KEY)  # the first choice's resume keys out; `checkpoint`'s in
+    resume, keys = resume_point(cfg, ds, model_facts, layout, checkpoint)
+    return resume, assemble_ds_config(ds, keys)
 
 
 def resume_point(

@@ -9,19 +9,27 @@ from collections.abc import Callable
 from scaletrain.checkpoint.commit import newest_committed
 from scaletrain.checkpoint.resume import load_checkpoint
 from scaletrain.errors import NonFiniteStop
-from scaletrain.parts import ResolvedRun
+from scaletrain.parts import DistInfo, ResumePoint
 from scaletrain.train import TrainState
 
 log = logging.getLogger(__name__)
 
 
-def roll_back(engine, state: TrainState, resolved: ResolvedRun, reloaded: Callable[[bool], None]) -> dict:
-    """Every rank: load the newest committed checkpoint (chosen by rank 0), keep the data moving forward (the next
-    step trains on the batch after the streak, nothing is replayed); the jump's entry for the non-finite ledger.
-    `reloaded(universal)`: what the run redoes after a load (its own LR schedule, weight decay and layout)."""
+def roll_back(
+    engine,
+    *,
+    state: TrainState,
+    output_dir: str,
+    dist: DistInfo,
+    resume: ResumePoint | None,
+    reloaded: Callable[[bool], None],
+) -> dict:
+    """Every rank: load the newest committed checkpoint of `output_dir` (chosen by rank 0), keep the data moving
+    forward (the next step trains on the batch after the streak, nothing is replayed); the jump's entry for the
+    non-finite ledger. `resume`: the checkpoint this run started from. `reloaded(universal)`: what the run redoes
+    after a load (its own LR schedule, weight decay and layout)."""
     from scaletrain.distributed import broadcast_from_main
 
-    output_dir, dist = resolved.cfg.run.output_dir, resolved.dist
     # Chosen once, by rank 0: ranks scanning a shared folder at different moments could load different steps.
     newest = broadcast_from_main(newest_committed(output_dir) if dist.is_main else None)
     if newest is None:
@@ -34,7 +42,7 @@ def roll_back(engine, state: TrainState, resolved: ResolvedRun, reloaded: Callab
     data_step, position, from_step = state.step + state.data_offset, state.samples_seen, state.step
     skips = state.consecutive_skips
     # The checkpoint this run started from on another layout loads through its universal form.
-    universal = resolved.resume is not None and resolved.resume.reshard and newest == resolved.resume.checkpoint
+    universal = resume is not None and resume.reshard and newest == resume.checkpoint
     load_checkpoint(engine, newest, state, dist.rank, universal=universal)
     reloaded(universal)
     state.data_offset = data_step - state.step  # the next step trains on the batch after the streak

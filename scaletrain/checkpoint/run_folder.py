@@ -8,8 +8,8 @@ import json
 import logging
 from pathlib import Path
 
-from scaletrain.config import explain_resolved
-from scaletrain.parts import ResolvedRun
+from scaletrain.config import ResolvedDSConfig, RunConfig, explain_resolved
+from scaletrain.parts import DistInfo
 
 log = logging.getLogger(__name__)
 RUN_CONFIG_FILE = "run_config.json"
@@ -17,19 +17,20 @@ DS_CONFIG_FILE = "ds_config.json"
 EXPLAINED_FILE = "config_sources.txt"  # the same text --print_config prints
 
 
-def write_run_folder(resolved: ResolvedRun, schedule_facts: dict) -> None:
+def write_run_folder(
+    cfg: RunConfig, *, ds: ResolvedDSConfig, dist: DistInfo, block_size: int, n_params: int, schedule_facts: dict
+) -> None:
     """Save the resolved configs beside the run's outputs (rank 0), so the run can be read back and repeated.
     `schedule_facts`: what the build decided besides the flags (total and warmup steps)."""
-    dist = resolved.dist
     if not dist.is_main:
         return
-    out = Path(resolved.cfg.run.output_dir)
+    out = Path(cfg.run.output_dir)
     out.mkdir(parents=True, exist_ok=True)
-    facts = {"world_size": dist.world_size, "precision": resolved.ds.precision}
-    run_config = {**resolved.cfg.to_dict(), "block_size": resolved.block_size, **schedule_facts, **facts}
+    facts = {"world_size": dist.world_size, "precision": ds.precision}
+    run_config = {**cfg.to_dict(), "block_size": block_size, **schedule_facts, **facts}
     (out / RUN_CONFIG_FILE).write_text(json.dumps(run_config, indent=2) + "\n")
-    (out / DS_CONFIG_FILE).write_text(json.dumps(resolved.ds.config, indent=2) + "\n")
-    explained = explain_resolved(resolved.cfg, resolved.ds, resolved.block_size, resolved.n_params, dist.layout.dp)
+    (out / DS_CONFIG_FILE).write_text(json.dumps(ds.config, indent=2) + "\n")
+    explained = explain_resolved(cfg, ds, block_size, n_params, dist.layout.dp)
     (out / EXPLAINED_FILE).write_text(explained + "\n")
 
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 from scaletrain.checkpoint import commit
@@ -22,11 +23,24 @@ from scaletrain.checkpoint.save import (
 )
 from scaletrain.model import base_identity
 from scaletrain.observability import GoodputLedger
-from scaletrain.parts import ResolvedRun
+from scaletrain.parts import DistInfo
 from scaletrain.train import Callback, Order, StepOutcome, TrainState
 
 
 log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class SaveSettings:
+    """What a run's saves need of its plan."""
+
+    output_dir: str
+    save_total_limit: int  # committed checkpoints kept (0: all)
+    adapter_only: bool  # LoRA: the base is not saved
+    n_params: int  # the whole model's (a pipeline stage's module holds its layers alone)
+    precision: str
+    zero_stage: int
+    model_facts: dict | None  # what a checkpoint records of the model
 
 
 class Saver:
@@ -35,11 +49,18 @@ class Saver:
     deletions never hold the loop (the next save, and the end of the run, wait for them)."""
 
     def __init__(
-        self, resolved: ResolvedRun, engine, state: TrainState, ledger: GoodputLedger, writer: BackgroundWriter | None
+        self,
+        settings: SaveSettings,
+        *,
+        engine,
+        state: TrainState,
+        ledger: GoodputLedger,
+        writer: BackgroundWriter | None,
+        dist: DistInfo,
     ):
-        self.resolved, self.engine, self.state, self.ledger = resolved, engine, state, ledger
-        self.writer = writer
-        self.model_facts = resolved.model_facts  # what a checkpoint records of the model
+        self.settings, self.engine, self.state, self.ledger = settings, engine, state, ledger
+        self.writer, self.dist = writer, dist
+        self.model_facts = settings.model_facts  # what a checkpoint records of the model (a hub base's, once known)
         self._in_flight_step_s = 0.0  # the ledger's step seconds when the save in flight was taken
         self._pruning: threading.Thread | None = None
         self.committed: tuple[int, Path] | None = None  # (step, folder) of this run's newest commit
@@ -54,19 +75,18 @@ class Saver:
             log.info("step %d is already committed (%s): not saved again", self.state.step, self.committed[1])
             return self.committed[1]
         self.wait_for_pruning()  # its space is free before the next save checks the disk
-        cfg, ds, dist = self.resolved.cfg, self.resolved.ds, self.resolved.dist
-        adapter_only = cfg.peft.use_peft  # LoRA: the base is not saved
-        n_params, n_tensors = checkpoint_parameters(self.engine.module, adapter_only)
-        if not adapter_only:
-            n_params = self.resolved.n_params  # the whole model (a pipeline stage's module holds its layers alone)
+        settings, dist = self.settings, self.dist
+        n_params, n_tensors = checkpoint_parameters(self.engine.module, settings.adapter_only)
+        if not settings.adapter_only:
+            n_params = settings.n_params  # the whole model (a pipeline stage's module holds its layers alone)
         planned = planned_checkpoint_bytes(
-            n_params, ds.precision, ds.zero_stage, dist.layout.tp, n_tensors, dist.world_size
+            n_params, settings.precision, settings.zero_stage, dist.layout.tp, n_tensors, dist.world_size
         )
-        facts, out, rank = self._model_facts(), cfg.run.output_dir, dist.rank
+        facts, out, rank = self._model_facts(), settings.output_dir, dist.rank
         if self.writer is not None and not now:
             refusal = None
             if not self.writer.buffers.nbytes:  # the first snapshot: training's memory is all taken by now
-                refusal = snapshot_buffers_refusal(self.resolved.n_params, ds.precision, ds.zero_stage, dist)
+                refusal = snapshot_buffers_refusal(settings.n_params, settings.precision, settings.zero_stage, dist)
             refusal = refusal or start_checkpoint(self.engine, out, self.state, rank, self.writer, facts, planned)
             if refusal is None:
                 self._in_flight_step_s = self.ledger.attempt["step_s"]
@@ -94,7 +114,7 @@ class Saver:
         if writer is None or writer.in_flight is None or not writer.in_flight.step:
             return  # nothing in flight
         step = writer.in_flight.step
-        committed = settle_checkpoint(writer, self.resolved.dist.rank, wait)
+        committed = settle_checkpoint(writer, self.dist.rank, wait)
         if committed:
             self.ledger.committed(step, self._in_flight_step_s)
             self._committed(step, committed)
@@ -110,10 +130,10 @@ class Saver:
 
     def _prune(self, committed: Path) -> None:
         """Rank 0: the checkpoints beyond --save_total_limit, and the universal copies, deleted in the background."""
-        if self.resolved.dist.rank != 0:
+        if self.dist.rank != 0:
             return
         self.wait_for_pruning()
-        limit = self.resolved.cfg.checkpoint.save_total_limit
+        limit = self.settings.save_total_limit
         self._pruning = threading.Thread(
             target=_prune, args=(committed, limit), name="scaletrain-checkpoint-pruning", daemon=True
         )
@@ -179,10 +199,8 @@ class PeriodicSave(Callback):
 
     def end_of_training(self, step: int) -> None:
         # Decided by rank 0: ranks that disagreed about entering a collective save would hang in it.
-        resolved = self.saver.resolved
-        newest = broadcast_from_main(
-            commit.newest_committed(resolved.cfg.run.output_dir) if resolved.dist.is_main else None
-        )
+        saver = self.saver
+        newest = broadcast_from_main(commit.newest_committed(saver.settings.output_dir) if saver.dist.is_main else None)
         if self.at_end and (newest is None or commit.committed_step(newest) != step):
             self.saver.save(now=True)
 

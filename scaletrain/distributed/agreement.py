@@ -13,7 +13,7 @@ from collections.abc import Sequence
 
 from scaletrain.distributed import world as distributed
 from scaletrain.errors import PeerStopped, RanksDisagree, RunEnded
-from scaletrain.parts import DistInfo, ResolvedRun
+from scaletrain.parts import DistInfo, ResumePoint
 
 # Commands that print and exit without a process group: scripts/train.sbatch runs `--print_config` as rank 0 of the
 # job's world, alone, so a rank of such a command has nobody to wait for.
@@ -132,17 +132,20 @@ def _flatten(value, prefix: str = "") -> dict:
     return {prefix.rstrip("."): value}
 
 
-def preflight_facts(resolved: ResolvedRun) -> dict:
-    """What every rank decided in its pre-flight from its own file system and environment."""
+def preflight_facts(
+    *, run_configuration: dict, block_size: int, ds_config: dict, tokenizer, resume: ResumePoint | None
+) -> dict:
+    """What every rank decided in its pre-flight from its own file system and environment: the checkpoint it
+    resumes, its tokenizer, and its run configuration (`run_configuration`: the flags, RunConfig.to_dict) with the
+    block size and the resolved DeepSpeed JSON."""
     from scaletrain.data import tokenizer_hash
 
-    resume = resolved.resume
-    run_configuration = {k: v for k, v in resolved.cfg.to_dict().items() if k != "local_rank"}  # the launcher's
-    run_configuration.update({"block_size": resolved.block_size, "deepspeed": resolved.ds.config})
+    configuration = {k: v for k, v in run_configuration.items() if k != "local_rank"}  # the launcher's
+    configuration.update({"block_size": block_size, "deepspeed": ds_config})
     return {
         "resume checkpoint": "none (a fresh start)" if resume is None else f"{resume.checkpoint} (step {resume.step})",
-        "tokenizer": f"tokenizer sha256 {tokenizer_hash(resolved.tokenizer)[:16]}",
-        "run configuration": run_configuration,
+        "tokenizer": f"tokenizer sha256 {tokenizer_hash(tokenizer)[:16]}",
+        "run configuration": configuration,
     }
 
 

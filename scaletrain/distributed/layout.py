@@ -12,7 +12,7 @@ import dataclasses
 from scaletrain.config import DSKey, ParallelArgs, PlanningArgs, ResolvedDSConfig
 from scaletrain.distributed.pipeline import check_pipeline_model
 from scaletrain.errors import UsageError
-from scaletrain.parts import DistInfo, ParallelLayout, ResolvedRun, ulysses_split_problem
+from scaletrain.parts import DistInfo, ParallelLayout, ulysses_split_problem
 
 # The model dimensions a tensor-parallel split divides (Llama-family names; models without them are not checked).
 _SPLIT_DIMENSIONS = (
@@ -375,11 +375,18 @@ def check_pipeline_run(
         )
 
 
-def check_pipeline_layout(parallel: ParallelArgs, resolved: ResolvedRun, config_path: str) -> None:
+def check_pipeline_layout(
+    parallel: ParallelArgs,
+    *,
+    model_config,
+    attn_implementation: str,
+    block_size: int,
+    isolates_documents: bool,
+    ds: ResolvedDSConfig,
+    config_path: str,
+) -> None:
     """Pipeline parallelism: the model maps onto its stages, and the run asks nothing the pipeline path lacks."""
-    pp, ds = parallel.pipeline_parallel_size, resolved.ds
-    check_pipeline_model(
-        pp, resolved.model_config, resolved.attn_implementation, resolved.block_size, parallel.tensor_parallel_size
-    )
+    pp, tp = parallel.pipeline_parallel_size, parallel.tensor_parallel_size
+    check_pipeline_model(pp, model_config, attn_implementation, block_size, tp)
     micro_batches = ds.config.get("gradient_accumulation_steps")
-    check_pipeline_run(parallel, resolved.isolates_documents, ds.precision, ds.zero_stage, config_path, micro_batches)
+    check_pipeline_run(parallel, isolates_documents, ds.precision, ds.zero_stage, config_path, micro_batches)

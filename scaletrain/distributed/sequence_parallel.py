@@ -20,7 +20,7 @@ import logging
 from collections.abc import Callable
 
 from scaletrain.data import IGNORE_INDEX
-from scaletrain.parts import ResolvedRun
+from scaletrain.parts import DistInfo
 
 log = logging.getLogger(__name__)
 
@@ -94,21 +94,23 @@ def sequence_group(layout, rank: int):
     return mine
 
 
-def register_ulysses(model, resolved: ResolvedRun) -> Callable[[], None]:
+def register_ulysses(
+    model, *, dist: DistInfo, model_config, block_size: int, micro_batch: int, attention_isolation: bool
+) -> Callable[[], None]:
     """Route the model's attention (SDPA or FlashAttention) through Ulysses over this rank's sequence group
     (process-wide: transformers' attention table), before the first forward. With tensor parallelism Ulysses sees
     the heads of one tensor rank. Evaluation bypasses it (disable_in_eval): every rank evaluates whole blocks.
     FlashAttention keeps packed documents apart by itself, from the gathered position ids. Returns the undo, which
     lets go of the sequence group before the process group's teardown (the attention table and DeepSpeed's
-    all-to-all registry would hold it, and gloo's threads with it, until the interpreter exits)."""
+    all-to-all registry would hold it, and gloo's threads with it, until the interpreter exits).
+    `attention_isolation`: packed documents are kept apart (SDPA: by our per-document attention)."""
     from deepspeed.runtime.sequence_parallel.ulysses_sp import UlyssesSPAttentionHF
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
     from scaletrain.engine import release_sequence_group
 
-    layout, block_size = resolved.dist.layout, resolved.block_size
-    attention_isolation = resolved.cfg.data.attention_isolation or resolved.chat is not None
-    text_config = resolved.model_config.get_text_config()
+    layout = dist.layout
+    text_config = model_config.get_text_config()
     heads = text_config.num_attention_heads
     kv_heads = getattr(text_config, "num_key_value_heads", None) or heads
     head_dim = getattr(text_config, "head_dim", None) or text_config.hidden_size // heads
@@ -119,12 +121,12 @@ def register_ulysses(model, resolved: ResolvedRun) -> Callable[[], None]:
         core = _isolating_sdpa(core)
     ulysses = UlyssesSPAttentionHF(
         attn=core,
-        batch_size=resolved.ds.micro_batch,
+        batch_size=micro_batch,
         attn_head_count=heads // layout.tp,  # AutoTP's split: this tensor rank's heads
         attn_head_size=head_dim,
         kv_head_count=kv_heads // layout.tp,
         num_hidden_layers=text_config.num_hidden_layers,
-        process_group=sequence_group(layout, resolved.dist.rank),
+        process_group=sequence_group(layout, dist.rank),
         seq_length_is_variable=True,
         disable_in_eval=True,
     )

@@ -16,7 +16,8 @@ import socket
 from collections.abc import Mapping
 
 from scaletrain.distributed.layout import describe_groups, rank_ranges
-from scaletrain.parts import DistInfo, ResolvedRun
+from scaletrain.config import ResolvedDSConfig
+from scaletrain.parts import DistInfo
 
 log = logging.getLogger(__name__)
 
@@ -347,10 +348,9 @@ def remove_shm_buffer(rank: int) -> None:
             pass
 
 
-def describe_launch(resolved: ResolvedRun) -> list:
-    """The first lines of a run's log: where the ranks landed and the layout, then what each of them runs with.
-    Each rank's host, in rank order (gathered here, a collective)."""
-    dist = resolved.dist
+def describe_launch(dist: DistInfo, *, ds: ResolvedDSConfig, config_path: str, attention: str) -> list:
+    """The first lines of a run's log: where the ranks landed and the layout, then what each of them runs with
+    (`attention`: the backend and who chose it). Each rank's host, in rank order (gathered here, a collective)."""
     hosts = rank_hosts()
     placement = ", ".join(
         f"{host} (ranks {rank_ranges([r for r, h in enumerate(hosts) if h == host])})" for host in dict.fromkeys(hosts)
@@ -375,13 +375,8 @@ def describe_launch(resolved: ResolvedRun) -> list:
         )
     else:
         log.info("accelerator: %s", dist.accelerator)
-    log.info("precision: %s (%s)", resolved.ds.precision, resolved.ds.precision_reason)
-    named = resolved.cfg.model.attn_implementation is not None
-    log.info(
-        "attention: %s (%s)",
-        resolved.attn_implementation,
-        "--attn_implementation" if named else f"transformers' choice for {resolved.model_config.model_type}",
-    )
-    log.info("DeepSpeed config %s: %s", resolved.cfg.engine.config, resolved.ds.summary())
-    log.debug("resolved DeepSpeed config (%s):\n%s", resolved.cfg.engine.config, resolved.ds.explained())
+    log.info("precision: %s (%s)", ds.precision, ds.precision_reason)
+    log.info("attention: %s", attention)
+    log.info("DeepSpeed config %s: %s", config_path, ds.summary())
+    log.debug("resolved DeepSpeed config (%s):\n%s", config_path, ds.explained())
     return hosts

@@ -68,6 +68,7 @@ from scaletrain.train import (
     enable_flight_recorder,
     PipelineStep,
     prepare_reference,
+    reference_identity,
     seed_everything,
     start_hang_watch,
     TrainState,
@@ -142,7 +143,13 @@ def prepare_inputs(resolved: ResolvedRun) -> tuple[ResolvedRun, tuple]:
     stores: tuple = ()
     try:
         resolved = prepare_resume(resolved)
-        stores = prepare_stores(resolved)
+        stores = prepare_stores(
+            resolved.cfg,
+            dist=resolved.dist,
+            tokenizer=resolved.tokenizer,
+            block_size=resolved.block_size,
+            chat=resolved.chat,
+        )
     except RunEnded as err:
         error = err
     settle(resolved.dist, error, None if error else store_facts(list(stores)))
@@ -334,10 +341,15 @@ def with_reference(
     before step 1. None for plain language modelling."""
     if objective is None:
         return None
-    only = None
-    if resolved.cfg.run.dry_run:
-        only = data.order.global_batch_indices(state.step + state.data_offset)
-    reference = prepare_reference(engine, resolved, data, state.step == 0, only)
+    identity = reference_identity(
+        resolved.cfg,
+        precision=resolved.ds.precision,
+        attn_implementation=resolved.attn_implementation,
+        block_size=resolved.block_size,
+    )
+    reference = prepare_reference(
+        engine, cfg=resolved.cfg, ds=resolved.ds, dist=resolved.dist, identity=identity, data=data, state=state
+    )
     if reference is not None:  # a live reference's own engine
         lifetime.parts.callback(release_engine, reference)
     return dataclasses.replace(objective, reference=reference)

@@ -110,12 +110,22 @@ def print_plan(resolved: ResolvedRun) -> None:
 def build_run(resolved: ResolvedRun, *, lifetime: Lifetime) -> Run:
     """Every part of the run, built in order from the pre-flight's plan; when it returns, every part exists. What a
     part acquires is released by lifetime.close(), also when a later part fails."""
-    objective = preference_objective(resolved)  # preference pairs' loss: its mistakes stop the run before any work
+    # the preference pairs' loss: its mistakes stop the run before any work
+    objective = preference_objective(resolved.cfg.preference, chat=resolved.chat)
     dist = start_world(resolved, lifetime=lifetime)  # the process group; every rank's pre-flight verdict
     resolved = resolved.replace(dist=dist)  # the launch as started: its accelerator is known now
     resolved, stores = prepare_inputs(resolved)  # checkpoint checksums (a damaged one: fall back), token store
     model = build_rank_model(resolved, lifetime=lifetime)  # ZeRO-3: built sharded, never whole on one rank
-    data = build_training_data(resolved, stores)  # packed blocks from the store, the global order of this rank
+    # packed blocks from the store, the global order of this rank
+    data = build_training_data(
+        stores,
+        cfg=resolved.cfg,
+        ds=resolved.ds,
+        dist=resolved.dist,
+        block_size=resolved.block_size,
+        tokenizer=resolved.tokenizer,
+        resume=resolved.resume,
+    )
     write_outputs_folder(resolved, data)  # resolved configs saved only after everything above succeeded
     engine, runner = build_engine_and_runner(resolved, model=model, data=data, lifetime=lifetime)
     comm_log = open_comm_log(resolved, lifetime=lifetime)  # --comms_log: from here on, training's collectives
@@ -197,7 +207,14 @@ class Run:
         """The loop, with every side concern a callback acting in the order it declares, then (`finish`) the end of
         the run: the callbacks' end of training (the last evaluation, the final checkpoint, the Hugging Face
         export), the communication totals and the calibration probe."""
-        settings = loop_settings(self.resolved, self.state.step, self.data.schedule.total_steps, self.objective)
+        settings = loop_settings(
+            self.cfg,
+            dist=self.dist,
+            router_loss=self.resolved.router_loss,
+            start_step=self.state.step,
+            total_steps=self.data.schedule.total_steps,
+            objective=self.objective,
+        )
         shard = None
         if self.dist.layout.sp > 1:  # each rank of a sequence-parallel group keeps its part of a block
             shard = partial(sequence_shard, sp_rank=self.dist.coords.sp, sp=self.dist.layout.sp)

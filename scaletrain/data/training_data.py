@@ -6,8 +6,9 @@ from __future__ import annotations
 
 import logging
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from scaletrain.config import VALIDATION_SPLIT, DataArgs, eval_metric_prefix
+from scaletrain.config import VALIDATION_SPLIT, DataArgs, ResolvedDSConfig, RunConfig, eval_metric_prefix
 from scaletrain.data.blocks import EvalBatches, MixedBlocks, eval_batches
 from scaletrain.data.packing import PackedExamples, blocks_for, print_samples
 from scaletrain.data.pairs import PreferencePairs, print_pairs
@@ -15,7 +16,10 @@ from scaletrain.data.sampling import BatchRamp, GlobalOrder
 from scaletrain.engine import describe_schedule_change, schedule_for
 from scaletrain.errors import UsageError
 from scaletrain.logs import interactive
-from scaletrain.parts import ResolvedRun, TrainingData
+from scaletrain.parts import DistInfo, ResumePoint, TrainingData
+
+if TYPE_CHECKING:
+    from scaletrain.data.chat_store import ChatData
 
 log = logging.getLogger(__name__)
 
@@ -78,26 +82,26 @@ def describe_data(blocks, order, micro: int, accumulation: int, dp_world_size: i
     )
 
 
-def prepare_stores(resolved: ResolvedRun) -> tuple:
+def prepare_stores(cfg: RunConfig, *, dist: DistInfo, tokenizer, block_size: int, chat: ChatData | None) -> tuple:
     """The opened token stores: --data_path or --dataset_mix as given, or the raw data prepared once (local rank 0
-    of each node prepares; the others wait on the file system, with a way out if it fails or dies)."""
+    of each node prepares; the others wait on the file system, with a way out if it fails or dies). `chat`: chat or
+    preference data's template and loss mode (None: plain text)."""
     from scaletrain.data.chat_store import attach_masks, store_plan
     from scaletrain.data.preparation import ensure_store, ensure_token_store
     from scaletrain.data.token_store import open_store
 
-    cfg, dist = resolved.cfg, resolved.dist
     show_progress = dist.is_main and interactive()  # in a redirect, the log line of each store says it
     paths = [Path(p) for p in cfg.data.store_paths]
-    if not paths and resolved.chat is not None:  # chat data: tokens and a loss mask
-        store, prepare = store_plan(cfg.data, resolved.tokenizer, resolved.block_size, resolved.chat, show_progress)
+    if not paths and chat is not None:  # chat data: tokens and a loss mask
+        store, prepare = store_plan(cfg.data, tokenizer, block_size, chat, show_progress)
         paths = [ensure_store(store, dist.local_rank, prepare)]
     elif not paths:
         paths = [
             ensure_token_store(
                 cfg.data,
-                resolved.tokenizer,
+                tokenizer,
                 cfg.model.tokenizer_source,
-                resolved.block_size,
+                block_size,
                 dist.local_rank,
                 show_progress=show_progress,
                 seed=cfg.optim.seed,
@@ -108,14 +112,23 @@ def prepare_stores(resolved: ResolvedRun) -> tuple:
     return stores
 
 
-def build_training_data(resolved: ResolvedRun, stores: tuple) -> TrainingData:
+def build_training_data(
+    stores: tuple,
+    *,
+    cfg: RunConfig,
+    ds: ResolvedDSConfig,
+    dist: DistInfo,
+    block_size: int,
+    tokenizer,
+    resume: ResumePoint | None,
+) -> TrainingData:
     """Packed blocks from the stores, the global order with this run's batch sizes (an explicit JSON value stands
     where the flag was not typed) from the resume point on, the LR schedule's length and the evaluation sets."""
-    cfg, ds, layout = resolved.cfg, resolved.ds, resolved.dist.layout
+    layout = dist.layout
     data, optim = cfg.data, cfg.optim
-    blocks = training_blocks(list(stores), data, resolved.block_size, optim.seed, resolved.tokenizer)
+    blocks = training_blocks(list(stores), data, block_size, optim.seed, tokenizer)
     micro, accumulation = ds.micro_batch, ds.config["gradient_accumulation_steps"]
-    resumed = resolved.resume.state if resolved.resume else {}
+    resumed = resume.state if resume else {}
     ramp = optim.rampup_batch_size and BatchRamp(*optim.rampup_batch_size, full=micro * accumulation * layout.dp)
     order = GlobalOrder(
         len(blocks),
@@ -131,18 +144,18 @@ def build_training_data(resolved: ResolvedRun, stores: tuple) -> TrainingData:
     schedule = schedule_for(
         optim.lr_scheduler_type, total, optim.warmup_steps, optim.warmup_ratio, optim.min_lr_ratio, optim.decay_ratio
     )
-    previous = resolved.resume and resolved.resume.previous_run_config
+    previous = resume and resume.previous_run_config
     changed = previous and describe_schedule_change(
         previous, schedule, ds.peak_lr, resumed.get("step", 0), resumed.get("skipped_steps", 0)
     )
-    if changed and resolved.dist.is_main:  # every rank computes the same: say it once
+    if changed and dist.is_main:  # every rank computes the same: say it once
         log.warning(changed)
     eval_sets = validation_sets(
         list(stores),
         data,
-        resolved.block_size,
+        block_size,
         optim.per_device_eval_batch_size,
-        resolved.dist.coords.dp,
+        dist.coords.dp,
         layout.dp,
         cfg.logging.max_eval_samples,
     )

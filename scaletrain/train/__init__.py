@@ -27,7 +27,7 @@ from scaletrain.train.observers import (
 )
 from scaletrain.train.preemption import PREEMPTION_RECORD_ENV, PreemptionFlag, PreemptionSave, RANK_PREEMPTION_SIGNAL
 from scaletrain.train.preference import PreferenceObjective, preference_objective
-from scaletrain.train.reference import check_reference_model, prepare_reference
+from scaletrain.train.reference import check_reference_model, prepare_reference, reference_identity
 from scaletrain.train.settings import loop_settings
 from scaletrain.train.state import TrainState, seed_everything
 from scaletrain.train.calibration_probe import probe_applies, probe_for_calibration
@@ -70,6 +70,7 @@ __all__ = [
     "probe_for_calibration",
     "preference_objective",
     "prepare_reference",
+    "reference_identity",
     "seed_everything",
     "start_hang_watch",
 ]

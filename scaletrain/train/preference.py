@@ -12,9 +12,10 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from scaletrain.data import IGNORE_INDEX
-from scaletrain.parts import ResolvedRun
+from scaletrain.config import PreferenceArgs
 
 if TYPE_CHECKING:
+    from scaletrain.data import ChatData
     from scaletrain.train.preference_loss import PreferenceLoss
 
 METRIC_NAMES = (
@@ -194,13 +195,11 @@ def _evaluation_fields(batches, device) -> dict:
     return {name: value.cpu() for name, value in zip(names, totals, strict=True)}
 
 
-def preference_objective(resolved: ResolvedRun) -> PreferenceObjective | None:
+def preference_objective(args: PreferenceArgs, *, chat: ChatData | None) -> PreferenceObjective | None:
     """The objective of a run on preference data (its chat data says so), or None for token data."""
-    chat = resolved.chat
     if chat is None or chat.kind != "preference":
         return None
     from scaletrain.train.preference_loss import PreferenceLoss
 
-    args = resolved.cfg.preference
     loss = PreferenceLoss(args.loss_type, args.beta, args.label_smoothing, args.simpo_gamma)
     return PreferenceObjective(loss, live_reference=loss.needs_reference and not args.precompute_ref_log_probs)

@@ -21,17 +21,19 @@ import numpy as np
 from scaletrain.data import EMPTY_SLOT
 from scaletrain.distributed import any_rank, every_rank
 from scaletrain.errors import UsageError
-from scaletrain.parts import DistInfo, ResolvedRun, TrainingData
+from scaletrain.config import ResolvedDSConfig, RunConfig
+from scaletrain.parts import DistInfo, TrainingData
+from scaletrain.train.state import TrainState
 
 log = logging.getLogger(__name__)
 
 
-def reference_identity(resolved: ResolvedRun) -> dict:
+def reference_identity(cfg: RunConfig, *, precision: str, attn_implementation: str, block_size: int) -> dict:
     """What the saved log-probabilities depend on (JSON-serialisable): the reference's weights (its files, or the
     config and seed it is drawn from), the dtype, the attention backend, a 4-bit base, the adapter settings (the
     reference is the base with the adapter disabled), and how the pairs were cut. A file saved for another identity
     is never read: a changed setting computes them again."""
-    cfg, args = resolved.cfg, resolved.cfg.preference
+    args = cfg.preference
     source = args.ref_model_name_or_path or cfg.model.model_name_or_path
     if source:
         from scaletrain.model import base_identity
@@ -43,11 +45,11 @@ def reference_identity(resolved: ResolvedRun) -> dict:
     peft = cfg.peft
     return {
         "model": model,
-        "precision": resolved.ds.precision,
-        "attention": resolved.attn_implementation,
+        "precision": precision,
+        "attention": attn_implementation,
         "quantization": "4-bit nf4" if own_base and peft.load_in_4bit else None,
         "adapter": [peft.lora_r, peft.lora_alpha, peft.lora_target_modules] if own_base and peft.use_peft else None,
-        "block_size": resolved.block_size,
+        "block_size": block_size,
         "truncation": cfg.data.truncation,
     }
 
@@ -170,17 +172,27 @@ def _save(path: Path, values: np.ndarray, identity: dict) -> None:
     os.replace(tmp, path)
 
 
-def prepare_reference(engine, resolved: ResolvedRun, data: TrainingData, fresh: bool, only=None):
+def prepare_reference(
+    engine,
+    *,
+    cfg: RunConfig,
+    ds: ResolvedDSConfig,
+    dist: DistInfo,
+    identity: dict,
+    data: TrainingData,
+    state: TrainState,
+):
     """A preference run's reference, before the first step: its log-probs of the training pairs and of every
     validation set read back or computed now (--precompute_ref_log_probs), or, for a reference that runs at every
-    step, its engine (returned; None where the reference is the LoRA base or the loss needs none). `only`: a dry
-    run's first global batch (its pairs alone are computed, nothing is saved)."""
-    cfg, ds = resolved.cfg, resolved.ds
+    step, its engine (returned; None where the reference is the LoRA base or the loss needs none). `identity`:
+    reference_identity's, what the saved log-probs depend on. A dry run computes its first global batch's pairs
+    alone and saves nothing; the starting model computes them only on a fresh start (`state` at step 0)."""
     args = cfg.preference
+    fresh = state.step == 0
+    only = data.order.global_batch_indices(state.step + state.data_offset) if cfg.run.dry_run else None
     separate = reference_model_args(cfg) is not None
     if not args.needs_reference or not args.precompute_ref_log_probs:
         return build_reference_engine(cfg, ds.config, ds.zero_stage) if separate else None
-    identity = reference_identity(resolved)
     store = data.stores[0]["path"]
     sets = {"train": data.blocks, **{split: b.sources()[0] for split, b in data.eval_sets.items()}}
     micro = max(ds.micro_batch, cfg.optim.per_device_eval_batch_size)
@@ -189,7 +201,7 @@ def prepare_reference(engine, resolved: ResolvedRun, data: TrainingData, fresh: 
     try:  # a separate reference can compute what a resumed run misses; the starting model only on a fresh start
         source = f"--ref_model_name_or_path {args.ref_model_name_or_path}" if reference is not None else None
         ref = ReferencePass(store, identity, micro, source)
-        attach_reference_logps(reference or engine, sets, ref, resolved.dist, fresh or separate, only)
+        attach_reference_logps(reference or engine, sets, ref, dist, fresh or separate, only)
     finally:
         if reference is not None:
             from scaletrain.engine import release_engine

@@ -6,7 +6,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from scaletrain.parts import ResolvedRun
+from scaletrain.config import RunConfig
+from scaletrain.parts import DistInfo
 
 if TYPE_CHECKING:
     from scaletrain.model import RouterLoss
@@ -30,17 +31,23 @@ class LoopSettings:
 
 
 def loop_settings(
-    resolved: ResolvedRun, start_step: int, total_steps: int, objective: PreferenceObjective | None = None
+    cfg: RunConfig,
+    *,
+    dist: DistInfo,
+    router_loss: RouterLoss | None,
+    start_step: int,
+    total_steps: int,
+    objective: PreferenceObjective | None = None,
 ) -> LoopSettings:
     """The loop's settings for a run. A dry run takes one full step, logged."""
-    cfg, layout = resolved.cfg, resolved.dist.layout
+    layout = dist.layout
     dry = cfg.run.dry_run
     return LoopSettings(
         max_steps=min(start_step + 1, total_steps) if dry else total_steps,
         logging_steps=1 if dry else cfg.logging.logging_steps,
         gradient_divisor=layout.dp * layout.sp,
-        loss_share=1.0 if resolved.dist.coords.tp == 0 else 0.0,
+        loss_share=1.0 if dist.coords.tp == 0 else 0.0,
         rampup_lr_exponent=RAMPUP_LR_EXPONENTS[cfg.optim.rampup_lr_scaling],
-        router_loss=resolved.router_loss,
+        router_loss=router_loss,
         objective=objective,
     )

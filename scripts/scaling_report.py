@@ -89,6 +89,7 @@ def predictions(results: list, out: Path) -> list:
     from scaletrain.observability.calibration import calibrate, calibrated_gpu, read_calibration
     from scaletrain.observability.memory_planner import ModelShape
     from scaletrain.observability.time_model import Cluster, predict_step
+    from scaletrain.parts import ParallelLayout
 
     first = out / f"world{results[0]['world']}"
     calibration = read_calibration(first)
@@ -97,7 +98,8 @@ def predictions(results: list, out: Path) -> list:
     predicted = []
     for r in results:
         world = r["world"]
-        layout = replace(calibration.layout, dp=world // (calibration.layout.ranks // calibration.layout.dp))
+        sizes = calibration.layout.parallel
+        layout = replace(calibration.layout, parallel=ParallelLayout.of_world(world, sizes.tp, sizes.sp, sizes.pp))
         cluster = calibrate(Cluster(1, calibration.world, calibrated_gpu(calibration, 24)), calibration, shape)
         cluster = replace(cluster, gpus_per_node=world)
         predicted.append(predict_step(shape, calibration.block_size, layout, cluster, calibration.precision))

@@ -30,6 +30,7 @@ from scaletrain.observability.time_model import (
     predict_step,
     split_compute,
 )
+from scaletrain.parts import ParallelLayout
 
 CPU_MEMORY_GBS = 20.0  # a CPU's memory bandwidth for the element-wise term of a calibrated CPU (a DDR channel pair)
 COLLECTIVES = ("all_reduce", "reduce_scatter", "all_gather", "all_to_all")
@@ -53,7 +54,7 @@ class Calibration:
 
     @property
     def world(self) -> int:
-        return self.layout.ranks
+        return self.layout.parallel.world_size
 
     @property
     def compute_s(self) -> float:
@@ -100,10 +101,7 @@ def read_calibration(run_dir: Path) -> Calibration:
     dp = max(1, round(median("global_batch") / (micro * accum)))
     offload_optimizer, offload_params = ds.offload_devices
     layout = Layout(
-        tp=tp,
-        pp=pp,
-        sp=sp,
-        dp=dp,
+        ParallelLayout(tp=tp, sp=sp, pp=pp, dp=dp),
         zero_stage=ds.zero_stage,
         offload_optimizer=offload_optimizer,
         offload_params=offload_params,
@@ -148,7 +146,7 @@ def _probe(run_dir: Path) -> dict:
 def _block_size(records: list, layout: Layout) -> int:
     """The tokens of a block, from the tokens a step trains (--block_size left to the model's default)."""
     tokens = statistics.median(r["tokens_per_s"] * r["step_time_s"] for r in records)
-    return round(tokens / (layout.micro_batch * layout.grad_accum * layout.dp))
+    return round(tokens / (layout.micro_batch * layout.grad_accum * layout.parallel.dp))
 
 
 def _bus_bandwidth(records: list) -> float | None:
@@ -198,7 +196,7 @@ def calibrate(cluster: Cluster, calibration: Calibration, shape: ModelShape) -> 
     if calibration.bus_gbs:
         cluster = replace(cluster, intra_node_gbs=calibration.bus_gbs / NVLINK_EFFICIENCY)
     if calibration.micro_batch_fixed_s is not None:  # the probe ran the run's model, recomputation included
-        per_layer = calibration.micro_batch_fixed_s / (shape.layers / layout.pp) * 3 / compute_passes(layout)
+        per_layer = calibration.micro_batch_fixed_s / (shape.layers / layout.parallel.pp) * 3 / compute_passes(layout)
         cluster = replace(cluster, micro_batch_fixed_s_per_layer=per_layer)
     if calibration.attention_tflops:
         cluster = replace(cluster, attention_efficiency=calibration.attention_tflops * 1e12 / cluster.peak_flops)

@@ -18,6 +18,7 @@ from scaletrain.observability.memory_planner import (
     model_state_bytes,
     offloaded_checkpoint_bytes,
     options_for,
+    with_model_parallel,
 )
 from scaletrain.parts import ulysses_split_problem
 
@@ -48,8 +49,8 @@ def longest_block(shape: ModelShape, run: PlannedRun, gpu_bytes: float, host_byt
     `run`'s GPUs, precision, sequence parallelism, loss chunk and features, at micro-batch 1 without tensor or pipeline
     parallelism. With `host_bytes` (per node) the offloaded states and checkpoints of a node's GPUs must fit in 90% of
     it too."""
-    run = replace(run, micro_batch=1, tp=1, pp=1)
-    sp, precision, offload = run.sp, run.precision, run.features.offload
+    run = replace(with_model_parallel(run, sp=run.parallel.sp), micro_batch=1)
+    sp, precision, offload = run.parallel.sp, run.precision, run.features.offload
     option = min(
         options_for(1, sp),
         key=lambda o: (o.offload_optimizer == "nvme", sum(model_state_bytes(o, shape, run.ranks, precision)[:3])),
@@ -90,7 +91,9 @@ def render_longest_blocks(shape: ModelShape, run: PlannedRun, gpu_bytes: float, 
         cells = []
         for sp in degrees:
             features = MemoryFeatures(tiled_mlp=tiled, offload=offload)
-            tokens, host, option = longest_block(shape, replace(run, sp=sp, features=features), gpu_bytes, host_bytes)
+            tokens, host, option = longest_block(
+                shape, replace(with_model_parallel(run, sp=sp), features=features), gpu_bytes, host_bytes
+            )
             option_names.add(option.name)
             cells.append(f"{tokens // GRAIN}K tokens" + (f" (host {host / GIB:.0f} GB)" if offload else ""))
         lines.append(f"| {name} | " + " | ".join(cells) + " |")

@@ -8,6 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from scaletrain.config import bucket_elements
+from scaletrain.parts import ParallelLayout
 
 GIB = 2**30
 HEADROOM = 0.90  # plan to use at most 90% of a GPU: allocator fragmentation, NCCL buffers, the CUDA context
@@ -113,30 +114,48 @@ class MemoryFeatures:
 NO_FEATURES = MemoryFeatures()
 
 
+def zero_ranks(parallel: ParallelLayout) -> int:
+    """The ranks ZeRO partitions the model states over: data x sequence parallel (DeepSpeed's sequence-data-parallel
+    group: the sequence-parallel ranks of a replica hold the same parameters)."""
+    return parallel.dp * parallel.sp
+
+
 @dataclass(frozen=True, kw_only=True)
 class PlannedRun:
-    """The run --plan sizes: its GPUs, micro-batch, precision, model-parallel layout, loss chunk and memory features."""
+    """The run --plan sizes: its GPUs and their parallel layout, micro-batch, precision, loss chunk and memory
+    features."""
 
     gpus_per_node: int = 1
     nodes: int = 1
+    parallel: ParallelLayout = None  # type: ignore[assignment]  # None: data parallelism over the GPUs
     micro_batch: int = 1
     block_size: int = 1024
     precision: str = "bf16"
-    tp: int = 1
-    sp: int = 1
-    pp: int = 1
     loss_chunk: int | None = None  # tokens per chunk of the chunked loss (None: the whole logits)
     grad_accum: int = 1  # micro-batches per update: ZeRO-1/2 hold the earlier ones' gradients through the later ones
     features: MemoryFeatures = NO_FEATURES
+
+    def __post_init__(self):
+        if self.parallel is None:
+            object.__setattr__(self, "parallel", ParallelLayout(dp=self.ranks))
+        assert self.parallel.world_size == self.ranks, (
+            f"{self.parallel} spans {self.parallel.world_size} ranks, not the {self.nodes} node(s) x "
+            f"{self.gpus_per_node} GPU(s) planned"
+        )
 
     @property
     def ranks(self) -> int:
         return self.gpus_per_node * self.nodes
 
     @property
-    def dp(self) -> int:
+    def zero_ranks(self) -> int:
         """The ranks ZeRO partitions over (under sequence parallelism: all of them)."""
-        return self.ranks // (self.tp * self.pp)
+        return zero_ranks(self.parallel)
+
+
+def with_model_parallel(run: PlannedRun, tp: int = 1, sp: int = 1, pp: int = 1) -> PlannedRun:
+    """`run` on the same GPUs with these model-parallel sizes (data parallelism takes the rest)."""
+    return replace(run, parallel=ParallelLayout.of_world(run.ranks, tp, sp, pp))
 
 
 @dataclass(frozen=True)
@@ -231,22 +250,22 @@ def activation_bytes(
     under pipeline parallelism of the stage that needs most.
     `reduce_bucket` in elements as in model_state_bytes; `grads_offloaded`: the gradient partition lives in host memory
     (optimizer offload)."""
-    option = Option("", "", max(stage, 1), "cpu" if grads_offloaded else "none")
-    states = sum(model_state_bytes(option, shape, max(run.dp, 1), run.precision, run.tp, run.pp, reduce_bucket)[:3])
-    stages = ("first", "last") if run.pp > 1 else ("last",)
+    option, parallel = Option("", "", max(stage, 1), "cpu" if grads_offloaded else "none"), run.parallel
+    states = model_state_bytes(option, shape, run.zero_ranks, run.precision, parallel.tp, parallel.pp, reduce_bucket)
+    stages = ("first", "last") if parallel.pp > 1 else ("last",)
     peaks = [peak_bytes(shape, run, option, reduce_bucket, which) for which in stages]
-    return tuple(max(peak[i] for peak in peaks) - states for i in (0, 1))
+    return tuple(max(peak[i] for peak in peaks) - sum(states[:3]) for i in (0, 1))
 
 
 def peak_bytes(shape: ModelShape, run: PlannedRun, option: Option, reduce_bucket: int | None, which: str) -> tuple:
     """(without, with activation checkpointing) the most a rank of the `which` pipeline stage ("first" or "last";
     without pipeline parallelism, any rank) holds during a step of `run` under `option`: its parameters and
     optimizer states, and the highest of step_peaks (or of ZeRO-1/2's gradients at the update)."""
-    stage_shape = shape.pipeline_stage(run.pp, which)
+    tp, stage_shape = run.parallel.tp, shape.pipeline_stage(run.parallel.pp, which)
     params, grads, optimizer, *_ = model_state_bytes(
-        option, stage_shape, max(run.dp, 1), run.precision, run.tp, 1, reduce_bucket
+        option, stage_shape, run.zero_ranks, run.precision, tp, 1, reduce_bucket
     )
-    n = stage_shape.params_per_tp_rank(run.tp)
+    n = stage_shape.params_per_tp_rank(tp)
     transient = grads if option.stage < 3 else 0.0  # ZeRO-1/2's gradients live from the backward to the update
     persistent = params + optimizer + grads - transient
     return tuple(
@@ -284,8 +303,8 @@ def step_peaks(
     """
     p = weight_bytes(run.precision)
     scale = 2 if run.precision == "fp32" else 1
-    tp, pp = run.tp, run.pp
-    tokens = run.micro_batch * run.block_size / run.sp
+    tp, pp = run.parallel.tp, run.parallel.pp
+    tokens = run.micro_batch * run.block_size / run.parallel.sp
     mlp_tokens = min(tokens, shape.hidden) if run.features.tiled_mlp else tokens
     per_layer = (
         tokens * (8 * shape.hidden + 10 * shape.hidden / tp) + mlp_tokens * 8 * shape.intermediate / tp
@@ -309,7 +328,7 @@ def step_peaks(
         # ZeRO-0/1: the reduce bucket, allocated whole at the backward's first gradient, and the autograd gradients
         # (16-bit), whole until the boundary's reduction; ZeRO-2: its two reduce buckets (overlap_comm) and, reduced
         # into, the gradient partition (16-bit and fp32, or in host memory under optimizer offload)
-        partition = 0.0 if grads_offloaded else (4 if run.precision == "fp32" else p + 4) * n / max(run.dp, 1)
+        partition = 0.0 if grads_offloaded else (4 if run.precision == "fp32" else p + 4) * n / run.zero_ranks
         whole = p * n + bucket * p
         held = (whole if stage < 2 else partition) if accumulating else 0.0
         opened = (held or bucket * p) if stage < 2 else 2 * bucket * p + held
@@ -334,9 +353,9 @@ def loss_bytes(shape: ModelShape, run: PlannedRun, tokens: float) -> tuple:
     exponentiates an fp32 chunk in place) and fills the head's and the hidden states' gradients in its forward; the
     whole logits take their fp32 copy, log-softmax and gradient (10 bytes each, x1.5 in fp32). Kept too: the final
     norm's input and output, and under pipeline parallelism the pipe engine's other output buffer."""
-    p, tp, chunk = weight_bytes(run.precision), run.tp, run.loss_chunk
+    p, tp, pp, chunk = weight_bytes(run.precision), run.parallel.tp, run.parallel.pp, run.loss_chunk
     logit_tokens = min(tokens, chunk) if chunk else tokens
-    vocab_parallel = bool(chunk) and run.pp == 1 and tp > 1
+    vocab_parallel = bool(chunk) and pp == 1 and tp > 1
     vocab = shape.vocab / tp if vocab_parallel else shape.vocab  # AutoTP's whole-logits head gathers them
     if chunk:
         peak = logit_tokens * vocab * (4 if vocab_parallel and p == 4 else p + 4)
@@ -344,7 +363,7 @@ def loss_bytes(shape: ModelShape, run: PlannedRun, tokens: float) -> tuple:
     else:
         peak, kept = logit_tokens * vocab * 10 * (1.5 if run.precision == "fp32" else 1), 0.0
     kept += 2 * tokens * shape.hidden * p
-    if run.pp > 1:  # pipeline_kept_outputs: one buffer beside the one in use
+    if pp > 1:  # pipeline_kept_outputs: one buffer beside the one in use
         kept += pipeline_kept_outputs(shape, run.micro_batch, run.block_size, run.precision, bool(chunk)) / 2
     return kept, peak
 
@@ -378,15 +397,16 @@ def options_for(tp: int, sp: int = 1, pp: int = 1) -> list[Option]:
 def plan_memory(shape: ModelShape, run: PlannedRun, reduce_bucket: int | None = None) -> list[Estimate]:
     """One estimate per option the run's layout trains with (options_for); `reduce_bucket` in elements as in
     model_state_bytes."""
-    estimates = []
-    for option in options_for(run.tp, run.sp, run.pp):
+    estimates, parallel = [], run.parallel
+    for option in options_for(parallel.tp, parallel.sp, parallel.pp):
         offloaded = option.offload_optimizer != "none"
         act, act_ckpt = activation_bytes(shape, run, option.stage, reduce_bucket, offloaded)
         params, grads, optimizer, host, nvme = model_state_bytes(
-            option, shape, run.dp, run.precision, run.tp, run.pp, reduce_bucket
+            option, shape, run.zero_ranks, run.precision, parallel.tp, parallel.pp, reduce_bucket
         )
         if run.features.offload:
-            host += offloaded_checkpoint_bytes(shape, run.micro_batch * run.block_size / run.sp, run.precision)
+            tokens = run.micro_batch * run.block_size / parallel.sp
+            host += offloaded_checkpoint_bytes(shape, tokens, run.precision)
         per_node = run.gpus_per_node
         estimates.append(Estimate(option, params, grads, optimizer, act, act_ckpt, host * per_node, nvme * per_node))
     return estimates
@@ -413,8 +433,7 @@ def recommend_layout(shape: ModelShape, run: PlannedRun, gpu_bytes: float, host_
     pipeline's bubble), then offload (host memory and PCIe are slower still). Tensor and pipeline parallelism together
     are not proposed here; the time plan (time_plan.py) scores every layout, composed ones included, by predicted
     step time, and its recommendation is --plan's."""
-    base = replace(run, tp=1, sp=1, pp=1)
-    plain = plan_memory(shape, base)
+    plain = plan_memory(shape, with_model_parallel(run))  # data parallelism over the run's GPUs
     in_gpu = [e for e in plain if e.option.offload_optimizer == "none"]
     choice = recommend(in_gpu, gpu_bytes, host_bytes)
     if choice:
@@ -422,14 +441,14 @@ def recommend_layout(shape: ModelShape, run: PlannedRun, gpu_bytes: float, host_
     tp = 2
     while tp <= run.gpus_per_node:
         if run.gpus_per_node % tp == 0 and shape.splits_into(tp):
-            choice = recommend(plan_memory(shape, replace(base, tp=tp)), gpu_bytes, host_bytes)
+            choice = recommend(plan_memory(shape, with_model_parallel(run, tp=tp)), gpu_bytes, host_bytes)
             if choice:
                 return (tp, 1, *choice)
         tp *= 2
     pp = 2
     while pp <= min(shape.layers, run.ranks):
         if shape.layers % pp == 0 and run.ranks % pp == 0:
-            choice = recommend(plan_memory(shape, replace(base, pp=pp)), gpu_bytes, host_bytes)
+            choice = recommend(plan_memory(shape, with_model_parallel(run, pp=pp)), gpu_bytes, host_bytes)
             if choice:
                 return (1, pp, *choice)
         pp *= 2
@@ -437,15 +456,17 @@ def recommend_layout(shape: ModelShape, run: PlannedRun, gpu_bytes: float, host_
     return (1, 1, *choice) if choice else None
 
 
-def _describe(ranks: int, tp: int, sp: int, pp: int) -> str:
-    sizes = [(kind, size) for kind, size in (("tensor", tp), ("sequence", sp), ("pipeline", pp)) if size > 1]
+def _describe(parallel: ParallelLayout) -> str:
+    """ "8 ranks: tensor parallel 2 x 4 data-parallel" (the memory plan's header; ParallelLayout.describe's words
+    with the rank count)."""
+    kinds = (("tensor", parallel.tp), ("sequence", parallel.sp), ("pipeline", parallel.pp))
+    sizes = [(kind, size) for kind, size in kinds if size > 1]
     if not sizes:
-        return f"{ranks} data-parallel ranks"
-    model_parallel = tp * sp * pp
+        return f"{parallel.world_size} data-parallel ranks"
     return (
-        f"{ranks} ranks: "
+        f"{parallel.world_size} ranks: "
         + " x ".join(f"{kind} parallel {size}" for kind, size in sizes)
-        + f" x {ranks // model_parallel} data-parallel"
+        + f" x {parallel.dp} data-parallel"
     )
 
 
@@ -469,10 +490,10 @@ def render_memory_plan(
     recommendation: for an open layout the fastest one that fits, otherwise the fastest option of the one given."""
     gb = lambda b: f"{b / GIB:.2f}"  # noqa: E731
     gpu_bytes, host_bytes = gpu_memory_gb * GIB, None if host_memory_gb is None else host_memory_gb * GIB
-    tp, sp, pp = run.tp, run.sp, run.pp
+    tp, sp, pp = run.parallel.tp, run.parallel.sp, run.parallel.pp
     lines = [
         f"memory plan: {shape.n_params / 1e6:.1f}M parameters, {run.nodes} node(s) x {run.gpus_per_node} GPU(s) = "
-        f"{_describe(run.ranks, tp, sp, pp)}, {run.precision}, micro-batch {run.micro_batch} x {run.block_size} "
+        f"{_describe(run.parallel)}, {run.precision}, micro-batch {run.micro_batch} x {run.block_size} "
         f"tokens{run.features.describe()}, {gpu_memory_gb:g} GB per GPU"
         + ("" if host_memory_gb is None else f", {host_memory_gb:g} GB host per node"),
         "GB per GPU unless marked; working: what a step holds beyond the model states at its peak (0 where the "

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from dataclasses import replace
 from pathlib import Path
 
 from scaletrain.observability.long_context_plan import render_longest_blocks
@@ -32,6 +31,7 @@ from scaletrain.observability.time_plan import (
     scaling_rows,
     write_plan_json,
 )
+from scaletrain.parts import ParallelLayout
 
 if TYPE_CHECKING:
     from scaletrain.config import ResolvedDSConfig, RunConfig
@@ -41,16 +41,16 @@ def planned_run(cfg: RunConfig, shape: ModelShape, block_size: int) -> PlannedRu
     """The run --plan sizes: --num_gpus x --num_nodes, the run's batch, layout and memory features, and its training
     precision (--plan_precision where the DeepSpeed config leaves it open)."""
     planning, engine, parallel, model = cfg.planning, cfg.engine, cfg.parallel, cfg.model
-    chunk = model.loss_chunk_size
+    chunk, ranks = model.loss_chunk_size, planning.num_gpus * planning.num_nodes
     return PlannedRun(
         gpus_per_node=planning.num_gpus,
         nodes=planning.num_nodes,
+        parallel=ParallelLayout.of_world(
+            ranks, parallel.tensor_parallel_size, parallel.sequence_parallel_size, parallel.pipeline_parallel_size
+        ),
         micro_batch=cfg.optim.per_device_train_batch_size,
         block_size=block_size,
         precision="bf16" if engine.bf16 else "fp16" if engine.fp16 else planning.plan_precision,
-        tp=parallel.tensor_parallel_size,
-        sp=parallel.sequence_parallel_size,
-        pp=parallel.pipeline_parallel_size,
         loss_chunk=None if chunk == 0 else chunk or auto_loss_chunk(shape.vocab),
         grad_accum=cfg.optim.gradient_accumulation_steps,
         features=MemoryFeatures(model.tiled_mlp, model.activation_offloading),
@@ -65,7 +65,7 @@ def print_memory_plan(
     planning = cfg.planning
     run = planned_run(cfg, shape, block_size)
     longest_blocks = None
-    if run.tp == 1 and run.pp == 1 and shape.heads:  # the longest block with each long-context feature
+    if run.parallel.tp == 1 and run.parallel.pp == 1 and shape.heads:  # the longest block per long-context feature
         host = planning.host_memory_gb and planning.host_memory_gb * GIB
         longest_blocks = render_longest_blocks(shape, run, planning.memory_gb * GIB, host)
     estimates = plan_memory(shape, run)
@@ -131,11 +131,10 @@ def time_plan_lines(
         return Planner(shape, run, planned_cluster(cfg, nodes, calibration), gpu_bytes, host_bytes)
 
     planner = planner_for(planning.num_nodes)
-    run = replace(run, gpus_per_node=planner.cluster.gpus_per_node)
     option = flags_option(cfg, ds)
     accum = optim.gradient_accumulation_steps
     flags = flags_candidate(planner, option, run, accum, cfg.model.gradient_checkpointing)
-    global_sequences = run.micro_batch * accum * flags.layout.dp
+    global_sequences = run.micro_batch * accum * flags.layout.parallel.dp
     candidates = planner.candidates(global_sequences, cfg.parallel.allow_cross_node_tensor_parallel)
     lines = [] if calibration is None else [describe_calibration(calibration[0], planner.cluster)]
     lines += render_time_plan(

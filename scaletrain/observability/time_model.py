@@ -36,7 +36,8 @@ from dataclasses import dataclass, field
 
 from scaletrain.config import GPU
 from scaletrain.observability.flops import ModelFlops
-from scaletrain.observability.memory_planner import ModelShape
+from scaletrain.observability.memory_planner import ModelShape, zero_ranks
+from scaletrain.parts import ParallelLayout
 
 ELEMENTWISE_VALUES = 24  # values read and written per token per layer forward by the memory-bound kernels
 SCORE_PASSES = 6  # unfused attention forward: QK^T writes the scores, softmax reads and writes, dropout too, AV reads
@@ -126,12 +127,9 @@ class Cluster:
 
 @dataclass(frozen=True)
 class Layout:
-    """One way to run the job: model-parallel sizes, ZeRO option, batch split and activation checkpointing."""
+    """One way to run the job: its parallel layout with a ZeRO option, batch split and activation checkpointing."""
 
-    tp: int = 1
-    pp: int = 1
-    sp: int = 1
-    dp: int = 1
+    parallel: ParallelLayout = ParallelLayout()
     zero_stage: int = 1
     offload_optimizer: str = "none"  # "none", "cpu", "nvme"
     offload_params: str = "none"
@@ -142,10 +140,6 @@ class Layout:
     flash_attention: bool = True  # fused attention (FlashAttention, SDPA); False: the s x s scores go through memory
     grad_reduce_bytes: int | None = None  # bytes per gradient value reduced (default: the training precision's)
     overlap_grad_reduce: bool | None = None  # default: ZeRO-2/3 overlap (overlap_comm), ZeRO-0/1 reduce at the end
-
-    @property
-    def ranks(self) -> int:
-        return self.tp * self.pp * self.sp * self.dp
 
 
 @dataclass(frozen=True)
@@ -234,10 +228,10 @@ def compute_passes(layout: Layout) -> int:
 def compute_parts(shape: ModelShape, seq_len: int, layout: Layout, cluster: Cluster, value_bytes: int) -> dict:
     """Seconds of one micro-batch's compute through one stage (forward, backward, recomputation) by kind, before the
     calibrated compute scale: matmul, attention, elementwise, fixed."""
-    tp, sp, b, h = layout.tp, layout.sp, layout.micro_batch, shape.hidden
-    layers, passes, hbm = shape.layers / layout.pp, compute_passes(layout), cluster.gpu.hbm_gbs * 1e9
+    tp, sp, pp, b, h = layout.parallel.tp, layout.parallel.sp, layout.parallel.pp, layout.micro_batch, shape.hidden
+    layers, passes, hbm = shape.layers / pp, compute_passes(layout), cluster.gpu.hbm_gbs * 1e9
     tokens = b * seq_len / sp  # tokens this GPU's layers see
-    matmul = 2 * stage_matmul_params(shape, tp, layout.pp) * tokens * passes / cluster.matmul_flops
+    matmul = 2 * stage_matmul_params(shape, tp, pp) * tokens * passes / cluster.matmul_flops
     if layout.flash_attention:  # the causal half of QK^T and AV, in one fused kernel
         attention = 2 * b * seq_len**2 * h * layers / (tp * sp) * passes / cluster.attention_flops
     else:  # the whole square as batched products, and the scores written, soft-maxed, dropped out and read again
@@ -267,8 +261,8 @@ def scaled_compute(parts: dict, cluster: Cluster) -> float:
 
 def _micro_batch_slot(shape: ModelShape, seq_len: int, layout: Layout, cluster: Cluster, value_bytes: int) -> _Slot:
     """One micro-batch through one stage (forward, backward, recomputation): compute and model-parallel traffic."""
-    tp, sp, b, h = layout.tp, layout.sp, layout.micro_batch, shape.hidden
-    layers, passes = shape.layers / layout.pp, compute_passes(layout)
+    tp, sp, b, h = layout.parallel.tp, layout.parallel.sp, layout.micro_batch, shape.hidden
+    layers, passes = shape.layers / layout.parallel.pp, compute_passes(layout)
     tokens = b * seq_len / sp  # tokens this GPU's layers see
     activation = tokens * h * value_bytes
     tp_allreduces = layers * (4 + (2 if layout.checkpointing else 0)) if tp > 1 else 0
@@ -290,20 +284,21 @@ def _micro_batch_slot(shape: ModelShape, seq_len: int, layout: Layout, cluster: 
 def _data_parallel(shape: ModelShape, layout: Layout, cluster: Cluster, value_bytes: int, slot: _Slot) -> tuple:
     """(exposed seconds, bytes a GPU moves) of the data-parallel traffic of one step. ZeRO partitions over the
     sequence-parallel ranks too."""
-    zero_ranks, m = layout.dp * layout.sp, layout.grad_accum
-    if zero_ranks == 1:
+    parallel, m = layout.parallel, layout.grad_accum
+    ranks, tp = zero_ranks(parallel), parallel.tp
+    if ranks == 1:
         return 0.0, 0.0
-    params = shape.params_per_rank(layout.tp, layout.pp)
-    fraction = (zero_ranks - 1) / zero_ranks
+    params = shape.params_per_rank(tp, parallel.pp)
+    fraction = (ranks - 1) / ranks
     if layout.zero_stage == 3:  # gathers forward and backward, reduce-scatter, every micro-batch, prefetched
         per_micro_bytes = 3 * fraction * params * value_bytes
-        per_micro = cluster.collective(per_micro_bytes, 3 * shape.layers / layout.pp, zero_ranks, stride=layout.tp)
+        per_micro = cluster.collective(per_micro_bytes, 3 * shape.layers / parallel.pp, ranks, stride=tp)
         return m * max(0.0, per_micro - slot.seconds), m * per_micro_bytes
     # reduce-scatter of the gradients (overlapped with the last backward where overlap_comm), all-gather of the weights
     grad_bytes = params * (layout.grad_reduce_bytes or value_bytes)
     buckets = max(1.0, params / DP_BUCKET_ELEMENTS)
-    reduce = cluster.collective(fraction * grad_bytes, buckets, zero_ranks, stride=layout.tp)
-    gather = cluster.collective(fraction * params * value_bytes, buckets, zero_ranks, stride=layout.tp)
+    reduce = cluster.collective(fraction * grad_bytes, buckets, ranks, stride=tp)
+    gather = cluster.collective(fraction * params * value_bytes, buckets, ranks, stride=tp)
     overlap = layout.overlap_grad_reduce if layout.overlap_grad_reduce is not None else layout.zero_stage >= 2
     backward_of_one = slot.seconds * 2 / compute_passes(layout)
     exposed = (max(0.0, reduce - backward_of_one) if overlap else reduce) + gather
@@ -313,8 +308,8 @@ def _data_parallel(shape: ModelShape, layout: Layout, cluster: Cluster, value_by
 def _optimizer_and_offload(shape: ModelShape, layout: Layout, cluster: Cluster, value_bytes: int) -> tuple:
     """(optimizer seconds, offload seconds): Adam over this rank's partition (ZeRO-0 updates every parameter on
     every rank) on the GPU, or CPU-Adam on the host with the gradients and weights crossing PCIe."""
-    params = shape.params_per_rank(layout.tp, layout.pp)
-    partition = params / (layout.dp * layout.sp) if layout.zero_stage >= 1 else params
+    params = shape.params_per_rank(layout.parallel.tp, layout.parallel.pp)
+    partition = params / zero_ranks(layout.parallel) if layout.zero_stage >= 1 else params
     if layout.offload_optimizer == "none":
         optimizer, offload = ADAM_BYTES * partition / (cluster.gpu.hbm_gbs * 1e9) * cluster.optimizer_scale, 0.0
     else:
@@ -330,13 +325,15 @@ def predict_step(
 ) -> StepPrediction:
     """The predicted step of `layout` on `cluster` for a model of `shape` trained on blocks of `seq_len` tokens."""
     value_bytes = 4 if precision == "fp32" else 2
-    pp, m = layout.pp, layout.grad_accum
+    parallel, m = layout.parallel, layout.grad_accum
+    pp = parallel.pp
     slot = _micro_batch_slot(shape, seq_len, layout, cluster, value_bytes)
     # The pipeline: m micro-batch slots of work, (P - 1) / v more of bubble, each slot sending one activation forward
     # and one gradient back across the stage boundary.
     transfers = 2 * (m + pp - 1) if pp > 1 else 0
     p2p_bytes = transfers * slot.activation_bytes
-    p2p = cluster.collective(p2p_bytes, transfers, pp, stride=layout.tp * layout.sp * layout.dp) if pp > 1 else 0.0
+    stage_ranks = parallel.tp * parallel.sp * parallel.dp  # a stage's ranks: its neighbour is that far away
+    p2p = cluster.collective(p2p_bytes, transfers, pp, stride=stage_ranks) if pp > 1 else 0.0
     data, dp_bytes = _data_parallel(shape, layout, cluster, value_bytes, slot)
     optimizer, offload = _optimizer_and_offload(shape, layout, cluster, value_bytes)
     terms = {
@@ -358,9 +355,9 @@ def predict_step(
     }
     return StepPrediction(
         terms=terms,
-        tokens_per_step=layout.micro_batch * seq_len * m * layout.dp,
+        tokens_per_step=layout.micro_batch * seq_len * m * parallel.dp,
         model_flops_per_token=model_flops_per_token(shape, seq_len),
-        world=layout.ranks,
+        world=parallel.world_size,
         peak_flops=cluster.peak_flops,
         volumes=volumes,
     )

@@ -22,6 +22,7 @@ from scaletrain.observability.memory_planner import (
     plan_memory,
 )
 from scaletrain.observability.time_model import Cluster, Layout, StepPrediction, predict_step
+from scaletrain.parts import ParallelLayout
 
 TERM_NAMES = {
     "compute": "compute",
@@ -60,30 +61,30 @@ class Candidate:
     prediction: StepPrediction
 
     def key(self) -> tuple:
-        lay = self.layout
-        return (lay.tp, lay.pp, lay.sp, self.option.name)
+        par = self.layout.parallel
+        return (par.tp, par.pp, par.sp, self.option.name)
 
     def describe(self) -> str:
-        lay = self.layout
-        sizes = [f"{kind} {size}" for kind, size in (("TP", lay.tp), ("PP", lay.pp), ("SP", lay.sp)) if size > 1]
-        return " x ".join([*sizes, f"DP {lay.dp}"])
+        par = self.layout.parallel
+        sizes = [f"{kind} {size}" for kind, size in (("TP", par.tp), ("PP", par.pp), ("SP", par.sp)) if size > 1]
+        return " x ".join([*sizes, f"DP {par.dp}"])
 
     def flags(self) -> str:
-        lay = self.layout
+        lay, par = self.layout, self.layout.parallel
         return (
             f"--config ds_configs/{self.option.ds_config}"
-            + layout_flags(lay.tp, lay.sp, lay.pp)
+            + layout_flags(par.tp, par.sp, par.pp)
             + f" --per_device_train_batch_size {lay.micro_batch} --gradient_accumulation_steps {lay.grad_accum}"
             + (" --gradient_checkpointing" if lay.checkpointing else "")
         )
 
     def as_dict(self) -> dict:
-        lay = self.layout
+        lay, par = self.layout, self.layout.parallel
         return {
-            "tensor_parallel_size": lay.tp,
-            "pipeline_parallel_size": lay.pp,
-            "sequence_parallel_size": lay.sp,
-            "data_parallel_size": lay.dp,
+            "tensor_parallel_size": par.tp,
+            "pipeline_parallel_size": par.pp,
+            "sequence_parallel_size": par.sp,
+            "data_parallel_size": par.dp,
             "zero_stage": lay.zero_stage,
             "offload": {"optimizer": lay.offload_optimizer, "param": lay.offload_params},
             "ds_config": f"ds_configs/{self.option.ds_config}",
@@ -117,26 +118,15 @@ class Planner:
         self.gpu_bytes, self.host_bytes = gpu_bytes, host_bytes
         self._memory: dict = {}
 
-    def _estimates(self, tp: int, sp: int, pp: int, micro_batch: int, accum: int) -> dict:
-        key = (tp, sp, pp, micro_batch, accum)
+    def _estimates(self, layout: Layout) -> dict:
+        key = (layout.parallel, layout.micro_batch, layout.grad_accum)
         if key not in self._memory:
-            run = replace(
-                self.run,
-                gpus_per_node=self.cluster.gpus_per_node,
-                nodes=self.cluster.nodes,
-                tp=tp,
-                sp=sp,
-                pp=pp,
-                micro_batch=micro_batch,
-                grad_accum=accum,
-            )
+            run = planned_on(self.run, self.cluster, layout)
             self._memory[key] = {e.option.name: e for e in plan_memory(self.shape, run)}
         return self._memory[key]
 
     def score(self, layout: Layout, option: Option) -> Candidate:
-        estimate: Estimate | None = self._estimates(
-            layout.tp, layout.sp, layout.pp, layout.micro_batch, layout.grad_accum
-        ).get(option.name)
+        estimate: Estimate | None = self._estimates(layout).get(option.name)
         if estimate is None:  # an option the layout does not train with (the flags' own ZeRO-0, say): its states
             estimate = _estimate_for(option, self.shape, self.run, layout, self.cluster)
         peak = estimate.total(layout.checkpointing)
@@ -159,17 +149,17 @@ class Planner:
         for tp in tensor_sizes:
             for pp in [p for p in _divisors(shape.layers) if world % (tp * p) == 0]:
                 for sp in _sequence_degrees(shape, tp, world) if pp == 1 else [1]:  # SP does not compose with PP
-                    dp = world // (tp * pp * sp)
-                    if global_sequences % dp:
+                    parallel = ParallelLayout.of_world(world, tp, sp, pp)
+                    if global_sequences % parallel.dp:
                         continue
-                    per_rank = global_sequences // dp
+                    per_rank = global_sequences // parallel.dp
                     for micro_batch in _divisors(per_rank):
                         accum = per_rank // micro_batch
                         if pp > 1 and accum < pp:  # refused: a stage would idle (pipeline.check_pipeline_run)
                             continue
                         for option in options_for(tp, sp, pp):
                             for checkpointing in (False, True):
-                                layout = _layout(option, (tp, pp, sp, dp), micro_batch, accum, checkpointing)
+                                layout = _layout(option, parallel, micro_batch, accum, checkpointing)
                                 scored.append(self.score(layout, option))
         return sorted(scored, key=lambda c: c.prediction.step_time)
 
@@ -182,13 +172,9 @@ def _sequence_degrees(shape: ModelShape, tp: int, world: int) -> list:
     return ulysses_degrees(local, world // tp)
 
 
-def _layout(option: Option, sizes: tuple, micro_batch: int, accum: int, checkpointing: bool) -> Layout:
-    tp, pp, sp, dp = sizes
+def _layout(option: Option, parallel: ParallelLayout, micro_batch: int, accum: int, checkpointing: bool) -> Layout:
     return Layout(
-        tp=tp,
-        pp=pp,
-        sp=sp,
-        dp=dp,
+        parallel,
         zero_stage=option.stage,
         offload_optimizer=option.offload_optimizer,
         offload_params=option.offload_params,
@@ -198,27 +184,35 @@ def _layout(option: Option, sizes: tuple, micro_batch: int, accum: int, checkpoi
     )
 
 
+def planned_on(run: PlannedRun, cluster: Cluster, layout: Layout) -> PlannedRun:
+    """`run` as the memory planner sizes `layout` on `cluster`: its GPUs, parallel layout, micro-batch and
+    accumulation."""
+    return replace(
+        run, gpus_per_node=cluster.gpus_per_node, nodes=cluster.nodes, parallel=layout.parallel,
+        micro_batch=layout.micro_batch, grad_accum=layout.grad_accum,
+    )  # fmt: skip
+
+
 def _estimate_for(option: Option, shape: ModelShape, run: PlannedRun, layout: Layout, cluster: Cluster) -> Estimate:
     """The memory of an option outside the layout's list (a ZeRO-0 pipeline): ZeRO-1's working memory, and whole
     optimizer states on every rank for ZeRO-0."""
     from scaletrain.observability.memory_planner import activation_bytes, model_state_bytes
 
-    planned = replace(
-        run, gpus_per_node=cluster.gpus_per_node, nodes=cluster.nodes, tp=layout.tp, sp=layout.sp, pp=layout.pp,
-        micro_batch=layout.micro_batch, grad_accum=layout.grad_accum,
-    )  # fmt: skip
+    planned, parallel = planned_on(run, cluster, layout), layout.parallel
     act, act_ckpt = activation_bytes(shape, planned, max(option.stage, 1))
-    dp = 1 if option.stage == 0 else planned.dp
+    dp = 1 if option.stage == 0 else planned.zero_ranks
     params, grads, optimizer, host, nvme = model_state_bytes(
-        replace(option, stage=max(option.stage, 1)), shape, dp, run.precision, layout.tp, layout.pp
+        replace(option, stage=max(option.stage, 1)), shape, dp, run.precision, parallel.tp, parallel.pp
     )
     return Estimate(option, params, grads, optimizer, act, act_ckpt, host * cluster.gpus_per_node, 0.0)
 
 
 def flags_candidate(planner: Planner, option: Option, run: PlannedRun, accum: int, checkpointing: bool) -> Candidate:
-    """The layout the flags name (`run`'s sizes and micro-batch), scored whether or not it fits."""
-    dp = planner.cluster.world // (run.tp * run.pp * run.sp)
-    layout = _layout(option, (run.tp, run.pp, run.sp, dp), run.micro_batch, accum, checkpointing)
+    """The layout the flags name (`run`'s model-parallel sizes on the planner's cluster, its micro-batch), scored
+    whether or not it fits."""
+    sizes = run.parallel
+    parallel = ParallelLayout.of_world(planner.cluster.world, sizes.tp, sizes.sp, sizes.pp)
+    layout = _layout(option, parallel, run.micro_batch, accum, checkpointing)
     return planner.score(layout, option)
 
 
@@ -301,23 +295,25 @@ def render_time_plan(
 def scaling_rows(planner_for, node_counts: list[int], layout: Layout, option: Option) -> list[dict]:
     """Predicted steps at each node count for `layout`'s model-parallel sizes, ZeRO option and checkpointing: at its
     fixed global batch (the accumulation shrinks first, then the micro-batch; None where the batch does not split
-    over the data-parallel ranks) and at its fixed per-GPU batch (micro-batch and accumulation kept).
-    `planner_for(nodes)` gives the Planner of that cluster."""
-    rows = []
-    model_parallel = layout.tp * layout.pp * layout.sp
-    global_sequences = layout.micro_batch * layout.grad_accum * layout.dp
+    over the data-parallel ranks) and at its fixed per-GPU batch (micro-batch and accumulation kept); a node count
+    whose GPUs the layout's model-parallel groups do not tile is left out. `planner_for(nodes)` gives the Planner of
+    that cluster."""
+    rows, sizes = [], layout.parallel
+    global_sequences = layout.micro_batch * layout.grad_accum * sizes.dp
     for nodes in node_counts:
         planner = planner_for(nodes)
-        dp = planner.cluster.world // model_parallel
-        fixed_global = None
+        if planner.cluster.world % sizes.model_parallel:
+            continue
+        parallel = ParallelLayout.of_world(planner.cluster.world, sizes.tp, sizes.sp, sizes.pp)
+        dp, fixed_global = parallel.dp, None
         if global_sequences % dp == 0:
             per_rank = global_sequences // dp
             accum = max(1, min(layout.grad_accum, per_rank))
             while per_rank % accum:
                 accum -= 1
-            shrunk = replace(layout, dp=dp, micro_batch=per_rank // accum, grad_accum=accum)
+            shrunk = replace(layout, parallel=parallel, micro_batch=per_rank // accum, grad_accum=accum)
             fixed_global = planner.score(shrunk, option)
-        fixed_per_gpu = planner.score(replace(layout, dp=dp), option)
+        fixed_per_gpu = planner.score(replace(layout, parallel=parallel), option)
         rows.append({"nodes": nodes, "gpus": planner.cluster.world, "fixed_global": fixed_global,
                      "fixed_per_gpu": fixed_per_gpu})  # fmt: skip
     return rows
@@ -332,6 +328,8 @@ def render_scaling(rows: list[dict], global_sequences: int) -> list[str]:
         "tokens/s | speed-up | efficiency |",
         "|---|---|---|---|---|---|---|---|---|",
     ]
+    if not rows:
+        return [lines[0], "none of the node counts' GPUs split into the layout's model-parallel groups"]
     first = rows[0]
     for row in rows:
         scale = row["gpus"] / first["gpus"]

@@ -51,11 +51,13 @@ def planned(run_dir: Path, layout: tuple, micro: int, block: int, rank: int) -> 
     DeepSpeed config; `layout` as in LAYOUTS."""
     stage, accumulation, tp, sp, pp, dp, checkpointing = layout
     from scaletrain.observability import memory_planner
+    from scaletrain.parts import ParallelLayout
 
     shape = tiny_shape()
     bucket = json.loads((run_dir / "ds_config.json").read_text())["zero_optimization"]["reduce_bucket_size"]
+    parallel = ParallelLayout(tp=tp, sp=sp, pp=pp, dp=dp)
     run = memory_planner.PlannedRun(
-        gpus_per_node=tp * sp * pp * dp, micro_batch=micro, block_size=block, precision="fp32", tp=tp, sp=sp, pp=pp,
+        gpus_per_node=parallel.world_size, parallel=parallel, micro_batch=micro, block_size=block, precision="fp32",
         loss_chunk=memory_planner.auto_loss_chunk(shape.vocab), grad_accum=accumulation,
     )  # fmt: skip
     option = next(o for o in memory_planner.OPTIONS if o.stage == stage and o.offload_optimizer == "none")

@@ -18,6 +18,7 @@ from pathlib import Path
 from scaletrain.config import GPUS
 from scaletrain.observability.memory_planner import ModelShape
 from scaletrain.observability.time_model import Cluster, Layout, dense_shape, predict_step
+from scaletrain.parts import ParallelLayout
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -68,9 +69,7 @@ def _megatron_2021() -> list[PublishedRun]:
                 2048,
                 Cluster(gpus // 8, 8, GPUS["a100-80gb"], 1600),
                 Layout(
-                    tp=tp,
-                    pp=pp,
-                    dp=dp,
+                    ParallelLayout(tp=tp, pp=pp, dp=dp),
                     zero_stage=0,
                     micro_batch=1,
                     grad_accum=batch // dp,
@@ -101,9 +100,7 @@ def _mt_nlg() -> list[PublishedRun]:
                 2048,
                 Cluster(nodes, 8, GPUS["a100-80gb"], 1600),
                 Layout(
-                    tp=8,
-                    pp=35,
-                    dp=dp,
+                    ParallelLayout(tp=8, pp=35, dp=dp),
                     zero_stage=1,
                     micro_batch=1,
                     grad_accum=1920 // dp,
@@ -129,7 +126,12 @@ def _bloom() -> PublishedRun:
         2048,
         Cluster(48, 8, GPUS["a100-80gb"], 400),
         Layout(
-            tp=4, pp=12, dp=8, zero_stage=1, micro_batch=2, grad_accum=128, checkpointing=True, flash_attention=False
+            ParallelLayout(tp=4, pp=12, dp=8),
+            zero_stage=1,
+            micro_batch=2,
+            grad_accum=128,
+            checkpointing=True,
+            flash_attention=False,
         ),  # fmt: skip
         megatron_step_s(2048, 2048, 70, 14336, 250880, 384, 150),
         "TP 4 x PP 12 x DP 8, batch 2048; 150 TFLOP/s a GPU",
@@ -152,7 +154,13 @@ def _llama3() -> list[PublishedRun]:
                 shape,
                 8192,
                 Cluster(gpus // 8, 8, GPUS["h100-sxm"], 3200),
-                Layout(tp=8, pp=16, dp=dp, zero_stage=1, micro_batch=1, grad_accum=per_replica, virtual_stages=4),
+                Layout(
+                    ParallelLayout(tp=8, pp=16, dp=dp),
+                    zero_stage=1,
+                    micro_batch=1,
+                    grad_accum=per_replica,
+                    virtual_stages=4,
+                ),  # fmt: skip
                 seconds,
                 f"TP 8 x PP 16 x DP {dp}, 16M tokens; {tflops} TFLOP/s a GPU; virtual stages assumed",
             )

@@ -267,6 +267,7 @@ def test_the_memory_plan_counts_one_chunk_of_logits():
     from dataclasses import replace
 
     from scaletrain.observability.memory_planner import ModelShape, PlannedRun, step_peaks
+    from scaletrain.parts import ParallelLayout
 
     shape = ModelShape(
         n_params=10**9, largest_layer_params=10**8, layers=16, hidden=2048, intermediate=8192, vocab=128_256, kv_heads=8
@@ -283,14 +284,14 @@ def test_the_memory_plan_counts_one_chunk_of_logits():
     whole_minus_chunked = tokens * vocab * 10 - (523 * vocab * 6 + chunked_extra)
     assert forward(run) - forward(replace(run, loss_chunk=523)) == pytest.approx(whole_minus_chunked)
     # Tensor parallelism: a chunk of each rank's half of the head's rows, against the gathered whole logits.
-    tp = replace(run, tp=2)
+    tp = replace(run, gpus_per_node=2, parallel=ParallelLayout(tp=2))
     chunked_tp_extra = vocab / 2 * hidden * 2 + tokens * hidden * 2
     assert forward(tp) - forward(replace(tp, loss_chunk=523)) == pytest.approx(
         tokens * vocab * 10 - (523 * vocab / 2 * 6 + chunked_tp_extra)
     )
     # Pipeline parallelism: a chunk of the whole head's logits on the last stage, and hidden states (not logits) in
     # the pipe engine's other output buffer; the first stage holds no logits at all.
-    pp = replace(run, pp=2, grad_accum=2)
+    pp = replace(run, gpus_per_node=2, parallel=ParallelLayout(pp=2), grad_accum=2)
     kept = tokens * (vocab - hidden) * 2  # half of 2 s b (V - h) p: one buffer beside the one in use
     assert forward(pp) - forward(replace(pp, loss_chunk=523)) == pytest.approx(whole_minus_chunked + kept)
     assert forward(pp, "first") == forward(replace(pp, loss_chunk=523), "first")

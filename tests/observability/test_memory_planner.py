@@ -12,6 +12,7 @@ import pytest
 
 from scaletrain.observability import memory_planner
 from scaletrain.observability.memory_planner import PlannedRun as Run
+from scaletrain.parts import ParallelLayout
 from tests.harness import FAST_FLAGS, REPO, check_ok, launch, child_env
 
 MEMORY_PROBE = REPO / "tests" / "helpers" / "memory_probe.py"
@@ -57,9 +58,11 @@ def test_model_state_formulas_by_stage_and_offload():
         n_params=1000, largest_layer_params=100, layers=2, hidden=8, intermediate=16, vocab=50, linear_params=800
     )
     assert memory_planner.model_state_bytes(by_name["ZeRO-2"], split, 2, "fp32", tp=4)[:3] == (1600, 800, 2400)
-    # sequence parallelism: each rank holds 1/sp of the tokens, so every per-token term shrinks by sp
-    assert memory_planner.activation_bytes(shape, Run(micro_batch=2, block_size=16, sp=2)) == (
-        memory_planner.activation_bytes(shape, Run(micro_batch=1, block_size=16))
+    # sequence parallelism: each rank holds 1/sp of the tokens, so every per-token term shrinks by sp (on the same
+    # 2 GPUs, whose ZeRO partition is the same: ZeRO partitions over the sequence-parallel ranks too)
+    sequence_parallel = Run(gpus_per_node=2, parallel=ParallelLayout(sp=2), micro_batch=2, block_size=16)
+    assert memory_planner.activation_bytes(shape, sequence_parallel) == (
+        memory_planner.activation_bytes(shape, Run(gpus_per_node=2, micro_batch=1, block_size=16))
     )
     assert [o.name for o in memory_planner.options_for(1, 2)] == [  # sequence parallelism: CPU offload, no NVMe
         o.name for o in memory_planner.OPTIONS if o.offload_optimizer != "nvme"
@@ -89,7 +92,7 @@ def test_model_state_formulas_by_stage_and_offload():
     run = Run(block_size=16)
     # the first stage keeps k micro-batches of its layers / k layers in flight: the same activations as the whole
     # model for one micro-batch, without the loss (the last stage's) and without gradients until its first backward
-    pipelined = Run(block_size=16, pp=4, grad_accum=4)
+    pipelined = Run(gpus_per_node=4, parallel=ParallelLayout(pp=4), block_size=16, grad_accum=4)
     loss = 16 * 50 * 10 + 2 * 16 * 8 * 2  # the whole logits' 10 bytes, the final norm's input and output
     assert peaks(pipelined, which="first", on=staged)[0] == peaks(run, on=staged)[0] - loss
     # ZeRO-3 keeps the parameters it gathers in the forward (up to stage3_max_live_parameters, at least the largest
@@ -109,6 +112,17 @@ def test_model_state_formulas_by_stage_and_offload():
     states = sum(memory_planner.model_state_bytes(by_name["ZeRO-1"], shape, 1, "bf16", reduce_bucket=0)[:3])
     persistent = 2 * 1000 + 12 * 1000
     assert memory_planner.activation_bytes(shape, run, 1, 0)[0] == persistent + max(*peaks(run), 2000) - states
+
+
+def test_a_planned_run_holds_one_parallel_layout_of_its_gpus():
+    """The planned GPUs and the layout are one count: data parallelism over them by default, ZeRO partitioned over
+    the data x sequence-parallel ranks, and a layout of another world refused."""
+    run = Run(gpus_per_node=8, nodes=2)
+    assert run.parallel == ParallelLayout(dp=16) and run.zero_ranks == 16
+    composed = memory_planner.with_model_parallel(run, tp=2, sp=2, pp=2)
+    assert composed.parallel == ParallelLayout(tp=2, sp=2, pp=2, dp=2) and composed.zero_ranks == 4
+    with pytest.raises(AssertionError, match="spans 8 ranks, not the 2 node"):
+        Run(gpus_per_node=8, nodes=2, parallel=ParallelLayout(tp=8))
 
 
 def test_recommendation_prefers_the_fastest_option_that_fits_then_checkpointing():
@@ -227,8 +241,8 @@ def test_the_plans_total_is_within_10_percent_of_each_ranks_measured_peak(layout
     shape = tiny_shape()
     chunk = memory_planner.auto_loss_chunk(shape.vocab)
     planned_run = Run(
-        gpus_per_node=nprocs, micro_batch=4, block_size=64, precision="fp32", tp=tp, sp=sp, pp=pp, loss_chunk=chunk,
-        grad_accum=accumulation,
+        gpus_per_node=nprocs, parallel=ParallelLayout.of_world(nprocs, tp, sp, pp), micro_batch=4, block_size=64,
+        precision="fp32", loss_chunk=chunk, grad_accum=accumulation,
     )  # fmt: skip
     option = next(o for o in memory_planner.OPTIONS if o.stage == stage and o.offload_optimizer == "none")
     for rank in range(nprocs):
@@ -396,7 +410,7 @@ def test_tiled_mlp_and_offloading_shrink_the_planned_working_memory():
 def test_the_plan_counts_the_runs_memory_features():
     """--plan --tiled_mlp --activation_offloading: the table's checkpointed working memory shrinks as
     activation_bytes says, and the offloaded checkpoints show in the host memory per node."""
-    run = Run(gpus_per_node=8, nodes=1, micro_batch=1, block_size=131072, precision="bf16", sp=8)
+    run = Run(gpus_per_node=8, parallel=ParallelLayout(sp=8), micro_batch=1, block_size=131072, precision="bf16")
     plain = memory_planner.plan_memory(LLAMA_8B, run)
     lean_run = replace(run, features=memory_planner.MemoryFeatures(tiled_mlp=True, offload=True))
     lean = memory_planner.plan_memory(LLAMA_8B, lean_run)
@@ -417,7 +431,8 @@ def test_the_longest_block_is_the_longest_that_fits():
 
     def planned(sp: int, tiled: bool, offload: bool, gpus: int = 8) -> Run:
         features = memory_planner.MemoryFeatures(tiled_mlp=tiled, offload=offload)
-        return Run(gpus_per_node=gpus, nodes=1, precision="bf16", sp=sp, loss_chunk=chunk, features=features)
+        parallel = ParallelLayout.of_world(gpus, sp=sp)
+        return Run(gpus_per_node=gpus, parallel=parallel, precision="bf16", loss_chunk=chunk, features=features)
 
     def longest(sp: int, tiled: bool, offload: bool, host=None, gpus: int = 8) -> tuple:
         return longest_block(LLAMA_8B, planned(sp, tiled, offload, gpus), gpu, host)

@@ -21,6 +21,7 @@ from scaletrain.observability.time_plan import (
     scaling_rows,
     write_plan_json,
 )
+from scaletrain.parts import ParallelLayout
 from scripts.bench.time_model_published import TOLERANCE, published_runs
 
 GPU = GPU("test", 100.0, 80.0, 1000.0, 100.0, 0.5, 0.25, "round numbers for hand computations")
@@ -71,7 +72,7 @@ def test_compute_optimizer_and_throughput_by_hand():
 
 
 def test_tensor_parallel_all_reduces_by_hand():
-    layout = tm.Layout(tp=2, micro_batch=1, grad_accum=2)
+    layout = tm.Layout(ParallelLayout(tp=2), micro_batch=1, grad_accum=2)
     p = tm.predict_step(SHAPE, SEQ, layout, one_node(8))
     activation = SEQ * 1024 * 2  # one layer's output in bf16
     per_micro = 4 * 4 * (2 * (2 - 1) / 2 * activation) / (100e9 * 0.8) + 4 * 4 * 10e-6  # 4 layers x 4 all-reduces
@@ -83,21 +84,23 @@ def test_tensor_parallel_all_reduces_by_hand():
 
 
 def test_ulysses_under_tensor_parallelism_exchanges_one_tensor_ranks_heads():
-    alone = tm.predict_step(SHAPE, SEQ, tm.Layout(sp=2, micro_batch=1, grad_accum=2), one_node(8))
-    composed = tm.predict_step(SHAPE, SEQ, tm.Layout(tp=2, sp=2, micro_batch=1, grad_accum=2), one_node(8))
+    alone = tm.predict_step(SHAPE, SEQ, tm.Layout(ParallelLayout(sp=2), micro_batch=1, grad_accum=2), one_node(8))
+    composed = tm.predict_step(
+        SHAPE, SEQ, tm.Layout(ParallelLayout(tp=2, sp=2), micro_batch=1, grad_accum=2), one_node(8)
+    )
     assert composed.volumes["sequence_parallel"] == pytest.approx(alone.volumes["sequence_parallel"] / 2)
     assert composed.terms["tensor_parallel"] > 0 and composed.terms["compute"] < alone.terms["compute"]
 
 
 def test_pipeline_bubble_is_p_minus_1_over_m_of_the_work():
     for stages, micro_batches in ((2, 4), (4, 8), (4, 16)):
-        layout = tm.Layout(pp=stages, micro_batch=1, grad_accum=micro_batches, zero_stage=1)
+        layout = tm.Layout(ParallelLayout(pp=stages), micro_batch=1, grad_accum=micro_batches, zero_stage=1)
         p = tm.predict_step(SHAPE, SEQ, layout, one_node(8))
         work = p.terms["compute"] + p.terms["tensor_parallel"] + p.terms["sequence_parallel"]
         assert p.terms["pipeline_bubble"] / work == pytest.approx((stages - 1) / micro_batches)
         # one activation forward and one gradient back for each of the m + P - 1 slots
         assert p.volumes["pipeline_p2p"] == 2 * (micro_batches + stages - 1) * SEQ * 1024 * 2
-    interleaved = tm.Layout(pp=4, micro_batch=1, grad_accum=8, virtual_stages=2)
+    interleaved = tm.Layout(ParallelLayout(pp=4), micro_batch=1, grad_accum=8, virtual_stages=2)
     p = tm.predict_step(SHAPE, SEQ, interleaved, one_node(8))
     assert p.terms["pipeline_bubble"] / (p.terms["compute"]) == pytest.approx(3 / 8 / 2)
 
@@ -118,15 +121,17 @@ def test_bus_bandwidth_inside_a_node_and_across_nodes():
 
 def test_zero3_gathers_hide_behind_compute_until_the_micro_batch_is_small():
     cluster = one_node(8, nodes=4, inter_gbps=100)  # a slow network: 12.5 GB/s a node
-    big = tm.predict_step(SHAPE, SEQ, tm.Layout(dp=32, zero_stage=3, micro_batch=64), cluster)
-    small = tm.predict_step(SHAPE, SEQ, tm.Layout(dp=32, zero_stage=3, micro_batch=1, grad_accum=64), cluster)
+    big = tm.predict_step(SHAPE, SEQ, tm.Layout(ParallelLayout(dp=32), zero_stage=3, micro_batch=64), cluster)
+    small = tm.predict_step(
+        SHAPE, SEQ, tm.Layout(ParallelLayout(dp=32), zero_stage=3, micro_batch=1, grad_accum=64), cluster
+    )
     assert big.terms["data_parallel"] == 0  # gathers and reduce-scatter fit inside the micro-batch's compute
     per_micro = 3 * 31 / 32 * 50e6 * 2 / cluster.bus_bandwidth(32) + 3 * 4 * (30e-6 + 31 * 5e-6)
     slot = small.terms["compute"] / 64
     assert small.terms["data_parallel"] == pytest.approx(64 * (per_micro - slot), rel=1e-9)
     # ZeRO-2 overlaps its gradient reduction with the last backward; ZeRO-1 (and Megatron-style DP) does not
-    zero2 = tm.predict_step(SHAPE, SEQ, tm.Layout(dp=32, zero_stage=2, micro_batch=64), cluster)
-    zero1 = tm.predict_step(SHAPE, SEQ, tm.Layout(dp=32, zero_stage=1, micro_batch=64), cluster)
+    zero2 = tm.predict_step(SHAPE, SEQ, tm.Layout(ParallelLayout(dp=32), zero_stage=2, micro_batch=64), cluster)
+    zero1 = tm.predict_step(SHAPE, SEQ, tm.Layout(ParallelLayout(dp=32), zero_stage=1, micro_batch=64), cluster)
     assert zero1.terms["data_parallel"] > zero2.terms["data_parallel"]
     assert zero1.volumes["data_parallel"] == pytest.approx(31 / 32 * (50e6 * 2 + 50e6 * 2))
 
@@ -165,18 +170,22 @@ def test_the_recommendation_is_the_fastest_layout_that_fits():
     best = fitting[0]
     assert all(best.prediction.step_time <= c.prediction.step_time for c in fitting)
     for c in candidates:
-        lay = c.layout
-        assert lay.tp <= 8  # tensor-parallel groups stay inside a node
-        assert lay.micro_batch * lay.grad_accum * lay.dp == 256  # the flags' global batch, every layout
-        assert lay.pp == 1 or lay.grad_accum >= lay.pp
-        assert lay.sp == 1 or lay.pp == 1  # what train.py composes (SP with TP, not with PP)
-    assert {c.layout.tp for c in candidates} >= {1, 2, 4, 8} and {c.layout.pp for c in candidates} > {1}
+        lay, par = c.layout, c.layout.parallel
+        assert par.tp <= 8  # tensor-parallel groups stay inside a node
+        assert lay.micro_batch * lay.grad_accum * par.dp == 256  # the flags' global batch, every layout
+        assert par.world_size == 32  # every layout spans the cluster
+        assert par.pp == 1 or lay.grad_accum >= par.pp
+        assert par.sp == 1 or par.pp == 1  # what train.py composes (SP with TP, not with PP)
+    assert {c.layout.parallel.tp for c in candidates} >= {1, 2, 4, 8}
+    assert {c.layout.parallel.pp for c in candidates} > {1}
     # TP x SP: Ulysses over each tensor rank's heads (64 / 8 = 8 at TP 8, one KV head: repeated past it)
-    composed = {(c.layout.tp, c.layout.sp) for c in candidates if c.layout.tp > 1 and c.layout.sp > 1}
+    composed = {(c.layout.parallel.tp, c.layout.parallel.sp) for c in candidates}
+    composed = {(tp, sp) for tp, sp in composed if tp > 1 and sp > 1}
     assert (8, 4) in composed and all(64 // tp % sp == 0 for tp, sp in composed)
     four_a_node = planner(nodes=8, gpus=4)  # 8 KV heads: TP 8 spans two nodes, considered only when allowed
-    assert max(c.layout.tp for c in four_a_node.candidates(global_sequences=256)) == 4
-    assert max(c.layout.tp for c in four_a_node.candidates(global_sequences=256, cross_node_tensor=True)) == 8
+    assert max(c.layout.parallel.tp for c in four_a_node.candidates(global_sequences=256)) == 4
+    allowed = four_a_node.candidates(global_sequences=256, cross_node_tensor=True)
+    assert max(c.layout.parallel.tp for c in allowed) == 8
     flags = flags_candidate(plan, OPTIONS[0], PlannedRun(gpus_per_node=8, nodes=4, micro_batch=8), 1, False)
     assert not flags.fits  # ZeRO-1 holds the whole 70B model's weights and gradients: scored all the same
     lines = render_time_plan(plan.cluster, flags, candidates, 4096, 256, tokens=1e12)
@@ -193,7 +202,7 @@ def test_scaling_at_a_fixed_global_batch_stalls_where_zero3_communication_grows(
     the network; the speed-up stalls, and the table names the ZeRO communication and its fix. At a fixed per-GPU
     batch the efficiency holds better."""
     zero3 = next(o for o in OPTIONS if o.name == "ZeRO-3")
-    layout = tm.Layout(dp=8, zero_stage=3, micro_batch=1, grad_accum=8, checkpointing=True)
+    layout = tm.Layout(ParallelLayout(dp=8), zero_stage=3, micro_batch=1, grad_accum=8, checkpointing=True)
 
     def planner_for(nodes):
         run = PlannedRun(gpus_per_node=8, nodes=nodes, micro_batch=1, block_size=512)
@@ -214,6 +223,9 @@ def test_scaling_at_a_fixed_global_batch_stalls_where_zero3_communication_grows(
     unsplittable = scaling_rows(planner_for, [1, 16], layout, zero3)  # 64 sequences over 128 ranks
     assert unsplittable[1]["fixed_global"] is None
     assert "n/a (the batch does not split" in render_scaling(unsplittable, 64)[4]
+    pipelined = replace(layout, parallel=ParallelLayout(pp=16), zero_stage=1)  # 16 stages: not on one node's 8 GPUs
+    assert [r["gpus"] for r in scaling_rows(planner_for, [1, 2, 4], pipelined, OPTIONS[0])] == [16, 32]
+    assert render_scaling(scaling_rows(planner_for, [], pipelined, OPTIONS[0]), 64)[1].startswith("none of the")
 
 
 def test_the_json_plan_puts_the_flags_layout_first_and_indexes_the_recommendation(tmp_path):
@@ -245,7 +257,9 @@ def test_a_trillion_parameters_on_16384_gpus_plans_quickly():
     run = PlannedRun(gpus_per_node=8, nodes=2048, micro_batch=1, block_size=2048)
     candidates = Planner(shape, run, tm.Cluster(2048, 8, GPUS["h100-sxm"], 3200), 80 * GIB, None).candidates(16384)
     fitting = [c for c in candidates if c.fits]
-    assert fitting and fitting[0].layout.tp * fitting[0].layout.pp > 1  # 1T needs model parallelism on 80 GB
+    assert (
+        fitting and fitting[0].layout.parallel.tp * fitting[0].layout.parallel.pp > 1
+    )  # 1T needs model parallelism on 80 GB
     assert 0.2 < fitting[0].prediction.mfu < 0.6
 
 

@@ -1,0 +1,60 @@
+"""What the bad-input tests share: the DeepSpeed JSON they start from, a digest of a folder (to prove nothing was
+written), a file writer, and the check that train.py's main refuses an input in one line that names its culprit.
+tests/core/test_bad_input*.py use them; other wings' tests import tree_digest and assert_refused (also through
+tests/core/test_bad_input.py)."""
+
+from __future__ import annotations
+
+import hashlib
+import re
+import traceback
+from pathlib import Path
+
+import pytest
+
+from tests.harness import REPO
+
+ZERO2 = REPO / "ds_configs" / "zero2.json"
+
+
+def tree_digest(root: Path) -> str:
+    h = hashlib.sha256()
+    if root.exists():
+        for path in sorted(root.rglob("*")):
+            h.update(str(path.relative_to(root)).encode())
+            if path.is_file():
+                h.update(path.read_bytes())
+    return h.hexdigest()
+
+
+def text_file(tmp: Path, name: str, content: str) -> Path:
+    path = tmp / name
+    path.write_text(content)
+    return path
+
+
+def assert_refused(
+    name: str, argv: list, out: Path, capsys, culprit: str, expected: str, hint: str | None = None
+) -> None:
+    """train.py's main on `argv` exits 2 with one error line naming `culprit` and holding `expected` (then the
+    `hint` line, where given), no traceback, and `out` untouched."""
+    from train import main
+
+    before = tree_digest(out)
+    try:
+        code = main(argv)
+    except BaseException:
+        pytest.fail(f"{name}: raised instead of a clean error:\n{traceback.format_exc()}")
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2, err
+    assert 1 <= len(err) <= 2 and err[0].startswith("train.py: error: ") and expected in err[0], err
+    assert names(culprit, err[0]), f"the error does not name {culprit}: {err[0]}"
+    if hint is not None:
+        assert err[1] == f"  hint: {hint}", err
+    assert tree_digest(out) == before
+
+
+def names(culprit: str, line: str) -> bool:
+    """`culprit` appears in `line` as a whole flag or key: --config is not named by --config_name, nor
+    zero_optimization.offload_optimizer by zero_optimization.offload_optimizer.device."""
+    return re.search(rf"(?<![\w.-]){re.escape(culprit)}(?![\w.-])", line) is not None

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+from dataclasses import dataclass
 from contextlib import ExitStack
 from functools import partial
 from pathlib import Path
@@ -62,7 +63,9 @@ from scaletrain.observability import (
     MetricsLogger,
     RunIdentity,
 )
-from scaletrain.parts import BuiltModel, DistInfo, ResolvedRun, TrainingData
+from scaletrain.data import TrainingData
+from scaletrain.parts import DistInfo
+from scaletrain.plan import RunPlan
 from scaletrain.train import (
     EngineStep,
     enable_flight_recorder,
@@ -75,12 +78,25 @@ from scaletrain.train import (
 )
 
 if TYPE_CHECKING:
+    import torch
     from deepspeed import DeepSpeedEngine
+    from transformers.integrations import HfDeepSpeedConfig
+
+    from scaletrain.distributed import TokenLoss
 
     from scaletrain.engine import LRSchedule
     from scaletrain.train import HangWatch, PreferenceObjective
 
 log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class BuiltModel:
+    """The model as this rank holds it, before deepspeed.initialize."""
+
+    module: torch.nn.Module  # under pipeline parallelism, deepspeed's PipelineModule of this rank's stage
+    keepalive: HfDeepSpeedConfig | None = None  # ZeRO-3: alive while transformers builds the model sharded
+    pipeline_loss: TokenLoss | None = None  # pipeline parallelism: the pipe engine's loss_fn
 
 
 class Lifetime:
@@ -100,7 +116,7 @@ class Lifetime:
             self.world.close()
 
 
-def start_world(resolved: ResolvedRun, *, lifetime: Lifetime) -> DistInfo:
+def start_world(resolved: RunPlan, *, lifetime: Lifetime) -> DistInfo:
     """The process group, then every rank's pre-flight verdict: a rank whose pre-flight failed joins too
     (distributed.stop_with_the_others), so its mistake stops every rank here; the ranks also compare the resume
     checkpoint, tokenizer and run configuration each found, before any rank acts on them."""
@@ -128,14 +144,14 @@ def start_world(resolved: ResolvedRun, *, lifetime: Lifetime) -> DistInfo:
     return dist
 
 
-def attention_choice(resolved: ResolvedRun) -> str:
+def attention_choice(resolved: RunPlan) -> str:
     """The model's attention backend and who chose it, as the launch line says it."""
     named = resolved.cfg.model.attn_implementation is not None
     chooser = "--attn_implementation" if named else f"transformers' choice for {resolved.model_config.model_type}"
     return f"{resolved.attn_implementation} ({chooser})"
 
 
-def prepare_inputs(resolved: ResolvedRun) -> tuple[ResolvedRun, tuple]:
+def prepare_inputs(resolved: RunPlan) -> tuple[RunPlan, tuple]:
     """The resume checkpoint verified and converted, and the token stores, then the ranks settle: a failure on any
     rank (a node whose store could not be prepared) stops every rank, and so do token stores that differ between
     ranks. The plan comes back with the checkpoint the run continues."""
@@ -156,7 +172,7 @@ def prepare_inputs(resolved: ResolvedRun) -> tuple[ResolvedRun, tuple]:
     return resolved, stores
 
 
-def prepare_resume(resolved: ResolvedRun) -> ResolvedRun:
+def prepare_resume(resolved: RunPlan) -> RunPlan:
     """The checkpoint's files checked against their SHA-256 by every rank (a share each) before anything reads
     them: a damaged one falls back, on every rank, to the previous committed checkpoint (or stops the run).
     Then a checkpoint from another number of ranks, layout or offload is converted to DeepSpeed's universal
@@ -177,7 +193,7 @@ def prepare_resume(resolved: ResolvedRun) -> ResolvedRun:
     return resolved
 
 
-def build_rank_model(resolved: ResolvedRun, *, lifetime: Lifetime) -> BuiltModel:
+def build_rank_model(resolved: RunPlan, *, lifetime: Lifetime) -> BuiltModel:
     """This rank's model (ZeRO-3: built sharded; pipeline: its stage alone), with LoRA and the layout's attention
     and stage wrappers."""
     memory = HostMemoryPhase("model build")
@@ -212,7 +228,7 @@ def build_rank_model(resolved: ResolvedRun, *, lifetime: Lifetime) -> BuiltModel
     return BuiltModel(module, keepalive, pipeline_loss)
 
 
-def write_outputs_folder(resolved: ResolvedRun, data: TrainingData) -> None:
+def write_outputs_folder(resolved: RunPlan, data: TrainingData) -> None:
     """The resolved configs saved beside the outputs, only after everything before succeeded."""
     cfg = resolved.cfg
     if cfg.run.dry_run:
@@ -232,7 +248,7 @@ def write_outputs_folder(resolved: ResolvedRun, data: TrainingData) -> None:
 
 
 def build_engine_and_runner(
-    resolved: ResolvedRun, *, model: BuiltModel, data: TrainingData, lifetime: Lifetime
+    resolved: RunPlan, *, model: BuiltModel, data: TrainingData, lifetime: Lifetime
 ) -> tuple[DeepSpeedEngine, EngineStep | PipelineStep]:
     """deepspeed.initialize with the resolved config and LR schedule, and the step runner that drives it."""
     cfg, ds = resolved.cfg, resolved.ds
@@ -250,7 +266,7 @@ def build_engine_and_runner(
     return engine, runner
 
 
-def open_comm_log(resolved: ResolvedRun, *, lifetime: Lifetime) -> CommLog | None:
+def open_comm_log(resolved: RunPlan, *, lifetime: Lifetime) -> CommLog | None:
     """--comms_log: each collective's count, bytes and bandwidth, from here on (the engine's start-up broadcasts
     are not training's)."""
     if not resolved.cfg.logging.comms_log:
@@ -260,14 +276,14 @@ def open_comm_log(resolved: ResolvedRun, *, lifetime: Lifetime) -> CommLog | Non
     return comm_log
 
 
-def record_layout(state: TrainState, resolved: ResolvedRun) -> None:
+def record_layout(state: TrainState, resolved: RunPlan) -> None:
     """The layout this run trains with, into the train state its checkpoints carry."""
     ds = resolved.ds
     state.record_layout(resolved.dist.layout, ds.zero_stage, ds.offload_setting)
 
 
 def reloaded(
-    engine: DeepSpeedEngine, *, state: TrainState, resolved: ResolvedRun, schedule: LRSchedule, universal: bool
+    engine: DeepSpeedEngine, *, state: TrainState, resolved: RunPlan, schedule: LRSchedule, universal: bool
 ) -> None:
     """After a checkpoint was loaded (resume, rollback): this run's flags rule from here on. A universal load
     restores no weight decay and (ZeRO-3) shares one Adam step counter: repaired here. The checkpoint restored the
@@ -278,7 +294,7 @@ def reloaded(
     record_layout(state, resolved)
 
 
-def open_metrics(resolved: ResolvedRun, *, state: TrainState, lifetime: Lifetime) -> MetricsLogger:
+def open_metrics(resolved: RunPlan, *, state: TrainState, lifetime: Lifetime) -> MetricsLogger:
     """This attempt's metrics sinks (metrics.jsonl, wandb, tensorboard); wandb resumes the run id the checkpoint
     carries. Closed with the run's exit code (wandb marks a non-zero end failed)."""
     cfg = resolved.cfg
@@ -297,7 +313,7 @@ def open_metrics(resolved: ResolvedRun, *, state: TrainState, lifetime: Lifetime
     return metrics
 
 
-def open_ledger(resolved: ResolvedRun, *, step: int, metrics: MetricsLogger, lifetime: Lifetime) -> GoodputLedger:
+def open_ledger(resolved: RunPlan, *, step: int, metrics: MetricsLogger, lifetime: Lifetime) -> GoodputLedger:
     """This attempt's entry in the goodput ledger, ended with the run's exit code."""
     cfg = resolved.cfg
     ledger = GoodputLedger(cfg.run.output_dir, resolved.dist.is_main and not cfg.run.dry_run)
@@ -307,7 +323,7 @@ def open_ledger(resolved: ResolvedRun, *, step: int, metrics: MetricsLogger, lif
 
 
 def open_saver(
-    resolved: ResolvedRun, *, engine: DeepSpeedEngine, state: TrainState, ledger: GoodputLedger, lifetime: Lifetime
+    resolved: RunPlan, *, engine: DeepSpeedEngine, state: TrainState, ledger: GoodputLedger, lifetime: Lifetime
 ) -> Saver:
     """The run's saver (--async_save: with its background writer process)."""
     cfg, ds = resolved.cfg, resolved.ds
@@ -330,7 +346,7 @@ def open_saver(
 
 def with_reference(
     objective: PreferenceObjective | None,
-    resolved: ResolvedRun,
+    resolved: RunPlan,
     *,
     engine: DeepSpeedEngine,
     data: TrainingData,
@@ -355,7 +371,7 @@ def with_reference(
     return dataclasses.replace(objective, reference=reference)
 
 
-def watch_for_hangs(resolved: ResolvedRun, *, ledger: GoodputLedger, lifetime: Lifetime) -> HangWatch | None:
+def watch_for_hangs(resolved: RunPlan, *, ledger: GoodputLedger, lifetime: Lifetime) -> HangWatch | None:
     """--hang_timeout: this rank's heartbeat, and a watch that ends a stuck run naming the ranks that stopped."""
     cfg = resolved.cfg
     if cfg.run.dry_run:
@@ -368,7 +384,7 @@ def watch_for_hangs(resolved: ResolvedRun, *, ledger: GoodputLedger, lifetime: L
 
 
 def live_scores(
-    resolved: ResolvedRun,
+    resolved: RunPlan,
     *,
     engine: DeepSpeedEngine,
     metrics: MetricsLogger,

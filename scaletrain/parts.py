@@ -1,9 +1,8 @@
-"""The typed parts of a run that one phase hands to the next, in one module every wing may import: the launch
-(DistInfo) and its parallel layout (ParallelLayout), what the pre-flight decided (ResolvedRun, ResumePoint) and what
-the build made of it (BuiltModel, TrainingData). All frozen: what changes during a run (a resume from another
-checkpoint, the model's facts at a save, the accelerator once the process group exists) is a new value.
-
-At run time this module imports nothing of scaletrain: the wings' types below are named for annotations only.
+"""The ground floor every wing may import: the launch (DistInfo), its parallel layout (ParallelLayout, one type for
+the runtime, the checks and the planners) with a rank's coordinates in it, and the checkpoint a run continues
+(ResumePoint). All frozen: what changes during a run (the accelerator once the process group exists, the layout the
+pre-flight sets) is a new value. It names no type of any wing, not even for annotations: the plan a pre-flight
+makes of a whole run (scaletrain/plan.py) sits above the wings, with the composition root.
 """
 
 from __future__ import annotations
@@ -11,20 +10,6 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
-
-if TYPE_CHECKING:  # annotations only: importing these wings here would put the ground floor above them
-    import torch
-    from transformers import PretrainedConfig, PreTrainedTokenizerBase
-    from transformers.integrations import HfDeepSpeedConfig
-
-    from scaletrain.config import ResolvedDSConfig, RunConfig
-    from scaletrain.data import ChatData, GlobalOrder, PackedBlocks
-    from scaletrain.distributed import TokenLoss
-    from scaletrain.engine import LRSchedule
-    from scaletrain.harness import HarnessTasks
-    from scaletrain.model import RouterLoss
-    from scaletrain.observability import EvalPrompts, ModelFlops, ModelShape
 
 AXES = ("tp", "sp", "dp", "pp")  # fastest-varying first: rank = ((pp x DP + dp) x SP + sp) x TP + tp
 
@@ -174,64 +159,3 @@ class ResumePoint:
     @property
     def step(self) -> int | None:
         return self.state.get("step")
-
-
-@dataclass(frozen=True)
-class ResolvedRun:
-    """What the pre-flight decided, handed to every later phase: the flags, the resolved DeepSpeed JSON, the launch
-    with this run's layout, the model's config and tokenizer, the block size and the checkpoint to resume."""
-
-    cfg: RunConfig
-    ds: ResolvedDSConfig
-    dist: DistInfo
-    model_config: PretrainedConfig
-    tokenizer: PreTrainedTokenizerBase
-    block_size: int
-    n_params: int
-    attn_implementation: str  # --attn_implementation, or transformers' choice for the model
-    resume: ResumePoint | None = None
-    model_facts: dict | None = None  # what a checkpoint must match to be resumed by this model
-    flops: ModelFlops | None = None  # FLOPs per token of this model at this block size
-    model_shape: ModelShape | None = None  # --plan: the memory planner's view of the model
-    plan_calibration: tuple | None = None  # --plan_calibration: (the measured run, its model's shape)
-    router_loss: RouterLoss | None = None  # a mixture-of-experts model's load-balancing loss
-    eval_prompts: EvalPrompts | None = None  # --eval_prompts read and tokenized
-    lm_eval_tasks: HarnessTasks | None = None  # --lm_eval_tasks looked up and built once
-    chat: ChatData | None = None  # chat data: its template and loss mode (None: plain text)
-
-    @property
-    def resume_from(self) -> Path | None:
-        return None if self.resume is None else self.resume.checkpoint
-
-    @property
-    def isolates_documents(self) -> bool:
-        """Packed sequences kept apart by restarting position ids: --attention_isolation, chat examples, and
-        padding-free preference pairs."""
-        chat = self.chat
-        return self.cfg.data.attention_isolation or (
-            chat is not None and (chat.kind != "preference" or self.cfg.data.padding_free)
-        )
-
-    def replace(self, **changes) -> ResolvedRun:
-        return dataclasses.replace(self, **changes)
-
-
-@dataclass(frozen=True)
-class BuiltModel:
-    """The model as this rank holds it, before deepspeed.initialize."""
-
-    module: torch.nn.Module  # under pipeline parallelism, deepspeed's PipelineModule of this rank's stage
-    keepalive: HfDeepSpeedConfig | None = None  # ZeRO-3: alive while transformers builds the model sharded
-    pipeline_loss: TokenLoss | None = None  # pipeline parallelism: the pipe engine's loss_fn
-
-
-@dataclass(frozen=True)
-class TrainingData:
-    """What the loop reads: opened token stores, packed training blocks, the evaluation sets, the global order of
-    the blocks (with any batch ramp-up) and the LR schedule's length."""
-
-    stores: tuple  # opened token stores ({"path", "splits", ...}), in --dataset_mix order
-    blocks: PackedBlocks
-    eval_sets: dict  # {validation split: EvalBatches}
-    order: GlobalOrder
-    schedule: LRSchedule

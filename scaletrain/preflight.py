@@ -48,7 +48,8 @@ from scaletrain.model import (
     max_positions,
     meta_model,
 )
-from scaletrain.parts import DistInfo, ResolvedRun
+from scaletrain.parts import DistInfo
+from scaletrain.plan import RunPlan
 
 log = logging.getLogger(__name__)
 
@@ -103,7 +104,7 @@ def _check_disk_space(
         )
 
 
-def resolve_run(argv: Sequence[str] | None, dist: DistInfo) -> ResolvedRun:
+def resolve_run(argv: Sequence[str] | None, dist: DistInfo) -> RunPlan:
     """Every check before heavy work, one line per concern in the order problems are reported (UsageError, exit 2).
     Each wing checks its own flags; what one check finds is handed on to those after it that need it."""
     cfg = parse_run_config(argv)
@@ -121,7 +122,7 @@ def resolve_run(argv: Sequence[str] | None, dist: DistInfo) -> ResolvedRun:
     hardware = hardware_facts()
     shape = ModelShape.from_meta_model(skeleton, model_config)
     filled, layout_keys = _resolve_engine_config(cfg, raw_ds_config, dist, hardware, model_config, shape)
-    resolved = ResolvedRun(  # the checks below read the JSON as filled; the layout's and resume's keys join it last
+    resolved = RunPlan(  # the checks below read the JSON as filled; the layout's and resume's keys join it last
         cfg,
         filled,
         dist,
@@ -189,7 +190,7 @@ def _plan_calibration(cfg: RunConfig) -> tuple | None:
     return calibration, ModelShape.from_meta_model(meta_model(model_config, False), model_config)
 
 
-def _check_layout(resolved: ResolvedRun, hardware: HardwareFacts) -> None:
+def _check_layout(resolved: RunPlan, hardware: HardwareFacts) -> None:
     """What the parallel layout asks of the block size, attention, torch.compile and (pipeline) the model."""
     cfg, ds, attn = resolved.cfg, resolved.ds, resolved.attn_implementation
     check_sequence_layout(cfg.parallel, resolved.block_size, attn, hardware.accelerator)
@@ -245,7 +246,7 @@ def _trained_model(cfg: RunConfig, skeleton, model_config):
     return meta_lora_model(model_config, cfg.peft, cfg.model.model_name_or_path, cfg.model.trust_remote_code)
 
 
-def print_config(resolved: ResolvedRun) -> None:
+def print_config(resolved: RunPlan) -> None:
     """--print_config: everything resolved, printed by rank 0; nothing is built or written."""
     if resolved.dist.is_main:
         print(

@@ -37,7 +37,10 @@ from scaletrain.observability import (
     PromptSamples,
     print_memory_plan,
 )
-from scaletrain.parts import BuiltModel, DistInfo, ResolvedRun, TrainingData
+from scaletrain.build import BuiltModel
+from scaletrain.data import TrainingData
+from scaletrain.parts import DistInfo
+from scaletrain.plan import RunPlan
 from scaletrain.preflight import resolve_run
 from scaletrain.build import (
     Lifetime,
@@ -90,7 +93,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 
-def plan_run(argv: Sequence[str] | None, dist: DistInfo) -> ResolvedRun:
+def plan_run(argv: Sequence[str] | None, dist: DistInfo) -> RunPlan:
     """Pre-flight: every flag, the recipe, the DeepSpeed JSON, the model's config and the tokenizer decided and
     checked (exit 2 on a mistake), before any process group or heavy work."""
     resolved = resolve_run(argv, dist)
@@ -99,7 +102,7 @@ def plan_run(argv: Sequence[str] | None, dist: DistInfo) -> ResolvedRun:
     return resolved
 
 
-def print_plan(resolved: ResolvedRun) -> None:
+def print_plan(resolved: RunPlan) -> None:
     """--plan: per-GPU memory of each ZeRO stage and offload option, and each layout's step time, from the meta
     model."""
     cfg = resolved.cfg
@@ -107,7 +110,7 @@ def print_plan(resolved: ResolvedRun) -> None:
     print_memory_plan(cfg, resolved.model_shape, resolved.block_size, resolved.ds, resolved.plan_calibration)
 
 
-def build_run(resolved: ResolvedRun, *, lifetime: Lifetime) -> Run:
+def build_run(resolved: RunPlan, *, lifetime: Lifetime) -> Run:
     """Every part of the run, built in order from the pre-flight's plan; when it returns, every part exists. What a
     part acquires is released by lifetime.close(), also when a later part fails."""
     # the preference pairs' loss: its mistakes stop the run before any work
@@ -163,7 +166,7 @@ def build_run(resolved: ResolvedRun, *, lifetime: Lifetime) -> Run:
     )
 
 
-def publish(resolved: ResolvedRun) -> int:
+def publish(resolved: RunPlan) -> int:
     """--push_to_hub: rank 0 uploads the export (after close: outside any collective); the exit code."""
     cfg = resolved.cfg
     repo = cfg.checkpoint.push_to_hub
@@ -178,7 +181,7 @@ class Run:
     (evaluation, save, export) and rolls back; what its parts acquired is released by the lifetime it was built
     with."""
 
-    resolved: ResolvedRun
+    resolved: RunPlan
     _: KW_ONLY
     state: TrainState
     model: BuiltModel

@@ -5,6 +5,7 @@ cut into the global batch."""
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -16,12 +17,26 @@ from scaletrain.data.sampling import BatchRamp, GlobalOrder
 from scaletrain.engine import describe_schedule_change, schedule_for
 from scaletrain.errors import UsageError
 from scaletrain.logs import interactive
-from scaletrain.parts import DistInfo, ResumePoint, TrainingData
+from scaletrain.parts import DistInfo, ResumePoint
 
 if TYPE_CHECKING:
+    from scaletrain.data.blocks import PackedBlocks
     from scaletrain.data.chat_store import ChatData
+    from scaletrain.engine import LRSchedule
 
 log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class TrainingData:
+    """What the loop reads: opened token stores, packed training blocks, the evaluation sets, the global order of
+    the blocks (with any batch ramp-up) and the LR schedule's length."""
+
+    stores: tuple  # opened token stores ({"path", "splits", ...}), in --dataset_mix order
+    blocks: PackedBlocks
+    eval_sets: dict  # {validation split: EvalBatches}
+    order: GlobalOrder
+    schedule: LRSchedule
 
 
 def training_blocks(stores: list, data: DataArgs, block_size: int, seed: int, tokenizer):

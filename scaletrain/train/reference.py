@@ -22,7 +22,8 @@ from scaletrain.data import EMPTY_SLOT
 from scaletrain.distributed import any_rank, every_rank
 from scaletrain.errors import UsageError
 from scaletrain.config import ResolvedDSConfig, RunConfig
-from scaletrain.parts import DistInfo, TrainingData
+from scaletrain.data import TrainingData
+from scaletrain.parts import DistInfo
 from scaletrain.train.state import TrainState
 
 log = logging.getLogger(__name__)

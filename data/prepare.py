@@ -87,7 +87,7 @@ def main(argv=None) -> int:
             raise UsageError(f"--block_size {block_size}: above the model's maximum positions ({limit})")
         chat = resolve_chat_data(data, tokenizer)
         if chat is not None:  # a messages or prompt/completion dataset: tokens and a loss mask
-            prepare_chat_store(data, tokenizer, block_size, store, chat)
+            prepare_chat_store(data, tokenizer=tokenizer, block_size=block_size, store=store, chat=chat)
         else:
             check_data_files(data)
             prepare_token_store(data, tokenizer, model.tokenizer_source, block_size, store, seed=seed)

@@ -252,7 +252,13 @@ def build_engine_and_runner(
 ) -> tuple[DeepSpeedEngine, EngineStep | PipelineStep]:
     """deepspeed.initialize with the resolved config and LR schedule, and the step runner that drives it."""
     cfg, ds = resolved.cfg, resolved.ds
-    engine = build_engine(model.module, ds.config, cfg.optim.weight_decay, data.schedule, resolved.dist.layout)
+    engine = build_engine(
+        model.module,
+        ds_config=ds.config,
+        weight_decay=cfg.optim.weight_decay,
+        schedule=data.schedule,
+        layout=resolved.dist.layout,
+    )
     lifetime.parts.callback(release_engine_quietly, engine)
     switch = SkipSwitch(engine.optimizer) if cfg.nonfinite.on_nonfinite == "skip" else None
     runner: EngineStep | PipelineStep
@@ -357,12 +363,15 @@ def with_reference(
     before step 1. None for plain language modelling."""
     if objective is None:
         return None
-    identity = reference_identity(
-        resolved.cfg,
-        precision=resolved.ds.precision,
-        attn_implementation=resolved.attn_implementation,
-        block_size=resolved.block_size,
-    )
+    args = resolved.cfg.preference
+    identity = None  # what precomputed log-probs depend on (reading the weights' identity: only where they are)
+    if args.needs_reference and args.precompute_ref_log_probs:
+        identity = reference_identity(
+            resolved.cfg,
+            precision=resolved.ds.precision,
+            attn_implementation=resolved.attn_implementation,
+            block_size=resolved.block_size,
+        )
     reference = prepare_reference(
         engine, cfg=resolved.cfg, ds=resolved.ds, dist=resolved.dist, identity=identity, data=data, state=state
     )

@@ -128,7 +128,13 @@ class DistInfo:
     @classmethod
     def launched(cls, *, rank: int, local_rank: int, world_size: int, launcher: str, accelerator: str = "cpu"):
         """A launch of `world_size` ranks, data parallel over all of them until the run's layout is applied."""
-        return cls(rank, local_rank, launcher, ParallelLayout(dp=world_size), accelerator)
+        return cls(
+            rank,
+            local_rank=local_rank,
+            launcher=launcher,
+            layout=ParallelLayout(dp=world_size),
+            accelerator=accelerator,
+        )
 
     def __post_init__(self):
         assert 0 <= self.rank < self.layout.world_size, f"rank {self.rank} outside {self.layout}"

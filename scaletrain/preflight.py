@@ -89,7 +89,7 @@ def checkpoint_bytes(n_params: int, precision: str, trainable: int | None = None
 
 
 def _check_disk_space(
-    output_dir: str, n_params: int, precision: str, trainable: int | None = None, merged: bool = False
+    output_dir: str, *, n_params: int, precision: str, trainable: int | None = None, merged: bool = False
 ) -> None:
     folder = Path(output_dir).resolve()
     while not folder.exists():
@@ -121,25 +121,38 @@ def resolve_run(argv: Sequence[str] | None, dist: DistInfo) -> RunPlan:
     skeleton, model_facts = describe_model(cfg, model_config)
     hardware = hardware_facts()
     shape = ModelShape.from_meta_model(skeleton, model_config)
-    filled, layout_keys = _resolve_engine_config(cfg, raw_ds_config, dist, hardware, model_config, shape)
+    filled, layout_keys = _resolve_engine_config(
+        cfg, raw_ds_config=raw_ds_config, dist=dist, hardware=hardware, model_config=model_config, shape=shape
+    )
     resolved = RunPlan(  # the checks below read the JSON as filled; the layout's and resume's keys join it last
         cfg,
-        filled,
-        dist,
-        model_config,
-        tokenizer,
-        block_size,
-        model_facts["n_params"],
+        ds=filled,
+        dist=dist,
+        model_config=model_config,
+        tokenizer=tokenizer,
+        block_size=block_size,
+        n_params=model_facts["n_params"],
         attn_implementation=skeleton.config._attn_implementation,
         model_facts=model_facts,
         chat=chat,
     )
-    router_loss = check_model_features(cfg, filled, skeleton, model_config, hardware, resolved.isolates_documents)
+    router_loss = check_model_features(
+        cfg,
+        ds=filled,
+        skeleton=skeleton,
+        model_config=model_config,
+        hardware=hardware,
+        isolates_documents=resolved.isolates_documents,
+    )
     check_preference_run(cfg, chat is not None and chat.kind == "preference", router_loss is not None)
     check_reference_model(cfg, model_config)
     _check_layout(resolved, hardware)
     eval_prompts = load_eval_prompts(
-        cfg.logging.eval_prompts, tokenizer, cfg.logging.eval_max_new_tokens, max_positions(model_config), dist.layout
+        cfg.logging.eval_prompts,
+        tokenizer=tokenizer,
+        max_new_tokens=cfg.logging.eval_max_new_tokens,
+        max_positions=max_positions(model_config),
+        layout=dist.layout,
     )
     lm_eval_tasks = _lm_eval_tasks(cfg, dist)
     resume, resume_keys = plan_resume(cfg, filled, model_facts, dist.layout)
@@ -208,7 +221,7 @@ def _check_layout(resolved: RunPlan, hardware: HardwareFacts) -> None:
 
 
 def _resolve_engine_config(
-    cfg: RunConfig, raw_ds_config: dict, dist: DistInfo, hardware: HardwareFacts, model_config, shape: ModelShape
+    cfg: RunConfig, *, raw_ds_config: dict, dist: DistInfo, hardware: HardwareFacts, model_config, shape: ModelShape
 ) -> tuple[ResolvedDSConfig, tuple[DSKey, ...]]:
     """(the DeepSpeed JSON with every "auto" filled, the keys the parallel layout adds to it), and the engine-side
     checks that need them: the layout's DeepSpeed keys, the batch ramp-up, and whether a non-finite update can be
@@ -216,7 +229,15 @@ def _resolve_engine_config(
     tp, pp = dist.layout.tp, dist.layout.pp
     rank_params = int(shape.params_per_rank(tp, pp)) if tp * pp > 1 else None
     size = ModelSize(_hidden_size(model_config), shape.n_params, rank_params)
-    ds = resolve_ds_config(raw_ds_config, cfg.engine, cfg.optim, cfg.explicit_flags, dist.layout.dp, hardware, size)
+    ds = resolve_ds_config(
+        raw_ds_config,
+        engine=cfg.engine,
+        optim=cfg.optim,
+        explicit=cfg.explicit_flags,
+        dp_world_size=dist.layout.dp,
+        hw=hardware,
+        model=size,
+    )
     # --plan covers every ZeRO option for the layout, whatever --config says
     layout_keys = () if cfg.planning.plan else layout_ds_keys(cfg.parallel, ds, cfg.engine.config)
     check_rampup(cfg.optim.rampup_batch_size, ds, dist.layout.dp)
@@ -233,7 +254,9 @@ def _check_disk_space_for(cfg: RunConfig, ds: ResolvedDSConfig, n_params: int, t
     if cfg.run.print_config or cfg.planning.plan:
         return
     adapter = sum(p.numel() for p in trained.parameters() if p.requires_grad) if cfg.peft.use_peft else None
-    _check_disk_space(cfg.run.output_dir, n_params, ds.precision, adapter, cfg.peft.merge_lora)
+    _check_disk_space(
+        cfg.run.output_dir, n_params=n_params, precision=ds.precision, trainable=adapter, merged=cfg.peft.merge_lora
+    )
 
 
 def _trained_model(cfg: RunConfig, skeleton, model_config):
@@ -250,5 +273,11 @@ def print_config(resolved: RunPlan) -> None:
     """--print_config: everything resolved, printed by rank 0; nothing is built or written."""
     if resolved.dist.is_main:
         print(
-            explain_resolved(resolved.cfg, resolved.ds, resolved.block_size, resolved.n_params, resolved.dist.layout.dp)
+            explain_resolved(
+                resolved.cfg,
+                ds=resolved.ds,
+                block_size=resolved.block_size,
+                n_params=resolved.n_params,
+                dp_world_size=resolved.dist.layout.dp,
+            )
         )

@@ -107,7 +107,13 @@ def print_plan(resolved: RunPlan) -> None:
     model."""
     cfg = resolved.cfg
     assert resolved.model_shape is not None, "the pre-flight builds the planner's model shape for --plan"
-    print_memory_plan(cfg, resolved.model_shape, resolved.block_size, resolved.ds, resolved.plan_calibration)
+    print_memory_plan(
+        cfg,
+        shape=resolved.model_shape,
+        block_size=resolved.block_size,
+        ds=resolved.ds,
+        calibration=resolved.plan_calibration,
+    )
 
 
 def build_run(resolved: RunPlan, *, lifetime: Lifetime) -> Run:
@@ -222,7 +228,14 @@ class Run:
         if self.dist.layout.sp > 1:  # each rank of a sequence-parallel group keeps its part of a block
             shard = partial(sequence_shard, sp_rank=self.dist.coords.sp, sp=self.dist.layout.sp)
         batches = StepBatches(self.data.blocks, self.data.order, self.dist.coords.dp, shard)
-        trainer = Trainer(self.engine, batches, self.state, settings, self.runner, self._callbacks())
+        trainer = Trainer(
+            self.engine,
+            batches=batches,
+            state=self.state,
+            settings=settings,
+            runner=self.runner,
+            callbacks=self._callbacks(),
+        )
         dry = self.cfg.run.dry_run
         trainer.fit(finish=finish and not dry)  # a dry run evaluates, saves and exports nothing
         if not finish:
@@ -271,7 +284,14 @@ class Run:
             tokenizer = self.resolved.tokenizer
             eos_ids = reply_end_ids(tokenizer)
             synced = dist.world_size > 1  # ZeRO-3 gathers in each forward: the ranks generate in step
-            generate = PromptSamples(self.engine, self.resolved.eval_prompts, tokenizer, eos_ids, synced, self.metrics)
+            generate = PromptSamples(
+                self.engine,
+                prompts=self.resolved.eval_prompts,
+                tokenizer=tokenizer,
+                eos_ids=eos_ids,
+                synced=synced,
+                metrics=self.metrics,
+            )
         callbacks = [
             *([HangNotes(self.watch)] if self.watch is not None else []),
             guard,
@@ -305,12 +325,12 @@ class Run:
         resolved, dist, cfg = self.resolved, self.dist, self.cfg
         return throughput_model(
             resolved.flops,
-            dist.accelerator,
-            resolved.ds.precision,
-            cfg.logging.peak_tflops,
-            cfg.model.gradient_checkpointing,
-            dist.world_size,
-            dist.is_main,
+            accelerator=dist.accelerator,
+            precision=resolved.ds.precision,
+            override=cfg.logging.peak_tflops,
+            recompute=cfg.model.gradient_checkpointing,
+            world_size=dist.world_size,
+            is_main=dist.is_main,
         )
 
     def rollback(self) -> dict:

@@ -157,7 +157,7 @@ def evaluate(args: argparse.Namespace, dist) -> dict | None:
         lm = harness_lm(source, args, dist)
         stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
         name = f"evaluate_step{step}_{stamp}" if step is not None else f"evaluate_{stamp}"
-        scores = score(lm, tasks, harness, out if dist.is_main else None, name, step)
+        scores = score(lm, tasks=tasks, args=harness, out_dir=out if dist.is_main else None, name=name, step=step)
     finally:
         _sync(dist)
         if dist.is_main:

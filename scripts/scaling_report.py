@@ -102,7 +102,11 @@ def predictions(results: list, out: Path) -> list:
         layout = replace(calibration.layout, parallel=ParallelLayout.of_world(world, sizes.tp, sizes.sp, sizes.pp))
         cluster = calibrate(Cluster(1, calibration.world, calibrated_gpu(calibration, 24)), calibration, shape)
         cluster = replace(cluster, gpus_per_node=world)
-        predicted.append(predict_step(shape, calibration.block_size, layout, cluster, calibration.precision))
+        predicted.append(
+            predict_step(
+                shape, seq_len=calibration.block_size, layout=layout, cluster=cluster, precision=calibration.precision
+            )
+        )
     return predicted
 
 

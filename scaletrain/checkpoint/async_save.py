@@ -158,13 +158,13 @@ class Snapshot:
                 self.buffers[index] = self.host.copy_in(index, storage)
             ref = TensorRef(
                 self._seen[key],
-                obj.dtype,
-                obj.storage_offset(),
-                tuple(obj.shape),
-                tuple(obj.stride()),
-                isinstance(obj, torch.nn.Parameter),
-                obj.requires_grad,
-                self._walk(obj.__dict__) if obj.__dict__ else None,
+                dtype=obj.dtype,
+                offset=obj.storage_offset(),
+                size=tuple(obj.shape),
+                stride=tuple(obj.stride()),
+                parameter=isinstance(obj, torch.nn.Parameter),
+                requires_grad=obj.requires_grad,
+                attributes=self._walk(obj.__dict__) if obj.__dict__ else None,
             )
             self._memo[id(obj)] = ref
             return ref

@@ -252,7 +252,7 @@ def verified_resume_checkpoint(ckpt: Path, auto: bool, rank: int, world_size: in
         ckpt = Path(fallback)
 
 
-def commit_checkpoint(tmp: Path, final: Path, root: Path, step: int, checksums: dict) -> float:
+def commit_checkpoint(tmp: Path, *, final: Path, root: Path, step: int, checksums: dict) -> float:
     """Rank 0: commit.json (sizes and SHA-256 of every file; a file no rank recorded, such as DeepSpeed's recovery
     script, is hashed here), the rename to its final name and the `latest` pointer. Returns the seconds hashing."""
     files = {str(p.relative_to(tmp)): p.stat().st_size for p in sorted(tmp.rglob("*")) if p.is_file()}

@@ -83,7 +83,7 @@ def export_pipeline_checkpoint(
 
 
 def export_hf_model(
-    engine, tokenizer, out_dir: str, is_main: bool, merge_lora: bool = False, trust_remote_code: bool = False
+    engine, *, tokenizer, out_dir: str, is_main: bool, merge_lora: bool = False, trust_remote_code: bool = False
 ) -> None:
     """Write safetensors weights, config and tokenizer that `AutoModelForCausalLM.from_pretrained` loads; for a
     LoRA model the adapter folder instead (and with merge_lora the merged model in <out_dir>/merged)."""

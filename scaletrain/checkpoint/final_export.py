@@ -33,8 +33,21 @@ class FinalExport(Callback):
 
     def end_of_training(self, step: int) -> None:
         out, merged = self.output_dir, self.merge_lora
-        export_hf_model(self.engine, self.tokenizer, out, self.is_main, merged, self.trust_remote_code)
+        export_hf_model(
+            self.engine,
+            tokenizer=self.tokenizer,
+            out_dir=out,
+            is_main=self.is_main,
+            merge_lora=merged,
+            trust_remote_code=self.trust_remote_code,
+        )
         if self.is_main:  # the folder is complete and publishable
             run_config = read_run_config(out)
             for folder in (out, *([merged_dir(out)] if merged else [])):
-                complete_export(folder, self.tokenizer, self.model_config, run_config, self.metrics.latest)
+                complete_export(
+                    folder,
+                    tokenizer=self.tokenizer,
+                    model_config=self.model_config,
+                    run_config=run_config,
+                    final=self.metrics.latest,
+                )

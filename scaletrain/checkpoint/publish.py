@@ -148,7 +148,7 @@ def final_losses(final: dict) -> list:
     return rows
 
 
-def complete_export(out_dir, tokenizer, model_config, run_config: dict, final: dict) -> None:
+def complete_export(out_dir, *, tokenizer, model_config, run_config: dict, final: dict) -> None:
     """Beside an exported model (rank 0): generation_config.json, and the model card from the run's run_config.json
     and its final metrics."""
     eos = write_generation_config(out_dir, tokenizer, model_config)

@@ -101,7 +101,7 @@ def zero_setting_change(ckpt: Path, saved: dict, zero_stage: int, offload: str |
     return None
 
 
-def check_resumable(ckpt: Path, layout: ParallelLayout, zero_stage: int, offload: str, model_facts: dict) -> bool:
+def check_resumable(ckpt: Path, *, layout: ParallelLayout, zero_stage: int, offload: str, model_facts: dict) -> bool:
     """Before anything is built: the checkpoint fits this run's model. Returns whether it must be resharded (saved
     with another number of data-parallel ranks or another (tensor, sequence) parallel layout, or under ZeRO settings
     this run's cannot load directly (zero_setting_change), which ZeRO-1/2/3 handle through a universal checkpoint).

@@ -25,7 +25,7 @@ def plan_resume(
     checkpoint = resolve_resume(cfg.checkpoint.resume_from_checkpoint, cfg.run.output_dir)
     if checkpoint is None:
         return None, ()
-    return resume_point(cfg, ds, model_facts, layout, checkpoint)
+    return resume_point(cfg, ds=ds, model_facts=model_facts, layout=layout, checkpoint=checkpoint)
 
 
 def resume_elsewhere(
@@ -34,16 +34,18 @@ def resume_elsewhere(
     """(the resume point, the DeepSpeed config) of continuing `checkpoint` instead (the fallback from a damaged
     one), checked as the pre-flight checks its choice; `ds` is the config that loaded the first choice."""
     ds = ds.without(UNIVERSAL_KEY)  # the first choice's resume keys out; `checkpoint`'s in
-    resume, keys = resume_point(cfg, ds, model_facts, layout, checkpoint)
+    resume, keys = resume_point(cfg, ds=ds, model_facts=model_facts, layout=layout, checkpoint=checkpoint)
     return resume, assemble_ds_config(ds, keys)
 
 
 def resume_point(
-    cfg: RunConfig, ds: ResolvedDSConfig, model_facts: dict, layout: ParallelLayout, checkpoint: Path
+    cfg: RunConfig, *, ds: ResolvedDSConfig, model_facts: dict, layout: ParallelLayout, checkpoint: Path
 ) -> tuple[ResumePoint, tuple[DSKey, ...]]:
     previous = read_previous_run_config(checkpoint)
     check_peak_lr(cfg, ds, previous, checkpoint)
-    reshard = check_resumable(checkpoint, layout, ds.zero_stage, ds.offload_setting, model_facts)
+    reshard = check_resumable(
+        checkpoint, layout=layout, zero_stage=ds.zero_stage, offload=ds.offload_setting, model_facts=model_facts
+    )
     state = read_train_state(checkpoint)
     point = ResumePoint(checkpoint, state, reshard, previous)
     if not reshard:

@@ -30,7 +30,7 @@ def write_run_folder(
     run_config = {**cfg.to_dict(), "block_size": block_size, **schedule_facts, **facts}
     (out / RUN_CONFIG_FILE).write_text(json.dumps(run_config, indent=2) + "\n")
     (out / DS_CONFIG_FILE).write_text(json.dumps(ds.config, indent=2) + "\n")
-    explained = explain_resolved(cfg, ds, block_size, n_params, dist.layout.dp)
+    explained = explain_resolved(cfg, ds=ds, block_size=block_size, n_params=n_params, dp_world_size=dist.layout.dp)
     (out / EXPLAINED_FILE).write_text(explained + "\n")
 
 

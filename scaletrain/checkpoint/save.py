@@ -53,6 +53,7 @@ def _rng_state() -> dict:
 
 def planned_checkpoint_bytes(
     n_params: int,
+    *,
     precision: str,
     zero_stage: int,
     tensor_parallel_size: int = 1,
@@ -123,10 +124,12 @@ def save_checkpoint(
     started = time.perf_counter()
     tmp, previous = _begin_save(output_dir, state.step, rank, planned_bytes)
     root, tag = tmp.parent, f"{PREFIX}{state.step}"
-    deepspeeds, own, failed = _write_checkpoint_files(engine, tmp, state, rank, model_facts)
-    checksums, hashed = _gather_checksums(tmp, tag, deepspeeds + own, failed, rank, previous)
+    deepspeeds, own, failed = _write_checkpoint_files(engine, tmp=tmp, state=state, rank=rank, model_facts=model_facts)
+    checksums, hashed = _gather_checksums(
+        tmp, tag=tag, written=deepspeeds + own, failed=failed, rank=rank, previous=previous
+    )
     final = root / tag
-    hashed += _commit_on_rank0(tmp, final, state.step, checksums, rank, previous)
+    hashed += _commit_on_rank0(tmp, final=final, step=state.step, checksums=checksums, rank=rank, previous=previous)
     barrier()
     log.info(
         "saved checkpoint %s in %.2fs (of which SHA-256 %.2fs on rank %d)",
@@ -181,7 +184,7 @@ def _check_disk_space(root: Path, tag: str, planned_bytes: int) -> Path | None:
 
 
 def _write_checkpoint_files(
-    engine, tmp: Path, state: TrainState, rank: int, model_facts: dict | None, write=None
+    engine, *, tmp: Path, state: TrainState, rank: int, model_facts: dict | None, write=None
 ) -> tuple:
     """DeepSpeed's shards, then this rank's own files, into the temporary folder: (DeepSpeed's paths, this rank's own
     files, the first failed write as (path, error) or None). A failed write is recorded rather than raised, so that
@@ -205,7 +208,7 @@ def _write_checkpoint_files(
     deepspeeds, own, failed = [Path(p) for p in writes.paths], [], writes.failed
     if failed is None:
         try:
-            own = _write_own_files(engine, tmp, state, rank, model_facts)
+            own = _write_own_files(engine, tmp=tmp, state=state, rank=rank, model_facts=model_facts)
         except (OSError, RuntimeError) as err:
             if not is_write_failure(err):
                 raise
@@ -213,7 +216,7 @@ def _write_checkpoint_files(
     return deepspeeds, own, failed
 
 
-def _gather_checksums(tmp: Path, tag: str, written: list, failed: tuple | None, rank: int, previous) -> tuple:
+def _gather_checksums(tmp: Path, *, tag: str, written: list, failed: tuple | None, rank: int, previous) -> tuple:
     """Hash this rank's files and gather every rank's (checksums, failure): (all checksums by relative path, the
     seconds this rank spent hashing). Any rank's failed write stops every rank; rank 0 removes the folder."""
     from scaletrain.distributed import all_gather_objects
@@ -250,7 +253,7 @@ def _synced(paths: list, tmp: Path, failed: tuple | None) -> tuple:
     return None, paths
 
 
-def _commit_on_rank0(tmp: Path, final: Path, step: int, checksums: dict, rank: int, previous) -> float:
+def _commit_on_rank0(tmp: Path, *, final: Path, step: int, checksums: dict, rank: int, previous) -> float:
     """Rank 0 commits the folder (commit_checkpoint) and the ranks agree that it worked, so that none goes on as if
     an uncommitted checkpoint were committed; a stale `latest` alone only warns. Returns rank 0's seconds hashing."""
     from scaletrain.distributed import any_rank
@@ -259,7 +262,7 @@ def _commit_on_rank0(tmp: Path, final: Path, step: int, checksums: dict, rank: i
     hashed, commit_failure = 0.0, None
     if rank == 0:
         try:
-            hashed = commit_checkpoint(tmp, final, root, step, checksums)
+            hashed = commit_checkpoint(tmp, final=final, root=root, step=step, checksums=checksums)
         except OSError as err:
             if (final / COMMIT).is_file():  # renamed with its record: committed, only `latest` is stale
                 log.warning(
@@ -289,7 +292,7 @@ def without_frozen_base(engine) -> bool:
     return is_lora_model(engine.module)
 
 
-def _write_own_files(engine, tmp: Path, state: TrainState, rank: int, model_facts: dict | None) -> list:
+def _write_own_files(engine, *, tmp: Path, state: TrainState, rank: int, model_facts: dict | None) -> list:
     """This rank's RNG state, and on rank 0 the train state and a pipeline's layer map; the paths written."""
     import torch
 
@@ -313,6 +316,7 @@ def _write_own_files(engine, tmp: Path, state: TrainState, rank: int, model_fact
 
 def start_checkpoint(
     engine,
+    *,
     output_dir: str,
     state: TrainState,
     rank: int,
@@ -332,16 +336,23 @@ def start_checkpoint(
     tmp, previous = _begin_save(output_dir, state.step, rank, planned_bytes)
     tag = f"{PREFIX}{state.step}"
     snapshot = writer.snapshot()
-    _, own, failed = _write_checkpoint_files(engine, tmp, state, rank, model_facts, write=snapshot.take)
+    _, own, failed = _write_checkpoint_files(
+        engine, tmp=tmp, state=state, rank=rank, model_facts=model_facts, write=snapshot.take
+    )
     buffers_full = failed is not None and isinstance(failed[1], SnapshotBuffersFull)
     if any_rank(buffers_full):  # every rank gives up the snapshot; the caller saves synchronously (the same folder)
         writer.buffers.release()
         return str(failed[1]) if buffers_full else "another rank's snapshot buffers did not fit"
     failed, own = _synced(own, tmp, failed)  # this rank's small files; the writer syncs the large ones
     if any_rank(failed is not None):  # every rank takes the synchronous failure path: one message, nothing kept
-        _gather_checksums(tmp, tag, own, failed, rank, previous)
+        _gather_checksums(tmp, tag=tag, written=own, failed=failed, rank=rank, previous=previous)
     own_checksums = {str(p.relative_to(tmp)): file_checksum(p) for p in own}
-    writer.submit(InFlight(tag, tmp, state.step, previous, own_checksums, time.perf_counter()), snapshot)
+    writer.submit(
+        InFlight(
+            tag, tmp=tmp, step=state.step, previous=previous, own_checksums=own_checksums, started=time.perf_counter()
+        ),
+        snapshot,
+    )
     log.info(
         "checkpoint %s: snapshot taken in %.2fs (%.2f GB of host buffers); written in the background",
         tag,
@@ -387,7 +398,12 @@ def settle_checkpoint(writer: BackgroundWriter, rank: int, wait: bool = False) -
         )
     final = flight.tmp.parent / flight.tag
     _commit_on_rank0(
-        flight.tmp, final, flight.step, {k: v for _, sums in reports for k, v in sums.items()}, rank, flight.previous
+        flight.tmp,
+        final=final,
+        step=flight.step,
+        checksums={k: v for _, sums in reports for k, v in sums.items()},
+        rank=rank,
+        previous=flight.previous,
     )
     log.info("committed checkpoint %s, written in the background in %.2fs", final, time.perf_counter() - flight.started)
     return final

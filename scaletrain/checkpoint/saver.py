@@ -80,14 +80,27 @@ class Saver:
         if not settings.adapter_only:
             n_params = settings.n_params  # the whole model (a pipeline stage's module holds its layers alone)
         planned = planned_checkpoint_bytes(
-            n_params, settings.precision, settings.zero_stage, dist.layout.tp, n_tensors, dist.world_size
+            n_params,
+            precision=settings.precision,
+            zero_stage=settings.zero_stage,
+            tensor_parallel_size=dist.layout.tp,
+            n_tensors=n_tensors,
+            world_size=dist.world_size,
         )
         facts, out, rank = self._model_facts(), settings.output_dir, dist.rank
         if self.writer is not None and not now:
             refusal = None
             if not self.writer.buffers.nbytes:  # the first snapshot: training's memory is all taken by now
                 refusal = snapshot_buffers_refusal(settings.n_params, settings.precision, settings.zero_stage, dist)
-            refusal = refusal or start_checkpoint(self.engine, out, self.state, rank, self.writer, facts, planned)
+            refusal = refusal or start_checkpoint(
+                self.engine,
+                output_dir=out,
+                state=self.state,
+                rank=rank,
+                writer=self.writer,
+                model_facts=facts,
+                planned_bytes=planned,
+            )
             if refusal is None:
                 self._in_flight_step_s = self.ledger.attempt["step_s"]
                 return None

@@ -188,7 +188,9 @@ def explain_run_config(cfg: RunConfig) -> str:
     return "\n".join(lines)
 
 
-def explain_resolved(cfg: RunConfig, ds: ResolvedDSConfig, block_size: int, n_params: int, dp_world_size: int) -> str:
+def explain_resolved(
+    cfg: RunConfig, *, ds: ResolvedDSConfig, block_size: int, n_params: int, dp_world_size: int
+) -> str:
     """The resolved run and DeepSpeed configs with the source of every value (--print_config, config_sources.txt)."""
     return "\n".join(
         [

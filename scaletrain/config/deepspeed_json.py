@@ -153,16 +153,20 @@ class ResolvedDSConfig:
         return dataclasses.replace(self, config=config, sources=sources)
 
     def without(self, dotted: str) -> ResolvedDSConfig:
-        """A copy without the dotted key (and its source), where it is set."""
+        """A copy without the dotted key (and its source), where it is set, and without the sections it leaves empty."""
         config, sources = copy.deepcopy(self.config), dict(self.sources)
         *parents, leaf = dotted.split(".")
-        node = config
+        path = [config]
         for part in parents:
-            child = node.get(part)
+            child = path[-1].get(part)
             if not isinstance(child, dict):
                 return self
-            node = child
-        node.pop(leaf, None)
+            path.append(child)
+        path[-1].pop(leaf, None)
+        for part, parent in zip(reversed(parents), reversed(path[:-1]), strict=True):
+            if parent[part]:
+                break
+            del parent[part]
         sources.pop(dotted, None)
         return dataclasses.replace(self, config=config, sources=sources)
 
@@ -460,9 +464,9 @@ def _resolve_optimizer(r: _Resolver, optim: OptimArgs) -> None:
     r.fill("optimizer.params.weight_decay", optim.weight_decay, "--weight_decay")
 
 
-def _resolve_zero(r: _Resolver, engine: EngineArgs, hw: HardwareFacts, precision: str, model: ModelSize) -> None:
+def _resolve_zero(r: _Resolver, *, engine: EngineArgs, hw: HardwareFacts, precision: str, model: ModelSize) -> None:
     """The ZeRO section: collective bucket sizes, the ZeRO-3 persistence threshold, and NVMe offload."""
-    r.config.setdefault("zero_optimization", {"stage": 0})
+    r.fill("zero_optimization.stage", 0, "default: no ZeRO (the JSON sets no zero_optimization.stage)")
     hidden_size = model.hidden_size
     if model.rank_params:
         bucket, why = bucket_elements(hw.accelerator, precision, model.rank_params, "a rank's share of the model")
@@ -501,6 +505,7 @@ class ModelSize:
 
 def resolve_ds_config(
     raw: dict,
+    *,
     engine: EngineArgs,
     optim: OptimArgs,
     explicit: frozenset,
@@ -519,7 +524,7 @@ def resolve_ds_config(
     _resolve_batch(r, optim, dp_world_size, engine.config)
     _resolve_optimizer(r, optim)
     precision, reason = _resolve_precision(r, engine, hw)
-    _resolve_zero(r, engine, hw, precision, model)
+    _resolve_zero(r, engine=engine, hw=hw, precision=precision, model=model)
 
     resolved = ResolvedDSConfig(r.config, r.sources, precision, reason, origin=engine.config)
     _resolve_cpu_adam(r, hw, resolved)

@@ -29,60 +29,65 @@ class GPU:
 GPUS = {
     "v100-32gb": GPU(
         "v100-32gb",
-        125.0,
-        32.0,
-        900.0,
-        150.0,
-        0.75,
-        0.35,
-        "NVIDIA V100 SXM2 datasheet (125 TFLOP/s fp16, 900 GB/s HBM2, NVLink 300 GB/s both ways); matmul fraction: "
+        peak_tflops=125.0,
+        memory_gb=32.0,
+        hbm_gbs=900.0,
+        nvlink_gbs=150.0,
+        matmul_efficiency=0.75,
+        attention_efficiency=0.35,
+        source="NVIDIA V100 SXM2 datasheet (125 TFLOP/s fp16, 900 GB/s HBM2, NVLink 300 GB/s both ways); "
+        "matmul fraction: "
         "cuBLAS fp16 GEMMs reach ~90-95 TFLOP/s (NVIDIA Deep Learning Performance Guide); attention: no "
         "FlashAttention-2 on Volta, memory-efficient attention (xFormers) at about a third of the peak",
     ),
     "a100-40gb": GPU(
         "a100-40gb",
-        312.0,
-        40.0,
-        1555.0,
-        300.0,
-        0.80,
-        0.60,
-        "NVIDIA A100 SXM4 40GB datasheet (312 TFLOP/s bf16 dense, 1555 GB/s, NVLink 600 GB/s both ways); matmul: "
+        peak_tflops=312.0,
+        memory_gb=40.0,
+        hbm_gbs=1555.0,
+        nvlink_gbs=300.0,
+        matmul_efficiency=0.80,
+        attention_efficiency=0.60,
+        source="NVIDIA A100 SXM4 40GB datasheet (312 TFLOP/s bf16 dense, 1555 GB/s, NVLink 600 GB/s both "
+        "ways); matmul: "
         "Bekman's ML Engineering MAMF table, A100 SXM bf16 267.9 TFLOP/s (86%) at the best shape, 80% for "
         "training shapes; attention: FlashAttention-2 fwd+bwd 50-73% of peak on A100 (Dao 2023, fig. 4)",
     ),
     "a100-80gb": GPU(
         "a100-80gb",
-        312.0,
-        80.0,
-        2039.0,
-        300.0,
-        0.80,
-        0.60,
-        "NVIDIA A100 SXM4 80GB datasheet (312 TFLOP/s bf16 dense, 2039 GB/s, NVLink 600 GB/s both ways); efficiencies "
+        peak_tflops=312.0,
+        memory_gb=80.0,
+        hbm_gbs=2039.0,
+        nvlink_gbs=300.0,
+        matmul_efficiency=0.80,
+        attention_efficiency=0.60,
+        source="NVIDIA A100 SXM4 80GB datasheet (312 TFLOP/s bf16 dense, 2039 GB/s, NVLink 600 GB/s both "
+        "ways); efficiencies "
         "as a100-40gb",
     ),
     "h100-sxm": GPU(
         "h100-sxm",
-        989.0,
-        80.0,
-        3350.0,
-        450.0,
-        0.75,
-        0.55,
-        "NVIDIA H100 SXM5 datasheet (989 TFLOP/s bf16 dense, 3.35 TB/s, NVLink 900 GB/s both ways); matmul: Bekman's "
+        peak_tflops=989.0,
+        memory_gb=80.0,
+        hbm_gbs=3350.0,
+        nvlink_gbs=450.0,
+        matmul_efficiency=0.75,
+        attention_efficiency=0.55,
+        source="NVIDIA H100 SXM5 datasheet (989 TFLOP/s bf16 dense, 3.35 TB/s, NVLink 900 GB/s both ways); "
+        "matmul: Bekman's "
         "MAMF table, H100 SXM bf16 792 TFLOP/s (80%) at the best shape, 75% for training shapes; attention: "
         "FlashAttention-3 bf16 fwd 600-740 TFLOP/s, bwd lower (Shah et al. 2024), ~55% fwd+bwd",
     ),
     "h200": GPU(
         "h200",
-        989.0,
-        141.0,
-        4800.0,
-        450.0,
-        0.75,
-        0.55,
-        "NVIDIA H200 SXM datasheet (989 TFLOP/s bf16 dense, 141 GB, 4.8 TB/s, NVLink 900 GB/s both ways); the H100's "
+        peak_tflops=989.0,
+        memory_gb=141.0,
+        hbm_gbs=4800.0,
+        nvlink_gbs=450.0,
+        matmul_efficiency=0.75,
+        attention_efficiency=0.55,
+        source="NVIDIA H200 SXM datasheet (989 TFLOP/s bf16 dense, 141 GB, 4.8 TB/s, NVLink 900 GB/s both "
+        "ways); the H100's "
         "compute die, efficiencies as h100-sxm",
     ),
 }

@@ -58,7 +58,13 @@ class PackedBlocks:
 
     def batch(self, indices: np.ndarray) -> dict:
         """Tensors for the given block indices; EMPTY_SLOT rows are all padding and carry no loss."""
-        return padded_batch(indices, self.block_size, self.pad_id, self._fill_row, self.isolate_documents)
+        return padded_batch(
+            indices,
+            block_size=self.block_size,
+            pad_id=self.pad_id,
+            fill_row=self._fill_row,
+            with_positions=self.isolate_documents,
+        )
 
     def _fill_row(self, index: int, ids: np.ndarray, labels: np.ndarray, positions: np.ndarray) -> None:
         """Block `index` into one padded row: its tokens are trained on as they are."""
@@ -70,7 +76,7 @@ class PackedBlocks:
             positions[:] = self._position_ids(index * b)
 
 
-def padded_batch(indices: np.ndarray, block_size: int, pad_id: int, fill_row, with_positions: bool) -> dict:
+def padded_batch(indices: np.ndarray, *, block_size: int, pad_id: int, fill_row, with_positions: bool) -> dict:
     """The tensors of a micro-batch of blocks, shared by every kind of blocks: each row starts as padding with no
     loss and positions 0..block_size-1; fill_row(index, ids, labels, positions) writes block `index` into its row
     (numpy views, in place). EMPTY_SLOT rows stay padding. position_ids only `with_positions`."""
@@ -92,7 +98,13 @@ def blocks_from_store(opened: dict, split: str, block_size: int, isolate_documen
     part = opened["splits"].get(split)
     if part is None or part.n_tokens == 0:
         return None
-    return PackedBlocks(part.tokens, part.doc_starts, block_size, opened["manifest"]["pad_id"], isolate_documents)
+    return PackedBlocks(
+        part.tokens,
+        doc_starts=part.doc_starts,
+        block_size=block_size,
+        pad_id=opened["manifest"]["pad_id"],
+        isolate_documents=isolate_documents,
+    )
 
 
 class EvalBatches(Sequence):
@@ -143,7 +155,7 @@ class EvalBatches(Sequence):
         return {name: sum(f[name] for f in fields) for name in fields[0]}
 
 
-def eval_batches(blocks: PackedBlocks, batch_size: int, rank: int, world: int, limit: int | None) -> EvalBatches:
+def eval_batches(blocks: PackedBlocks, *, batch_size: int, rank: int, world: int, limit: int | None) -> EvalBatches:
     """A fixed set of validation blocks (the first `limit`, in order), split across ranks, read lazily. Every rank
     gets the same number of batches (short ranks get EMPTY_SLOT rows): under ZeRO-3 each forward is a collective.
     """

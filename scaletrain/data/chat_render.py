@@ -131,13 +131,15 @@ def render_conversation(
             f"example {index}: messages[0] is an assistant turn; a conversation starts with a system or user message",
             "drop the example or add the prompt it answers",
         )
-    full = _render(tokenizer, template, messages, False, index)
+    full = _render(tokenizer, template=template, messages=messages, add_generation_prompt=False, index=index)
     replies: list[tuple[int, int]] = []  # (start, end) of each trained reply in the text of the whole conversation
     for i, message in enumerate(messages):
         if message["role"] != "assistant" or i < train_from:
             continue
-        prompt = _render(tokenizer, template, messages[:i], True, index)
-        through = _render(tokenizer, template, messages[: i + 1], False, index)
+        prompt = _render(tokenizer, template=template, messages=messages[:i], add_generation_prompt=True, index=index)
+        through = _render(
+            tokenizer, template=template, messages=messages[: i + 1], add_generation_prompt=False, index=index
+        )
         start = len(prompt)
         if not (through.startswith(prompt) and full.startswith(through)) or (replies and start < replies[-1][1]):
             raise UsageError(
@@ -152,12 +154,14 @@ def render_conversation(
     pieces = _tokenize_pieces(full, replies, tokenizer)
     mask = _through_end_of_turn(pieces[0], pieces[2], tokenizer)
     if template.has_generation_markers and not train_from:  # markers cover every reply, a completion only some
-        _check_generation_markers(messages, tokenizer, template, index, full, pieces, mask)
+        _check_generation_markers(
+            messages, tokenizer=tokenizer, template=template, index=index, full=full, pieces=pieces, mask=mask
+        )
     return MaskedTokens(pieces[0], mask)
 
 
 def _render(
-    tokenizer, template: ChatTemplate, messages: Sequence[dict], add_generation_prompt: bool, index: int
+    tokenizer, *, template: ChatTemplate, messages: Sequence[dict], add_generation_prompt: bool, index: int
 ) -> str:
     from jinja2 import TemplateError
 
@@ -206,7 +210,7 @@ def _through_end_of_turn(ids: list, marked: list, tokenizer) -> list:
 
 
 def _check_generation_markers(
-    messages, tokenizer, template: ChatTemplate, index: int, full: str, pieces: tuple, mask: list
+    messages, *, tokenizer, template: ChatTemplate, index: int, full: str, pieces: tuple, mask: list
 ) -> None:
     """A template with `{% generation %}` markers says itself which text is the assistant's: the tokens it marks,
     up to each end-of-turn token, must be the ones the prefix renders train (markers that leave out the end-of-turn
@@ -240,7 +244,7 @@ def _check_generation_markers(
 
 
 def render_prompt_completion(
-    prompt, completion, tokenizer, template: ChatTemplate | None, index: int = 0
+    prompt, *, completion, tokenizer, template: ChatTemplate | None, index: int = 0
 ) -> MaskedTokens:
     """A prompt/completion record (TRL's columns), trained on the completion only. Both strings: the text
     prompt + completion + EOS, no template (TRL's standard format). Both message lists: the conversation
@@ -272,7 +276,10 @@ def render_whole_conversation(
     """The conversation's tokens, every one trained (no --assistant_only_loss, as TRL does): one render of the whole
     conversation, so a template need not be prefix-consistent (Qwen3's dropped think blocks are fine here)."""
     check_messages(messages, index)
-    ids = tokenizer(_render(tokenizer, template, messages, False, index), add_special_tokens=False)["input_ids"]
+    ids = tokenizer(
+        _render(tokenizer, template=template, messages=messages, add_generation_prompt=False, index=index),
+        add_special_tokens=False,
+    )["input_ids"]
     return MaskedTokens(ids, [1] * len(ids))
 
 
@@ -291,7 +298,9 @@ def render_example(
             return render_whole_conversation(example["messages"], tokenizer, template, index)
         return render_conversation(example["messages"], tokenizer, template, index)
     if "prompt" in example and "completion" in example:
-        return render_prompt_completion(example["prompt"], example["completion"], tokenizer, template, index)
+        return render_prompt_completion(
+            example["prompt"], completion=example["completion"], tokenizer=tokenizer, template=template, index=index
+        )
     raise UsageError(
         f"example {index} has neither a messages column nor prompt and completion columns "
         f"(columns: {', '.join(sorted(example))})"

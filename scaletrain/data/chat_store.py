@@ -221,7 +221,7 @@ def _chat_data_of_stores(data: DataArgs) -> ChatData | None:
         )
     first_path, first = chat[0]
     for path, manifest in chat[1:]:
-        _check_same_chat(first_path, first, path, manifest, data.store_flag)
+        _check_same_chat(first_path, first=first, path=path, manifest=manifest, flag=data.store_flag)
     template_text = first.get("chat_template")  # every store's, as checked
     template = ChatTemplate(template_text, f"the chat template of store {first_path}") if template_text else None
     return ChatData(first.get("chat_kind", "messages"), template, first["fingerprint"]["loss_mode"])
@@ -232,7 +232,7 @@ def _template_name(manifest: dict) -> str:
     return f"chat template sha256 {sha[:12]}" if sha else "no chat template"
 
 
-def _check_same_chat(first_path: str, first: dict, path: str, manifest: dict, flag: str) -> None:
+def _check_same_chat(first_path: str, *, first: dict, path: str, manifest: dict, flag: str) -> None:
     a, b = first["fingerprint"], manifest["fingerprint"]
     if a.get("chat_template_sha256") != b.get("chat_template_sha256"):
         raise UsageError(
@@ -390,6 +390,7 @@ def render_split(ds, tokenizer, chat: ChatData, split: str, show_progress: bool,
 
 def write_chat_store(
     splits: dict,
+    *,
     tokenizer,
     fingerprint: ChatFingerprint,
     chat: ChatData,
@@ -404,7 +405,9 @@ def write_chat_store(
     started = time.perf_counter()
     try:
         rendered = {
-            name: render_split(ds, tokenizer, chat, name, show_progress, workers)
+            name: render_split(
+                ds, tokenizer=tokenizer, chat=chat, split=name, show_progress=show_progress, workers=workers
+            )
             for name, ds in splits.items()
             if ds is not None
         }
@@ -454,7 +457,7 @@ def write_chat_store(
 
 
 def prepare_chat_store(
-    data: DataArgs, tokenizer, block_size: int, store: Path, chat: ChatData, show_progress: bool = True
+    data: DataArgs, *, tokenizer, block_size: int, store: Path, chat: ChatData, show_progress: bool = True
 ) -> Path:
     """Render the run's chat data into `store`, or reuse the store there when it was made from the same input,
     template and loss mode. As for a text store: one preparer at a time (the leftovers of a killed one removed), and
@@ -476,12 +479,12 @@ def prepare_chat_store(
             started = time.perf_counter()
             write_chat_store(
                 {"train": train, **validation},
-                tokenizer,
-                fingerprint,
-                chat,
-                store,
-                show_progress,
-                data.preprocessing_num_workers or os.cpu_count() or 1,
+                tokenizer=tokenizer,
+                fingerprint=fingerprint,
+                chat=chat,
+                store=store,
+                show_progress=show_progress,
+                workers=data.preprocessing_num_workers or os.cpu_count() or 1,
             )
         finally:
             shutil.rmtree(scratch, ignore_errors=True)
@@ -495,12 +498,14 @@ def prepare_chat_store(
     return store
 
 
-def store_plan(data: DataArgs, tokenizer, block_size: int, chat: ChatData, show_progress: bool) -> tuple:
+def store_plan(data: DataArgs, *, tokenizer, block_size: int, chat: ChatData, show_progress: bool) -> tuple:
     """(where a chat store of this data goes, how to prepare it there): preparation.ensure_store's arguments."""
     from scaletrain.data.preparation import default_store_path
 
     store = default_store_path(chat_fingerprint(data, tokenizer, block_size, chat))
-    return store, lambda path: prepare_chat_store(data, tokenizer, block_size, path, chat, show_progress)
+    return store, lambda path: prepare_chat_store(
+        data, tokenizer=tokenizer, block_size=block_size, store=path, chat=chat, show_progress=show_progress
+    )
 
 
 def attach_masks(opened: dict, store: Path) -> dict:

@@ -97,7 +97,9 @@ class PackedExamples:
 
     def batch(self, indices: np.ndarray) -> dict:
         """Tensors for the given block indices; EMPTY_SLOT rows are all padding and carry no loss."""
-        return padded_batch(indices, self.block_size, self.pad_id, self._fill_row, with_positions=True)
+        return padded_batch(
+            indices, block_size=self.block_size, pad_id=self.pad_id, fill_row=self._fill_row, with_positions=True
+        )
 
     def _fill_row(self, index: int, row: np.ndarray, labels: np.ndarray, positions: np.ndarray) -> None:
         """The examples of block `index` one after the other into a padded row, each with its own positions."""
@@ -114,7 +116,7 @@ class PackedExamples:
         positions[at:] = np.arange(self.block_size - at)  # the padding is a sequence of its own
 
 
-def pack_examples(tokens, mask, starts, block_size: int, pad_id: int, truncation: str) -> PackedExamples | None:
+def pack_examples(tokens, *, mask, starts, block_size: int, pad_id: int, truncation: str) -> PackedExamples | None:
     """Best-fit packing of whole examples into blocks; None when no example is left to train on."""
     ends = np.concatenate([starts[1:], [len(tokens)]]).astype(np.int64)
     full = ends - np.asarray(starts, dtype=np.int64)
@@ -126,12 +128,12 @@ def pack_examples(tokens, mask, starts, block_size: int, pad_id: int, truncation
     bins = [[int(keep[i]) for i in b] for b in best_fit_decreasing(lengths[keep], block_size)]
     return PackedExamples(
         tokens,
-        mask,
-        np.asarray(starts, dtype=np.int64),
-        lengths,
-        bins,
-        block_size,
-        pad_id,
+        mask=mask,
+        starts=np.asarray(starts, dtype=np.int64),
+        lengths=lengths,
+        bins=bins,
+        block_size=block_size,
+        pad_id=pad_id,
         truncated=int(too_long.sum()) if truncation == "truncate" else 0,
         dropped=int(too_long.sum()) if truncation == "drop" else 0,
     )
@@ -142,7 +144,12 @@ def examples_from_store(opened: dict, split: str, block_size: int, truncation: s
     if part is None or part.n_tokens == 0:
         return None
     packed = pack_examples(
-        part.tokens, opened["masks"][split], part.doc_starts, block_size, opened["manifest"]["pad_id"], truncation
+        part.tokens,
+        mask=opened["masks"][split],
+        starts=part.doc_starts,
+        block_size=block_size,
+        pad_id=opened["manifest"]["pad_id"],
+        truncation=truncation,
     )
     if packed is not None:
         fill = packed.n_tokens / (len(packed) * block_size)
@@ -166,7 +173,9 @@ def blocks_for(opened: dict, split: str, block_size: int, data):
     if opened["manifest"].get("chat_kind") == "preference":
         from scaletrain.data.pairs import pairs_from_store
 
-        return pairs_from_store(opened, split, block_size, data.truncation, data.padding_free)
+        return pairs_from_store(
+            opened, split=split, block_size=block_size, truncation=data.truncation, padding_free=data.padding_free
+        )
     if "masks" in opened:
         return examples_from_store(opened, split, block_size, data.truncation)
     return blocks_from_store(opened, split, block_size, data.attention_isolation)

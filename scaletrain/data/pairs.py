@@ -161,7 +161,7 @@ class PreferencePairs:
 
 
 def pairs_from_store(
-    opened: dict, split: str, block_size: int, truncation: str, padding_free: bool = False
+    opened: dict, *, split: str, block_size: int, truncation: str, padding_free: bool = False
 ) -> PreferencePairs | None:
     """The pairs of one split of a preference store, with --truncation applied; None when no pair is left."""
     part = opened["splits"].get(split)
@@ -185,13 +185,13 @@ def pairs_from_store(
     lengths = np.minimum(full - cut, block_size)
     pairs = PreferencePairs(
         part.tokens,
-        np.asarray(mask),
-        starts + cut,
-        lengths,
-        prompt - cut,
-        kept,
-        block_size,
-        opened["manifest"]["pad_id"],
+        mask=np.asarray(mask),
+        starts=starts + cut,
+        lengths=lengths,
+        completion_at=prompt - cut,
+        kept=kept,
+        block_size=block_size,
+        pad_id=opened["manifest"]["pad_id"],
         truncated=int(too_long.sum()) if truncation == "truncate" else 0,
         dropped=int(pair_too_long.sum()) if truncation == "drop" else 0,
         padding_free=padding_free,

@@ -194,11 +194,15 @@ def render_pair(row: dict, tokenizer, template: ChatTemplate | None, index: int)
         )
     prompt, chosen, rejected = check_pair(row, index, fmt)
     if fmt == "explicit_text":
-        prompt_ids, chosen_ids, rejected_ids = _tokenize_text(prompt, chosen, rejected, tokenizer, index)
+        prompt_ids, chosen_ids, rejected_ids = _tokenize_text(
+            prompt, chosen=chosen, rejected=rejected, tokenizer=tokenizer, index=index
+        )
     else:
         assert template is not None  # refused above without one
         prompt_ids, chosen_ids, rejected_ids = (
-            _tokenize_chat(messages, tokenizer, template, index, generation_prompt)
+            _tokenize_chat(
+                messages, tokenizer=tokenizer, template=template, index=index, generation_prompt=generation_prompt
+            )
             for messages, generation_prompt in ((prompt, True), (prompt + chosen, False), (prompt + rejected, False))
         )
     # TRL: the completion starts where the tokenized prompt and prompt + completion diverge (common_prefix_length)
@@ -218,7 +222,7 @@ def render_pair(row: dict, tokenizer, template: ChatTemplate | None, index: int)
     return pair[0], pair[1]
 
 
-def _tokenize_text(prompt: str, chosen: str, rejected: str, tokenizer, index: int) -> tuple:
+def _tokenize_text(prompt: str, *, chosen: str, rejected: str, tokenizer, index: int) -> tuple:
     """TRL's plain-text path: EOS text appended unless there, the tokenizer's special tokens added (TRL calls the
     tokenizer on the text with its defaults)."""
     eos = tokenizer.eos_token
@@ -232,10 +236,12 @@ def _tokenize_text(prompt: str, chosen: str, rejected: str, tokenizer, index: in
     return tuple(tokenizer(text)["input_ids"] for text in (prompt, prompt + chosen, prompt + rejected))
 
 
-def _tokenize_chat(messages: list, tokenizer, template: ChatTemplate, index: int, generation_prompt: bool) -> list:
+def _tokenize_chat(messages: list, *, tokenizer, template: ChatTemplate, index: int, generation_prompt: bool) -> list:
     """TRL's conversational path: apply_chat_template(tokenize=True), which tokenizes the rendered text with
     add_special_tokens=False; rendered through chat_render so a template's refusal names the example."""
-    text = _render(tokenizer, template, messages, generation_prompt, index)
+    text = _render(
+        tokenizer, template=template, messages=messages, add_generation_prompt=generation_prompt, index=index
+    )
     return tokenizer(text, add_special_tokens=False)["input_ids"]
 
 

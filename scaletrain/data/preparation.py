@@ -137,7 +137,14 @@ def prepare_token_store(
     the store there when it was made from the same input."""
     fingerprint = store_fingerprint(data, tokenizer, block_size, seed)
     with exclusive_preparation(store):
-        return _prepare(data, tokenizer, tokenizer_dir, fingerprint, store, show_progress)
+        return _prepare(
+            data,
+            tokenizer=tokenizer,
+            tokenizer_dir=tokenizer_dir,
+            fingerprint=fingerprint,
+            store=store,
+            show_progress=show_progress,
+        )
 
 
 def reusable_store(store: Path, fingerprint) -> dict | None:
@@ -162,7 +169,7 @@ def reusable_store(store: Path, fingerprint) -> dict | None:
     return None
 
 
-def _prepare(data: DataArgs, tokenizer, tokenizer_dir: str, fingerprint, store: Path, show_progress: bool) -> Path:
+def _prepare(data: DataArgs, *, tokenizer, tokenizer_dir: str, fingerprint, store: Path, show_progress: bool) -> Path:
     import numpy as np
 
     from scaletrain.data.token_store import HeldOut, StoreInput, source_sha256, write_store
@@ -244,7 +251,13 @@ def ensure_token_store(
 
     def prepare(store: Path) -> Path:
         return prepare_token_store(
-            data, tokenizer, tokenizer_dir, block_size, store, show_progress=show_progress, seed=seed
+            data,
+            tokenizer=tokenizer,
+            tokenizer_dir=tokenizer_dir,
+            block_size=block_size,
+            store=store,
+            show_progress=show_progress,
+            seed=seed,
         )
 
     return ensure_store(default_store_path(fingerprint), local_rank, prepare)

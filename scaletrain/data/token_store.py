@@ -479,12 +479,18 @@ def write_store(
         init_args = (str(tokenizer_file), tokenizer.eos_token_id, dtype.str, add_special)
         started = time.perf_counter()
         pool, encode = _start_encoder(num_proc, init_args)
-        writing = _Writing(tmp, source.fingerprint.text_column, batch_size, encode, show_progress)
+        writing = _Writing(
+            tmp,
+            column=source.fingerprint.text_column,
+            batch_size=batch_size,
+            encode=encode,
+            show_progress=show_progress,
+        )
         counts = _write_splits(source.splits, source.held_out, writing)
         tokenizer_file.unlink()
         for mapping in tmp.glob("*.indices.arrow"):
             mapping.unlink()
-        manifest = _manifest(source, dtype, tokenizer, counts, started)
+        manifest = _manifest(source, dtype=dtype, tokenizer=tokenizer, counts=counts, started=started)
         (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
         os.replace(tmp, store)  # onto nothing, or an empty folder (prepare_token_store refuses any other)
         finished = True
@@ -543,7 +549,7 @@ def _write_splits(splits: dict, held_out: HeldOut | None, writing: _Writing) -> 
     return counts
 
 
-def _manifest(source: StoreInput, dtype: np.dtype, tokenizer, counts: dict, started: float) -> dict:
+def _manifest(source: StoreInput, *, dtype: np.dtype, tokenizer, counts: dict, started: float) -> dict:
     manifest = {
         "format_version": FORMAT_VERSION,
         "fingerprint": source.fingerprint.as_dict(),

@@ -39,7 +39,7 @@ class TrainingData:
     schedule: LRSchedule
 
 
-def training_blocks(stores: list, data: DataArgs, block_size: int, seed: int, tokenizer):
+def training_blocks(stores: list, *, data: DataArgs, block_size: int, seed: int, tokenizer):
     """The blocks training draws from: one store's, or a --dataset_mix of several (chat data: whole examples);
     --print_samples shows the first store's first packed examples."""
     train = [blocks_for(s, "train", block_size, data) for s in stores]
@@ -66,7 +66,7 @@ def validation_sets(
         parts = [blocks_for(s, split, block_size, data) for s in stores if split in s["splits"]]
         batches = EvalBatches.chain(
             [
-                eval_batches(blocks, batch_size, dp_rank, dp_world_size, max_samples)
+                eval_batches(blocks, batch_size=batch_size, rank=dp_rank, world=dp_world_size, limit=max_samples)
                 for blocks in parts
                 if blocks is not None
             ]
@@ -81,7 +81,7 @@ def validation_sets(
     return sets
 
 
-def describe_data(blocks, order, micro: int, accumulation: int, dp_world_size: int, total_steps: int) -> str:
+def describe_data(blocks, *, order, micro: int, accumulation: int, dp_world_size: int, total_steps: int) -> str:
     """The data line of a run's first logs: documents, tokens, blocks and how they make the global batch."""
     if getattr(blocks, "unit", None) == "pairs":
         return (
@@ -108,16 +108,18 @@ def prepare_stores(cfg: RunConfig, *, dist: DistInfo, tokenizer, block_size: int
     show_progress = dist.is_main and interactive()  # in a redirect, the log line of each store says it
     paths = [Path(p) for p in cfg.data.store_paths]
     if not paths and chat is not None:  # chat data: tokens and a loss mask
-        store, prepare = store_plan(cfg.data, tokenizer, block_size, chat, show_progress)
+        store, prepare = store_plan(
+            cfg.data, tokenizer=tokenizer, block_size=block_size, chat=chat, show_progress=show_progress
+        )
         paths = [ensure_store(store, dist.local_rank, prepare)]
     elif not paths:
         paths = [
             ensure_token_store(
                 cfg.data,
-                tokenizer,
-                cfg.model.tokenizer_source,
-                block_size,
-                dist.local_rank,
+                tokenizer=tokenizer,
+                tokenizer_dir=cfg.model.tokenizer_source,
+                block_size=block_size,
+                local_rank=dist.local_rank,
                 show_progress=show_progress,
                 seed=cfg.optim.seed,
             )
@@ -141,41 +143,54 @@ def build_training_data(
     where the flag was not typed) from the resume point on, the LR schedule's length and the evaluation sets."""
     layout = dist.layout
     data, optim = cfg.data, cfg.optim
-    blocks = training_blocks(list(stores), data, block_size, optim.seed, tokenizer)
+    blocks = training_blocks(list(stores), data=data, block_size=block_size, seed=optim.seed, tokenizer=tokenizer)
     micro, accumulation = ds.micro_batch, ds.config["gradient_accumulation_steps"]
     resumed = resume.state if resume else {}
     ramp = optim.rampup_batch_size and BatchRamp(*optim.rampup_batch_size, full=micro * accumulation * layout.dp)
     order = GlobalOrder(
         len(blocks),
-        micro,
-        accumulation,
-        layout.dp,
-        optim.seed,
+        micro_batch=micro,
+        accumulation=accumulation,
+        dp_world_size=layout.dp,
+        seed=optim.seed,
         start_step=resumed.get("step", 0) + resumed.get("data_offset", 0),
         start_samples=resumed.get("samples_seen", 0),
         ramp=ramp or None,
     )
     total = optim.max_steps if optim.max_steps > 0 else order.total_steps(optim.num_train_epochs)
     schedule = schedule_for(
-        optim.lr_scheduler_type, total, optim.warmup_steps, optim.warmup_ratio, optim.min_lr_ratio, optim.decay_ratio
+        optim.lr_scheduler_type,
+        total_steps=total,
+        warmup_steps=optim.warmup_steps,
+        warmup_ratio=optim.warmup_ratio,
+        min_lr_ratio=optim.min_lr_ratio,
+        decay_ratio=optim.decay_ratio,
     )
     previous = resume and resume.previous_run_config
     changed = previous and describe_schedule_change(
-        previous, schedule, ds.peak_lr, resumed.get("step", 0), resumed.get("skipped_steps", 0)
+        previous,
+        schedule=schedule,
+        peak_lr=ds.peak_lr,
+        step=resumed.get("step", 0),
+        skipped_steps=resumed.get("skipped_steps", 0),
     )
     if changed and dist.is_main:  # every rank computes the same: say it once
         log.warning(changed)
     eval_sets = validation_sets(
         list(stores),
-        data,
-        block_size,
-        optim.per_device_eval_batch_size,
-        dist.coords.dp,
-        layout.dp,
-        cfg.logging.max_eval_samples,
+        data=data,
+        block_size=block_size,
+        batch_size=optim.per_device_eval_batch_size,
+        dp_rank=dist.coords.dp,
+        dp_world_size=layout.dp,
+        max_samples=cfg.logging.max_eval_samples,
     )
-    log.info(describe_data(blocks, order, micro, accumulation, layout.dp, total))
+    log.info(
+        describe_data(
+            blocks, order=order, micro=micro, accumulation=accumulation, dp_world_size=layout.dp, total_steps=total
+        )
+    )
     if ramp:
         stages = ", ".join(f"{s.global_batch} from step {s.start_step}" for s in order.stages)
         log.info("batch ramp-up: %s", stages)
-    return TrainingData(stores, blocks, eval_sets, order, schedule)
+    return TrainingData(stores, blocks=blocks, eval_sets=eval_sets, order=order, schedule=schedule)

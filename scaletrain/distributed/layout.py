@@ -342,6 +342,7 @@ def _check_pipeline_config(parallel: ParallelArgs, ds: ResolvedDSConfig, config_
 
 def check_pipeline_run(
     parallel: ParallelArgs,
+    *,
     attention_isolation: bool,
     precision: str,
     zero_stage: int,
@@ -387,6 +388,15 @@ def check_pipeline_layout(
 ) -> None:
     """Pipeline parallelism: the model maps onto its stages, and the run asks nothing the pipeline path lacks."""
     pp, tp = parallel.pipeline_parallel_size, parallel.tensor_parallel_size
-    check_pipeline_model(pp, model_config, attn_implementation, block_size, tp)
+    check_pipeline_model(
+        pp, model_config=model_config, attn_implementation=attn_implementation, block_size=block_size, tp=tp
+    )
     micro_batches = ds.config.get("gradient_accumulation_steps")
-    check_pipeline_run(parallel, isolates_documents, ds.precision, ds.zero_stage, config_path, micro_batches)
+    check_pipeline_run(
+        parallel,
+        attention_isolation=isolates_documents,
+        precision=ds.precision,
+        zero_stage=ds.zero_stage,
+        config_path=config_path,
+        micro_batches=micro_batches,
+    )

@@ -40,7 +40,7 @@ def uses_sliding_window(model_config, block_size: int) -> bool:
     return layer_types is None or "sliding_attention" in layer_types
 
 
-def check_pipeline_model(pp: int, model_config, attn_implementation: str, block_size: int = 0, tp: int = 1) -> None:
+def check_pipeline_model(pp: int, *, model_config, attn_implementation: str, block_size: int = 0, tp: int = 1) -> None:
     """Before anything is built: the model maps onto stages (and, with tensor parallelism, its stages split by
     name), and its layers split evenly over them."""
     if pp == 1:
@@ -261,7 +261,7 @@ class TokenLoss:
 
         if self.chunk is not None:
             bias = getattr(self.head, "bias", None)
-            summed = chunked_token_loss(outputs, self.head.weight, bias, targets, self.chunk)
+            summed = chunked_token_loss(outputs, weight=self.head.weight, bias=bias, targets=targets, chunk=self.chunk)
         else:
             summed = F.cross_entropy(
                 outputs.reshape(-1, outputs.size(-1)).float(),

@@ -30,7 +30,7 @@ def parameter_groups(model, weight_decay: float) -> list:
     ]
 
 
-def build_engine(model, ds_config: dict, weight_decay: float, schedule: LRSchedule, layout: ParallelLayout):
+def build_engine(model, *, ds_config: dict, weight_decay: float, schedule: LRSchedule, layout: ParallelLayout):
     """deepspeed.initialize with the run's parameter groups and LR schedule; AutoTP's groups first under tensor
     parallelism. DeepSpeed gets a copy of the config: the run's stays as resolved."""
     import contextlib

@@ -48,11 +48,13 @@ class LRSchedule:
 
 
 def schedule_for(
-    kind: str, total_steps: int, warmup_steps: int, warmup_ratio: float, min_lr_ratio: float, decay_ratio: float
+    kind: str, *, total_steps: int, warmup_steps: int, warmup_ratio: float, min_lr_ratio: float, decay_ratio: float
 ) -> LRSchedule:
     """The run's schedule from its flags; `constant` has no warmup, whatever --warmup_ratio says."""
     warmup = 0 if kind == "constant" else warmup_steps_for(total_steps, warmup_steps, warmup_ratio)
-    return LRSchedule(kind, total_steps, warmup, min_lr_ratio, decay_ratio)
+    return LRSchedule(
+        kind, total_steps=total_steps, warmup_steps=warmup, min_lr_ratio=min_lr_ratio, decay_ratio=decay_ratio
+    )
 
 
 def warmup_steps_for(total_steps: int, warmup_steps: int, warmup_ratio: float) -> int:
@@ -71,10 +73,10 @@ def schedule_of_run(run_config: dict) -> LRSchedule | None:
         return None
     return LRSchedule(
         run_config["lr_scheduler_type"],
-        run_config["total_steps"],
-        run_config["warmup_steps"],
-        run_config["min_lr_ratio"],
-        run_config["decay_ratio"],
+        total_steps=run_config["total_steps"],
+        warmup_steps=run_config["warmup_steps"],
+        min_lr_ratio=run_config["min_lr_ratio"],
+        decay_ratio=run_config["decay_ratio"],
     )
 
 
@@ -91,7 +93,7 @@ def _describe(schedule: LRSchedule, peak_lr: float, other: LRSchedule, other_pea
 
 
 def describe_schedule_change(
-    previous: dict, schedule: LRSchedule, peak_lr: float, step: int, skipped_steps: int = 0
+    previous: dict, *, schedule: LRSchedule, peak_lr: float, step: int, skipped_steps: int = 0
 ) -> str | None:
     """The warning for a run resumed at `step` with another schedule (or peak LR) than the run_config.json
     `previous` of the run it continues (its peak: "peak_lr" where the reader added the resolved one, else
@@ -105,7 +107,13 @@ def describe_schedule_change(
         return None
     old_peak = previous.get("peak_lr", previous["learning_rate"])
     if old.kind != "wsd" and schedule.kind != "wsd":
-        old = LRSchedule(old.kind, old.total_steps, old.warmup_steps, old.min_lr_ratio, schedule.decay_ratio)
+        old = LRSchedule(
+            old.kind,
+            total_steps=old.total_steps,
+            warmup_steps=old.warmup_steps,
+            min_lr_ratio=old.min_lr_ratio,
+            decay_ratio=schedule.decay_ratio,
+        )
     if old == schedule and old_peak == peak_lr:
         return None
     before, after = old_peak * old.multiplier(position), peak_lr * schedule.multiplier(position)

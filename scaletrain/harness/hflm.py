@@ -13,7 +13,7 @@ from scaletrain.harness.lockstep import ForwardLockstep, causal_lm_of
 class EngineLM(HFLM):
     """HFLM on the live module, distributed over the run's process group instead of accelerate's."""
 
-    def __init__(self, module, tokenizer, batch_size: int, rank: int, world_size: int, lockstep: bool, progress):
+    def __init__(self, module, *, tokenizer, batch_size: int, rank: int, world_size: int, lockstep: bool, progress):
         # A module, not a path: HFLM skips loading and accelerate (a rank and world size of its own). It also puts
         # the module in eval mode: put back (each evaluation switches it for its own time, scoring.py).
         was_training = module.training

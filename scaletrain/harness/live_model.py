@@ -29,4 +29,12 @@ def engine_lm(
     data-parallel ranks; `lockstep` under ZeRO-3 with several ranks; `progress` hears of each forward."""
     from scaletrain.harness.hflm import EngineLM
 
-    return EngineLM(module, tokenizer, batch_size, rank, world_size, lockstep, progress)
+    return EngineLM(
+        module,
+        tokenizer=tokenizer,
+        batch_size=batch_size,
+        rank=rank,
+        world_size=world_size,
+        lockstep=lockstep,
+        progress=progress,
+    )

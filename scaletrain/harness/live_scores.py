@@ -45,7 +45,15 @@ class LiveScores:
                 lockstep=self.lockstep,
                 progress=self.progress,
             )
-        scores = score(self._lm, self.tasks, self.args, self.out_dir, f"step{step}", step, show_bars=self.show_bars)
+        scores = score(
+            self._lm,
+            tasks=self.tasks,
+            args=self.args,
+            out_dir=self.out_dir,
+            name=f"step{step}",
+            step=step,
+            show_bars=self.show_bars,
+        )
         if scores is not None:
             self.log({"step": step, **scores.metrics})
 

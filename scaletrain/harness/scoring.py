@@ -91,6 +91,7 @@ _BAR = re.compile(r"\d+%\|.*\|\s*\d+/\d+|\r")
 
 def score(
     lm,
+    *,
     tasks: HarnessTasks,
     args: HarnessArgs,
     out_dir: Path | None,

@@ -70,11 +70,11 @@ def resolve_tasks(
     manager = TaskManager(include_path=include or None, include_defaults=has_names)
     documents: dict[str, int] = {}
     for spec in loads:
-        documents |= _build(manager, spec, limit, ranks, flag)
+        documents |= _build(manager, spec=spec, limit=limit, ranks=ranks, flag=flag)
     return HarnessTasks(tuple(loads), manager, documents)
 
 
-def _build(manager, spec: str, limit: int | None, ranks: int, flag: str) -> dict[str, int]:
+def _build(manager, *, spec: str, limit: int | None, ranks: int, flag: str) -> dict[str, int]:
     """{leaf task: documents scored} of one spec, built as an evaluation will build it."""
     shown = Path(spec).name if Path(spec).suffix in (".yaml", ".yml") else spec
     if Path(spec).suffix not in (".yaml", ".yml") and spec not in manager.all_tasks:

@@ -51,7 +51,7 @@ def model_facts(skeleton, model_config) -> dict:
 
 
 def check_model_features(
-    cfg: RunConfig, ds: ResolvedDSConfig, skeleton, model_config, hardware: HardwareFacts, isolates_documents: bool
+    cfg: RunConfig, *, ds: ResolvedDSConfig, skeleton, model_config, hardware: HardwareFacts, isolates_documents: bool
 ):
     """The attention backend with document isolation, activation checkpointing, LoRA and QLoRA against this model
     and engine; returns a mixture-of-experts model's load-balancing loss (moe.RouterLoss) or None."""

@@ -49,7 +49,7 @@ def _gradient_buffers(hidden, weight, bias, with_grad: bool) -> tuple:
     return grad_hidden, grad_weight, grad_bias
 
 
-def _add_chunk_gradients(grads: tuple, d_logits, h, weight, ignored, start: int, chunk: int) -> None:
+def _add_chunk_gradients(grads: tuple, *, d_logits, h, weight, ignored, start: int, chunk: int) -> None:
     """Add one chunk's gradients, from d(loss)/d(logits) [c, V] (fp32), to the buffers of _gradient_buffers; the
     ignored tokens' rows reach neither the bias's nor (zeroed) the hidden states' gradient."""
     grad_hidden, grad_weight, grad_bias = grads
@@ -87,7 +87,9 @@ class ChunkedCrossEntropy(torch.autograd.Function):
             # d(summed loss)/d(logits) = softmax - one_hot(target)
             d_logits = log_probs.exp_()
             d_logits[torch.arange(h.size(0), device=h.device), safe_targets] -= 1.0
-            _add_chunk_gradients(grads, d_logits, h, weight, ignored, start, chunk)
+            _add_chunk_gradients(
+                grads, d_logits=d_logits, h=h, weight=weight, ignored=ignored, start=start, chunk=chunk
+            )
         ctx.grads = grads
         ctx.dtypes = (hidden.dtype, weight.dtype, None if bias is None else bias.dtype)
         return total
@@ -197,7 +199,9 @@ class VocabParallelCrossEntropy(torch.autograd.Function):
             d_logits = exps.div_(sums[0].unsqueeze(1))  # softmax over the whole vocabulary, this rank's columns
             picked = torch.arange(h.size(0), device=h.device)[mine]
             d_logits[picked, local[mine]] -= 1.0
-            _add_chunk_gradients(grads, d_logits, h, weight, ignored, start, chunk)
+            _add_chunk_gradients(
+                grads, d_logits=d_logits, h=h, weight=weight, ignored=ignored, start=start, chunk=chunk
+            )
         if grads[0] is not None:  # every rank's part of the hidden states' gradient
             dist.all_reduce(grads[0], group=group)
         ctx.grads = grads
@@ -209,7 +213,7 @@ class VocabParallelCrossEntropy(torch.autograd.Function):
         return ChunkedCrossEntropy.backward(ctx, grad_output)[:4] + (None,)
 
 
-def chunked_target_logps(hidden, weight, bias, targets, chunk: int):
+def chunked_target_logps(hidden, *, weight, bias, targets, chunk: int):
     """Per-token log-probabilities of `targets` [...] under the head, `chunk` tokens at a time: [...] float32."""
     with_grad = torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad)
     flat = ChunkedTargetLogProbs.apply(
@@ -263,9 +267,18 @@ class ChunkedLoss:
         if self.__dict__.get("_per_token"):
             if self.vocab_shard is not None:  # preference training refuses tensor parallelism before this
                 raise RuntimeError("chunked loss: per-token log-probabilities of a vocabulary shard are not supported")
-            result = chunked_target_logps(hidden, self.weight, self.bias, targets, self.chunk_tokens)
+            result = chunked_target_logps(
+                hidden, weight=self.weight, bias=self.bias, targets=targets, chunk=self.chunk_tokens
+            )
         else:
-            result = chunked_token_loss(hidden, self.weight, self.bias, targets, self.chunk_tokens, self.vocab_shard)
+            result = chunked_token_loss(
+                hidden,
+                weight=self.weight,
+                bias=self.bias,
+                targets=targets,
+                chunk=self.chunk_tokens,
+                vocab_shard=self.vocab_shard,
+            )
         self.__dict__["_returned"] = result.data_ptr(), result.dim()
         return result
 

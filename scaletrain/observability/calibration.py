@@ -200,12 +200,15 @@ def calibrate(cluster: Cluster, calibration: Calibration, shape: ModelShape) -> 
         cluster = replace(cluster, micro_batch_fixed_s_per_layer=per_layer)
     if calibration.attention_tflops:
         cluster = replace(cluster, attention_efficiency=calibration.attention_tflops * 1e12 / cluster.peak_flops)
-    nominal = predict_step(shape, calibration.block_size, layout, cluster, calibration.precision)
+    nominal = predict_step(
+        shape, seq_len=calibration.block_size, layout=layout, cluster=cluster, precision=calibration.precision
+    )
     terms = nominal.terms
     traffic = terms["tensor_parallel"] + terms["sequence_parallel"] + terms["pipeline_p2p"]
     value_bytes = 4 if calibration.precision == "fp32" else 2
     scaled, measured = split_compute(
-        compute_parts(shape, calibration.block_size, layout, cluster, value_bytes), cluster
+        compute_parts(shape, seq_len=calibration.block_size, layout=layout, cluster=cluster, value_bytes=value_bytes),
+        cluster,
     )
     # the bubble is compute's (P - 1) / m; what the run measured holds both
     bubble = 1 + (terms["pipeline_bubble"] / terms["compute"] if terms["compute"] else 0.0)

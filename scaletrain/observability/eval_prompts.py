@@ -27,7 +27,7 @@ class EvalPrompts:
 
 
 def load_eval_prompts(
-    path: str | None, tokenizer, max_new_tokens: int, max_positions: int | None, layout: ParallelLayout | None = None
+    path: str | None, *, tokenizer, max_new_tokens: int, max_positions: int | None, layout: ParallelLayout | None = None
 ) -> EvalPrompts | None:
     """Read and tokenize --eval_prompts (UsageError naming the file and line on a mistake); None without it."""
     if not path:
@@ -45,7 +45,7 @@ def load_eval_prompts(
     for number, line in enumerate(file.read_text(encoding="utf-8").splitlines(), 1):
         if not line.strip():
             continue
-        text, chat = _prompt_text(line, number, flag, tokenizer, file.suffix == ".jsonl")
+        text, chat = _prompt_text(line, number=number, flag=flag, tokenizer=tokenizer, jsonl=file.suffix == ".jsonl")
         texts.append(text)
         # a rendered conversation carries the template's own special tokens; a plain prompt gets the tokenizer's
         ids.append(tuple(tokenizer(text, add_special_tokens=not chat)["input_ids"]))
@@ -61,7 +61,7 @@ def load_eval_prompts(
     return EvalPrompts(tuple(texts), tuple(ids), max_new_tokens)
 
 
-def _prompt_text(line: str, number: int, flag: str, tokenizer, jsonl: bool) -> tuple:
+def _prompt_text(line: str, *, number: int, flag: str, tokenizer, jsonl: bool) -> tuple:
     """(the prompt's text, whether a chat template rendered it)."""
     if not jsonl:
         return line, False
@@ -87,7 +87,7 @@ def _prompt_text(line: str, number: int, flag: str, tokenizer, jsonl: bool) -> t
     raise UsageError(f'{where}: needs a "prompt" string or a "messages" list', 'e.g. {"prompt": "Hello"}')
 
 
-def generate_samples(engine, prompts: EvalPrompts, tokenizer, eos_ids: list, synced: bool) -> list:
+def generate_samples(engine, *, prompts: EvalPrompts, tokenizer, eos_ids: list, synced: bool) -> list:
     """Greedy completions of every prompt, [{"prompt", "completion"}] (every rank takes part)."""
     import torch
 
@@ -128,5 +128,7 @@ class PromptSamples:
     metrics: MetricsLogger
 
     def __call__(self, step: int) -> None:
-        rows = generate_samples(self.engine, self.prompts, self.tokenizer, self.eos_ids, self.synced)
+        rows = generate_samples(
+            self.engine, prompts=self.prompts, tokenizer=self.tokenizer, eos_ids=self.eos_ids, synced=self.synced
+        )
         self.metrics.log_generations(step, rows)

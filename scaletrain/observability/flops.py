@@ -53,7 +53,9 @@ def model_flops(meta_model, model_config, seq_len: int) -> ModelFlops:
     heads, head_dim = attention_heads(model_config)
     text = model_config.get_text_config() if hasattr(model_config, "get_text_config") else model_config
     layers = getattr(text, "num_hidden_layers", None) or getattr(text, "n_layer", 0) or 0
-    return ModelFlops(matmul, layers, heads, head_dim, seq_len, frozen)
+    return ModelFlops(
+        matmul, layers=layers, heads=heads, head_dim=head_dim, seq_len=seq_len, frozen_matmul_params=frozen
+    )
 
 
 def attention_heads(model_config) -> tuple:
@@ -93,7 +95,7 @@ def measured_matmul_tflops(device: str, precision: str, seconds: float = 0.5, si
 
 
 def measured_attention_tflops(
-    device, dtype, batch: int, heads: int, seq_len: int, head_dim: int, repeats: int = 3
+    device, *, dtype, batch: int, heads: int, seq_len: int, head_dim: int, repeats: int = 3
 ) -> float:
     """The rate of causal fused attention (torch's scaled_dot_product_attention, forward and backward) on `device`
     for one layer's shape, in TFLOP/s as the time model counts it: 2 x batch x seq_len^2 x heads x head_dim forward
@@ -147,6 +149,7 @@ def peak_tflops(accelerator: str, precision: str, override: float | None) -> tup
 
 def throughput_model(
     flops: ModelFlops,
+    *,
     accelerator: str,
     precision: str,
     override: float | None,

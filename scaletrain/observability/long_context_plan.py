@@ -53,9 +53,12 @@ def longest_block(shape: ModelShape, run: PlannedRun, gpu_bytes: float, host_byt
     sp, precision, offload = run.parallel.sp, run.precision, run.features.offload
     option = min(
         options_for(1, sp),
-        key=lambda o: (o.offload_optimizer == "nvme", sum(model_state_bytes(o, shape, run.ranks, precision)[:3])),
+        key=lambda o: (
+            o.offload_optimizer == "nvme",
+            sum(model_state_bytes(o, shape=shape, dp=run.ranks, precision=precision)[:3]),
+        ),
     )
-    params, grads, optimizer, host_states, _ = model_state_bytes(option, shape, run.ranks, precision)
+    params, grads, optimizer, host_states, _ = model_state_bytes(option, shape=shape, dp=run.ranks, precision=precision)
 
     def offloaded(tokens: int) -> float:  # a GPU's checkpointed inputs in host memory
         return offloaded_checkpoint_bytes(shape, tokens / sp, precision) if offload else 0

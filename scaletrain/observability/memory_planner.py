@@ -172,8 +172,20 @@ OPTIONS = [
     Option("ZeRO-2", "zero2.json", 2),
     Option("ZeRO-2 + optimizer offload (CPU)", "zero2_offload.json", 2, "cpu"),
     Option("ZeRO-3", "zero3.json", 3),
-    Option("ZeRO-3 + optimizer and parameter offload (CPU)", "zero3_offload.json", 3, "cpu", "cpu"),
-    Option("ZeRO-3 + optimizer and parameter offload (NVMe)", "zero3_nvme.json", 3, "nvme", "nvme"),
+    Option(
+        "ZeRO-3 + optimizer and parameter offload (CPU)",
+        ds_config="zero3_offload.json",
+        stage=3,
+        offload_optimizer="cpu",
+        offload_params="cpu",
+    ),
+    Option(
+        "ZeRO-3 + optimizer and parameter offload (NVMe)",
+        ds_config="zero3_nvme.json",
+        stage=3,
+        offload_optimizer="nvme",
+        offload_params="nvme",
+    ),
 ]
 
 
@@ -202,6 +214,7 @@ def weight_bytes(precision: str) -> int:
 
 def model_state_bytes(
     option: Option,
+    *,
     shape: ModelShape,
     dp: int,
     precision: str,
@@ -251,9 +264,17 @@ def activation_bytes(
     `reduce_bucket` in elements as in model_state_bytes; `grads_offloaded`: the gradient partition lives in host memory
     (optimizer offload)."""
     option, parallel = Option("", "", max(stage, 1), "cpu" if grads_offloaded else "none"), run.parallel
-    states = model_state_bytes(option, shape, run.zero_ranks, run.precision, parallel.tp, parallel.pp, reduce_bucket)
+    states = model_state_bytes(
+        option,
+        shape=shape,
+        dp=run.zero_ranks,
+        precision=run.precision,
+        tp=parallel.tp,
+        pp=parallel.pp,
+        reduce_bucket=reduce_bucket,
+    )
     stages = ("first", "last") if parallel.pp > 1 else ("last",)
-    peaks = [peak_bytes(shape, run, option, reduce_bucket, which) for which in stages]
+    peaks = [peak_bytes(shape, run=run, option=option, reduce_bucket=reduce_bucket, which=which) for which in stages]
     return tuple(max(peak[i] for peak in peaks) - sum(states[:3]) for i in (0, 1))
 
 
@@ -263,19 +284,28 @@ def peak_bytes(shape: ModelShape, run: PlannedRun, option: Option, reduce_bucket
     optimizer states, and the highest of step_peaks (or of ZeRO-1/2's gradients at the update)."""
     tp, stage_shape = run.parallel.tp, shape.pipeline_stage(run.parallel.pp, which)
     params, grads, optimizer, *_ = model_state_bytes(
-        option, stage_shape, run.zero_ranks, run.precision, tp, 1, reduce_bucket
+        option, shape=stage_shape, dp=run.zero_ranks, precision=run.precision, tp=tp, pp=1, reduce_bucket=reduce_bucket
     )
     n = stage_shape.params_per_tp_rank(tp)
     transient = grads if option.stage < 3 else 0.0  # ZeRO-1/2's gradients live from the backward to the update
     persistent = params + optimizer + grads - transient
     return tuple(
         persistent + max(*phases, transient)
-        for phases in step_peaks(shape, run, option.stage, n, reduce_bucket, which, option.offload_optimizer != "none")
+        for phases in step_peaks(
+            shape,
+            run=run,
+            stage=option.stage,
+            n=n,
+            reduce_bucket=reduce_bucket,
+            which=which,
+            grads_offloaded=option.offload_optimizer != "none",
+        )
     )
 
 
 def step_peaks(
     shape: ModelShape,
+    *,
     run: PlannedRun,
     stage: int,
     n: float,
@@ -364,7 +394,16 @@ def loss_bytes(shape: ModelShape, run: PlannedRun, tokens: float) -> tuple:
         peak, kept = logit_tokens * vocab * 10 * (1.5 if run.precision == "fp32" else 1), 0.0
     kept += 2 * tokens * shape.hidden * p
     if pp > 1:  # pipeline_kept_outputs: one buffer beside the one in use
-        kept += pipeline_kept_outputs(shape, run.micro_batch, run.block_size, run.precision, bool(chunk)) / 2
+        kept += (
+            pipeline_kept_outputs(
+                shape,
+                micro_batch=run.micro_batch,
+                block_size=run.block_size,
+                precision=run.precision,
+                chunked=bool(chunk),
+            )
+            / 2
+        )
     return kept, peak
 
 
@@ -374,7 +413,7 @@ def offloaded_checkpoint_bytes(shape: ModelShape, tokens: float, precision: str)
 
 
 def pipeline_kept_outputs(
-    shape: ModelShape, micro_batch: int, block_size: int, precision: str, chunked: bool = False
+    shape: ModelShape, *, micro_batch: int, block_size: int, precision: str, chunked: bool = False
 ) -> float:
     """Bytes of the last pipeline stage's outputs that DeepSpeed's pipe engine keeps through a step: its
     TrainSchedule gives every stage at least 2 buffers (num_pipe_buffers), each holding one micro-batch's outputs
@@ -400,15 +439,34 @@ def plan_memory(shape: ModelShape, run: PlannedRun, reduce_bucket: int | None = 
     estimates, parallel = [], run.parallel
     for option in options_for(parallel.tp, parallel.sp, parallel.pp):
         offloaded = option.offload_optimizer != "none"
-        act, act_ckpt = activation_bytes(shape, run, option.stage, reduce_bucket, offloaded)
+        act, act_ckpt = activation_bytes(
+            shape, run=run, stage=option.stage, reduce_bucket=reduce_bucket, grads_offloaded=offloaded
+        )
         params, grads, optimizer, host, nvme = model_state_bytes(
-            option, shape, run.zero_ranks, run.precision, parallel.tp, parallel.pp, reduce_bucket
+            option,
+            shape=shape,
+            dp=run.zero_ranks,
+            precision=run.precision,
+            tp=parallel.tp,
+            pp=parallel.pp,
+            reduce_bucket=reduce_bucket,
         )
         if run.features.offload:
             tokens = run.micro_batch * run.block_size / parallel.sp
             host += offloaded_checkpoint_bytes(shape, tokens, run.precision)
         per_node = run.gpus_per_node
-        estimates.append(Estimate(option, params, grads, optimizer, act, act_ckpt, host * per_node, nvme * per_node))
+        estimates.append(
+            Estimate(
+                option,
+                params=params,
+                grads=grads,
+                optimizer=optimizer,
+                activations=act,
+                activations_checkpointed=act_ckpt,
+                host_per_node=host * per_node,
+                nvme_per_node=nvme * per_node,
+            )
+        )
     return estimates
 
 
@@ -456,91 +514,12 @@ def recommend_layout(shape: ModelShape, run: PlannedRun, gpu_bytes: float, host_
     return (1, 1, *choice) if choice else None
 
 
-def _describe(parallel: ParallelLayout) -> str:
-    """ "8 ranks: tensor parallel 2 x 4 data-parallel" (the memory plan's header; ParallelLayout.describe's words
-    with the rank count)."""
-    kinds = (("tensor", parallel.tp), ("sequence", parallel.sp), ("pipeline", parallel.pp))
-    sizes = [(kind, size) for kind, size in kinds if size > 1]
-    if not sizes:
-        return f"{parallel.world_size} data-parallel ranks"
-    return (
-        f"{parallel.world_size} ranks: "
-        + " x ".join(f"{kind} parallel {size}" for kind, size in sizes)
-        + f" x {parallel.dp} data-parallel"
-    )
-
-
 def layout_flags(tp: int, sp: int, pp: int) -> str:
     return "".join(
         f" --{kind}_parallel_size {size}"
         for kind, size in (("tensor", tp), ("sequence", sp), ("pipeline", pp))
         if size > 1
     )
-
-
-def render_memory_plan(
-    estimates: list[Estimate],
-    shape: ModelShape,
-    run: PlannedRun,
-    gpu_memory_gb: float,
-    host_memory_gb: float | None,
-    longest_blocks: list | None = None,
-) -> str:
-    """--plan's table of `estimates` for `run`, the `longest_blocks` lines (long_context_plan.py) and the
-    recommendation: for an open layout the fastest one that fits, otherwise the fastest option of the one given."""
-    gb = lambda b: f"{b / GIB:.2f}"  # noqa: E731
-    gpu_bytes, host_bytes = gpu_memory_gb * GIB, None if host_memory_gb is None else host_memory_gb * GIB
-    tp, sp, pp = run.parallel.tp, run.parallel.sp, run.parallel.pp
-    lines = [
-        f"memory plan: {shape.n_params / 1e6:.1f}M parameters, {run.nodes} node(s) x {run.gpus_per_node} GPU(s) = "
-        f"{_describe(run.parallel)}, {run.precision}, micro-batch {run.micro_batch} x {run.block_size} "
-        f"tokens{run.features.describe()}, {gpu_memory_gb:g} GB per GPU"
-        + ("" if host_memory_gb is None else f", {host_memory_gb:g} GB host per node"),
-        "GB per GPU unless marked; working: what a step holds beyond the model states at its peak (0 where the "
-        "update's gradients are the peak); 'fits' leaves 10% of the GPU free (fragmentation, communication buffers)",
-        "",
-        "| option | params | grads | optimizer | model states | working (no ckpt / ckpt) | total (no ckpt / "
-        "ckpt) | host per node | NVMe per node | fits (no ckpt / ckpt) | config |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
-    ]
-    for est in estimates:
-        fits = []
-        for ckpt in (False, True):
-            ok = est.total(ckpt) <= HEADROOM * gpu_bytes and (
-                host_bytes is None or est.host_per_node <= HEADROOM * host_bytes
-            )
-            fits.append("yes" if ok else "no")
-        lines.append(
-            f"| {est.option.name} | {gb(est.params)} | {gb(est.grads)} | {gb(est.optimizer)} | {gb(est.model_states)} "
-            f"| {gb(est.activations)} / {gb(est.activations_checkpointed)} | {gb(est.total(False))} / "
-            f"{gb(est.total(True))} | {gb(est.host_per_node)} | {gb(est.nvme_per_node)} | {' / '.join(fits)} | "
-            f"ds_configs/{est.option.ds_config} |"
-        )
-    if longest_blocks:
-        lines += ["", *longest_blocks]
-    if tp == 1 and sp == 1 and pp == 1:  # the layout is open: data parallelism, then TP, then PP, then offload
-        choice = recommend_layout(shape, run, gpu_bytes, host_bytes)
-    else:  # the layout was given
-        choice = recommend(estimates, gpu_bytes, host_bytes)
-        choice = choice and (tp, pp, *choice)
-    lines.append("")
-    if sp > 1 and pp > 1:
-        lines.append("planning only: train.py does not run sequence parallelism with pipeline parallelism")
-    if choice is None:
-        lines.append(
-            "memory plan's choice: nothing fits; lower --per_device_train_batch_size or --block_size, add GPUs or "
-            "nodes (ZeRO-3 divides the model states by the rank count), or use GPUs with more memory"
-        )
-    else:
-        chosen_tp, chosen_pp, est, ckpt = choice
-        lines.append(
-            f"memory plan's choice: --config ds_configs/{est.option.ds_config}"
-            + layout_flags(chosen_tp, sp, chosen_pp)
-            + (" --gradient_checkpointing" if ckpt else "")
-            + f" ({est.option.name}{', activation checkpointing' if ckpt else ''}: "
-            f"{gb(est.total(ckpt))} of {gpu_memory_gb:g} GB per GPU)"
-        )
-    return "\n".join(lines)
 
 
 def snapshot_bytes_per_rank(n_params: int, precision: str, zero_stage: int, world_size: int) -> int:

@@ -192,7 +192,9 @@ def matmul_params(shape: ModelShape) -> int:
 def model_flops_per_token(shape: ModelShape, seq_len: int) -> float:
     """Model FLOPs per token as train.py logs them (flops.ModelFlops, PaLM appendix B: 6 N + 12 L H Q s)."""
     heads = shape.heads or 1
-    return ModelFlops(matmul_params(shape), shape.layers, heads, shape.hidden / heads, seq_len).per_token()
+    return ModelFlops(
+        matmul_params(shape), layers=shape.layers, heads=heads, head_dim=shape.hidden / heads, seq_len=seq_len
+    ).per_token()
 
 
 def stage_matmul_params(shape: ModelShape, tp: int, pp: int) -> float:
@@ -225,7 +227,7 @@ def compute_passes(layout: Layout) -> int:
     return 3 + (1 if layout.checkpointing else 0)  # forward = 1, backward = 2, recomputation = 1 more forward
 
 
-def compute_parts(shape: ModelShape, seq_len: int, layout: Layout, cluster: Cluster, value_bytes: int) -> dict:
+def compute_parts(shape: ModelShape, *, seq_len: int, layout: Layout, cluster: Cluster, value_bytes: int) -> dict:
     """Seconds of one micro-batch's compute through one stage (forward, backward, recomputation) by kind, before the
     calibrated compute scale: matmul, attention, elementwise, fixed."""
     tp, sp, pp, b, h = layout.parallel.tp, layout.parallel.sp, layout.parallel.pp, layout.micro_batch, shape.hidden
@@ -259,7 +261,7 @@ def scaled_compute(parts: dict, cluster: Cluster) -> float:
     return scaled * cluster.compute_scale + measured
 
 
-def _micro_batch_slot(shape: ModelShape, seq_len: int, layout: Layout, cluster: Cluster, value_bytes: int) -> _Slot:
+def _micro_batch_slot(shape: ModelShape, *, seq_len: int, layout: Layout, cluster: Cluster, value_bytes: int) -> _Slot:
     """One micro-batch through one stage (forward, backward, recomputation): compute and model-parallel traffic."""
     tp, sp, b, h = layout.parallel.tp, layout.parallel.sp, layout.micro_batch, shape.hidden
     layers, passes = shape.layers / layout.parallel.pp, compute_passes(layout)
@@ -272,7 +274,9 @@ def _micro_batch_slot(shape: ModelShape, seq_len: int, layout: Layout, cluster: 
     # q, k, v in, the output back: of this tensor rank's heads
     sp_bytes = layers * (2 + 2 * kv_share) * activation / tp * (sp - 1) / sp * sp_passes
     return _Slot(
-        compute=scaled_compute(compute_parts(shape, seq_len, layout, cluster, value_bytes), cluster),
+        compute=scaled_compute(
+            compute_parts(shape, seq_len=seq_len, layout=layout, cluster=cluster, value_bytes=value_bytes), cluster
+        ),
         tensor=cluster.collective(tp_bytes, tp_allreduces, tp),
         sequence=cluster.collective(sp_bytes, 4 * layers * sp_passes, sp, stride=tp),
         tensor_bytes=tp_bytes,
@@ -281,7 +285,7 @@ def _micro_batch_slot(shape: ModelShape, seq_len: int, layout: Layout, cluster: 
     )
 
 
-def _data_parallel(shape: ModelShape, layout: Layout, cluster: Cluster, value_bytes: int, slot: _Slot) -> tuple:
+def _data_parallel(shape: ModelShape, *, layout: Layout, cluster: Cluster, value_bytes: int, slot: _Slot) -> tuple:
     """(exposed seconds, bytes a GPU moves) of the data-parallel traffic of one step. ZeRO partitions over the
     sequence-parallel ranks too."""
     parallel, m = layout.parallel, layout.grad_accum
@@ -321,20 +325,20 @@ def _optimizer_and_offload(shape: ModelShape, layout: Layout, cluster: Cluster, 
 
 
 def predict_step(
-    shape: ModelShape, seq_len: int, layout: Layout, cluster: Cluster, precision: str = "bf16"
+    shape: ModelShape, *, seq_len: int, layout: Layout, cluster: Cluster, precision: str = "bf16"
 ) -> StepPrediction:
     """The predicted step of `layout` on `cluster` for a model of `shape` trained on blocks of `seq_len` tokens."""
     value_bytes = 4 if precision == "fp32" else 2
     parallel, m = layout.parallel, layout.grad_accum
     pp = parallel.pp
-    slot = _micro_batch_slot(shape, seq_len, layout, cluster, value_bytes)
+    slot = _micro_batch_slot(shape, seq_len=seq_len, layout=layout, cluster=cluster, value_bytes=value_bytes)
     # The pipeline: m micro-batch slots of work, (P - 1) / v more of bubble, each slot sending one activation forward
     # and one gradient back across the stage boundary.
     transfers = 2 * (m + pp - 1) if pp > 1 else 0
     p2p_bytes = transfers * slot.activation_bytes
     stage_ranks = parallel.tp * parallel.sp * parallel.dp  # a stage's ranks: its neighbour is that far away
     p2p = cluster.collective(p2p_bytes, transfers, pp, stride=stage_ranks) if pp > 1 else 0.0
-    data, dp_bytes = _data_parallel(shape, layout, cluster, value_bytes, slot)
+    data, dp_bytes = _data_parallel(shape, layout=layout, cluster=cluster, value_bytes=value_bytes, slot=slot)
     optimizer, offload = _optimizer_and_offload(shape, layout, cluster, value_bytes)
     terms = {
         "compute": m * slot.compute,

@@ -113,7 +113,7 @@ class Planner:
     """Scores layouts of one model on one cluster: memory from the memory planner (cached per layout and micro-batch),
     time from the time model."""
 
-    def __init__(self, shape: ModelShape, run: PlannedRun, cluster: Cluster, gpu_bytes: float, host_bytes):
+    def __init__(self, shape: ModelShape, *, run: PlannedRun, cluster: Cluster, gpu_bytes: float, host_bytes):
         self.shape, self.run, self.cluster = shape, run, cluster
         self.gpu_bytes, self.host_bytes = gpu_bytes, host_bytes
         self._memory: dict = {}
@@ -128,13 +128,15 @@ class Planner:
     def score(self, layout: Layout, option: Option) -> Candidate:
         estimate: Estimate | None = self._estimates(layout).get(option.name)
         if estimate is None:  # an option the layout does not train with (the flags' own ZeRO-0, say): its states
-            estimate = _estimate_for(option, self.shape, self.run, layout, self.cluster)
+            estimate = _estimate_for(option, shape=self.shape, run=self.run, layout=layout, cluster=self.cluster)
         peak = estimate.total(layout.checkpointing)
         fits = peak <= HEADROOM * self.gpu_bytes and (
             self.host_bytes is None or estimate.host_per_node <= HEADROOM * self.host_bytes
         )
-        prediction = predict_step(self.shape, self.run.block_size, layout, self.cluster, self.run.precision)
-        return Candidate(layout, option, fits, peak, prediction)
+        prediction = predict_step(
+            self.shape, seq_len=self.run.block_size, layout=layout, cluster=self.cluster, precision=self.run.precision
+        )
+        return Candidate(layout, option=option, fits=fits, peak_bytes=peak, prediction=prediction)
 
     def candidates(self, global_sequences: int, cross_node_tensor: bool = False) -> list[Candidate]:
         """Every layout the pipeline runs for `global_sequences` sequences a step on the cluster, fastest first."""
@@ -159,7 +161,13 @@ class Planner:
                             continue
                         for option in options_for(tp, sp, pp):
                             for checkpointing in (False, True):
-                                layout = _layout(option, parallel, micro_batch, accum, checkpointing)
+                                layout = _layout(
+                                    option,
+                                    parallel=parallel,
+                                    micro_batch=micro_batch,
+                                    accum=accum,
+                                    checkpointing=checkpointing,
+                                )
                                 scored.append(self.score(layout, option))
         return sorted(scored, key=lambda c: c.prediction.step_time)
 
@@ -172,7 +180,7 @@ def _sequence_degrees(shape: ModelShape, tp: int, world: int) -> list:
     return ulysses_degrees(local, world // tp)
 
 
-def _layout(option: Option, parallel: ParallelLayout, micro_batch: int, accum: int, checkpointing: bool) -> Layout:
+def _layout(option: Option, *, parallel: ParallelLayout, micro_batch: int, accum: int, checkpointing: bool) -> Layout:
     return Layout(
         parallel,
         zero_stage=option.stage,
@@ -193,7 +201,7 @@ def planned_on(run: PlannedRun, cluster: Cluster, layout: Layout) -> PlannedRun:
     )  # fmt: skip
 
 
-def _estimate_for(option: Option, shape: ModelShape, run: PlannedRun, layout: Layout, cluster: Cluster) -> Estimate:
+def _estimate_for(option: Option, *, shape: ModelShape, run: PlannedRun, layout: Layout, cluster: Cluster) -> Estimate:
     """The memory of an option outside the layout's list (a ZeRO-0 pipeline): ZeRO-1's working memory, and whole
     optimizer states on every rank for ZeRO-0."""
     from scaletrain.observability.memory_planner import activation_bytes, model_state_bytes
@@ -202,17 +210,31 @@ def _estimate_for(option: Option, shape: ModelShape, run: PlannedRun, layout: La
     act, act_ckpt = activation_bytes(shape, planned, max(option.stage, 1))
     dp = 1 if option.stage == 0 else planned.zero_ranks
     params, grads, optimizer, host, nvme = model_state_bytes(
-        replace(option, stage=max(option.stage, 1)), shape, dp, run.precision, parallel.tp, parallel.pp
+        replace(option, stage=max(option.stage, 1)),
+        shape=shape,
+        dp=dp,
+        precision=run.precision,
+        tp=parallel.tp,
+        pp=parallel.pp,
     )
-    return Estimate(option, params, grads, optimizer, act, act_ckpt, host * cluster.gpus_per_node, 0.0)
+    return Estimate(
+        option,
+        params=params,
+        grads=grads,
+        optimizer=optimizer,
+        activations=act,
+        activations_checkpointed=act_ckpt,
+        host_per_node=host * cluster.gpus_per_node,
+        nvme_per_node=0.0,
+    )
 
 
-def flags_candidate(planner: Planner, option: Option, run: PlannedRun, accum: int, checkpointing: bool) -> Candidate:
+def flags_candidate(planner: Planner, *, option: Option, run: PlannedRun, accum: int, checkpointing: bool) -> Candidate:
     """The layout the flags name (`run`'s model-parallel sizes on the planner's cluster, its micro-batch), scored
     whether or not it fits."""
     sizes = run.parallel
     parallel = ParallelLayout.of_world(planner.cluster.world, sizes.tp, sizes.sp, sizes.pp)
-    layout = _layout(option, parallel, run.micro_batch, accum, checkpointing)
+    layout = _layout(option, parallel=parallel, micro_batch=run.micro_batch, accum=accum, checkpointing=checkpointing)
     return planner.score(layout, option)
 
 
@@ -242,6 +264,7 @@ def _row(candidate: Candidate, label: str, tokens: float | None) -> str:
 
 def render_time_plan(
     cluster: Cluster,
+    *,
     flags: Candidate,
     candidates: list[Candidate],
     block_size: int,

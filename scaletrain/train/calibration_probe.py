@@ -30,7 +30,9 @@ def probe_for_calibration(
     attention = None
     if heads and head_dim:  # a model that names its attention's shape
         heads //= layout.tp
-        attention = measured_attention_tflops(engine.device, dtype, micro_batch, heads, block_size, head_dim)
+        attention = measured_attention_tflops(
+            engine.device, dtype=dtype, batch=micro_batch, heads=heads, seq_len=block_size, head_dim=head_dim
+        )
         log.info("attention at %.3g TFLOP/s (%d x %d tokens, %d heads)", attention, micro_batch, block_size, heads)
     log.info("a micro-batch's fixed cost: %.3g ms (one %d-token sequence)", seconds * 1e3, PROBE_TOKENS)
     if is_main:

@@ -111,7 +111,7 @@ def _clock(wall: float) -> str:
     return time.strftime("%H:%M:%S", time.localtime(wall))
 
 
-def describe_hang(beats: dict, world_size: int, now: float, timeout: float, stuck_s: float) -> tuple:
+def describe_hang(beats: dict, *, world_size: int, now: float, timeout: float, stuck_s: float) -> tuple:
     """(one line for the console, the text of report.txt)."""
     named, why = suspects(beats, world_size, now, timeout)
     rows = []
@@ -204,7 +204,14 @@ def start_hang_watch(
         return None
     folder = broadcast_from_main(str(attempt_folder(output_dir)) if dist.is_main else None)
     allowance = long_allowance(args.hang_timeout, args.ddp_timeout)
-    watch = HangWatch(Path(folder), dist.rank, dist.world_size, args.hang_timeout, allowance, on_hang)
+    watch = HangWatch(
+        Path(folder),
+        rank=dist.rank,
+        world_size=dist.world_size,
+        timeout=args.hang_timeout,
+        long_allowance_s=allowance,
+        on_hang=on_hang,
+    )
     watch.start()
     barrier()
     return watch
@@ -217,6 +224,7 @@ class HangWatch:
     def __init__(
         self,
         folder: Path,
+        *,
         rank: int,
         world_size: int,
         timeout: float,
@@ -307,7 +315,7 @@ class HangWatch:
                     log.warning("hang watch: %s in %s: %s", type(err).__name__, self.folder, err)
 
     def _declare(self, beats: dict, now: float, stuck: float) -> None:
-        line, text = describe_hang(beats, self.world_size, now, self.timeout, stuck)
+        line, text = describe_hang(beats, world_size=self.world_size, now=now, timeout=self.timeout, stuck_s=stuck)
         try:
             fd = os.open(self.folder / REPORT_FILE, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
         except FileExistsError:

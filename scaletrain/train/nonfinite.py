@@ -67,7 +67,16 @@ class NonFiniteGuard(Callback):
     def post_step(self, outcome: StepOutcome) -> None:
         result = outcome.result
         samples = partial(self.trainer.batches.sample_ids, outcome.data_step)
-        if self.after_step(outcome.step, result.global_loss, result.forced, result.applied, samples) == "rollback":
+        if (
+            self.after_step(
+                outcome.step,
+                global_loss=result.global_loss,
+                forced=result.forced,
+                applied=result.applied,
+                sample_ids=samples,
+            )
+            == "rollback"
+        ):
             self.trainer.phase("rollback", long=True)
             assert self.rollback is not None, "a rollback policy is built with its rollback"
             self.record(self.rollback())  # back to the newest committed checkpoint, the data past this streak
@@ -88,7 +97,7 @@ class NonFiniteGuard(Callback):
         return None
 
     def after_step(
-        self, step: int, global_loss: float, forced: str | None, applied: bool, sample_ids: Callable[[], list]
+        self, step: int, *, global_loss: float, forced: str | None, applied: bool, sample_ids: Callable[[], list]
     ) -> str:
         """ "ok", "skipped" or "rollback"; raises NonFiniteStop under --on_nonfinite stop."""
         state = self.state

@@ -110,7 +110,7 @@ class PreferenceObjective:
         logps, counts, *sequences = row_logps(engine, batch, engine.device, whole_sequences=whole)
         real = batch["pair_ids"].to(engine.device) >= 0
         n = real.numel()
-        policy = _pairs(SequenceLogps, logps, counts, n, real)
+        policy = _pairs(SequenceLogps, logps=logps, counts=counts, n=n, real=real)
         reference = None
         if self.loss.needs_reference:
             if "ref_chosen_logps" in batch:
@@ -121,7 +121,7 @@ class PreferenceObjective:
                 with torch.no_grad(), _adapter_disabled(engine.module) if self.reference is None else nullcontext():
                     model = engine.module if self.reference is None else self.reference
                     ref_logps, _ = row_logps(model, batch, engine.device)
-                reference = _pairs(SequenceLogps, ref_logps.to(logps.dtype), counts, n, real)
+                reference = _pairs(SequenceLogps, logps=ref_logps.to(logps.dtype), counts=counts, n=n, real=real)
             else:  # the pre-flight refuses this; a batch without its reference must not train silently on zeros
                 raise RuntimeError("preference loss: the batch carries no reference log-probabilities")
         terms = self.loss.pair_terms(policy, reference)
@@ -147,7 +147,7 @@ def _whole_sequence_nll(summed_logps, batch: dict):
     return -summed_logps * weight.to(summed_logps.device, summed_logps.dtype)
 
 
-def _pairs(cls, logps, counts, n: int, real):
+def _pairs(cls, *, logps, counts, n: int, real):
     """SequenceLogps of the real pairs: rows [0, n) are the chosen sequences, [n, 2n) the rejected ones."""
     return cls(logps[:n][real], logps[n:][real], counts[:n][real], counts[n:][real])
 

@@ -70,7 +70,7 @@ class ReferencePass:
     source: str | None = None  # who computes them, for the log (None: the starting model)
 
 
-def attach_reference_logps(engine, sets: dict, ref: ReferencePass, dist: DistInfo, fresh: bool, only=None) -> None:
+def attach_reference_logps(engine, *, sets: dict, ref: ReferencePass, dist: DistInfo, fresh: bool, only=None) -> None:
     """Give every PreferencePairs in `sets` ({split: pairs}) its reference log-probabilities: read back, or (a fresh
     run only) computed on `engine` now and saved by each node's local rank 0. `only`: the training pairs a dry run's
     one step reads, not saved. The ranks decide together whether to read: with node-local stores a node may miss a
@@ -83,7 +83,12 @@ def attach_reference_logps(engine, sets: dict, ref: ReferencePass, dist: DistInf
         if only is not None and not everywhere:
             if split == "train":
                 pairs.ref_logps = compute_reference_logps(
-                    engine, pairs, micro_batch, dist.coords.dp, dist.layout.dp, only
+                    engine,
+                    pairs=pairs,
+                    micro_batch=micro_batch,
+                    dp_rank=dist.coords.dp,
+                    dp_world=dist.layout.dp,
+                    only=only,
                 )
                 log.info("reference log-probs: the dry run's %d pairs computed (not saved)", len(only))
             continue
@@ -97,7 +102,9 @@ def attach_reference_logps(engine, sets: dict, ref: ReferencePass, dist: DistInf
                 "restore the file from where the run first started, or start afresh (--resume_from_checkpoint none)",
             )
         else:
-            values = compute_reference_logps(engine, pairs, micro_batch, dist.coords.dp, dist.layout.dp)
+            values = compute_reference_logps(
+                engine, pairs=pairs, micro_batch=micro_batch, dp_rank=dist.coords.dp, dp_world=dist.layout.dp
+            )
             if dist.local_rank == 0:
                 _save(path, values, identity)
             log.info(
@@ -132,7 +139,7 @@ def _read_saved(path: Path, n_pairs: int, identity: dict) -> tuple:
     return None, problem
 
 
-def compute_reference_logps(engine, pairs, micro_batch: int, dp_rank: int, dp_world: int, only=None) -> np.ndarray:
+def compute_reference_logps(engine, *, pairs, micro_batch: int, dp_rank: int, dp_world: int, only=None) -> np.ndarray:
     """[pairs of the split, 2]: each kept pair's (chosen, rejected) summed completion log-probs under `engine` (of
     the pair indices `only`, where given; 0 for the others), in eval mode and without gradients. Every rank runs the
     same number of forwards (ZeRO-3 gathers are collectives)."""
@@ -179,21 +186,23 @@ def prepare_reference(
     cfg: RunConfig,
     ds: ResolvedDSConfig,
     dist: DistInfo,
-    identity: dict,
+    identity: dict | None,
     data: TrainingData,
     state: TrainState,
 ):
     """A preference run's reference, before the first step: its log-probs of the training pairs and of every
     validation set read back or computed now (--precompute_ref_log_probs), or, for a reference that runs at every
     step, its engine (returned; None where the reference is the LoRA base or the loss needs none). `identity`:
-    reference_identity's, what the saved log-probs depend on. A dry run computes its first global batch's pairs
-    alone and saves nothing; the starting model computes them only on a fresh start (`state` at step 0)."""
+    reference_identity's, what the saved log-probs depend on (None where none are precomputed). A dry run computes
+    its first global batch's pairs alone and saves nothing; the starting model computes them only on a fresh start
+    (`state` at step 0)."""
     args = cfg.preference
     fresh = state.step == 0
     only = data.order.global_batch_indices(state.step + state.data_offset) if cfg.run.dry_run else None
     separate = reference_model_args(cfg) is not None
     if not args.needs_reference or not args.precompute_ref_log_probs:
         return build_reference_engine(cfg, ds.config, ds.zero_stage) if separate else None
+    assert identity is not None, "precomputed reference log-probs need the reference's identity"
     store = data.stores[0]["path"]
     sets = {"train": data.blocks, **{split: b.sources()[0] for split, b in data.eval_sets.items()}}
     micro = max(ds.micro_batch, cfg.optim.per_device_eval_batch_size)
@@ -202,7 +211,7 @@ def prepare_reference(
     try:  # a separate reference can compute what a resumed run misses; the starting model only on a fresh start
         source = f"--ref_model_name_or_path {args.ref_model_name_or_path}" if reference is not None else None
         ref = ReferencePass(store, identity, micro, source)
-        attach_reference_logps(reference or engine, sets, ref, dist, fresh or separate, only)
+        attach_reference_logps(reference or engine, sets=sets, ref=ref, dist=dist, fresh=fresh or separate, only=only)
     finally:
         if reference is not None:
             from scaletrain.engine import release_engine

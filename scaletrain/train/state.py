@@ -57,7 +57,7 @@ class TrainState:
         for key, value in state.items():
             if key in known:
                 setattr(self, key, value)
-        dp, tp, sp, pp = (state.get(key, 1) for key in _LAYOUT_KEYS)
+        dp, tp, sp, pp = (state.get(key, 0 if key == "world_size" else 1) for key in _LAYOUT_KEYS)
         self.layout = ParallelLayout(tp=tp, sp=sp, pp=pp, dp=dp) if dp else None
 
 

@@ -44,6 +44,7 @@ class Trainer:
     def __init__(
         self,
         engine,
+        *,
         batches: StepBatches,
         state: TrainState,
         settings: LoopSettings,

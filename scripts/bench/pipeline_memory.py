@@ -33,10 +33,12 @@ def planned_bytes(ds_config: Path, dp: int, micro_batch: int, block_size: int) -
     bucket = json.loads(ds_config.read_text())["zero_optimization"]["reduce_bucket_size"]
     option = next(o for o in memory_planner.OPTIONS if o.stage == 1)
     params, grads, optimizer, _, _ = memory_planner.model_state_bytes(
-        option, shape, dp=dp, precision="fp32", pp=2, reduce_bucket=bucket
+        option, shape=shape, dp=dp, precision="fp32", pp=2, reduce_bucket=bucket
     )
     states = params + grads + optimizer
-    return states, states + memory_planner.pipeline_kept_outputs(shape, micro_batch, block_size, "fp32")
+    return states, states + memory_planner.pipeline_kept_outputs(
+        shape, micro_batch=micro_batch, block_size=block_size, precision="fp32"
+    )
 
 
 def main() -> None:

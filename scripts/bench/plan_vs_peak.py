@@ -63,7 +63,11 @@ def planned(run_dir: Path, layout: tuple, micro: int, block: int, rank: int) -> 
     option = next(o for o in memory_planner.OPTIONS if o.stage == stage and o.offload_optimizer == "none")
     which = "first" if pp > 1 and rank < tp * sp * dp else "last"  # the pipe axis varies slowest
     stage_shape = shape.pipeline_stage(pp, which)
-    states = sum(memory_planner.model_state_bytes(option, stage_shape, dp * sp, "fp32", tp, 1, bucket)[:3])
+    states = sum(
+        memory_planner.model_state_bytes(
+            option, shape=stage_shape, dp=dp * sp, precision="fp32", tp=tp, pp=1, reduce_bucket=bucket
+        )[:3]
+    )
     return states, memory_planner.peak_bytes(shape, run, option, bucket, which)[int(checkpointing)]
 
 

@@ -53,8 +53,10 @@ def main() -> None:
               "without the probe |")  # fmt: skip
         print("|---|---|---|---|---|---|")
         for (block, micro), run in runs.items():
-            predicted = predict_step(shape, block, run.layout, cluster, "fp32").step_time
-            plain = predict_step(shape, block, run.layout, without, "fp32").step_time
+            predicted = predict_step(
+                shape, seq_len=block, layout=run.layout, cluster=cluster, precision="fp32"
+            ).step_time
+            plain = predict_step(shape, seq_len=block, layout=run.layout, cluster=without, precision="fp32").step_time
             label = f"{block} x {micro}" + (" (calibration)" if run is reference else "")
             print(f"| {label} | {block * micro} | {run.phases['step']:.3f} | {predicted:.3f} | "
                   f"{predicted / run.phases['step']:.2f} | {plain / run.phases['step']:.2f} |")  # fmt: skip

@@ -37,7 +37,7 @@ class PublishedRun:
     note: str = ""
 
     def predicted_step_s(self) -> float:
-        return predict_step(self.shape, self.seq_len, self.layout, self.cluster).step_time
+        return predict_step(self.shape, seq_len=self.seq_len, layout=self.layout, cluster=self.cluster).step_time
 
 
 def megatron_step_s(batch: int, seq: int, layers: int, hidden: int, vocab: int, gpus: int, tflops: float) -> float:

@@ -132,12 +132,12 @@ def _resolved_ds(tmp_path, json_lr, *flags):
     cfg = parse_run_config(["--config", str(path), "--output_dir", str(tmp_path / "new"), *flags])
     return cfg, resolve_ds_config(
         load_ds_config(str(path)),
-        cfg.engine,
-        cfg.optim,
-        cfg.explicit_flags,
-        1,
-        HardwareFacts("cpu", bf16_fast=False),
-        ModelSize(64),
+        engine=cfg.engine,
+        optim=cfg.optim,
+        explicit=cfg.explicit_flags,
+        dp_world_size=1,
+        hw=HardwareFacts("cpu", bf16_fast=False),
+        model=ModelSize(64),
     )
 
 

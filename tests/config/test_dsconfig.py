@@ -28,7 +28,15 @@ def cfg_for(tmp_path, *flags):
 
 def resolve(raw, cfg, dp_world_size, hidden_size, hw):
     """The resolver gets the engine and optimisation slices and the flags the user set, as preflight passes them."""
-    return resolve_ds_config(raw, cfg.engine, cfg.optim, cfg.explicit_flags, dp_world_size, hw, ModelSize(hidden_size))
+    return resolve_ds_config(
+        raw,
+        engine=cfg.engine,
+        optim=cfg.optim,
+        explicit=cfg.explicit_flags,
+        dp_world_size=dp_world_size,
+        hw=hw,
+        model=ModelSize(hidden_size),
+    )
 
 
 def contains_auto(tree) -> bool:
@@ -203,3 +211,17 @@ def test_the_deepspeed_config_is_assembled_once_from_ordered_contributions_each_
     assert {"train_batch_size", "zero_optimization.stage", "checkpoint.load_universal", "optimizer.type"} <= named
     with pytest.raises(AssertionError, match="tensor_parallel.autotp_size: set by --tensor_parallel_size and"):
         assemble_ds_config(filled, layout, (DSKey("tensor_parallel.autotp_size", 4, "another concern"),))
+
+
+def test_nothing_is_credited_to_the_json_that_it_did_not_write(tmp_path):
+    """A default the pipeline adds has its source (ZeRO stage 0 where the JSON names none), and a key taken out again
+    (a resume fallback's checkpoint.load_universal) leaves no empty section behind."""
+    from scaletrain.config import DSKey, assemble_ds_config
+
+    cfg = cfg_for(tmp_path)
+    raw = {k: v for k, v in load_ds_config(cfg.engine.config).items() if k != "zero_optimization"}
+    filled = resolve(raw, cfg, dp_world_size=1, hidden_size=64, hw=CPU)
+    assert filled.zero_stage == 0 and filled.sources["zero_optimization.stage"].startswith("default: no ZeRO")
+    universal = assemble_ds_config(filled, (DSKey("checkpoint.load_universal", True, "a resume"),))
+    assert universal.without("checkpoint.load_universal").config == filled.config
+    assert "checkpoint" not in universal.without("checkpoint.load_universal").explained()

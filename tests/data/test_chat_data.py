@@ -312,7 +312,7 @@ def test_whole_conversation_training_renders_once_and_needs_no_prefix_consistenc
 def test_prompt_completion_text_trains_the_completion_and_eos():
     tokenizer = AutoTokenizer.from_pretrained(TINY)
     prompt, completion = "The capital of France is", " Paris."
-    result = render_prompt_completion(prompt, completion, tokenizer, None)
+    result = render_prompt_completion(prompt, completion=completion, tokenizer=tokenizer, template=None)
     prompt_ids = tokenizer(prompt, add_special_tokens=False)["input_ids"]
     completion_ids = tokenizer(completion, add_special_tokens=False)["input_ids"]
     assert result.input_ids == prompt_ids + completion_ids + [tokenizer.eos_token_id]
@@ -331,7 +331,7 @@ def test_prompt_completion_messages_train_only_the_completion_reply():
     assert trained == TURNS[5]["content"] + "<|im_end|>"
     assert sum(conversation.loss_mask) > sum(result.loss_mask)  # the prompt's replies were trained as messages
     with pytest.raises(UsageError, match="example 4: prompt and completion must both be strings or both be"):
-        render_prompt_completion("a string", completion, tokenizer, template, index=4)
+        render_prompt_completion("a string", completion=completion, tokenizer=tokenizer, template=template, index=4)
 
 
 def test_an_unknown_role_names_the_role_the_example_and_the_allowed_roles():
@@ -346,7 +346,9 @@ def test_an_unknown_role_names_the_role_the_example_and_the_allowed_roles():
         render_example({"messages": messages}, tokenizer, template, 12)
     assert caught.value.exit_code == USAGE_EXIT_CODE
     with pytest.raises(UsageError, match=r"example 2: completion\[0\] has role 'tool'"):
-        render_prompt_completion(TURNS[:1], [{"role": "tool", "content": "42"}], tokenizer, template, index=2)
+        render_prompt_completion(
+            TURNS[:1], completion=[{"role": "tool", "content": "42"}], tokenizer=tokenizer, template=template, index=2
+        )
 
 
 def test_no_template_anywhere_says_to_pass_chat_template(tmp_path):
@@ -382,7 +384,9 @@ def test_check_masks_refuses_nothing_or_everything_trained_naming_the_template()
     with pytest.raises(UsageError, match="every token of the 1 examples is trained with --chat_template bare.jinja"):
         check_masks(everything, bare)
     with pytest.raises(UsageError, match="every token .* with no chat template"):
-        check_masks([render_prompt_completion("", "Paris.", tokenizer, None).loss_mask], None)
+        check_masks(
+            [render_prompt_completion("", completion="Paris.", tokenizer=tokenizer, template=None).loss_mask], None
+        )
     good = render_conversation(TURNS, tokenizer, template)
     summary = check_masks([good.loss_mask, user_only[0]], template)
     assert (summary.examples, summary.trained_tokens, summary.examples_without_trained_tokens) == (

@@ -102,7 +102,9 @@ def test_a_local_folder_of_chat_files_given_as_dataset_name_is_rendered_as_chat_
     data = data_args(tmp_path, "--dataset_name", str(folder), *ASSISTANT_ONLY)
     chat = resolve_chat_data(data, tokenizer)
     assert chat is not None and (chat.kind, chat.loss_mode) == ("messages", "assistant_only")
-    store = prepare_chat_store(data, tokenizer, BLOCK, tmp_path / "store", chat, show_progress=False)
+    store = prepare_chat_store(
+        data, tokenizer=tokenizer, block_size=BLOCK, store=tmp_path / "store", chat=chat, show_progress=False
+    )
     assert_hand_masks(store, chats(), tokenizer)
     assert not list(offline.rglob("*.arrow"))  # the look ahead streamed; the conversion was to a scratch folder
 
@@ -112,7 +114,9 @@ def test_a_cached_hub_chat_dataset_is_streamed_from_the_cache_and_rendered(tmp_p
     data = data_args(tmp_path, "--dataset_name", HUB_NAME, *ASSISTANT_ONLY)
     chat = resolve_chat_data(data, tokenizer)
     assert chat is not None and (chat.kind, chat.loss_mode) == ("messages", "assistant_only")
-    store = prepare_chat_store(data, tokenizer, BLOCK, tmp_path / "store", chat, show_progress=False)
+    store = prepare_chat_store(
+        data, tokenizer=tokenizer, block_size=BLOCK, store=tmp_path / "store", chat=chat, show_progress=False
+    )
     assert_hand_masks(store, chats(), tokenizer)
 
 
@@ -234,7 +238,9 @@ def test_without_streaming_the_builders_features_tell_the_kind_of_data(
     assert found == expected
     assert streaming_refused == ([] if expected is None else ["train"])  # plain text by its features: not streamed
     if case == "messages":  # the rows the features stood in for are checked and rendered when the store is made
-        store = prepare_chat_store(data, tokenizer, BLOCK, tmp_path / "store", chat, show_progress=False)
+        store = prepare_chat_store(
+            data, tokenizer=tokenizer, block_size=BLOCK, store=tmp_path / "store", chat=chat, show_progress=False
+        )
         assert_hand_masks(store, chats()[:4], tokenizer)
 
 

@@ -81,7 +81,9 @@ def hand_labels(ids, mask) -> list:
 def chat_store(tmp_path, tokenizer, *flags, name="store"):
     data = data_args(tmp_path, "--chat_template", str(MISTRAL), "--assistant_only_loss", *flags)
     chat = resolve_chat_data(data, tokenizer)
-    store = prepare_chat_store(data, tokenizer, BLOCK, tmp_path / name, chat, show_progress=False)
+    store = prepare_chat_store(
+        data, tokenizer=tokenizer, block_size=BLOCK, store=tmp_path / name, chat=chat, show_progress=False
+    )
     return data, attach_masks(open_store(store), store)
 
 
@@ -149,15 +151,18 @@ def test_an_example_longer_than_the_block_is_truncated_or_dropped_and_counted(to
     tokens = np.arange(30, dtype=np.uint16)
     mask = np.ones(30, dtype=np.uint8)
     starts = np.array([0, 4, 16, 20])  # lengths 4, 12, 4, 10
-    cut = pack_examples(tokens, mask, starts, 8, 0, "truncate")
+    cut = pack_examples(tokens, mask=mask, starts=starts, block_size=8, pad_id=0, truncation="truncate")
     assert (cut.truncated, cut.dropped, cut.n_documents) == (2, 0, 4)
     batch = cut.batch(np.arange(len(cut)))
     kept = {tuple(batch["input_ids"][r, a:b].tolist()) for r, a, b in packed_pieces(batch)}
     assert tuple(range(4, 12)) in kept and tuple(range(20, 28)) in kept  # the first 8 tokens of each long one
-    dropped = pack_examples(tokens, mask, starts, 8, 0, "drop")
+    dropped = pack_examples(tokens, mask=mask, starts=starts, block_size=8, pad_id=0, truncation="drop")
     assert (dropped.truncated, dropped.dropped, dropped.n_documents) == (0, 2, 2)
     assert sorted(e for b in dropped.bins for e in b) == [0, 2]
-    assert pack_examples(tokens[:12], mask[:12], np.array([0]), 8, 0, "drop") is None  # nothing left to train
+    assert (
+        pack_examples(tokens[:12], mask=mask[:12], starts=np.array([0]), block_size=8, pad_id=0, truncation="drop")
+        is None
+    )  # nothing left to train
 
 
 class EngineStandIn:
@@ -222,14 +227,22 @@ def test_the_fingerprint_names_the_template_and_the_loss_mode(tmp_path, tokenize
     _, opened = chat_store(tmp_path, tokenizer)  # a store made with Mistral's template is not reused for Llama's
     data = data_args(tmp_path, "--chat_template", str(TEMPLATES / "llama-3.1-instruct.jinja"), "--assistant_only_loss")
     with pytest.raises(UsageError, match="chat_template_sha256 differ"):
-        prepare_chat_store(data, tokenizer, BLOCK, tmp_path / "store", resolve_chat_data(data, tokenizer))
+        prepare_chat_store(
+            data,
+            tokenizer=tokenizer,
+            block_size=BLOCK,
+            store=tmp_path / "store",
+            chat=resolve_chat_data(data, tokenizer),
+        )
 
 
 def test_without_assistant_only_loss_a_conversation_trains_whole(tmp_path, tokenizer, offline):
     data = data_args(tmp_path, "--chat_template", str(MISTRAL))
     chat = resolve_chat_data(data, tokenizer)
     assert chat.loss_mode == "all"
-    store = prepare_chat_store(data, tokenizer, BLOCK, tmp_path / "store", chat, show_progress=False)
+    store = prepare_chat_store(
+        data, tokenizer=tokenizer, block_size=BLOCK, store=tmp_path / "store", chat=chat, show_progress=False
+    )
     assert attach_masks(open_store(store), store)["masks"]["train"].all()
 
 
@@ -240,7 +253,9 @@ def test_a_prompt_completion_dataset_trains_the_completion_and_eos_only(tmp_path
     data = data_args(tmp_path, train_file=path)
     chat = resolve_chat_data(data, tokenizer)
     assert (chat.kind, chat.loss_mode, chat.template) == ("prompt_completion", "completion_only", None)
-    store = prepare_chat_store(data, tokenizer, BLOCK, tmp_path / "store", chat, show_progress=False)
+    store = prepare_chat_store(
+        data, tokenizer=tokenizer, block_size=BLOCK, store=tmp_path / "store", chat=chat, show_progress=False
+    )
     opened = attach_masks(open_store(store), store)
     split, mask = opened["splits"]["train"], opened["masks"]["train"]
     trained = split.tokens[mask.astype(bool)].tolist()

@@ -177,7 +177,7 @@ def test_each_named_set_gets_its_own_loss_that_of_its_own_file(files, cache_dir,
         blocks = blocks_from_store(store, f"validation.{name}", block_size, False)
         loss_sum, targets = 0.0, 0
         with torch.no_grad():
-            for batch in eval_batches(blocks, 4, 0, 1, None):
+            for batch in eval_batches(blocks, batch_size=4, rank=0, world=1, limit=None):
                 logits = model(input_ids=batch["input_ids"]).logits[:, :-1]
                 labels = batch["labels"][:, 1:]
                 loss_sum += float(
@@ -212,7 +212,12 @@ def test_a_chat_store_keeps_a_mask_for_each_named_set(tmp_path, monkeypatch):
         f"chat={CHATS}",
     )
     store = prepare_chat_store(
-        data, tokenizer, BLOCK, tmp_path / "store", resolve_chat_data(data, tokenizer), show_progress=False
+        data,
+        tokenizer=tokenizer,
+        block_size=BLOCK,
+        store=tmp_path / "store",
+        chat=resolve_chat_data(data, tokenizer),
+        show_progress=False,
     )
     splits = read_manifest(store)["splits"]
     assert set(splits) == {"train", "validation.chat"}

@@ -334,11 +334,13 @@ def test_each_stage_is_split_by_the_pipelines_names_for_the_families_that_have_t
     with pytest.raises(UsageError, match=r"--tensor_parallel_size 4: the model's 2 key/value heads"):
         check_model_layout(ParallelArgs(tensor_parallel_size=4, pipeline_parallel_size=2), llama)
     for model_type in ("llama", "mistral", "qwen2"):
-        check_pipeline_model(2, _tiny(model_type), "sdpa", tp=2)
+        check_pipeline_model(2, model_config=_tiny(model_type), attn_implementation="sdpa", tp=2)
     for model_type in ("qwen3", "gpt2"):
-        check_pipeline_model(2, _tiny(model_type), "sdpa")  # a pipeline alone maps them
+        check_pipeline_model(
+            2, model_config=_tiny(model_type), attn_implementation="sdpa"
+        )  # a pipeline alone maps them
         with pytest.raises(UsageError, match=f"the model type '{model_type}' has no tensor split of its stages"):
-            check_pipeline_model(2, _tiny(model_type), "sdpa", tp=2)
+            check_pipeline_model(2, model_config=_tiny(model_type), attn_implementation="sdpa", tp=2)
     filled = _resolved({"zero_optimization": {}})
     keys = layout_ds_keys(ParallelArgs(tensor_parallel_size=2, pipeline_parallel_size=2), filled, "x.json")
     resolved = assemble_ds_config(filled, keys)
@@ -396,9 +398,13 @@ def test_a_tensor_x_pipeline_checkpoint_resumes_on_its_layout_or_without_a_pipel
     (ckpt / "zero_pp_rank_0_mp_rank_00_optim_states.pt").touch()
     saved = {"step": 4, "world_size": 1, "tensor_parallel_size": 2, "pipeline_parallel_size": 2, "zero_stage": 1}
     (ckpt / "train_state.json").write_text(json.dumps({**saved, "stage_splits_recorded": True}))
-    assert check_resumable(ckpt, ParallelLayout(tp=2, pp=2), 1, "none", {}) is False  # the same layout loads as is
-    assert check_resumable(ckpt, ParallelLayout(tp=2, dp=2), 1, "none", {}) is True  # converted
-    assert check_resumable(ckpt, ParallelLayout(dp=4), 2, "none", {}) is True
+    assert (
+        check_resumable(ckpt, layout=ParallelLayout(tp=2, pp=2), zero_stage=1, offload="none", model_facts={}) is False
+    )  # the same layout loads as is
+    assert (
+        check_resumable(ckpt, layout=ParallelLayout(tp=2, dp=2), zero_stage=1, offload="none", model_facts={}) is True
+    )  # converted
+    assert check_resumable(ckpt, layout=ParallelLayout(dp=4), zero_stage=2, offload="none", model_facts={}) is True
     for layout, refused in (
         (ParallelLayout(pp=2, dp=2), "has tensor parallel 1 x pipeline parallel 2: with tensor parallelism a pipe"),
         (ParallelLayout(tp=2, pp=4), "has tensor parallel 2 x pipeline parallel 4: with tensor parallelism a pipe"),
@@ -406,11 +412,13 @@ def test_a_tensor_x_pipeline_checkpoint_resumes_on_its_layout_or_without_a_pipel
         (ParallelLayout(tp=2, sp=2), r"has \(tensor, sequence\) parallel \(2, 2\): a change of pipeline layout is"),
     ):
         with pytest.raises(UsageError, match=refused) as error:
-            check_resumable(ckpt, layout, 1, "none", {})
+            check_resumable(ckpt, layout=layout, zero_stage=1, offload="none", model_facts={})
         assert "--tensor_parallel_size 2" in str(error.value)  # the way that works
     with pytest.raises(UsageError, match="resumes without pipeline parallelism only from ZeRO-1 and with a ZeRO"):
-        check_resumable(ckpt, ParallelLayout(tp=2, dp=2), 0, "none", {})
+        check_resumable(ckpt, layout=ParallelLayout(tp=2, dp=2), zero_stage=0, offload="none", model_facts={})
     (ckpt / "train_state.json").write_text(json.dumps(saved))  # an earlier version's checkpoint
     with pytest.raises(UsageError, match="recorded only the first stage's tensor split, so it cannot be converted"):
-        check_resumable(ckpt, ParallelLayout(tp=2, dp=2), 1, "none", {})
-    assert check_resumable(ckpt, ParallelLayout(tp=2, pp=2), 1, "none", {}) is False
+        check_resumable(ckpt, layout=ParallelLayout(tp=2, dp=2), zero_stage=1, offload="none", model_facts={})
+    assert (
+        check_resumable(ckpt, layout=ParallelLayout(tp=2, pp=2), zero_stage=1, offload="none", model_facts={}) is False
+    )

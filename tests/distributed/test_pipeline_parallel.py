@@ -390,21 +390,26 @@ def test_the_model_must_map_onto_stages():
     from transformers import AutoConfig, GPT2Config, GPTNeoXConfig
 
     llama = AutoConfig.from_pretrained(REPO / "data" / "tiny-llama")  # 4 decoder layers
-    check_pipeline_model(2, llama, "sdpa")
-    check_pipeline_model(4, llama, "flash_attention_2")
-    check_pipeline_model(2, GPT2Config(n_layer=2), "sdpa")
+    check_pipeline_model(2, model_config=llama, attn_implementation="sdpa")
+    check_pipeline_model(4, model_config=llama, attn_implementation="flash_attention_2")
+    check_pipeline_model(2, model_config=GPT2Config(n_layer=2), attn_implementation="sdpa")
     with pytest.raises(UsageError, match=r"--pipeline_parallel_size 3 does not divide the model's 4 decoder layers"):
-        check_pipeline_model(3, llama, "sdpa")
+        check_pipeline_model(3, model_config=llama, attn_implementation="sdpa")
     with pytest.raises(UsageError, match=r"the model type 'gpt_neox' has no pipeline mapping .*supported: Llama"):
-        check_pipeline_model(2, GPTNeoXConfig(num_hidden_layers=2), "sdpa")
+        check_pipeline_model(2, model_config=GPTNeoXConfig(num_hidden_layers=2), attn_implementation="sdpa")
     with pytest.raises(UsageError, match="the model's attention is 'eager'"):
-        check_pipeline_model(2, llama, "eager")
+        check_pipeline_model(2, model_config=llama, attn_implementation="eager")
     # a sliding window narrower than the block: the stages attend over the whole block, so it is refused
     windowed = _tiny("mistral", sliding_window=32)
-    check_pipeline_model(2, windowed, "sdpa", block_size=32)
+    check_pipeline_model(2, model_config=windowed, attn_implementation="sdpa", block_size=32)
     with pytest.raises(UsageError, match="sliding window of 32 tokens, shorter than the block"):
-        check_pipeline_model(2, windowed, "sdpa", block_size=64)
-    check_pipeline_model(2, _tiny("qwen2", sliding_window=32, use_sliding_window=False), "sdpa", block_size=64)
+        check_pipeline_model(2, model_config=windowed, attn_implementation="sdpa", block_size=64)
+    check_pipeline_model(
+        2,
+        model_config=_tiny("qwen2", sliding_window=32, use_sliding_window=False),
+        attn_implementation="sdpa",
+        block_size=64,
+    )
 
 
 @pytest.mark.parametrize(
@@ -426,14 +431,18 @@ def test_unsupported_deepspeed_configs_are_refused_with_the_reason(config, messa
 
 def test_unsupported_run_options_are_refused_with_the_reason():
     pp = ParallelArgs(pipeline_parallel_size=2)
-    check_pipeline_run(pp, False, "fp32", 0, "x.json")
+    check_pipeline_run(pp, attention_isolation=False, precision="fp32", zero_stage=0, config_path="x.json")
     with pytest.raises(UsageError, match="with --attention_isolation: not supported yet"):
-        check_pipeline_run(pp, True, "fp32", 1, "x.json")
+        check_pipeline_run(pp, attention_isolation=True, precision="fp32", zero_stage=1, config_path="x.json")
     with pytest.raises(UsageError, match="with ZeRO stage 0 in bf16"):
-        check_pipeline_run(pp, False, "bf16", 0, "x.json")
-    check_pipeline_run(pp, False, "fp32", 1, "x.json", micro_batches=2)
+        check_pipeline_run(pp, attention_isolation=False, precision="bf16", zero_stage=0, config_path="x.json")
+    check_pipeline_run(
+        pp, attention_isolation=False, precision="fp32", zero_stage=1, config_path="x.json", micro_batches=2
+    )
     with pytest.raises(UsageError, match=r"--pipeline_parallel_size 2 with 1 micro-batch a step \(--gradient_acc"):
-        check_pipeline_run(pp, False, "fp32", 1, "x.json", micro_batches=1)
+        check_pipeline_run(
+            pp, attention_isolation=False, precision="fp32", zero_stage=1, config_path="x.json", micro_batches=1
+        )
     with pytest.raises(UsageError, match="--sequence_parallel_size 2 with --pipeline_parallel_size 2: sequence par"):
         apply_layout(
             parse_run_config(["--sequence_parallel_size", "2", "--pipeline_parallel_size", "2"]).parallel,

@@ -42,9 +42,14 @@ def test_constant_with_warmup():
 
 def test_constant_is_flat_from_the_first_update_whatever_the_warmup_ratio():
     """Hugging Face's `constant`: no warmup, so --warmup_ratio (ours defaults to 0.05) does not apply to it."""
-    s = schedule_for("constant", T, 0, 0.5, R, 0.2)
+    s = schedule_for("constant", total_steps=T, warmup_steps=0, warmup_ratio=0.5, min_lr_ratio=R, decay_ratio=0.2)
     assert s.warmup_steps == 0 and [s.multiplier(i) for i in range(T)] == [1.0] * T
-    assert schedule_for("constant_with_warmup", T, 0, 0.5, R, 0.2).warmup_steps == T // 2
+    assert (
+        schedule_for(
+            "constant_with_warmup", total_steps=T, warmup_steps=0, warmup_ratio=0.5, min_lr_ratio=R, decay_ratio=0.2
+        ).warmup_steps
+        == T // 2
+    )
 
 
 def test_warmup_stable_decay():
@@ -105,12 +110,20 @@ def _lrs_in(text: str) -> tuple:
 
 
 def test_the_same_schedule_is_no_change():
-    assert describe_schedule_change(_run_config(), LRSchedule("cosine", 100, 5, 0.1, 0.2), 1e-3, 40) is None
+    assert (
+        describe_schedule_change(_run_config(), schedule=LRSchedule("cosine", 100, 5, 0.1, 0.2), peak_lr=1e-3, step=40)
+        is None
+    )
     # decay_ratio is read by wsd only: another value under cosine leaves the curve as it was
-    assert describe_schedule_change(_run_config(decay=0.5), LRSchedule("cosine", 100, 5, 0.1, 0.2), 1e-3, 40) is None
+    assert (
+        describe_schedule_change(
+            _run_config(decay=0.5), schedule=LRSchedule("cosine", 100, 5, 0.1, 0.2), peak_lr=1e-3, step=40
+        )
+        is None
+    )
     # an older run_config.json without the resolved numbers says nothing to compare with
     old = {k: v for k, v in _run_config().items() if k != "total_steps"}
-    assert describe_schedule_change(old, LRSchedule("cosine", 200, 5, 0.1), 1e-3, 40) is None
+    assert describe_schedule_change(old, schedule=LRSchedule("cosine", 200, 5, 0.1), peak_lr=1e-3, step=40) is None
 
 
 @pytest.mark.parametrize(
@@ -124,7 +137,7 @@ def test_the_same_schedule_is_no_change():
 )  # another floor
 def test_a_changed_schedule_shows_the_lr_before_and_after_at_the_resume_step(new):
     old, step = LRSchedule("cosine", 100, 5, 0.1, 0.2), 40
-    text = describe_schedule_change(_run_config(), new, 1e-3, step)
+    text = describe_schedule_change(_run_config(), schedule=new, peak_lr=1e-3, step=step)
     assert text is not None and "\n" not in text and f"resumed at step {step}" in text
     assert f"{old.kind} over 100 steps, warmup 5" in text
     assert f"{new.kind} over {new.total_steps} steps, warmup {new.warmup_steps}" in text
@@ -136,7 +149,7 @@ def test_a_changed_schedule_shows_the_lr_before_and_after_at_the_resume_step(new
 
 def test_a_changed_peak_is_a_change_with_the_same_curve():
     s = LRSchedule("cosine", 100, 5, 0.1, 0.2)
-    text = describe_schedule_change(_run_config(lr=1e-3), s, 3e-3, 40)
+    text = describe_schedule_change(_run_config(lr=1e-3), schedule=s, peak_lr=3e-3, step=40)
     assert "peak 1.00e-03" in text and "peak 3.00e-03" in text
     assert _lrs_in(text) == pytest.approx((1e-3 * s.multiplier(40), 3e-3 * s.multiplier(40)), rel=1e-2)
 
@@ -144,7 +157,7 @@ def test_a_changed_peak_is_a_change_with_the_same_curve():
 def test_skipped_updates_hold_the_schedule_back():
     """A skipped update leaves the LR schedule where it was: at step 40 after 3 skips the LR is that of update 37."""
     old, new = LRSchedule("cosine", 100, 5, 0.1, 0.2), LRSchedule("cosine", 200, 5, 0.1, 0.2)
-    text = describe_schedule_change(_run_config(), new, 1e-3, 40, skipped_steps=3)
+    text = describe_schedule_change(_run_config(), schedule=new, peak_lr=1e-3, step=40, skipped_steps=3)
     assert "resumed at step 40" in text and "the LR at step 40 goes from" in text
     assert _lrs_in(text) == pytest.approx((1e-3 * old.multiplier(37), 1e-3 * new.multiplier(37)), rel=1e-2)
 

@@ -16,7 +16,12 @@ def main() -> None:
 
     folder, world, timeout, allowance, kind = sys.argv[1:6]
     watch = HangWatch(
-        Path(folder), 0, int(world), float(timeout), float(allowance), on_hang=lambda: print("on_hang ran", flush=True)
+        Path(folder),
+        rank=0,
+        world_size=int(world),
+        timeout=float(timeout),
+        long_allowance_s=float(allowance),
+        on_hang=lambda: print("on_hang ran", flush=True),
     )
     watch.phase("a phase of the test", step=7, long=kind == "long")
     watch.start()

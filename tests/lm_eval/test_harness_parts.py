@@ -104,7 +104,7 @@ def test_every_forward_of_an_evaluation_is_progress_for_the_hang_watch(tmp_path)
     notes = []
     lm = engine_lm(model, AutoTokenizer.from_pretrained(REPO / "data" / "tiny-llama"), 8, progress=notes.append)
     args = HarnessArgs(lm_eval_tasks=str(TASKS / "docstring_module.yaml"), lm_eval_limit=8)
-    scores = score(lm, resolve_tasks(args.task_specs, 8), args, tmp_path, "step3", 3)
+    scores = score(lm, tasks=resolve_tasks(args.task_specs, 8), args=args, out_dir=tmp_path, name="step3", step=3)
     assert model.training  # back in training mode
     assert notes[0] == "loglikelihood, 32 requests"  # 8 items x 4 choices
     assert sum(note.startswith("forward of (") for note in notes) == 4  # 32 requests, 8 a forward

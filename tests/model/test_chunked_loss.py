@@ -161,13 +161,14 @@ def test_per_token_log_probs_with_a_bias_and_16_bit_weights():
     log_probs = F.log_softmax(F.linear(hidden, weight, bias).float(), -1)
     expected = log_probs.gather(1, targets.clamp(min=0).unsqueeze(1)).squeeze(1).masked_fill(targets < 0, 0)
     expected_grads = torch.autograd.grad((expected * incoming).sum(), (hidden, weight, bias))
-    got = chunked_target_logps(hidden, weight, bias, targets, 6)
+    got = chunked_target_logps(hidden, weight=weight, bias=bias, targets=targets, chunk=6)
     got_grads = torch.autograd.grad((got * incoming).sum(), (hidden, weight, bias))
     assert torch.allclose(got, expected, rtol=1e-6, atol=1e-6)
     for a, b in zip(got_grads, expected_grads, strict=True):
         assert torch.allclose(a, b, rtol=1e-5, atol=1e-6)
     leaves = [t.detach().bfloat16().requires_grad_() for t in (hidden, weight, bias)]
-    low = chunked_target_logps(*leaves, targets, 6)
+    low_hidden, low_weight, low_bias = leaves
+    low = chunked_target_logps(low_hidden, weight=low_weight, bias=low_bias, targets=targets, chunk=6)
     low_grads = torch.autograd.grad((low * incoming).sum(), leaves)
     assert low.dtype == torch.float32 and (low - expected).norm() <= 2e-2 * expected.norm()
     for a, b in zip(low_grads, expected_grads, strict=True):
@@ -275,7 +276,7 @@ def test_the_memory_plan_counts_one_chunk_of_logits():
     run = PlannedRun(micro_batch=4, block_size=4096, precision="bf16")
 
     def forward(planned, which="last"):  # the step's forward peak (at the loss), without checkpointing
-        return step_peaks(shape, planned, 1, 10**9, 0, which)[0][0]
+        return step_peaks(shape, run=planned, stage=1, n=10**9, reduce_bucket=0, which=which)[0][0]
 
     tokens, vocab, hidden = 4 * 4096, 128_256, 2048
     # the whole logits (bf16, their fp32 copy and log-softmax, their gradient: 10 bytes) against one chunk's (bf16

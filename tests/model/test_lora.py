@@ -298,7 +298,9 @@ def check_the_checkpoint_holds_the_adapter_alone(ckpt: Path, base: Path, run_dir
     adapter = load_file(run_dir / "adapter_model.safetensors")
     n_params, n_tensors = sum(v.numel() for v in adapter.values()), len(adapter)
     real = sum(p.stat().st_size for p in ckpt.iterdir() if p.is_file())
-    planned = planned_checkpoint_bytes(n_params, "fp32", zero_stage, n_tensors=n_tensors, world_size=2)
+    planned = planned_checkpoint_bytes(
+        n_params, precision="fp32", zero_stage=zero_stage, n_tensors=n_tensors, world_size=2
+    )
     assert planned / FIRST_SAVE_MARGIN <= real <= planned * FIRST_SAVE_MARGIN, (real, planned)
     assert real < (base / "model.safetensors").stat().st_size, real  # the base once would not fit
 
@@ -505,7 +507,7 @@ def test_the_disk_check_plans_an_adapter_checkpoint_and_the_merged_model(tmp_pat
     with small_tmpfs(tmp_path / "disk", "16m") as disk:
         out = str(disk / "run")
         with pytest.raises(UsageError, match="one checkpoint and the export need about 0.2 GB"):
-            _check_disk_space(out, 10_000_000, "fp32")
-        _check_disk_space(out, 10_000_000, "fp32", trainable=100_000)
+            _check_disk_space(out, n_params=10_000_000, precision="fp32")
+        _check_disk_space(out, n_params=10_000_000, precision="fp32", trainable=100_000)
         with pytest.raises(UsageError, match=r"the merged 0\.01B x 4"):
-            _check_disk_space(out, 10_000_000, "fp32", trainable=100_000, merged=True)
+            _check_disk_space(out, n_params=10_000_000, precision="fp32", trainable=100_000, merged=True)

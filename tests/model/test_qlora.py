@@ -147,12 +147,12 @@ def resolved(base: Path, config: str, *flags: str, hardware: HardwareFacts = H10
     )
     ds = resolve_ds_config(
         load_ds_config(cfg.engine.config),
-        cfg.engine,
-        cfg.optim,
-        cfg.explicit_flags,
-        1,
-        hardware,
-        ModelSize(128, 1_000_000),
+        engine=cfg.engine,
+        optim=cfg.optim,
+        explicit=cfg.explicit_flags,
+        dp_world_size=1,
+        hw=hardware,
+        model=ModelSize(128, 1_000_000),
     )
     return cfg, ds
 

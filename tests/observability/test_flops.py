@@ -57,7 +57,7 @@ def test_the_attention_probe_measures_a_positive_rate_and_leaves_the_global_rng_
 
     torch.manual_seed(7)
     before = torch.get_rng_state()
-    rate = measured_attention_tflops("cpu", torch.float32, batch=2, heads=2, seq_len=64, head_dim=16, repeats=1)
+    rate = measured_attention_tflops("cpu", dtype=torch.float32, batch=2, heads=2, seq_len=64, head_dim=16, repeats=1)
     assert 1e-5 < rate < 100
     assert torch.equal(torch.get_rng_state(), before)
 

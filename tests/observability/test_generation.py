@@ -24,10 +24,12 @@ def prompts_file(tmp_path, lines, name="prompts.jsonl"):
 
 def test_prompts_are_read_from_jsonl_text_and_conversations(tmp_path, tokenizer):
     path = prompts_file(tmp_path, [json.dumps({"prompt": "Once upon a time"}), "", json.dumps({"prompt": "The"})])
-    prompts = load_eval_prompts(path, tokenizer, 8, 2048)
+    prompts = load_eval_prompts(path, tokenizer=tokenizer, max_new_tokens=8, max_positions=2048)
     assert prompts.shown == ("Once upon a time", "The") and prompts.max_new_tokens == 8
     assert list(prompts.input_ids[0]) == tokenizer("Once upon a time")["input_ids"]
-    text = load_eval_prompts(prompts_file(tmp_path, ["Once upon a time"], "p.txt"), tokenizer, 8, 2048)
+    text = load_eval_prompts(
+        prompts_file(tmp_path, ["Once upon a time"], "p.txt"), tokenizer=tokenizer, max_new_tokens=8, max_positions=2048
+    )
     assert text.input_ids == prompts.input_ids[:1]
     tokenizer = AutoTokenizer.from_pretrained(DEFAULT_MODEL_DIR)
     tokenizer.chat_template = (
@@ -35,7 +37,10 @@ def test_prompts_are_read_from_jsonl_text_and_conversations(tmp_path, tokenizer)
         "{% if add_generation_prompt %}<assistant>{% endif %}"
     )
     chat = load_eval_prompts(
-        prompts_file(tmp_path, [json.dumps({"messages": [{"role": "user", "content": "hi"}]})]), tokenizer, 8, 2048
+        prompts_file(tmp_path, [json.dumps({"messages": [{"role": "user", "content": "hi"}]})]),
+        tokenizer=tokenizer,
+        max_new_tokens=8,
+        max_positions=2048,
     )
     assert chat.shown == ("<user>hi<assistant>",)
 
@@ -52,16 +57,16 @@ def test_prompts_are_read_from_jsonl_text_and_conversations(tmp_path, tokenizer)
 )
 def test_a_bad_prompts_file_names_the_file_and_line(tmp_path, tokenizer, lines, expected):
     with pytest.raises(UsageError, match="--eval_prompts") as err:
-        load_eval_prompts(prompts_file(tmp_path, lines), tokenizer, 8, 256)
+        load_eval_prompts(prompts_file(tmp_path, lines), tokenizer=tokenizer, max_new_tokens=8, max_positions=256)
     assert expected in str(err.value)
 
 
 def test_a_missing_file_and_a_parallel_layout_are_refused(tmp_path, tokenizer):
     with pytest.raises(UsageError, match="no such file"):
-        load_eval_prompts(str(tmp_path / "nope.jsonl"), tokenizer, 8, 256)
+        load_eval_prompts(str(tmp_path / "nope.jsonl"), tokenizer=tokenizer, max_new_tokens=8, max_positions=256)
     path = prompts_file(tmp_path, [json.dumps({"prompt": "hi"})])
     with pytest.raises(UsageError, match="tensor, sequence or pipeline parallelism"):
-        load_eval_prompts(path, tokenizer, 8, 256, layout=ParallelLayout(pp=2))
+        load_eval_prompts(path, tokenizer=tokenizer, max_new_tokens=8, max_positions=256, layout=ParallelLayout(pp=2))
 
 
 @pytest.mark.slow

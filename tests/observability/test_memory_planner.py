@@ -10,7 +10,7 @@ from dataclasses import replace
 
 import pytest
 
-from scaletrain.observability import memory_planner
+from scaletrain.observability import memory_planner, plan_report
 from scaletrain.observability.memory_planner import PlannedRun as Run
 from scaletrain.parts import ParallelLayout
 from tests.harness import FAST_FLAGS, REPO, check_ok, launch, child_env
@@ -34,7 +34,7 @@ def test_model_state_formulas_by_stage_and_offload():
     )
     by_name = {o.name: o for o in memory_planner.OPTIONS}
     states = {
-        name: memory_planner.model_state_bytes(option, shape, dp=4, precision="bf16", reduce_bucket=0)
+        name: memory_planner.model_state_bytes(option, shape=shape, dp=4, precision="bf16", reduce_bucket=0)
         for name, option in by_name.items()
     }
     assert states["ZeRO-1"] == (2000, 2000, 3000, 0, 0)  # whole 16-bit gradients until the reduction
@@ -43,21 +43,37 @@ def test_model_state_formulas_by_stage_and_offload():
     assert states["ZeRO-2 + optimizer offload (CPU)"] == (2000, 0, 0, 4000, 0)
     assert states["ZeRO-3 + optimizer and parameter offload (CPU)"] == (0, 0, 0, 4500, 0)
     assert states["ZeRO-3 + optimizer and parameter offload (NVMe)"] == (0, 0, 0, 0, 4500)
-    assert memory_planner.model_state_bytes(by_name["ZeRO-1"], shape, 4, "fp32", reduce_bucket=0)[:3] == (
+    assert memory_planner.model_state_bytes(by_name["ZeRO-1"], shape=shape, dp=4, precision="fp32", reduce_bucket=0)[
+        :3
+    ] == (
         4000,
         4000,
         3000,
     )
-    assert memory_planner.model_state_bytes(by_name["ZeRO-2"], shape, 4, "fp32")[:3] == (4000, 1000, 3000)
+    assert memory_planner.model_state_bytes(by_name["ZeRO-2"], shape=shape, dp=4, precision="fp32")[:3] == (
+        4000,
+        1000,
+        3000,
+    )
     # ZeRO-1 and -3 allocate their reduce bucket whole (in the gradients' dtype), never larger than the model
-    assert memory_planner.model_state_bytes(by_name["ZeRO-1"], shape, 4, "bf16", reduce_bucket=100)[1] == 2200
-    assert memory_planner.model_state_bytes(by_name["ZeRO-3"], shape, 4, "bf16", reduce_bucket=100)[1] == 700
-    assert memory_planner.model_state_bytes(by_name["ZeRO-3"], shape, 4, "bf16")[1] == 500 + 2 * 1000
+    assert (
+        memory_planner.model_state_bytes(by_name["ZeRO-1"], shape=shape, dp=4, precision="bf16", reduce_bucket=100)[1]
+        == 2200
+    )
+    assert (
+        memory_planner.model_state_bytes(by_name["ZeRO-3"], shape=shape, dp=4, precision="bf16", reduce_bucket=100)[1]
+        == 700
+    )
+    assert memory_planner.model_state_bytes(by_name["ZeRO-3"], shape=shape, dp=4, precision="bf16")[1] == 500 + 2 * 1000
     # tensor parallelism splits the linear layers' weights (here 800 of 1000) and leaves the rest whole
     split = memory_planner.ModelShape(
         n_params=1000, largest_layer_params=100, layers=2, hidden=8, intermediate=16, vocab=50, linear_params=800
     )
-    assert memory_planner.model_state_bytes(by_name["ZeRO-2"], split, 2, "fp32", tp=4)[:3] == (1600, 800, 2400)
+    assert memory_planner.model_state_bytes(by_name["ZeRO-2"], shape=split, dp=2, precision="fp32", tp=4)[:3] == (
+        1600,
+        800,
+        2400,
+    )
     # sequence parallelism: each rank holds 1/sp of the tokens, so every per-token term shrinks by sp (on the same
     # 2 GPUs, whose ZeRO partition is the same: ZeRO partitions over the sequence-parallel ranks too)
     sequence_parallel = Run(gpus_per_node=2, parallel=ParallelLayout(sp=2), micro_batch=2, block_size=16)
@@ -79,7 +95,9 @@ def test_model_state_formulas_by_stage_and_offload():
         head_params=100,
     )
     assert staged.params_per_rank(1, pp=2) == (1000 - 200) / 2 + 100
-    assert memory_planner.model_state_bytes(by_name["ZeRO-1"], staged, 2, "fp32", pp=2, reduce_bucket=0)[:3] == (
+    assert memory_planner.model_state_bytes(
+        by_name["ZeRO-1"], shape=staged, dp=2, precision="fp32", pp=2, reduce_bucket=0
+    )[:3] == (
         2000,
         2000,
         3000,
@@ -87,7 +105,7 @@ def test_model_state_formulas_by_stage_and_offload():
     assert [o.name for o in memory_planner.options_for(1, 1, 2)] == ["ZeRO-1"]
     # the step's timeline (step_peaks: forward at the loss, backward at its first gradient, end of backward)
     peaks = lambda run, stage=1, bucket=0, which="last", on=shape: memory_planner.step_peaks(  # noqa: E731
-        on, run, stage, 1000, bucket, which
+        on, run=run, stage=stage, n=1000, reduce_bucket=bucket, which=which
     )[0]
     run = Run(block_size=16)
     # the first stage keeps k micro-batches of its layers / k layers in flight: the same activations as the whole
@@ -109,7 +127,9 @@ def test_model_state_formulas_by_stage_and_offload():
     assert peaks(accumulating, stage=2)[0] - peaks(run, stage=2)[0] == 6 * 1000
     # the working memory is the step's highest point beyond the model states: ZeRO-1's gradients, counted in the
     # model states, are not counted twice
-    states = sum(memory_planner.model_state_bytes(by_name["ZeRO-1"], shape, 1, "bf16", reduce_bucket=0)[:3])
+    states = sum(
+        memory_planner.model_state_bytes(by_name["ZeRO-1"], shape=shape, dp=1, precision="bf16", reduce_bucket=0)[:3]
+    )
     persistent = 2 * 1000 + 12 * 1000
     assert memory_planner.activation_bytes(shape, run, 1, 0)[0] == persistent + max(*peaks(run), 2000) - states
 
@@ -197,7 +217,7 @@ def test_planned_model_states_match_a_real_two_rank_run_within_10_percent(
     # ZeRO partitions over the ranks left by tensor parallelism (the sequence ranks among them)
     bucket = json.loads((run_dir / "ds_config.json").read_text())["zero_optimization"]["reduce_bucket_size"]
     params, grads, optimizer, _, _ = memory_planner.model_state_bytes(
-        option, tiny_shape(), dp=nprocs // tp, precision="fp32", tp=tp, reduce_bucket=bucket
+        option, shape=tiny_shape(), dp=nprocs // tp, precision="fp32", tp=tp, reduce_bucket=bucket
     )
     planned = params + grads + optimizer
     for rank in range(nprocs):
@@ -307,9 +327,11 @@ def test_planned_model_states_match_a_real_pipeline_run_within_10_percent(nprocs
     bucket = json.loads((run_dir / "ds_config.json").read_text())["zero_optimization"]["reduce_bucket_size"]
     dp = nprocs // (2 * tp)
     params, grads, optimizer, _, _ = memory_planner.model_state_bytes(
-        option, tiny_shape(), dp=dp, precision="fp32", tp=tp, pp=2, reduce_bucket=bucket
+        option, shape=tiny_shape(), dp=dp, precision="fp32", tp=tp, pp=2, reduce_bucket=bucket
     )
-    kept = memory_planner.pipeline_kept_outputs(tiny_shape(), 4, 64, "fp32", chunked=chunk == "auto")
+    kept = memory_planner.pipeline_kept_outputs(
+        tiny_shape(), micro_batch=4, block_size=64, precision="fp32", chunked=chunk == "auto"
+    )
     for rank in range(nprocs):
         memory = json.loads((run_dir / f"memory_rank{rank}.json").read_text())
         assert len(memory["before_update"]) == 2, memory  # the probe saw each pipeline update
@@ -420,7 +442,9 @@ def test_the_plan_counts_the_runs_memory_features():
         assert after.activations_checkpointed == expected < before.activations_checkpointed
         offloaded = 8 * 32 * 2 * (131072 / 8) * 4096  # 8 GPUs, 32 layers' inputs of 16K tokens each, bf16
         assert after.host_per_node - before.host_per_node == pytest.approx(offloaded)
-    header = memory_planner.render_memory_plan(lean, LLAMA_8B, lean_run, 80, None).splitlines()[0]
+    header = plan_report.render_memory_plan(
+        lean, shape=LLAMA_8B, run=lean_run, gpu_memory_gb=80, host_memory_gb=None
+    ).splitlines()[0]
     assert header.endswith("micro-batch 1 x 131072 tokens, with tiled MLP and activation offloading, 80 GB per GPU")
 
 

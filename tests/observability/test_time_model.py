@@ -47,7 +47,7 @@ def one_node(gpus: int = 8, nodes: int = 1, inter_gbps: float = 800.0) -> tm.Clu
 
 def test_compute_optimizer_and_throughput_by_hand():
     layout = tm.Layout(micro_batch=2, grad_accum=3)
-    p = tm.predict_step(SHAPE, SEQ, layout, one_node(1))
+    p = tm.predict_step(SHAPE, seq_len=SEQ, layout=layout, cluster=one_node(1))
     tokens = 2 * SEQ
     forward = (
         2 * 40e6 * tokens / 50e12  # matrix products at 100 TFLOP/s x 0.5
@@ -63,9 +63,9 @@ def test_compute_optimizer_and_throughput_by_hand():
     assert p.model_flops_per_token == 6 * 40e6 + 12 * 4 * 1024 * SEQ  # what train.py logs as model FLOPs
     assert p.mfu == pytest.approx(p.tokens_per_s * p.model_flops_per_token / 100e12)
     assert p.days_for(1e9) == pytest.approx(1e9 / p.tokens_per_s / 86400)
-    recomputed = tm.predict_step(SHAPE, SEQ, replace(layout, checkpointing=True), one_node(1))
+    recomputed = tm.predict_step(SHAPE, seq_len=SEQ, layout=replace(layout, checkpointing=True), cluster=one_node(1))
     assert recomputed.terms["compute"] / p.terms["compute"] == pytest.approx(4 / 3)  # one more forward
-    unfused = tm.predict_step(SHAPE, SEQ, replace(layout, flash_attention=False), one_node(1))
+    unfused = tm.predict_step(SHAPE, seq_len=SEQ, layout=replace(layout, flash_attention=False), cluster=one_node(1))
     scores = 2 * 8 * SEQ**2 * 4  # b x heads x s^2 x layers, written and read 6 times forward
     extra = 3 * 3 * (4 * 2 * SEQ**2 * 1024 * 4 / 50e12 + 6 * scores * 2 / 1e12 - 2 * 2 * SEQ**2 * 1024 * 4 / 25e12)
     assert unfused.terms["compute"] - p.terms["compute"] == pytest.approx(extra, rel=1e-9)
@@ -73,20 +73,25 @@ def test_compute_optimizer_and_throughput_by_hand():
 
 def test_tensor_parallel_all_reduces_by_hand():
     layout = tm.Layout(ParallelLayout(tp=2), micro_batch=1, grad_accum=2)
-    p = tm.predict_step(SHAPE, SEQ, layout, one_node(8))
+    p = tm.predict_step(SHAPE, seq_len=SEQ, layout=layout, cluster=one_node(8))
     activation = SEQ * 1024 * 2  # one layer's output in bf16
     per_micro = 4 * 4 * (2 * (2 - 1) / 2 * activation) / (100e9 * 0.8) + 4 * 4 * 10e-6  # 4 layers x 4 all-reduces
     assert p.terms["tensor_parallel"] == pytest.approx(2 * per_micro, rel=1e-12)
     assert p.volumes["tensor_parallel"] == pytest.approx(2 * 4 * 4 * activation)
     # the matrix products split over the two ranks
-    alone = tm.predict_step(SHAPE, SEQ, tm.Layout(micro_batch=1, grad_accum=2), one_node(8))
+    alone = tm.predict_step(SHAPE, seq_len=SEQ, layout=tm.Layout(micro_batch=1, grad_accum=2), cluster=one_node(8))
     assert p.terms["compute"] < alone.terms["compute"]
 
 
 def test_ulysses_under_tensor_parallelism_exchanges_one_tensor_ranks_heads():
-    alone = tm.predict_step(SHAPE, SEQ, tm.Layout(ParallelLayout(sp=2), micro_batch=1, grad_accum=2), one_node(8))
+    alone = tm.predict_step(
+        SHAPE, seq_len=SEQ, layout=tm.Layout(ParallelLayout(sp=2), micro_batch=1, grad_accum=2), cluster=one_node(8)
+    )
     composed = tm.predict_step(
-        SHAPE, SEQ, tm.Layout(ParallelLayout(tp=2, sp=2), micro_batch=1, grad_accum=2), one_node(8)
+        SHAPE,
+        seq_len=SEQ,
+        layout=tm.Layout(ParallelLayout(tp=2, sp=2), micro_batch=1, grad_accum=2),
+        cluster=one_node(8),
     )
     assert composed.volumes["sequence_parallel"] == pytest.approx(alone.volumes["sequence_parallel"] / 2)
     assert composed.terms["tensor_parallel"] > 0 and composed.terms["compute"] < alone.terms["compute"]
@@ -95,13 +100,13 @@ def test_ulysses_under_tensor_parallelism_exchanges_one_tensor_ranks_heads():
 def test_pipeline_bubble_is_p_minus_1_over_m_of_the_work():
     for stages, micro_batches in ((2, 4), (4, 8), (4, 16)):
         layout = tm.Layout(ParallelLayout(pp=stages), micro_batch=1, grad_accum=micro_batches, zero_stage=1)
-        p = tm.predict_step(SHAPE, SEQ, layout, one_node(8))
+        p = tm.predict_step(SHAPE, seq_len=SEQ, layout=layout, cluster=one_node(8))
         work = p.terms["compute"] + p.terms["tensor_parallel"] + p.terms["sequence_parallel"]
         assert p.terms["pipeline_bubble"] / work == pytest.approx((stages - 1) / micro_batches)
         # one activation forward and one gradient back for each of the m + P - 1 slots
         assert p.volumes["pipeline_p2p"] == 2 * (micro_batches + stages - 1) * SEQ * 1024 * 2
     interleaved = tm.Layout(ParallelLayout(pp=4), micro_batch=1, grad_accum=8, virtual_stages=2)
-    p = tm.predict_step(SHAPE, SEQ, interleaved, one_node(8))
+    p = tm.predict_step(SHAPE, seq_len=SEQ, layout=interleaved, cluster=one_node(8))
     assert p.terms["pipeline_bubble"] / (p.terms["compute"]) == pytest.approx(3 / 8 / 2)
 
 
@@ -121,17 +126,26 @@ def test_bus_bandwidth_inside_a_node_and_across_nodes():
 
 def test_zero3_gathers_hide_behind_compute_until_the_micro_batch_is_small():
     cluster = one_node(8, nodes=4, inter_gbps=100)  # a slow network: 12.5 GB/s a node
-    big = tm.predict_step(SHAPE, SEQ, tm.Layout(ParallelLayout(dp=32), zero_stage=3, micro_batch=64), cluster)
+    big = tm.predict_step(
+        SHAPE, seq_len=SEQ, layout=tm.Layout(ParallelLayout(dp=32), zero_stage=3, micro_batch=64), cluster=cluster
+    )
     small = tm.predict_step(
-        SHAPE, SEQ, tm.Layout(ParallelLayout(dp=32), zero_stage=3, micro_batch=1, grad_accum=64), cluster
+        SHAPE,
+        seq_len=SEQ,
+        layout=tm.Layout(ParallelLayout(dp=32), zero_stage=3, micro_batch=1, grad_accum=64),
+        cluster=cluster,
     )
     assert big.terms["data_parallel"] == 0  # gathers and reduce-scatter fit inside the micro-batch's compute
     per_micro = 3 * 31 / 32 * 50e6 * 2 / cluster.bus_bandwidth(32) + 3 * 4 * (30e-6 + 31 * 5e-6)
     slot = small.terms["compute"] / 64
     assert small.terms["data_parallel"] == pytest.approx(64 * (per_micro - slot), rel=1e-9)
     # ZeRO-2 overlaps its gradient reduction with the last backward; ZeRO-1 (and Megatron-style DP) does not
-    zero2 = tm.predict_step(SHAPE, SEQ, tm.Layout(ParallelLayout(dp=32), zero_stage=2, micro_batch=64), cluster)
-    zero1 = tm.predict_step(SHAPE, SEQ, tm.Layout(ParallelLayout(dp=32), zero_stage=1, micro_batch=64), cluster)
+    zero2 = tm.predict_step(
+        SHAPE, seq_len=SEQ, layout=tm.Layout(ParallelLayout(dp=32), zero_stage=2, micro_batch=64), cluster=cluster
+    )
+    zero1 = tm.predict_step(
+        SHAPE, seq_len=SEQ, layout=tm.Layout(ParallelLayout(dp=32), zero_stage=1, micro_batch=64), cluster=cluster
+    )
     assert zero1.terms["data_parallel"] > zero2.terms["data_parallel"]
     assert zero1.volumes["data_parallel"] == pytest.approx(31 / 32 * (50e6 * 2 + 50e6 * 2))
 
@@ -149,8 +163,8 @@ def test_published_runs_are_predicted_within_25_percent():
     measured = first.measured_step_s / last.measured_step_s
     predicted = first.predicted_step_s() / last.predicted_step_s()
     assert measured < 1.4 and predicted < 1.45 and abs(predicted - measured) < 0.1
-    grown = tm.predict_step(last.shape, last.seq_len, last.layout, last.cluster)
-    before = tm.predict_step(first.shape, first.seq_len, first.layout, first.cluster)
+    grown = tm.predict_step(last.shape, seq_len=last.seq_len, layout=last.layout, cluster=last.cluster)
+    before = tm.predict_step(first.shape, seq_len=first.seq_len, layout=first.layout, cluster=first.cluster)
     assert growing_term(before, grown)[0] == "pipeline_bubble"
 
 
@@ -159,7 +173,9 @@ LLAMA_70B = tm.dense_shape(80, 8192, 64, 128256, intermediate=28672, kv_heads=8,
 
 def planner(nodes: int = 4, gpus: int = 8, memory_gb: float = 80, gpu: str = "h100-sxm", block: int = 4096):
     run = PlannedRun(gpus_per_node=gpus, nodes=nodes, micro_batch=1, block_size=block)
-    return Planner(LLAMA_70B, run, tm.Cluster(nodes, gpus, GPUS[gpu], 3200), memory_gb * GIB, None)
+    return Planner(
+        LLAMA_70B, run=run, cluster=tm.Cluster(nodes, gpus, GPUS[gpu], 3200), gpu_bytes=memory_gb * GIB, host_bytes=None
+    )
 
 
 def test_the_recommendation_is_the_fastest_layout_that_fits():
@@ -186,9 +202,13 @@ def test_the_recommendation_is_the_fastest_layout_that_fits():
     assert max(c.layout.parallel.tp for c in four_a_node.candidates(global_sequences=256)) == 4
     allowed = four_a_node.candidates(global_sequences=256, cross_node_tensor=True)
     assert max(c.layout.parallel.tp for c in allowed) == 8
-    flags = flags_candidate(plan, OPTIONS[0], PlannedRun(gpus_per_node=8, nodes=4, micro_batch=8), 1, False)
+    flags = flags_candidate(
+        plan, option=OPTIONS[0], run=PlannedRun(gpus_per_node=8, nodes=4, micro_batch=8), accum=1, checkpointing=False
+    )
     assert not flags.fits  # ZeRO-1 holds the whole 70B model's weights and gradients: scored all the same
-    lines = render_time_plan(plan.cluster, flags, candidates, 4096, 256, tokens=1e12)
+    lines = render_time_plan(
+        plan.cluster, flags=flags, candidates=candidates, block_size=4096, global_sequences=256, tokens=1e12
+    )
     assert lines[0].startswith("time plan: 4 node(s) x 8 h100-sxm (peak 989 TFLOP/s")
     assert lines[5].startswith("| flags: DP 32 | ZeRO-1 | 8 x 1 | no | no (")
     verdict = lines[-1]
@@ -207,7 +227,7 @@ def test_scaling_at_a_fixed_global_batch_stalls_where_zero3_communication_grows(
     def planner_for(nodes):
         run = PlannedRun(gpus_per_node=8, nodes=nodes, micro_batch=1, block_size=512)
         cluster = tm.Cluster(nodes, 8, GPUS["a100-80gb"], 400)
-        return Planner(LLAMA_70B, run, cluster, 80 * GIB, None)
+        return Planner(LLAMA_70B, run=run, cluster=cluster, gpu_bytes=80 * GIB, host_bytes=None)
 
     rows = scaling_rows(planner_for, [1, 2, 4, 8], layout, zero3)
     assert [r["gpus"] for r in rows] == [8, 16, 32, 64]
@@ -231,7 +251,9 @@ def test_scaling_at_a_fixed_global_batch_stalls_where_zero3_communication_grows(
 def test_the_json_plan_puts_the_flags_layout_first_and_indexes_the_recommendation(tmp_path):
     plan = planner()
     candidates = plan.candidates(global_sequences=256)
-    flags = flags_candidate(plan, OPTIONS[0], PlannedRun(gpus_per_node=8, nodes=4, micro_batch=8), 1, False)
+    flags = flags_candidate(
+        plan, option=OPTIONS[0], run=PlannedRun(gpus_per_node=8, nodes=4, micro_batch=8), accum=1, checkpointing=False
+    )
     path = tmp_path / "plan.json"
     write_plan_json(path, flags, candidates, None)
     document = json.loads(path.read_text())
@@ -247,7 +269,9 @@ def test_the_json_plan_puts_the_flags_layout_first_and_indexes_the_recommendatio
     )  # fmt: skip
     best = document["layouts"][document["recommended"]]
     assert best["fits"] and best["step_time_s"] == min(x["step_time_s"] for x in document["layouts"] if x["fits"])
-    assert set(best["time_breakdown"]) == set(tm.predict_step(LLAMA_70B, 4096, tm.Layout(), plan.cluster).terms)
+    assert set(best["time_breakdown"]) == set(
+        tm.predict_step(LLAMA_70B, seq_len=4096, layout=tm.Layout(), cluster=plan.cluster).terms
+    )
     assert best["step_time_s"] == pytest.approx(sum(best["time_breakdown"].values()))
 
 
@@ -255,7 +279,9 @@ def test_a_trillion_parameters_on_16384_gpus_plans_quickly():
     """Planning never starts processes: every layout of a 1T shape on 2048 nodes x 8 GPUs is scored in-process."""
     shape = tm.dense_shape(128, 25600, 160, 51200)
     run = PlannedRun(gpus_per_node=8, nodes=2048, micro_batch=1, block_size=2048)
-    candidates = Planner(shape, run, tm.Cluster(2048, 8, GPUS["h100-sxm"], 3200), 80 * GIB, None).candidates(16384)
+    candidates = Planner(
+        shape, run=run, cluster=tm.Cluster(2048, 8, GPUS["h100-sxm"], 3200), gpu_bytes=80 * GIB, host_bytes=None
+    ).candidates(16384)
     fitting = [c for c in candidates if c.fits]
     assert (
         fitting and fitting[0].layout.parallel.tp * fitting[0].layout.parallel.pp > 1
@@ -309,7 +335,9 @@ def test_a_calibrated_plan_predicts_other_blocks_and_micro_batches_within_15_per
     reference = measured[(256, 4)]
     cluster = calibrate(tm.Cluster(1, 1, calibrated_gpu(reference, 24)), reference, shape)
     for (block, micro), run in measured.items():
-        predicted = tm.predict_step(shape, block, run.layout, cluster, "fp32").step_time
+        predicted = tm.predict_step(
+            shape, seq_len=block, layout=run.layout, cluster=cluster, precision="fp32"
+        ).step_time
         assert run.layout.micro_batch == micro and run.block_size == block
         assert abs(predicted / run.phases["step"] - 1) <= 0.15, (block, micro, predicted, run.phases)
     # the same through train.py --plan: its machine and world size from the run, its rates on the flags' layout
@@ -350,10 +378,12 @@ def test_the_probes_fixed_cost_and_attention_rate_stay_out_of_the_compute_scale(
     passes = 4 if checkpointing else 3  # the probe's run recomputed its forward too
     assert cluster.micro_batch_fixed_s_per_layer == pytest.approx(0.02 / SHAPE.layers * 3 / passes)
     assert cluster.attention_efficiency == pytest.approx(40 / 989)
-    assert tm.predict_step(SHAPE, 512, layout, cluster).terms["compute"] == pytest.approx(0.9)
-    quarter = tm.predict_step(SHAPE, 512, replace(layout, micro_batch=1), cluster).terms["compute"]
+    assert tm.predict_step(SHAPE, seq_len=512, layout=layout, cluster=cluster).terms["compute"] == pytest.approx(0.9)
+    quarter = tm.predict_step(SHAPE, seq_len=512, layout=replace(layout, micro_batch=1), cluster=cluster).terms[
+        "compute"
+    ]
     assert quarter == pytest.approx(2 * (0.02 + (0.45 - 0.02) / 4))
-    parts = tm.compute_parts(SHAPE, 512, layout, cluster, 2)
+    parts = tm.compute_parts(SHAPE, seq_len=512, layout=layout, cluster=cluster, value_bytes=2)
     attention = 2 * 4 * 512**2 * SHAPE.hidden * SHAPE.layers * passes / 40e12  # the probe's rate, hand-counted
     assert parts["attention"] == pytest.approx(attention) and parts["fixed"] == pytest.approx(0.02)
     scaled, unscaled = tm.split_compute(parts, cluster)
@@ -404,6 +434,6 @@ def test_calibration_reads_the_comms_logs_bus_bandwidth_and_gpu_checks_matmul_ra
     assert cluster.matmul_efficiency == pytest.approx(742 / 989)
     assert cluster.bus_bandwidth(8) == pytest.approx(200e9)  # the measured bus bandwidth, achieved already
     assert cluster.step_overhead_s == pytest.approx(0.05)
-    replay = tm.predict_step(SHAPE, 512, measured.layout, cluster)
+    replay = tm.predict_step(SHAPE, seq_len=512, layout=measured.layout, cluster=cluster)
     assert replay.terms["compute"] == pytest.approx(0.9) and replay.terms["optimizer"] == pytest.approx(0.05)
     assert replay.step_time == pytest.approx(1.0)  # the run it was calibrated by, predicted as measured

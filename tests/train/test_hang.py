@@ -97,7 +97,7 @@ def test_a_damaged_or_stray_heartbeat_file_is_no_heartbeat_and_the_others_are_st
 
 def test_the_report_gives_every_rank_where_it_was_and_since_when():
     beats = {0: beat(0), 1: beat(1, age=40)}
-    line, text = describe_hang(beats, 2, NOW, timeout=30, stuck_s=45)
+    line, text = describe_hang(beats, world_size=2, now=NOW, timeout=30, stuck_s=45)
     assert line.startswith("no progress for 45s; stopped: rank 1 (node0, pid 1001) at step 5, forward/backward")
     rows = text.splitlines()[2:]
     assert len(rows) == 2 and "last heartbeat 40s ago" in rows[1] and "last heartbeat 0s ago" in rows[0]
@@ -140,7 +140,7 @@ def test_a_full_disk_when_the_run_ends_costs_the_final_heartbeat_a_warning_not_a
     """A run stopped by a full disk closes its hang watch on that disk: the final heartbeat cannot be written. That
     must not raise over the run's own error (CI saw a traceback after the clear message); the last beat stays."""
     with small_tmpfs(tmp_path / "disk", "1m") as disk:
-        watch = HangWatch(disk, 0, 1, timeout=60.0, long_allowance_s=600.0)
+        watch = HangWatch(disk, rank=0, world_size=1, timeout=60.0, long_allowance_s=600.0)
         watch.start()
         beats = disk / HEARTBEAT_DIR
         fill_up(disk)

@@ -93,7 +93,14 @@ def test_every_callback_hears_each_event_in_the_lists_order_and_the_loop_counts_
     events: list = []
     state = TrainState()
     runner = Runner([result(), result(applied=False), result(requests=("save",))])
-    trainer = Trainer(Engine(), None, state, settings(), runner, [Recorder(events, "a"), Recorder(events, "b")])
+    trainer = Trainer(
+        Engine(),
+        batches=None,
+        state=state,
+        settings=settings(),
+        runner=runner,
+        callbacks=[Recorder(events, "a"), Recorder(events, "b")],
+    )
     trainer.fit()
     assert (state.step, state.samples_seen, state.tokens_seen, state.skipped_steps) == (3, 24, 200, 1)
     first_step = [e for e in events if len(e) < 3 or e[2] in (1, "forward/backward", "optimizer update")][:12]
@@ -121,6 +128,41 @@ def test_every_callback_hears_each_event_in_the_lists_order_and_the_loop_counts_
     assert trainer.logged(2) and trainer.logged(3) and not trainer.logged(1)
 
 
+def test_the_step_boundary_names_its_all_reduce_then_the_update_and_applies_the_vetoes(monkeypatch):
+    """The step reaches the trainer only through its StepBoundary: agree() runs the all-reduce (here a one-rank
+    stand-in of agree_step, the real one needs a process group), names the two phases in order, and returns the
+    callbacks' verdict on the agreed loss with the requests some rank made."""
+
+    class Veto(Recorder):
+        def veto_update(self, global_loss):
+            return "too high" if global_loss > 1.0 else None
+
+        def requests(self):
+            return ("save",)
+
+    monkeypatch.setattr(trainer_module, "agree_step", lambda device, loss_sum, *flags: (float(loss_sum), *flags))
+    seen: list = []
+
+    class AgreeingRunner(Runner):
+        def step(self, engine, batches, *, data_step, settings, boundary):
+            seen.append(boundary.agree(torch.tensor(300.0), 100))  # global loss 3.0
+            return super().step(engine, batches, data_step=data_step, settings=settings, boundary=boundary)
+
+    events: list = []
+    trainer = Trainer(
+        Engine(),
+        batches=None,
+        state=TrainState(),
+        settings=settings(max_steps=1),
+        runner=AgreeingRunner([result()]),
+        callbacks=[Veto(events)],
+    )
+    trainer.fit(finish=False)
+    phases = [e[2] for e in events if e[1] == "phase"]
+    assert phases[1:3] == ["step-boundary all-reduce", "optimizer update"]  # after the step's forward/backward
+    assert seen == [Agreement(3.0, "too high", frozenset({"save"}))]
+
+
 def test_callbacks_act_in_their_declared_order_whatever_order_they_are_listed_in():
     """The trainer orders its callbacks by each one's declared Order, not by list position: a save listed before
     the records it must follow, and the preemption save listed first, still act after them."""
@@ -137,7 +179,14 @@ def test_callbacks_act_in_their_declared_order_whatever_order_they_are_listed_in
         recorder("guard", Order.NONFINITE_GUARD),
         recorder("evaluation", Order.EVALUATION),
     ]
-    trainer = Trainer(Engine(), None, TrainState(), settings(max_steps=1), Runner([result()]), listed)
+    trainer = Trainer(
+        Engine(),
+        batches=None,
+        state=TrainState(),
+        settings=settings(max_steps=1),
+        runner=Runner([result()]),
+        callbacks=listed,
+    )
     expected = ["guard", "records", "evaluation", "save", "preemption"]
     assert [c.name for c in trainer.callbacks] == expected
     trainer.fit()
@@ -190,7 +239,14 @@ def test_a_rollback_skips_the_rest_of_its_step_and_every_callback_hears_it():
                 raise RolledBack
 
     callbacks = [Recorder(events, "a"), RollsBackAtStep2(), Recorder(events, "b")]
-    trainer = Trainer(Engine(), None, state, settings(max_steps=2), Runner([result()] * 3), callbacks)
+    trainer = Trainer(
+        Engine(),
+        batches=None,
+        state=state,
+        settings=settings(max_steps=2),
+        runner=Runner([result()] * 3),
+        callbacks=callbacks,
+    )
     trainer.fit()
     posts = [e[:3] for e in events if e[1] in ("post_step", "rollback")]
     assert posts == [
@@ -213,7 +269,14 @@ def test_a_planned_end_ends_the_loop_after_its_callbacks_post_train():
                 raise Preempted(outcome.step)
 
     runner = Runner([result(), result(requests=("stop",)), result()])
-    trainer = Trainer(Engine(), None, TrainState(), settings(), runner, [Stops(), Recorder(events)])
+    trainer = Trainer(
+        Engine(),
+        batches=None,
+        state=TrainState(),
+        settings=settings(),
+        runner=runner,
+        callbacks=[Stops(), Recorder(events)],
+    )
     with pytest.raises(Preempted):
         trainer.fit()
     assert [e[2] for e in events if e[1] == "post_step"] == [1]
@@ -230,7 +293,14 @@ def test_a_saves_time_joins_the_next_steps_and_each_hold_is_heard():
                 self.trainer.hold("evaluation", lambda: time.sleep(0.01))
             events.append((outcome.step, outcome.held, outcome.seconds, outcome.phases["checkpoint"]))
 
-    trainer = Trainer(Engine(), None, TrainState(), settings(max_steps=3), Runner([result()] * 3), [])
+    trainer = Trainer(
+        Engine(),
+        batches=None,
+        state=TrainState(),
+        settings=settings(max_steps=3),
+        runner=Runner([result()] * 3),
+        callbacks=[],
+    )
     trainer.callbacks = (SavesAfterStep1(), Recorder(events))
     for callback in trainer.callbacks:
         callback.trainer = trainer
@@ -284,7 +354,14 @@ def test_the_guard_vetoes_a_nonfinite_loss_and_rolls_back_after_its_streak(tmp_p
             return [data_step]
 
     bad = result(applied=False, forced="nonfinite_loss", loss=math.nan)
-    trainer = Trainer(Engine(), Batches(), state, settings(max_steps=5), Runner([bad, bad]), [guard])
+    trainer = Trainer(
+        Engine(),
+        batches=Batches(),
+        state=state,
+        settings=settings(max_steps=5),
+        runner=Runner([bad, bad]),
+        callbacks=[guard],
+    )
     with pytest.raises(RolledBack):  # the second skip in a row: back to the checkpoint, its entry in the ledger
         for _ in range(2):
             outcome = trainer._step()
@@ -387,7 +464,14 @@ def test_a_preemption_at_an_evaluation_step_saves_without_evaluating():
 
     evaluation = PeriodicEvaluation(1, Metrics(), evaluate=lambda: {"eval_loss": 1.0})
     runner = Runner([result(), result(requests=("stop",)), result()])
-    trainer = Trainer(Engine(), None, TrainState(), settings(max_steps=3), runner, [evaluation])
+    trainer = Trainer(
+        Engine(),
+        batches=None,
+        state=TrainState(),
+        settings=settings(max_steps=3),
+        runner=runner,
+        callbacks=[evaluation],
+    )
     trainer.fit(finish=False)
     assert evaluated == [1]  # not step 2 (the preemption's), not step 3 (the last: the end of training's)
 
@@ -411,7 +495,14 @@ def test_the_end_of_training_evaluates_the_last_step_once_unless_it_has_its_reco
 
     def run(state: TrainState, done: set, steps: int) -> None:
         evaluation = PeriodicEvaluation(1, Metrics(done), evaluate=lambda: {"eval_loss": 1.0})
-        trainer = Trainer(Engine(), None, state, settings(max_steps=2), Runner([result()] * steps), [evaluation])
+        trainer = Trainer(
+            Engine(),
+            batches=None,
+            state=state,
+            settings=settings(max_steps=2),
+            runner=Runner([result()] * steps),
+            callbacks=[evaluation],
+        )
         trainer.fit()
 
     run(TrainState(), set(), steps=2)

@@ -68,7 +68,7 @@ def test_judge_flags_nonfinite_and_spikes_only_after_the_running_mean_warms_up(t
     assert g.judge(float("nan")) == "nonfinite_loss" and g.judge(float("inf")) == "nonfinite_loss"
     assert g.judge(100.0) is None  # no running mean yet
     for step in range(1, SPIKE_WARMUP_STEPS + 1):
-        assert g.after_step(step, 2.0, None, True, list) == "ok"
+        assert g.after_step(step, global_loss=2.0, forced=None, applied=True, sample_ids=list) == "ok"
     assert g.state.loss_mean == pytest.approx(2.0)
     assert g.judge(5.9) is None and g.judge(6.1) == "loss_spike"
     assert guard(spike=0.0).judge(1e9) is None  # spike detection off
@@ -76,11 +76,24 @@ def test_judge_flags_nonfinite_and_spikes_only_after_the_running_mean_warms_up(t
 
 def test_skips_count_in_a_row_then_ask_for_rollback_and_land_in_the_ledger(tmp_path):
     g = guard(limit=3, tmp_path=tmp_path)
-    assert g.after_step(1, float("nan"), "nonfinite_loss", False, lambda: [7, 9]) == "skipped"
-    assert g.after_step(2, 4.0, None, True, list) == "ok"  # an applied step breaks the streak
-    assert g.after_step(3, float("nan"), "nonfinite_loss", False, lambda: [1]) == "skipped"
-    assert g.after_step(4, 4.0, None, False, lambda: [2]) == "skipped"  # DeepSpeed refused: grad norm
-    assert g.after_step(5, float("nan"), "nonfinite_loss", False, lambda: [3]) == "rollback"
+    assert (
+        g.after_step(1, global_loss=float("nan"), forced="nonfinite_loss", applied=False, sample_ids=lambda: [7, 9])
+        == "skipped"
+    )
+    assert (
+        g.after_step(2, global_loss=4.0, forced=None, applied=True, sample_ids=list) == "ok"
+    )  # an applied step breaks the streak
+    assert (
+        g.after_step(3, global_loss=float("nan"), forced="nonfinite_loss", applied=False, sample_ids=lambda: [1])
+        == "skipped"
+    )
+    assert (
+        g.after_step(4, global_loss=4.0, forced=None, applied=False, sample_ids=lambda: [2]) == "skipped"
+    )  # DeepSpeed refused: grad norm
+    assert (
+        g.after_step(5, global_loss=float("nan"), forced="nonfinite_loss", applied=False, sample_ids=lambda: [3])
+        == "rollback"
+    )
     entries = ledger(tmp_path)
     assert [e["step"] for e in entries] == [1, 3, 4, 5]
     assert entries[0]["samples"] == [7, 9] and entries[0]["loss"] == "nan"
@@ -88,9 +101,13 @@ def test_skips_count_in_a_row_then_ask_for_rollback_and_land_in_the_ledger(tmp_p
 
 
 def test_fp16_overflow_is_the_loss_scalers_business_and_stop_raises(tmp_path):
-    assert guard(fp16=True).after_step(1, 3.0, None, False, list) == "ok"  # a loss-scale overflow, not a failure
+    assert (
+        guard(fp16=True).after_step(1, global_loss=3.0, forced=None, applied=False, sample_ids=list) == "ok"
+    )  # a loss-scale overflow, not a failure
     with pytest.raises(NonFiniteStop, match=r"step 4: nonfinite loss .* samples \[5, 6\]; stopped \(--on_nonfinite"):
-        guard(action="stop", tmp_path=tmp_path).after_step(4, float("nan"), "nonfinite_loss", False, lambda: [5, 6])
+        guard(action="stop", tmp_path=tmp_path).after_step(
+            4, global_loss=float("nan"), forced="nonfinite_loss", applied=False, sample_ids=lambda: [5, 6]
+        )
     assert ledger(tmp_path)[0]["step"] == 4
 
 

@@ -36,7 +36,9 @@ def prepared(tmp_path: Path, tokenizer, train_file: Path, *flags: str):
     """(the opened store, its ChatData, the rows) of a preference file prepared as a run prepares it."""
     cfg = parse_run_config(["--train_file", str(train_file), "--validation_split_percentage", "0", *flags])
     chat = resolve_chat_data(cfg.data, tokenizer)
-    store = prepare_chat_store(cfg.data, tokenizer, 64, tmp_path / "store", chat, show_progress=False)
+    store = prepare_chat_store(
+        cfg.data, tokenizer=tokenizer, block_size=64, store=tmp_path / "store", chat=chat, show_progress=False
+    )
     rows = [json.loads(line) for line in train_file.read_text().splitlines()]
     return attach_masks(open_store(store), store), chat, rows
 
@@ -49,7 +51,7 @@ def test_the_store_holds_each_pair_as_render_pair_makes_it_and_batches_keep_pair
     opened, chat, rows = prepared(tmp_path, tokenizer, FORMATS[fmt](tmp_path / "pairs.jsonl", n=12), *template)
     assert chat.kind == "preference" and (chat.template is None) == (fmt == "explicit_text")
     assert opened["manifest"]["chat_kind"] == "preference"
-    pairs = pairs_from_store(opened, "train", 1024, "truncate")
+    pairs = pairs_from_store(opened, split="train", block_size=1024, truncation="truncate")
     assert len(pairs) == len(rows) == pairs.n_split_pairs
     batch = pairs.batch(np.array([3, EMPTY_SLOT, 0]))
     assert batch["pair_ids"].tolist() == [3, -1, 0]
@@ -81,8 +83,12 @@ def test_a_save_to_disk_folder_and_a_parquet_file_give_the_jsonl_files_store(tmp
         cfg = parse_run_config([*source, "--validation_split_percentage", "0", *template])
         chat = resolve_chat_data(cfg.data, tokenizer)
         assert chat.kind == "preference", name
-        made = prepare_chat_store(cfg.data, tokenizer, 64, tmp_path / name, chat, show_progress=False)
-        pairs = pairs_from_store(attach_masks(open_store(made), made), "train", 1024, "truncate")
+        made = prepare_chat_store(
+            cfg.data, tokenizer=tokenizer, block_size=64, store=tmp_path / name, chat=chat, show_progress=False
+        )
+        pairs = pairs_from_store(
+            attach_masks(open_store(made), made), split="train", block_size=1024, truncation="truncate"
+        )
         return pairs.batch(np.arange(len(pairs)))
 
     expected = store("jsonl", "--train_file", str(rows_file))
@@ -107,8 +113,8 @@ def test_padding_free_batches_give_the_padded_batches_log_probs_and_gradients(ch
     from scaletrain.train.preference import row_logps
 
     opened, _, _ = prepared(tmp_path, tokenizer, preference_data.explicit_text(tmp_path / "p.jsonl", n=8))
-    padded = pairs_from_store(opened, "train", 1024, "truncate")
-    packed = pairs_from_store(opened, "train", 1024, "truncate", padding_free=True)
+    padded = pairs_from_store(opened, split="train", block_size=1024, truncation="truncate")
+    packed = pairs_from_store(opened, split="train", block_size=1024, truncation="truncate", padding_free=True)
     indices = np.array([3, EMPTY_SLOT, 0, 5])
     flat = packed.batch(indices)
     assert flat["input_ids"].shape[0] == 1 and flat["input_ids"].numel() == padded.tokens_in(indices)
@@ -149,8 +155,8 @@ def test_orpo_is_trls_loss_on_any_split_of_the_batch_and_either_layout(chunked, 
     from scaletrain.train.preference_loss import PreferenceLoss
 
     opened, _, _ = prepared(tmp_path, tokenizer, preference_data.explicit_text(tmp_path / "p.jsonl", n=8))
-    padded = pairs_from_store(opened, "train", 1024, "truncate")
-    packed = pairs_from_store(opened, "train", 1024, "truncate", padding_free=True)
+    padded = pairs_from_store(opened, split="train", block_size=1024, truncation="truncate")
+    packed = pairs_from_store(opened, split="train", block_size=1024, truncation="truncate", padding_free=True)
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(TINY, attn_implementation="sdpa"))
     install_chunked_loss(model, 16 if chunked else 0)
@@ -187,18 +193,18 @@ def test_orpo_is_trls_loss_on_any_split_of_the_batch_and_either_layout(chunked, 
 
 def test_a_long_pair_loses_its_prompt_start_or_is_dropped_and_counted(tmp_path, tokenizer, offline):
     opened, chat, rows = prepared(tmp_path, tokenizer, preference_data.explicit_text(tmp_path / "p.jsonl", n=12))
-    whole = pairs_from_store(opened, "train", 1024, "truncate")
+    whole = pairs_from_store(opened, split="train", block_size=1024, truncation="truncate")
     lengths = whole.lengths.reshape(-1, 2).max(axis=1)
     block = int(np.sort(lengths)[len(lengths) // 2])  # about half the pairs are longer
     long_pairs = int((lengths > block).sum())
-    cut = pairs_from_store(opened, "train", block, "truncate")
+    cut = pairs_from_store(opened, split="train", block_size=block, truncation="truncate")
     assert len(cut) == 12 and cut.truncated >= long_pairs > 0 and cut.lengths.max() <= block
     for r in np.flatnonzero(whole.lengths > block):  # the completion whole, the prompt's start gone
         completion = whole.tokens[whole.starts[r] + whole.completion_at[r] : whole.starts[r] + whole.lengths[r]]
         kept = cut.tokens[cut.starts[r] + cut.completion_at[r] : cut.starts[r] + cut.lengths[r]]
         assert kept.tolist() == completion.tolist()
         assert cut.completion_at[r] == block - len(completion)
-    dropped = pairs_from_store(opened, "train", block, "drop")
+    dropped = pairs_from_store(opened, split="train", block_size=block, truncation="drop")
     assert dropped.dropped == long_pairs and len(dropped) == 12 - long_pairs
     assert all(lengths[p] <= block for p in dropped.kept)
 
@@ -292,11 +298,11 @@ def test_a_resumed_run_without_its_reference_file_stops_naming_it(tmp_path, toke
     from scaletrain.train.reference import ReferencePass, attach_reference_logps, reference_file
 
     opened, _, _ = prepared(tmp_path, tokenizer, preference_data.explicit_text(tmp_path / "p.jsonl", n=4))
-    pairs = pairs_from_store(opened, "train", 1024, "truncate")
+    pairs = pairs_from_store(opened, split="train", block_size=1024, truncation="truncate")
     identity = {"model": {"source": "x"}, "precision": "fp32", "block_size": 1024, "truncation": "truncate"}
     with pytest.raises(UsageError) as caught:
         attach_reference_logps(
-            None, {"train": pairs}, ReferencePass(tmp_path / "store", identity, 4), None, fresh=False
+            None, sets={"train": pairs}, ref=ReferencePass(tmp_path / "store", identity, 4), dist=None, fresh=False
         )
     assert str(reference_file(tmp_path / "store", "train", identity)) in caught.value.message
     assert "--resume_from_checkpoint none" in caught.value.hint
@@ -310,7 +316,7 @@ def test_a_damaged_reference_cache_is_never_trusted(tmp_path, tokenizer, offline
     from scaletrain.train.reference import ReferencePass, _save, attach_reference_logps, reference_file
 
     opened, _, _ = prepared(tmp_path, tokenizer, preference_data.explicit_text(tmp_path / "p.jsonl", n=4))
-    pairs = pairs_from_store(opened, "train", 1024, "truncate")
+    pairs = pairs_from_store(opened, split="train", block_size=1024, truncation="truncate")
     identity = {"model": {"source": "x"}, "precision": "fp32", "block_size": 1024, "truncation": "truncate"}
     path = reference_file(tmp_path / "store", "train", identity)
     good = np.zeros((pairs.n_split_pairs, 2))
@@ -322,11 +328,15 @@ def test_a_damaged_reference_cache_is_never_trusted(tmp_path, tokenizer, offline
     else:
         _save(path, good, {**identity, "precision": "bf16"})
     with caplog.at_level("WARNING", logger="scaletrain.train.reference"), pytest.raises(UsageError) as caught:
-        attach_reference_logps(None, {"train": pairs}, ReferencePass(tmp_path / "store", identity, 4), None, False)
+        attach_reference_logps(
+            None, sets={"train": pairs}, ref=ReferencePass(tmp_path / "store", identity, 4), dist=None, fresh=False
+        )
     assert f"{path}: the reference log-probabilities of this run's train pairs are damaged" in caught.value.message
     assert f"{path}: damaged" in caplog.text and "not used" in caplog.text
     _save(path, good, identity)  # whole again: read back, nothing computed (no engine here)
-    attach_reference_logps(None, {"train": pairs}, ReferencePass(tmp_path / "store", identity, 4), None, False)
+    attach_reference_logps(
+        None, sets={"train": pairs}, ref=ReferencePass(tmp_path / "store", identity, 4), dist=None, fresh=False
+    )
     assert pairs.ref_logps.shape == good.shape
 
 
@@ -366,7 +376,7 @@ def test_print_samples_shows_each_pair_with_its_completions_marked(tmp_path, tok
     from scaletrain.data.pairs import print_pairs
 
     opened, _, rows = prepared(tmp_path, tokenizer, preference_data.explicit_text(tmp_path / "p.jsonl", n=4))
-    pairs = pairs_from_store(opened, "train", 1024, "truncate")
+    pairs = pairs_from_store(opened, split="train", block_size=1024, truncation="truncate")
     # A handler on the module's own logger: an earlier in-process run's logging setup may stop propagation to root.
     records, logger = [], logging.getLogger("scaletrain.data.pairs")
     handler = logging.Handler(logging.INFO)

@@ -7,13 +7,12 @@ traceback, nothing written (every check happens before a process group, model or
 from __future__ import annotations
 
 import json
-import traceback
 from pathlib import Path
 
 import pytest
 
 from tests.harness import REPO
-from tests.helpers.bad_input import ZERO2, names, text_file, tree_digest
+from tests.helpers.bad_input import check_bad_input, ZERO2, text_file
 
 # --- builders of bad inputs: each gets the test's tmp folder and returns extra flags -----------------------------
 
@@ -263,22 +262,4 @@ CASES = {
 
 @pytest.mark.parametrize("name", list(CASES))
 def test_bad_input_is_one_line_exit_2_and_touches_nothing(name, tmp_path, offline, capsys):
-    from train import main
-
-    make_flags, culprit, expected = CASES[name]
-    extra = make_flags(tmp_path)
-    out = tmp_path / "out"
-    before = tree_digest(out)
-    try:
-        code = main(["--config", str(ZERO2), "--output_dir", str(out), *extra])
-    except BaseException:  # a traceback is a failure of this test, whatever the exit code would have been
-        pytest.fail(f"{name}: raised instead of a clean error:\n{traceback.format_exc()}")
-    captured = capsys.readouterr()
-    assert code == 2, captured.out + captured.err
-    lines = captured.err.strip().splitlines()
-    assert 1 <= len(lines) <= 2 and lines[0].startswith("train.py: error: "), captured.err
-    assert expected in lines[0], lines
-    assert names(culprit, lines[0]), f"the error does not name {culprit}: {lines[0]}"
-    if len(lines) == 2:
-        assert lines[1].startswith("  hint: ")
-    assert tree_digest(out) == before
+    check_bad_input(name, CASES[name], tmp_path, capsys)

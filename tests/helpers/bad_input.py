@@ -58,3 +58,27 @@ def names(culprit: str, line: str) -> bool:
     """`culprit` appears in `line` as a whole flag or key: --config is not named by --config_name, nor
     zero_optimization.offload_optimizer by zero_optimization.offload_optimizer.device."""
     return re.search(rf"(?<![\w.-]){re.escape(culprit)}(?![\w.-])", line) is not None
+
+
+def check_bad_input(name: str, case: tuple, tmp_path: Path, capsys) -> None:
+    """train.py's main on one bad-input case `(make_flags, culprit, expected)`: exit code 2, one line (a hint line at
+    most) naming the culprit, no traceback, and the output folder untouched."""
+    from train import main
+
+    make_flags, culprit, expected = case
+    extra = make_flags(tmp_path)
+    out = tmp_path / "out"
+    before = tree_digest(out)
+    try:
+        code = main(["--config", str(ZERO2), "--output_dir", str(out), *extra])
+    except BaseException:  # a traceback is a failure of this test, whatever the exit code would have been
+        pytest.fail(f"{name}: raised instead of a clean error:\n{traceback.format_exc()}")
+    captured = capsys.readouterr()
+    assert code == 2, captured.out + captured.err
+    lines = captured.err.strip().splitlines()
+    assert 1 <= len(lines) <= 2 and lines[0].startswith("train.py: error: "), captured.err
+    assert expected in lines[0], lines
+    assert names(culprit, lines[0]), f"the error does not name {culprit}: {lines[0]}"
+    if len(lines) == 2:
+        assert lines[1].startswith("  hint: ")
+    assert tree_digest(out) == before

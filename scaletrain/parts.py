@@ -36,6 +36,10 @@ class ParallelLayout:
     pp: int = 1
     dp: int = 1
 
+    def __post_init__(self):
+        bad = {axis: size for axis, size in self.sizes().items() if not (isinstance(size, int) and size >= 1)}
+        assert not bad, f"parallel sizes must be whole numbers of at least 1: {bad}"
+
     @classmethod
     def of_world(cls, world_size: int, tp: int = 1, sp: int = 1, pp: int = 1) -> ParallelLayout:
         """The layout of `world_size` ranks with these model-parallel sizes; data parallelism takes the rest."""

@@ -127,7 +127,7 @@ class PlannedRun:
 
     gpus_per_node: int = 1
     nodes: int = 1
-    parallel: ParallelLayout = None  # type: ignore[assignment]  # None: data parallelism over the GPUs
+    parallel: ParallelLayout = ParallelLayout()  # how its GPUs split (data_parallel_run: data parallelism alone)
     micro_batch: int = 1
     block_size: int = 1024
     precision: str = "bf16"
@@ -136,8 +136,6 @@ class PlannedRun:
     features: MemoryFeatures = NO_FEATURES
 
     def __post_init__(self):
-        if self.parallel is None:
-            object.__setattr__(self, "parallel", ParallelLayout(dp=self.ranks))
         assert self.parallel.world_size == self.ranks, (
             f"{self.parallel} spans {self.parallel.world_size} ranks, not the {self.nodes} node(s) x "
             f"{self.gpus_per_node} GPU(s) planned"
@@ -151,6 +149,12 @@ class PlannedRun:
     def zero_ranks(self) -> int:
         """The ranks ZeRO partitions over (under sequence parallelism: all of them)."""
         return zero_ranks(self.parallel)
+
+
+def data_parallel_run(*, gpus_per_node: int = 1, nodes: int = 1, **options) -> PlannedRun:
+    """A planned run of data parallelism over all its GPUs."""
+    parallel = ParallelLayout(dp=gpus_per_node * nodes)
+    return PlannedRun(gpus_per_node=gpus_per_node, nodes=nodes, parallel=parallel, **options)
 
 
 def with_model_parallel(run: PlannedRun, tp: int = 1, sp: int = 1, pp: int = 1) -> PlannedRun:

@@ -48,8 +48,8 @@ class TrainState:
         """The state as checkpoints keep it (train_state in the client state): the layout as its sizes, under the
         names checkpoints have always used (world_size: the data-parallel ranks; 0 where none was recorded)."""
         state = {name: value for name, value in asdict(self).items() if name != "layout"}
-        layout = self.layout or ParallelLayout(dp=0)
-        sizes = (layout.dp, layout.tp, layout.sp, layout.pp)
+        layout = self.layout
+        sizes = (0, 1, 1, 1) if layout is None else (layout.dp, layout.tp, layout.sp, layout.pp)
         return {**state, **dict(zip(_LAYOUT_KEYS, sizes, strict=True))}
 
     def load_state_dict(self, state: dict) -> None:

@@ -45,6 +45,9 @@ def test_the_layout_of_a_world_gives_data_parallelism_the_rest_and_refuses_a_wor
     assert ParallelLayout(dp=4).describe() == "data parallel 4"
     with pytest.raises(AssertionError):
         ParallelLayout.of_world(10, tp=4)
+    for bad in ({"dp": 0}, {"tp": -2}, {"pp": 1.5}):  # the layout validates itself, however it is made
+        with pytest.raises(AssertionError, match="whole numbers of at least 1"):
+            ParallelLayout(**bad)
 
 
 def test_a_launch_is_data_parallel_until_the_runs_layout_is_applied():

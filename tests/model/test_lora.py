@@ -2,7 +2,7 @@
 and offload; killed and restarted; the adapter export reloaded with peft and compared with the engine's logits.
 
 The base is a tiny Llama with seeded random weights saved as a pretrained folder (no hub model can be downloaded
-here). Bad input is checked in-process, as tests/core/test_bad_input.py does.
+here). Bad input is checked in-process, as tests/core/test_bad_input_*.py do.
 """
 
 from __future__ import annotations

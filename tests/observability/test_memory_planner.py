@@ -12,6 +12,7 @@ import pytest
 
 from scaletrain.observability import memory_planner, plan_report
 from scaletrain.observability.memory_planner import PlannedRun as Run
+from scaletrain.observability.memory_planner import data_parallel_run
 from scaletrain.parts import ParallelLayout
 from tests.harness import FAST_FLAGS, REPO, check_ok, launch, child_env
 
@@ -78,7 +79,7 @@ def test_model_state_formulas_by_stage_and_offload():
     # 2 GPUs, whose ZeRO partition is the same: ZeRO partitions over the sequence-parallel ranks too)
     sequence_parallel = Run(gpus_per_node=2, parallel=ParallelLayout(sp=2), micro_batch=2, block_size=16)
     assert memory_planner.activation_bytes(shape, sequence_parallel) == (
-        memory_planner.activation_bytes(shape, Run(gpus_per_node=2, micro_batch=1, block_size=16))
+        memory_planner.activation_bytes(shape, data_parallel_run(gpus_per_node=2, micro_batch=1, block_size=16))
     )
     assert [o.name for o in memory_planner.options_for(1, 2)] == [  # sequence parallelism: CPU offload, no NVMe
         o.name for o in memory_planner.OPTIONS if o.offload_optimizer != "nvme"
@@ -137,7 +138,7 @@ def test_model_state_formulas_by_stage_and_offload():
 def test_a_planned_run_holds_one_parallel_layout_of_its_gpus():
     """The planned GPUs and the layout are one count: data parallelism over them by default, ZeRO partitioned over
     the data x sequence-parallel ranks, and a layout of another world refused."""
-    run = Run(gpus_per_node=8, nodes=2)
+    run = data_parallel_run(gpus_per_node=8, nodes=2)
     assert run.parallel == ParallelLayout(dp=16) and run.zero_ranks == 16
     composed = memory_planner.with_model_parallel(run, tp=2, sp=2, pp=2)
     assert composed.parallel == ParallelLayout(tp=2, sp=2, pp=2, dp=2) and composed.zero_ranks == 4
@@ -154,7 +155,9 @@ def test_recommendation_prefers_the_fastest_option_that_fits_then_checkpointing(
         intermediate=11008,
         vocab=32000,
     )
-    estimates = memory_planner.plan_memory(shape, Run(gpus_per_node=8, nodes=1, micro_batch=1, block_size=2048))
+    estimates = memory_planner.plan_memory(
+        shape, data_parallel_run(gpus_per_node=8, nodes=1, micro_batch=1, block_size=2048)
+    )
     est, ckpt = memory_planner.recommend(estimates, 80 * memory_planner.GIB, None)
     assert (est.option.name, ckpt) == ("ZeRO-1", False)
     est, ckpt = memory_planner.recommend(estimates, 24 * memory_planner.GIB, None)
@@ -557,7 +560,7 @@ def test_plan_recommends_tensor_parallelism_inside_a_node_before_offload(tmp_pat
     config = AutoConfig.from_pretrained(model)
     shape = memory_planner.ModelShape.from_meta_model(meta_model(config, False), config)
     assert shape.kv_heads == 8 and shape.linear_params > 0.98 * shape.n_params
-    run = Run(gpus_per_node=8, nodes=4, micro_batch=1, block_size=4096, precision="bf16")
+    run = data_parallel_run(gpus_per_node=8, nodes=4, micro_batch=1, block_size=4096, precision="bf16")
     tp, pp, est, _ = memory_planner.recommend_layout(shape, run, 75 * memory_planner.GIB, None)
     assert (tp, pp, est.option.stage) == (1, 1, 3)
     no_zero3 = [o for o in memory_planner.OPTIONS if o.stage < 3]

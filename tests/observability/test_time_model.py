@@ -11,7 +11,7 @@ import pytest
 
 from scaletrain.config import GPU, GPUS
 from scaletrain.observability import time_model as tm
-from scaletrain.observability.memory_planner import GIB, OPTIONS, ModelShape, PlannedRun
+from scaletrain.observability.memory_planner import GIB, OPTIONS, ModelShape, data_parallel_run
 from scaletrain.observability.time_plan import (
     Planner,
     flags_candidate,
@@ -172,7 +172,7 @@ LLAMA_70B = tm.dense_shape(80, 8192, 64, 128256, intermediate=28672, kv_heads=8,
 
 
 def planner(nodes: int = 4, gpus: int = 8, memory_gb: float = 80, gpu: str = "h100-sxm", block: int = 4096):
-    run = PlannedRun(gpus_per_node=gpus, nodes=nodes, micro_batch=1, block_size=block)
+    run = data_parallel_run(gpus_per_node=gpus, nodes=nodes, micro_batch=1, block_size=block)
     return Planner(
         LLAMA_70B, run=run, cluster=tm.Cluster(nodes, gpus, GPUS[gpu], 3200), gpu_bytes=memory_gb * GIB, host_bytes=None
     )
@@ -203,7 +203,11 @@ def test_the_recommendation_is_the_fastest_layout_that_fits():
     allowed = four_a_node.candidates(global_sequences=256, cross_node_tensor=True)
     assert max(c.layout.parallel.tp for c in allowed) == 8
     flags = flags_candidate(
-        plan, option=OPTIONS[0], run=PlannedRun(gpus_per_node=8, nodes=4, micro_batch=8), accum=1, checkpointing=False
+        plan,
+        option=OPTIONS[0],
+        run=data_parallel_run(gpus_per_node=8, nodes=4, micro_batch=8),
+        accum=1,
+        checkpointing=False,
     )
     assert not flags.fits  # ZeRO-1 holds the whole 70B model's weights and gradients: scored all the same
     lines = render_time_plan(
@@ -225,7 +229,7 @@ def test_scaling_at_a_fixed_global_batch_stalls_where_zero3_communication_grows(
     layout = tm.Layout(ParallelLayout(dp=8), zero_stage=3, micro_batch=1, grad_accum=8, checkpointing=True)
 
     def planner_for(nodes):
-        run = PlannedRun(gpus_per_node=8, nodes=nodes, micro_batch=1, block_size=512)
+        run = data_parallel_run(gpus_per_node=8, nodes=nodes, micro_batch=1, block_size=512)
         cluster = tm.Cluster(nodes, 8, GPUS["a100-80gb"], 400)
         return Planner(LLAMA_70B, run=run, cluster=cluster, gpu_bytes=80 * GIB, host_bytes=None)
 
@@ -252,7 +256,11 @@ def test_the_json_plan_puts_the_flags_layout_first_and_indexes_the_recommendatio
     plan = planner()
     candidates = plan.candidates(global_sequences=256)
     flags = flags_candidate(
-        plan, option=OPTIONS[0], run=PlannedRun(gpus_per_node=8, nodes=4, micro_batch=8), accum=1, checkpointing=False
+        plan,
+        option=OPTIONS[0],
+        run=data_parallel_run(gpus_per_node=8, nodes=4, micro_batch=8),
+        accum=1,
+        checkpointing=False,
     )
     path = tmp_path / "plan.json"
     write_plan_json(path, flags, candidates, None)
@@ -278,7 +286,7 @@ def test_the_json_plan_puts_the_flags_layout_first_and_indexes_the_recommendatio
 def test_a_trillion_parameters_on_16384_gpus_plans_quickly():
     """Planning never starts processes: every layout of a 1T shape on 2048 nodes x 8 GPUs is scored in-process."""
     shape = tm.dense_shape(128, 25600, 160, 51200)
-    run = PlannedRun(gpus_per_node=8, nodes=2048, micro_batch=1, block_size=2048)
+    run = data_parallel_run(gpus_per_node=8, nodes=2048, micro_batch=1, block_size=2048)
     candidates = Planner(
         shape, run=run, cluster=tm.Cluster(2048, 8, GPUS["h100-sxm"], 3200), gpu_bytes=80 * GIB, host_bytes=None
     ).candidates(16384)

@@ -13,12 +13,12 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from scaletrain.checkpoint import (
-    background_writer,
+    CheckpointManager,
+    CheckpointSettings,
     clear_previous_run,
     ensure_universal,
     resume_elsewhere,
-    Saver,
-    SaveSettings,
+    SaveSchedule,
     verified_resume_checkpoint,
     write_run_folder,
 )
@@ -69,6 +69,8 @@ from scaletrain.plan import RunPlan
 from scaletrain.train import (
     EngineStep,
     enable_flight_recorder,
+    NonFiniteGuard,
+    NonFinitePolicy,
     PipelineStep,
     prepare_reference,
     reference_identity,
@@ -300,54 +302,96 @@ def reloaded(
     record_layout(state, resolved)
 
 
-def open_metrics(resolved: RunPlan, *, state: TrainState, lifetime: Lifetime) -> MetricsLogger:
-    """This attempt's metrics sinks (metrics.jsonl, wandb, tensorboard); wandb resumes the run id the checkpoint
-    carries. Closed with the run's exit code (wandb marks a non-zero end failed)."""
+def open_metrics(resolved: RunPlan, *, step: int, restored: dict, lifetime: Lifetime) -> MetricsLogger:
+    """This attempt's metrics sinks (metrics.jsonl, wandb, tensorboard) from `step` on; wandb resumes the run id a
+    resumed checkpoint carries (`restored`: the train state the load restored). Closed with the run's exit code (wandb
+    marks a non-zero end failed)."""
     cfg = resolved.cfg
     out = cfg.run.output_dir
-    identity = RunIdentity(cfg.run.run_name or Path(out).resolve().name, cfg.to_dict(), state.wandb_run_id)
+    identity = RunIdentity(cfg.run.run_name or Path(out).resolve().name, cfg.to_dict(), restored.get("wandb_run_id"))
     metrics = MetricsLogger(
         out,
         resolved.dist.is_main,
         cfg.logging.report_sinks,
         identity,
-        resume_step=state.step,
+        resume_step=step,
         write_files=not cfg.run.dry_run,
     )
     lifetime.parts.callback(lambda: metrics.close(lifetime.exit_code))
-    state.wandb_run_id = metrics.wandb_run_id
     return metrics
 
 
-def open_ledger(resolved: RunPlan, *, step: int, metrics: MetricsLogger, lifetime: Lifetime) -> GoodputLedger:
-    """This attempt's entry in the goodput ledger, ended with the run's exit code."""
+def open_ledger(resolved: RunPlan) -> GoodputLedger:
+    """This attempt's entry in the goodput ledger (begun by begin_ledger once the resume is loaded)."""
     cfg = resolved.cfg
-    ledger = GoodputLedger(cfg.run.output_dir, resolved.dist.is_main and not cfg.run.dry_run)
+    return GoodputLedger(cfg.run.output_dir, resolved.dist.is_main and not cfg.run.dry_run)
+
+
+def begin_ledger(ledger: GoodputLedger, *, step: int, metrics: MetricsLogger, lifetime: Lifetime) -> None:
+    """The attempt starts after `step`; it ends with the run's exit code, its figures in the metrics' summary."""
     ledger.begin(step)
     lifetime.parts.callback(lambda: ledger.end(lifetime.exit_code, metrics))
-    return ledger
 
 
-def open_saver(
-    resolved: RunPlan, *, engine: DeepSpeedEngine, state: TrainState, ledger: GoodputLedger, lifetime: Lifetime
-) -> Saver:
-    """The run's saver (--async_save: with its background writer process)."""
+def open_checkpoints(
+    resolved: RunPlan,
+    *,
+    engine: DeepSpeedEngine,
+    state: TrainState,
+    ledger: GoodputLedger,
+    schedule: LRSchedule,
+    lifetime: Lifetime,
+) -> CheckpointManager:
+    """The run's checkpoint manager (--async_save: with its background writer process); a dry run saves nothing
+    periodically (it takes one step)."""
     cfg, ds = resolved.cfg, resolved.ds
-    writer = None
-    if cfg.checkpoint.async_save and not cfg.run.dry_run:
-        writer = background_writer(resolved.n_params, ds.precision, ds.zero_stage, resolved.dist)
-    settings = SaveSettings(
+    args, dry = cfg.checkpoint, cfg.run.dry_run
+    when = SaveSchedule(
+        save_steps=0 if dry else args.save_steps,
+        interval_minutes=0.0 if dry else args.save_interval_minutes,
+        at_end=args.save_at_end,
+        preemption_grace_seconds=args.preemption_grace_seconds,
+    )
+    settings = CheckpointSettings(
         output_dir=cfg.run.output_dir,
-        save_total_limit=cfg.checkpoint.save_total_limit,
+        save_total_limit=args.save_total_limit,
         adapter_only=cfg.peft.use_peft,
         n_params=resolved.n_params,
         precision=ds.precision,
         zero_stage=ds.zero_stage,
         model_facts=resolved.model_facts,
+        schedule=when,
+        async_save=args.async_save and not dry,
+        resume=resolved.resume,
     )
-    saver = Saver(settings, engine=engine, state=state, ledger=ledger, writer=writer, dist=resolved.dist)
-    lifetime.parts.callback(saver.close)
-    return saver
+    manager = CheckpointManager(
+        settings,
+        engine=engine,
+        state=state,
+        ledger=ledger,
+        dist=resolved.dist,
+        reloaded=lambda universal: reloaded(
+            engine, state=state, resolved=resolved, schedule=schedule, universal=universal
+        ),
+    )
+    lifetime.parts.callback(manager.close)
+    return manager
+
+
+def nonfinite_guard(resolved: RunPlan, *, state: TrainState, checkpoints: CheckpointManager) -> NonFiniteGuard:
+    """The non-finite guard; its running mean travels in the checkpoints, and its rollback is theirs."""
+    cfg = resolved.cfg
+    policy = NonFinitePolicy.from_args(cfg.nonfinite, fp16=resolved.ds.precision == "fp16")
+    guard = NonFiniteGuard(
+        policy,
+        state,
+        cfg.run.output_dir,
+        resolved.dist.is_main,
+        write_files=not cfg.run.dry_run,
+        rollback=checkpoints.rollback,
+    )
+    checkpoints.carry(guard)
+    return guard
 
 
 def with_reference(

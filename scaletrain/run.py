@@ -11,16 +11,7 @@ from collections.abc import Sequence
 from functools import partial
 from typing import TYPE_CHECKING
 
-from scaletrain.checkpoint import (
-    CommitInFlight,
-    FinalExport,
-    load_checkpoint,
-    PeriodicSave,
-    publish_export,
-    reply_end_ids,
-    roll_back,
-    Saver,
-)
+from scaletrain.checkpoint import CheckpointManager, Checkpointing, FinalExport, publish_export, reply_end_ids
 from scaletrain.data import build_training_data, StepBatches
 from scaletrain.distributed import (
     all_gather_objects,
@@ -44,16 +35,17 @@ from scaletrain.plan import RunPlan
 from scaletrain.preflight import resolve_run
 from scaletrain.build import (
     Lifetime,
+    begin_ledger,
     build_engine_and_runner,
     build_rank_model,
     live_scores,
     open_comm_log,
     open_ledger,
     open_metrics,
-    open_saver,
+    open_checkpoints,
+    nonfinite_guard,
     prepare_inputs,
     record_layout,
-    reloaded,
     start_world,
     watch_for_hangs,
     with_reference,
@@ -70,11 +62,9 @@ from scaletrain.train import (
     PipelineBubble,
     loop_settings,
     NonFiniteGuard,
-    NonFinitePolicy,
     PeriodicEvaluation,
     PipelineStep,
     PreemptionFlag,
-    PreemptionSave,
     probe_applies,
     probe_for_calibration,
     ProgressBar,
@@ -143,13 +133,15 @@ def build_run(resolved: RunPlan, *, lifetime: Lifetime) -> Run:
     lifetime.parts.callback(preemption.uninstall)
     state = TrainState()  # what checkpoints carry: the step, the data position, the layout
     record_layout(state, resolved)
-    if resolved.resume is not None:  # the newest committed checkpoint: weights, optimizer, schedule, RNG, data
-        resume = resolved.resume
-        load_checkpoint(engine, resume.checkpoint, state, dist.rank, universal=resume.reshard)
-        reloaded(engine, state=state, resolved=resolved, schedule=data.schedule, universal=resume.reshard)
-    metrics = open_metrics(resolved, state=state, lifetime=lifetime)
-    ledger = open_ledger(resolved, step=state.step, metrics=metrics, lifetime=lifetime)
-    saver = open_saver(resolved, engine=engine, state=state, ledger=ledger, lifetime=lifetime)
+    ledger = open_ledger(resolved)  # this attempt's goodput, begun once the resume is loaded
+    checkpoints = open_checkpoints(
+        resolved, engine=engine, state=state, ledger=ledger, schedule=data.schedule, lifetime=lifetime
+    )
+    checkpoints.load_resume()  # the planned checkpoint: weights, optimizer, schedule, RNG, the data position
+    metrics = open_metrics(resolved, step=state.step, restored=checkpoints.restored, lifetime=lifetime)
+    checkpoints.carry(metrics)  # the wandb run id, for the next resume
+    begin_ledger(ledger, step=state.step, metrics=metrics, lifetime=lifetime)
+    guard = nonfinite_guard(resolved, state=state, checkpoints=checkpoints)  # its running mean is carried too
     objective = with_reference(objective, resolved, engine=engine, data=data, state=state, lifetime=lifetime)
     watch = watch_for_hangs(resolved, ledger=ledger, lifetime=lifetime)  # a stuck run ends naming who stopped
     scores = live_scores(resolved, engine=engine, metrics=metrics, watch=watch, lifetime=lifetime)
@@ -165,7 +157,8 @@ def build_run(resolved: RunPlan, *, lifetime: Lifetime) -> Run:
         preemption=preemption,
         metrics=metrics,
         ledger=ledger,
-        saver=saver,
+        checkpoints=checkpoints,
+        guard=guard,
         watch=watch,
         scores=scores,
         lifetime=lifetime,
@@ -183,9 +176,9 @@ def publish(resolved: RunPlan) -> int:
 
 @dataclass
 class Run:
-    """One built run: the plan (`resolved`) and every part build_run made of it. It trains, ends the run
-    (evaluation, save, export) and rolls back; what its parts acquired is released by the lifetime it was built
-    with."""
+    """One built run: the plan (`resolved`) and every part build_run made of it. It trains and ends the run
+    (evaluation, save, export: the callbacks' end of training); what its parts acquired is released by the lifetime it
+    was built with."""
 
     resolved: RunPlan
     _: KW_ONLY
@@ -199,7 +192,8 @@ class Run:
     preemption: PreemptionFlag
     metrics: MetricsLogger
     ledger: GoodputLedger
-    saver: Saver
+    checkpoints: CheckpointManager
+    guard: NonFiniteGuard
     watch: HangWatch | None  # --hang_timeout
     lifetime: Lifetime
     scores: LiveScores | None  # --lm_eval_tasks
@@ -268,13 +262,9 @@ class Run:
 
     def _callbacks(self) -> list:
         """The loop's side concerns, the same list on every rank; the trainer calls them in the order each declares
-        (train.callbacks.Order: the guard's verdict first, the step's record before any save, evaluation before a
-        periodic save, the preemption save last), not in the order listed here."""
+        (train.callbacks.Order: the guard's verdict first, the step's record before any save, evaluation before the
+        checkpoint callback's commit and saves, the export last), not in the order listed here."""
         cfg, dist, dry = self.cfg, self.dist, self.cfg.run.dry_run
-        policy = NonFinitePolicy.from_args(cfg.nonfinite, fp16=self.resolved.ds.precision == "fp16")
-        guard = NonFiniteGuard(
-            policy, self.state, cfg.run.output_dir, dist.is_main, write_files=not dry, rollback=self.rollback
-        )
         evaluate = None
         if self.data.eval_sets:
             evaluator = self.runner if isinstance(self.runner, PipelineStep) else self.objective
@@ -294,10 +284,10 @@ class Run:
             )
         callbacks = [
             *([HangNotes(self.watch)] if self.watch is not None else []),
-            guard,
+            self.guard,
             GoodputBook(self.ledger),
             StepProfiler(cfg.logging.profile_range, cfg.run.output_dir, dist.rank),
-            CommitInFlight(self.saver),
+            Checkpointing(self.checkpoints, self.preemption),  # periodic, preemption and final saves
             ProgressBar(show=dist.is_main and not cfg.logging.disable_tqdm and interactive()),
             *([CommsWindow(self.comm_log)] if self.comm_log is not None else []),
             *([self._pipeline_bubble(self.runner)] if isinstance(self.runner, PipelineStep) else []),
@@ -307,17 +297,9 @@ class Run:
             callbacks.append(PeriodicEvaluation(cfg.logging.eval_steps, self.metrics, evaluate, generate))
             if self.scores is not None:
                 callbacks.append(BenchmarkEvaluation(cfg.lm_eval.lm_eval_steps, self.scores))
-            checkpoints = cfg.checkpoint
-            at_end = checkpoints.save_at_end
-            callbacks.append(
-                PeriodicSave(self.saver, checkpoints.save_steps, checkpoints.save_interval_minutes, at_end)
-            )
-            if checkpoints.export_hf_at_end:
+            if cfg.checkpoint.export_hf_at_end:
                 callbacks.append(self._final_export())
-        preemption = PreemptionSave(
-            self.preemption, partial(self.saver.save, now=True), cfg.checkpoint.preemption_grace_seconds
-        )
-        return [*callbacks, preemption]
+        return callbacks
 
     def _throughput(self):
         from scaletrain.observability import throughput_model
@@ -331,27 +313,6 @@ class Run:
             recompute=cfg.model.gradient_checkpointing,
             world_size=dist.world_size,
             is_main=dist.is_main,
-        )
-
-    def rollback(self) -> dict:
-        """--max_consecutive_skips reached: back to the newest committed checkpoint, the data past the streak; the
-        jump's entry for the non-finite ledger."""
-        self.saver.settle()  # a save in flight is committed first: it may be the one to go back to
-        jump = roll_back(
-            self.engine,
-            state=self.state,
-            output_dir=self.cfg.run.output_dir,
-            dist=self.dist,
-            resume=self.resolved.resume,
-            reloaded=self._reloaded,
-        )
-        self.saver.committed = None  # (a fallback past a damaged newest one retrains its step on other data)
-        return jump
-
-    def _reloaded(self, universal: bool) -> None:
-        """After the rollback's load: this run's flags rule from here on (as after a resume)."""
-        reloaded(
-            self.engine, state=self.state, resolved=self.resolved, schedule=self.data.schedule, universal=universal
         )
 
     def _final_export(self) -> FinalExport:

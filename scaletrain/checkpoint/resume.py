@@ -296,8 +296,9 @@ def _wait_for_conversion(ckpt: Path, done: Path, failed: Path, lock_path: Path) 
             log.warning("still waiting for %s (%.0f min)", what, waited / 60)
 
 
-def load_checkpoint(engine, ckpt: Path, state: TrainState, rank: int, universal: bool = False) -> None:
-    """Restore model, optimizer, LR schedule, loss scaler, the train state and this rank's RNG.
+def load_checkpoint(engine, ckpt: Path, state: TrainState, rank: int, universal: bool = False) -> dict:
+    """Restore model, optimizer, LR schedule, loss scaler, the train state and this rank's RNG; the saved train state
+    (with the keys of the parts that carry their own state, which the checkpoint manager hands them).
 
     universal: the checkpoint came from another number of ranks and is read from its universal conversion
     (the engine was configured with checkpoint.load_universal); RNG states do not map across rank counts.
@@ -318,7 +319,8 @@ def load_checkpoint(engine, ckpt: Path, state: TrainState, rank: int, universal:
     )
     if path is None:
         raise RuntimeError(f"DeepSpeed could not load checkpoint {ckpt}")
-    state.load_state_dict(client["train_state"])
+    saved = client["train_state"]
+    state.load_state_dict(saved)
     rng = ckpt / f"rng_state_rank{rank}.pt"
     if universal:
         log.info("resharded resume: RNG states start fresh (they do not map to another rank count)")
@@ -331,6 +333,7 @@ def load_checkpoint(engine, ckpt: Path, state: TrainState, rank: int, universal:
         state.samples_seen,
         time.perf_counter() - started,
     )
+    return saved
 
 
 def _set_rng_state(state: dict) -> None:

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
+from pathlib import Path
 
 from scaletrain.checkpoint.commit import newest_committed
-from scaletrain.checkpoint.resume import load_checkpoint
 from scaletrain.errors import NonFiniteStop
 from scaletrain.parts import DistInfo, ResumePoint
 from scaletrain.train import TrainState
@@ -16,18 +16,17 @@ log = logging.getLogger(__name__)
 
 
 def roll_back(
-    engine,
     *,
     state: TrainState,
     output_dir: str,
     dist: DistInfo,
     resume: ResumePoint | None,
-    reloaded: Callable[[bool], None],
+    load: Callable[[Path, bool], None],
 ) -> dict:
     """Every rank: load the newest committed checkpoint of `output_dir` (chosen by rank 0), keep the data moving
     forward (the next step trains on the batch after the streak, nothing is replayed); the jump's entry for the
-    non-finite ledger. `resume`: the checkpoint this run started from. `reloaded(universal)`: what the run redoes
-    after a load (its own LR schedule, weight decay and layout)."""
+    non-finite ledger. `resume`: the checkpoint this run started from. `load(checkpoint, universal)`: the checkpoint
+    manager's load (the train state, what the run redoes after a load, the carried parts' state)."""
     from scaletrain.distributed import broadcast_from_main
 
     # Chosen once, by rank 0: ranks scanning a shared folder at different moments could load different steps.
@@ -43,8 +42,7 @@ def roll_back(
     skips = state.consecutive_skips
     # The checkpoint this run started from on another layout loads through its universal form.
     universal = resume is not None and resume.reshard and newest == resume.checkpoint
-    load_checkpoint(engine, newest, state, dist.rank, universal=universal)
-    reloaded(universal)
+    load(newest, universal)
     state.data_offset = data_step - state.step  # the next step trains on the batch after the streak
     state.samples_seen = position  # the data position keeps moving forward: nothing is replayed
     state.consecutive_skips = 0

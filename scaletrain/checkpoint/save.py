@@ -9,6 +9,7 @@ import logging
 import random
 import shutil
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 from scaletrain.checkpoint.commit import (
@@ -113,8 +114,26 @@ def _intact(previous: Path | None) -> str:
     )
 
 
+@dataclass(frozen=True)
+class CheckpointContents:
+    """What a checkpoint records besides DeepSpeed's shards: the train state, the state of the parts that carry their
+    own (the non-finite guard's running mean, the wandb run id), and the model's facts."""
+
+    state: TrainState
+    carried: dict  # each carrying part's state_dict(), merged: saved beside the train state's keys
+    model_facts: dict | None = None
+
+    @property
+    def step(self) -> int:
+        return self.state.step
+
+    def train_state(self) -> dict:
+        """The train state as the client state and train_state.json keep it, with the carried parts' keys."""
+        return {**self.state.state_dict(), **self.carried}
+
+
 def save_checkpoint(
-    engine, output_dir: str, state: TrainState, rank: int, model_facts: dict | None = None, planned_bytes: int = 0
+    engine, *, output_dir: str, contents: CheckpointContents, rank: int, planned_bytes: int = 0
 ) -> Path:
     """Save and commit checkpoint stepN on every rank; returns its path. The ranks first agree that the disk has room
     for another checkpoint the size of the last (the first: `planned_bytes` x FIRST_SAVE_MARGIN), so a full disk stops
@@ -122,14 +141,15 @@ def save_checkpoint(
     from scaletrain.distributed import barrier
 
     started = time.perf_counter()
-    tmp, previous = _begin_save(output_dir, state.step, rank, planned_bytes)
-    root, tag = tmp.parent, f"{PREFIX}{state.step}"
-    deepspeeds, own, failed = _write_checkpoint_files(engine, tmp=tmp, state=state, rank=rank, model_facts=model_facts)
+    step = contents.step
+    tmp, previous = _begin_save(output_dir, step, rank, planned_bytes)
+    root, tag = tmp.parent, f"{PREFIX}{step}"
+    deepspeeds, own, failed = _write_checkpoint_files(engine, tmp=tmp, contents=contents, rank=rank)
     checksums, hashed = _gather_checksums(
         tmp, tag=tag, written=deepspeeds + own, failed=failed, rank=rank, previous=previous
     )
     final = root / tag
-    hashed += _commit_on_rank0(tmp, final=final, step=state.step, checksums=checksums, rank=rank, previous=previous)
+    hashed += _commit_on_rank0(tmp, final=final, step=step, checksums=checksums, rank=rank, previous=previous)
     barrier()
     log.info(
         "saved checkpoint %s in %.2fs (of which SHA-256 %.2fs on rank %d)",
@@ -183,9 +203,7 @@ def _check_disk_space(root: Path, tag: str, planned_bytes: int) -> Path | None:
     return previous
 
 
-def _write_checkpoint_files(
-    engine, *, tmp: Path, state: TrainState, rank: int, model_facts: dict | None, write=None
-) -> tuple:
+def _write_checkpoint_files(engine, *, tmp: Path, contents: CheckpointContents, rank: int, write=None) -> tuple:
     """DeepSpeed's shards, then this rank's own files, into the temporary folder: (DeepSpeed's paths, this rank's own
     files, the first failed write as (path, error) or None). A failed write is recorded rather than raised, so that
     this rank still reaches the collectives of DeepSpeed's save and of _gather_checksums with the others. `write`:
@@ -193,9 +211,10 @@ def _write_checkpoint_files(
     from scaletrain.engine import recorded_checkpoint_writes, universal_checkpoint_info
 
     # universal_checkpoint_info lets DeepSpeed's ds_to_universal convert this checkpoint for another rank count.
+    layout = contents.state.layout
     client_state = {
-        "train_state": state.state_dict(),
-        **universal_checkpoint_info(state.layout.tp if state.layout else 1),
+        "train_state": contents.train_state(),
+        **universal_checkpoint_info(layout.tp if layout else 1),
     }
     with recorded_checkpoint_writes(engine, is_write_failure, write) as writes:
         engine.save_checkpoint(
@@ -208,7 +227,7 @@ def _write_checkpoint_files(
     deepspeeds, own, failed = [Path(p) for p in writes.paths], [], writes.failed
     if failed is None:
         try:
-            own = _write_own_files(engine, tmp=tmp, state=state, rank=rank, model_facts=model_facts)
+            own = _write_own_files(engine, tmp=tmp, contents=contents, rank=rank)
         except (OSError, RuntimeError) as err:
             if not is_write_failure(err):
                 raise
@@ -292,7 +311,7 @@ def without_frozen_base(engine) -> bool:
     return is_lora_model(engine.module)
 
 
-def _write_own_files(engine, *, tmp: Path, state: TrainState, rank: int, model_facts: dict | None) -> list:
+def _write_own_files(engine, *, tmp: Path, contents: CheckpointContents, rank: int) -> list:
     """This rank's RNG state, and on rank 0 the train state and a pipeline's layer map; the paths written."""
     import torch
 
@@ -300,7 +319,7 @@ def _write_own_files(engine, *, tmp: Path, state: TrainState, rank: int, model_f
     torch.save(_rng_state(), rng)
     written = [rng]
     if rank == 0:
-        info = {**state.state_dict(), "model": model_facts or {}}
+        info = {**contents.train_state(), "model": contents.model_facts or {}}
         (tmp / "train_state.json").write_text(json.dumps(info, indent=2) + "\n")
         written.append(tmp / "train_state.json")
         if hasattr(engine.module, "scaletrain_layers"):  # a pipeline's layer files, by Hugging Face name
@@ -318,10 +337,9 @@ def start_checkpoint(
     engine,
     *,
     output_dir: str,
-    state: TrainState,
+    contents: CheckpointContents,
     rank: int,
     writer: BackgroundWriter,
-    model_facts: dict | None = None,
     planned_bytes: int = 0,
 ) -> str | None:
     """Every rank: the space check as for save_checkpoint, then DeepSpeed's save with each file's state dict taken
@@ -333,12 +351,11 @@ def start_checkpoint(
     from scaletrain.checkpoint.async_save import SnapshotBuffersFull
 
     started = time.perf_counter()
-    tmp, previous = _begin_save(output_dir, state.step, rank, planned_bytes)
-    tag = f"{PREFIX}{state.step}"
+    step = contents.step
+    tmp, previous = _begin_save(output_dir, step, rank, planned_bytes)
+    tag = f"{PREFIX}{step}"
     snapshot = writer.snapshot()
-    _, own, failed = _write_checkpoint_files(
-        engine, tmp=tmp, state=state, rank=rank, model_facts=model_facts, write=snapshot.take
-    )
+    _, own, failed = _write_checkpoint_files(engine, tmp=tmp, contents=contents, rank=rank, write=snapshot.take)
     buffers_full = failed is not None and isinstance(failed[1], SnapshotBuffersFull)
     if any_rank(buffers_full):  # every rank gives up the snapshot; the caller saves synchronously (the same folder)
         writer.buffers.release()
@@ -348,9 +365,7 @@ def start_checkpoint(
         _gather_checksums(tmp, tag=tag, written=own, failed=failed, rank=rank, previous=previous)
     own_checksums = {str(p.relative_to(tmp)): file_checksum(p) for p in own}
     writer.submit(
-        InFlight(
-            tag, tmp=tmp, step=state.step, previous=previous, own_checksums=own_checksums, started=time.perf_counter()
-        ),
+        InFlight(tag, tmp=tmp, step=step, previous=previous, own_checksums=own_checksums, started=time.perf_counter()),
         snapshot,
     )
     log.info(

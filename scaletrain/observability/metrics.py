@@ -216,6 +216,14 @@ class MetricsLogger:
             )
             self.wandb_run_id = self._wandb.id
 
+    def state_dict(self) -> dict:
+        """What a checkpoint keeps of the sinks: the wandb run id, so a resumed run continues the same wandb run."""
+        return {"wandb_run_id": self.wandb_run_id}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Nothing to restore: a resume's id is read before the sinks open (RunIdentity), and a rollback's checkpoint
+        is of this wandb run already."""
+
     def log(self, record: dict) -> None:
         """Write one record (rank 0 only; other ranks return at once)."""
         if not self.is_main:

@@ -25,7 +25,12 @@ from scaletrain.train.observers import (
     StepProfiler,
     TrainingRecords,
 )
-from scaletrain.train.preemption import PREEMPTION_RECORD_ENV, PreemptionFlag, PreemptionSave, RANK_PREEMPTION_SIGNAL
+from scaletrain.train.preemption import (
+    PREEMPTION_RECORD_ENV,
+    RANK_PREEMPTION_SIGNAL,
+    PreemptionFlag,
+    record_preemption_saved,
+)
 from scaletrain.train.preference import PreferenceObjective, preference_objective
 from scaletrain.train.reference import check_reference_model, prepare_reference, reference_identity
 from scaletrain.train.settings import loop_settings
@@ -53,7 +58,6 @@ __all__ = [
     "PeriodicEvaluation",
     "PipelineStep",
     "PreemptionFlag",
-    "PreemptionSave",
     "ProgressBar",
     "RANK_PREEMPTION_SIGNAL",
     "REPORT_FILE",
@@ -70,6 +74,7 @@ __all__ = [
     "probe_for_calibration",
     "preference_objective",
     "prepare_reference",
+    "record_preemption_saved",
     "reference_identity",
     "seed_everything",
     "start_hang_watch",

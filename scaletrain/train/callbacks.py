@@ -54,14 +54,14 @@ class Order(IntEnum):
     NONFINITE_GUARD = 20  # its verdict (veto, skip, rollback) before anything records, evaluates or saves the step
     GOODPUT = 30
     PROFILER = 40
-    COMMIT_IN_FLIGHT = 50  # a save in flight committed before this step's work is counted or saved
     OBSERVER = 60  # progress, communication and pipeline windows: they only watch
     TRAINING_RECORDS = 70  # the step's record before an evaluation, a save or a preemption save
     EVALUATION = 80  # evaluation before a periodic save of the same step
     BENCHMARKS = 90
-    PERIODIC_SAVE = 100  # at the end: the final checkpoint, after the last evaluation
+    # The commit of a save in flight, the step's saves (periodic, then a preemption's: a save due at the preemption's
+    # step is the one it commits, once); at the end the final checkpoint, after the last evaluation.
+    CHECKPOINTS = 100
     EXPORT = 105  # at the end: the Hugging Face folder, from the saved run
-    PREEMPTION_SAVE = 110  # last: a save due at the preemption's step is the one it commits (once)
 
 
 class Callback:

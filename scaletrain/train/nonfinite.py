@@ -43,7 +43,9 @@ class NonFinitePolicy:
 
 class NonFiniteGuard(Callback):
     """Judges each step before its update, counts skips after it, writes the ledger (rank 0) and, after
-    --max_consecutive_skips skips in a row, rolls the run back through `rollback` (which returns the jump's entry)."""
+    --max_consecutive_skips skips in a row, rolls the run back through `rollback` (which returns the jump's entry).
+    Its running mean of the applied steps' losses (for --loss_spike_factor) is its own state, which checkpoints carry
+    (state_dict, load_state_dict) under the keys they have always used."""
 
     order = Order.NONFINITE_GUARD
 
@@ -60,6 +62,14 @@ class NonFiniteGuard(Callback):
         self.state = state
         self.ledger = Path(output_dir) / LEDGER_FILE if is_main and write_files else None
         self.rollback = rollback
+        self.loss_mean: float | None = None  # running mean of the applied steps' losses
+        self.loss_mean_steps = 0  # how many applied steps the running mean has seen
+
+    def state_dict(self) -> dict:
+        return {"loss_mean": self.loss_mean, "loss_mean_steps": self.loss_mean_steps}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.loss_mean, self.loss_mean_steps = state.get("loss_mean"), state.get("loss_mean_steps", 0)
 
     def veto_update(self, global_loss: float) -> str | None:
         return self.judge(global_loss)
@@ -86,13 +96,8 @@ class NonFiniteGuard(Callback):
         """Why this step's update must not be applied, or None. Same input on every rank, same answer."""
         if not math.isfinite(global_loss):
             return "nonfinite_loss"
-        mean, factor = self.state.loss_mean, self.policy.loss_spike_factor
-        if (
-            factor
-            and mean is not None
-            and self.state.loss_mean_steps >= SPIKE_WARMUP_STEPS
-            and global_loss > factor * mean
-        ):
+        mean, factor = self.loss_mean, self.policy.loss_spike_factor
+        if factor and mean is not None and self.loss_mean_steps >= SPIKE_WARMUP_STEPS and global_loss > factor * mean:
             return "loss_spike"
         return None
 
@@ -108,17 +113,17 @@ class NonFiniteGuard(Callback):
             reason = "nonfinite_grad_norm"
         if reason is None:
             state.consecutive_skips = 0
-            n = state.loss_mean_steps
-            state.loss_mean = (
+            n, mean = self.loss_mean_steps, self.loss_mean
+            self.loss_mean = (
                 global_loss
-                if state.loss_mean is None
+                if mean is None
                 else (
-                    state.loss_mean + (global_loss - state.loss_mean) / (n + 1)
+                    mean + (global_loss - mean) / (n + 1)
                     if n < SPIKE_WARMUP_STEPS
-                    else MEAN_DECAY * state.loss_mean + (1 - MEAN_DECAY) * global_loss
+                    else MEAN_DECAY * mean + (1 - MEAN_DECAY) * global_loss
                 )
             )
-            state.loss_mean_steps = n + 1
+            self.loss_mean_steps = n + 1
             return "ok"
         state.consecutive_skips += 1
         samples = sample_ids()
@@ -128,7 +133,7 @@ class NonFiniteGuard(Callback):
                 "event": "skipped",
                 "reason": reason,
                 "loss": global_loss if math.isfinite(global_loss) else str(global_loss),
-                "running_mean_loss": state.loss_mean,
+                "running_mean_loss": self.loss_mean,
                 "consecutive": state.consecutive_skips,
                 "data_step": step + state.data_offset,
                 "samples": samples,

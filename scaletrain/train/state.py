@@ -21,13 +21,14 @@ def seed_everything(seed: int) -> None:
 
 @dataclass
 class TrainState:
+    """The loop's position and the layout that produced it. Side concerns keep their own state (the non-finite guard's
+    running mean, the wandb run id), which the checkpoint manager saves beside this one (checkpoint/manager.py)."""
+
     step: int = 0  # optimizer updates done
     samples_seen: int = 0  # training blocks consumed, counted globally (the data position)
     tokens_seen: int = 0  # loss targets trained on, globally (padding excluded)
     skipped_steps: int = 0  # updates not applied: non-finite loss or gradient norm, loss spike, fp16 overflow
     consecutive_skips: int = 0  # skips in a row, for --max_consecutive_skips
-    loss_mean: float | None = None  # running mean of the applied steps' losses, for --loss_spike_factor
-    loss_mean_steps: int = 0  # how many applied steps the running mean has seen
     data_offset: int = 0  # data steps jumped over by rollbacks: step s trains on the batch of data step s + offset
     # The layout that produced this state (None: not recorded yet). A resume compares it: other data-parallel,
     # tensor- or sequence-parallel sizes reshard, another pipeline size is refused (layer files do not reshard).
@@ -37,7 +38,6 @@ class TrainState:
     stage_splits_recorded: bool = False
     zero_stage: int | None = None  # the ZeRO stage that produced it (None: a checkpoint from before it was kept)
     offload: str | None = None  # "optimizer=<device>,param=<device>" of that run (another one converts)
-    wandb_run_id: str | None = None  # so a resumed run continues the same wandb run
 
     def record_layout(self, layout: ParallelLayout, zero_stage: int, offload: str) -> None:
         """The layout and ZeRO setting that produce this state from now on (what a resume compares)."""

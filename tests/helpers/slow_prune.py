@@ -3,8 +3,8 @@
     SCALETRAIN_TEST_SLOW_PRUNE=SECONDS python tests/helpers/slow_prune.py <train.py flags>
 
 sleeps SECONDS before each deletion of the checkpoints beyond --save_total_limit (it wraps
-scaletrain.checkpoint.commit.prune_checkpoints, which the saver looks up at each call). The pipeline holds no hook
-for this. Without the variable it is plain train.py.
+scaletrain.checkpoint.commit.prune_checkpoints, which the checkpoint manager looks up at each call). The pipeline
+holds no hook for this. Without the variable it is plain train.py.
 """
 
 import os

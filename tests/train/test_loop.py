@@ -164,8 +164,8 @@ def test_the_step_boundary_names_its_all_reduce_then_the_update_and_applies_the_
 
 
 def test_callbacks_act_in_their_declared_order_whatever_order_they_are_listed_in():
-    """The trainer orders its callbacks by each one's declared Order, not by list position: a save listed before
-    the records it must follow, and the preemption save listed first, still act after them."""
+    """The trainer orders its callbacks by each one's declared Order, not by list position: the export listed first
+    and the checkpoints listed before the records they must follow still act after them."""
     events: list = []
 
     def recorder(name: str, order: Order) -> Recorder:
@@ -173,8 +173,8 @@ def test_callbacks_act_in_their_declared_order_whatever_order_they_are_listed_in
         return kind(events, name)
 
     listed = [
-        recorder("preemption", Order.PREEMPTION_SAVE),
-        recorder("save", Order.PERIODIC_SAVE),
+        recorder("export", Order.EXPORT),
+        recorder("checkpoints", Order.CHECKPOINTS),
         recorder("records", Order.TRAINING_RECORDS),
         recorder("guard", Order.NONFINITE_GUARD),
         recorder("evaluation", Order.EVALUATION),
@@ -187,7 +187,7 @@ def test_callbacks_act_in_their_declared_order_whatever_order_they_are_listed_in
         runner=Runner([result()]),
         callbacks=listed,
     )
-    expected = ["guard", "records", "evaluation", "save", "preemption"]
+    expected = ["guard", "records", "evaluation", "checkpoints", "export"]
     assert [c.name for c in trainer.callbacks] == expected
     trainer.fit()
     assert [e[0] for e in events if e[1] == "post_step"] == expected
@@ -196,14 +196,13 @@ def test_callbacks_act_in_their_declared_order_whatever_order_they_are_listed_in
 
 def test_the_run_s_callbacks_declare_the_order_the_loop_relies_on():
     """The real concerns' declared orders: the guard's verdict before the step's record, the record before
-    evaluation, evaluation before the periodic save, the preemption save last."""
-    from scaletrain.checkpoint import CommitInFlight, PeriodicSave
+    evaluation, evaluation before the checkpoint callback (its commit and saves), the export last."""
+    from scaletrain.checkpoint import Checkpointing, FinalExport
     from scaletrain.train import (
         BenchmarkEvaluation,
         GoodputBook,
         HangNotes,
         PeriodicEvaluation,
-        PreemptionSave,
         ProgressBar,
         StepProfiler,
         TrainingRecords,
@@ -214,13 +213,12 @@ def test_the_run_s_callbacks_declare_the_order_the_loop_relies_on():
         NonFiniteGuard,
         GoodputBook,
         StepProfiler,
-        CommitInFlight,
         ProgressBar,
         TrainingRecords,
         PeriodicEvaluation,
         BenchmarkEvaluation,
-        PeriodicSave,
-        PreemptionSave,
+        Checkpointing,
+        FinalExport,
     ]
     orders = [kind.order for kind in sequence]
     assert orders == sorted(orders) and len(set(orders)) == len(orders), dict(zip(sequence, orders, strict=True))

@@ -69,7 +69,7 @@ def test_judge_flags_nonfinite_and_spikes_only_after_the_running_mean_warms_up(t
     assert g.judge(100.0) is None  # no running mean yet
     for step in range(1, SPIKE_WARMUP_STEPS + 1):
         assert g.after_step(step, global_loss=2.0, forced=None, applied=True, sample_ids=list) == "ok"
-    assert g.state.loss_mean == pytest.approx(2.0)
+    assert g.loss_mean == pytest.approx(2.0)
     assert g.judge(5.9) is None and g.judge(6.1) == "loss_spike"
     assert guard(spike=0.0).judge(1e9) is None  # spike detection off
 
@@ -197,12 +197,17 @@ def test_consecutive_skips_roll_back_past_the_bad_samples_and_resume_keeps_the_o
     assert all(math.isfinite(r["loss"]) and r["skipped"] == 0 for r in records.values())
     state = json.loads((run_dir / "checkpoints" / "step10" / "train_state.json").read_text())
     assert state["data_offset"] == 3 and state["samples_seen"] == 13 * 8  # the data moved past steps 5-7
+    # The guard's running mean travels beside the train state (its own state, carried by the checkpoint manager):
+    # 10 applied steps, the skipped ones not counted; no wandb here, so no run id.
+    assert state["loss_mean_steps"] == 10 and state["loss_mean"] > 0 and state["wandb_run_id"] is None
     for name, tensor in fp32_weights(run_dir / "checkpoints" / "step10").items():
         assert torch.isfinite(tensor).all(), name
 
-    # A restart from step 8 (after the rollback) reads the same data: the offset is part of the saved state.
+    # A restart from step 8 (after the rollback) reads the same data: the offset is part of the saved state. Its
+    # step 10 is saved again (the copy's is removed): the guard's running mean was restored with step 8's checkpoint.
     again = tmp_path / "again"
     shutil.copytree(run_dir, again)
+    shutil.rmtree(again / "checkpoints" / "step10")
     check_ok(
         launch(
             TRAIN,
@@ -215,6 +220,9 @@ def test_consecutive_skips_roll_back_past_the_bad_samples_and_resume_keeps_the_o
     resumed = step_records(again)
     for step in (9, 10):
         assert resumed[step]["loss"] == pytest.approx(records[step]["loss"], rel=1e-6, abs=0)
+    again_state = json.loads((again / "checkpoints" / "step10" / "train_state.json").read_text())
+    assert again_state["loss_mean_steps"] == 10  # 8 restored + 2 (a guard that started afresh would count 2)
+    assert again_state["loss_mean"] == pytest.approx(state["loss_mean"], rel=1e-6)
 
 
 @pytest.mark.slow

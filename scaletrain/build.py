@@ -137,7 +137,7 @@ def start_world(resolved: RunPlan, *, lifetime: Lifetime) -> DistInfo:
     settle(dist, facts=facts)
     # the run's first lines: where the ranks landed, what each runs with
     hosts = describe_launch(dist, ds=resolved.ds, config_path=cfg.engine.config, attention=attention_choice(resolved))
-    check_tensor_groups_within_nodes(cfg.parallel, dist.layout, hosts)
+    check_tensor_groups_within_nodes(dist.layout, hosts, allow_cross_node=cfg.parallel.allow_cross_node_tensor_parallel)
     if cfg.engine.cpu_shm_allreduce:  # after the rendezvous: every rank decides on the same facts
         shm = use_shm_allreduce(dist)
         if shm is not None:

@@ -48,7 +48,7 @@ from scaletrain.model import (
     max_positions,
     meta_model,
 )
-from scaletrain.parts import DistInfo
+from scaletrain.parts import DistInfo, ParallelLayout
 from scaletrain.plan import RunPlan
 
 log = logging.getLogger(__name__)
@@ -108,11 +108,11 @@ def resolve_run(argv: Sequence[str] | None, dist: DistInfo) -> RunPlan:
     """Every check before heavy work, one line per concern in the order problems are reported (UsageError, exit 2).
     Each wing checks its own flags; what one check finds is handed on to those after it that need it."""
     cfg = parse_run_config(argv)
-    dist = place_ranks(cfg.parallel, cfg.planning, dist)
+    dist, layout = place_ranks(cfg.parallel, cfg.planning, dist)  # under --plan: the planned cluster's layout
     check_deepspeed_hooks()  # a DeepSpeed internal that moved: one line now, not a crash in the first step
     raw_ds_config = load_ds_config(cfg.engine.config)
     model_config = load_model_config(cfg.model)
-    check_model_layout(cfg.parallel, model_config)
+    check_model_layout(layout, model_config)
     tokenizer = load_tokenizer(cfg.model)
     chat = check_data_source(cfg.data, tokenizer, reads_first_row=dist.rank == 0)  # one hub request, not one a rank
     check_push_target(cfg.checkpoint.push_to_hub, cfg.checkpoint.export_hf_at_end)
@@ -146,7 +146,7 @@ def resolve_run(argv: Sequence[str] | None, dist: DistInfo) -> RunPlan:
     )
     check_preference_run(cfg, chat is not None and chat.kind == "preference", router_loss is not None)
     check_reference_model(cfg, model_config)
-    _check_layout(resolved, hardware)
+    _check_layout(resolved, hardware, layout=layout)
     eval_prompts = load_eval_prompts(
         cfg.logging.eval_prompts,
         tokenizer=tokenizer,
@@ -203,14 +203,15 @@ def _plan_calibration(cfg: RunConfig) -> tuple | None:
     return calibration, ModelShape.from_meta_model(meta_model(model_config, False), model_config)
 
 
-def _check_layout(resolved: RunPlan, hardware: HardwareFacts) -> None:
-    """What the parallel layout asks of the block size, attention, torch.compile and (pipeline) the model."""
+def _check_layout(resolved: RunPlan, hardware: HardwareFacts, *, layout: ParallelLayout) -> None:
+    """What the parallel layout (under --plan, the planned cluster's) asks of the block size, attention,
+    torch.compile and (pipeline) the model."""
     cfg, ds, attn = resolved.cfg, resolved.ds, resolved.attn_implementation
-    check_sequence_layout(cfg.parallel, resolved.block_size, attn, hardware.accelerator)
+    check_sequence_layout(layout, resolved.block_size, attn, hardware.accelerator)
     check_compile(compile_requested(cfg.engine.torch_compile, ds.config), resolved.dist.layout, cfg.engine.config)
     if not cfg.planning.plan:  # --plan covers every layout option, whatever this launch is
         check_pipeline_layout(
-            cfg.parallel,
+            layout,
             model_config=resolved.model_config,
             attn_implementation=attn,
             block_size=resolved.block_size,
@@ -239,7 +240,7 @@ def _resolve_engine_config(
         model=size,
     )
     # --plan covers every ZeRO option for the layout, whatever --config says
-    layout_keys = () if cfg.planning.plan else layout_ds_keys(cfg.parallel, ds, cfg.engine.config)
+    layout_keys = () if cfg.planning.plan else layout_ds_keys(dist.layout, ds, cfg.engine.config)
     check_rampup(cfg.optim.rampup_batch_size, ds, dist.layout.dp)
     if cfg.nonfinite.on_nonfinite == "skip" and ds.zero_stage == 0 and ds.precision != "fp32":
         raise UsageError(

@@ -106,10 +106,11 @@ def describe_groups(layout: ParallelLayout, hosts: list) -> str:
     return "; ".join(parts)
 
 
-def check_tensor_groups_within_nodes(parallel: ParallelArgs, layout: ParallelLayout, hosts: list) -> None:
+def check_tensor_groups_within_nodes(layout: ParallelLayout, hosts: list, *, allow_cross_node: bool) -> None:
     """A tensor-parallel group whose ranks landed on more than one host is refused (its all-reduces, two per layer
-    each way, would cross the network), unless --allow_cross_node_tensor_parallel. `hosts`: each rank's host."""
-    if layout.tp == 1 or parallel.allow_cross_node_tensor_parallel:
+    each way, would cross the network), unless --allow_cross_node_tensor_parallel (`allow_cross_node`). `hosts`:
+    each rank's host."""
+    if layout.tp == 1 or allow_cross_node:
         return
     groups = layout.groups("tp")
     spanning = [g for g in groups if len({hosts[r] for r in g}) > 1]
@@ -124,19 +125,19 @@ def check_tensor_groups_within_nodes(parallel: ParallelArgs, layout: ParallelLay
         )
 
 
-def place_ranks(parallel: ParallelArgs, planning: PlanningArgs, dist: DistInfo) -> DistInfo:
-    """This launch's ranks with the run's layout; --plan plans the cluster it names, not this launch, so there the
-    layout must fit the planned nodes instead."""
-    dist = dist if planning.plan else apply_layout(parallel, dist)
-    check_planned_layout(parallel, planning)
-    return dist
+def place_ranks(parallel: ParallelArgs, planning: PlanningArgs, dist: DistInfo) -> tuple[DistInfo, ParallelLayout]:
+    """(this launch's ranks with the run's layout, the layout the run's checks are made on). --plan plans the
+    cluster it names, not this launch: there the launch keeps its own ranks, and the layout is the planned
+    cluster's, which the sizes must fit."""
+    if planning.plan:
+        return dist, planned_layout(parallel, planning)
+    dist = apply_layout(parallel, dist)
+    return dist, dist.layout
 
 
-def check_planned_layout(parallel: ParallelArgs, planning: PlanningArgs) -> None:
-    """--plan with a layout: tensor-parallel groups must fit inside a node of the planned cluster, sequence-parallel
-    ones must split its ranks."""
-    if not planning.plan:
-        return
+def planned_layout(parallel: ParallelArgs, planning: PlanningArgs) -> ParallelLayout:
+    """--plan with a layout: tensor-parallel groups must fit inside a node of the planned cluster, the layout must
+    split its ranks; the planned cluster's layout."""
     tp, sp, pp = parallel.tensor_parallel_size, parallel.sequence_parallel_size, parallel.pipeline_parallel_size
     if planning.num_gpus % tp:
         raise UsageError(
@@ -149,14 +150,15 @@ def check_planned_layout(parallel: ParallelArgs, planning: PlanningArgs) -> None
             f"the layout (tensor {tp} x sequence {sp} x pipeline {pp}) does not divide the {ranks} planned GPUs",
             "choose sizes whose product divides --num_gpus x --num_nodes",
         )
+    return ParallelLayout.of_world(ranks, tp, sp, pp)
 
 
-def check_model_layout(parallel: ParallelArgs, model_config) -> None:
+def check_model_layout(layout: ParallelLayout, model_config) -> None:
     """Every dimension the tensor-parallel split cuts must divide evenly (a rank with no attention head, or uneven
     shards, is a silent waste or an error deep inside DeepSpeed); Ulysses splits each tensor rank's heads again.
     Pipeline stages cut between layers (pipeline.py checks them)."""
     text_config = model_config.get_text_config() if hasattr(model_config, "get_text_config") else model_config
-    tp = parallel.tensor_parallel_size
+    tp = layout.tp
     for name, what in _SPLIT_DIMENSIONS if tp > 1 else ():  # AutoTP splits every linear layer
         value = getattr(text_config, name, None)
         if isinstance(value, int) and value % tp:
@@ -164,8 +166,8 @@ def check_model_layout(parallel: ParallelArgs, model_config) -> None:
                 f"--tensor_parallel_size {tp}: the model's {value} {what} ({name}) do not split into {tp} equal parts",
                 f"choose a size that divides {value}",
             )
-    if parallel.sequence_parallel_size > 1:
-        _check_ulysses_heads(parallel.sequence_parallel_size, text_config, tp)
+    if layout.sp > 1:
+        _check_ulysses_heads(layout.sp, text_config, tp)
 
 
 def _check_ulysses_heads(sp: int, text_config, tp: int = 1) -> None:
@@ -197,9 +199,9 @@ def _check_ulysses_heads(sp: int, text_config, tp: int = 1) -> None:
 ULYSSES_BACKENDS = ("sdpa", "flash_attention_2", "flash_attention_3")
 
 
-def check_sequence_layout(parallel: ParallelArgs, block_size: int, attn_implementation: str, accelerator: str) -> None:
+def check_sequence_layout(layout: ParallelLayout, block_size: int, attn_implementation: str, accelerator: str) -> None:
     """Ulysses cuts every block into equal shards and wraps the model's SDPA or FlashAttention."""
-    sp = parallel.sequence_parallel_size
+    sp = layout.sp
     if sp == 1:
         return
     if block_size % sp:
@@ -221,11 +223,11 @@ def check_sequence_layout(parallel: ParallelArgs, block_size: int, attn_implemen
         )
 
 
-def layout_ds_keys(parallel: ParallelArgs, ds: ResolvedDSConfig, config_path: str) -> tuple[DSKey, ...]:
+def layout_ds_keys(layout: ParallelLayout, ds: ResolvedDSConfig, config_path: str) -> tuple[DSKey, ...]:
     """The keys the layout contributes to the DeepSpeed config (its tensor_parallel section and
     sequence_parallel_size; config.assemble_ds_config writes them), refusing the combinations of the layout and
     the resolved JSON `ds` that are not supported, with the reason."""
-    tp = parallel.tensor_parallel_size
+    tp = layout.tp
     section = ds.config.get("tensor_parallel")
     section = section if isinstance(section, dict) else {}
     in_json = section.get("autotp_size")
@@ -234,8 +236,8 @@ def layout_ds_keys(parallel: ParallelArgs, ds: ResolvedDSConfig, config_path: st
             f"tensor_parallel.autotp_size {in_json} in {config_path} contradicts --tensor_parallel_size {tp}",
             "remove the key and pass --tensor_parallel_size",
         )
-    keys = _sequence_layout_keys(parallel, ds, config_path)
-    _check_pipeline_config(parallel, ds, config_path)
+    keys = _sequence_layout_keys(layout.sp, ds, config_path)
+    _check_pipeline_config(layout.pp, ds, config_path)
     if tp == 1:
         return keys
     if ds.offloads_optimizer or ds.offloads_params:
@@ -250,7 +252,7 @@ def layout_ds_keys(parallel: ParallelArgs, ds: ResolvedDSConfig, config_path: st
             "remove the key",
         )
     keys += (DSKey("tensor_parallel.autotp_size", tp, "--tensor_parallel_size"),)
-    if parallel.pipeline_parallel_size > 1:
+    if layout.pp > 1:
         keys += (_tensor_stages_key(section, config_path),)
     # With tied embeddings AutoTP would switch to a vocabulary-parallel head by itself (logits of half the
     # vocabulary per rank); the pipeline's token-weighted loss is computed from the whole logits.
@@ -289,8 +291,7 @@ def _tensor_stages_key(section: dict, config_path: str) -> DSKey:
     )
 
 
-def _sequence_layout_keys(parallel: ParallelArgs, ds: ResolvedDSConfig, config_path: str) -> tuple[DSKey, ...]:
-    sp = parallel.sequence_parallel_size
+def _sequence_layout_keys(sp: int, ds: ResolvedDSConfig, config_path: str) -> tuple[DSKey, ...]:
     in_json = ds.config.get("sequence_parallel_size")
     if in_json not in (None, 1, "auto", sp):
         raise UsageError(
@@ -316,8 +317,7 @@ def _sequence_layout_keys(parallel: ParallelArgs, ds: ResolvedDSConfig, config_p
     return (DSKey("sequence_parallel_size", sp, "--sequence_parallel_size"),)
 
 
-def _check_pipeline_config(parallel: ParallelArgs, ds: ResolvedDSConfig, config_path: str) -> None:
-    pp = parallel.pipeline_parallel_size
+def _check_pipeline_config(pp: int, ds: ResolvedDSConfig, config_path: str) -> None:
     in_json = (ds.config.get("pipeline") or {}).get("stages") if isinstance(ds.config.get("pipeline"), dict) else None
     if in_json not in (None, "auto", pp):
         raise UsageError(
@@ -341,7 +341,7 @@ def _check_pipeline_config(parallel: ParallelArgs, ds: ResolvedDSConfig, config_
 
 
 def check_pipeline_run(
-    parallel: ParallelArgs,
+    layout: ParallelLayout,
     *,
     attention_isolation: bool,
     precision: str,
@@ -351,7 +351,7 @@ def check_pipeline_run(
 ) -> None:
     """What the pipeline path does not carry yet, and a schedule that cannot fill the pipeline (fewer micro-batches a
     step than stages: some stage idles all the time), refused before anything is built."""
-    pp = parallel.pipeline_parallel_size
+    pp = layout.pp
     if pp == 1:
         return
     if micro_batches is not None and micro_batches < pp:
@@ -377,7 +377,7 @@ def check_pipeline_run(
 
 
 def check_pipeline_layout(
-    parallel: ParallelArgs,
+    layout: ParallelLayout,
     *,
     model_config,
     attn_implementation: str,
@@ -387,13 +387,13 @@ def check_pipeline_layout(
     config_path: str,
 ) -> None:
     """Pipeline parallelism: the model maps onto its stages, and the run asks nothing the pipeline path lacks."""
-    pp, tp = parallel.pipeline_parallel_size, parallel.tensor_parallel_size
+    pp, tp = layout.pp, layout.tp
     check_pipeline_model(
         pp, model_config=model_config, attn_implementation=attn_implementation, block_size=block_size, tp=tp
     )
     micro_batches = ds.config.get("gradient_accumulation_steps")
     check_pipeline_run(
-        parallel,
+        layout,
         attention_isolation=isolates_documents,
         precision=ds.precision,
         zero_stage=ds.zero_stage,

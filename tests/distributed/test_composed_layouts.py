@@ -313,26 +313,26 @@ def test_heads_must_split_over_tensor_then_sequence_ranks():
     from transformers import AutoConfig, LlamaConfig
 
     config = AutoConfig.from_pretrained(REPO / "data" / "tiny-llama")  # 4 heads, 2 key/value heads
-    check_model_layout(ParallelArgs(tensor_parallel_size=2, sequence_parallel_size=2), config)  # 1 KV head, repeated
+    check_model_layout(ParallelLayout(tp=2, sp=2), config)  # 1 KV head, repeated
     with pytest.raises(
         UsageError,
         match=r"--sequence_parallel_size 4: the model's 4 attention heads \(num_attention_heads\) \(2 on each of "
         r"--tensor_parallel_size 2 ranks\) do not split into 4 equal parts",
     ):
-        check_model_layout(ParallelArgs(tensor_parallel_size=2, sequence_parallel_size=4), config)
+        check_model_layout(ParallelLayout(tp=2, sp=4), config)
     six_kv = LlamaConfig(hidden_size=384, num_attention_heads=12, num_key_value_heads=6, intermediate_size=256)
-    check_model_layout(ParallelArgs(sequence_parallel_size=2), six_kv)  # 6 KV heads split in 2
+    check_model_layout(ParallelLayout(sp=2), six_kv)  # 6 KV heads split in 2
     with pytest.raises(UsageError, match=r"6 key/value heads \(num_key_value_heads\) \(3 on each of"):
-        check_model_layout(ParallelArgs(tensor_parallel_size=2, sequence_parallel_size=2), six_kv)
+        check_model_layout(ParallelLayout(tp=2, sp=2), six_kv)
 
 
 def test_each_stage_is_split_by_the_pipelines_names_for_the_families_that_have_them():
     from transformers import AutoConfig
 
     llama = AutoConfig.from_pretrained(REPO / "data" / "tiny-llama")
-    check_model_layout(ParallelArgs(tensor_parallel_size=2, pipeline_parallel_size=2), llama)
+    check_model_layout(ParallelLayout(tp=2, pp=2), llama)
     with pytest.raises(UsageError, match=r"--tensor_parallel_size 4: the model's 2 key/value heads"):
-        check_model_layout(ParallelArgs(tensor_parallel_size=4, pipeline_parallel_size=2), llama)
+        check_model_layout(ParallelLayout(tp=4, pp=2), llama)
     for model_type in ("llama", "mistral", "qwen2"):
         check_pipeline_model(2, model_config=_tiny(model_type), attn_implementation="sdpa", tp=2)
     for model_type in ("qwen3", "gpt2"):
@@ -342,13 +342,13 @@ def test_each_stage_is_split_by_the_pipelines_names_for_the_families_that_have_t
         with pytest.raises(UsageError, match=f"the model type '{model_type}' has no tensor split of its stages"):
             check_pipeline_model(2, model_config=_tiny(model_type), attn_implementation="sdpa", tp=2)
     filled = _resolved({"zero_optimization": {}})
-    keys = layout_ds_keys(ParallelArgs(tensor_parallel_size=2, pipeline_parallel_size=2), filled, "x.json")
+    keys = layout_ds_keys(ParallelLayout(tp=2, pp=2), filled, "x.json")
     resolved = assemble_ds_config(filled, keys)
     assert resolved.config["tensor_parallel"]["partition_config"] == TENSOR_STAGE_PARTITION
     assert resolved.config["tensor_parallel"]["autotp_size"] == 2
     with pytest.raises(UsageError, match="tensor_parallel.preset_model in x.json with --tensor_parallel_size and"):
         layout_ds_keys(
-            ParallelArgs(tensor_parallel_size=2, pipeline_parallel_size=2),
+            ParallelLayout(tp=2, pp=2),
             _resolved({"tensor_parallel": {"preset_model": "llama"}}),
             "x.json",
         )

@@ -81,10 +81,10 @@ def test_a_tensor_group_across_nodes_is_refused_unless_allowed():
     from scaletrain.errors import UsageError
 
     inside = ParallelLayout(tp=2, dp=2)
-    check_tensor_groups_within_nodes(ParallelArgs(tensor_parallel_size=2), inside, ["n1", "n1", "n2", "n2"])
+    check_tensor_groups_within_nodes(inside, ["n1", "n1", "n2", "n2"], allow_cross_node=False)
     # One rank per node (srun with --ntasks-per-node=1): each tensor group of 2 spans two nodes.
     with pytest.raises(UsageError) as refused:
-        check_tensor_groups_within_nodes(ParallelArgs(tensor_parallel_size=2), inside, ["n1", "n2", "n3", "n4"])
+        check_tensor_groups_within_nodes(inside, ["n1", "n2", "n3", "n4"], allow_cross_node=False)
     assert str(refused.value).startswith(
         "--tensor_parallel_size 2: tensor group 0-1@n1+n2 spans nodes (2 of 2 groups do), so its all-reduces"
     )
@@ -92,9 +92,28 @@ def test_a_tensor_group_across_nodes_is_refused_unless_allowed():
     assert "--allow_cross_node_tensor_parallel" in refused.value.hint
     # 3 ranks on one node and 1 on the other: only the second group spans them.
     with pytest.raises(UsageError, match=r"tensor group 2-3@n1\+n2 spans nodes \(1 of 2 groups do\)") as uneven:
-        check_tensor_groups_within_nodes(ParallelArgs(tensor_parallel_size=2), inside, ["n1", "n1", "n1", "n2"])
+        check_tensor_groups_within_nodes(inside, ["n1", "n1", "n1", "n2"], allow_cross_node=False)
     assert "(this launch has 1 to 3 per node)" in uneven.value.hint
-    allowed = ParallelArgs(tensor_parallel_size=2, allow_cross_node_tensor_parallel=True)
-    check_tensor_groups_within_nodes(allowed, inside, ["n1", "n2", "n3", "n4"])
+    check_tensor_groups_within_nodes(inside, ["n1", "n2", "n3", "n4"], allow_cross_node=True)
     # Pipeline and sequence groups may span nodes: stage-to-stage sends are what crosses them in a large layout.
-    check_tensor_groups_within_nodes(ParallelArgs(pipeline_parallel_size=2), ParallelLayout(pp=2), ["n1", "n2"])
+    check_tensor_groups_within_nodes(ParallelLayout(pp=2), ["n1", "n2"], allow_cross_node=False)
+
+
+def test_a_launch_is_checked_on_its_own_layout_and_a_plan_on_the_planned_clusters():
+    from scaletrain.config import PlanningArgs
+    from scaletrain.distributed.layout import place_ranks
+    from scaletrain.errors import UsageError
+
+    launch = DistInfo.launched(rank=1, local_rank=1, world_size=4, launcher="deepspeed")
+    sizes = ParallelArgs(tensor_parallel_size=2)
+    placed, layout = place_ranks(sizes, PlanningArgs(), launch)
+    assert placed.layout == layout == ParallelLayout(tp=2, dp=2) and placed.coords.tp == 1
+    # --plan for 4 nodes of 8 GPUs from a one-process launch: the launch keeps its ranks, the checks get 32 GPUs'.
+    one = DistInfo.launched(rank=0, local_rank=0, world_size=1, launcher="python")
+    planning = PlanningArgs(plan=True, num_gpus=8, num_nodes=4)
+    placed, layout = place_ranks(ParallelArgs(tensor_parallel_size=8, pipeline_parallel_size=2), planning, one)
+    assert placed == one and layout == ParallelLayout(tp=8, pp=2, dp=2)
+    with pytest.raises(UsageError, match="--tensor_parallel_size 3 does not divide --num_gpus 8"):
+        place_ranks(ParallelArgs(tensor_parallel_size=3), planning, one)
+    with pytest.raises(UsageError, match=r"does not divide the 32 planned GPUs"):
+        place_ranks(ParallelArgs(pipeline_parallel_size=3), planning, one)

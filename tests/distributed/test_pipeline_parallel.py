@@ -21,7 +21,7 @@ import pytest
 from scaletrain.data import IGNORE_INDEX
 from scaletrain.config.slices import ParallelArgs
 from scaletrain.config.cli import parse_run_config
-from scaletrain.parts import DistInfo
+from scaletrain.parts import DistInfo, ParallelLayout
 from scaletrain.errors import UsageError
 from scaletrain.distributed.layout import apply_layout, check_pipeline_run, layout_ds_keys
 from scaletrain.distributed.pipeline import check_pipeline_model, hf_parameter_name
@@ -426,11 +426,11 @@ def test_the_model_must_map_onto_stages():
 )
 def test_unsupported_deepspeed_configs_are_refused_with_the_reason(config, message):
     with pytest.raises(UsageError, match=message):
-        layout_ds_keys(ParallelArgs(pipeline_parallel_size=2), _resolved(config), "x.json")
+        layout_ds_keys(ParallelLayout(pp=2), _resolved(config), "x.json")
 
 
 def test_unsupported_run_options_are_refused_with_the_reason():
-    pp = ParallelArgs(pipeline_parallel_size=2)
+    pp = ParallelLayout(pp=2)
     check_pipeline_run(pp, attention_isolation=False, precision="fp32", zero_stage=0, config_path="x.json")
     with pytest.raises(UsageError, match="with --attention_isolation: not supported yet"):
         check_pipeline_run(pp, attention_isolation=True, precision="fp32", zero_stage=1, config_path="x.json")

@@ -15,7 +15,7 @@ import pytest
 
 from scaletrain.config.slices import ParallelArgs
 from scaletrain.errors import UsageError
-from scaletrain.parts import DistInfo
+from scaletrain.parts import DistInfo, ParallelLayout
 from scaletrain.config import assemble_ds_config
 from scaletrain.distributed.layout import apply_layout, check_model_layout, check_sequence_layout, layout_ds_keys
 from tests.harness import REPO, check_ok, launch, read_metrics
@@ -184,15 +184,15 @@ def test_sequence_layout_checks():
     from transformers import AutoConfig
 
     config = AutoConfig.from_pretrained(REPO / "data" / "tiny-llama")  # 4 heads, 2 key/value heads
-    check_model_layout(ParallelArgs(sequence_parallel_size=2), config)
-    check_model_layout(ParallelArgs(sequence_parallel_size=4), config)  # past the KV heads: they are repeated
+    check_model_layout(ParallelLayout(sp=2), config)
+    check_model_layout(ParallelLayout(sp=4), config)  # past the KV heads: they are repeated
     with pytest.raises(UsageError, match=r"--sequence_parallel_size 8: the model's 4 attention heads"):
-        check_model_layout(ParallelArgs(sequence_parallel_size=8), config)
+        check_model_layout(ParallelLayout(sp=8), config)
     config.num_attention_heads, config.num_key_value_heads = 12, 4
-    check_model_layout(ParallelArgs(sequence_parallel_size=12), config)
+    check_model_layout(ParallelLayout(sp=12), config)
     with pytest.raises(UsageError, match=r"--sequence_parallel_size 6: the model's 4 key/value heads .* neither"):
-        check_model_layout(ParallelArgs(sequence_parallel_size=6), config)
-    sp2 = ParallelArgs(sequence_parallel_size=2)
+        check_model_layout(ParallelLayout(sp=6), config)
+    sp2 = ParallelLayout(sp=2)
     check_sequence_layout(sp2, 64, "sdpa", "cpu")
     check_sequence_layout(sp2, 64, "flash_attention_2", "cuda")
     with pytest.raises(UsageError, match="--sequence_parallel_size 2 does not divide the block size 63"):
@@ -207,9 +207,9 @@ def test_sequence_layout_checks():
         ({"zero_optimization": {"stage": 1}, "sequence_parallel_size": 4}, "contradicts"),
     ):
         with pytest.raises(UsageError, match=message):
-            layout_ds_keys(ParallelArgs(sequence_parallel_size=2), _resolved(raw), "x.json")
+            layout_ds_keys(ParallelLayout(sp=2), _resolved(raw), "x.json")
     filled = _resolved({"zero_optimization": {"stage": 3}})
-    ds = assemble_ds_config(filled, layout_ds_keys(ParallelArgs(sequence_parallel_size=2), filled, "x.json"))
+    ds = assemble_ds_config(filled, layout_ds_keys(ParallelLayout(sp=2), filled, "x.json"))
     assert ds.config["sequence_parallel_size"] == 2 and "tensor_parallel" not in ds.config
     # with tensor parallelism: a layout (test_composed_layouts.py runs it)
     placed = apply_layout(

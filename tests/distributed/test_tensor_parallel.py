@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from scaletrain.config.slices import ParallelArgs
-from scaletrain.parts import DistInfo
+from scaletrain.parts import DistInfo, ParallelLayout
 from scaletrain.errors import UsageError
 from scaletrain.config import assemble_ds_config
 from scaletrain.distributed.layout import apply_layout, check_model_layout, layout_ds_keys
@@ -196,11 +196,11 @@ def test_the_world_must_split_into_tensor_parallel_groups():
 
 def test_the_model_must_split_evenly():
     config = _tiny_llama_config()  # 4 attention heads, 2 key/value heads, MLP 352, vocabulary 4096
-    check_model_layout(ParallelArgs(tensor_parallel_size=2), config)
+    check_model_layout(ParallelLayout(tp=2), config)
     with pytest.raises(UsageError, match=r"the model's 2 key/value heads \(num_key_value_heads\) do not split"):
-        check_model_layout(ParallelArgs(tensor_parallel_size=4), config)
+        check_model_layout(ParallelLayout(tp=4), config)
     with pytest.raises(UsageError, match=r"the model's 4 attention heads \(num_attention_heads\) do not split"):
-        check_model_layout(ParallelArgs(tensor_parallel_size=3), config)
+        check_model_layout(ParallelLayout(tp=3), config)
 
 
 def _resolved(config: dict):
@@ -225,17 +225,17 @@ def _resolved(config: dict):
 )
 def test_unsupported_combinations_are_refused_with_the_reason(config, message):
     with pytest.raises(UsageError, match=message):
-        layout_ds_keys(ParallelArgs(tensor_parallel_size=2), _resolved(config), "x.json")
+        layout_ds_keys(ParallelLayout(tp=2), _resolved(config), "x.json")
 
 
 def test_the_layout_is_written_into_the_deepspeed_config():
     given = _resolved({"zero_optimization": {"stage": 2}})
-    ds = assemble_ds_config(given, layout_ds_keys(ParallelArgs(tensor_parallel_size=2), given, "x.json"))
+    ds = assemble_ds_config(given, layout_ds_keys(ParallelLayout(tp=2), given, "x.json"))
     assert "tensor_parallel" not in given.config  # a new value: the one given is left as it was
     assert ds.config["tensor_parallel"] == {"autotp_size": 2, "vocab_parallel_lm_head": False}
     assert ds.sources["tensor_parallel.autotp_size"] == "--tensor_parallel_size"
     untouched = _resolved({"zero_optimization": {"stage": 3}})
-    assert layout_ds_keys(ParallelArgs(tensor_parallel_size=1), untouched, "x.json") == ()
+    assert layout_ds_keys(ParallelLayout(tp=1), untouched, "x.json") == ()
 
 
 @pytest.mark.slow  # needs the 2-rank TP checkpoint

@@ -64,7 +64,6 @@ from scaletrain.observability import (
     RunIdentity,
 )
 from scaletrain.data import TrainingData
-from scaletrain.parts import DistInfo
 from scaletrain.plan import RunPlan
 from scaletrain.train import (
     EngineStep,
@@ -118,15 +117,16 @@ class Lifetime:
             self.world.close()
 
 
-def start_world(resolved: RunPlan, *, lifetime: Lifetime) -> DistInfo:
-    """The process group, then every rank's pre-flight verdict: a rank whose pre-flight failed joins too
-    (distributed.stop_with_the_others), so its mistake stops every rank here; the ranks also compare the resume
-    checkpoint, tokenizer and run configuration each found, before any rank acts on them."""
-    cfg = resolved.cfg
+def start_world(resolved: RunPlan, *, lifetime: Lifetime) -> None:
+    """The process group of the plan's launch, then every rank's pre-flight verdict: a rank whose pre-flight failed
+    joins too (distributed.stop_with_the_others), so its mistake stops every rank here; the ranks also compare the
+    resume checkpoint, tokenizer and run configuration each found, before any rank acts on them."""
+    cfg, dist = resolved.cfg, resolved.dist
     enable_flight_recorder(cfg.run.output_dir)  # on a GPU: NCCL's trace, for a hang's report
-    dist = init_distributed(resolved.dist, cfg.hang.ddp_timeout)
+    started = init_distributed(dist, cfg.hang.ddp_timeout)
     lifetime.world.callback(check_teardown)
     lifetime.world.callback(teardown_distributed, dist.rank)
+    assert started == dist, f"the pre-flight planned {dist}, the process group started {started}"
     facts = preflight_facts(
         run_configuration=cfg.to_dict(),
         block_size=resolved.block_size,
@@ -143,7 +143,6 @@ def start_world(resolved: RunPlan, *, lifetime: Lifetime) -> DistInfo:
         if shm is not None:
             lifetime.parts.callback(release_shm_allreduce, shm)
     seed_everything(cfg.optim.seed)
-    return dist
 
 
 def attention_choice(resolved: RunPlan) -> str:

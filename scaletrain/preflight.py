@@ -6,6 +6,7 @@ the run with exit code 2 and leaves the output folder as it was.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import shutil
 from collections.abc import Sequence
@@ -120,6 +121,7 @@ def resolve_run(argv: Sequence[str] | None, dist: DistInfo) -> RunPlan:
     block_size = check_block_size(cfg.data, cfg.model.tokenizer_source, tokenizer, max_positions(model_config))
     skeleton, model_facts = describe_model(cfg, model_config)
     hardware = hardware_facts()
+    dist = dataclasses.replace(dist, accelerator=hardware.accelerator)  # the device this rank trains on
     shape = ModelShape.from_meta_model(skeleton, model_config)
     filled, layout_keys = _resolve_engine_config(
         cfg, raw_ds_config=raw_ds_config, dist=dist, hardware=hardware, model_config=model_config, shape=shape

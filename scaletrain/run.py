@@ -111,8 +111,7 @@ def build_run(resolved: RunPlan, *, lifetime: Lifetime) -> Run:
     part acquires is released by lifetime.close(), also when a later part fails."""
     # the preference pairs' loss: its mistakes stop the run before any work
     objective = preference_objective(resolved.cfg.preference, chat=resolved.chat)
-    dist = start_world(resolved, lifetime=lifetime)  # the process group; every rank's pre-flight verdict
-    resolved = resolved.replace(dist=dist)  # the launch as started: its accelerator is known now
+    start_world(resolved, lifetime=lifetime)  # the process group; every rank's pre-flight verdict
     resolved, stores = prepare_inputs(resolved)  # checkpoint checksums (a damaged one: fall back), token store
     model = build_rank_model(resolved, lifetime=lifetime)  # ZeRO-3: built sharded, never whole on one rank
     # packed blocks from the store, the global order of this rank

@@ -213,7 +213,7 @@ def shard_sizes(model):
 dist = read_launch_env()
 plan = plan_run(["--config", "ds_configs/zero3.json", "--output_dir", {str(tmp_path / "o")!r}], dist)
 lifetime = Lifetime()
-plan = plan.replace(dist=start_world(plan, lifetime=lifetime))
+start_world(plan, lifetime=lifetime)
 model = build_rank_model(plan, lifetime=lifetime)
 report = {{"rank": dist.rank, **shard_sizes(model)}}
 del model

@@ -220,6 +220,19 @@ def test_no_function_in_the_package_is_longer_than_80_lines():
     assert not long, "split these: " + "; ".join(long)
 
 
+def test_at_most_ten_calls_in_the_package_pass_five_or_more_arguments_by_position():
+    """Arguments after the first are keyword-only where a call would pass five or more; the calls left are to APIs
+    positional by design (torch.autograd.Function.apply, the attention functions transformers calls)."""
+    calls = [
+        f"{name}:{node.lineno} {ast.unparse(node.func)}"
+        for name, tree in modules().items()
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Call) and sum(not isinstance(a, ast.Starred) for a in node.args) >= 5
+    ]
+    assert len(calls) <= 10, "pass keywords: " + "; ".join(calls)
+    assert not [call for call in calls if " log." in call], "log lines are f-strings"
+
+
 def test_importing_the_config_loads_neither_numpy_nor_torch_nor_the_writer_torch_dynamo():
     """The config is read before anything heavy; the checkpoint writer process (checkpoint/async_save.py, spawned at
     the first save) imports torch but not torch._dynamo (2.3 s more, on the path of the first commit) nor the

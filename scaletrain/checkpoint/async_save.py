@@ -404,15 +404,12 @@ def snapshot_refusal(
         except OSError:
             return f"{SHM_ROOT} is missing"
     what = f"the snapshot buffers of this host's {ranks_on_host} rank(s) need {needed / 1e9:.2f} GB"
+    limit = "none"
+    if cgroup is not None:
+        limit = f"{cgroup.path} (limit {cgroup.limit / 1e9:.2f} GB, in use {cgroup.in_use / 1e9:.2f} GB)"
     log.debug(
-        "%s; host memory available %.2f GB, %s free %.2f GB; memory cgroup: %s",
-        what,
-        available / 1e9,
-        SHM_ROOT,
-        shm_free / 1e9,
-        "none"
-        if cgroup is None
-        else f"{cgroup.path} (limit {cgroup.limit / 1e9:.2f} GB, in use {cgroup.in_use / 1e9:.2f} GB)",
+        f"{what}; host memory available {available / 1e9:.2f} GB, {SHM_ROOT} free {shm_free / 1e9:.2f} GB; "
+        f"memory cgroup: {limit}"
     )
     if cgroup is not None and cgroup.free < available:
         if needed > cgroup.free / 2:

@@ -182,12 +182,8 @@ def find_damage(ckpt: Path, rank: int, world_size: int) -> str | None:
     bad = next((rel for rel in mine if file_checksum(ckpt / rel) != sums[rel]), None)
     found = [rel for rel in all_gather_objects(bad) if rel]
     log.info(
-        "checked the SHA-256 of %d of %s's files (%.1f MB) in %.2fs on rank %d",
-        len(mine),
-        ckpt,
-        sum(commit["files"][rel] for rel in mine) / 1e6,
-        time.perf_counter() - started,
-        rank,
+        f"checked the SHA-256 of {len(mine)} of {ckpt}'s files ({sum(commit['files'][rel] for rel in mine) / 1e6:.1f} "
+        f"MB) in {time.perf_counter() - started:.2f}s on rank {rank}"
     )
     return found[0] if found else None
 
@@ -241,12 +237,8 @@ def verified_resume_checkpoint(ckpt: Path, auto: bool, rank: int, world_size: in
         if rank == 0:
             kept = mark_damaged(ckpt, Path(fallback))
             log.warning(
-                "checkpoint %s is damaged: %s; falling back to %s (the damaged one is kept as %s, and no "
-                "later resume picks it)",
-                ckpt,
-                damage,
-                fallback,
-                kept,
+                f"checkpoint {ckpt} is damaged: {damage}; falling back to {fallback} (the damaged one is kept as {kept}"
+                ", and no later resume picks it)"
             )
         barrier()  # renamed before any rank looks at the folder again
         ckpt = Path(fallback)

@@ -238,12 +238,8 @@ def push_to_hub(
             if attempt == attempts or not transient(err):
                 raise
             log.warning(
-                "push to %s failed (attempt %d of %d: %s); retrying in %.0fs",
-                repo_id,
-                attempt,
-                attempts,
-                type(err).__name__,
-                pause,
+                f"push to {repo_id} failed (attempt {attempt} of {attempts}: {type(err).__name__}); retrying in "
+                f"{pause:.0f}s"
             )
             sleep(pause)
             pause *= 2

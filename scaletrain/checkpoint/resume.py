@@ -327,11 +327,8 @@ def load_checkpoint(engine, ckpt: Path, state: TrainState, rank: int, universal:
     elif rng.exists():
         _set_rng_state(torch.load(rng, weights_only=False))
     log.info(
-        "resumed from %s (step %d, %d samples seen) in %.2fs",
-        ckpt,
-        state.step,
-        state.samples_seen,
-        time.perf_counter() - started,
+        f"resumed from {ckpt} (step {state.step}, {state.samples_seen} samples seen) in "
+        f"{time.perf_counter() - started:.2f}s"
     )
     return saved
 

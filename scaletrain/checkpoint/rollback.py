@@ -47,11 +47,8 @@ def roll_back(
     state.samples_seen = position  # the data position keeps moving forward: nothing is replayed
     state.consecutive_skips = 0
     log.warning(
-        "rolled back to %s (step %d) after %d skipped updates in a row; training continues with the data after step %d",
-        newest,
-        state.step,
-        skips,
-        from_step,
+        f"rolled back to {newest} (step {state.step}) after {skips} skipped updates in a row; training continues with "
+        f"the data after step {from_step}"
     )
     return {
         "step": from_step,

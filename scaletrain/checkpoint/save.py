@@ -152,11 +152,8 @@ def save_checkpoint(
     hashed += _commit_on_rank0(tmp, final=final, step=step, checksums=checksums, rank=rank, previous=previous)
     barrier()
     log.info(
-        "saved checkpoint %s in %.2fs (of which SHA-256 %.2fs on rank %d)",
-        final,
-        time.perf_counter() - started,
-        hashed,
-        rank,
+        f"saved checkpoint {final} in {time.perf_counter() - started:.2f}s (of which SHA-256 {hashed:.2f}s on rank "
+        f"{rank})"
     )
     return final
 

@@ -489,11 +489,9 @@ def prepare_chat_store(
         finally:
             shutil.rmtree(scratch, ignore_errors=True)
     log.info(
-        "chat store %s: prepared in %.1fs (%s, loss on %s tokens)",
-        store,
-        time.perf_counter() - started,
-        chat.template.source if chat.template else "no template",
-        chat.loss_mode.replace("_", " "),
+        f"chat store {store}: prepared in {time.perf_counter() - started:.1f}s ("
+        f"{chat.template.source if chat.template else 'no template'}, loss on {chat.loss_mode.replace('_', ' ')} "
+        "tokens)"
     )
     return store
 

@@ -154,15 +154,9 @@ def examples_from_store(opened: dict, split: str, block_size: int, truncation: s
     if packed is not None:
         fill = packed.n_tokens / (len(packed) * block_size)
         log.info(
-            "chat data (%s): %d examples packed whole into %d blocks of %d (%.0f%% full, best fit); %d "
-            "longer than the block %s",
-            split,
-            packed.n_documents,
-            len(packed),
-            block_size,
-            100 * fill,
-            packed.truncated + packed.dropped,
-            "truncated to it" if truncation == "truncate" else "dropped",
+            f"chat data ({split}): {packed.n_documents} examples packed whole into {len(packed)} blocks of {block_size}"
+            f" ({100 * fill:.0f}% full, best fit); {packed.truncated + packed.dropped} longer than the block "
+            f"{'truncated to it' if truncation == 'truncate' else 'dropped'}"
         )
     return packed
 
@@ -190,10 +184,6 @@ def print_samples(blocks: PackedExamples, n: int, tokenizer) -> None:
         ids, mask = blocks.tokens[start : start + length], blocks.mask[start : start + length].copy()
         mask[0] = 0  # as batch() trains it
         log.info(
-            "sample %d (example %d, %d tokens, %d trained):\n%s",
-            shown + 1,
-            example,
-            length,
-            int(mask.sum()),
-            format_sample(ids.tolist(), mask.tolist(), tokenizer),
+            f"sample {shown + 1} (example {example}, {length} tokens, {int(mask.sum())} trained):\n"
+            f"{format_sample(ids.tolist(), mask.tolist(), tokenizer)}"
         )

@@ -199,12 +199,9 @@ def pairs_from_store(
     if not len(pairs):
         return None
     log.info(
-        "preference data (%s): %d pairs; %d %s longer than the block %s",
-        split,
-        len(pairs),
-        pairs.truncated + pairs.dropped,
-        "sequences" if truncation == "truncate" else "pairs",
-        "truncated to it (prompt first)" if truncation == "truncate" else "dropped",
+        f"preference data ({split}): {len(pairs)} pairs; {pairs.truncated + pairs.dropped} "
+        f"{'sequences' if truncation == 'truncate' else 'pairs'} longer than the block "
+        f"{'truncated to it (prompt first)' if truncation == 'truncate' else 'dropped'}"
     )
     return pairs
 
@@ -219,11 +216,6 @@ def print_pairs(pairs: PreferencePairs, n: int, tokenizer) -> None:
             ids = pairs.tokens[start : start + length].tolist()
             mask = [0] * at + [1] * (length - at)
             log.info(
-                "sample %d (pair %d, %s, %d tokens, %d trained):\n%s",
-                shown + 1,
-                pair,
-                side,
-                length,
-                length - at,
-                format_sample(ids, mask, tokenizer),
+                f"sample {shown + 1} (pair {pair}, {side}, {length} tokens, {length - at} trained):\n"
+                f"{format_sample(ids, mask, tokenizer)}"
             )

@@ -138,13 +138,10 @@ def register_ulysses(
 
     ALL_ATTENTION_FUNCTIONS[backend] = _keeping_kv_groups(attention)
     log.info(
-        "sequence parallelism: DeepSpeed Ulysses (%s) over %d ranks, %d tokens of each %d-token block per rank%s%s",
-        backend,
-        layout.sp,
-        block_size // layout.sp,
-        block_size,
-        f", {heads // layout.tp} heads of each tensor rank exchanged" if layout.tp > 1 else "",
-        ", documents isolated" if attention_isolation else "",
+        f"sequence parallelism: DeepSpeed Ulysses ({backend}) over {layout.sp} ranks, {block_size // layout.sp} tokens "
+        f"of each {block_size}-token block per rank"
+        f"{f', {heads // layout.tp} heads of each tensor rank exchanged' if layout.tp > 1 else ''}"
+        f"{', documents isolated' if attention_isolation else ''}"
     )
 
     def unregister() -> None:

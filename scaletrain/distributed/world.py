@@ -357,13 +357,8 @@ def describe_launch(dist: DistInfo, *, ds: ResolvedDSConfig, config_path: str, a
     )
     groups = describe_groups(dist.layout, hosts)
     log.info(
-        "launch: %s, world size %d on %d host(s): %s; layout: %s%s",
-        dist.launcher,
-        dist.world_size,
-        len(set(hosts)),
-        placement,
-        dist.layout.describe(),
-        f"; {groups}" if groups else "",
+        f"launch: {dist.launcher}, world size {dist.world_size} on {len(set(hosts))} host(s): {placement}; layout: "
+        f"{dist.layout.describe()}{f'; {groups}' if groups else ''}"
     )
     if dist.accelerator == "cpu":
         import torch

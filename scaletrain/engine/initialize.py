@@ -77,12 +77,8 @@ def build_engine(model, *, ds_config: dict, weight_decay: float, schedule: LRSch
 
         fix_pipeline_stage0_clipping(engine)  # DeepSpeed 0.19.8 clips every stage by stage 0's norm
     log.info(
-        "engine: ZeRO stage %d, optimizer %s, schedule %s (warmup %d of %d steps)",
-        engine.zero_optimization_stage(),
-        type(engine.optimizer).__name__,
-        schedule.kind,
-        schedule.warmup_steps,
-        schedule.total_steps,
+        f"engine: ZeRO stage {engine.zero_optimization_stage()}, optimizer {type(engine.optimizer).__name__}, schedule "
+        f"{schedule.kind} (warmup {schedule.warmup_steps} of {schedule.total_steps} steps)"
     )
     return engine
 

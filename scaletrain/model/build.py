@@ -106,17 +106,12 @@ def build_model(args: ModelArgs, model_config, ds_config: dict, pipeline: bool =
         model.config.use_cache = False
     install_memory_features(model, args)
     n_params = sum(getattr(p, "ds_numel", p.numel()) for p in model.parameters())
-    log.info(
-        "model: %s (%s), %.2fM parameters%s",
-        type(model).__name__,
-        args.model_source,
-        n_params / 1e6,
-        ", built sharded (ZeRO-3)"
-        if sharded
-        else ", on the meta device (each pipeline stage reads its own weights)"
-        if staged is not None
-        else "",
-    )
+    where = ""
+    if sharded:
+        where = ", built sharded (ZeRO-3)"
+    elif staged is not None:
+        where = ", on the meta device (each pipeline stage reads its own weights)"
+    log.info(f"model: {type(model).__name__} ({args.model_source}), {n_params / 1e6:.2f}M parameters{where}")
     if zero3 and keepalive is None:  # alive for the engine's life all the same (generation's synced_gpus reads it)
         keepalive = HfDeepSpeedConfig(ds_config)
     return model, keepalive

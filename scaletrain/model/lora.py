@@ -77,12 +77,8 @@ def apply_lora(model, args: PeftArgs):
     wrapped = get_peft_model(model, lora_config(args))
     trainable, total = wrapped.get_nb_trainable_parameters()  # counts ZeRO-3 partitions by their full size
     log.info(
-        "LoRA (%s, dropout %g): %.3fM trainable of %.2fM parameters (%.2f%%)",
-        describe_adapter(args),
-        args.lora_dropout,
-        trainable / 1e6,
-        total / 1e6,
-        100 * trainable / total,
+        f"LoRA ({describe_adapter(args)}, dropout {args.lora_dropout:g}): {trainable / 1e6:.3f}M trainable of "
+        f"{total / 1e6:.2f}M parameters ({100 * trainable / total:.2f}%)"
     )
     return wrapped
 

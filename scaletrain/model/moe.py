@@ -129,11 +129,8 @@ def resolve_router_loss(args: ModelArgs, parallel: ParallelArgs, model_config, s
         )
         return None
     log.info(
-        "mixture of experts: %d experts, top-%d; load-balancing loss x %g (from %s), logged as aux_loss",
-        experts,
-        top_k,
-        coef,
-        source,
+        f"mixture of experts: {experts} experts, top-{top_k}; load-balancing loss x {coef:g} (from {source}), logged "
+        "as aux_loss"
     )
     return RouterLoss(float(coef), experts, top_k, balancing_loss)
 

@@ -151,15 +151,10 @@ def build_qlora_model(
     settings = kwargs["quantization_config"]
     n_4bit = sum(1 for module in model.modules() if type(module).__name__ == "Linear4bit")
     log.info(
-        "QLoRA base: %s in 4 bits (%s, double quantization, compute %s, storage %s) on %s, %d linear layers "
-        "quantized%s",
-        model_args.model_name_or_path,
-        settings.bnb_4bit_quant_type,
-        _dtype_name(settings.bnb_4bit_compute_dtype),
-        _dtype_name(settings.bnb_4bit_quant_storage),
-        device,
-        n_4bit,
-        "; ZeRO-3 partitions it at deepspeed.initialize" if ds.zero_stage == 3 else "",
+        f"QLoRA base: {model_args.model_name_or_path} in 4 bits ({settings.bnb_4bit_quant_type}, double quantization, "
+        f"compute {_dtype_name(settings.bnb_4bit_compute_dtype)}, storage "
+        f"{_dtype_name(settings.bnb_4bit_quant_storage)}) on {device}, {n_4bit} linear layers quantized"
+        f"{'; ZeRO-3 partitions it at deepspeed.initialize' if ds.zero_stage == 3 else ''}"
     )
     return model, keepalive
 

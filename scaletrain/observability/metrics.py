@@ -142,13 +142,9 @@ def _keep_records_up_to(path: Path, step: int) -> list:
         aside = path.with_name(f"{path.name}.damaged-{time.strftime('%Y%m%d-%H%M%S')}")
         os.replace(path, aside)
         log.warning(
-            "%s: %d line(s) before its end are not metrics records (line %s); the file as it was is kept in %s, "
-            "and training goes on with its %d readable records",
-            path,
-            len(scan.damaged),
-            _line_numbers(scan.damaged),
-            aside.name,
-            len(scan.records),
+            f"{path}: {len(scan.damaged)} line(s) before its end are not metrics records (line "
+            f"{_line_numbers(scan.damaged)}); the file as it was is kept in {aside.name}, and training goes on with "
+            f"its {len(scan.records)} readable records"
         )
     kept = [record for record in scan.records if record["step"] <= step]
     tmp = path.with_name(path.name + ".tmp")

@@ -33,7 +33,7 @@ def probe_for_calibration(
         attention = measured_attention_tflops(
             engine.device, dtype=dtype, batch=micro_batch, heads=heads, seq_len=block_size, head_dim=head_dim
         )
-        log.info("attention at %.3g TFLOP/s (%d x %d tokens, %d heads)", attention, micro_batch, block_size, heads)
+        log.info(f"attention at {attention:.3g} TFLOP/s ({micro_batch} x {block_size} tokens, {heads} heads)")
     log.info("a micro-batch's fixed cost: %.3g ms (one %d-token sequence)", seconds * 1e3, PROBE_TOKENS)
     if is_main:
         write_micro_batch_probe(Path(output_dir), seconds, PROBE_TOKENS, attention)

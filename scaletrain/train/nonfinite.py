@@ -146,12 +146,8 @@ class NonFiniteGuard(Callback):
                 "the run folder; rerun with --on_nonfinite skip to skip such steps"
             )
         log.warning(
-            "step %d: %s (loss %.4g); update skipped on every rank (%d in a row), samples %s",
-            step,
-            reason.replace("_", " "),
-            global_loss,
-            state.consecutive_skips,
-            _short(samples),
+            f"step {step}: {reason.replace('_', ' ')} (loss {global_loss:.4g}); update skipped on every rank ("
+            f"{state.consecutive_skips} in a row), samples {_short(samples)}"
         )
         limit = self.policy.max_consecutive_skips
         return "rollback" if limit and state.consecutive_skips >= limit else "skipped"

@@ -108,11 +108,8 @@ def attach_reference_logps(engine, *, sets: dict, ref: ReferencePass, dist: Dist
             if dist.local_rank == 0:
                 _save(path, values, identity)
             log.info(
-                "reference log-probs (%s): %d pairs computed by %s, saved to %s",
-                split,
-                len(pairs),
-                ref.source or "the starting model",
-                path,
+                f"reference log-probs ({split}): {len(pairs)} pairs computed by {ref.source or 'the starting model'}, "
+                f"saved to {path}"
             )
         pairs.ref_logps = values
 

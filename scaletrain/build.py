@@ -16,10 +16,8 @@ from scaletrain.checkpoint import (
     CheckpointManager,
     CheckpointSettings,
     clear_previous_run,
-    ensure_universal,
-    resume_elsewhere,
     SaveSchedule,
-    verified_resume_checkpoint,
+    verify_resume,
     write_run_folder,
 )
 from scaletrain.data import prepare_stores
@@ -174,24 +172,12 @@ def prepare_inputs(resolved: RunPlan) -> tuple[RunPlan, tuple]:
 
 
 def prepare_resume(resolved: RunPlan) -> RunPlan:
-    """The checkpoint's files checked against their SHA-256 by every rank (a share each) before anything reads
-    them: a damaged one falls back, on every rank, to the previous committed checkpoint (or stops the run).
-    Then a checkpoint from another number of ranks, layout or offload is converted to DeepSpeed's universal
-    format (global rank 0 converts; the others wait on the file system, with a way out if rank 0 fails)."""
-    resume, dist = resolved.resume, resolved.dist
-    if resume is None:
-        return resolved
-    auto = resolved.cfg.checkpoint.resume_from_checkpoint == "auto"
-    verified = verified_resume_checkpoint(resume.checkpoint, auto, dist.rank, dist.world_size)
-    if verified != resume.checkpoint:
-        assert resolved.model_facts is not None  # the pre-flight that planned the resume described the model
-        resume, ds = resume_elsewhere(
-            verified, cfg=resolved.cfg, ds=resolved.ds, model_facts=resolved.model_facts, layout=dist.layout
-        )
-        resolved = resolved.replace(resume=resume, ds=ds)
-    if resume is not None and resume.reshard:
-        ensure_universal(resume.checkpoint, dist.rank)
-    return resolved
+    """The plan with the checkpoint the ranks verified (checkpoint.verify_resume: a damaged one falls back to the one
+    before it, with the DeepSpeed config that loads it)."""
+    resume, ds = verify_resume(
+        resolved.resume, cfg=resolved.cfg, ds=resolved.ds, model_facts=resolved.model_facts, dist=resolved.dist
+    )
+    return resolved if resume is resolved.resume else resolved.replace(resume=resume, ds=ds)
 
 
 def build_rank_model(resolved: RunPlan, *, lifetime: Lifetime) -> BuiltModel:

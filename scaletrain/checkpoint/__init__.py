@@ -5,12 +5,11 @@ publishing to the hub.
 This face re-exports what other parts of scaletrain use; inside the wing, modules import each other by path.
 """
 
-from scaletrain.checkpoint.commit import clear_previous_run, verified_resume_checkpoint
+from scaletrain.checkpoint.commit import clear_previous_run
 from scaletrain.checkpoint.final_export import FinalExport
 from scaletrain.checkpoint.manager import CheckpointManager, Checkpointing, CheckpointSettings, SaveSchedule
 from scaletrain.checkpoint.publish import check_push_target, publish_export, reply_end_ids
-from scaletrain.checkpoint.resume import ensure_universal
-from scaletrain.checkpoint.resume_point import plan_resume, resume_elsewhere
+from scaletrain.checkpoint.resume_point import plan_resume, verify_resume
 from scaletrain.checkpoint.run_folder import write_run_folder
 
 __all__ = [
@@ -21,11 +20,9 @@ __all__ = [
     "SaveSchedule",
     "check_push_target",
     "clear_previous_run",
-    "ensure_universal",
     "publish_export",
     "reply_end_ids",
     "plan_resume",
-    "resume_elsewhere",
     "write_run_folder",
-    "verified_resume_checkpoint",
+    "verify_resume",
 ]

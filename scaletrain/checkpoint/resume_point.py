@@ -1,17 +1,24 @@
 """Which checkpoint a run continues, decided before anything is built: the one --resume_from_checkpoint names (or the
 newest committed one), checked against this run's model, layout, ZeRO setting and peak LR, and whether it loads
 through DeepSpeed's universal form. A damaged checkpoint found later falls back to the one before it through
-resume_elsewhere, which checks the fallback the same way."""
+resume_elsewhere, which checks the fallback the same way; verify_resume is that later check, by every rank together."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
-from scaletrain.checkpoint.resume import check_resumable, read_train_state, resolve_resume, saved_zero_stage
+from scaletrain.checkpoint.commit import verified_resume_checkpoint
+from scaletrain.checkpoint.resume import (
+    check_resumable,
+    ensure_universal,
+    read_train_state,
+    resolve_resume,
+    saved_zero_stage,
+)
 from scaletrain.checkpoint.run_folder import read_previous_run_config
 from scaletrain.config import DSKey, ResolvedDSConfig, RunConfig, assemble_ds_config
 from scaletrain.errors import UsageError
-from scaletrain.parts import ParallelLayout, ResumePoint
+from scaletrain.parts import DistInfo, ParallelLayout, ResumePoint
 
 UNIVERSAL_KEY = "checkpoint.load_universal"
 
@@ -26,6 +33,26 @@ def plan_resume(
     if checkpoint is None:
         return None, ()
     return resume_point(cfg, ds=ds, model_facts=model_facts, layout=layout, checkpoint=checkpoint)
+
+
+def verify_resume(
+    resume: ResumePoint | None, *, cfg: RunConfig, ds: ResolvedDSConfig, model_facts: dict | None, dist: DistInfo
+) -> tuple[ResumePoint | None, ResolvedDSConfig]:
+    """Every rank, once the process group is up: the planned checkpoint's files checked against their SHA-256 (a
+    share each) before anything reads them; a damaged one falls back, on every rank, to the previous committed
+    checkpoint (or stops the run). Then a checkpoint from another number of ranks, layout or offload is converted to
+    DeepSpeed's universal format (global rank 0 converts; the others wait on the file system, with a way out if rank 0
+    fails). (the checkpoint the run continues, the DeepSpeed config that loads it)."""
+    if resume is None:
+        return None, ds
+    auto = cfg.checkpoint.resume_from_checkpoint == "auto"
+    verified = verified_resume_checkpoint(resume.checkpoint, auto, dist.rank, dist.world_size)
+    if verified != resume.checkpoint:
+        assert model_facts is not None  # the pre-flight that planned the resume described the model
+        resume, ds = resume_elsewhere(verified, cfg=cfg, ds=ds, model_facts=model_facts, layout=dist.layout)
+    if resume.reshard:
+        ensure_universal(resume.checkpoint, dist.rank)
+    return resume, ds
 
 
 def resume_elsewhere(

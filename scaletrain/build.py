@@ -230,6 +230,7 @@ def write_outputs_folder(resolved: RunPlan, data: TrainingData) -> None:
         block_size=resolved.block_size,
         n_params=resolved.n_params,
         schedule_facts={"total_steps": schedule.total_steps, "warmup_steps": schedule.warmup_steps},
+        model_config=resolved.model_config,
     )
     barrier()  # the folder exists before any rank writes into it
 

@@ -12,7 +12,7 @@ import shutil
 from collections.abc import Sequence
 from pathlib import Path
 
-from scaletrain.checkpoint import check_push_target, plan_resume
+from scaletrain.checkpoint import check_push_target, MODEL_CONFIG_FILE, plan_resume
 from scaletrain.config import (
     assemble_ds_config,
     check_preference_run,
@@ -188,7 +188,8 @@ def _lm_eval_tasks(cfg: RunConfig, dist: DistInfo) -> HarnessTasks | None:
 
 
 def _plan_calibration(cfg: RunConfig) -> tuple | None:
-    """--plan --plan_calibration: the measured run and its model's shape (from the config.json in its folder)."""
+    """--plan --plan_calibration: the measured run and its model's shape (from the model_config.json every run folder
+    keeps, or an older folder's export, config.json)."""
     if not (cfg.planning.plan and cfg.planning.plan_calibration):
         return None
     from transformers import AutoConfig
@@ -196,10 +197,11 @@ def _plan_calibration(cfg: RunConfig) -> tuple | None:
     run_dir = Path(cfg.planning.plan_calibration)
     calibration = read_calibration(run_dir)
     try:
-        model_config = AutoConfig.from_pretrained(run_dir)
+        kept = run_dir / MODEL_CONFIG_FILE
+        model_config = AutoConfig.from_pretrained(str(kept) if kept.is_file() else run_dir)
     except (OSError, ValueError) as err:
         raise UsageError(
-            f"--plan_calibration {run_dir}: no readable model config.json ({err.__class__.__name__})",
+            f"--plan_calibration {run_dir}: no readable {MODEL_CONFIG_FILE} or config.json ({err.__class__.__name__})",
             "point it at a finished run's --output_dir",
         ) from None
     return calibration, ModelShape.from_meta_model(meta_model(model_config, False), model_config)

@@ -10,9 +10,10 @@ from scaletrain.checkpoint.final_export import FinalExport
 from scaletrain.checkpoint.manager import CheckpointManager, Checkpointing, CheckpointSettings, SaveSchedule
 from scaletrain.checkpoint.publish import check_push_target, publish_export, reply_end_ids
 from scaletrain.checkpoint.resume_point import plan_resume, verify_resume
-from scaletrain.checkpoint.run_folder import write_run_folder
+from scaletrain.checkpoint.run_folder import MODEL_CONFIG_FILE, write_run_folder
 
 __all__ = [
+    "MODEL_CONFIG_FILE",
     "CheckpointManager",
     "Checkpointing",
     "FinalExport",

@@ -31,6 +31,7 @@ RUN_FILES = (
     "run_config.json",
     "ds_config.json",
     "config_sources.txt",
+    "model_config.json",
     ".*",
     ".*/**",
 )

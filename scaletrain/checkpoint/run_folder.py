@@ -1,6 +1,7 @@
 """What a run folder records of its configuration: run_config.json (every flag, the block size and the schedule's
-length), ds_config.json (the resolved DeepSpeed JSON) and config_sources.txt (where each value came from). Written
-once the run is built; read back by the next run that resumes one of its checkpoints, and by the export."""
+length), ds_config.json (the resolved DeepSpeed JSON), config_sources.txt (where each value came from) and
+model_config.json (the model's configuration as transformers saves it, export or not). Written once the run is
+built; read back by the next run that resumes one of its checkpoints, by the export, and by --plan_calibration."""
 
 from __future__ import annotations
 
@@ -15,13 +16,22 @@ log = logging.getLogger(__name__)
 RUN_CONFIG_FILE = "run_config.json"
 DS_CONFIG_FILE = "ds_config.json"
 EXPLAINED_FILE = "config_sources.txt"  # the same text --print_config prints
+MODEL_CONFIG_FILE = "model_config.json"  # not config.json: the folder is no Hugging Face model until it is exported
 
 
 def write_run_folder(
-    cfg: RunConfig, *, ds: ResolvedDSConfig, dist: DistInfo, block_size: int, n_params: int, schedule_facts: dict
+    cfg: RunConfig,
+    *,
+    ds: ResolvedDSConfig,
+    dist: DistInfo,
+    block_size: int,
+    n_params: int,
+    schedule_facts: dict,
+    model_config,
 ) -> None:
     """Save the resolved configs beside the run's outputs (rank 0), so the run can be read back and repeated.
-    `schedule_facts`: what the build decided besides the flags (total and warmup steps)."""
+    `schedule_facts`: what the build decided besides the flags (total and warmup steps); `model_config`: the model's
+    transformers configuration."""
     if not dist.is_main:
         return
     out = Path(cfg.run.output_dir)
@@ -32,6 +42,7 @@ def write_run_folder(
     (out / DS_CONFIG_FILE).write_text(json.dumps(ds.config, indent=2) + "\n")
     explained = explain_resolved(cfg, ds=ds, block_size=block_size, n_params=n_params, dp_world_size=dist.layout.dp)
     (out / EXPLAINED_FILE).write_text(explained + "\n")
+    model_config.to_json_file(str(out / MODEL_CONFIG_FILE))
 
 
 def read_run_config(output_dir: str) -> dict:

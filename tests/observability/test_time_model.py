@@ -416,6 +416,38 @@ def test_a_finished_run_records_its_micro_batch_fixed_cost_and_attention_rate(la
     assert "a micro-batch's fixed cost:" in stdout + stderr and shape in stdout + stderr
 
 
+def test_a_run_kept_for_its_timings_without_an_export_calibrates_the_plan(layout_reference, tmp_path):
+    """Every run folder keeps its model's configuration (model_config.json, not config.json: the folder is no Hugging
+    Face model unless exported), so --plan_calibration reads the shape from a run made with --no-export_hf_at_end:
+    the reference run's folder without its export and checkpoints."""
+    import shutil
+    import subprocess
+    import sys
+
+    from scaletrain.checkpoint import MODEL_CONFIG_FILE
+    from tests.harness import REPO, check_ok, child_env
+
+    run = tmp_path / "kept_for_its_timings"
+    shutil.copytree(layout_reference, run, ignore=shutil.ignore_patterns("checkpoints"))
+    exported = [p for p in run.iterdir() if p.suffix == ".safetensors" or p.name == "config.json"]
+    assert exported and (run / MODEL_CONFIG_FILE).is_file()
+    for path in exported:
+        path.unlink()
+    proc = subprocess.run(
+        [sys.executable, "train.py", "--plan", "--plan_calibration", str(run), "--config", "ds_configs/zero2.json",
+         "--plan_precision", "fp32"],
+        cwd=REPO, env=child_env(tmp_path), capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    check_ok(proc)
+    assert f"calibrated by {run} (1 rank(s), 64-token blocks, micro-batch 4 x 1)" in proc.stdout
+    (run / MODEL_CONFIG_FILE).unlink()  # and a folder with neither says so
+    proc = subprocess.run(
+        [sys.executable, "train.py", "--plan", "--plan_calibration", str(run)],
+        cwd=REPO, env=child_env(tmp_path), capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert proc.returncode == 2 and f"no readable {MODEL_CONFIG_FILE} or config.json" in proc.stderr
+
+
 def test_calibration_reads_the_comms_logs_bus_bandwidth_and_gpu_checks_matmul_rate(tmp_path):
     """The comms log's bus bandwidths (Gbit/s, per collective type) weigh by their time into GB/s; gpu_check.json's
     measured matmul rate beside the run folder becomes the achievable fraction of the planned GPU's peak."""

@@ -136,13 +136,19 @@ def place_ranks(parallel: ParallelArgs, planning: PlanningArgs, dist: DistInfo) 
 
 
 def planned_layout(parallel: ParallelArgs, planning: PlanningArgs) -> ParallelLayout:
-    """--plan with a layout: tensor-parallel groups must fit inside a node of the planned cluster, the layout must
-    split its ranks; the planned cluster's layout."""
+    """--plan with a layout: tensor-parallel groups must fit inside a node of the planned cluster (or, with
+    --allow_cross_node_tensor_parallel, span whole nodes), the layout must split its ranks; the planned cluster's
+    layout."""
     tp, sp, pp = parallel.tensor_parallel_size, parallel.sequence_parallel_size, parallel.pipeline_parallel_size
-    if planning.num_gpus % tp:
+    per_node = planning.num_gpus
+    whole_nodes = parallel.allow_cross_node_tensor_parallel and tp % per_node == 0
+    if per_node % tp and not whole_nodes:
+        across = parallel.allow_cross_node_tensor_parallel
         raise UsageError(
-            f"--tensor_parallel_size {tp} does not divide --num_gpus {planning.num_gpus}",
-            "a tensor-parallel group stays inside a node: choose a size that divides the GPUs per node",
+            f"--tensor_parallel_size {tp} does not divide --num_gpus {per_node}"
+            + (f" nor span whole nodes of {per_node}" if across else ""),
+            "a tensor-parallel group stays inside a node: choose a size that divides the GPUs per node"
+            + (f", or a multiple of {per_node}" if across else ", or pass --allow_cross_node_tensor_parallel"),
         )
     ranks = planning.num_gpus * planning.num_nodes
     if ranks % (tp * sp * pp):

@@ -164,6 +164,13 @@ def time_plan_lines(
         global_sequences=global_sequences,
         tokens=planning.plan_tokens,
     )
+    if not cfg.parallel.allow_cross_node_tensor_parallel:
+        beyond = sorted(set(planner.tensor_sizes(cross_node=True)) - set(planner.tensor_sizes()))
+        if beyond:
+            lines.append(
+                f"not planned: tensor parallel {', '.join(map(str, beyond))} across nodes (each layer's all-reduces "
+                "would cross the network); --allow_cross_node_tensor_parallel plans them"
+            )
     scaling, node_counts = None, planning.scaling_nodes()
     if node_counts:
         scaling = scaling_rows(planner_for, node_counts, flags.layout, option)

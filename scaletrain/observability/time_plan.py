@@ -138,17 +138,22 @@ class Planner:
         )
         return Candidate(layout, option=option, fits=fits, peak_bytes=peak, prediction=prediction)
 
-    def candidates(self, global_sequences: int, cross_node_tensor: bool = False) -> list[Candidate]:
-        """Every layout the pipeline runs for `global_sequences` sequences a step on the cluster, fastest first."""
+    def tensor_sizes(self, cross_node: bool = False) -> list[int]:
+        """The tensor-parallel sizes the model splits into on the cluster: inside a node, or (`cross_node`) up to
+        the whole cluster."""
         shape, world, per_node = self.shape, self.cluster.world, self.cluster.gpus_per_node
         heads = shape.heads or 1
-        tensor_sizes = [
+        return [
             t
-            for t in _powers_of_two_upto(world if cross_node_tensor else per_node)
+            for t in _powers_of_two_upto(world if cross_node else per_node)
             if world % t == 0 and shape.splits_into(t) and heads % t == 0
         ]
+
+    def candidates(self, global_sequences: int, cross_node_tensor: bool = False) -> list[Candidate]:
+        """Every layout the pipeline runs for `global_sequences` sequences a step on the cluster, fastest first."""
+        shape, world = self.shape, self.cluster.world
         scored = []
-        for tp in tensor_sizes:
+        for tp in self.tensor_sizes(cross_node_tensor):
             for pp in [p for p in _divisors(shape.layers) if world % (tp * p) == 0]:
                 for sp in _sequence_degrees(shape, tp, world) if pp == 1 else [1]:  # SP does not compose with PP
                     parallel = ParallelLayout.of_world(world, tp, sp, pp)

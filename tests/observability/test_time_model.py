@@ -477,3 +477,64 @@ def test_calibration_reads_the_comms_logs_bus_bandwidth_and_gpu_checks_matmul_ra
     replay = tm.predict_step(SHAPE, seq_len=512, layout=measured.layout, cluster=cluster)
     assert replay.terms["compute"] == pytest.approx(0.9) and replay.terms["optimizer"] == pytest.approx(0.05)
     assert replay.step_time == pytest.approx(1.0)  # the run it was calibrated by, predicted as measured
+
+
+@pytest.mark.slow  # three --plan processes of a 6.7B meta model (about 40 s)
+def test_tensor_parallelism_across_nodes_is_planned_when_allowed_and_named_when_not(tmp_path):
+    """8 nodes of 8 GPUs: with --allow_cross_node_tensor_parallel the plan takes --tensor_parallel_size 16 and
+    predicts TP 16 and 32 with their all-reduces on the network, slower than TP 8 inside a node; without it, TP 16 is
+    refused with the flag that allows it, and the plan says which sizes it left out and why."""
+    import subprocess
+    import sys
+
+    from tests.harness import REPO, check_ok, child_env
+
+    model = tmp_path / "llama7b"
+    model.mkdir()
+    (model / "config.json").write_text(
+        json.dumps(
+            {"model_type": "llama", "hidden_size": 4096, "intermediate_size": 11008, "num_hidden_layers": 32,
+             "num_attention_heads": 32, "num_key_value_heads": 32, "vocab_size": 32000,
+             "max_position_embeddings": 4096, "bos_token_id": 0, "eos_token_id": 1}
+        )
+    )  # fmt: skip
+
+    def plan(*extra):
+        return subprocess.run(
+            [sys.executable, "train.py", "--plan", "--num_gpus", "8", "--num_nodes", "8", "--config_name", str(model),
+             "--tokenizer_name", str(REPO / "data" / "tiny-llama"), "--block_size", "2048",
+             "--config", "ds_configs/zero1.json", *extra],
+            cwd=REPO, env=child_env(tmp_path), capture_output=True, text=True, timeout=300,
+        )  # fmt: skip
+
+    plan_json = tmp_path / "plan.json"
+    allowed = plan("--allow_cross_node_tensor_parallel", "--tensor_parallel_size", "16", "--plan_json", str(plan_json))
+    check_ok(allowed)
+    assert "64 ranks: tensor parallel 16 x 4 data-parallel" in allowed.stdout
+    layouts = json.loads(plan_json.read_text())["layouts"]
+    assert {row["tensor_parallel_size"] for row in layouts} >= {8, 16, 32}
+
+    def plain(tp):  # tensor x data parallel alone, ZeRO-1, one micro-batch a step, no checkpointing or offload
+        return next(
+            r for r in layouts
+            if (r["tensor_parallel_size"], r["pipeline_parallel_size"], r["sequence_parallel_size"]) == (tp, 1, 1)
+            and (r["zero_stage"], r["gradient_accumulation_steps"], r["gradient_checkpointing"]) == (1, 1, False)
+            and r["offload"]["optimizer"] == "none"
+        )  # fmt: skip
+
+    def tensor_bandwidth(row):  # the bytes each GPU's tensor all-reduces move a step over the time they add
+        return row["bytes_per_gpu_per_step"]["tensor_parallel"] / row["time_breakdown"]["tensor_parallel"]
+
+    inside, across, wider = plain(8), plain(16), plain(32)
+    # NVLink inside the node; across nodes the node's network, shared by its 8 GPUs
+    assert tensor_bandwidth(across) < tensor_bandwidth(inside) / 1.5
+    assert tensor_bandwidth(wider) < tensor_bandwidth(inside) / 1.5
+    assert inside["step_time_s"] < across["step_time_s"] < wider["step_time_s"]
+
+    refused = plan("--tensor_parallel_size", "16")
+    assert refused.returncode == 2 and "--tensor_parallel_size 16 does not divide --num_gpus 8" in refused.stderr
+    assert "--allow_cross_node_tensor_parallel" in refused.stderr
+    inside_only = plan()
+    check_ok(inside_only)
+    assert "not planned: tensor parallel 16, 32 across nodes" in inside_only.stdout
+    assert "--allow_cross_node_tensor_parallel plans them" in inside_only.stdout

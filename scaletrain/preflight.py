@@ -214,7 +214,7 @@ def _check_layout(resolved: RunPlan, hardware: HardwareFacts, *, layout: Paralle
     check_sequence_layout(layout, resolved.block_size, attn, hardware.accelerator)
     check_compile(compile_requested(cfg.engine.torch_compile, ds.config), resolved.dist.layout, cfg.engine.config)
     if not cfg.planning.plan:  # --plan covers every layout option, whatever this launch is
-        check_pipeline_layout(
+        slow = check_pipeline_layout(
             layout,
             model_config=resolved.model_config,
             attn_implementation=attn,
@@ -223,6 +223,8 @@ def _check_layout(resolved: RunPlan, hardware: HardwareFacts, *, layout: Paralle
             ds=ds,
             config_path=cfg.engine.config,
         )
+        if slow and resolved.dist.is_main:  # a valid layout that idles: said once, and the run goes on
+            log.warning(slow)
 
 
 def _resolve_engine_config(

@@ -354,20 +354,12 @@ def check_pipeline_run(
     zero_stage: int,
     config_path: str,
     micro_batches: int | None = None,
-) -> None:
-    """What the pipeline path does not carry yet, and a schedule that cannot fill the pipeline (fewer micro-batches a
-    step than stages: some stage idles all the time), refused before anything is built."""
+) -> str | None:
+    """What the pipeline path does not carry yet, refused before anything is built; and the warning for a schedule
+    that runs but cannot fill the pipeline (fewer micro-batches a step than stages), or None."""
     pp = layout.pp
     if pp == 1:
-        return
-    if micro_batches is not None and micro_batches < pp:
-        raise UsageError(
-            f"--pipeline_parallel_size {pp} with {micro_batches} micro-batch{'es' if micro_batches > 1 else ''} a "
-            f"step (--gradient_accumulation_steps {micro_batches}): fewer micro-batches than stages leave a stage "
-            f"idle at every moment (the bubble is (stages - 1) / micro-batches of each step)",
-            f"pass --gradient_accumulation_steps {pp} or more (several times {pp} keeps the bubble small), with a "
-            "smaller --per_device_train_batch_size for the same global batch",
-        )
+        return None
     if attention_isolation:
         raise UsageError(
             f"--pipeline_parallel_size {pp} with --attention_isolation: not supported yet (the "
@@ -380,6 +372,17 @@ def check_pipeline_run(
             "gradient-clipping fix for stage 0 covers fp32 only",
             "use ds_configs/zero1.json with pipeline parallelism",
         )
+    if micro_batches is not None and micro_batches < pp:  # valid, only slow: DeepSpeed's schedule runs it
+        shrink = 4 * pp
+        return (
+            f"--pipeline_parallel_size {pp} with {micro_batches} micro-batch{'es' if micro_batches > 1 else ''} a "
+            f"step (--gradient_accumulation_steps {micro_batches}): fewer micro-batches than stages leave a stage "
+            f"idle at every moment, a predicted bubble of {(pp - 1) / micro_batches:.0%} of the step's work "
+            f"((stages - 1) / micro-batches, as the time model counts it); --gradient_accumulation_steps {shrink} "
+            f"brings it to {(pp - 1) / shrink:.0%}, with a smaller --per_device_train_batch_size for the same global "
+            "batch"
+        )
+    return None
 
 
 def check_pipeline_layout(
@@ -391,14 +394,15 @@ def check_pipeline_layout(
     isolates_documents: bool,
     ds: ResolvedDSConfig,
     config_path: str,
-) -> None:
-    """Pipeline parallelism: the model maps onto its stages, and the run asks nothing the pipeline path lacks."""
+) -> str | None:
+    """Pipeline parallelism: the model maps onto its stages, and the run asks nothing the pipeline path lacks; the
+    warning for a schedule that cannot fill the pipeline, or None."""
     pp, tp = layout.pp, layout.tp
     check_pipeline_model(
         pp, model_config=model_config, attn_implementation=attn_implementation, block_size=block_size, tp=tp
     )
     micro_batches = ds.config.get("gradient_accumulation_steps")
-    check_pipeline_run(
+    return check_pipeline_run(
         layout,
         attention_isolation=isolates_documents,
         precision=ds.precision,

@@ -162,7 +162,7 @@ class Planner:
                     per_rank = global_sequences // parallel.dp
                     for micro_batch in _divisors(per_rank):
                         accum = per_rank // micro_batch
-                        if pp > 1 and accum < pp:  # refused: a stage would idle (pipeline.check_pipeline_run)
+                        if pp > 1 and accum < pp:  # left out: a stage idles all the time (train.py warns)
                             continue
                         for option in options_for(tp, sp, pp):
                             for checkpointing in (False, True):

@@ -308,7 +308,7 @@ def test_sigusr1_under_a_parallel_layout_saves_and_the_restart_continues(layout,
     reference's ZeRO-2."""
     run_dir = tmp_path / "run"
     config = "zero1" if layout == "--pipeline_parallel_size" else "zero2"
-    # one replica reads the 4 blocks: under PP 2 as 2 micro-batches of 2 (fewer micro-batches than stages are refused)
+    # one replica reads the 4 blocks: under PP 2 as 2 micro-batches of 2 (fewer than stages: a stage idles)
     micro = ["--gradient_accumulation_steps", "2"] if layout == "--pipeline_parallel_size" else []
     batch = "2" if micro else "4"
     args = [*flags(config, run_dir), "--per_device_train_batch_size", batch, *micro, layout, "2"]

@@ -436,13 +436,23 @@ def test_unsupported_run_options_are_refused_with_the_reason():
         check_pipeline_run(pp, attention_isolation=True, precision="fp32", zero_stage=1, config_path="x.json")
     with pytest.raises(UsageError, match="with ZeRO stage 0 in bf16"):
         check_pipeline_run(pp, attention_isolation=False, precision="bf16", zero_stage=0, config_path="x.json")
-    check_pipeline_run(
+    filled = check_pipeline_run(
         pp, attention_isolation=False, precision="fp32", zero_stage=1, config_path="x.json", micro_batches=2
     )
-    with pytest.raises(UsageError, match=r"--pipeline_parallel_size 2 with 1 micro-batch a step \(--gradient_acc"):
-        check_pipeline_run(
-            pp, attention_isolation=False, precision="fp32", zero_stage=1, config_path="x.json", micro_batches=1
-        )
+    assert filled is None
+    # Fewer micro-batches than stages is valid, only slow: a warning with the predicted bubble and the fix, no error.
+    idle = check_pipeline_run(
+        pp, attention_isolation=False, precision="fp32", zero_stage=1, config_path="x.json", micro_batches=1
+    )
+    assert idle is not None
+    assert idle.startswith("--pipeline_parallel_size 2 with 1 micro-batch a step (--gradient_accumulation_steps 1)")
+    assert "a predicted bubble of 100% of the step's work" in idle
+    assert "--gradient_accumulation_steps 8 brings it to 12%" in idle
+    quarter = check_pipeline_run(
+        ParallelLayout(pp=4), attention_isolation=False, precision="fp32", zero_stage=1, config_path="x.json",
+        micro_batches=2,
+    )  # fmt: skip
+    assert quarter is not None and "micro-batches a step" in quarter and "bubble of 150%" in quarter
     with pytest.raises(UsageError, match="--sequence_parallel_size 2 with --pipeline_parallel_size 2: sequence par"):
         apply_layout(
             parse_run_config(["--sequence_parallel_size", "2", "--pipeline_parallel_size", "2"]).parallel,
@@ -477,13 +487,19 @@ def test_print_config_and_a_dry_run_under_a_pipeline(tmp_path, cache_dir):
     check_ok(shown)
     assert "pipeline_parallel_size = 2  <- --pipeline_parallel_size" in shown.stdout
     assert "resolved for 1 data-parallel rank(s)" in shown.stdout
+    # The dry run's step with one micro-batch through two stages: valid, only slow (a stage idles the whole step),
+    # so it runs, warned once (rank 0) with the predicted bubble.
+    one_micro = ["--config", "ds_configs/zero1.json", "--output_dir", str(out), *PP]
     dry = launch(
         REPO / "train.py",
-        [*args, "--dry_run", "--block_size", "64", "--disable_tqdm"],
+        [*one_micro, "--dry_run", "--block_size", "64", "--disable_tqdm"],
         "deepspeed",
         cache_dir,
         nprocs=2,
     )
     check_ok(dry)
-    assert "dry run OK: one step" in dry.stdout + dry.stderr
+    output = dry.stdout + dry.stderr
+    assert "dry run OK: one step" in output
+    assert output.count("--pipeline_parallel_size 2 with 1 micro-batch a step") == 1
+    assert "a predicted bubble of 100% of the step's work" in output
     assert not out.exists()

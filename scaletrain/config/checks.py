@@ -97,7 +97,21 @@ def validate_run_config(cfg: RunConfig) -> None:
     ):
         getattr(cfg, slice_name).validate()
     _check_peft_run(cfg)
+    _check_pipeline_export(cfg)
     _check_output_dir(cfg)
+
+
+def _check_pipeline_export(cfg: RunConfig) -> None:
+    """Under pipeline parallelism the export at the end is written from the final checkpoint's layer files (no rank
+    holds the whole model): without that checkpoint it would export an older one's weights, or none."""
+    ckpt, pp = cfg.checkpoint, cfg.parallel.pipeline_parallel_size
+    if pp > 1 and ckpt.export_hf_at_end and not ckpt.save_at_end and not (cfg.run.dry_run or cfg.planning.plan):
+        raise UsageError(
+            f"--no-save_at_end with --pipeline_parallel_size {pp}: the Hugging Face export at the end is written from "
+            "the final checkpoint's layer files",
+            "drop --no-save_at_end, or add --no-export_hf_at_end (and export a checkpoint later with "
+            "scripts/export_hf.py)",
+        )
 
 
 def check_rampup(rampup: tuple | None, ds: ResolvedDSConfig, dp_world_size: int) -> None:

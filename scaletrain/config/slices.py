@@ -444,7 +444,7 @@ class CheckpointArgs:
     save_at_end: bool = _flag(
         True,
         "Commit a checkpoint of the last step at the end; --no-save_at_end skips it (benchmarks, sweeps: the "
-        "run cannot then be continued from its last step).",
+        "run cannot then be continued from its last step; a pipeline's export needs it).",
     )
     push_to_hub: str | None = _flag(
         None,

@@ -221,6 +221,12 @@ CASES = {
         "--sequence_parallel_size",
         "--sequence_parallel_size 2 does not divide the world size 1",
     ),
+    "a pipeline's export without its final checkpoint": (
+        lambda t: ["--pipeline_parallel_size", "2", "--no-save_at_end"],
+        "--pipeline_parallel_size",
+        "--no-save_at_end with --pipeline_parallel_size 2: the Hugging Face export at the end is written from the "
+        "final checkpoint's layer files",
+    ),
     "heads that do not split over tensor x sequence ranks": (
         lambda t: ["--plan", "--num_gpus", "8", "--tensor_parallel_size", "2", "--sequence_parallel_size", "4"],
         "--sequence_parallel_size",

@@ -109,7 +109,7 @@ class CheckpointManager:
         self._restored: dict = {}  # the train state of the last load, with the carried parts' keys
         self._in_flight_step_s = 0.0  # the ledger's step seconds when the save in flight was taken
         self._pruning: threading.Thread | None = None
-        self._last_save = time.monotonic()  # for --save_interval_minutes
+        self._last_save = time.monotonic()  # for --save_interval_minutes (from the first step: training_starts)
         self.committed: tuple[int, Path] | None = None  # (step, folder) of this run's newest commit
 
     # --- loads: the planned resume, and a rollback's -----------------------------------------------------------------
@@ -148,6 +148,11 @@ class CheckpointManager:
         return jump
 
     # --- when to save: one decision ----------------------------------------------------------------------------------
+
+    def training_starts(self) -> None:
+        """The loop starts: --save_interval_minutes count from here, not from the build (a long precompute of the
+        reference log-probs is no training to lose)."""
+        self._last_save = time.monotonic()
 
     def requests(self, *, preempted: bool) -> tuple:
         """What this rank asks of every rank at the step boundary: "stop" (a preemption signal reached it), "save"
@@ -309,6 +314,9 @@ class Checkpointing(Callback):
 
     def __init__(self, manager: CheckpointManager, preemption: PreemptionFlag):
         self.manager, self.preemption = manager, preemption
+
+    def pre_train(self) -> None:
+        self.manager.training_starts()
 
     def requests(self) -> tuple:
         return self.manager.requests(preempted=self.preemption.signal_name is not None)

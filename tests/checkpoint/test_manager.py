@@ -74,6 +74,8 @@ def test_a_rank_asks_for_a_save_once_its_interval_passed_and_for_a_stop_once_sig
     checkpoints._last_save = time.monotonic() - 61  # a minute and a second since the last save (or the start)
     assert checkpoints.requests(preempted=False) == ("save",)
     assert checkpoints.requests(preempted=True) == ("stop", "save")
+    checkpoints.training_starts()  # the loop's first step: the interval counts from here, not from the build
+    assert checkpoints.requests(preempted=False) == ()
     assert manager(tmp_path).requests(preempted=False) == ()  # --save_interval_minutes 0: never by the clock
 
 
@@ -119,3 +121,24 @@ def test_carried_parts_are_saved_beside_the_train_state_under_the_keys_checkpoin
     old = spike_guard()
     old.load_state_dict(state.state_dict())
     assert (old.loss_mean, old.loss_mean_steps) == (None, 0)
+
+
+@pytest.mark.slow  # one real 1-rank run of 4 steps with four saves
+def test_a_save_interval_saves_at_each_step_boundary_it_has_passed(tmp_path, cache_dir):
+    """--save_interval_minutes through train.py: with an interval shorter than a step, every step boundary asks for a
+    save (agreed with the loss), the last step is the end's to save, and each is committed once."""
+    from scaletrain.checkpoint.commit import committed_step
+    from tests.harness import FAST_FLAGS, REPO, check_ok, launch
+
+    run_dir = tmp_path / "run"
+    flags = ["--config", "ds_configs/zero2.json", "--output_dir", str(run_dir), "--max_steps", "4"]
+    proc = launch(
+        REPO / "train.py",
+        [*flags, "--save_interval_minutes", "0.0001", "--no-export_hf_at_end", *FAST_FLAGS],
+        "python",
+        cache_dir,
+    )
+    check_ok(proc)
+    steps = [committed_step(p) for p in (run_dir / "checkpoints").iterdir()]
+    assert sorted(step for step in steps if step is not None) == [1, 2, 3, 4]
+    assert "already committed" not in proc.stdout + proc.stderr  # no step was asked to save twice

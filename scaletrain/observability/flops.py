@@ -1,5 +1,6 @@
 """Model FLOPs per token, the device's peak, and from them MFU and HFU. Per token (PaLM, appendix B, the formula most
-MFU figures use), N the matmul parameters (head included, embeddings not), L layers, H heads, Q head dim, T block size:
+MFU figures use), N the matmul parameters (nn.Linear and transformers' Conv1D; head included, embeddings not), L
+layers, H heads, Q head dim, T block size:
     model FLOPs    = 6 * N + 12 * L * H * Q * T      (forward + backward = 3 x forward)
     hardware FLOPs = 8 * N + 16 * L * H * Q * T      (activation checkpointing recomputes the forward)
 The attention term covers the full T x T square, as PaLM (and the MFU train.py logs); causal=True counts half
@@ -44,10 +45,17 @@ class ModelFlops:
         return 6 * trained + 4 * frozen + 12 * attention
 
 
-def model_flops(meta_model, model_config, seq_len: int) -> ModelFlops:
+def matmul_modules(model) -> list:
+    """The modules whose weight is a matrix product: torch's nn.Linear, and transformers' Conv1D (GPT-2's layers,
+    and every model built from a GPT2Config: a linear layer with its weight stored transposed)."""
     import torch
+    from transformers.pytorch_utils import Conv1D
 
-    linear = [m.weight for m in meta_model.modules() if isinstance(m, torch.nn.Linear)]
+    return [m for m in model.modules() if isinstance(m, (torch.nn.Linear, Conv1D))]
+
+
+def model_flops(meta_model, model_config, seq_len: int) -> ModelFlops:
+    linear = [m.weight for m in matmul_modules(meta_model)]
     matmul = sum(w.numel() for w in linear)
     frozen = sum(w.numel() for w in linear if not w.requires_grad)
     heads, head_dim = attention_heads(model_config)

@@ -8,6 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from scaletrain.config import bucket_elements
+from scaletrain.observability.flops import matmul_modules
 from scaletrain.parts import ParallelLayout
 
 GIB = 2**30
@@ -31,7 +32,7 @@ class ModelShape:
     hidden: int
     intermediate: int
     vocab: int
-    linear_params: int = 0  # in nn.Linear layers: what tensor parallelism splits (the rest stays whole per rank)
+    linear_params: int = 0  # in matrix products (flops.matmul_modules): what tensor parallelism splits
     kv_heads: int = 0  # key/value heads (0: unknown): a tensor-parallel size must divide them
     heads: int = 0  # query heads (0: unknown): Ulysses splits them over the sequence-parallel ranks
     embedding_params: int = 0  # the input embeddings (tokens, learned positions): the first pipeline stage's
@@ -75,12 +76,7 @@ class ModelShape:
             hidden=hidden,
             intermediate=getattr(text, "intermediate_size", None) or 4 * hidden,
             vocab=text.vocab_size,
-            linear_params=sum(
-                p.numel()
-                for m in model.modules()
-                if isinstance(m, torch.nn.Linear)
-                for p in m.parameters(recurse=False)
-            ),
+            linear_params=sum(p.numel() for m in matmul_modules(model) for p in m.parameters(recurse=False)),
             kv_heads=getattr(text, "num_key_value_heads", None) or getattr(text, "num_attention_heads", 0) or 0,
             heads=getattr(text, "num_attention_heads", 0) or 0,
             embedding_params=sum(

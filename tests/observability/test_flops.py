@@ -90,3 +90,33 @@ def test_lora_flops_per_token_match_a_counted_training_step():
     assert flops.per_token(recompute=True) - flops.per_token() == 2 * flops.matmul_params + 4 * (
         flops.layers * flops.heads * flops.head_dim * seq
     )  # the recomputed forward, frozen weights included
+
+
+@pytest.mark.parametrize("family", ["gpt2", "llama"])
+def test_the_counted_flops_match_torchs_flop_counter_over_a_real_forward_and_backward(family):
+    """GPT-2's layers are transformers' Conv1D, not nn.Linear: counted as the matrix products they are, the model
+    FLOPs per token (6 N + 12 L H Q T) equal what torch.utils.flop_counter counts over a real forward and backward of
+    a tiny model (eager attention: plain matrix products, the full T x T square, as the formula counts it)."""
+    import torch
+    from torch.utils.flop_counter import FlopCounterMode
+    from transformers import AutoModelForCausalLM, GPT2Config
+
+    seq_len, batch = 32, 2
+    if family == "gpt2":
+        config = GPT2Config(
+            n_embd=64, n_layer=2, n_head=4, vocab_size=512, n_positions=64, bos_token_id=0, eos_token_id=0
+        )
+    else:
+        config = AutoConfig.from_pretrained(REPO / "data" / "tiny-llama")
+    config._attn_implementation = "eager"
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config, attn_implementation="eager")
+    ids = torch.randint(0, config.vocab_size, (batch, seq_len))
+    with FlopCounterMode(display=False) as counter:
+        model(input_ids=ids, labels=ids).loss.backward()
+    counted = model_flops(model, config, seq_len=seq_len).per_token() * batch * seq_len
+    assert counted == pytest.approx(counter.get_total_flops(), rel=0.05)
+    if family == "gpt2":  # without Conv1D only the head (tied to the embedding) would count
+        from transformers.pytorch_utils import Conv1D
+
+        assert sum(isinstance(m, Conv1D) for m in model.modules()) == 4 * config.n_layer

@@ -54,10 +54,33 @@ def matmul_modules(model) -> list:
     return [m for m in model.modules() if isinstance(m, (torch.nn.Linear, Conv1D))]
 
 
+def routed_matmul_weights(model, model_config) -> list:
+    """A mixture-of-experts model's matrix products that matmul_modules does not see, as (weight, the share of it a
+    token runs through): each MoE block's router (every token) and its experts' stacked 3-D weights, of which a token
+    runs its top-k of the E experts. Empty for a dense model."""
+    text = model_config.get_text_config() if hasattr(model_config, "get_text_config") else model_config
+    top_k = getattr(text, "num_experts_per_tok", None)
+    experts = getattr(text, "num_local_experts", None) or getattr(text, "num_experts", None)
+    if not (isinstance(top_k, int) and isinstance(experts, int) and experts > 1):
+        return []
+    linear = {id(m) for m in matmul_modules(model)}
+    routed = []
+    for block in model.modules():
+        stacked, gate = getattr(block, "experts", None), getattr(block, "gate", None)
+        if stacked is None or gate is None:
+            continue
+        routed += [(w, top_k / experts) for w in stacked.parameters(recurse=False) if w.dim() == 3]
+        if id(gate) not in linear:  # a router of its own class (an nn.Linear one is counted already)
+            routed += [(w, 1.0) for w in gate.parameters(recurse=False) if w.dim() == 2]
+    return routed
+
+
 def model_flops(meta_model, model_config, seq_len: int) -> ModelFlops:
-    linear = [m.weight for m in matmul_modules(meta_model)]
-    matmul = sum(w.numel() for w in linear)
-    frozen = sum(w.numel() for w in linear if not w.requires_grad)
+    """The model's FLOPs per token at `seq_len`: its matrix products (matmul_modules, and an MoE model's router and
+    routed experts), its attention's shape."""
+    linear = [(m.weight, 1.0) for m in matmul_modules(meta_model)] + routed_matmul_weights(meta_model, model_config)
+    matmul = round(sum(w.numel() * share for w, share in linear))
+    frozen = round(sum(w.numel() * share for w, share in linear if not w.requires_grad))
     heads, head_dim = attention_heads(model_config)
     text = model_config.get_text_config() if hasattr(model_config, "get_text_config") else model_config
     layers = getattr(text, "num_hidden_layers", None) or getattr(text, "n_layer", 0) or 0

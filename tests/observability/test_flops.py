@@ -139,3 +139,38 @@ def test_the_counted_flops_match_torchs_flop_counter_over_a_real_forward_and_bac
         from transformers.pytorch_utils import Conv1D
 
         assert sum(isinstance(m, Conv1D) for m in model.modules()) == 4 * config.n_layer
+
+
+@pytest.mark.parametrize("family", ["mixtral", "qwen3_moe"])
+def test_a_mixture_of_experts_counts_its_router_and_the_top_k_experts_a_token_runs(family):
+    """transformers keeps the experts in stacked 3-D weights and the router in a class of its own (neither an
+    nn.Linear): a token runs the router and its top-k of the E experts, which the count takes, hand-counted here."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    hidden, ff, experts, top_k, layers, vocab = 64, 96, 4, 2, 2, 512
+    config = AutoConfig.for_model(
+        family,
+        vocab_size=vocab,
+        hidden_size=hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        intermediate_size=ff,
+        moe_intermediate_size=ff,
+        num_local_experts=experts,
+        num_experts=experts,
+        num_experts_per_tok=top_k,
+        tie_word_embeddings=False,
+        bos_token_id=0,
+        eos_token_id=0,
+    )
+    model = AutoModelForCausalLM.from_config(config)
+    attention = hidden * 4 * 16 + 2 * hidden * 2 * 16 + 4 * 16 * hidden  # q, k, v, o
+    expert = 3 * hidden * ff  # gate, up and down of one expert
+    matmul = layers * (attention + experts * hidden + top_k * expert) + vocab * hidden  # router, routed experts; head
+    flops = model_flops(model, config, seq_len=32)
+    assert flops.matmul_params == matmul
+    linear_only = sum(m.weight.numel() for m in model.modules() if isinstance(m, torch.nn.Linear))
+    assert linear_only == layers * attention + vocab * hidden  # what nn.Linear alone would have counted

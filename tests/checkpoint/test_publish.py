@@ -138,7 +138,8 @@ def test_a_transient_failure_is_retried_with_growing_pauses_and_the_run_files_st
     uploads = [c for c in hub.calls if c[0] == "upload_folder"]
     assert len(uploads) == 3 and uploads[0][3] == RUN_FILES
     assert ("create_repo", "me/model", True, True) in hub.calls
-    for kept_home in ("checkpoints/**", "wandb/**", "*.jsonl", "run_config.json", "model_config.json"):
+    run_files = ("checkpoints/**", "wandb/**", "hang/**", "*.jsonl", "run_config.json", "model_config.json")
+    for kept_home in (*run_files, "goodput.json", "micro_batch_probe.json"):
         assert kept_home in RUN_FILES
 
 

@@ -3,8 +3,9 @@ universal repair), the one decision of when to save (every --save_steps steps, a
 last step, at a preemption), the save itself (synchronous, or with --async_save a snapshot that a writer process
 writes in the background and a later step boundary commits, at most one in flight), pruning beyond
 --save_total_limit, the rollback to the newest committed checkpoint, and the close. `Checkpointing` is the loop's one
-checkpoint callback. Resume planning (resume_point.py) and the checksum verification (commit.py) happen before the
-manager exists, in the pre-flight and before the model is built; they decide what `load_resume` loads.
+checkpoint callback. Resume planning (resume_point.plan_resume, in the pre-flight) and verification
+(resume_point.verify_resume: checksums, fallback, universal conversion, before the model is built) happen before the
+manager exists; they decide what `load_resume` loads.
 
 The parts that carry state of their own across a save (the non-finite guard's running mean, the wandb run id) give
 the manager their state_dict() to save beside the train state and get it back after each load (`carry`)."""

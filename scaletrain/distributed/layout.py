@@ -140,10 +140,8 @@ def planned_layout(parallel: ParallelArgs, planning: PlanningArgs) -> ParallelLa
     --allow_cross_node_tensor_parallel, span whole nodes), the layout must split its ranks; the planned cluster's
     layout."""
     tp, sp, pp = parallel.tensor_parallel_size, parallel.sequence_parallel_size, parallel.pipeline_parallel_size
-    per_node = planning.num_gpus
-    whole_nodes = parallel.allow_cross_node_tensor_parallel and tp % per_node == 0
-    if per_node % tp and not whole_nodes:
-        across = parallel.allow_cross_node_tensor_parallel
+    per_node, across = planning.num_gpus, parallel.allow_cross_node_tensor_parallel
+    if per_node % tp and not (across and tp % per_node == 0):
         raise UsageError(
             f"--tensor_parallel_size {tp} does not divide --num_gpus {per_node}"
             + (f" nor span whole nodes of {per_node}" if across else ""),
